@@ -1,0 +1,118 @@
+//! Rounding to the emulated 16-bit formats, on bit patterns (spec M09.1).
+//!
+//! Both functions return a value of the *input's* type whose every bit pattern
+//! is a value of the 16-bit format, chosen by round-to-nearest, ties-to-even.
+//! They never go through a platform conversion (WGSL's f32→f16 has no specified
+//! rounding mode); `shaders/cast.wgsl` implements the same integer steps.
+
+/// The two emulated storage formats.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub enum Format {
+    /// 8 exponent bits, 7 mantissa bits: float32's range, unit roundoff 2^-8.
+    Bf16,
+    /// 5 exponent bits, 10 mantissa bits: max 65504, subnormals down to 2^-24.
+    Fp16,
+}
+
+impl Format {
+    pub fn name(self) -> &'static str {
+        match self {
+            Format::Bf16 => "bf16",
+            Format::Fp16 => "fp16",
+        }
+    }
+}
+
+impl std::str::FromStr for Format {
+    type Err = crate::Error;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "bf16" | "bfloat16" => Ok(Format::Bf16),
+            "fp16" | "float16" | "half" => Ok(Format::Fp16),
+            _ => Err(crate::Error::msg(format!(
+                "unknown 16-bit format {s:?}: expected \"bf16\" or \"fp16\""
+            ))),
+        }
+    }
+}
+
+impl std::fmt::Display for Format {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// f32 → nearest bf16 value (kept in an f32): add `0x7fff + lsb` to the bits and
+/// clear the low 16. A carry out of the mantissa bumps the exponent, which is
+/// exactly round-to-nearest-even, overflow to ±inf included. NaN stays NaN (quieted).
+#[inline]
+pub fn bf16_f32(x: f32) -> f32 {
+    let b = x.to_bits();
+    if (b & 0x7fff_ffff) > 0x7f80_0000 {
+        return f32::from_bits(b | 0x0040_0000);
+    }
+    let lsb = (b >> 16) & 1;
+    f32::from_bits(b.wrapping_add(0x7fff + lsb) & 0xffff_0000)
+}
+
+/// f32 → nearest fp16 value (kept in an f32).
+///
+/// * `|x| >= 65520` (halfway between 65504 and 2^16, whose tie goes to the even 2^16): ±inf.
+/// * fp16 normals (`|x| >= 2^-14`): drop 13 mantissa bits with the same add-and-mask trick.
+/// * below that the quantum is 2^-24: `|x| * 2^24` is exact, and `(y + 2^23) - 2^23` rounds it
+///   to the nearest even integer in f32 arithmetic (exact for `y < 2^23`); then scale back.
+#[inline]
+pub fn fp16_f32(x: f32) -> f32 {
+    let b = x.to_bits();
+    let sign = b & 0x8000_0000;
+    let a = b & 0x7fff_ffff;
+    if a > 0x7f80_0000 {
+        return f32::from_bits(b | 0x0040_0000);
+    }
+    if a >= 0x477f_f000 {
+        return f32::from_bits(sign | 0x7f80_0000);
+    }
+    if a >= 0x3880_0000 {
+        let lsb = (a >> 13) & 1;
+        return f32::from_bits(sign | ((a + 0x0fff + lsb) & !0x1fff));
+    }
+    let y = f32::from_bits(a) * 16_777_216.0;
+    let r = (y + 8_388_608.0) - 8_388_608.0;
+    f32::from_bits(sign | (r * 5.960_464_5e-8).to_bits())
+}
+
+#[inline]
+pub fn round_f32(x: f32, fmt: Format) -> f32 {
+    match fmt {
+        Format::Bf16 => bf16_f32(x),
+        Format::Fp16 => fp16_f32(x),
+    }
+}
+
+/// f64 → nearest value of the format, rounded from the f64 directly (no double
+/// rounding through f32): find the quantum (the spacing of the format at `|x|`,
+/// or its subnormal spacing), round `|x| / quantum` to the nearest even integer
+/// with the `2^52` trick, scale back, and overflow to ±inf past the largest finite.
+pub fn round_f64(x: f64, fmt: Format) -> f64 {
+    if x.is_nan() || x.is_infinite() || x == 0.0 {
+        return x;
+    }
+    // (mantissa bits, smallest normal exponent, largest finite value)
+    let (mant, emin, max) = match fmt {
+        Format::Bf16 => (7, -126, f64::from(f32::from_bits(0x7f7f_0000))),
+        Format::Fp16 => (10, -14, 65504.0),
+    };
+    let a = x.abs();
+    let e = (((a.to_bits() >> 52) & 0x7ff) as i32 - 1023).max(emin);
+    let quantum = 2f64.powi(e - mant);
+    let y = a / quantum; // exact: division by a power of two
+    let r = if y < 4_503_599_627_370_496.0 {
+        (y + 4_503_599_627_370_496.0) - 4_503_599_627_370_496.0
+    } else {
+        y
+    };
+    let v = r * quantum;
+    // Past the largest finite value the next step would be 2^(emax+1): that is inf.
+    let v = if v > max { f64::INFINITY } else { v };
+    v.copysign(x)
+}
