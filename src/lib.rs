@@ -1,5 +1,34 @@
+//! # tinyllm
+//!
+//! Train small Llama-style language models with mixed precision on any GPU,
+//! checked bit for bit against a CPU reference.
+//!
+//! The pipeline, top to bottom:
+//!
+//! * [`train`] turns text into batches and micro-batches and runs the loop;
+//! * [`nn`] builds the model (Linear, RMSNorm, attention, the Llama) from [`Tensor`] ops;
+//! * [`ops`] are the differentiable operations, each forward beside its backward;
+//! * [`tensor`] records the graph and runs `backward`, freeing saved values as it goes;
+//! * [`backend`] executes primitives on the CPU reference or the GPU (wgpu, `shaders/`),
+//!   under one numerics contract so both give the same bits;
+//! * [`precision`] adds bf16/fp16 emulation (`cast`, `autocast`), the dynamic loss
+//!   scaler and gradient accumulation; [`recompute`] adds activation checkpointing;
+//! * [`optim`] updates the float32 master weights (SGD, AdamW, gradient clipping).
+
 pub mod backend;
 pub mod error;
 pub mod memory;
+pub mod nn;
+pub mod ops;
+pub mod optim;
+pub mod precision;
+pub mod recompute;
 pub mod rng;
+pub mod tensor;
+pub mod testing;
+
+pub use backend::round::Format;
+pub use backend::{DType, Device};
 pub use error::{Error, Result};
+pub use rng::Generator;
+pub use tensor::{is_grad_enabled, no_grad, set_grad_enabled, Tensor};

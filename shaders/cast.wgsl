@@ -1,0 +1,54 @@
+// cast.wgsl — rounding to the emulated 16-bit formats, on bit patterns: the
+// twin of the f32 functions of src/backend/round.rs. Never WGSL's f32->f16
+// conversion, whose rounding mode is unspecified. Each result is an f32 whose
+// value is exactly representable in the format, chosen by round-to-nearest,
+// ties-to-even; NaN stays NaN (quieted), ±inf stay, signed zero is kept.
+
+const FMT_NONE: u32 = 0u;
+const FMT_BF16: u32 = 1u;
+const FMT_FP16: u32 = 2u;
+
+// f32 -> nearest bf16 value: add 0x7fff + lsb to the bits and clear the low 16;
+// a carry out of the mantissa bumps the exponent (overflow to ±inf included).
+fn bf16_f32(x: f32) -> f32 {
+    let b = bitcast<u32>(x);
+    if (b & 0x7fffffffu) > 0x7f800000u {
+        return bitcast<f32>(b | 0x00400000u);
+    }
+    let lsb = (b >> 16u) & 1u;
+    return bitcast<f32>((b + (0x7fffu + lsb)) & 0xffff0000u); // u32 + wraps, like wrapping_add
+}
+
+// f32 -> nearest fp16 value.
+// * |x| >= 65520 (halfway between 65504 and 2^16, whose tie goes to the even 2^16): ±inf.
+// * fp16 normals (|x| >= 2^-14): drop 13 mantissa bits with the add-and-mask trick.
+// * below that the quantum is 2^-24: |x| * 2^24 is exact, and (y + 2^23) - 2^23
+//   rounds it to the nearest even integer in f32 arithmetic; then scale back.
+fn fp16_f32(x: f32) -> f32 {
+    let b = bitcast<u32>(x);
+    let sign = b & 0x80000000u;
+    let a = b & 0x7fffffffu;
+    if a > 0x7f800000u {
+        return bitcast<f32>(b | 0x00400000u);
+    }
+    if a >= 0x477ff000u {
+        return bitcast<f32>(sign | 0x7f800000u);
+    }
+    if a >= 0x38800000u {
+        let lsb = (a >> 13u) & 1u;
+        return bitcast<f32>(sign | ((a + 0x0fffu + lsb) & ~0x1fffu));
+    }
+    let y = bitcast<f32>(a) * 16777216.0;
+    let r = (y + 8388608.0) - 8388608.0;
+    return bitcast<f32>(sign | bitcast<u32>(r * 0x1p-24f));
+}
+
+// Rounds to the format selected by a FMT_* code (FMT_NONE: unchanged).
+fn round_fmt(x: f32, fmt: u32) -> f32 {
+    if fmt == FMT_BF16 {
+        return bf16_f32(x);
+    } else if fmt == FMT_FP16 {
+        return fp16_f32(x);
+    }
+    return x;
+}

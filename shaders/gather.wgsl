@@ -1,0 +1,61 @@
+// gather.wgsl — embedding rows (no float atomics anywhere: deterministic).
+// 1-D grids: i = (wg.y * groups.x + wg.x) * 64 + lane.
+
+// ---- gather: table (v, d), ids (count) -> y: (count, d), row i = table[ids[i]] ----
+
+struct GatherParams {
+    count: u32,
+    d: u32,
+}
+
+@group(0) @binding(0) var<storage, read> g_prm: GatherParams;
+@group(0) @binding(1) var<storage, read> g_table: array<f32>;
+@group(0) @binding(2) var<storage, read> g_ids: array<u32>;
+@group(0) @binding(3) var<storage, read_write> g_y: array<f32>;
+
+@compute @workgroup_size(64)
+fn gather_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
+               @builtin(local_invocation_index) lane: u32) {
+    let t = (wg.y * groups.x + wg.x) * 64u + lane;
+    let d = g_prm.d;
+    if t >= g_prm.count * d {
+        return;
+    }
+    let i = t / d;
+    let c = t % d;
+    g_y[t] = g_table[g_ids[i] * d + c];
+}
+
+// ---- scatter-add: g (count, d), CSR (rowptr (v+1), list) -> y: (v, d) ----
+// The host builds, for every output row r, the ascending list of the i with
+// ids[i] == r (list[rowptr[r] .. rowptr[r+1]]). Each output element is owned by
+// one invocation and sums its contributions in that order from +0.0 — exactly
+// the CPU's `out = 0; out = out + g[i]` for i ascending.
+
+struct ScatterParams {
+    v: u32,
+    d: u32,
+}
+
+@group(0) @binding(0) var<storage, read> sc_prm: ScatterParams;
+@group(0) @binding(1) var<storage, read> sc_g: array<f32>;
+@group(0) @binding(2) var<storage, read> sc_rowptr: array<u32>;
+@group(0) @binding(3) var<storage, read> sc_list: array<u32>;
+@group(0) @binding(4) var<storage, read_write> sc_y: array<f32>;
+
+@compute @workgroup_size(64)
+fn scatter_add_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
+                    @builtin(local_invocation_index) lane: u32) {
+    let t = (wg.y * groups.x + wg.x) * 64u + lane;
+    let d = sc_prm.d;
+    if t >= sc_prm.v * d {
+        return;
+    }
+    let r = t / d;
+    let c = t % d;
+    var acc = 0.0;
+    for (var q = sc_rowptr[r]; q < sc_rowptr[r + 1u]; q++) {
+        acc = acc + sc_g[sc_list[q] * d + c];
+    }
+    sc_y[t] = acc;
+}

@@ -1,0 +1,267 @@
+// mathlib.wgsl — the WGSL half of the numerics contract: a line-for-line twin
+// of src/backend/math.rs. Prepended (with cast.wgsl) to every kernel that needs
+// it, by string concatenation at pipeline creation.
+//
+// Rules (the same as in math.rs):
+// * every multiply that feeds an add is an explicit `fma`, so a compiler's
+//   contraction choices never matter; where the Rust does `a * b` and then a
+//   separate `+`, the WGSL does too, and the product is always exact there
+//   (a power of two or an operand of an fma), so fusing it could not change bits;
+// * special values (NaN, ±inf, ±0) are decided on bit patterns before any
+//   arithmetic (WGSL has no isNan, and fast-math compilers may fold x != x);
+// * constants are written as hex float literals of the exact f32 the Rust
+//   constant expression produces (e.g. -8f32/17f32), never as decimal
+//   expressions that a WGSL compiler would evaluate in higher precision.
+//
+// Subnormals (probed on Mesa 22.3 lavapipe / llvmpipe, LLVM 15, x86-64 with
+// FMA3): f32 subnormals are preserved, not flushed, as inputs and outputs of
+// `+`, `*`, `fma`, and through every kernel here; the parity tests
+// (tests/gpu_parity.rs) feed subnormals to every primitive and compare bits
+// with the CPU reference. The contract therefore keeps subnormals on both
+// sides (IEEE gradual underflow). A device that flushes them would fail those
+// tests: that is a finding to report, not something to paper over.
+
+const QNAN: u32 = 0x7fc00000u;
+
+const M8_17: f32 = -0x1.e1e1e2p-2f; // -8f32 / 17f32
+const C24_17: f32 = 0x1.69696ap0f; // 24f32 / 17f32
+const R5040: f32 = 0x1.a01a02p-13f; // 1f32 / 5040f32
+const R720: f32 = 0x1.6c16c2p-10f;
+const R120: f32 = 0x1.111112p-7f;
+const R24: f32 = 0x1.555556p-5f;
+const R6: f32 = 0x1.555556p-3f;
+const T13: f32 = 0x1.3b13b2p-3f; // 2f32 / 13f32
+const T11: f32 = 0x1.745d18p-3f;
+const T9: f32 = 0x1.c71c72p-3f;
+const T7: f32 = 0x1.24924ap-2f;
+const T5: f32 = 0x1.99999ap-2f;
+const T3: f32 = 0x1.555556p-1f;
+const LOG2E: f32 = 0x1.715476p0f;
+const SQRT2: f32 = 0x1.6a09e6p0f;
+const LN2_HI: f32 = 0x1.62e400p-1f; // 0x3f317200: few mantissa bits, so n * LN2_HI is exact
+const LN2_LO: f32 = 0x1.7f7d1cp-20f; // ln2 - LN2_HI
+const EXP_HI: f32 = 0x1.62e430p6f; // 88.72284: above it e^x overflows
+const EXP_LO: f32 = -0x1.9fe36cp6f; // -103.97209: below it e^x underflows to 0
+
+fn is_nan_bits(b: u32) -> bool {
+    return (b & 0x7fffffffu) > 0x7f800000u;
+}
+
+// Exponent field all ones: ±inf or NaN (the finite check tests this).
+fn is_nonfinite_bits(b: u32) -> bool {
+    return (b & 0x7f800000u) == 0x7f800000u;
+}
+
+// 2^n for n in -126..=127, built from bits.
+fn pow2i(n: i32) -> f32 {
+    return bitcast<f32>(u32(n + 127) << 23u);
+}
+
+// x * 2^n for n in -252..=254, as two exact power-of-two products (only the
+// second can round, when the result is subnormal).
+fn scale2(x: f32, n: i32) -> f32 {
+    let n1 = n / 2; // truncates toward zero, like Rust's i32 division
+    return x * pow2i(n1) * pow2i(n - n1);
+}
+
+struct Frexp {
+    m: f32,
+    e: i32,
+}
+
+// Splits a finite, non-zero |x| into (m, e), m in [1, 2), |x| = m * 2^e.
+fn frexp_abs(x: f32) -> Frexp {
+    var bits = bitcast<u32>(x) & 0x7fffffffu;
+    var e_adj = 0;
+    if bits < 0x00800000u {
+        // Subnormal: scale by 2^24 first (exact) so the exponent field is meaningful.
+        bits = bitcast<u32>(bitcast<f32>(bits) * 16777216.0);
+        e_adj = -24;
+    }
+    let e = i32(bits >> 23u) - 127 + e_adj;
+    let m = bitcast<f32>((bits & 0x007fffffu) | 0x3f800000u);
+    return Frexp(m, e);
+}
+
+// a / b, correctly rounded for normal results (reciprocal by a linear guess and
+// three Newton steps, one Markstein correction, exponent applied by scale2).
+fn m_div(a: f32, b: f32) -> f32 {
+    let ab = bitcast<u32>(a);
+    let bb = bitcast<u32>(b);
+    let sign = (ab ^ bb) & 0x80000000u;
+    let aa = ab & 0x7fffffffu;
+    let ba = bb & 0x7fffffffu;
+    if is_nan_bits(ab) || is_nan_bits(bb) {
+        return bitcast<f32>(QNAN);
+    }
+    if ba == 0x7f800000u {
+        // x / ±inf
+        if aa == 0x7f800000u {
+            return bitcast<f32>(QNAN);
+        }
+        return bitcast<f32>(sign);
+    }
+    if ba == 0u {
+        // x / ±0
+        if aa == 0u {
+            return bitcast<f32>(QNAN);
+        }
+        return bitcast<f32>(sign | 0x7f800000u);
+    }
+    if aa == 0x7f800000u {
+        return bitcast<f32>(sign | 0x7f800000u);
+    }
+    if aa == 0u {
+        return bitcast<f32>(sign);
+    }
+    let fa = frexp_abs(a);
+    let fb = frexp_abs(b);
+    let ma = fa.m;
+    let mb = fb.m;
+    // r ≈ 1/mb: the minimax line 24/17 - 8/17 mb on [1, 2), then Newton r += r (1 - mb r).
+    var r = fma(M8_17, mb, C24_17);
+    for (var i = 0; i < 3; i++) {
+        let e = fma(-mb, r, 1.0);
+        r = fma(r, e, r);
+    }
+    let q0 = ma * r;
+    let rem = fma(-q0, mb, ma);
+    let q = fma(rem, r, q0);
+    let d = fa.e - fb.e;
+    if d > 128 {
+        return bitcast<f32>(sign | 0x7f800000u);
+    }
+    if d < -151 {
+        return bitcast<f32>(sign);
+    }
+    return bitcast<f32>(bitcast<u32>(scale2(q, d)) | sign);
+}
+
+// sqrt(x), correctly rounded for normal inputs; sqrt(-0) = -0, negative -> NaN.
+fn m_sqrt(x: f32) -> f32 {
+    let b = bitcast<u32>(x);
+    if is_nan_bits(b) {
+        return bitcast<f32>(QNAN);
+    }
+    if (b & 0x7fffffffu) == 0u {
+        return x;
+    }
+    if (b & 0x80000000u) != 0u {
+        return bitcast<f32>(QNAN);
+    }
+    if b == 0x7f800000u {
+        return x;
+    }
+    let f = frexp_abs(x);
+    var m = f.m;
+    var e = f.e;
+    if (e & 1) != 0 {
+        // Make the exponent even: m in [2, 4).
+        m *= 2.0;
+        e -= 1;
+    }
+    // y ≈ 1/sqrt(m): the bit-trick guess, then Newton y += y/2 (1 - m y²).
+    var y = bitcast<f32>(0x5f3759dfu - (bitcast<u32>(m) >> 1u));
+    for (var i = 0; i < 3; i++) {
+        let t = m * y;
+        let r = fma(-t, y, 1.0);
+        y = fma(y * 0.5, r, y);
+    }
+    // s ≈ sqrt(m), corrected once: s += (m - s²) y/2.
+    let s0 = m * y;
+    let d = fma(-s0, s0, m);
+    let s = fma(d, y * 0.5, s0);
+    return scale2(s, e / 2);
+}
+
+// 1 / sqrt(x), as div(1, sqrt(x)).
+fn m_rsqrt(x: f32) -> f32 {
+    return m_div(1.0, m_sqrt(x));
+}
+
+// e^x within about one ulp: x = n ln2 + r (ln2 split in two), degree-7 Taylor
+// polynomial in Horner form, 2^n applied by scale2.
+fn m_exp(x: f32) -> f32 {
+    let b = bitcast<u32>(x);
+    if is_nan_bits(b) {
+        return bitcast<f32>(QNAN);
+    }
+    if x > EXP_HI {
+        return bitcast<f32>(0x7f800000u);
+    }
+    if x < EXP_LO {
+        return 0.0;
+    }
+    let n = floor(fma(x, LOG2E, 0.5));
+    var r = fma(-n, LN2_HI, x);
+    r = fma(-n, LN2_LO, r);
+    var p = R5040;
+    p = fma(p, r, R720);
+    p = fma(p, r, R120);
+    p = fma(p, r, R24);
+    p = fma(p, r, R6);
+    p = fma(p, r, 0.5);
+    p = fma(p, r, 1.0);
+    p = fma(p, r, 1.0);
+    return scale2(p, i32(n));
+}
+
+// Natural logarithm within about one ulp: m in [sqrt(1/2), sqrt(2)),
+// log m = 2 atanh(s), s = (m-1)/(m+1), odd series to s^13.
+fn m_log(x: f32) -> f32 {
+    let b = bitcast<u32>(x);
+    if is_nan_bits(b) {
+        return bitcast<f32>(QNAN);
+    }
+    if (b & 0x7fffffffu) == 0u {
+        return bitcast<f32>(0xff800000u);
+    }
+    if (b & 0x80000000u) != 0u {
+        return bitcast<f32>(QNAN);
+    }
+    if b == 0x7f800000u {
+        return x;
+    }
+    let f = frexp_abs(x);
+    var m = f.m;
+    var e = f.e;
+    if m > SQRT2 {
+        m *= 0.5;
+        e += 1;
+    }
+    let s = m_div(m - 1.0, m + 1.0);
+    let s2 = s * s;
+    var p = T13;
+    p = fma(p, s2, T11);
+    p = fma(p, s2, T9);
+    p = fma(p, s2, T7);
+    p = fma(p, s2, T5);
+    p = fma(p, s2, T3);
+    p = fma(p, s2, 2.0);
+    let lm = p * s;
+    let ef = f32(e);
+    return fma(ef, LN2_HI, fma(ef, LN2_LO, lm));
+}
+
+// 1 / (1 + e^-x), with -x written -0.0 - x like the CPU's unary ops.
+fn m_sigmoid(x: f32) -> f32 {
+    return m_div(1.0, 1.0 + m_exp(-0.0 - x));
+}
+
+// x * sigmoid(x) (SiLU, the Llama MLP's gate activation).
+fn m_silu(x: f32) -> f32 {
+    return x * m_sigmoid(x);
+}
+
+// `maximum` as the contract defines it: NaN wins, then the larger, +0 over -0.
+fn maximum_c(a: f32, b: f32) -> f32 {
+    if is_nan_bits(bitcast<u32>(a)) {
+        return a;
+    } else if is_nan_bits(bitcast<u32>(b)) || b > a {
+        return b;
+    } else if a == b && a == 0.0 && b == 0.0 {
+        // ±0: prefer +0 (x + y on ±0 is +0 unless both are -0)
+        return a + b;
+    }
+    return a;
+}

@@ -1,0 +1,134 @@
+// optim.wgsl — in-place optimizer updates and the loss scaler's fused check
+// (needs mathlib). Each expression has the shape of the CPU reference's
+// (src/backend/cpu.rs): explicit fma where the Rust uses mul_add, separate
+// ops where it does two roundings. 1-D grids: i = (wg.y * groups.x + wg.x) * 64 + lane.
+
+// ---- scale in place: x: (n), x = x * c (gradient clipping) ----
+
+struct ScaleParams {
+    n: u32,
+    c: u32, // f32 bits
+}
+
+@group(0) @binding(0) var<storage, read> sc_prm: ScaleParams;
+@group(0) @binding(1) var<storage, read_write> sc_x: array<f32>;
+
+@compute @workgroup_size(64)
+fn scale_in_place(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
+                  @builtin(local_invocation_index) lane: u32) {
+    let i = (wg.y * groups.x + wg.x) * 64u + lane;
+    if i >= sc_prm.n {
+        return;
+    }
+    sc_x[i] = sc_x[i] * bitcast<f32>(sc_prm.c);
+}
+
+// ---- finite check + unscale: grad: (n) in place, flag: one u32 shared by all buffers ----
+// Tests the value *before* the multiply on its exponent bits (all ones = inf
+// or NaN; WGSL has no isNan/isInf), ORs 1 into the shared flag if so, then
+// multiplies by inv_scale (a power of two: exact). The host zeroes the flag,
+// runs this once per gradient buffer, and reads the one flag back.
+
+@group(0) @binding(0) var<storage, read> fc_prm: ScaleParams;
+@group(0) @binding(1) var<storage, read_write> fc_x: array<f32>;
+@group(0) @binding(2) var<storage, read_write> fc_flag: atomic<u32>;
+
+@compute @workgroup_size(64)
+fn finite_check_unscale(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
+                        @builtin(local_invocation_index) lane: u32) {
+    let i = (wg.y * groups.x + wg.x) * 64u + lane;
+    if i >= fc_prm.n {
+        return;
+    }
+    let x = fc_x[i];
+    if is_nonfinite_bits(bitcast<u32>(x)) {
+        atomicOr(&fc_flag, 1u); // only the rare bad lanes touch the atomic
+    }
+    fc_x[i] = x * bitcast<f32>(fc_prm.c);
+}
+
+// ---- AdamW: p, g, m, v: (n), p/m/v in place (PyTorch's formula) ----
+// p1 = p * decay; m = fma(beta1, m, omb1 * g); v = fma(beta2, v, omb2 * (g * g));
+// den = div(sqrt(v), bc2_sqrt) + eps; p = fma(-step_size, div(m, den), p1).
+
+struct AdamWParams {
+    n: u32,
+    decay: u32, // all f32 bits
+    beta1: u32,
+    omb1: u32,
+    beta2: u32,
+    omb2: u32,
+    step_size: u32,
+    bc2_sqrt: u32,
+    eps: u32,
+}
+
+@group(0) @binding(0) var<storage, read> aw_prm: AdamWParams;
+@group(0) @binding(1) var<storage, read_write> aw_p: array<f32>;
+@group(0) @binding(2) var<storage, read> aw_g: array<f32>;
+@group(0) @binding(3) var<storage, read_write> aw_m: array<f32>;
+@group(0) @binding(4) var<storage, read_write> aw_v: array<f32>;
+
+@compute @workgroup_size(64)
+fn adamw_step(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
+              @builtin(local_invocation_index) lane: u32) {
+    let i = (wg.y * groups.x + wg.x) * 64u + lane;
+    if i >= aw_prm.n {
+        return;
+    }
+    let gi = aw_g[i];
+    let p1 = aw_p[i] * bitcast<f32>(aw_prm.decay);
+    let mi = fma(bitcast<f32>(aw_prm.beta1), aw_m[i], bitcast<f32>(aw_prm.omb1) * gi);
+    let vi = fma(bitcast<f32>(aw_prm.beta2), aw_v[i], bitcast<f32>(aw_prm.omb2) * (gi * gi));
+    let den = m_div(m_sqrt(vi), bitcast<f32>(aw_prm.bc2_sqrt)) + bitcast<f32>(aw_prm.eps);
+    aw_p[i] = fma(-bitcast<f32>(aw_prm.step_size), m_div(mi, den), p1);
+    aw_m[i] = mi;
+    aw_v[i] = vi;
+}
+
+// ---- SGD: p, g (, buf): (n), in place (PyTorch's formula) ----
+// g' = fma(wd, p, g); with momentum buf = first ? g' : fma(momentum, buf, g'),
+// g' = buf; p = fma(-lr, g', p).
+
+struct SgdParams {
+    n: u32,
+    lr: u32, // f32 bits
+    momentum: u32,
+    wd: u32,
+    first: u32,
+}
+
+@group(0) @binding(0) var<storage, read> sg_prm: SgdParams;
+@group(0) @binding(1) var<storage, read_write> sg_p: array<f32>;
+@group(0) @binding(2) var<storage, read> sg_g: array<f32>;
+@group(0) @binding(3) var<storage, read_write> sg_buf: array<f32>;
+
+@compute @workgroup_size(64)
+fn sgd_step(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
+            @builtin(local_invocation_index) lane: u32) {
+    let i = (wg.y * groups.x + wg.x) * 64u + lane;
+    if i >= sg_prm.n {
+        return;
+    }
+    let p = sg_p[i];
+    let gi = fma(bitcast<f32>(sg_prm.wd), p, sg_g[i]);
+    sg_p[i] = fma(-bitcast<f32>(sg_prm.lr), gi, p);
+}
+
+@compute @workgroup_size(64)
+fn sgd_momentum_step(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
+                     @builtin(local_invocation_index) lane: u32) {
+    let i = (wg.y * groups.x + wg.x) * 64u + lane;
+    if i >= sg_prm.n {
+        return;
+    }
+    let p = sg_p[i];
+    var gi = fma(bitcast<f32>(sg_prm.wd), p, sg_g[i]);
+    if sg_prm.first != 0u {
+        sg_buf[i] = gi;
+    } else {
+        sg_buf[i] = fma(bitcast<f32>(sg_prm.momentum), sg_buf[i], gi);
+    }
+    gi = sg_buf[i];
+    sg_p[i] = fma(-bitcast<f32>(sg_prm.lr), gi, p);
+}

@@ -1,0 +1,138 @@
+// reduce.wgsl — reductions in the contract's fixed order (needs mathlib).
+// One invocation per output runs its whole reduction serially, so the order is
+// exactly the CPU reference's (ascending), whatever the grid.
+// 1-D grids: i = (wg.y * groups.x + wg.x) * 64 + lane.
+
+// ---- reduce: x: (outer, r, inner) -> y: (outer, inner) ----
+// Sum: acc = -0.0 (the exact identity), acc = acc + x ascending.
+// Max: acc = -inf, acc = maximum(acc, x) ascending (NaN wins, +0 over -0).
+
+struct ReduceParams {
+    outer: u32,
+    r: u32,
+    inner: u32,
+    op: u32, // 0 sum, 1 max
+}
+
+@group(0) @binding(0) var<storage, read> r_prm: ReduceParams;
+@group(0) @binding(1) var<storage, read> r_x: array<f32>;
+@group(0) @binding(2) var<storage, read_write> r_y: array<f32>;
+
+@compute @workgroup_size(64)
+fn reduce(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
+          @builtin(local_invocation_index) lane: u32) {
+    let t = (wg.y * groups.x + wg.x) * 64u + lane;
+    let inner = r_prm.inner;
+    if t >= r_prm.outer * inner {
+        return;
+    }
+    let o = t / inner;
+    let j = t % inner;
+    let base = o * r_prm.r * inner + j;
+    if r_prm.op == 0u {
+        var acc = -0.0;
+        for (var k = 0u; k < r_prm.r; k++) {
+            acc = acc + r_x[base + k * inner];
+        }
+        r_y[t] = acc;
+    } else {
+        var acc = bitcast<f32>(0xff800000u);
+        for (var k = 0u; k < r_prm.r; k++) {
+            acc = maximum_c(acc, r_x[base + k * inner]);
+        }
+        r_y[t] = acc;
+    }
+}
+
+// ---- softmax over rows: x: (rows, n) -> y: (rows, n) ----
+// m = max (the Max order), e = exp(x - m), s = Σ e ascending from -0, y = div(e, s).
+
+struct RowsParams {
+    rows: u32,
+    n: u32,
+}
+
+@group(0) @binding(0) var<storage, read> s_prm: RowsParams;
+@group(0) @binding(1) var<storage, read> s_x: array<f32>;
+@group(0) @binding(2) var<storage, read_write> s_y: array<f32>;
+
+@compute @workgroup_size(64)
+fn softmax_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
+                @builtin(local_invocation_index) lane: u32) {
+    let row = (wg.y * groups.x + wg.x) * 64u + lane;
+    if row >= s_prm.rows {
+        return;
+    }
+    let n = s_prm.n;
+    let base = row * n;
+    var m = bitcast<f32>(0xff800000u);
+    for (var j = 0u; j < n; j++) {
+        m = maximum_c(m, s_x[base + j]);
+    }
+    var s = -0.0;
+    for (var j = 0u; j < n; j++) {
+        let e = m_exp(s_x[base + j] - m);
+        s_y[base + j] = e;
+        s = s + e;
+    }
+    for (var j = 0u; j < n; j++) {
+        s_y[base + j] = m_div(s_y[base + j], s);
+    }
+}
+
+// ---- softmax backward from its output: y, g: (rows, n) -> dx: (rows, n) ----
+// dot = Σ g·y ascending from -0 as fma(g, y, dot); dx = y · (g − dot).
+
+@group(0) @binding(0) var<storage, read> sb_prm: RowsParams;
+@group(0) @binding(1) var<storage, read> sb_y: array<f32>;
+@group(0) @binding(2) var<storage, read> sb_g: array<f32>;
+@group(0) @binding(3) var<storage, read_write> sb_dx: array<f32>;
+
+@compute @workgroup_size(64)
+fn softmax_rows_backward(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
+                         @builtin(local_invocation_index) lane: u32) {
+    let row = (wg.y * groups.x + wg.x) * 64u + lane;
+    if row >= sb_prm.rows {
+        return;
+    }
+    let n = sb_prm.n;
+    let base = row * n;
+    var dot = -0.0;
+    for (var j = 0u; j < n; j++) {
+        dot = fma(sb_g[base + j], sb_y[base + j], dot);
+    }
+    for (var j = 0u; j < n; j++) {
+        sb_dx[base + j] = sb_y[base + j] * (sb_g[base + j] - dot);
+    }
+}
+
+// ---- chunked sum of squares: x: (n) -> partials: (ceil(n / chunk)) ----
+// partial[c] = Σ_{i in chunk c} x_i² as fma(x, x, acc), ascending from -0
+// (the host adds the partials in order: Storage::sum_squares).
+
+struct ChunkParams {
+    n: u32,
+    chunk: u32,
+}
+
+@group(0) @binding(0) var<storage, read> q_prm: ChunkParams;
+@group(0) @binding(1) var<storage, read> q_x: array<f32>;
+@group(0) @binding(2) var<storage, read_write> q_out: array<f32>;
+
+@compute @workgroup_size(64)
+fn chunk_sum_squares(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
+                     @builtin(local_invocation_index) lane: u32) {
+    let c = (wg.y * groups.x + wg.x) * 64u + lane;
+    let n = q_prm.n;
+    let start = c * q_prm.chunk;
+    if start >= n {
+        return;
+    }
+    let end = min(start + q_prm.chunk, n);
+    var acc = -0.0;
+    for (var i = start; i < end; i++) {
+        let v = q_x[i];
+        acc = fma(v, v, acc);
+    }
+    q_out[c] = acc;
+}

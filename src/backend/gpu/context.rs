@@ -1,0 +1,417 @@
+//! The process-wide GPU context: adapter and device selection, the pending
+//! command batch, the buffer pool, the pipeline cache, and error capture.
+//!
+//! Created lazily on first use (a `OnceLock`). Creation never panics: with no
+//! adapter, every GPU call returns the same clear [`Error`].
+//!
+//! ## Batched submission
+//! Dispatches are recorded into one pending `CommandEncoder` and submitted
+//! together, only when needed: before a readback, when [`MAX_BATCH`] dispatches
+//! are pending, or on an explicit [`Context::flush`]. Per-dispatch parameters
+//! are packed into one params buffer per batch (a 256-byte slot per dispatch),
+//! written with `queue.write_buffer` just before the submit — wgpu runs queued
+//! writes before the command buffers of the same submit and after every earlier
+//! submit, which is exactly the order we need. Tensor uploads never use
+//! `write_buffer` on a pooled buffer (a pending dispatch might still read its
+//! old contents): they go through a fresh mapped-at-creation staging buffer
+//! and a `copy_buffer_to_buffer` recorded in the pending encoder, in order.
+
+use super::pipelines::{self, Kernel};
+use crate::{Error, Result};
+use std::collections::HashMap;
+use std::sync::{mpsc, Arc, Mutex, OnceLock};
+
+/// Dispatches recorded before a submit is forced.
+pub const MAX_BATCH: usize = 64;
+/// Bytes of a params slot (a multiple of every device's storage offset alignment).
+const SLOT: u64 = 256;
+
+pub struct Context {
+    pub device: wgpu::Device,
+    pub queue: wgpu::Queue,
+    pub info: wgpu::AdapterInfo,
+    pub limits: wgpu::Limits,
+    slot: u64,
+    pending: Mutex<Pending>,
+    pipelines: Mutex<HashMap<Kernel, wgpu::ComputePipeline>>,
+    modules: Mutex<HashMap<&'static str, wgpu::ShaderModule>>,
+    pub(super) pool: Mutex<super::pool::Pool>,
+    /// The first device error seen (validation, out of memory, device lost).
+    error: Arc<Mutex<Option<String>>>,
+}
+
+#[derive(Default)]
+struct Pending {
+    encoder: Option<wgpu::CommandEncoder>,
+    params_buf: Option<wgpu::Buffer>,
+    params: Vec<u8>,
+    dispatches: usize,
+}
+
+static CONTEXT: OnceLock<std::result::Result<Context, String>> = OnceLock::new();
+
+/// The global context, created on first use.
+pub fn ctx() -> Result<&'static Context> {
+    match CONTEXT.get_or_init(Context::create) {
+        Ok(c) => {
+            c.check()?;
+            Ok(c)
+        }
+        Err(e) => Err(Error::msg(e.clone())),
+    }
+}
+
+/// The global context if it exists already (Drop impls must not create one).
+pub fn ctx_if_created() -> Option<&'static Context> {
+    CONTEXT.get().and_then(|r| r.as_ref().ok())
+}
+
+fn type_rank(t: wgpu::DeviceType) -> u32 {
+    match t {
+        wgpu::DeviceType::DiscreteGpu => 0,
+        wgpu::DeviceType::IntegratedGpu => 1,
+        wgpu::DeviceType::VirtualGpu => 2,
+        wgpu::DeviceType::Other => 3,
+        wgpu::DeviceType::Cpu => 4,
+    }
+}
+
+fn backend_rank(b: wgpu::Backend) -> u32 {
+    match b {
+        wgpu::Backend::Vulkan | wgpu::Backend::Metal | wgpu::Backend::Dx12 => 0,
+        _ => 1,
+    }
+}
+
+impl Context {
+    fn create() -> std::result::Result<Context, String> {
+        // wgpu may panic inside a broken driver stack; that must not take the
+        // caller down with it — it becomes the "no adapter" error instead.
+        match std::panic::catch_unwind(Self::create_inner) {
+            Ok(r) => r,
+            Err(_) => Err("GPU initialisation failed (wgpu panicked while probing adapters); \
+                 install mesa-vulkan-drivers for a software device (lavapipe)"
+                .to_string()),
+        }
+    }
+
+    fn create_inner() -> std::result::Result<Context, String> {
+        let instance = wgpu::Instance::new(wgpu::InstanceDescriptor::new_without_display_handle());
+        let mut adapters = pollster::block_on(instance.enumerate_adapters(wgpu::Backends::all()));
+        let names = |a: &[wgpu::Adapter]| {
+            a.iter()
+                .map(|a| {
+                    let i = a.get_info();
+                    format!("{} ({:?}, {:?})", i.name, i.backend, i.device_type)
+                })
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        if adapters.is_empty() {
+            return Err("no GPU adapter found: wgpu found no Vulkan, Metal, DX12 or GL device; \
+                 install mesa-vulkan-drivers for a software device (lavapipe), \
+                 or run on the CPU backend"
+                .to_string());
+        }
+        let adapter = if let Ok(want) = std::env::var("TINYLLM_ADAPTER") {
+            let w = want.to_lowercase();
+            let pos = adapters
+                .iter()
+                .position(|a| a.get_info().name.to_lowercase().contains(&w))
+                .ok_or_else(|| {
+                    format!(
+                        "no GPU adapter found: TINYLLM_ADAPTER={want:?} matches none of: {}",
+                        names(&adapters)
+                    )
+                })?;
+            adapters.swap_remove(pos)
+        } else {
+            // A real GPU first (discrete, integrated, ...), software last; native
+            // backends before GL.
+            adapters.sort_by_key(|a| {
+                let i = a.get_info();
+                (type_rank(i.device_type), backend_rank(i.backend))
+            });
+            adapters.swap_remove(0)
+        };
+        let info = adapter.get_info();
+        // Ask for everything the adapter offers (large storage buffers above all).
+        let limits = adapter.limits();
+        let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
+            label: Some("tinyllm"),
+            required_features: wgpu::Features::empty(),
+            required_limits: limits.clone(),
+            experimental_features: wgpu::ExperimentalFeatures::disabled(),
+            memory_hints: wgpu::MemoryHints::Performance,
+            trace: wgpu::Trace::Off,
+        }))
+        .map_err(|e| format!("could not create a device on GPU adapter {:?}: {e}", info.name))?;
+
+        let error: Arc<Mutex<Option<String>>> = Arc::new(Mutex::new(None));
+        let e2 = error.clone();
+        device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| {
+            let mut slot = e2.lock().unwrap_or_else(|p| p.into_inner());
+            if slot.is_none() {
+                *slot = Some(format!("GPU error: {e}"));
+            }
+        }));
+        let e3 = error.clone();
+        device.set_device_lost_callback(move |reason, msg| {
+            let mut slot = e3.lock().unwrap_or_else(|p| p.into_inner());
+            if slot.is_none() {
+                *slot = Some(format!("GPU device lost ({reason:?}): {msg}"));
+            }
+        });
+        let slot = SLOT.max(limits.min_storage_buffer_offset_alignment as u64);
+        Ok(Context {
+            device,
+            queue,
+            info,
+            limits,
+            slot,
+            pending: Mutex::new(Pending::default()),
+            pipelines: Mutex::new(HashMap::new()),
+            modules: Mutex::new(HashMap::new()),
+            pool: Mutex::new(super::pool::Pool::default()),
+            error,
+        })
+    }
+
+    /// Fails with the first device error, if one happened.
+    pub fn check(&self) -> Result<()> {
+        match &*self.error.lock().unwrap_or_else(|p| p.into_inner()) {
+            Some(e) => Err(Error::msg(e.clone())),
+            None => Ok(()),
+        }
+    }
+
+    /// The largest buffer a kernel can bind.
+    pub fn max_binding(&self) -> u64 {
+        self.limits
+            .max_storage_buffer_binding_size
+            .min(self.limits.max_buffer_size)
+    }
+
+    fn pipeline(&self, k: Kernel) -> Result<wgpu::ComputePipeline> {
+        if let Some(p) = self.pipelines.lock().unwrap().get(&k) {
+            return Ok(p.clone());
+        }
+        let (family, entry) = k.family_and_entry();
+        // Validation errors of shader/pipeline creation are caught in a scope
+        // (on this thread, synchronously) and become an Error, not a panic.
+        let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let module = {
+            let mut mods = self.modules.lock().unwrap();
+            mods.entry(family.name)
+                .or_insert_with(|| {
+                    let src = pipelines::compose(family);
+                    self.device
+                        .create_shader_module(wgpu::ShaderModuleDescriptor {
+                            label: Some(family.name),
+                            source: wgpu::ShaderSource::Wgsl(src.into()),
+                        })
+                })
+                .clone()
+        };
+        let p = self
+            .device
+            .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                label: Some(entry),
+                layout: None,
+                module: &module,
+                entry_point: Some(entry),
+                compilation_options: Default::default(),
+                cache: None,
+            });
+        if let Some(e) = pollster::block_on(scope.pop()) {
+            return Err(Error::msg(format!(
+                "GPU kernel {}::{entry} failed to compile: {e}",
+                family.name
+            )));
+        }
+        self.pipelines.lock().unwrap().insert(k, p.clone());
+        Ok(p)
+    }
+
+    /// Records one dispatch of `k` over `groups` workgroups. `params` fill the
+    /// kernel's binding 0; `bufs` are bindings 1, 2, ... in order.
+    pub fn dispatch(
+        &self,
+        k: Kernel,
+        params: &[u32],
+        bufs: &[&wgpu::Buffer],
+        groups: (u32, u32, u32),
+    ) -> Result<()> {
+        if groups.0 == 0 || groups.1 == 0 || groups.2 == 0 {
+            return Ok(());
+        }
+        let pipeline = self.pipeline(k)?;
+        let mut pend = self.pending.lock().unwrap();
+        if pend.dispatches >= MAX_BATCH {
+            self.submit(&mut pend);
+        }
+        self.ensure_batch(&mut pend);
+        let slot = pend.dispatches as u64;
+        pend.dispatches += 1;
+        let off = (slot * self.slot) as usize;
+        let bytes: &[u8] = bytemuck::cast_slice(params);
+        assert!(bytes.len() as u64 <= self.slot, "kernel params exceed a slot");
+        pend.params.resize(off, 0);
+        pend.params.extend_from_slice(bytes);
+        let params_buf = pend.params_buf.as_ref().unwrap();
+        let mut entries = vec![wgpu::BindGroupEntry {
+            binding: 0,
+            resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                buffer: params_buf,
+                offset: slot * self.slot,
+                size: wgpu::BufferSize::new(self.slot),
+            }),
+        }];
+        for (i, b) in bufs.iter().enumerate() {
+            entries.push(wgpu::BindGroupEntry {
+                binding: i as u32 + 1,
+                resource: b.as_entire_binding(),
+            });
+        }
+        let bg = self.device.create_bind_group(&wgpu::BindGroupDescriptor {
+            label: None,
+            layout: &pipeline.get_bind_group_layout(0),
+            entries: &entries,
+        });
+        let enc = pend.encoder.as_mut().unwrap();
+        let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+            label: None,
+            timestamp_writes: None,
+        });
+        pass.set_pipeline(&pipeline);
+        pass.set_bind_group(0, &bg, &[]);
+        pass.dispatch_workgroups(groups.0, groups.1, groups.2);
+        Ok(())
+    }
+
+    fn ensure_batch(&self, pend: &mut Pending) {
+        if pend.encoder.is_none() {
+            pend.encoder = Some(
+                self.device
+                    .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None }),
+            );
+        }
+        if pend.params_buf.is_none() {
+            pend.params_buf = Some(self.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("params"),
+                size: self.slot * MAX_BATCH as u64,
+                usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            }));
+        }
+    }
+
+    fn submit(&self, pend: &mut Pending) {
+        if let Some(enc) = pend.encoder.take() {
+            if let Some(pb) = pend.params_buf.take() {
+                if !pend.params.is_empty() {
+                    let mut bytes = std::mem::take(&mut pend.params);
+                    bytes.resize(bytes.len().next_multiple_of(4), 0);
+                    self.queue.write_buffer(&pb, 0, &bytes);
+                }
+            }
+            self.queue.submit([enc.finish()]);
+        }
+        pend.params.clear();
+        pend.dispatches = 0;
+    }
+
+    /// Submits everything recorded so far.
+    pub fn flush(&self) -> Result<()> {
+        let mut pend = self.pending.lock().unwrap();
+        self.submit(&mut pend);
+        drop(pend);
+        self.check()
+    }
+
+    /// Records a copy of `data` into `dst` (in order with pending dispatches).
+    pub fn upload(&self, dst: &wgpu::Buffer, data: &[u8]) -> Result<()> {
+        if data.is_empty() {
+            return Ok(());
+        }
+        let size = (data.len() as u64).next_multiple_of(4);
+        let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("upload"),
+            size,
+            usage: wgpu::BufferUsages::COPY_SRC,
+            mapped_at_creation: true,
+        });
+        staging
+            .slice(..)
+            .get_mapped_range_mut()
+            .expect("a buffer mapped at creation")[..data.len()]
+            .copy_from_slice(data);
+        staging.unmap();
+        let mut pend = self.pending.lock().unwrap();
+        self.ensure_batch(&mut pend);
+        pend.encoder
+            .as_mut()
+            .unwrap()
+            .copy_buffer_to_buffer(&staging, 0, dst, 0, size);
+        Ok(())
+    }
+
+    /// A fresh (unpooled) storage buffer holding `data` (index lists, CSR).
+    pub fn buffer_with(&self, data: &[u8]) -> wgpu::Buffer {
+        let size = (data.len() as u64).next_multiple_of(4).max(4);
+        let b = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("indices"),
+            size,
+            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+            mapped_at_creation: true,
+        });
+        b.slice(..).get_mapped_range_mut().expect("mapped at creation")[..data.len()]
+            .copy_from_slice(data);
+        b.unmap();
+        b
+    }
+
+    /// Copies the first `bytes` of `src` to the host: submits everything
+    /// pending plus the copy, then maps a staging buffer and waits.
+    pub fn read(&self, src: &wgpu::Buffer, bytes: u64) -> Result<Vec<u8>> {
+        if bytes == 0 {
+            return Ok(Vec::new());
+        }
+        let size = bytes.next_multiple_of(4);
+        let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("readback"),
+            size,
+            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        {
+            let mut pend = self.pending.lock().unwrap();
+            self.ensure_batch(&mut pend);
+            pend.encoder
+                .as_mut()
+                .unwrap()
+                .copy_buffer_to_buffer(src, 0, &staging, 0, size);
+            self.submit(&mut pend);
+        }
+        self.check()?;
+        let (tx, rx) = mpsc::channel();
+        staging.map_async(wgpu::MapMode::Read, .., move |r| {
+            let _ = tx.send(r);
+        });
+        self.device
+            .poll(wgpu::PollType::wait_indefinitely())
+            .map_err(|e| Error::msg(format!("GPU readback failed: {e}")))?;
+        self.check()?;
+        match rx.recv() {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(Error::msg(format!("GPU readback failed: {e}"))),
+            Err(_) => return Err(Error::msg("GPU readback failed: the map callback never ran")),
+        }
+        let out = staging
+            .get_mapped_range(..)
+            .map_err(|e| Error::msg(format!("GPU readback failed: {e}")))?[..bytes as usize]
+            .to_vec();
+        staging.unmap();
+        Ok(out)
+    }
+}

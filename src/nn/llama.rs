@@ -1,0 +1,1 @@
+//! The Llama (written with the trainer).

@@ -1,0 +1,229 @@
+//! Layers (spec L0.4). A [`Module`] lists its trainable tensors in a stable
+//! order; a [`Layer`] maps one tensor to one tensor, which is what
+//! [`Sequential`] and `checkpoint_sequential` chain.
+
+pub mod llama;
+
+use crate::backend::Device;
+use crate::ops::dropout;
+use crate::rng::Generator;
+use crate::{bail, Result, Tensor};
+use std::cell::Cell;
+use std::rc::Rc;
+
+pub trait Module {
+    /// Trainable tensors, in a stable order (checkpoints rely on it).
+    fn parameters(&self) -> Vec<Tensor>;
+    /// Switches training behaviour (dropout) on or off.
+    fn set_training(&self, _on: bool) {}
+}
+
+/// One tensor in, one tensor out.
+pub trait Layer: Module {
+    fn forward(&self, x: &Tensor) -> Result<Tensor>;
+}
+
+/// `y = x Wᵀ (+ b)`, weight `(out, in)` — the PyTorch / Hugging Face layout.
+pub struct Linear {
+    pub weight: Tensor,
+    pub bias: Option<Tensor>,
+}
+
+impl Linear {
+    /// PyTorch's default init: uniform in `±1/√in` for weight and bias.
+    pub fn new(inp: usize, out: usize, bias: bool, gen: &Generator, device: Device) -> Result<Linear> {
+        let bound = 1.0 / (inp as f32).sqrt();
+        let weight = Tensor::uniform(&[out, inp], bound, gen, device)?.requires_grad_(true);
+        let bias = if bias { Some(Tensor::uniform(&[out], bound, gen, device)?.requires_grad_(true)) } else { None };
+        Ok(Linear { weight, bias })
+    }
+    /// Normal(0, std²) weights, no bias (the Llama's projections).
+    pub fn normal(inp: usize, out: usize, std: f32, gen: &Generator, device: Device) -> Result<Linear> {
+        Ok(Linear { weight: Tensor::randn(&[out, inp], std, gen, device)?.requires_grad_(true), bias: None })
+    }
+}
+
+impl Module for Linear {
+    fn parameters(&self) -> Vec<Tensor> {
+        std::iter::once(self.weight.clone()).chain(self.bias.clone()).collect()
+    }
+}
+
+impl Layer for Linear {
+    /// `x: (.., in) -> (.., out)`
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let inp = self.weight.shape()[1];
+        if x.shape().last() != Some(&inp) {
+            bail!("Linear({inp} -> {}): input of shape {:?}", self.weight.shape()[0], x.shape());
+        }
+        let lead = &x.shape()[..x.dims() - 1];
+        let rows: usize = lead.iter().product();
+        let y = x.reshape(&[rows, inp])?.matmul_t(&self.weight)?;
+        let y = match &self.bias {
+            Some(b) => y.add(b)?,
+            None => y,
+        };
+        let mut shape = lead.to_vec();
+        shape.push(self.weight.shape()[0]);
+        y.reshape(&shape)
+    }
+}
+
+/// A table of `(num, dim)` vectors looked up by id.
+pub struct Embedding {
+    pub weight: Tensor,
+}
+
+impl Embedding {
+    pub fn new(num: usize, dim: usize, std: f32, gen: &Generator, device: Device) -> Result<Embedding> {
+        Ok(Embedding { weight: Tensor::randn(&[num, dim], std, gen, device)?.requires_grad_(true) })
+    }
+    /// `ids: (n,) -> (n, dim)`
+    pub fn forward(&self, ids: &[u32]) -> Result<Tensor> {
+        self.weight.embedding(ids)
+    }
+}
+
+impl Module for Embedding {
+    fn parameters(&self) -> Vec<Tensor> {
+        vec![self.weight.clone()]
+    }
+}
+
+/// `y = x / √(mean(x²) + eps) · w` over the last axis.
+pub struct RmsNorm {
+    pub weight: Tensor,
+    pub eps: f64,
+}
+
+impl RmsNorm {
+    pub fn new(dim: usize, eps: f64, device: Device) -> Result<RmsNorm> {
+        Ok(RmsNorm { weight: Tensor::ones(&[dim], crate::DType::F32, device)?.requires_grad_(true), eps })
+    }
+}
+
+impl Module for RmsNorm {
+    fn parameters(&self) -> Vec<Tensor> {
+        vec![self.weight.clone()]
+    }
+}
+
+impl Layer for RmsNorm {
+    /// `x: (.., d) -> (.., d)`
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let w = if x.dtype() == self.weight.dtype() { self.weight.clone() } else { self.weight.to_dtype(x.dtype())? };
+        let r = x.square()?.mean(-1, true)?.add_scalar(self.eps)?.rsqrt()?;
+        x.mul(&r)?.mul(&w)
+    }
+}
+
+/// Zeroes entries with probability `p` while training; draws its masks from a
+/// shared [`Generator`] so checkpointing can replay them.
+pub struct Dropout {
+    pub p: f32,
+    pub gen: Generator,
+    training: Cell<bool>,
+}
+
+impl Dropout {
+    pub fn new(p: f32, gen: &Generator) -> Result<Dropout> {
+        if !(0.0..1.0).contains(&p) {
+            bail!("dropout probability must be in [0, 1), got {p}");
+        }
+        Ok(Dropout { p, gen: gen.clone(), training: Cell::new(true) })
+    }
+}
+
+impl Module for Dropout {
+    fn parameters(&self) -> Vec<Tensor> {
+        vec![]
+    }
+    fn set_training(&self, on: bool) {
+        self.training.set(on)
+    }
+}
+
+impl Layer for Dropout {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        dropout(x, self.p, &self.gen, self.training.get())
+    }
+}
+
+/// `x σ(x)`.
+pub struct Silu;
+
+impl Module for Silu {
+    fn parameters(&self) -> Vec<Tensor> {
+        vec![]
+    }
+}
+
+impl Layer for Silu {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        x.silu()
+    }
+}
+
+/// Layers applied in order.
+#[derive(Default)]
+pub struct Sequential {
+    pub layers: Vec<Rc<dyn Layer>>,
+}
+
+impl Sequential {
+    pub fn new(layers: Vec<Rc<dyn Layer>>) -> Sequential {
+        Sequential { layers }
+    }
+    pub fn push(&mut self, l: impl Layer + 'static) {
+        self.layers.push(Rc::new(l));
+    }
+}
+
+impl Module for Sequential {
+    fn parameters(&self) -> Vec<Tensor> {
+        self.layers.iter().flat_map(|l| l.parameters()).collect()
+    }
+    fn set_training(&self, on: bool) {
+        self.layers.iter().for_each(|l| l.set_training(on))
+    }
+}
+
+impl Layer for Sequential {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let mut h = x.clone();
+        for l in &self.layers {
+            h = l.forward(&h)?;
+        }
+        Ok(h)
+    }
+}
+
+impl<L: Layer + ?Sized> Module for Box<L> {
+    fn parameters(&self) -> Vec<Tensor> {
+        (**self).parameters()
+    }
+    fn set_training(&self, on: bool) {
+        (**self).set_training(on)
+    }
+}
+
+impl<L: Layer + ?Sized> Layer for Box<L> {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        (**self).forward(x)
+    }
+}
+
+impl<L: Layer + ?Sized> Module for Rc<L> {
+    fn parameters(&self) -> Vec<Tensor> {
+        (**self).parameters()
+    }
+    fn set_training(&self, on: bool) {
+        (**self).set_training(on)
+    }
+}
+
+impl<L: Layer + ?Sized> Layer for Rc<L> {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        (**self).forward(x)
+    }
+}

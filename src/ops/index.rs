@@ -1,0 +1,19 @@
+//! Embedding lookup and its scatter-add backward.
+
+use crate::{bail, Result, Tensor};
+
+impl Tensor {
+    /// Rows of a table: `self: (v, d)`, `ids: (n,)` -> `(n, d)`. Backward
+    /// scatter-adds `g` into a `(v, d)` gradient, each row summed in ascending `i`.
+    pub fn embedding(&self, ids: &[u32]) -> Result<Tensor> {
+        if self.dims() != 2 {
+            bail!("embedding table must be 2-d, got {:?}", self.shape());
+        }
+        let (v, d) = (self.shape()[0], self.shape()[1]);
+        let s = self.storage().gather_rows(ids, d)?;
+        let ids = ids.to_vec();
+        Ok(Tensor::from_op(s, vec![ids.len(), d], "embedding", &[self], move |g| {
+            Ok(vec![Some(Tensor::from_storage(g.storage().scatter_add_rows(&ids, v, d)?, &[v, d])?)])
+        }))
+    }
+}

@@ -1,0 +1,87 @@
+//! Matrix products. Under [`autocast`](crate::precision::autocast) every
+//! product is `cast(cast(a) @ cast(b))`: operands rounded to the 16-bit format,
+//! f32 accumulation in the contract's order, the output rounded once; its
+//! backward products are rounded the same way (the gradient arrives through a
+//! cast, so it is rounded too).
+
+use crate::backend::round::Format;
+use crate::backend::MatmulDims;
+use crate::precision::autocast_dtype;
+use crate::tensor::shape::numel;
+use crate::{bail, Result, Tensor};
+
+/// `op(a) @ op(b)` over matching leading (batch) axes; `ta`/`tb` read the last
+/// two axes transposed. `a: (.., m, k)` (or `(.., k, m)` when `ta`), `b: (.., k, n)`
+/// (or `(.., n, k)` when `tb`) -> `(.., m, n)`.
+pub fn matmul_with(a: &Tensor, b: &Tensor, ta: bool, tb: bool, round: Option<Format>) -> Result<Tensor> {
+    if a.dims() < 2 || b.dims() < 2 {
+        bail!("matmul needs at least 2-d operands, got {:?} and {:?}", a.shape(), b.shape());
+    }
+    let (ra, rb) = (a.dims(), b.dims());
+    let (m, ka) = if ta { (a.shape()[ra - 1], a.shape()[ra - 2]) } else { (a.shape()[ra - 2], a.shape()[ra - 1]) };
+    let (kb, n) = if tb { (b.shape()[rb - 1], b.shape()[rb - 2]) } else { (b.shape()[rb - 2], b.shape()[rb - 1]) };
+    if ka != kb {
+        bail!("matmul: inner dimensions differ ({:?}{} @ {:?}{})", a.shape(), if ta { "ᵀ" } else { "" }, b.shape(), if tb { "ᵀ" } else { "" });
+    }
+    let k = ka;
+    let (lead_a, lead_b) = (&a.shape()[..ra - 2], &b.shape()[..rb - 2]);
+    let (batch, b_stride, lead) = if lead_b.is_empty() {
+        (numel(lead_a), 0, lead_a.to_vec())
+    } else if lead_a == lead_b {
+        (numel(lead_a), k * n, lead_a.to_vec())
+    } else {
+        bail!("matmul: batch axes {lead_a:?} and {lead_b:?} differ");
+    };
+    let dims = MatmulDims { batch, m, k, n, trans_a: ta, trans_b: tb, a_batch_stride: m * k, b_batch_stride: b_stride };
+    let s = a.storage().matmul(&b.storage(), dims, round)?;
+    let mut shape = lead;
+    shape.extend([m, n]);
+    let (a0, b0) = (a.clone(), b.clone());
+    Ok(Tensor::from_op(s, shape, "matmul", &[a, b], move |g| {
+        let (a, b) = (a0.detach(), b0.detach());
+        let ga = if !a0.requires_grad() {
+            None
+        } else if !ta {
+            Some(matmul_with(g, &b, false, !tb, round)?) // dA = dC op(B)ᵀ
+        } else {
+            Some(matmul_with(&b, g, tb, true, round)?) // dA = (dC op(B)ᵀ)ᵀ = op(B) dCᵀ
+        };
+        let gb = if !b0.requires_grad() {
+            None
+        } else {
+            // With b broadcast over the batch, fold the batch into the rows.
+            let (a2, g2) = if b.dims() == 2 && a.dims() > 2 {
+                let ra = a.dims();
+                let lead: usize = numel(&a.shape()[..ra - 2]);
+                if ta {
+                    // op(A) = Aᵀ per batch: materialise it so rows can be folded.
+                    let at = a.transpose(-1, -2)?;
+                    (at.reshape(&[lead * m, k])?, g.reshape(&[lead * m, n])?)
+                } else {
+                    (a.reshape(&[lead * m, k])?, g.reshape(&[lead * m, n])?)
+                }
+            } else {
+                (if ta && b.dims() == 2 { a.transpose(-1, -2)? } else { a.clone() }, g.clone())
+            };
+            let ta2 = ta && !(b.dims() == 2);
+            Some(if !tb {
+                matmul_with(&a2, &g2, !ta2, false, round)? // dB = op(A)ᵀ dC
+            } else {
+                matmul_with(&g2, &a2, true, ta2, round)? // dB = (op(A)ᵀ dC)ᵀ = dCᵀ op(A)
+            })
+        };
+        Ok(vec![ga, gb])
+    }))
+}
+
+impl Tensor {
+    /// `self @ rhs` (batched over leading axes; a 2-d `rhs` is shared by the
+    /// batch). Follows the thread's autocast state.
+    pub fn matmul(&self, rhs: &Tensor) -> Result<Tensor> {
+        matmul_with(self, rhs, false, false, autocast_dtype())
+    }
+    /// `self @ rhsᵀ` without materialising the transpose (Linear's `x Wᵀ`).
+    pub fn matmul_t(&self, rhs: &Tensor) -> Result<Tensor> {
+        matmul_with(self, rhs, false, true, autocast_dtype())
+    }
+}

@@ -1,0 +1,13 @@
+//! User-facing ops. Each file holds a family; each op's backward sits right
+//! beside its forward, in the closure handed to [`Tensor::from_op`].
+//!
+//! [`Tensor::from_op`]: crate::Tensor::from_op
+
+pub mod elementwise;
+pub mod index;
+pub mod matmul;
+pub mod nn;
+pub mod reduce;
+pub mod view;
+
+pub use nn::{cross_entropy, dropout, mse};

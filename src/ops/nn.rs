@@ -1,0 +1,89 @@
+//! Neural-network functions: softmax, log-softmax, the causal mask, dropout,
+//! and the losses of spec L0.3.
+
+use crate::backend::{Device, Storage};
+use crate::rng::Generator;
+use crate::tensor::shape::numel;
+use crate::{bail, Result, Tensor};
+
+impl Tensor {
+    /// Softmax over the last axis: `x: (.., n) -> (.., n)`, one fused primitive
+    /// each way (backward `y (g − Σ g y)`).
+    pub fn softmax(&self) -> Result<Tensor> {
+        let n = *self.shape().last().ok_or_else(|| crate::Error::msg("softmax of a 0-d tensor"))?;
+        let rows = numel(self.shape()) / n.max(1);
+        let s = self.storage().softmax_rows(rows, n)?;
+        let y = Tensor::from_storage(s.clone(), self.shape())?;
+        Ok(Tensor::from_op(s, self.shape().to_vec(), "softmax", &[self], move |g| {
+            let gs = y.storage().softmax_rows_backward(&g.storage(), rows, n)?;
+            Ok(vec![Some(Tensor::from_storage(gs, y.shape())?)])
+        }))
+    }
+
+    /// `x − logsumexp(x)` over the last axis, stably: the row max is
+    /// subtracted first (as a constant: it cancels in the gradient).
+    pub fn log_softmax(&self) -> Result<Tensor> {
+        let m = {
+            let _g = crate::no_grad();
+            self.detach().max(-1, true)?
+        };
+        let z = self.sub(&m)?;
+        let lse = z.exp()?.sum(-1, true)?.log()?;
+        z.sub(&lse)
+    }
+
+    /// Adds the causal mask to attention scores `(.., t, t)`: position `j > i`
+    /// gets `-inf`, so its softmax weight is exactly 0.
+    pub fn causal_mask(&self) -> Result<Tensor> {
+        let r = self.dims();
+        if r < 2 || self.shape()[r - 1] != self.shape()[r - 2] {
+            bail!("causal_mask needs square trailing axes, got {:?}", self.shape());
+        }
+        let t = self.shape()[r - 1];
+        let mask: Vec<f32> = (0..t * t).map(|ij| if ij % t > ij / t { f32::NEG_INFINITY } else { 0.0 }).collect();
+        let mask = Tensor::from_vec(mask, &[t, t], self.device())?.to_dtype(self.dtype())?;
+        self.add(&mask)
+    }
+}
+
+/// Mean squared error `mean((pred − target)²)` over all elements (spec L0.3).
+pub fn mse(pred: &Tensor, target: &Tensor) -> Result<Tensor> {
+    if pred.shape() != target.shape() {
+        bail!("mse: prediction {:?} and target {:?} differ in shape", pred.shape(), target.shape());
+    }
+    pred.sub(target)?.square()?.mean_all()
+}
+
+/// Cross-entropy `mean_r (logsumexp(row r) − row r[target r])` (spec L0.3):
+/// `logits: (n, v)`, `targets: n ids < v` -> a 0-d tensor. The target entries
+/// are picked with the embedding gather (rows of width 1).
+pub fn cross_entropy(logits: &Tensor, targets: &[u32]) -> Result<Tensor> {
+    if logits.dims() != 2 || logits.shape()[0] != targets.len() {
+        bail!("cross_entropy: logits {:?} need shape (n, v) with n = {} targets", logits.shape(), targets.len());
+    }
+    let (n, v) = (logits.shape()[0], logits.shape()[1]);
+    if let Some(&t) = targets.iter().find(|&&t| t as usize >= v) {
+        bail!("cross_entropy: target {t} out of range for {v} classes");
+    }
+    let lsm = logits.log_softmax()?.reshape(&[n * v, 1])?;
+    let ids: Vec<u32> = targets.iter().enumerate().map(|(r, &t)| (r * v) as u32 + t).collect();
+    lsm.embedding(&ids)?.sum_all()?.div_scalar(n as f64)?.neg()
+}
+
+/// Dropout: zeroes each element with probability `p` and scales the rest by
+/// `1 / (1 − p)`. The mask comes from `gen`'s Philox stream (the same bits on
+/// either device), so recording and restoring `gen` replays it exactly.
+pub fn dropout(x: &Tensor, p: f32, gen: &Generator, training: bool) -> Result<Tensor> {
+    if !(0.0..1.0).contains(&p) {
+        bail!("dropout probability must be in [0, 1), got {p}");
+    }
+    if !training || p == 0.0 {
+        return Ok(x.clone());
+    }
+    let st = gen.reserve(x.numel());
+    let scale = crate::backend::math::div(1.0, 1.0 - p);
+    let mask = Storage::dropout_mask(x.numel(), p, scale, st.seed, st.offset, x.device())?;
+    let mask = Tensor::from_storage(mask, x.shape())?;
+    let mask = if x.device() == Device::Cpu { mask.to_dtype(x.dtype())? } else { mask };
+    x.mul(&mask)
+}

@@ -1,0 +1,188 @@
+//! Optimizers over float32 master weights (spec M10.2–M10.4). Each update is
+//! one fused in-place primitive per parameter, on the parameter's device.
+//! Parameters whose gradient is absent are skipped.
+
+use crate::backend::{AdamWConsts, DType, Storage};
+use crate::{bail, Result, Tensor};
+use serde::{Deserialize, Serialize};
+
+/// An optimizer owns the list of parameters it updates.
+pub trait Optimizer {
+    /// Applies one update from the current gradients.
+    fn step(&mut self) -> Result<()>;
+    fn params(&self) -> &[Tensor];
+    fn lr(&self) -> f32;
+    fn set_lr(&mut self, lr: f32);
+    /// Clears every parameter's gradient.
+    fn zero_grad(&self) {
+        for p in self.params() {
+            p.zero_grad();
+        }
+    }
+}
+
+fn check_master(p: &Tensor) -> Result<()> {
+    if p.dtype() != DType::F32 {
+        bail!("optimizers update float32 master weights; got a {:?} parameter", p.dtype());
+    }
+    Ok(())
+}
+
+/// SGD with optional momentum and (coupled) weight decay, PyTorch's formula.
+pub struct Sgd {
+    params: Vec<Tensor>,
+    pub lr: f32,
+    pub momentum: f32,
+    pub weight_decay: f32,
+    bufs: Vec<Option<Tensor>>,
+}
+
+impl Sgd {
+    pub fn new(params: Vec<Tensor>, lr: f32, momentum: f32, weight_decay: f32) -> Result<Sgd> {
+        if !(lr >= 0.0) || !(momentum >= 0.0) || !(weight_decay >= 0.0) {
+            bail!("SGD: lr, momentum and weight decay must be non-negative");
+        }
+        let n = params.len();
+        Ok(Sgd { params, lr, momentum, weight_decay, bufs: vec![None; n] })
+    }
+}
+
+impl Optimizer for Sgd {
+    fn step(&mut self) -> Result<()> {
+        for (p, buf) in self.params.iter().zip(self.bufs.iter_mut()) {
+            let Some(g) = p.grad() else { continue };
+            check_master(p)?;
+            if self.momentum == 0.0 {
+                p.storage().sgd_step(&g.storage(), None, self.lr, 0.0, self.weight_decay, true)?;
+            } else {
+                let first = buf.is_none();
+                let b = match buf {
+                    Some(b) => b.clone(),
+                    None => buf.insert(p.zeros_like()?).clone(),
+                };
+                p.storage().sgd_step(&g.storage(), Some(&b.storage()), self.lr, self.momentum, self.weight_decay, first)?;
+            }
+        }
+        Ok(())
+    }
+    fn params(&self) -> &[Tensor] {
+        &self.params
+    }
+    fn lr(&self) -> f32 {
+        self.lr
+    }
+    fn set_lr(&mut self, lr: f32) {
+        self.lr = lr;
+    }
+}
+
+/// AdamW hyper-parameters (PyTorch's defaults but the learning rate).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AdamWConfig {
+    pub lr: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    pub weight_decay: f32,
+}
+
+impl AdamWConfig {
+    pub fn new(lr: f32) -> Self {
+        AdamWConfig { lr, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 }
+    }
+}
+
+/// AdamW: decoupled weight decay, bias-corrected moments (PyTorch's formula).
+/// Moments are float32 tensors on the parameter's device.
+pub struct AdamW {
+    params: Vec<Tensor>,
+    pub cfg: AdamWConfig,
+    /// Per parameter: (m, v, step count), created at its first update.
+    state: Vec<Option<(Tensor, Tensor, u64)>>,
+}
+
+impl AdamW {
+    pub fn new(params: Vec<Tensor>, cfg: AdamWConfig) -> Result<AdamW> {
+        if !(cfg.lr >= 0.0) || !(0.0..1.0).contains(&cfg.beta1) || !(0.0..1.0).contains(&cfg.beta2) || !(cfg.eps > 0.0) || !(cfg.weight_decay >= 0.0) {
+            bail!("AdamW: need lr >= 0, betas in [0, 1), eps > 0, weight decay >= 0 (got {cfg:?})");
+        }
+        let n = params.len();
+        Ok(AdamW { params, cfg, state: vec![None; n] })
+    }
+
+    /// The moments and step count of parameter `i`, if it has been updated.
+    pub fn state(&self, i: usize) -> Option<&(Tensor, Tensor, u64)> {
+        self.state.get(i).and_then(|s| s.as_ref())
+    }
+
+    /// Replaces the state of parameter `i` (resuming from a checkpoint).
+    pub fn set_state(&mut self, i: usize, st: Option<(Tensor, Tensor, u64)>) -> Result<()> {
+        let p = self.params.get(i).ok_or_else(|| crate::Error::msg(format!("no parameter {i}")))?;
+        if let Some((m, v, _)) = &st {
+            if m.shape() != p.shape() || v.shape() != p.shape() {
+                bail!("optimizer state {i}: moments of shape {:?}/{:?} for a parameter of shape {:?}", m.shape(), v.shape(), p.shape());
+            }
+        }
+        self.state[i] = st;
+        Ok(())
+    }
+}
+
+impl Optimizer for AdamW {
+    fn step(&mut self) -> Result<()> {
+        let c = self.cfg;
+        for (p, st) in self.params.iter().zip(self.state.iter_mut()) {
+            let Some(g) = p.grad() else { continue };
+            check_master(p)?;
+            if st.is_none() {
+                *st = Some((p.zeros_like()?, p.zeros_like()?, 0));
+            }
+            let (m, v, t) = st.as_mut().unwrap();
+            *t += 1;
+            // Scalars in f64 on the host, narrowed once: both backends get the same bits.
+            let (b1, b2) = (c.beta1 as f64, c.beta2 as f64);
+            let bc1 = 1.0 - b1.powi(*t as i32);
+            let bc2 = 1.0 - b2.powi(*t as i32);
+            let k = AdamWConsts {
+                decay: (1.0 - c.lr as f64 * c.weight_decay as f64) as f32,
+                beta1: c.beta1,
+                omb1: (1.0 - b1) as f32,
+                beta2: c.beta2,
+                omb2: (1.0 - b2) as f32,
+                step_size: (c.lr as f64 / bc1) as f32,
+                bc2_sqrt: bc2.sqrt() as f32,
+                eps: c.eps,
+            };
+            p.storage().adamw_step(&g.storage(), &m.storage(), &v.storage(), &k)?;
+        }
+        Ok(())
+    }
+    fn params(&self) -> &[Tensor] {
+        &self.params
+    }
+    fn lr(&self) -> f32 {
+        self.cfg.lr
+    }
+    fn set_lr(&mut self, lr: f32) {
+        self.cfg.lr = lr;
+    }
+}
+
+/// Clips the global L2 norm of all gradients to `max_norm` in place and
+/// returns the norm before clipping (spec M10.4): when it exceeds `max_norm`
+/// every gradient is multiplied by `max_norm / (norm + 1e-6)`.
+pub fn clip_grad_norm_(params: &[Tensor], max_norm: f32) -> Result<f32> {
+    if !(max_norm > 0.0) {
+        bail!("clip: max_norm must be positive, got {max_norm}");
+    }
+    let grads: Vec<Storage> = params.iter().filter_map(|p| p.grad().map(|g| g.storage())).collect();
+    let refs: Vec<&Storage> = grads.iter().collect();
+    let norm = crate::backend::math::sqrt(Storage::sum_squares(&refs)?);
+    if norm > max_norm {
+        let coef = crate::backend::math::div(max_norm, norm + 1e-6);
+        for g in &grads {
+            g.scale_in_place(coef)?;
+        }
+    }
+    Ok(norm)
+}

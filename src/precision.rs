@@ -1,0 +1,346 @@
+//! Mixed precision (spec L11.1, first half): emulated bf16/fp16 rounding,
+//! `cast`, the `autocast` scope, `DynamicLossScaler`, `grad_accumulate` and
+//! `train_step_mixed`.
+//!
+//! Mixed precision rounds what a matmul reads and writes, and nothing else: the
+//! parameters, their gradients' accumulation and the optimizer state stay
+//! float32 ("master weights"), so an update smaller than bf16's spacing still
+//! lands.
+
+use crate::backend::round::Format;
+use crate::backend::{Storage, UnaryOp};
+use crate::optim::{clip_grad_norm_, Optimizer};
+use crate::{bail, Error, Result, Tensor};
+use serde::{Deserialize, Serialize};
+use std::cell::Cell;
+
+// ------------------------------------------------------------- rounding ----
+
+/// Every entry rounded to the nearest bf16 value (ties to even), dtype kept
+/// (f64 rounds from f64 directly). Not differentiable: a constant.
+pub fn round_to_bf16(x: &Tensor) -> Result<Tensor> {
+    round_to(x, Format::Bf16)
+}
+
+/// Every entry rounded to the nearest fp16 value: overflow to ±inf past the
+/// rounding boundary above 65504, subnormals down to 2^-24, dtype kept.
+pub fn round_to_fp16(x: &Tensor) -> Result<Tensor> {
+    round_to(x, Format::Fp16)
+}
+
+pub fn round_to(x: &Tensor, fmt: Format) -> Result<Tensor> {
+    Tensor::from_storage(x.storage().unary(UnaryOp::Round(fmt))?, x.shape())
+}
+
+/// The emulated storage conversion as an op: forward `y = rd(x)`, backward
+/// `x̄ = rd(ȳ)` — the gradient passes through the conversion (its true
+/// derivative is zero almost everywhere) and arrives as a 16-bit value.
+pub fn cast(x: &Tensor, fmt: Format) -> Result<Tensor> {
+    let s = x.storage().unary(UnaryOp::Round(fmt))?;
+    Ok(Tensor::from_op(s, x.shape().to_vec(), "cast", &[x], move |g| Ok(vec![Some(round_to(g, fmt)?)])))
+}
+
+// ------------------------------------------------------------- autocast ----
+
+thread_local! {
+    static AUTOCAST: Cell<Option<Format>> = const { Cell::new(None) };
+}
+
+/// The format every matmul on this thread rounds to right now, if any.
+pub fn autocast_dtype() -> Option<Format> {
+    AUTOCAST.with(Cell::get)
+}
+
+/// While alive, every matmul on this thread (`Tensor::matmul`, `Linear`,
+/// attention; CPU and GPU) computes `cast(cast(a) @ cast(b))` with f32
+/// accumulation. Dropping it restores the enclosing state — also while
+/// unwinding from a panic — so guards nest and the innermost format applies.
+#[must_use = "autocast ends when the guard is dropped"]
+pub struct AutocastGuard {
+    prev: Option<Format>,
+}
+
+impl Drop for AutocastGuard {
+    fn drop(&mut self) {
+        AUTOCAST.with(|a| a.set(self.prev));
+    }
+}
+
+/// Enters an autocast scope with `fmt` (or, with `None`, a float32 scope that
+/// switches an enclosing autocast off).
+pub fn autocast(fmt: impl Into<Option<Format>>) -> AutocastGuard {
+    let prev = AUTOCAST.with(|a| a.replace(fmt.into()));
+    AutocastGuard { prev }
+}
+
+/// `autocast(Format::Bf16)`.
+pub fn autocast_bf16() -> AutocastGuard {
+    autocast(Format::Bf16)
+}
+
+/// `autocast` with a format given by name ("bf16", "fp16"); an unknown name is
+/// an error and changes nothing.
+pub fn autocast_named(name: &str) -> Result<AutocastGuard> {
+    Ok(autocast(name.parse::<Format>()?))
+}
+
+/// The precision of a training step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Precision {
+    Fp32,
+    Bf16,
+    Fp16,
+}
+
+impl Precision {
+    pub fn format(self) -> Option<Format> {
+        match self {
+            Precision::Fp32 => None,
+            Precision::Bf16 => Some(Format::Bf16),
+            Precision::Fp16 => Some(Format::Fp16),
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::Fp32 => "fp32",
+            Precision::Bf16 => "bf16",
+            Precision::Fp16 => "fp16",
+        }
+    }
+}
+
+impl std::str::FromStr for Precision {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "fp32" | "float32" => Ok(Precision::Fp32),
+            "bf16" | "bfloat16" => Ok(Precision::Bf16),
+            "fp16" | "float16" => Ok(Precision::Fp16),
+            _ => bail!("unknown precision {s:?}: expected fp32, bf16 or fp16"),
+        }
+    }
+}
+
+// ---------------------------------------------------- DynamicLossScaler ----
+
+/// Dynamic loss scaling for fp16 (bf16 has float32's range and needs none).
+///
+/// The loss is multiplied by `S` before backward, which multiplies every
+/// gradient by `S` (backprop is linear) and lifts small ones out of fp16's
+/// underflow. `step` then checks every gradient: any non-finite value skips the
+/// step, drops the gradients and multiplies `S` by `backoff`; otherwise the
+/// gradients are unscaled, clipped (in true units), the optimizer steps, and
+/// after `interval` consecutive good steps `S` grows by `growth`. The count of
+/// good steps restarts after every overflow and every growth.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DynamicLossScaler {
+    scale: f32,
+    growth: f32,
+    backoff: f32,
+    interval: u64,
+    good_steps: u64,
+    last_grad_norm: Option<f32>,
+}
+
+/// What `state_dict` saves: enough to resume with the same scale and count.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ScalerState {
+    pub scale: f32,
+    pub growth: f32,
+    pub backoff: f32,
+    pub interval: u64,
+    pub good_steps: u64,
+}
+
+/// Below this the scale cannot rescue anything: every step overflows even with
+/// gradients shrunk by 2^24, so the run reports an error instead of looping.
+pub const MIN_SCALE: f32 = 5.960_464_5e-8; // 2^-24
+
+impl Default for DynamicLossScaler {
+    fn default() -> Self {
+        DynamicLossScaler::new(65536.0, 2.0, 0.5, 2000).expect("valid defaults")
+    }
+}
+
+fn validate(scale: f32, growth: f32, backoff: f32, interval: u64) -> Result<()> {
+    if !(scale.is_finite() && scale > 0.0) {
+        bail!("loss scale must be a positive finite number, got {scale}");
+    }
+    if !(growth.is_finite() && growth > 1.0) {
+        bail!("growth factor must be > 1, got {growth}");
+    }
+    if !(backoff > 0.0 && backoff < 1.0) {
+        bail!("backoff factor must be in (0, 1), got {backoff}");
+    }
+    if interval == 0 {
+        bail!("growth interval must be at least 1");
+    }
+    Ok(())
+}
+
+impl DynamicLossScaler {
+    pub fn new(init: f32, growth: f32, backoff: f32, interval: u64) -> Result<Self> {
+        validate(init, growth, backoff, interval)?;
+        Ok(DynamicLossScaler { scale: init, growth, backoff, interval, good_steps: 0, last_grad_norm: None })
+    }
+    /// The current loss scale `S`.
+    pub fn get_scale(&self) -> f32 {
+        self.scale
+    }
+    /// Consecutive good steps since the last overflow or growth.
+    pub fn good_steps(&self) -> u64 {
+        self.good_steps
+    }
+    /// The gradient norm the last successful `step` clipped with, if it clipped.
+    pub fn last_grad_norm(&self) -> Option<f32> {
+        self.last_grad_norm
+    }
+    /// `loss · S`.
+    pub fn scale(&self, loss: &Tensor) -> Result<Tensor> {
+        loss.mul_scalar(self.scale as f64)
+    }
+
+    /// Checks, unscales, clips, steps and updates `S`; returns whether the
+    /// optimizer stepped. The check and the unscale are one fused primitive
+    /// (on the GPU: one kernel per gradient buffer, one 4-byte readback).
+    pub fn step(&mut self, opt: &mut dyn Optimizer, params: &[Tensor], clip: Option<f32>) -> Result<bool> {
+        self.last_grad_norm = None;
+        let grads: Vec<Storage> = params.iter().filter_map(|p| p.grad().map(|g| g.storage())).collect();
+        let refs: Vec<&Storage> = grads.iter().collect();
+        let inv = crate::backend::math::div(1.0, self.scale);
+        let finite = Storage::finite_check_unscale(&refs, inv)?;
+        if !finite {
+            // Skip: drop the poisoned gradients so nothing adds onto them, back off.
+            for p in params {
+                p.zero_grad();
+            }
+            self.scale *= self.backoff;
+            self.good_steps = 0;
+            if self.scale < MIN_SCALE {
+                bail!("loss scale fell to {:e} after repeated overflows: the gradients are non-finite at any scale (a NaN in the model or the data?)", self.scale);
+            }
+            return Ok(false);
+        }
+        if let Some(c) = clip {
+            self.last_grad_norm = Some(clip_grad_norm_(params, c)?);
+        }
+        opt.step()?;
+        self.good_steps += 1;
+        if self.good_steps >= self.interval {
+            self.scale *= self.growth;
+            self.good_steps = 0;
+        }
+        Ok(true)
+    }
+
+    pub fn state_dict(&self) -> ScalerState {
+        ScalerState { scale: self.scale, growth: self.growth, backoff: self.backoff, interval: self.interval, good_steps: self.good_steps }
+    }
+
+    /// Restores a saved state; invalid values are an error and change nothing.
+    pub fn load_state_dict(&mut self, sd: &ScalerState) -> Result<()> {
+        validate(sd.scale, sd.growth, sd.backoff, sd.interval).map_err(|e| e.context("loss scaler state"))?;
+        if sd.good_steps >= sd.interval {
+            bail!("loss scaler state: good_steps {} must be below the interval {}", sd.good_steps, sd.interval);
+        }
+        *self = DynamicLossScaler { scale: sd.scale, growth: sd.growth, backoff: sd.backoff, interval: sd.interval, good_steps: sd.good_steps, last_grad_norm: None };
+        Ok(())
+    }
+}
+
+// -------------------------------------------------- gradient accumulation ----
+
+/// A micro-batch knows how many rows (examples) it holds: the weight `n_i / N`.
+pub trait MicroBatch {
+    fn rows(&self) -> usize;
+}
+
+impl MicroBatch for (Tensor, Tensor) {
+    fn rows(&self) -> usize {
+        self.0.shape().first().copied().unwrap_or(1)
+    }
+}
+
+/// Backpropagates `(n_i / N) · L_i` for every micro-batch (times `S` when a
+/// scaler is given) without zeroing in between, so the gradients add up to
+/// exactly the gradient of one batch of `N` rows. Returns the weighted loss
+/// `Σ (n_i / N) L_i` (unscaled): the loss of that one batch.
+pub fn grad_accumulate<M: ?Sized, B: MicroBatch>(
+    _model: &M,
+    micro_batches: &[B],
+    mut loss_fn: impl FnMut(&B) -> Result<Tensor>,
+    scaler: Option<&DynamicLossScaler>,
+) -> Result<f32> {
+    let total: usize = micro_batches.iter().map(|b| b.rows()).sum();
+    if total == 0 {
+        bail!("grad_accumulate: no rows in the micro-batches");
+    }
+    let mut loss = 0.0f64;
+    for mb in micro_batches {
+        let w = mb.rows() as f64 / total as f64;
+        let li = loss_fn(mb)?;
+        let weighted = li.mul_scalar(w)?;
+        loss += w * li.item()?;
+        match scaler {
+            Some(s) => s.scale(&weighted)?.backward()?,
+            None => weighted.backward()?,
+        }
+    }
+    Ok(loss as f32)
+}
+
+/// What one mixed-precision step did.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StepReport {
+    /// The batch's loss (weighted over micro-batches, unscaled).
+    pub loss: f32,
+    /// True when the scaler skipped the update (non-finite gradients).
+    pub skipped: bool,
+    /// The loss scale after the step (1 without a scaler).
+    pub scale: f32,
+    /// The global gradient norm before clipping, when clipping was asked for.
+    pub grad_norm: Option<f32>,
+}
+
+/// Spec L0.5's `train_step` for mixed precision: zero the gradients,
+/// accumulate the micro-batches under `autocast(precision)`, then either the
+/// scaler's step, or a finite-loss check (an error before any update, the
+/// gradients dropped), clipping and the optimizer's step.
+pub fn train_step_mixed<M: crate::nn::Module + ?Sized, B: MicroBatch>(
+    model: &M,
+    micro_batches: &[B],
+    loss_fn: impl FnMut(&B) -> Result<Tensor>,
+    opt: &mut dyn Optimizer,
+    precision: Precision,
+    scaler: Option<&mut DynamicLossScaler>,
+    clip: Option<f32>,
+) -> Result<StepReport> {
+    let params = model.parameters();
+    for p in &params {
+        p.zero_grad();
+    }
+    let loss = {
+        let _ac = autocast(precision.format());
+        grad_accumulate(model, micro_batches, loss_fn, scaler.as_deref())?
+    };
+    match scaler {
+        Some(s) => {
+            let stepped = s.step(opt, &params, clip)?;
+            Ok(StepReport { loss, skipped: !stepped, scale: s.get_scale(), grad_norm: s.last_grad_norm() })
+        }
+        None => {
+            if !loss.is_finite() {
+                for p in &params {
+                    p.zero_grad();
+                }
+                bail!("non-finite loss ({loss}) without a loss scaler: no update was made");
+            }
+            let grad_norm = match clip {
+                Some(c) => Some(clip_grad_norm_(&params, c)?),
+                None => None,
+            };
+            opt.step()?;
+            Ok(StepReport { loss, skipped: false, scale: 1.0, grad_norm })
+        }
+    }
+}

@@ -1,0 +1,139 @@
+//! Activation checkpointing (spec L11.1, second half; schedule from M08.4).
+//!
+//! A checkpointed segment runs under `no_grad` — none of its intermediate values
+//! are recorded — and becomes ONE graph node whose parents are its tensor
+//! arguments and its parameters. When backward reaches the node, it reruns the
+//! segment with grad on from fresh leaf copies of the arguments, with every
+//! random generator set back to where it stood and under the autocast state of
+//! the forward pass, backpropagates the upstream gradient through the rerun
+//! (parameter gradients accumulate directly), and hands the arguments'
+//! gradients on. Same operations on the same values: the gradients equal a
+//! plain run's bit for bit.
+
+use crate::nn::Layer;
+use crate::precision::{autocast, autocast_dtype};
+use crate::rng::Generator;
+use crate::tensor::{is_grad_enabled, no_grad, set_grad_enabled};
+use crate::{bail, Result, Tensor};
+use std::rc::Rc;
+
+/// Peak activation memory of a schedule over `n` layers, in layer units:
+/// `P = (k − 1) + max_j s_j` (spec M08.4).
+pub fn schedule_peak(schedule: &[usize], n: usize) -> usize {
+    let k = schedule.len();
+    let max_seg = (0..k).map(|j| schedule.get(j + 1).copied().unwrap_or(n) - schedule[j]).max().unwrap_or(0);
+    k.saturating_sub(1) + max_seg
+}
+
+/// The schedule with the fewest segments whose peak fits `budget` (sizes as
+/// equal as possible, larger first), as segment start indices. `budget >= n`
+/// gives `[0]`. Too small a budget is an error naming the smallest achievable peak.
+pub fn checkpoint_schedule(n_layers: usize, budget: usize) -> Result<Vec<usize>> {
+    if n_layers == 0 {
+        bail!("checkpoint_schedule: no layers");
+    }
+    let mut best = usize::MAX;
+    for k in 1..=n_layers {
+        let peak = (k - 1) + n_layers.div_ceil(k);
+        best = best.min(peak);
+        if peak <= budget {
+            let (q, r) = (n_layers / k, n_layers % k);
+            let mut starts = Vec::with_capacity(k);
+            let mut at = 0;
+            for j in 0..k {
+                starts.push(at);
+                at += q + usize::from(j < r);
+            }
+            return Ok(starts);
+        }
+    }
+    bail!("a memory budget of {budget} layer(s) is too small for {n_layers} layers: the smallest achievable peak is {best}")
+}
+
+/// Runs `f(args)` without recording its inside, as one node that recomputes
+/// it during backward (see the module docs). `params` are the trainable
+/// tensors `f` reads; `rngs` the generators it draws from. Non-tensor
+/// arguments are captured by the closure. Under `no_grad` it simply runs `f`.
+pub fn checkpoint<F>(f: F, args: &[Tensor], params: &[Tensor], rngs: &[Generator]) -> Result<Tensor>
+where
+    F: Fn(&[Tensor]) -> Result<Tensor> + 'static,
+{
+    if !is_grad_enabled() {
+        return f(args);
+    }
+    let before: Vec<_> = rngs.iter().map(|g| g.state()).collect();
+    let precision = autocast_dtype();
+    let out = {
+        let _ng = no_grad();
+        f(args)?
+    };
+    let n_params = params.len();
+    let parents: Vec<&Tensor> = args.iter().chain(params.iter()).collect();
+    let (args0, rngs0) = (args.to_vec(), rngs.to_vec());
+    Ok(Tensor::from_op(out.storage(), out.shape().to_vec(), "checkpoint", &parents, move |g| {
+        // Replay the random streams from where the forward pass began; keep
+        // where they had got to, to restore after the rerun.
+        let reached: Vec<_> = rngs0.iter().map(|r| r.state()).collect();
+        for (r, s) in rngs0.iter().zip(&before) {
+            r.set_state(*s);
+        }
+        // Fresh leaves: the rerun's backward must stop here, not run into the
+        // outer graph. One leaf per position, so a tensor passed twice gets one
+        // gradient per use.
+        let leaves: Vec<Tensor> = args0.iter().map(|a| a.detach().requires_grad_(a.requires_grad())).collect();
+        let rerun = {
+            let _gm = set_grad_enabled(true);
+            let _ac = autocast(precision);
+            f(&leaves)
+        };
+        for (r, s) in rngs0.iter().zip(&reached) {
+            r.set_state(*s);
+        }
+        let rerun = rerun?;
+        if rerun.requires_grad() {
+            rerun.backward_with(g)?;
+        }
+        // The parameters' gradients were accumulated by the rerun's backward:
+        // they get `None` here.
+        let mut grads: Vec<Option<Tensor>> = leaves.iter().map(|l| l.grad()).collect();
+        grads.resize(n_params + args0.len(), None);
+        Ok(grads)
+    }))
+}
+
+/// The parameters of a run of layers.
+fn params_of(layers: &[Rc<dyn Layer>]) -> Vec<Tensor> {
+    layers.iter().flat_map(|l| l.parameters()).collect()
+}
+
+/// Runs `layers` on `x`, checkpointing every segment of
+/// `checkpoint_schedule(layers.len(), mem_budget_layers)` but the last, which
+/// runs normally (checkpointing it would only run it twice).
+pub fn checkpoint_sequential(layers: &[Rc<dyn Layer>], x: &Tensor, mem_budget_layers: usize, rngs: &[Generator]) -> Result<Tensor> {
+    let sched = checkpoint_schedule(layers.len(), mem_budget_layers)?;
+    let mut h = x.clone();
+    for (j, &start) in sched.iter().enumerate() {
+        let end = sched.get(j + 1).copied().unwrap_or(layers.len());
+        let seg: Vec<Rc<dyn Layer>> = layers[start..end].to_vec();
+        if j + 1 == sched.len() {
+            for l in &seg {
+                h = l.forward(&h)?;
+            }
+        } else {
+            let params = params_of(&seg);
+            h = checkpoint(
+                move |a: &[Tensor]| {
+                    let mut t = a[0].clone();
+                    for l in &seg {
+                        t = l.forward(&t)?;
+                    }
+                    Ok(t)
+                },
+                &[h],
+                &params,
+                rngs,
+            )?;
+        }
+    }
+    Ok(h)
+}

@@ -1,0 +1,136 @@
+//! Grad mode, graph nodes and `backward`.
+//!
+//! A node is created only by [`Tensor::from_op`], and only when grad mode is on
+//! and some parent requires grad (spec L0.1). `backward` walks the graph once in
+//! reverse topological order and *consumes* it: each node's vector-Jacobian
+//! closure (and every value it saved) and its parent links are dropped the
+//! moment the node has run, so an activation's memory is released as soon as the
+//! last node that needs it is done — the property activation checkpointing
+//! relies on to lower the peak during backward.
+
+use super::Tensor;
+use crate::{bail, Result};
+use std::cell::Cell;
+use std::collections::HashMap;
+
+thread_local! {
+    static GRAD_ENABLED: Cell<bool> = const { Cell::new(true) };
+}
+
+/// Whether operations on this thread record graph nodes.
+pub fn is_grad_enabled() -> bool {
+    GRAD_ENABLED.with(Cell::get)
+}
+
+/// Sets grad mode for as long as the guard lives; dropping it (also while
+/// unwinding from a panic) restores the mode that was active before.
+#[must_use = "grad mode reverts when the guard is dropped"]
+pub struct GradModeGuard {
+    prev: bool,
+}
+
+impl Drop for GradModeGuard {
+    fn drop(&mut self) {
+        GRAD_ENABLED.with(|g| g.set(self.prev));
+    }
+}
+
+/// Turns graph recording off until the guard is dropped. Guards nest.
+pub fn no_grad() -> GradModeGuard {
+    set_grad_enabled(false)
+}
+
+/// Turns graph recording on or off until the guard is dropped.
+pub fn set_grad_enabled(on: bool) -> GradModeGuard {
+    let prev = GRAD_ENABLED.with(|g| g.replace(on));
+    GradModeGuard { prev }
+}
+
+/// A vector-Jacobian product: upstream gradient → one gradient per parent
+/// (`None` for a parent that gets none).
+pub type Vjp = Box<dyn FnOnce(&Tensor) -> Result<Vec<Option<Tensor>>>>;
+
+pub(crate) struct Node {
+    pub(crate) name: &'static str,
+    pub(crate) parents: Vec<Tensor>,
+    pub(crate) vjp: Vjp,
+}
+
+/// Reverse topological order of the graph under `root` (root first), iterative
+/// so deep graphs cannot overflow the stack.
+fn topo_order(root: &Tensor) -> Vec<Tensor> {
+    let mut order = Vec::new();
+    let mut seen = std::collections::HashSet::new();
+    // (tensor, children pushed?)
+    let mut stack = vec![(root.clone(), false)];
+    while let Some((t, expanded)) = stack.pop() {
+        if expanded {
+            order.push(t);
+            continue;
+        }
+        if !seen.insert(t.id()) {
+            continue;
+        }
+        stack.push((t.clone(), true));
+        if let Some(node) = t.0.node.borrow().as_ref() {
+            for p in &node.parents {
+                if p.requires_grad() && !seen.contains(&p.id()) {
+                    stack.push((p.clone(), false));
+                }
+            }
+        }
+    }
+    order.reverse();
+    order
+}
+
+fn accumulate(map: &mut HashMap<usize, Tensor>, t: &Tensor, g: Tensor) -> Result<()> {
+    let g = match map.remove(&t.id()) {
+        Some(prev) => prev.add(&g)?,
+        None => g,
+    };
+    map.insert(t.id(), g);
+    Ok(())
+}
+
+pub(crate) fn backward(root: &Tensor, seed: Tensor) -> Result<()> {
+    if !root.requires_grad() {
+        bail!("backward on a tensor that does not require grad (no parameter reached it, or it was made under no_grad)");
+    }
+    if seed.shape() != root.shape() {
+        bail!("backward seed of shape {:?} for a tensor of shape {:?}", seed.shape(), root.shape());
+    }
+    // The backward pass itself builds no graph.
+    let _g = no_grad();
+    let mut order = topo_order(root);
+    let mut grads: HashMap<usize, Tensor> = HashMap::new();
+    grads.insert(root.id(), seed);
+    // Pop from the back = walk the reverse topological order; each tensor is
+    // dropped from `order` as soon as it is processed.
+    order.reverse();
+    while let Some(t) = order.pop() {
+        let g = grads.remove(&t.id());
+        if t.0.is_leaf {
+            if let Some(g) = g {
+                t.accumulate_grad(g)?;
+            }
+            continue;
+        }
+        let node = t.0.node.borrow_mut().take();
+        let Some(g) = g else { continue };
+        let Some(node) = node else {
+            bail!("backward through a graph that was already freed (a second backward over the same forward pass)");
+        };
+        let Node { name, parents, vjp } = node;
+        let pgrads = vjp(&g).map_err(|e| e.context(format!("backward of {name}")))?;
+        for (p, pg) in parents.iter().zip(pgrads) {
+            if let (true, Some(pg)) = (p.requires_grad(), pg) {
+                if pg.shape() != p.shape() {
+                    bail!("backward of {name} produced a gradient of shape {:?} for an input of shape {:?}", pg.shape(), p.shape());
+                }
+                accumulate(&mut grads, p, pg)?;
+            }
+        }
+    }
+    Ok(())
+}

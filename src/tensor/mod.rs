@@ -1,0 +1,275 @@
+//! `Tensor`: a value on a device, a shape, and — when it takes part in
+//! autograd — a graph node. Host-side reverse mode, backend-agnostic: nothing
+//! here looks inside [`Storage`].
+
+pub mod autograd;
+pub mod shape;
+
+use crate::backend::{DType, Device, Storage};
+use crate::rng::Generator;
+use crate::{bail, Result};
+use autograd::{Node, Vjp};
+use std::cell::{Cell, RefCell};
+use std::rc::Rc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+pub use autograd::{is_grad_enabled, no_grad, set_grad_enabled, GradModeGuard};
+
+static NEXT_ID: AtomicUsize = AtomicUsize::new(1);
+
+pub(crate) struct Inner {
+    id: usize,
+    storage: RefCell<Storage>,
+    shape: Vec<usize>,
+    requires_grad: Cell<bool>,
+    is_leaf: bool,
+    grad: RefCell<Option<Tensor>>,
+    pub(crate) node: RefCell<Option<Node>>,
+}
+
+/// A shared handle: clones refer to the same tensor (and the same `.grad`).
+#[derive(Clone)]
+pub struct Tensor(pub(crate) Rc<Inner>);
+
+impl std::fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Tensor({:?}, {}, {:?}", self.shape(), self.device(), self.dtype())?;
+        if self.numel() <= 16 {
+            if let Ok(v) = self.to_vec_f64() {
+                write!(f, ", {v:?}")?;
+            }
+        }
+        write!(f, ")")
+    }
+}
+
+impl Tensor {
+    fn make(storage: Storage, shape: Vec<usize>, requires_grad: bool, node: Option<Node>) -> Tensor {
+        debug_assert_eq!(storage.len(), shape::numel(&shape));
+        Tensor(Rc::new(Inner {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            storage: RefCell::new(storage),
+            shape,
+            requires_grad: Cell::new(requires_grad),
+            is_leaf: node.is_none(),
+            grad: RefCell::new(None),
+            node: RefCell::new(node),
+        }))
+    }
+
+    /// A constant (leaf, no grad) over an existing storage.
+    pub fn from_storage(storage: Storage, shape: &[usize]) -> Result<Tensor> {
+        if storage.len() != shape::numel(shape) {
+            bail!("{} values do not fill a tensor of shape {shape:?}", storage.len());
+        }
+        Ok(Tensor::make(storage, shape.to_vec(), false, None))
+    }
+
+    /// The result of an op (spec L0.1 `from_op`): records a node with `vjp` only
+    /// when grad mode is on and some parent requires grad; otherwise a constant.
+    pub fn from_op(storage: Storage, shape: Vec<usize>, name: &'static str, parents: &[&Tensor], vjp: impl FnOnce(&Tensor) -> Result<Vec<Option<Tensor>>> + 'static) -> Tensor {
+        if is_grad_enabled() && parents.iter().any(|p| p.requires_grad()) {
+            let node = Node { name, parents: parents.iter().map(|&p| p.clone()).collect(), vjp: Box::new(vjp) as Vjp };
+            Tensor::make(storage, shape, true, Some(node))
+        } else {
+            Tensor::make(storage, shape, false, None)
+        }
+    }
+
+    pub fn from_vec(data: Vec<f32>, shape: &[usize], device: Device) -> Result<Tensor> {
+        if data.len() != shape::numel(shape) {
+            bail!("{} values do not fill a tensor of shape {shape:?}", data.len());
+        }
+        Tensor::from_storage(Storage::from_f32(data, device)?, shape)
+    }
+
+    pub fn from_vec_f64(data: Vec<f64>, shape: &[usize], device: Device) -> Result<Tensor> {
+        if data.len() != shape::numel(shape) {
+            bail!("{} values do not fill a tensor of shape {shape:?}", data.len());
+        }
+        Tensor::from_storage(Storage::from_f64(data, device)?, shape)
+    }
+
+    /// From an ndarray array (f32, any dimension) onto `device`.
+    pub fn from_ndarray(a: &ndarray::ArrayD<f32>, device: Device) -> Result<Tensor> {
+        let shape = a.shape().to_vec();
+        Tensor::from_vec(a.iter().copied().collect(), &shape, device)
+    }
+
+    /// The values as an ndarray array (f32).
+    pub fn to_ndarray(&self) -> Result<ndarray::ArrayD<f32>> {
+        ndarray::ArrayD::from_shape_vec(self.shape().to_vec(), self.to_vec_f32()?).map_err(|e| crate::Error::msg(e.to_string()))
+    }
+
+    pub fn full(shape: &[usize], value: f64, dtype: DType, device: Device) -> Result<Tensor> {
+        Tensor::from_storage(Storage::full(shape::numel(shape), value, dtype, device)?, shape)
+    }
+    pub fn zeros(shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
+        Tensor::full(shape, 0.0, dtype, device)
+    }
+    pub fn ones(shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
+        Tensor::full(shape, 1.0, dtype, device)
+    }
+    /// A 0-dimensional f32 tensor.
+    pub fn scalar(v: f32, device: Device) -> Result<Tensor> {
+        Tensor::from_vec(vec![v], &[], device)
+    }
+    /// Normal(0, std²) entries drawn on the host from `gen` (same bits on every device).
+    pub fn randn(shape: &[usize], std: f32, gen: &Generator, device: Device) -> Result<Tensor> {
+        let v = gen.normal(shape::numel(shape)).into_iter().map(|x| x * std).collect();
+        Tensor::from_vec(v, shape, device)
+    }
+    /// Uniform(-bound, bound) entries drawn on the host from `gen`.
+    pub fn uniform(shape: &[usize], bound: f32, gen: &Generator, device: Device) -> Result<Tensor> {
+        let v = gen.uniform(shape::numel(shape)).into_iter().map(|u| (2.0 * u - 1.0) * bound).collect();
+        Tensor::from_vec(v, shape, device)
+    }
+    /// A tensor like `self` filled with `value`.
+    pub fn full_like(&self, value: f64) -> Result<Tensor> {
+        Tensor::full(self.shape(), value, self.dtype(), self.device())
+    }
+    pub fn zeros_like(&self) -> Result<Tensor> {
+        self.full_like(0.0)
+    }
+    pub fn ones_like(&self) -> Result<Tensor> {
+        self.full_like(1.0)
+    }
+
+    pub fn id(&self) -> usize {
+        self.0.id
+    }
+    pub fn shape(&self) -> &[usize] {
+        &self.0.shape
+    }
+    pub fn dims(&self) -> usize {
+        self.0.shape.len()
+    }
+    pub fn numel(&self) -> usize {
+        shape::numel(&self.0.shape)
+    }
+    pub fn device(&self) -> Device {
+        self.0.storage.borrow().device()
+    }
+    pub fn dtype(&self) -> DType {
+        self.0.storage.borrow().dtype()
+    }
+    /// The storage handle (shared, not copied).
+    pub fn storage(&self) -> Storage {
+        self.0.storage.borrow().clone()
+    }
+    /// Replaces the values of a leaf in place (loading a checkpoint, tests).
+    pub fn set_storage(&self, s: Storage) -> Result<()> {
+        if s.len() != self.numel() || s.dtype() != self.dtype() {
+            bail!("set_storage: {} {:?} values for a {:?} {:?} tensor", s.len(), s.dtype(), self.shape(), self.dtype());
+        }
+        *self.0.storage.borrow_mut() = s;
+        Ok(())
+    }
+    pub fn to_vec_f32(&self) -> Result<Vec<f32>> {
+        self.storage().to_vec_f32()
+    }
+    pub fn to_vec_f64(&self) -> Result<Vec<f64>> {
+        self.storage().to_vec_f64()
+    }
+    /// The single value of a one-element tensor.
+    pub fn item(&self) -> Result<f64> {
+        if self.numel() != 1 {
+            bail!("item() of a tensor with {} elements", self.numel());
+        }
+        Ok(self.to_vec_f64()?[0])
+    }
+    /// A copy on `device`, differentiable (the gradient moves back).
+    pub fn to_device(&self, device: Device) -> Result<Tensor> {
+        if device == self.device() {
+            return Ok(self.clone());
+        }
+        let from = self.device();
+        let s = self.storage().to_device(device)?;
+        Ok(Tensor::from_op(s, self.shape().to_vec(), "to_device", &[self], move |g| Ok(vec![Some(g.to_device(from)?)])))
+    }
+    /// A copy with another dtype (f32 ↔ f64, CPU), differentiable.
+    pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
+        if dtype == self.dtype() {
+            return Ok(self.clone());
+        }
+        let from = self.dtype();
+        let s = self.storage().to_dtype(dtype)?;
+        Ok(Tensor::from_op(s, self.shape().to_vec(), "to_dtype", &[self], move |g| Ok(vec![Some(g.to_dtype(from)?)])))
+    }
+    /// A new leaf sharing the values, outside any graph.
+    pub fn detach(&self) -> Tensor {
+        Tensor::make(self.storage(), self.shape().to_vec(), false, None)
+    }
+    fn shares_storage(&self) -> bool {
+        let s = self.0.storage.borrow();
+        Rc::strong_count(&self.0) > 1
+            || match &*s {
+                Storage::Cpu(c) => Rc::strong_count(c) > 1,
+                Storage::Gpu(g) => Rc::strong_count(g) > 1,
+            }
+    }
+    /// A constant copy with its own buffer, on the same device.
+    pub fn copy(&self) -> Result<Tensor> {
+        let s = self.storage().strided_copy(self.shape(), &shape::contiguous_strides(self.shape()), 0)?;
+        Tensor::from_storage(s, self.shape())
+    }
+    /// A new leaf with its own copy of the values.
+    pub fn deep_clone(&self) -> Result<Tensor> {
+        let s = self.storage();
+        let copy = match s.dtype() {
+            DType::F32 => Storage::from_f32(s.to_vec_f32()?, s.device())?,
+            DType::F64 => Storage::from_f64(s.to_vec_f64()?, s.device())?,
+        };
+        Tensor::from_storage(copy, self.shape())
+    }
+
+    pub fn requires_grad(&self) -> bool {
+        self.0.requires_grad.get()
+    }
+    /// Marks a leaf as trainable (builder style).
+    pub fn requires_grad_(self, on: bool) -> Tensor {
+        assert!(self.0.is_leaf, "requires_grad_ on a non-leaf tensor");
+        self.0.requires_grad.set(on);
+        self
+    }
+    pub fn is_leaf(&self) -> bool {
+        self.0.is_leaf
+    }
+    /// The accumulated gradient of a leaf.
+    pub fn grad(&self) -> Option<Tensor> {
+        self.0.grad.borrow().clone()
+    }
+    pub fn set_grad(&self, g: Option<Tensor>) {
+        *self.0.grad.borrow_mut() = g;
+    }
+    pub fn zero_grad(&self) {
+        self.set_grad(None);
+    }
+    /// Adds `g` into `.grad` (never overwrites, spec L0.1). The first
+    /// contribution is stored as is.
+    pub(crate) fn accumulate_grad(&self, g: Tensor) -> Result<()> {
+        let _ng = no_grad();
+        let new = match self.grad() {
+            Some(prev) => prev.add(&g)?,
+            // A gradient is updated in place later (unscaling, clipping), so
+            // `.grad` must own its buffer: copy when anything else shares it.
+            None if g.shares_storage() => g.copy()?,
+            None => g.detach(),
+        };
+        self.set_grad(Some(new));
+        Ok(())
+    }
+
+    /// Backpropagates from a one-element tensor (seed 1).
+    pub fn backward(&self) -> Result<()> {
+        if self.numel() != 1 {
+            bail!("backward() needs a one-element tensor (shape {:?}); use backward_with(seed)", self.shape());
+        }
+        let seed = self.ones_like()?;
+        autograd::backward(self, seed)
+    }
+    /// Backpropagates with an explicit seed gradient of this tensor's shape.
+    pub fn backward_with(&self, seed: &Tensor) -> Result<()> {
+        autograd::backward(self, seed.detach())
+    }
+}
