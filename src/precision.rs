@@ -37,7 +37,13 @@ pub fn round_to(x: &Tensor, fmt: Format) -> Result<Tensor> {
 /// derivative is zero almost everywhere) and arrives as a 16-bit value.
 pub fn cast(x: &Tensor, fmt: Format) -> Result<Tensor> {
     let s = x.storage().unary(UnaryOp::Round(fmt))?;
-    Ok(Tensor::from_op(s, x.shape().to_vec(), "cast", &[x], move |g| Ok(vec![Some(round_to(g, fmt)?)])))
+    Ok(Tensor::from_op(
+        s,
+        x.shape().to_vec(),
+        "cast",
+        &[x],
+        move |g| Ok(vec![Some(round_to(g, fmt)?)]),
+    ))
 }
 
 // ------------------------------------------------------------- autocast ----
@@ -181,7 +187,14 @@ fn validate(scale: f32, growth: f32, backoff: f32, interval: u64) -> Result<()> 
 impl DynamicLossScaler {
     pub fn new(init: f32, growth: f32, backoff: f32, interval: u64) -> Result<Self> {
         validate(init, growth, backoff, interval)?;
-        Ok(DynamicLossScaler { scale: init, growth, backoff, interval, good_steps: 0, last_grad_norm: None })
+        Ok(DynamicLossScaler {
+            scale: init,
+            growth,
+            backoff,
+            interval,
+            good_steps: 0,
+            last_grad_norm: None,
+        })
     }
     /// The current loss scale `S`.
     pub fn get_scale(&self) -> f32 {
@@ -203,9 +216,17 @@ impl DynamicLossScaler {
     /// Checks, unscales, clips, steps and updates `S`; returns whether the
     /// optimizer stepped. The check and the unscale are one fused primitive
     /// (on the GPU: one kernel per gradient buffer, one 4-byte readback).
-    pub fn step(&mut self, opt: &mut dyn Optimizer, params: &[Tensor], clip: Option<f32>) -> Result<bool> {
+    pub fn step(
+        &mut self,
+        opt: &mut dyn Optimizer,
+        params: &[Tensor],
+        clip: Option<f32>,
+    ) -> Result<bool> {
         self.last_grad_norm = None;
-        let grads: Vec<Storage> = params.iter().filter_map(|p| p.grad().map(|g| g.storage())).collect();
+        let grads: Vec<Storage> = params
+            .iter()
+            .filter_map(|p| p.grad().map(|g| g.storage()))
+            .collect();
         let refs: Vec<&Storage> = grads.iter().collect();
         let inv = crate::backend::math::div(1.0, self.scale);
         let finite = Storage::finite_check_unscale(&refs, inv)?;
@@ -234,16 +255,34 @@ impl DynamicLossScaler {
     }
 
     pub fn state_dict(&self) -> ScalerState {
-        ScalerState { scale: self.scale, growth: self.growth, backoff: self.backoff, interval: self.interval, good_steps: self.good_steps }
+        ScalerState {
+            scale: self.scale,
+            growth: self.growth,
+            backoff: self.backoff,
+            interval: self.interval,
+            good_steps: self.good_steps,
+        }
     }
 
     /// Restores a saved state; invalid values are an error and change nothing.
     pub fn load_state_dict(&mut self, sd: &ScalerState) -> Result<()> {
-        validate(sd.scale, sd.growth, sd.backoff, sd.interval).map_err(|e| e.context("loss scaler state"))?;
+        validate(sd.scale, sd.growth, sd.backoff, sd.interval)
+            .map_err(|e| e.context("loss scaler state"))?;
         if sd.good_steps >= sd.interval {
-            bail!("loss scaler state: good_steps {} must be below the interval {}", sd.good_steps, sd.interval);
+            bail!(
+                "loss scaler state: good_steps {} must be below the interval {}",
+                sd.good_steps,
+                sd.interval
+            );
         }
-        *self = DynamicLossScaler { scale: sd.scale, growth: sd.growth, backoff: sd.backoff, interval: sd.interval, good_steps: sd.good_steps, last_grad_norm: None };
+        *self = DynamicLossScaler {
+            scale: sd.scale,
+            growth: sd.growth,
+            backoff: sd.backoff,
+            interval: sd.interval,
+            good_steps: sd.good_steps,
+            last_grad_norm: None,
+        };
         Ok(())
     }
 }
@@ -326,7 +365,12 @@ pub fn train_step_mixed<M: crate::nn::Module + ?Sized, B: MicroBatch>(
     match scaler {
         Some(s) => {
             let stepped = s.step(opt, &params, clip)?;
-            Ok(StepReport { loss, skipped: !stepped, scale: s.get_scale(), grad_norm: s.last_grad_norm() })
+            Ok(StepReport {
+                loss,
+                skipped: !stepped,
+                scale: s.get_scale(),
+                grad_norm: s.last_grad_norm(),
+            })
         }
         None => {
             if !loss.is_finite() {
@@ -340,7 +384,12 @@ pub fn train_step_mixed<M: crate::nn::Module + ?Sized, B: MicroBatch>(
                 None => None,
             };
             opt.step()?;
-            Ok(StepReport { loss, skipped: false, scale: 1.0, grad_norm })
+            Ok(StepReport {
+                loss,
+                skipped: false,
+                scale: 1.0,
+                grad_norm,
+            })
         }
     }
 }

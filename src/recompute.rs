@@ -21,7 +21,10 @@ use std::rc::Rc;
 /// `P = (k − 1) + max_j s_j` (spec M08.4).
 pub fn schedule_peak(schedule: &[usize], n: usize) -> usize {
     let k = schedule.len();
-    let max_seg = (0..k).map(|j| schedule.get(j + 1).copied().unwrap_or(n) - schedule[j]).max().unwrap_or(0);
+    let max_seg = (0..k)
+        .map(|j| schedule.get(j + 1).copied().unwrap_or(n) - schedule[j])
+        .max()
+        .unwrap_or(0);
     k.saturating_sub(1) + max_seg
 }
 
@@ -70,35 +73,44 @@ where
     let n_params = params.len();
     let parents: Vec<&Tensor> = args.iter().chain(params.iter()).collect();
     let (args0, rngs0) = (args.to_vec(), rngs.to_vec());
-    Ok(Tensor::from_op(out.storage(), out.shape().to_vec(), "checkpoint", &parents, move |g| {
-        // Replay the random streams from where the forward pass began; keep
-        // where they had got to, to restore after the rerun.
-        let reached: Vec<_> = rngs0.iter().map(|r| r.state()).collect();
-        for (r, s) in rngs0.iter().zip(&before) {
-            r.set_state(*s);
-        }
-        // Fresh leaves: the rerun's backward must stop here, not run into the
-        // outer graph. One leaf per position, so a tensor passed twice gets one
-        // gradient per use.
-        let leaves: Vec<Tensor> = args0.iter().map(|a| a.detach().requires_grad_(a.requires_grad())).collect();
-        let rerun = {
-            let _gm = set_grad_enabled(true);
-            let _ac = autocast(precision);
-            f(&leaves)
-        };
-        for (r, s) in rngs0.iter().zip(&reached) {
-            r.set_state(*s);
-        }
-        let rerun = rerun?;
-        if rerun.requires_grad() {
-            rerun.backward_with(g)?;
-        }
-        // The parameters' gradients were accumulated by the rerun's backward:
-        // they get `None` here.
-        let mut grads: Vec<Option<Tensor>> = leaves.iter().map(|l| l.grad()).collect();
-        grads.resize(n_params + args0.len(), None);
-        Ok(grads)
-    }))
+    Ok(Tensor::from_op(
+        out.storage(),
+        out.shape().to_vec(),
+        "checkpoint",
+        &parents,
+        move |g| {
+            // Replay the random streams from where the forward pass began; keep
+            // where they had got to, to restore after the rerun.
+            let reached: Vec<_> = rngs0.iter().map(|r| r.state()).collect();
+            for (r, s) in rngs0.iter().zip(&before) {
+                r.set_state(*s);
+            }
+            // Fresh leaves: the rerun's backward must stop here, not run into the
+            // outer graph. One leaf per position, so a tensor passed twice gets one
+            // gradient per use.
+            let leaves: Vec<Tensor> = args0
+                .iter()
+                .map(|a| a.detach().requires_grad_(a.requires_grad()))
+                .collect();
+            let rerun = {
+                let _gm = set_grad_enabled(true);
+                let _ac = autocast(precision);
+                f(&leaves)
+            };
+            for (r, s) in rngs0.iter().zip(&reached) {
+                r.set_state(*s);
+            }
+            let rerun = rerun?;
+            if rerun.requires_grad() {
+                rerun.backward_with(g)?;
+            }
+            // The parameters' gradients were accumulated by the rerun's backward:
+            // they get `None` here.
+            let mut grads: Vec<Option<Tensor>> = leaves.iter().map(|l| l.grad()).collect();
+            grads.resize(n_params + args0.len(), None);
+            Ok(grads)
+        },
+    ))
 }
 
 /// The parameters of a run of layers.
@@ -109,7 +121,12 @@ fn params_of(layers: &[Rc<dyn Layer>]) -> Vec<Tensor> {
 /// Runs `layers` on `x`, checkpointing every segment of
 /// `checkpoint_schedule(layers.len(), mem_budget_layers)` but the last, which
 /// runs normally (checkpointing it would only run it twice).
-pub fn checkpoint_sequential(layers: &[Rc<dyn Layer>], x: &Tensor, mem_budget_layers: usize, rngs: &[Generator]) -> Result<Tensor> {
+pub fn checkpoint_sequential(
+    layers: &[Rc<dyn Layer>],
+    x: &Tensor,
+    mem_budget_layers: usize,
+    rngs: &[Generator],
+) -> Result<Tensor> {
     let sched = checkpoint_schedule(layers.len(), mem_budget_layers)?;
     let mut h = x.clone();
     for (j, &start) in sched.iter().enumerate() {

@@ -31,21 +31,42 @@ pub struct Linear {
 
 impl Linear {
     /// PyTorch's default init: uniform in `±1/√in` for weight and bias.
-    pub fn new(inp: usize, out: usize, bias: bool, gen: &Generator, device: Device) -> Result<Linear> {
+    pub fn new(
+        inp: usize,
+        out: usize,
+        bias: bool,
+        gen: &Generator,
+        device: Device,
+    ) -> Result<Linear> {
         let bound = 1.0 / (inp as f32).sqrt();
         let weight = Tensor::uniform(&[out, inp], bound, gen, device)?.requires_grad_(true);
-        let bias = if bias { Some(Tensor::uniform(&[out], bound, gen, device)?.requires_grad_(true)) } else { None };
+        let bias = if bias {
+            Some(Tensor::uniform(&[out], bound, gen, device)?.requires_grad_(true))
+        } else {
+            None
+        };
         Ok(Linear { weight, bias })
     }
     /// Normal(0, std²) weights, no bias (the Llama's projections).
-    pub fn normal(inp: usize, out: usize, std: f32, gen: &Generator, device: Device) -> Result<Linear> {
-        Ok(Linear { weight: Tensor::randn(&[out, inp], std, gen, device)?.requires_grad_(true), bias: None })
+    pub fn normal(
+        inp: usize,
+        out: usize,
+        std: f32,
+        gen: &Generator,
+        device: Device,
+    ) -> Result<Linear> {
+        Ok(Linear {
+            weight: Tensor::randn(&[out, inp], std, gen, device)?.requires_grad_(true),
+            bias: None,
+        })
     }
 }
 
 impl Module for Linear {
     fn parameters(&self) -> Vec<Tensor> {
-        std::iter::once(self.weight.clone()).chain(self.bias.clone()).collect()
+        std::iter::once(self.weight.clone())
+            .chain(self.bias.clone())
+            .collect()
     }
 }
 
@@ -54,7 +75,11 @@ impl Layer for Linear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let inp = self.weight.shape()[1];
         if x.shape().last() != Some(&inp) {
-            bail!("Linear({inp} -> {}): input of shape {:?}", self.weight.shape()[0], x.shape());
+            bail!(
+                "Linear({inp} -> {}): input of shape {:?}",
+                self.weight.shape()[0],
+                x.shape()
+            );
         }
         let lead = &x.shape()[..x.dims() - 1];
         let rows: usize = lead.iter().product();
@@ -75,8 +100,16 @@ pub struct Embedding {
 }
 
 impl Embedding {
-    pub fn new(num: usize, dim: usize, std: f32, gen: &Generator, device: Device) -> Result<Embedding> {
-        Ok(Embedding { weight: Tensor::randn(&[num, dim], std, gen, device)?.requires_grad_(true) })
+    pub fn new(
+        num: usize,
+        dim: usize,
+        std: f32,
+        gen: &Generator,
+        device: Device,
+    ) -> Result<Embedding> {
+        Ok(Embedding {
+            weight: Tensor::randn(&[num, dim], std, gen, device)?.requires_grad_(true),
+        })
     }
     /// `ids: (n,) -> (n, dim)`
     pub fn forward(&self, ids: &[u32]) -> Result<Tensor> {
@@ -98,7 +131,10 @@ pub struct RmsNorm {
 
 impl RmsNorm {
     pub fn new(dim: usize, eps: f64, device: Device) -> Result<RmsNorm> {
-        Ok(RmsNorm { weight: Tensor::ones(&[dim], crate::DType::F32, device)?.requires_grad_(true), eps })
+        Ok(RmsNorm {
+            weight: Tensor::ones(&[dim], crate::DType::F32, device)?.requires_grad_(true),
+            eps,
+        })
     }
 }
 
@@ -111,7 +147,11 @@ impl Module for RmsNorm {
 impl Layer for RmsNorm {
     /// `x: (.., d) -> (.., d)`
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let w = if x.dtype() == self.weight.dtype() { self.weight.clone() } else { self.weight.to_dtype(x.dtype())? };
+        let w = if x.dtype() == self.weight.dtype() {
+            self.weight.clone()
+        } else {
+            self.weight.to_dtype(x.dtype())?
+        };
         let r = x.square()?.mean(-1, true)?.add_scalar(self.eps)?.rsqrt()?;
         x.mul(&r)?.mul(&w)
     }
@@ -130,7 +170,11 @@ impl Dropout {
         if !(0.0..1.0).contains(&p) {
             bail!("dropout probability must be in [0, 1), got {p}");
         }
-        Ok(Dropout { p, gen: gen.clone(), training: Cell::new(true) })
+        Ok(Dropout {
+            p,
+            gen: gen.clone(),
+            training: Cell::new(true),
+        })
     }
 }
 

@@ -12,8 +12,17 @@ impl Tensor {
         let (v, d) = (self.shape()[0], self.shape()[1]);
         let s = self.storage().gather_rows(ids, d)?;
         let ids = ids.to_vec();
-        Ok(Tensor::from_op(s, vec![ids.len(), d], "embedding", &[self], move |g| {
-            Ok(vec![Some(Tensor::from_storage(g.storage().scatter_add_rows(&ids, v, d)?, &[v, d])?)])
-        }))
+        Ok(Tensor::from_op(
+            s,
+            vec![ids.len(), d],
+            "embedding",
+            &[self],
+            move |g| {
+                Ok(vec![Some(Tensor::from_storage(
+                    g.storage().scatter_add_rows(&ids, v, d)?,
+                    &[v, d],
+                )?)])
+            },
+        ))
     }
 }

@@ -13,15 +13,39 @@ use crate::{bail, Result, Tensor};
 /// `op(a) @ op(b)` over matching leading (batch) axes; `ta`/`tb` read the last
 /// two axes transposed. `a: (.., m, k)` (or `(.., k, m)` when `ta`), `b: (.., k, n)`
 /// (or `(.., n, k)` when `tb`) -> `(.., m, n)`.
-pub fn matmul_with(a: &Tensor, b: &Tensor, ta: bool, tb: bool, round: Option<Format>) -> Result<Tensor> {
+pub fn matmul_with(
+    a: &Tensor,
+    b: &Tensor,
+    ta: bool,
+    tb: bool,
+    round: Option<Format>,
+) -> Result<Tensor> {
     if a.dims() < 2 || b.dims() < 2 {
-        bail!("matmul needs at least 2-d operands, got {:?} and {:?}", a.shape(), b.shape());
+        bail!(
+            "matmul needs at least 2-d operands, got {:?} and {:?}",
+            a.shape(),
+            b.shape()
+        );
     }
     let (ra, rb) = (a.dims(), b.dims());
-    let (m, ka) = if ta { (a.shape()[ra - 1], a.shape()[ra - 2]) } else { (a.shape()[ra - 2], a.shape()[ra - 1]) };
-    let (kb, n) = if tb { (b.shape()[rb - 1], b.shape()[rb - 2]) } else { (b.shape()[rb - 2], b.shape()[rb - 1]) };
+    let (m, ka) = if ta {
+        (a.shape()[ra - 1], a.shape()[ra - 2])
+    } else {
+        (a.shape()[ra - 2], a.shape()[ra - 1])
+    };
+    let (kb, n) = if tb {
+        (b.shape()[rb - 1], b.shape()[rb - 2])
+    } else {
+        (b.shape()[rb - 2], b.shape()[rb - 1])
+    };
     if ka != kb {
-        bail!("matmul: inner dimensions differ ({:?}{} @ {:?}{})", a.shape(), if ta { "ᵀ" } else { "" }, b.shape(), if tb { "ᵀ" } else { "" });
+        bail!(
+            "matmul: inner dimensions differ ({:?}{} @ {:?}{})",
+            a.shape(),
+            if ta { "ᵀ" } else { "" },
+            b.shape(),
+            if tb { "ᵀ" } else { "" }
+        );
     }
     let k = ka;
     let (lead_a, lead_b) = (&a.shape()[..ra - 2], &b.shape()[..rb - 2]);
@@ -32,7 +56,16 @@ pub fn matmul_with(a: &Tensor, b: &Tensor, ta: bool, tb: bool, round: Option<For
     } else {
         bail!("matmul: batch axes {lead_a:?} and {lead_b:?} differ");
     };
-    let dims = MatmulDims { batch, m, k, n, trans_a: ta, trans_b: tb, a_batch_stride: m * k, b_batch_stride: b_stride };
+    let dims = MatmulDims {
+        batch,
+        m,
+        k,
+        n,
+        trans_a: ta,
+        trans_b: tb,
+        a_batch_stride: m * k,
+        b_batch_stride: b_stride,
+    };
     let s = a.storage().matmul(&b.storage(), dims, round)?;
     let mut shape = lead;
     shape.extend([m, n]);
@@ -61,7 +94,14 @@ pub fn matmul_with(a: &Tensor, b: &Tensor, ta: bool, tb: bool, round: Option<For
                     (a.reshape(&[lead * m, k])?, g.reshape(&[lead * m, n])?)
                 }
             } else {
-                (if ta && b.dims() == 2 { a.transpose(-1, -2)? } else { a.clone() }, g.clone())
+                (
+                    if ta && b.dims() == 2 {
+                        a.transpose(-1, -2)?
+                    } else {
+                        a.clone()
+                    },
+                    g.clone(),
+                )
             };
             let ta2 = ta && !(b.dims() == 2);
             Some(if !tb {

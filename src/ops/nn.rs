@@ -10,14 +10,23 @@ impl Tensor {
     /// Softmax over the last axis: `x: (.., n) -> (.., n)`, one fused primitive
     /// each way (backward `y (g − Σ g y)`).
     pub fn softmax(&self) -> Result<Tensor> {
-        let n = *self.shape().last().ok_or_else(|| crate::Error::msg("softmax of a 0-d tensor"))?;
+        let n = *self
+            .shape()
+            .last()
+            .ok_or_else(|| crate::Error::msg("softmax of a 0-d tensor"))?;
         let rows = numel(self.shape()) / n.max(1);
         let s = self.storage().softmax_rows(rows, n)?;
         let y = Tensor::from_storage(s.clone(), self.shape())?;
-        Ok(Tensor::from_op(s, self.shape().to_vec(), "softmax", &[self], move |g| {
-            let gs = y.storage().softmax_rows_backward(&g.storage(), rows, n)?;
-            Ok(vec![Some(Tensor::from_storage(gs, y.shape())?)])
-        }))
+        Ok(Tensor::from_op(
+            s,
+            self.shape().to_vec(),
+            "softmax",
+            &[self],
+            move |g| {
+                let gs = y.storage().softmax_rows_backward(&g.storage(), rows, n)?;
+                Ok(vec![Some(Tensor::from_storage(gs, y.shape())?)])
+            },
+        ))
     }
 
     /// `x − logsumexp(x)` over the last axis, stably: the row max is
@@ -37,10 +46,21 @@ impl Tensor {
     pub fn causal_mask(&self) -> Result<Tensor> {
         let r = self.dims();
         if r < 2 || self.shape()[r - 1] != self.shape()[r - 2] {
-            bail!("causal_mask needs square trailing axes, got {:?}", self.shape());
+            bail!(
+                "causal_mask needs square trailing axes, got {:?}",
+                self.shape()
+            );
         }
         let t = self.shape()[r - 1];
-        let mask: Vec<f32> = (0..t * t).map(|ij| if ij % t > ij / t { f32::NEG_INFINITY } else { 0.0 }).collect();
+        let mask: Vec<f32> = (0..t * t)
+            .map(|ij| {
+                if ij % t > ij / t {
+                    f32::NEG_INFINITY
+                } else {
+                    0.0
+                }
+            })
+            .collect();
         let mask = Tensor::from_vec(mask, &[t, t], self.device())?.to_dtype(self.dtype())?;
         self.add(&mask)
     }
@@ -49,7 +69,11 @@ impl Tensor {
 /// Mean squared error `mean((pred − target)²)` over all elements (spec L0.3).
 pub fn mse(pred: &Tensor, target: &Tensor) -> Result<Tensor> {
     if pred.shape() != target.shape() {
-        bail!("mse: prediction {:?} and target {:?} differ in shape", pred.shape(), target.shape());
+        bail!(
+            "mse: prediction {:?} and target {:?} differ in shape",
+            pred.shape(),
+            target.shape()
+        );
     }
     pred.sub(target)?.square()?.mean_all()
 }
@@ -59,14 +83,22 @@ pub fn mse(pred: &Tensor, target: &Tensor) -> Result<Tensor> {
 /// are picked with the embedding gather (rows of width 1).
 pub fn cross_entropy(logits: &Tensor, targets: &[u32]) -> Result<Tensor> {
     if logits.dims() != 2 || logits.shape()[0] != targets.len() {
-        bail!("cross_entropy: logits {:?} need shape (n, v) with n = {} targets", logits.shape(), targets.len());
+        bail!(
+            "cross_entropy: logits {:?} need shape (n, v) with n = {} targets",
+            logits.shape(),
+            targets.len()
+        );
     }
     let (n, v) = (logits.shape()[0], logits.shape()[1]);
     if let Some(&t) = targets.iter().find(|&&t| t as usize >= v) {
         bail!("cross_entropy: target {t} out of range for {v} classes");
     }
     let lsm = logits.log_softmax()?.reshape(&[n * v, 1])?;
-    let ids: Vec<u32> = targets.iter().enumerate().map(|(r, &t)| (r * v) as u32 + t).collect();
+    let ids: Vec<u32> = targets
+        .iter()
+        .enumerate()
+        .map(|(r, &t)| (r * v) as u32 + t)
+        .collect();
     lsm.embedding(&ids)?.sum_all()?.div_scalar(n as f64)?.neg()
 }
 
@@ -84,6 +116,10 @@ pub fn dropout(x: &Tensor, p: f32, gen: &Generator, training: bool) -> Result<Te
     let scale = crate::backend::math::div(1.0, 1.0 - p);
     let mask = Storage::dropout_mask(x.numel(), p, scale, st.seed, st.offset, x.device())?;
     let mask = Tensor::from_storage(mask, x.shape())?;
-    let mask = if x.device() == Device::Cpu { mask.to_dtype(x.dtype())? } else { mask };
+    let mask = if x.device() == Device::Cpu {
+        mask.to_dtype(x.dtype())?
+    } else {
+        mask
+    };
     x.mul(&mask)
 }

@@ -32,9 +32,13 @@ impl Tensor {
     pub fn sum(&self, ax: isize, keepdim: bool) -> Result<Tensor> {
         let (y, kshape) = self.reduce_axis(ReduceOp::Sum, ax, keepdim)?;
         let in_shape = self.shape().to_vec();
-        Ok(Tensor::from_op(y.storage(), y.shape().to_vec(), "sum", &[self], move |g| {
-            Ok(vec![Some(g.reshape(&kshape)?.broadcast_to(&in_shape)?)])
-        }))
+        Ok(Tensor::from_op(
+            y.storage(),
+            y.shape().to_vec(),
+            "sum",
+            &[self],
+            move |g| Ok(vec![Some(g.reshape(&kshape)?.broadcast_to(&in_shape)?)]),
+        ))
     }
 
     /// Sum of every element, as a 0-d tensor.
@@ -60,11 +64,17 @@ impl Tensor {
         let x = self.clone();
         let yk = y.reshape(&kshape)?;
         let axu = axis(ax, self.dims())? as isize;
-        Ok(Tensor::from_op(y.storage(), y.shape().to_vec(), "max", &[self], move |g| {
-            let mask = x.detach().eq_mask(&yk)?;
-            let count = mask.sum(axu, true)?;
-            Ok(vec![Some(g.reshape(&kshape)?.div(&count)?.mul(&mask)?)])
-        }))
+        Ok(Tensor::from_op(
+            y.storage(),
+            y.shape().to_vec(),
+            "max",
+            &[self],
+            move |g| {
+                let mask = x.detach().eq_mask(&yk)?;
+                let count = mask.sum(axu, true)?;
+                Ok(vec![Some(g.reshape(&kshape)?.div(&count)?.mul(&mask)?)])
+            },
+        ))
     }
 
     /// Sums a broadcast result back to `shape` (the backward of broadcasting):

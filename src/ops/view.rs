@@ -10,20 +10,34 @@ impl Tensor {
     /// Same values, another shape with the same number of elements (no copy).
     pub fn reshape(&self, shape: &[usize]) -> Result<Tensor> {
         if numel(shape) != self.numel() {
-            bail!("cannot reshape {:?} ({} elements) to {shape:?}", self.shape(), self.numel());
+            bail!(
+                "cannot reshape {:?} ({} elements) to {shape:?}",
+                self.shape(),
+                self.numel()
+            );
         }
         if shape == self.shape() {
             return Ok(self.clone());
         }
         let in_shape = self.shape().to_vec();
-        Ok(Tensor::from_op(self.storage(), shape.to_vec(), "reshape", &[self], move |g| Ok(vec![Some(g.reshape(&in_shape)?)])))
+        Ok(Tensor::from_op(
+            self.storage(),
+            shape.to_vec(),
+            "reshape",
+            &[self],
+            move |g| Ok(vec![Some(g.reshape(&in_shape)?)]),
+        ))
     }
 
     /// Reorders the axes: output axis `i` is input axis `perm[i]`.
     pub fn permute(&self, perm: &[usize]) -> Result<Tensor> {
         let n = self.dims();
         let mut seen = vec![false; n];
-        if perm.len() != n || perm.iter().any(|&p| p >= n || std::mem::replace(&mut seen[p], true)) {
+        if perm.len() != n
+            || perm
+                .iter()
+                .any(|&p| p >= n || std::mem::replace(&mut seen[p], true))
+        {
             bail!("permute {perm:?} is not a permutation of {n} axes");
         }
         let cs = contiguous_strides(self.shape());
@@ -34,7 +48,9 @@ impl Tensor {
         for (i, &p) in perm.iter().enumerate() {
             inv[p] = i;
         }
-        Ok(Tensor::from_op(s, shape, "permute", &[self], move |g| Ok(vec![Some(g.permute(&inv)?)])))
+        Ok(Tensor::from_op(s, shape, "permute", &[self], move |g| {
+            Ok(vec![Some(g.permute(&inv)?)])
+        }))
     }
 
     /// Swaps two axes.
@@ -50,7 +66,10 @@ impl Tensor {
         let ax = axis(ax, self.dims())?;
         let full = self.shape()[ax];
         if start + len > full {
-            bail!("narrow {start}..{} out of range for axis {ax} of size {full}", start + len);
+            bail!(
+                "narrow {start}..{} out of range for axis {ax} of size {full}",
+                start + len
+            );
         }
         let cs = contiguous_strides(self.shape());
         let mut shape = self.shape().to_vec();
@@ -70,17 +89,28 @@ impl Tensor {
                 zshape[ax] = full - start - len;
                 parts.push(Tensor::zeros(&zshape, g.dtype(), g.device())?);
             }
-            Ok(vec![Some(Tensor::cat(&parts.iter().collect::<Vec<_>>(), ax as isize)?)])
+            Ok(vec![Some(Tensor::cat(
+                &parts.iter().collect::<Vec<_>>(),
+                ax as isize,
+            )?)])
         }))
     }
 
     /// Concatenates along axis `ax`; all other axes must agree.
     pub fn cat(parts: &[&Tensor], ax: isize) -> Result<Tensor> {
-        let first = parts.first().ok_or_else(|| crate::Error::msg("cat of no tensors"))?;
+        let first = parts
+            .first()
+            .ok_or_else(|| crate::Error::msg("cat of no tensors"))?;
         let ax = axis(ax, first.dims())?;
         for p in parts {
-            if p.dims() != first.dims() || (0..first.dims()).any(|d| d != ax && p.shape()[d] != first.shape()[d]) {
-                bail!("cat along axis {ax}: shapes {:?} and {:?} differ elsewhere", first.shape(), p.shape());
+            if p.dims() != first.dims()
+                || (0..first.dims()).any(|d| d != ax && p.shape()[d] != first.shape()[d])
+            {
+                bail!(
+                    "cat along axis {ax}: shapes {:?} and {:?} differ elsewhere",
+                    first.shape(),
+                    p.shape()
+                );
             }
         }
         let sizes: Vec<usize> = parts.iter().map(|p| p.shape()[ax]).collect();
@@ -110,8 +140,16 @@ impl Tensor {
         if bs != shape {
             bail!("cannot broadcast {:?} to {shape:?}", self.shape());
         }
-        let s = self.storage().strided_copy(shape, &broadcast_strides(self.shape(), shape), 0)?;
+        let s = self
+            .storage()
+            .strided_copy(shape, &broadcast_strides(self.shape(), shape), 0)?;
         let in_shape = self.shape().to_vec();
-        Ok(Tensor::from_op(s, shape.to_vec(), "broadcast_to", &[self], move |g| Ok(vec![Some(g.sum_to(&in_shape)?)])))
+        Ok(Tensor::from_op(
+            s,
+            shape.to_vec(),
+            "broadcast_to",
+            &[self],
+            move |g| Ok(vec![Some(g.sum_to(&in_shape)?)]),
+        ))
     }
 }

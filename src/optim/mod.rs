@@ -23,7 +23,10 @@ pub trait Optimizer {
 
 fn check_master(p: &Tensor) -> Result<()> {
     if p.dtype() != DType::F32 {
-        bail!("optimizers update float32 master weights; got a {:?} parameter", p.dtype());
+        bail!(
+            "optimizers update float32 master weights; got a {:?} parameter",
+            p.dtype()
+        );
     }
     Ok(())
 }
@@ -43,7 +46,13 @@ impl Sgd {
             bail!("SGD: lr, momentum and weight decay must be non-negative");
         }
         let n = params.len();
-        Ok(Sgd { params, lr, momentum, weight_decay, bufs: vec![None; n] })
+        Ok(Sgd {
+            params,
+            lr,
+            momentum,
+            weight_decay,
+            bufs: vec![None; n],
+        })
     }
 }
 
@@ -53,14 +62,22 @@ impl Optimizer for Sgd {
             let Some(g) = p.grad() else { continue };
             check_master(p)?;
             if self.momentum == 0.0 {
-                p.storage().sgd_step(&g.storage(), None, self.lr, 0.0, self.weight_decay, true)?;
+                p.storage()
+                    .sgd_step(&g.storage(), None, self.lr, 0.0, self.weight_decay, true)?;
             } else {
                 let first = buf.is_none();
                 let b = match buf {
                     Some(b) => b.clone(),
                     None => buf.insert(p.zeros_like()?).clone(),
                 };
-                p.storage().sgd_step(&g.storage(), Some(&b.storage()), self.lr, self.momentum, self.weight_decay, first)?;
+                p.storage().sgd_step(
+                    &g.storage(),
+                    Some(&b.storage()),
+                    self.lr,
+                    self.momentum,
+                    self.weight_decay,
+                    first,
+                )?;
             }
         }
         Ok(())
@@ -88,7 +105,13 @@ pub struct AdamWConfig {
 
 impl AdamWConfig {
     pub fn new(lr: f32) -> Self {
-        AdamWConfig { lr, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 }
+        AdamWConfig {
+            lr,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+        }
     }
 }
 
@@ -103,11 +126,20 @@ pub struct AdamW {
 
 impl AdamW {
     pub fn new(params: Vec<Tensor>, cfg: AdamWConfig) -> Result<AdamW> {
-        if !(cfg.lr >= 0.0) || !(0.0..1.0).contains(&cfg.beta1) || !(0.0..1.0).contains(&cfg.beta2) || !(cfg.eps > 0.0) || !(cfg.weight_decay >= 0.0) {
+        if !(cfg.lr >= 0.0)
+            || !(0.0..1.0).contains(&cfg.beta1)
+            || !(0.0..1.0).contains(&cfg.beta2)
+            || !(cfg.eps > 0.0)
+            || !(cfg.weight_decay >= 0.0)
+        {
             bail!("AdamW: need lr >= 0, betas in [0, 1), eps > 0, weight decay >= 0 (got {cfg:?})");
         }
         let n = params.len();
-        Ok(AdamW { params, cfg, state: vec![None; n] })
+        Ok(AdamW {
+            params,
+            cfg,
+            state: vec![None; n],
+        })
     }
 
     /// The moments and step count of parameter `i`, if it has been updated.
@@ -117,10 +149,18 @@ impl AdamW {
 
     /// Replaces the state of parameter `i` (resuming from a checkpoint).
     pub fn set_state(&mut self, i: usize, st: Option<(Tensor, Tensor, u64)>) -> Result<()> {
-        let p = self.params.get(i).ok_or_else(|| crate::Error::msg(format!("no parameter {i}")))?;
+        let p = self
+            .params
+            .get(i)
+            .ok_or_else(|| crate::Error::msg(format!("no parameter {i}")))?;
         if let Some((m, v, _)) = &st {
             if m.shape() != p.shape() || v.shape() != p.shape() {
-                bail!("optimizer state {i}: moments of shape {:?}/{:?} for a parameter of shape {:?}", m.shape(), v.shape(), p.shape());
+                bail!(
+                    "optimizer state {i}: moments of shape {:?}/{:?} for a parameter of shape {:?}",
+                    m.shape(),
+                    v.shape(),
+                    p.shape()
+                );
             }
         }
         self.state[i] = st;
@@ -153,7 +193,8 @@ impl Optimizer for AdamW {
                 bc2_sqrt: bc2.sqrt() as f32,
                 eps: c.eps,
             };
-            p.storage().adamw_step(&g.storage(), &m.storage(), &v.storage(), &k)?;
+            p.storage()
+                .adamw_step(&g.storage(), &m.storage(), &v.storage(), &k)?;
         }
         Ok(())
     }
@@ -175,7 +216,10 @@ pub fn clip_grad_norm_(params: &[Tensor], max_norm: f32) -> Result<f32> {
     if !(max_norm > 0.0) {
         bail!("clip: max_norm must be positive, got {max_norm}");
     }
-    let grads: Vec<Storage> = params.iter().filter_map(|p| p.grad().map(|g| g.storage())).collect();
+    let grads: Vec<Storage> = params
+        .iter()
+        .filter_map(|p| p.grad().map(|g| g.storage()))
+        .collect();
     let refs: Vec<&Storage> = grads.iter().collect();
     let norm = crate::backend::math::sqrt(Storage::sum_squares(&refs)?);
     if norm > max_norm {

@@ -98,7 +98,11 @@ pub(crate) fn backward(root: &Tensor, seed: Tensor) -> Result<()> {
         bail!("backward on a tensor that does not require grad (no parameter reached it, or it was made under no_grad)");
     }
     if seed.shape() != root.shape() {
-        bail!("backward seed of shape {:?} for a tensor of shape {:?}", seed.shape(), root.shape());
+        bail!(
+            "backward seed of shape {:?} for a tensor of shape {:?}",
+            seed.shape(),
+            root.shape()
+        );
     }
     // The backward pass itself builds no graph.
     let _g = no_grad();

@@ -33,7 +33,13 @@ pub struct Tensor(pub(crate) Rc<Inner>);
 
 impl std::fmt::Debug for Tensor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Tensor({:?}, {}, {:?}", self.shape(), self.device(), self.dtype())?;
+        write!(
+            f,
+            "Tensor({:?}, {}, {:?}",
+            self.shape(),
+            self.device(),
+            self.dtype()
+        )?;
         if self.numel() <= 16 {
             if let Ok(v) = self.to_vec_f64() {
                 write!(f, ", {v:?}")?;
@@ -44,7 +50,12 @@ impl std::fmt::Debug for Tensor {
 }
 
 impl Tensor {
-    fn make(storage: Storage, shape: Vec<usize>, requires_grad: bool, node: Option<Node>) -> Tensor {
+    fn make(
+        storage: Storage,
+        shape: Vec<usize>,
+        requires_grad: bool,
+        node: Option<Node>,
+    ) -> Tensor {
         debug_assert_eq!(storage.len(), shape::numel(&shape));
         Tensor(Rc::new(Inner {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
@@ -60,16 +71,29 @@ impl Tensor {
     /// A constant (leaf, no grad) over an existing storage.
     pub fn from_storage(storage: Storage, shape: &[usize]) -> Result<Tensor> {
         if storage.len() != shape::numel(shape) {
-            bail!("{} values do not fill a tensor of shape {shape:?}", storage.len());
+            bail!(
+                "{} values do not fill a tensor of shape {shape:?}",
+                storage.len()
+            );
         }
         Ok(Tensor::make(storage, shape.to_vec(), false, None))
     }
 
     /// The result of an op (spec L0.1 `from_op`): records a node with `vjp` only
     /// when grad mode is on and some parent requires grad; otherwise a constant.
-    pub fn from_op(storage: Storage, shape: Vec<usize>, name: &'static str, parents: &[&Tensor], vjp: impl FnOnce(&Tensor) -> Result<Vec<Option<Tensor>>> + 'static) -> Tensor {
+    pub fn from_op(
+        storage: Storage,
+        shape: Vec<usize>,
+        name: &'static str,
+        parents: &[&Tensor],
+        vjp: impl FnOnce(&Tensor) -> Result<Vec<Option<Tensor>>> + 'static,
+    ) -> Tensor {
         if is_grad_enabled() && parents.iter().any(|p| p.requires_grad()) {
-            let node = Node { name, parents: parents.iter().map(|&p| p.clone()).collect(), vjp: Box::new(vjp) as Vjp };
+            let node = Node {
+                name,
+                parents: parents.iter().map(|&p| p.clone()).collect(),
+                vjp: Box::new(vjp) as Vjp,
+            };
             Tensor::make(storage, shape, true, Some(node))
         } else {
             Tensor::make(storage, shape, false, None)
@@ -78,14 +102,20 @@ impl Tensor {
 
     pub fn from_vec(data: Vec<f32>, shape: &[usize], device: Device) -> Result<Tensor> {
         if data.len() != shape::numel(shape) {
-            bail!("{} values do not fill a tensor of shape {shape:?}", data.len());
+            bail!(
+                "{} values do not fill a tensor of shape {shape:?}",
+                data.len()
+            );
         }
         Tensor::from_storage(Storage::from_f32(data, device)?, shape)
     }
 
     pub fn from_vec_f64(data: Vec<f64>, shape: &[usize], device: Device) -> Result<Tensor> {
         if data.len() != shape::numel(shape) {
-            bail!("{} values do not fill a tensor of shape {shape:?}", data.len());
+            bail!(
+                "{} values do not fill a tensor of shape {shape:?}",
+                data.len()
+            );
         }
         Tensor::from_storage(Storage::from_f64(data, device)?, shape)
     }
@@ -98,11 +128,15 @@ impl Tensor {
 
     /// The values as an ndarray array (f32).
     pub fn to_ndarray(&self) -> Result<ndarray::ArrayD<f32>> {
-        ndarray::ArrayD::from_shape_vec(self.shape().to_vec(), self.to_vec_f32()?).map_err(|e| crate::Error::msg(e.to_string()))
+        ndarray::ArrayD::from_shape_vec(self.shape().to_vec(), self.to_vec_f32()?)
+            .map_err(|e| crate::Error::msg(e.to_string()))
     }
 
     pub fn full(shape: &[usize], value: f64, dtype: DType, device: Device) -> Result<Tensor> {
-        Tensor::from_storage(Storage::full(shape::numel(shape), value, dtype, device)?, shape)
+        Tensor::from_storage(
+            Storage::full(shape::numel(shape), value, dtype, device)?,
+            shape,
+        )
     }
     pub fn zeros(shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
         Tensor::full(shape, 0.0, dtype, device)
@@ -116,12 +150,20 @@ impl Tensor {
     }
     /// Normal(0, std²) entries drawn on the host from `gen` (same bits on every device).
     pub fn randn(shape: &[usize], std: f32, gen: &Generator, device: Device) -> Result<Tensor> {
-        let v = gen.normal(shape::numel(shape)).into_iter().map(|x| x * std).collect();
+        let v = gen
+            .normal(shape::numel(shape))
+            .into_iter()
+            .map(|x| x * std)
+            .collect();
         Tensor::from_vec(v, shape, device)
     }
     /// Uniform(-bound, bound) entries drawn on the host from `gen`.
     pub fn uniform(shape: &[usize], bound: f32, gen: &Generator, device: Device) -> Result<Tensor> {
-        let v = gen.uniform(shape::numel(shape)).into_iter().map(|u| (2.0 * u - 1.0) * bound).collect();
+        let v = gen
+            .uniform(shape::numel(shape))
+            .into_iter()
+            .map(|u| (2.0 * u - 1.0) * bound)
+            .collect();
         Tensor::from_vec(v, shape, device)
     }
     /// A tensor like `self` filled with `value`.
@@ -160,7 +202,13 @@ impl Tensor {
     /// Replaces the values of a leaf in place (loading a checkpoint, tests).
     pub fn set_storage(&self, s: Storage) -> Result<()> {
         if s.len() != self.numel() || s.dtype() != self.dtype() {
-            bail!("set_storage: {} {:?} values for a {:?} {:?} tensor", s.len(), s.dtype(), self.shape(), self.dtype());
+            bail!(
+                "set_storage: {} {:?} values for a {:?} {:?} tensor",
+                s.len(),
+                s.dtype(),
+                self.shape(),
+                self.dtype()
+            );
         }
         *self.0.storage.borrow_mut() = s;
         Ok(())
@@ -185,7 +233,13 @@ impl Tensor {
         }
         let from = self.device();
         let s = self.storage().to_device(device)?;
-        Ok(Tensor::from_op(s, self.shape().to_vec(), "to_device", &[self], move |g| Ok(vec![Some(g.to_device(from)?)])))
+        Ok(Tensor::from_op(
+            s,
+            self.shape().to_vec(),
+            "to_device",
+            &[self],
+            move |g| Ok(vec![Some(g.to_device(from)?)]),
+        ))
     }
     /// A copy with another dtype (f32 ↔ f64, CPU), differentiable.
     pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
@@ -194,7 +248,13 @@ impl Tensor {
         }
         let from = self.dtype();
         let s = self.storage().to_dtype(dtype)?;
-        Ok(Tensor::from_op(s, self.shape().to_vec(), "to_dtype", &[self], move |g| Ok(vec![Some(g.to_dtype(from)?)])))
+        Ok(Tensor::from_op(
+            s,
+            self.shape().to_vec(),
+            "to_dtype",
+            &[self],
+            move |g| Ok(vec![Some(g.to_dtype(from)?)]),
+        ))
     }
     /// A new leaf sharing the values, outside any graph.
     pub fn detach(&self) -> Tensor {
@@ -210,7 +270,11 @@ impl Tensor {
     }
     /// A constant copy with its own buffer, on the same device.
     pub fn copy(&self) -> Result<Tensor> {
-        let s = self.storage().strided_copy(self.shape(), &shape::contiguous_strides(self.shape()), 0)?;
+        let s = self.storage().strided_copy(
+            self.shape(),
+            &shape::contiguous_strides(self.shape()),
+            0,
+        )?;
         Tensor::from_storage(s, self.shape())
     }
     /// A new leaf with its own copy of the values.
@@ -263,7 +327,10 @@ impl Tensor {
     /// Backpropagates from a one-element tensor (seed 1).
     pub fn backward(&self) -> Result<()> {
         if self.numel() != 1 {
-            bail!("backward() needs a one-element tensor (shape {:?}); use backward_with(seed)", self.shape());
+            bail!(
+                "backward() needs a one-element tensor (shape {:?}); use backward_with(seed)",
+                self.shape()
+            );
         }
         let seed = self.ones_like()?;
         autograd::backward(self, seed)

@@ -22,8 +22,16 @@ pub fn broadcast_shape(a: &[usize], b: &[usize]) -> Result<Vec<usize>> {
     let n = a.len().max(b.len());
     let mut out = vec![0; n];
     for i in 0..n {
-        let da = if i < n - a.len() { 1 } else { a[i - (n - a.len())] };
-        let db = if i < n - b.len() { 1 } else { b[i - (n - b.len())] };
+        let da = if i < n - a.len() {
+            1
+        } else {
+            a[i - (n - a.len())]
+        };
+        let db = if i < n - b.len() {
+            1
+        } else {
+            b[i - (n - b.len())]
+        };
         out[i] = match (da, db) {
             (x, y) if x == y => x,
             (1, y) => y,
@@ -40,7 +48,13 @@ pub fn broadcast_strides(src: &[usize], out: &[usize]) -> Vec<usize> {
     let cs = contiguous_strides(src);
     let lead = out.len() - src.len();
     (0..out.len())
-        .map(|i| if i < lead || src[i - lead] == 1 { 0 } else { cs[i - lead] })
+        .map(|i| {
+            if i < lead || src[i - lead] == 1 {
+                0
+            } else {
+                cs[i - lead]
+            }
+        })
         .collect()
 }
 

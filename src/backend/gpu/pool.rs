@@ -1,0 +1,50 @@
+//! Storage buffers recycled by size class.
+//!
+//! Allocating a GPU buffer is slow (and on some drivers, fragmenting), and a
+//! training step frees and re-creates the same shapes every time. A dropped
+//! tensor's buffer goes back to a free list keyed by its size class; the next
+//! request for that class takes it. Pooled buffers hold no tensor, so they are
+//! not counted as live memory; [`gpu_pool_bytes`](super::gpu_pool_bytes)
+//! reports them.
+
+use std::collections::HashMap;
+
+/// Pooled-but-free bytes kept at most; beyond it freed buffers are released.
+const MAX_POOLED: u64 = 1 << 30;
+
+#[derive(Default)]
+pub struct Pool {
+    free: HashMap<u64, Vec<wgpu::Buffer>>,
+    free_bytes: u64,
+}
+
+/// The size class of a request: at least 256 bytes, then 8 classes per power of
+/// two (at most 12.5% slack).
+pub fn size_class(bytes: u64) -> u64 {
+    if bytes <= 256 {
+        return 256;
+    }
+    let p = bytes.next_power_of_two();
+    let step = p / 8;
+    bytes.next_multiple_of(step)
+}
+
+impl Pool {
+    pub fn take(&mut self, class: u64) -> Option<wgpu::Buffer> {
+        let b = self.free.get_mut(&class)?.pop()?;
+        self.free_bytes -= class;
+        Some(b)
+    }
+
+    pub fn put(&mut self, class: u64, buf: wgpu::Buffer) {
+        if self.free_bytes + class > MAX_POOLED {
+            return; // dropping the handle releases it (once the GPU is done with it)
+        }
+        self.free_bytes += class;
+        self.free.entry(class).or_default().push(buf);
+    }
+
+    pub fn free_bytes(&self) -> u64 {
+        self.free_bytes
+    }
+}
