@@ -1,0 +1,204 @@
+//! Layers and optimizers (spec L0.4, M10.2–M10.4), on every device.
+
+mod common;
+use common::*;
+use std::rc::Rc;
+use tinyllm::nn::{Dropout, Embedding, Layer, Linear, Module, RmsNorm, Sequential, Silu};
+use tinyllm::optim::{clip_grad_norm_, AdamW, AdamWConfig, Optimizer, Sgd};
+use tinyllm::Generator;
+
+device_test!(linear_is_x_w_transposed_plus_b, |dev| {
+    let gen = Generator::new(0);
+    let l = Linear::new(3, 2, true, &gen, dev)?;
+    assert_eq!(l.weight.shape(), &[2, 3], "weight is (out, in)");
+    l.weight
+        .set_storage(t(&[1.0, 2.0, 3.0, -1.0, 0.5, 0.25], &[2, 3], dev).storage())?;
+    l.bias
+        .as_ref()
+        .unwrap()
+        .set_storage(t(&[0.5, -0.5], &[2], dev).storage())?;
+    let x = t(&[1.0, 1.0, 2.0, 0.0, 4.0, -2.0], &[2, 3], dev);
+    let y = l.forward(&x)?;
+    assert_eq!(
+        vals(&y),
+        vec![
+            1.0 + 2.0 + 6.0 + 0.5,
+            -1.0 + 0.5 + 0.5 - 0.5,
+            0.0 + 8.0 - 6.0 + 0.5,
+            0.0 + 2.0 - 0.5 - 0.5
+        ]
+    );
+    let names: Vec<_> = l.parameters().iter().map(|p| p.shape().to_vec()).collect();
+    assert_eq!(
+        names,
+        vec![vec![2, 3], vec![2]],
+        "stable order: weight, bias"
+    );
+});
+
+device_test!(rmsnorm_normalises_the_last_axis, |dev| {
+    let n = RmsNorm::new(4, 0.0, dev)?;
+    let x = t(&[2.0, 2.0, 2.0, 2.0, 1.0, -1.0, 1.0, -1.0], &[2, 4], dev);
+    let y = n.forward(&x)?;
+    assert_eq!(vals(&y), vec![1.0, 1.0, 1.0, 1.0, 1.0, -1.0, 1.0, -1.0]);
+});
+
+device_test!(embedding_looks_up_rows_and_scatters_grads, |dev| {
+    let e = Embedding::new(4, 2, 1.0, &Generator::new(1), dev)?;
+    e.weight
+        .set_storage(t(&[0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0], &[4, 2], dev).storage())?;
+    let y = e.forward(&[3, 1, 3])?;
+    assert_eq!(vals(&y), vec![6.0, 7.0, 2.0, 3.0, 6.0, 7.0]);
+    y.sum_all()?.backward()?;
+    assert_eq!(
+        grad(&e.weight),
+        vec![0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 2.0, 2.0]
+    );
+    assert!(e
+        .forward(&[4])
+        .unwrap_err()
+        .to_string()
+        .contains("out of range"));
+});
+
+device_test!(dropout_masks_scale_and_replay, |dev| {
+    let gen = Generator::new(42);
+    let d = Dropout::new(0.25, &gen)?;
+    let x = Tensor::ones(&[4096], tinyllm::DType::F32, dev)?;
+    let start = gen.state();
+    let y1 = vals(&d.forward(&x)?);
+    let kept = y1.iter().filter(|&&v| v != 0.0).count();
+    assert!((2900..3250).contains(&kept), "about 75% kept, got {kept}");
+    assert!(y1
+        .iter()
+        .all(|&v| v == 0.0 || v == tinyllm::backend::math::div(1.0, 0.75)));
+    assert_ne!(gen.state(), start, "the stream advanced");
+    gen.set_state(start);
+    assert_eq!(
+        bits(&vals(&d.forward(&x)?)),
+        bits(&y1),
+        "same state, same mask"
+    );
+    d.set_training(false);
+    assert_eq!(vals(&d.forward(&x)?), vals(&x), "identity in eval mode");
+    assert!(Dropout::new(1.0, &gen).is_err());
+});
+
+device_test!(sequential_chains_and_lists_parameters_in_order, |dev| {
+    let gen = Generator::new(3);
+    let a = Linear::new(4, 8, true, &gen, dev)?;
+    let b = Linear::new(8, 2, false, &gen, dev)?;
+    let ids = [a.weight.id(), a.bias.as_ref().unwrap().id(), b.weight.id()];
+    let s = Sequential::new(vec![Rc::new(a), Rc::new(Silu), Rc::new(b)]);
+    let got: Vec<_> = s.parameters().iter().map(|p| p.id()).collect();
+    assert_eq!(got, ids);
+    let y = s.forward(&t(&randv(12, 5, 1.0), &[3, 4], dev))?;
+    assert_eq!(y.shape(), &[3, 2]);
+});
+
+/// PyTorch's AdamW in f64, for one scalar parameter.
+fn adamw_reference(p0: f64, grads: &[f64], c: AdamWConfig) -> f64 {
+    let (mut p, mut m, mut v) = (p0, 0.0, 0.0);
+    let (lr, b1, b2, eps, wd) = (
+        c.lr as f64,
+        c.beta1 as f64,
+        c.beta2 as f64,
+        c.eps as f64,
+        c.weight_decay as f64,
+    );
+    for (t, &g) in grads.iter().enumerate() {
+        let t = (t + 1) as i32;
+        p *= 1.0 - lr * wd;
+        m = b1 * m + (1.0 - b1) * g;
+        v = b2 * v + (1.0 - b2) * g * g;
+        let denom = (v.sqrt() / (1.0 - b2.powi(t)).sqrt()) + eps;
+        p -= lr / (1.0 - b1.powi(t)) * m / denom;
+    }
+    p
+}
+
+device_test!(adamw_follows_pytorchs_formula, |dev| {
+    let p = param(&[0.5, -2.0, 3.0], &[3], dev);
+    let c = AdamWConfig {
+        lr: 0.01,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.1,
+    };
+    let mut opt = AdamW::new(vec![p.clone()], c)?;
+    let gs = [[0.3f32, -1.0, 2.0], [0.1, 0.5, -4.0], [-0.2, 0.0, 1.0]];
+    for g in &gs {
+        p.set_grad(Some(t(g, &[3], dev)));
+        opt.step()?;
+    }
+    let got = vals(&p);
+    for i in 0..3 {
+        let want = adamw_reference(
+            [0.5, -2.0, 3.0][i],
+            &gs.iter().map(|g| g[i] as f64).collect::<Vec<_>>(),
+            c,
+        );
+        assert!(
+            (got[i] as f64 - want).abs() < 1e-6 * (1.0 + want.abs()),
+            "param {i}: {} vs {want}",
+            got[i]
+        );
+    }
+    let (m, v, steps) = opt.state(0).unwrap();
+    assert_eq!(*steps, 3);
+    assert_eq!(m.shape(), &[3]);
+    assert!(vals(v).iter().all(|&x| x >= 0.0));
+});
+
+device_test!(sgd_with_momentum_and_weight_decay, |dev| {
+    let p = param(&[1.0], &[1], dev);
+    let mut opt = Sgd::new(vec![p.clone()], 0.5, 0.9, 0.1)?;
+    p.set_grad(Some(t(&[2.0], &[1], dev)));
+    opt.step()?; // g' = 2 + 0.1 = 2.1; buf = 2.1; p = 1 - 1.05 = -0.05
+    assert_eq!(vals(&p), vec![1.0 - 0.5 * 2.1]);
+    p.set_grad(Some(t(&[2.0], &[1], dev)));
+    opt.step()?; // g' = 2 + 0.1·(-0.05); buf = 0.9·2.1 + g'; p -= 0.5·buf
+    let g2 = 0.1f32.mul_add(-0.05, 2.0);
+    let buf = 0.9f32.mul_add(2.1, g2);
+    assert_eq!(vals(&p), vec![(-0.5f32).mul_add(buf, -0.05)]);
+});
+
+device_test!(optimizers_skip_parameters_without_grad, |dev| {
+    let (a, b) = (param(&[1.0], &[1], dev), param(&[1.0], &[1], dev));
+    let mut opt = AdamW::new(vec![a.clone(), b.clone()], AdamWConfig::new(0.1))?;
+    a.set_grad(Some(t(&[1.0], &[1], dev)));
+    opt.step()?;
+    assert_ne!(vals(&a), vec![1.0]);
+    assert_eq!(
+        vals(&b),
+        vec![1.0],
+        "no gradient, no update (not even weight decay)"
+    );
+    assert!(opt.state(1).is_none());
+});
+
+device_test!(clip_grad_norm_scales_to_the_bound, |dev| {
+    let (a, b) = (param(&[0.0, 0.0], &[2], dev), param(&[0.0], &[1], dev));
+    a.set_grad(Some(t(&[3.0, 0.0], &[2], dev)));
+    b.set_grad(Some(t(&[4.0], &[1], dev)));
+    let n = clip_grad_norm_(&[a.clone(), b.clone()], 1.0)?;
+    assert_eq!(n, 5.0, "returns the norm before clipping");
+    let coef = tinyllm::backend::math::div(1.0, 5.0 + 1e-6);
+    assert_eq!(grad(&a), vec![3.0 * coef, 0.0]);
+    assert_eq!(grad(&b), vec![4.0 * coef]);
+    let n2 = clip_grad_norm_(&[a.clone(), b.clone()], 10.0)?;
+    assert!(
+        n2 < 1.0 && grad(&b) == vec![4.0 * coef],
+        "below the bound nothing changes"
+    );
+});
+
+device_test!(gradients_of_shared_buffers_are_private, |dev| {
+    // a + b gives both leaves the same upstream buffer; clipping one must not
+    // touch the other.
+    let (a, b) = (param(&[1.0], &[1], dev), param(&[1.0], &[1], dev));
+    a.add(&b)?.sum_all()?.backward()?;
+    clip_grad_norm_(&[a.clone()], 0.5)?;
+    assert_eq!(grad(&b), vec![1.0]);
+});
