@@ -32,3 +32,8 @@ pub use backend::{DType, Device};
 pub use error::{Error, Result};
 pub use rng::Generator;
 pub use tensor::{is_grad_enabled, no_grad, set_grad_enabled, Tensor};
+
+/// The README's example runs as a doctest, so it cannot rot.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
