@@ -540,33 +540,50 @@ fn matmul_rows(
 fn matmul_f32(a: &[f32], b: &[f32], d: MatmulDims, round: Option<Format>) -> Vec<f32> {
     let MatmulDims { batch, m, k, n, .. } = d;
     let mut out = vec![0.0f32; batch * m * n];
-    if m == 0 || n == 0 {
+    if m == 0 || n == 0 || batch == 0 {
         return out;
     }
-    let threads = if m * n * k >= 1 << 18 {
+    let threads = if batch * m * n * k >= 1 << 18 {
         std::thread::available_parallelism()
             .map(|t| t.get())
             .unwrap_or(1)
     } else {
         1
     };
-    for bi in 0..batch {
+    // One batch entry: pack (rounding each operand element once), multiply.
+    let one = |bi: usize, c: &mut [f32], threads: usize| {
         let ap = pack_a(&a[bi * d.a_batch_stride..], m, k, d.trans_a, round);
         let bp = pack_b(&b[bi * d.b_batch_stride..], k, n, d.trans_b, round);
-        let c = &mut out[bi * m * n..(bi + 1) * m * n];
-        // Threads split whole row panels only; each output's k-loop is
-        // untouched, so results do not depend on the thread count.
-        let panels_per_thread = m.div_ceil(MR).div_ceil(threads);
-        let rows_per_thread = panels_per_thread * MR;
         if threads == 1 {
             matmul_rows(&ap, &bp, k, n, 0, c, round);
-        } else {
-            std::thread::scope(|s| {
-                for (t, chunk) in c.chunks_mut(rows_per_thread * n).enumerate() {
-                    let (ap, bp) = (&ap, &bp);
-                    s.spawn(move || matmul_rows(ap, bp, k, n, t * rows_per_thread, chunk, round));
-                }
-            });
+            return;
+        }
+        // Threads split whole row panels only; each output's k-loop is
+        // untouched, so results do not depend on the thread count.
+        let rows_per_thread = m.div_ceil(MR).div_ceil(threads) * MR;
+        std::thread::scope(|s| {
+            for (t, chunk) in c.chunks_mut(rows_per_thread * n).enumerate() {
+                let (ap, bp) = (&ap, &bp);
+                s.spawn(move || matmul_rows(ap, bp, k, n, t * rows_per_thread, chunk, round));
+            }
+        });
+    };
+    if threads > 1 && batch >= threads {
+        // Many small products (attention heads): split the batch instead.
+        let per = batch.div_ceil(threads);
+        std::thread::scope(|s| {
+            for (t, chunk) in out.chunks_mut(per * m * n).enumerate() {
+                let one = &one;
+                s.spawn(move || {
+                    for (i, c) in chunk.chunks_mut(m * n).enumerate() {
+                        one(t * per + i, c, 1);
+                    }
+                });
+            }
+        });
+    } else {
+        for (bi, c) in out.chunks_mut(m * n).enumerate() {
+            one(bi, c, threads);
         }
     }
     out
