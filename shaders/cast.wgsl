@@ -22,8 +22,12 @@ fn bf16_f32(x: f32) -> f32 {
 // f32 -> nearest fp16 value.
 // * |x| >= 65520 (halfway between 65504 and 2^16, whose tie goes to the even 2^16): ±inf.
 // * fp16 normals (|x| >= 2^-14): drop 13 mantissa bits with the add-and-mask trick.
-// * below that the quantum is 2^-24: |x| * 2^24 is exact, and (y + 2^23) - 2^23
-//   rounds it to the nearest even integer in f32 arithmetic; then scale back.
+// * below that the quantum is 2^-24: k = |x| * 2^24 rounded to the nearest even
+//   integer, result k * 2^-24. round.rs computes k as (y + 2^23) - 2^23 in f32;
+//   here it is done on the integer mantissa instead (the same value, exactly),
+//   because llvmpipe folds (y + 2^23) - 2^23 into y — a float rewrite a WGSL
+//   compiler may make — and a device that flushes subnormals could not even
+//   read the input. Integer steps are immune to both.
 fn fp16_f32(x: f32) -> f32 {
     let b = bitcast<u32>(x);
     let sign = b & 0x80000000u;
@@ -38,9 +42,30 @@ fn fp16_f32(x: f32) -> f32 {
         let lsb = (a >> 13u) & 1u;
         return bitcast<f32>(sign | ((a + 0x0fffu + lsb) & ~0x1fffu));
     }
-    let y = bitcast<f32>(a) * 16777216.0;
-    let r = (y + 8388608.0) - 8388608.0;
-    return bitcast<f32>(sign | bitcast<u32>(r * 0x1p-24f));
+    // |x| = mant * 2^(ex - 150) (ex >= 1) or frac * 2^-149, so |x| * 2^24 = mant >> s
+    let ex = a >> 23u;
+    var mant = a & 0x007fffffu;
+    var s = 125u;
+    if ex != 0u {
+        mant = mant | 0x00800000u;
+        s = 126u - ex; // >= 14 since ex <= 112 here
+    }
+    if s > 24u {
+        return bitcast<f32>(sign); // mant < 2^24 <= 2^(s-1): below half a quantum
+    }
+    var k = mant >> s;
+    let rem = mant & ((1u << s) - 1u);
+    let half = 1u << (s - 1u);
+    if rem > half || (rem == half && (k & 1u) == 1u) {
+        k = k + 1u;
+    }
+    if k == 0u {
+        return bitcast<f32>(sign);
+    }
+    // k * 2^-24 from bits: k in 1..=1024, e = floor(log2 k)
+    let e = 31u - countLeadingZeros(k);
+    let bits = ((e + 103u) << 23u) | ((k << (23u - e)) & 0x007fffffu);
+    return bitcast<f32>(sign | bits);
 }
 
 // Rounds to the format selected by a FMT_* code (FMT_NONE: unchanged).

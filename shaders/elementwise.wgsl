@@ -48,8 +48,8 @@ fn unary_elem(x: f32, op: u32, c: f32, fmt: u32) -> f32 {
         case U_SILU: { return x * m_div(1.0, 1.0 + m_exp(-0.0 - x)); }
         case U_SILU_GRAD: {
             let s = m_div(1.0, 1.0 + m_exp(-0.0 - x));
-            // s * (1 + x * (1 - s)) = s * fma(x, 1 - s, 1)
-            return s * fma(x, 1.0 - s, 1.0);
+            // s * (1 + x * (1 - s)) = s * fma_c(x, 1 - s, 1)
+            return s * fma_c(x, 1.0 - s, 1.0);
         }
         case U_ABS: {
             if x < 0.0 || (x == 0.0 && m_div(1.0, x) < 0.0) {

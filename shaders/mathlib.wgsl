@@ -3,23 +3,37 @@
 // it, by string concatenation at pipeline creation.
 //
 // Rules (the same as in math.rs):
-// * every multiply that feeds an add is an explicit `fma`, so a compiler's
-//   contraction choices never matter; where the Rust does `a * b` and then a
-//   separate `+`, the WGSL does too, and the product is always exact there
-//   (a power of two or an operand of an fma), so fusing it could not change bits;
+// * every multiply that feeds an add is an explicit fused multiply-add, written
+//   `fma_c` here (see below); where the Rust does `a * b` and then a separate
+//   `+`, the WGSL does too, and the product is always exact there (a power of
+//   two, or an operand of an fma), so a compiler fusing it could not change bits;
 // * special values (NaN, ±inf, ±0) are decided on bit patterns before any
 //   arithmetic (WGSL has no isNan, and fast-math compilers may fold x != x);
 // * constants are written as hex float literals of the exact f32 the Rust
 //   constant expression produces (e.g. -8f32/17f32), never as decimal
 //   expressions that a WGSL compiler would evaluate in higher precision.
 //
-// Subnormals (probed on Mesa 22.3 lavapipe / llvmpipe, LLVM 15, x86-64 with
-// FMA3): f32 subnormals are preserved, not flushed, as inputs and outputs of
-// `+`, `*`, `fma`, and through every kernel here; the parity tests
-// (tests/gpu_parity.rs) feed subnormals to every primitive and compare bits
-// with the CPU reference. The contract therefore keeps subnormals on both
-// sides (IEEE gradual underflow). A device that flushes them would fail those
-// tests: that is a finding to report, not something to paper over.
+// `fma_c(a, b, c)` is defined in the prelude the backend puts before this file:
+// the device's `fma` when a start-up probe shows it is exactly fused, else
+// `fma_soft` (fma.wgsl, an integer emulation). WGSL's `fma` need not be fused,
+// and on lavapipe it is not (see below).
+//
+// What lavapipe does (Mesa 22.3.6 llvmpipe, LLVM 15.0.6, x86-64 with FMA3 and
+// AVX-512; both its Vulkan and its GL driver), found by tests/gpu_parity.rs:
+// * Subnormals: f32 subnormals are preserved, not flushed, as inputs and
+//   outputs of `+`, `-`, `*` and of comparisons (`x > 0.0` is true for the
+//   smallest subnormal): every primitive's parity test feeds subnormals and
+//   matches the CPU bit for bit. The contract therefore keeps IEEE gradual
+//   underflow on both sides (no flushing anywhere).
+// * `fma` is NOT fused: Mesa lowers it to a multiply and an add (two
+//   roundings). Matmul, div, exp, SGD ... differed by 1 ulp with the native
+//   `fma`; with `fma_soft` they match. (`fma` on subnormals is therefore just
+//   `*` then `+`, both of which keep subnormals.)
+// * No contraction of a separate `a * b + c` into an fma was observed.
+// * Float expressions with constants ARE reassociated: round.rs's
+//   `(y + 2^23) - 2^23` came back as `y`. Code here never relies on the
+//   grouping of float constant operations; cast.wgsl's fp16 subnormal path
+//   rounds on integers instead.
 
 const QNAN: u32 = 0x7fc00000u;
 
@@ -119,14 +133,14 @@ fn m_div(a: f32, b: f32) -> f32 {
     let ma = fa.m;
     let mb = fb.m;
     // r ≈ 1/mb: the minimax line 24/17 - 8/17 mb on [1, 2), then Newton r += r (1 - mb r).
-    var r = fma(M8_17, mb, C24_17);
+    var r = fma_c(M8_17, mb, C24_17);
     for (var i = 0; i < 3; i++) {
-        let e = fma(-mb, r, 1.0);
-        r = fma(r, e, r);
+        let e = fma_c(-mb, r, 1.0);
+        r = fma_c(r, e, r);
     }
     let q0 = ma * r;
-    let rem = fma(-q0, mb, ma);
-    let q = fma(rem, r, q0);
+    let rem = fma_c(-q0, mb, ma);
+    let q = fma_c(rem, r, q0);
     let d = fa.e - fb.e;
     if d > 128 {
         return bitcast<f32>(sign | 0x7f800000u);
@@ -164,13 +178,13 @@ fn m_sqrt(x: f32) -> f32 {
     var y = bitcast<f32>(0x5f3759dfu - (bitcast<u32>(m) >> 1u));
     for (var i = 0; i < 3; i++) {
         let t = m * y;
-        let r = fma(-t, y, 1.0);
-        y = fma(y * 0.5, r, y);
+        let r = fma_c(-t, y, 1.0);
+        y = fma_c(y * 0.5, r, y);
     }
     // s ≈ sqrt(m), corrected once: s += (m - s²) y/2.
     let s0 = m * y;
-    let d = fma(-s0, s0, m);
-    let s = fma(d, y * 0.5, s0);
+    let d = fma_c(-s0, s0, m);
+    let s = fma_c(d, y * 0.5, s0);
     return scale2(s, e / 2);
 }
 
@@ -192,17 +206,17 @@ fn m_exp(x: f32) -> f32 {
     if x < EXP_LO {
         return 0.0;
     }
-    let n = floor(fma(x, LOG2E, 0.5));
-    var r = fma(-n, LN2_HI, x);
-    r = fma(-n, LN2_LO, r);
+    let n = floor(fma_c(x, LOG2E, 0.5));
+    var r = fma_c(-n, LN2_HI, x);
+    r = fma_c(-n, LN2_LO, r);
     var p = R5040;
-    p = fma(p, r, R720);
-    p = fma(p, r, R120);
-    p = fma(p, r, R24);
-    p = fma(p, r, R6);
-    p = fma(p, r, 0.5);
-    p = fma(p, r, 1.0);
-    p = fma(p, r, 1.0);
+    p = fma_c(p, r, R720);
+    p = fma_c(p, r, R120);
+    p = fma_c(p, r, R24);
+    p = fma_c(p, r, R6);
+    p = fma_c(p, r, 0.5);
+    p = fma_c(p, r, 1.0);
+    p = fma_c(p, r, 1.0);
     return scale2(p, i32(n));
 }
 
@@ -232,15 +246,15 @@ fn m_log(x: f32) -> f32 {
     let s = m_div(m - 1.0, m + 1.0);
     let s2 = s * s;
     var p = T13;
-    p = fma(p, s2, T11);
-    p = fma(p, s2, T9);
-    p = fma(p, s2, T7);
-    p = fma(p, s2, T5);
-    p = fma(p, s2, T3);
-    p = fma(p, s2, 2.0);
+    p = fma_c(p, s2, T11);
+    p = fma_c(p, s2, T9);
+    p = fma_c(p, s2, T7);
+    p = fma_c(p, s2, T5);
+    p = fma_c(p, s2, T3);
+    p = fma_c(p, s2, 2.0);
     let lm = p * s;
     let ef = f32(e);
-    return fma(ef, LN2_HI, fma(ef, LN2_LO, lm));
+    return fma_c(ef, LN2_HI, fma_c(ef, LN2_LO, lm));
 }
 
 // 1 / (1 + e^-x), with -x written -0.0 - x like the CPU's unary ops.

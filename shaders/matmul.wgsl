@@ -1,4 +1,4 @@
-// matmul.wgsl — batched C[b] = op(A[b]) @ op(B[b]) (needs cast.wgsl).
+// matmul.wgsl — batched C[b] = op(A[b]) @ op(B[b]) (needs the math prelude: fma_c, cast).
 // a: (batch, m, k) or, with trans_a, (batch, k, m); b: (batch, k, n) or, with
 // trans_b, (batch, n, k); a batch stride of 0 broadcasts one matrix -> c: (batch, m, n).
 //
@@ -47,6 +47,12 @@ fn load_b(base: u32, p: u32, j: u32) -> f32 {
     return round_fmt(b[idx], prm.fmt);
 }
 
+// fma_c(a, b[c], acc[c]) for the four columns of a tile row
+fn fma4(a: f32, b: vec4<f32>, acc: vec4<f32>) -> vec4<f32> {
+    return vec4<f32>(fma_c(a, b.x, acc.x), fma_c(a, b.y, acc.y),
+                     fma_c(a, b.z, acc.z), fma_c(a, b.w, acc.w));
+}
+
 // grid: (ceil(n/32), ceil(m/32), batches); workgroup 8x8 invocations of 4x4 outputs.
 @compute @workgroup_size(8, 8, 1)
 fn matmul(@builtin(global_invocation_id) gid: vec3<u32>) {
@@ -75,11 +81,11 @@ fn matmul(@builtin(global_invocation_id) gid: vec3<u32>) {
     for (var p = 0u; p < k; p++) {
         let bv = vec4<f32>(load_b(b_base, p, j0), load_b(b_base, p, c1),
                            load_b(b_base, p, c2), load_b(b_base, p, c3));
-        // vector fma is a componentwise fused multiply-add: one rounding per output
-        acc0 = fma(vec4<f32>(load_a(a_base, i0, p)), bv, acc0);
-        acc1 = fma(vec4<f32>(load_a(a_base, r1, p)), bv, acc1);
-        acc2 = fma(vec4<f32>(load_a(a_base, r2, p)), bv, acc2);
-        acc3 = fma(vec4<f32>(load_a(a_base, r3, p)), bv, acc3);
+        // one fused multiply-add (one rounding) per output and p
+        acc0 = fma4(load_a(a_base, i0, p), bv, acc0);
+        acc1 = fma4(load_a(a_base, r1, p), bv, acc1);
+        acc2 = fma4(load_a(a_base, r2, p), bv, acc2);
+        acc3 = fma4(load_a(a_base, r3, p), bv, acc3);
     }
     let out = bi * m * n;
     for (var r = 0u; r < 4u; r++) {

@@ -48,8 +48,8 @@ fn finite_check_unscale(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workg
 }
 
 // ---- AdamW: p, g, m, v: (n), p/m/v in place (PyTorch's formula) ----
-// p1 = p * decay; m = fma(beta1, m, omb1 * g); v = fma(beta2, v, omb2 * (g * g));
-// den = div(sqrt(v), bc2_sqrt) + eps; p = fma(-step_size, div(m, den), p1).
+// p1 = p * decay; m = fma_c(beta1, m, omb1 * g); v = fma_c(beta2, v, omb2 * (g * g));
+// den = div(sqrt(v), bc2_sqrt) + eps; p = fma_c(-step_size, div(m, den), p1).
 
 struct AdamWParams {
     n: u32,
@@ -78,17 +78,17 @@ fn adamw_step(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) gro
     }
     let gi = aw_g[i];
     let p1 = aw_p[i] * bitcast<f32>(aw_prm.decay);
-    let mi = fma(bitcast<f32>(aw_prm.beta1), aw_m[i], bitcast<f32>(aw_prm.omb1) * gi);
-    let vi = fma(bitcast<f32>(aw_prm.beta2), aw_v[i], bitcast<f32>(aw_prm.omb2) * (gi * gi));
+    let mi = fma_c(bitcast<f32>(aw_prm.beta1), aw_m[i], bitcast<f32>(aw_prm.omb1) * gi);
+    let vi = fma_c(bitcast<f32>(aw_prm.beta2), aw_v[i], bitcast<f32>(aw_prm.omb2) * (gi * gi));
     let den = m_div(m_sqrt(vi), bitcast<f32>(aw_prm.bc2_sqrt)) + bitcast<f32>(aw_prm.eps);
-    aw_p[i] = fma(-bitcast<f32>(aw_prm.step_size), m_div(mi, den), p1);
+    aw_p[i] = fma_c(-bitcast<f32>(aw_prm.step_size), m_div(mi, den), p1);
     aw_m[i] = mi;
     aw_v[i] = vi;
 }
 
 // ---- SGD: p, g (, buf): (n), in place (PyTorch's formula) ----
-// g' = fma(wd, p, g); with momentum buf = first ? g' : fma(momentum, buf, g'),
-// g' = buf; p = fma(-lr, g', p).
+// g' = fma_c(wd, p, g); with momentum buf = first ? g' : fma_c(momentum, buf, g'),
+// g' = buf; p = fma_c(-lr, g', p).
 
 struct SgdParams {
     n: u32,
@@ -111,8 +111,8 @@ fn sgd_step(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) group
         return;
     }
     let p = sg_p[i];
-    let gi = fma(bitcast<f32>(sg_prm.wd), p, sg_g[i]);
-    sg_p[i] = fma(-bitcast<f32>(sg_prm.lr), gi, p);
+    let gi = fma_c(bitcast<f32>(sg_prm.wd), p, sg_g[i]);
+    sg_p[i] = fma_c(-bitcast<f32>(sg_prm.lr), gi, p);
 }
 
 @compute @workgroup_size(64)
@@ -123,12 +123,12 @@ fn sgd_momentum_step(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgrou
         return;
     }
     let p = sg_p[i];
-    var gi = fma(bitcast<f32>(sg_prm.wd), p, sg_g[i]);
+    var gi = fma_c(bitcast<f32>(sg_prm.wd), p, sg_g[i]);
     if sg_prm.first != 0u {
         sg_buf[i] = gi;
     } else {
-        sg_buf[i] = fma(bitcast<f32>(sg_prm.momentum), sg_buf[i], gi);
+        sg_buf[i] = fma_c(bitcast<f32>(sg_prm.momentum), sg_buf[i], gi);
     }
     gi = sg_buf[i];
-    sg_p[i] = fma(-bitcast<f32>(sg_prm.lr), gi, p);
+    sg_p[i] = fma_c(-bitcast<f32>(sg_prm.lr), gi, p);
 }

@@ -81,7 +81,7 @@ fn softmax_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) g
 }
 
 // ---- softmax backward from its output: y, g: (rows, n) -> dx: (rows, n) ----
-// dot = Σ g·y ascending from -0 as fma(g, y, dot); dx = y · (g − dot).
+// dot = Σ g·y ascending from -0 as fma_c(g, y, dot); dx = y · (g − dot).
 
 @group(0) @binding(0) var<storage, read> sb_prm: RowsParams;
 @group(0) @binding(1) var<storage, read> sb_y: array<f32>;
@@ -99,7 +99,7 @@ fn softmax_rows_backward(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_work
     let base = row * n;
     var dot = -0.0;
     for (var j = 0u; j < n; j++) {
-        dot = fma(sb_g[base + j], sb_y[base + j], dot);
+        dot = fma_c(sb_g[base + j], sb_y[base + j], dot);
     }
     for (var j = 0u; j < n; j++) {
         sb_dx[base + j] = sb_y[base + j] * (sb_g[base + j] - dot);
@@ -107,7 +107,7 @@ fn softmax_rows_backward(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_work
 }
 
 // ---- chunked sum of squares: x: (n) -> partials: (ceil(n / chunk)) ----
-// partial[c] = Σ_{i in chunk c} x_i² as fma(x, x, acc), ascending from -0
+// partial[c] = Σ_{i in chunk c} x_i² as fma_c(x, x, acc), ascending from -0
 // (the host adds the partials in order: Storage::sum_squares).
 
 struct ChunkParams {
@@ -132,7 +132,7 @@ fn chunk_sum_squares(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgrou
     var acc = -0.0;
     for (var i = start; i < end; i++) {
         let v = q_x[i];
-        acc = fma(v, v, acc);
+        acc = fma_c(v, v, acc);
     }
     q_out[c] = acc;
 }

@@ -31,6 +31,8 @@ pub struct Context {
     pub queue: wgpu::Queue,
     pub info: wgpu::AdapterInfo,
     pub limits: wgpu::Limits,
+    /// The device's `fma` is exactly fused (else kernels use `fma_soft`).
+    pub native_fma: bool,
     slot: u64,
     pending: Mutex<Pending>,
     pipelines: Mutex<HashMap<Kernel, wgpu::ComputePipeline>>,
@@ -89,15 +91,21 @@ impl Context {
         // caller down with it — it becomes the "no adapter" error instead.
         match std::panic::catch_unwind(Self::create_inner) {
             Ok(r) => r,
-            Err(_) => Err("GPU initialisation failed (wgpu panicked while probing adapters); \
+            Err(_) => Err(
+                "GPU initialisation failed (wgpu panicked while probing adapters); \
                  install mesa-vulkan-drivers for a software device (lavapipe)"
-                .to_string()),
+                    .to_string(),
+            ),
         }
     }
 
     fn create_inner() -> std::result::Result<Context, String> {
-        let instance = wgpu::Instance::new(wgpu::InstanceDescriptor::new_without_display_handle());
-        let mut adapters = pollster::block_on(instance.enumerate_adapters(wgpu::Backends::all()));
+        // Default backends (Vulkan, Metal, DX12, GL); wgpu's WGPU_BACKEND variable may narrow them.
+        let backends = wgpu::Backends::from_env().unwrap_or(wgpu::Backends::all());
+        let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
+        desc.backends = backends;
+        let instance = wgpu::Instance::new(desc);
+        let mut adapters = pollster::block_on(instance.enumerate_adapters(backends));
         let names = |a: &[wgpu::Adapter]| {
             a.iter()
                 .map(|a| {
@@ -108,10 +116,12 @@ impl Context {
                 .join(", ")
         };
         if adapters.is_empty() {
-            return Err("no GPU adapter found: wgpu found no Vulkan, Metal, DX12 or GL device; \
+            return Err(
+                "no GPU adapter found: wgpu found no Vulkan, Metal, DX12 or GL device; \
                  install mesa-vulkan-drivers for a software device (lavapipe), \
                  or run on the CPU backend"
-                .to_string());
+                    .to_string(),
+            );
         }
         let adapter = if let Ok(want) = std::env::var("TINYLLM_ADAPTER") {
             let w = want.to_lowercase();
@@ -145,7 +155,12 @@ impl Context {
             memory_hints: wgpu::MemoryHints::Performance,
             trace: wgpu::Trace::Off,
         }))
-        .map_err(|e| format!("could not create a device on GPU adapter {:?}: {e}", info.name))?;
+        .map_err(|e| {
+            format!(
+                "could not create a device on GPU adapter {:?}: {e}",
+                info.name
+            )
+        })?;
 
         let error: Arc<Mutex<Option<String>>> = Arc::new(Mutex::new(None));
         let e2 = error.clone();
@@ -163,11 +178,23 @@ impl Context {
             }
         });
         let slot = SLOT.max(limits.min_storage_buffer_offset_alignment as u64);
+        let native_fma = match std::env::var("TINYLLM_GPU_FMA").as_deref() {
+            Ok("soft") => false,
+            Ok("native") => true,
+            _ => probe_native_fma(&device, &queue)?,
+        };
+        if let Some(e) = &*error.lock().unwrap_or_else(|p| p.into_inner()) {
+            return Err(format!(
+                "GPU adapter {:?} failed its start-up probe: {e}",
+                info.name
+            ));
+        }
         Ok(Context {
             device,
             queue,
             info,
             limits,
+            native_fma,
             slot,
             pending: Mutex::new(Pending::default()),
             pipelines: Mutex::new(HashMap::new()),
@@ -204,7 +231,7 @@ impl Context {
             let mut mods = self.modules.lock().unwrap();
             mods.entry(family.name)
                 .or_insert_with(|| {
-                    let src = pipelines::compose(family);
+                    let src = pipelines::compose(family, self.native_fma);
                     self.device
                         .create_shader_module(wgpu::ShaderModuleDescriptor {
                             label: Some(family.name),
@@ -255,7 +282,10 @@ impl Context {
         pend.dispatches += 1;
         let off = (slot * self.slot) as usize;
         let bytes: &[u8] = bytemuck::cast_slice(params);
-        assert!(bytes.len() as u64 <= self.slot, "kernel params exceed a slot");
+        assert!(
+            bytes.len() as u64 <= self.slot,
+            "kernel params exceed a slot"
+        );
         pend.params.resize(off, 0);
         pend.params.extend_from_slice(bytes);
         let params_buf = pend.params_buf.as_ref().unwrap();
@@ -341,11 +371,13 @@ impl Context {
             usage: wgpu::BufferUsages::COPY_SRC,
             mapped_at_creation: true,
         });
-        staging
-            .slice(..)
-            .get_mapped_range_mut()
-            .expect("a buffer mapped at creation")[..data.len()]
-            .copy_from_slice(data);
+        {
+            let mut view = staging
+                .slice(..)
+                .get_mapped_range_mut()
+                .expect("a buffer mapped at creation");
+            view.slice(..data.len()).copy_from_slice(data);
+        }
         staging.unmap();
         let mut pend = self.pending.lock().unwrap();
         self.ensure_batch(&mut pend);
@@ -365,8 +397,13 @@ impl Context {
             usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
             mapped_at_creation: true,
         });
-        b.slice(..).get_mapped_range_mut().expect("mapped at creation")[..data.len()]
-            .copy_from_slice(data);
+        {
+            let mut view = b
+                .slice(..)
+                .get_mapped_range_mut()
+                .expect("mapped at creation");
+            view.slice(..data.len()).copy_from_slice(data);
+        }
         b.unmap();
         b
     }
@@ -405,7 +442,11 @@ impl Context {
         match rx.recv() {
             Ok(Ok(())) => {}
             Ok(Err(e)) => return Err(Error::msg(format!("GPU readback failed: {e}"))),
-            Err(_) => return Err(Error::msg("GPU readback failed: the map callback never ran")),
+            Err(_) => {
+                return Err(Error::msg(
+                    "GPU readback failed: the map callback never ran",
+                ))
+            }
         }
         let out = staging
             .get_mapped_range(..)
@@ -414,4 +455,99 @@ impl Context {
         staging.unmap();
         Ok(out)
     }
+}
+
+/// Runs the device's own WGSL `fma` on triples whose fused and unfused results
+/// differ (inexact products, cancellation, subnormal results) and compares with
+/// Rust's `f32::mul_add` (always a true fma). `Ok(true)` only if every bit agrees.
+fn probe_native_fma(
+    device: &wgpu::Device,
+    queue: &wgpu::Queue,
+) -> std::result::Result<bool, String> {
+    let e = |k: i32| 2f32.powi(k);
+    let triples: Vec<[f32; 3]> = vec![
+        [1.0 + e(-12), 1.0 + e(-12), -1.0],
+        [1.0 + e(-23), 1.0 - e(-23), -1.0],
+        [0.1, 10.0, -1.0],
+        [1.0 / 3.0, 3.0, -1.0],
+        [1.234_567_9, 7.654_321, -9.449_772],
+        [e(-70) * 1.5, e(-70) * 1.25, e(-140)], // subnormal result
+        [e(-75) * 1.000_000_1, e(-75), -e(-149)], // rounding in the subnormal range
+        [3.0e38, 2.0, -3.0e38],                 // product overflows, sum does not
+        [-0.0, 5.0, 0.0],
+    ];
+    let mut data: Vec<f32> = Vec::new();
+    for t in &triples {
+        data.extend_from_slice(&[t[0], t[1], t[2], 0.0]);
+    }
+    let buf = device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("fma probe"),
+        size: (data.len() * 4) as u64,
+        usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+        mapped_at_creation: true,
+    });
+    {
+        let mut view = buf
+            .slice(..)
+            .get_mapped_range_mut()
+            .expect("mapped at creation");
+        view.slice(..).copy_from_slice(bytemuck::cast_slice(&data));
+    }
+    buf.unmap();
+    let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
+        label: Some("fma probe"),
+        source: wgpu::ShaderSource::Wgsl(pipelines::FMA_PROBE.into()),
+    });
+    let pipeline = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+        label: Some("fma probe"),
+        layout: None,
+        module: &module,
+        entry_point: Some("probe"),
+        compilation_options: Default::default(),
+        cache: None,
+    });
+    let bg = device.create_bind_group(&wgpu::BindGroupDescriptor {
+        label: None,
+        layout: &pipeline.get_bind_group_layout(0),
+        entries: &[wgpu::BindGroupEntry {
+            binding: 0,
+            resource: buf.as_entire_binding(),
+        }],
+    });
+    let staging = device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("fma probe readback"),
+        size: (data.len() * 4) as u64,
+        usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+        mapped_at_creation: false,
+    });
+    let mut enc = device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
+    {
+        let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+            label: None,
+            timestamp_writes: None,
+        });
+        pass.set_pipeline(&pipeline);
+        pass.set_bind_group(0, &bg, &[]);
+        pass.dispatch_workgroups(1, 1, 1);
+    }
+    enc.copy_buffer_to_buffer(&buf, 0, &staging, 0, (data.len() * 4) as u64);
+    queue.submit([enc.finish()]);
+    let (tx, rx) = mpsc::channel();
+    staging.map_async(wgpu::MapMode::Read, .., move |r| {
+        let _ = tx.send(r);
+    });
+    device
+        .poll(wgpu::PollType::wait_indefinitely())
+        .map_err(|e| format!("GPU fma probe failed: {e}"))?;
+    match rx.recv() {
+        Ok(Ok(())) => {}
+        _ => return Err("GPU fma probe failed: could not read the result back".to_string()),
+    }
+    let got: Vec<f32> =
+        bytemuck::pod_collect_to_vec(&staging.get_mapped_range(..).map_err(|e| e.to_string())?);
+    staging.unmap();
+    Ok(triples
+        .iter()
+        .enumerate()
+        .all(|(i, t)| got[4 * i + 3].to_bits() == t[0].mul_add(t[1], t[2]).to_bits()))
 }

@@ -1,11 +1,17 @@
 //! The WGSL sources, how they are composed, and the kernel catalogue.
 //!
 //! Shaders are real files in `shaders/`, compiled into the binary with
-//! `include_str!`. A kernel family that uses the math library gets
-//! `mathlib.wgsl` and `cast.wgsl` prepended by plain string concatenation
-//! (WGSL has no includes). Each (family, entry point) becomes one pipeline,
-//! compiled once and cached in the context.
+//! `include_str!`. A kernel family that uses the math library gets the math
+//! prelude prepended by plain string concatenation (WGSL has no includes):
+//! the `fma_c` selector line, `fma.wgsl`, `mathlib.wgsl` and `cast.wgsl`.
+//! Each (family, entry point) becomes one pipeline, compiled once and cached
+//! in the context.
+//!
+//! `fma_c` is the contract's fused multiply-add: the device's `fma` when a
+//! probe at start-up shows it is exactly fused, else `fma_soft` (fma.wgsl,
+//! integer emulation). On Mesa's lavapipe `fma` is not fused.
 
+pub const FMA: &str = include_str!("../../../shaders/fma.wgsl");
 pub const MATHLIB: &str = include_str!("../../../shaders/mathlib.wgsl");
 pub const CAST: &str = include_str!("../../../shaders/cast.wgsl");
 
@@ -55,14 +61,40 @@ pub const OPTIM: Family = Family {
 
 pub const FAMILIES: [Family; 7] = [ELEMENTWISE, MATMUL, REDUCE, COPY, GATHER, RNG, OPTIM];
 
+/// The math prelude, with `fma_c` bound to the device's `fma` (`native_fma`)
+/// or to the integer emulation.
+pub fn prelude(native_fma: bool) -> String {
+    let sel = if native_fma {
+        "// fma_c: the device's fma, probed to be exactly fused\n\
+         fn fma_c(a: f32, b: f32, c: f32) -> f32 { return fma(a, b, c); }"
+    } else {
+        "// fma_c: the device's fma is not fused (probed): integer emulation\n\
+         fn fma_c(a: f32, b: f32, c: f32) -> f32 { return fma_soft(a, b, c); }"
+    };
+    format!("{sel}\n{FMA}\n{MATHLIB}\n{CAST}\n")
+}
+
 /// The full source of a family as the backend compiles it.
-pub fn compose(f: Family) -> String {
+pub fn compose(f: Family, native_fma: bool) -> String {
     if f.needs_math {
-        format!("{MATHLIB}\n{CAST}\n{}", f.source)
+        format!("{}{}", prelude(native_fma), f.source)
     } else {
         f.source.to_string()
     }
 }
+
+/// Kernel of the start-up probe: `d[4i+3] = fma(d[4i], d[4i+1], d[4i+2])` with
+/// the device's own `fma` (operands from a buffer, so nothing can be folded).
+pub const FMA_PROBE: &str = "
+@group(0) @binding(0) var<storage, read_write> d: array<f32>;
+@compute @workgroup_size(1)
+fn probe() {
+    let n = arrayLength(&d) / 4u;
+    for (var i = 0u; i < n; i++) {
+        d[4u * i + 3u] = fma(d[4u * i], d[4u * i + 1u], d[4u * i + 2u]);
+    }
+}
+";
 
 /// Every kernel (one pipeline each).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
