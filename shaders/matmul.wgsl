@@ -47,8 +47,21 @@ fn load_b(base: u32, p: u32, j: u32) -> f32 {
     return round_fmt(b[idx], prm.fmt);
 }
 
-// fma_c(a, b[c], acc[c]) for the four columns of a tile row
+// fma(a, b[c], acc[c]) for the four columns of a tile row.
+//
+// With rounded operands (fmt != none) the product of two bf16 values (8+8
+// significant bits) or two fp16 values (11+11 bits, exponents >= 2^-48) is
+// exact in f32, so `a * b + acc` rounds once whether or not the device fuses:
+// the device's own `fma` is then bit-exact even where it is not fused
+// (lavapipe), and much faster than the integer emulation `fma_c` may be.
+// The pipeline for rounded operands sets EXACT_PRODUCTS, so the other branch
+// (and the emulation) is compiled out of it.
+override EXACT_PRODUCTS: bool = false;
+
 fn fma4(a: f32, b: vec4<f32>, acc: vec4<f32>) -> vec4<f32> {
+    if EXACT_PRODUCTS {
+        return fma(vec4<f32>(a), b, acc);
+    }
     return vec4<f32>(fma_c(a, b.x, acc.x), fma_c(a, b.y, acc.y),
                      fma_c(a, b.z, acc.z), fma_c(a, b.w, acc.w));
 }

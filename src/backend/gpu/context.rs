@@ -247,7 +247,10 @@ impl Context {
                 layout: None,
                 module: &module,
                 entry_point: Some(entry),
-                compilation_options: Default::default(),
+                compilation_options: wgpu::PipelineCompilationOptions {
+                    constants: k.constants(),
+                    ..Default::default()
+                },
                 cache: None,
             });
         if let Some(e) = pollster::block_on(scope.pop()) {

@@ -330,7 +330,11 @@ impl GpuStorage {
                 b0 as u32,
             ];
             c.dispatch(
-                Kernel::Matmul,
+                if round.is_some() {
+                    Kernel::MatmulRounded
+                } else {
+                    Kernel::Matmul
+                },
                 &params,
                 &[self.buf(), rhs.buf(), out.buf()],
                 (gx as u32, gy as u32, nb as u32),

@@ -102,6 +102,8 @@ pub enum Kernel {
     Unary,
     Binary,
     Matmul,
+    /// The same kernel specialised for rounded operands (see matmul.wgsl).
+    MatmulRounded,
     Reduce,
     Softmax,
     SoftmaxBackward,
@@ -119,10 +121,11 @@ pub enum Kernel {
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 17] = [
+    pub const ALL: [Kernel; 18] = [
         Kernel::Unary,
         Kernel::Binary,
         Kernel::Matmul,
+        Kernel::MatmulRounded,
         Kernel::Reduce,
         Kernel::Softmax,
         Kernel::SoftmaxBackward,
@@ -139,11 +142,19 @@ impl Kernel {
         Kernel::SgdMomentum,
     ];
 
+    /// Values of the kernel's pipeline-overridable constants.
+    pub fn constants(self) -> &'static [(&'static str, f64)] {
+        match self {
+            Kernel::MatmulRounded => &[("EXACT_PRODUCTS", 1.0)],
+            _ => &[],
+        }
+    }
+
     pub fn family_and_entry(self) -> (Family, &'static str) {
         match self {
             Kernel::Unary => (ELEMENTWISE, "unary"),
             Kernel::Binary => (ELEMENTWISE, "binary"),
-            Kernel::Matmul => (MATMUL, "matmul"),
+            Kernel::Matmul | Kernel::MatmulRounded => (MATMUL, "matmul"),
             Kernel::Reduce => (REDUCE, "reduce"),
             Kernel::Softmax => (REDUCE, "softmax_rows"),
             Kernel::SoftmaxBackward => (REDUCE, "softmax_rows_backward"),
