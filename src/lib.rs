@@ -26,6 +26,7 @@ pub mod recompute;
 pub mod rng;
 pub mod tensor;
 pub mod testing;
+pub mod train;
 
 pub use backend::round::Format;
 pub use backend::{DType, Device};

@@ -1,1 +1,491 @@
-//! The Llama (written with the trainer).
+//! The Llama: token embedding, `n_layers` pre-norm blocks (RMSNorm, causal
+//! multi-head attention with rotary position embeddings, RMSNorm, SwiGLU MLP),
+//! a final RMSNorm and an untied LM head — the Hugging Face `LlamaForCausalLM`
+//! layout, so a checkpoint's tensors carry HF's names and shapes.
+//!
+//! Every block is a [`Layer`] `x: (B,T,C) -> (B,T,C)`, so the stack can run
+//! through [`checkpoint_sequential`] with a memory budget in layer units.
+
+use crate::backend::Device;
+use crate::nn::{Embedding, Layer, Linear, Module, RmsNorm};
+use crate::ops::dropout;
+use crate::recompute::checkpoint_sequential;
+use crate::rng::Generator;
+use crate::{bail, Result, Tensor};
+use serde::{Deserialize, Serialize};
+use std::rc::Rc;
+
+/// The architecture (everything a checkpoint's `config.json` must agree on).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LlamaConfig {
+    pub vocab_size: usize,
+    /// `C`, the residual width.
+    pub d_model: usize,
+    pub n_layers: usize,
+    pub n_heads: usize,
+    /// The SwiGLU MLP's inner width.
+    pub hidden: usize,
+    /// The longest sequence (RoPE tables are built for it).
+    pub context: usize,
+    pub rms_eps: f64,
+    pub rope_theta: f64,
+    /// Residual and attention dropout probability (0 = off).
+    pub dropout: f32,
+}
+
+impl LlamaConfig {
+    /// A named preset:
+    ///
+    /// | preset     | C   | layers | heads | hidden | context | parameters |
+    /// |------------|-----|--------|-------|--------|---------|------------|
+    /// | `capstone` | 320 | 8      | 5     | 904    | 512     | 10,388,800 |
+    /// | `small`    | 128 | 4      | 4     | 352    | 128     |    869,504 |
+    /// | `tiny`     | 32  | 4      | 2     | 64     | 16      |     57,632 |
+    ///
+    /// All are byte-level (vocabulary 256). `capstone` is spec C1's model; its
+    /// hidden width 904 (a multiple of 8 near 2.8·C) lands the count at 10.4M.
+    pub fn preset(name: &str) -> Result<LlamaConfig> {
+        let base = |d, l, h, f, t| LlamaConfig {
+            vocab_size: 256,
+            d_model: d,
+            n_layers: l,
+            n_heads: h,
+            hidden: f,
+            context: t,
+            rms_eps: 1e-5,
+            rope_theta: 10000.0,
+            dropout: 0.0,
+        };
+        Ok(match name {
+            "capstone" => base(320, 8, 5, 904, 512),
+            "small" => base(128, 4, 4, 352, 128),
+            "tiny" => base(32, 4, 2, 64, 16),
+            _ => bail!("unknown preset {name:?}: expected capstone, small or tiny"),
+        })
+    }
+
+    pub fn head_dim(&self) -> usize {
+        self.d_model / self.n_heads
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        let c = self;
+        if c.vocab_size == 0 || c.d_model == 0 || c.n_layers == 0 || c.n_heads == 0 || c.hidden == 0 || c.context == 0 {
+            bail!("model config: every size must be at least 1 ({c:?})");
+        }
+        if !c.d_model.is_multiple_of(c.n_heads) || !c.head_dim().is_multiple_of(2) {
+            bail!(
+                "model config: d_model {} must split into {} heads of an even width (RoPE rotates pairs)",
+                c.d_model,
+                c.n_heads
+            );
+        }
+        if !(0.0..1.0).contains(&c.dropout) {
+            bail!("model config: dropout must be in [0, 1), got {}", c.dropout);
+        }
+        if c.rms_eps.is_nan() || c.rms_eps <= 0.0 || c.rope_theta.is_nan() || c.rope_theta <= 0.0 {
+            bail!("model config: rms_eps and rope_theta must be positive");
+        }
+        Ok(())
+    }
+
+    /// The exact number of trainable parameters.
+    pub fn num_params(&self) -> usize {
+        let (v, c, f) = (self.vocab_size, self.d_model, self.hidden);
+        let block = 4 * c * c + 3 * c * f + 2 * c;
+        2 * v * c + self.n_layers * block + c
+    }
+
+    /// A Hugging Face `LlamaConfig` (`config.json`) describing this model.
+    pub fn to_hf_json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.d_model,
+            "intermediate_size": self.hidden,
+            "num_hidden_layers": self.n_layers,
+            "num_attention_heads": self.n_heads,
+            "num_key_value_heads": self.n_heads,
+            "head_dim": self.head_dim(),
+            "max_position_embeddings": self.context,
+            "rms_norm_eps": self.rms_eps,
+            "rope_theta": self.rope_theta,
+            "hidden_act": "silu",
+            "attention_bias": false,
+            "mlp_bias": false,
+            "attention_dropout": self.dropout,
+            "tie_word_embeddings": false,
+            "torch_dtype": "float32",
+            "bos_token_id": null,
+            "eos_token_id": null,
+            "tinyllm_dropout": self.dropout,
+        })
+    }
+
+    /// Reads a Hugging Face `config.json` written by [`to_hf_json`](Self::to_hf_json)
+    /// (or any plain Llama config without grouped-query attention).
+    pub fn from_hf_json(v: &serde_json::Value) -> Result<LlamaConfig> {
+        let num = |k: &str| -> Result<usize> {
+            v.get(k)
+                .and_then(|x| x.as_u64())
+                .map(|x| x as usize)
+                .ok_or_else(|| crate::Error::msg(format!("config.json: missing or invalid {k:?}")))
+        };
+        let flt = |k: &str, d: f64| v.get(k).and_then(|x| x.as_f64()).unwrap_or(d);
+        if let Some(t) = v.get("model_type").and_then(|x| x.as_str()) {
+            if t != "llama" {
+                bail!("config.json: model_type {t:?} is not \"llama\"");
+            }
+        }
+        let n_heads = num("num_attention_heads")?;
+        if let Ok(kv) = num("num_key_value_heads") {
+            if kv != n_heads {
+                bail!("config.json: grouped-query attention ({kv} key/value heads for {n_heads} heads) is not supported");
+            }
+        }
+        if v.get("tie_word_embeddings").and_then(|x| x.as_bool()) == Some(true) {
+            bail!("config.json: tied embeddings are not supported (this Llama has its own lm_head)");
+        }
+        let cfg = LlamaConfig {
+            vocab_size: num("vocab_size")?,
+            d_model: num("hidden_size")?,
+            n_layers: num("num_hidden_layers")?,
+            n_heads,
+            hidden: num("intermediate_size")?,
+            context: num("max_position_embeddings")?,
+            rms_eps: flt("rms_norm_eps", 1e-5),
+            rope_theta: flt("rope_theta", 10000.0),
+            dropout: flt("tinyllm_dropout", flt("attention_dropout", 0.0)) as f32,
+        };
+        if let Ok(hd) = num("head_dim") {
+            if cfg.n_heads * hd != cfg.d_model {
+                bail!("config.json: head_dim {hd} × {} heads ≠ hidden_size {}", cfg.n_heads, cfg.d_model);
+            }
+        }
+        cfg.validate().map_err(|e| e.context("config.json"))?;
+        Ok(cfg)
+    }
+}
+
+// ------------------------------------------------------------------ RoPE ----
+
+/// Rotary tables `cos, sin: (context, head_dim)` in Hugging Face's layout:
+/// angle `θ[t, i] = t · theta^(−2i/D)` for `i < D/2`, repeated for the second
+/// half (`emb = cat(freqs, freqs)`). Computed once on the host in f64 and
+/// rounded to f32, so every device gets the same bits.
+pub fn rope_tables(context: usize, head_dim: usize, theta: f64) -> (Vec<f32>, Vec<f32>) {
+    let half = head_dim / 2;
+    let mut cos = Vec::with_capacity(context * head_dim);
+    let mut sin = Vec::with_capacity(context * head_dim);
+    for t in 0..context {
+        for j in 0..head_dim {
+            let i = j % half;
+            let inv_freq = 1.0 / theta.powf((2 * i) as f64 / head_dim as f64);
+            let a = t as f64 * inv_freq;
+            cos.push(a.cos() as f32);
+            sin.push(a.sin() as f32);
+        }
+    }
+    (cos, sin)
+}
+
+/// `rotate_half(x) = cat(−x₂, x₁)` over the last axis, `x₁`/`x₂` its halves
+/// (Hugging Face's convention: pairs are `(i, i + D/2)`, not adjacent).
+pub fn rotate_half(x: &Tensor) -> Result<Tensor> {
+    let d = *x.shape().last().unwrap_or(&0);
+    if !d.is_multiple_of(2) {
+        bail!("rotate_half needs an even last axis, got {:?}", x.shape());
+    }
+    let x1 = x.narrow(-1, 0, d / 2)?;
+    let x2 = x.narrow(-1, d / 2, d / 2)?;
+    Tensor::cat(&[&x2.neg()?, &x1], -1)
+}
+
+/// `x · cos + rotate_half(x) · sin`: `x: (.., T, D)`, `cos, sin: (T, D)`.
+pub fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    x.mul(cos)?.add(&rotate_half(x)?.mul(sin)?)
+}
+
+/// The rotary tables on a device, shared by every block.
+pub struct Rope {
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl Rope {
+    pub fn new(cfg: &LlamaConfig, device: Device) -> Result<Rope> {
+        let (c, s) = rope_tables(cfg.context, cfg.head_dim(), cfg.rope_theta);
+        let shape = [cfg.context, cfg.head_dim()];
+        Ok(Rope {
+            cos: Tensor::from_vec(c, &shape, device)?,
+            sin: Tensor::from_vec(s, &shape, device)?,
+        })
+    }
+    /// The first `t` rows of both tables.
+    fn first(&self, t: usize) -> Result<(Tensor, Tensor)> {
+        if t == self.cos.shape()[0] {
+            return Ok((self.cos.clone(), self.sin.clone()));
+        }
+        Ok((self.cos.narrow(0, 0, t)?, self.sin.narrow(0, 0, t)?))
+    }
+}
+
+// ---------------------------------------------------------------- blocks ----
+
+/// Causal multi-head self-attention with RoPE on queries and keys.
+pub struct Attention {
+    pub q_proj: Linear,
+    pub k_proj: Linear,
+    pub v_proj: Linear,
+    pub o_proj: Linear,
+    n_heads: usize,
+    rope: Rc<Rope>,
+    dropout: f32,
+    rng: Generator,
+    training: std::cell::Cell<bool>,
+}
+
+impl Attention {
+    /// `x: (B,T,C) -> (B,T,C)`
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let (b, t, c) = (x.shape()[0], x.shape()[1], x.shape()[2]);
+        let (h, d) = (self.n_heads, c / self.n_heads);
+        // (B,T,C) -> (B,T,H,D) -> (B,H,T,D)
+        let heads = |l: &Linear| l.forward(x)?.reshape(&[b, t, h, d])?.permute(&[0, 2, 1, 3]);
+        let (cos, sin) = self.rope.first(t)?;
+        let q = apply_rope(&heads(&self.q_proj)?, &cos, &sin)?;
+        let k = apply_rope(&heads(&self.k_proj)?, &cos, &sin)?;
+        let v = heads(&self.v_proj)?;
+        // scores: (B,H,T,T) = q kᵀ / √D, future positions masked to −inf
+        let scores = q
+            .matmul_t(&k)?
+            .mul_scalar(1.0 / (d as f64).sqrt())?
+            .causal_mask()?;
+        let p = dropout(&scores.softmax()?, self.dropout, &self.rng, self.training.get())?;
+        // (B,H,T,D) -> (B,T,H,D) -> (B,T,C)
+        let y = p.matmul(&v)?.permute(&[0, 2, 1, 3])?.reshape(&[b, t, c])?;
+        self.o_proj.forward(&y)
+    }
+}
+
+/// SwiGLU: `down(silu(gate(x)) · up(x))`.
+pub struct Mlp {
+    pub gate_proj: Linear,
+    pub up_proj: Linear,
+    pub down_proj: Linear,
+}
+
+impl Mlp {
+    /// `x: (B,T,C) -> (B,T,C)`
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let g = self.gate_proj.forward(x)?.silu()?;
+        self.down_proj.forward(&g.mul(&self.up_proj.forward(x)?)?)
+    }
+}
+
+/// One pre-norm decoder block: `x + attn(norm(x))`, then `h + mlp(norm(h))`.
+pub struct Block {
+    pub input_layernorm: RmsNorm,
+    pub self_attn: Attention,
+    pub post_attention_layernorm: RmsNorm,
+    pub mlp: Mlp,
+}
+
+impl Block {
+    /// `(HF name suffix, tensor)` in [`Module::parameters`] order.
+    pub fn named_parameters(&self) -> Vec<(&'static str, Tensor)> {
+        let a = &self.self_attn;
+        vec![
+            ("input_layernorm.weight", self.input_layernorm.weight.clone()),
+            ("self_attn.q_proj.weight", a.q_proj.weight.clone()),
+            ("self_attn.k_proj.weight", a.k_proj.weight.clone()),
+            ("self_attn.v_proj.weight", a.v_proj.weight.clone()),
+            ("self_attn.o_proj.weight", a.o_proj.weight.clone()),
+            ("post_attention_layernorm.weight", self.post_attention_layernorm.weight.clone()),
+            ("mlp.gate_proj.weight", self.mlp.gate_proj.weight.clone()),
+            ("mlp.up_proj.weight", self.mlp.up_proj.weight.clone()),
+            ("mlp.down_proj.weight", self.mlp.down_proj.weight.clone()),
+        ]
+    }
+}
+
+impl Module for Block {
+    fn parameters(&self) -> Vec<Tensor> {
+        self.named_parameters().into_iter().map(|(_, t)| t).collect()
+    }
+    fn set_training(&self, on: bool) {
+        self.self_attn.training.set(on);
+    }
+}
+
+impl Layer for Block {
+    /// `x: (B,T,C) -> (B,T,C)`
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if x.dims() != 3 {
+            bail!("a Llama block takes (B,T,C), got {:?}", x.shape());
+        }
+        let a = &self.self_attn;
+        let train = a.training.get();
+        let att = a.forward(&self.input_layernorm.forward(x)?)?;
+        let h = x.add(&dropout(&att, a.dropout, &a.rng, train)?)?;
+        let m = self.mlp.forward(&self.post_attention_layernorm.forward(&h)?)?;
+        h.add(&dropout(&m, a.dropout, &a.rng, train)?)
+    }
+}
+
+// ----------------------------------------------------------------- model ----
+
+/// The whole model. Parameters are float32 masters on `device`.
+pub struct Llama {
+    pub cfg: LlamaConfig,
+    pub embed_tokens: Embedding,
+    pub layers: Vec<Rc<Block>>,
+    pub norm: RmsNorm,
+    pub lm_head: Linear,
+    /// The dropout stream (shared by every block; replayed by checkpointing).
+    pub rng: Generator,
+    device: Device,
+}
+
+impl Llama {
+    /// Hugging Face's init: every matrix Normal(0, 0.02²), norms at 1. All
+    /// draws come from `Generator::new(seed)` in parameter order, so the same
+    /// seed gives the same bits on every device.
+    pub fn new(cfg: &LlamaConfig, seed: u64, device: Device) -> Result<Llama> {
+        cfg.validate()?;
+        let gen = Generator::new(seed);
+        let rng = Generator::new(seed ^ 0x5eed_d80b_0000_0000);
+        let std = 0.02;
+        let (c, f) = (cfg.d_model, cfg.hidden);
+        let rope = Rc::new(Rope::new(cfg, device)?);
+        let embed_tokens = Embedding::new(cfg.vocab_size, c, std, &gen, device)?;
+        let mut layers = Vec::with_capacity(cfg.n_layers);
+        for _ in 0..cfg.n_layers {
+            let input_layernorm = RmsNorm::new(c, cfg.rms_eps, device)?;
+            let self_attn = Attention {
+                q_proj: Linear::normal(c, c, std, &gen, device)?,
+                k_proj: Linear::normal(c, c, std, &gen, device)?,
+                v_proj: Linear::normal(c, c, std, &gen, device)?,
+                o_proj: Linear::normal(c, c, std, &gen, device)?,
+                n_heads: cfg.n_heads,
+                rope: rope.clone(),
+                dropout: cfg.dropout,
+                rng: rng.clone(),
+                training: std::cell::Cell::new(true),
+            };
+            let post_attention_layernorm = RmsNorm::new(c, cfg.rms_eps, device)?;
+            let mlp = Mlp {
+                gate_proj: Linear::normal(c, f, std, &gen, device)?,
+                up_proj: Linear::normal(c, f, std, &gen, device)?,
+                down_proj: Linear::normal(f, c, std, &gen, device)?,
+            };
+            layers.push(Rc::new(Block {
+                input_layernorm,
+                self_attn,
+                post_attention_layernorm,
+                mlp,
+            }));
+        }
+        let norm = RmsNorm::new(c, cfg.rms_eps, device)?;
+        let lm_head = Linear::normal(c, cfg.vocab_size, std, &gen, device)?;
+        Ok(Llama {
+            cfg: cfg.clone(),
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            rng,
+            device,
+        })
+    }
+
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// Every parameter with its Hugging Face `LlamaForCausalLM` name, in
+    /// [`Module::parameters`] order.
+    pub fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        let mut out = vec![("model.embed_tokens.weight".to_string(), self.embed_tokens.weight.clone())];
+        for (i, b) in self.layers.iter().enumerate() {
+            for (n, t) in b.named_parameters() {
+                out.push((format!("model.layers.{i}.{n}"), t));
+            }
+        }
+        out.push(("model.norm.weight".into(), self.norm.weight.clone()));
+        out.push(("lm_head.weight".into(), self.lm_head.weight.clone()));
+        out
+    }
+
+    /// The expected shape of every named parameter (for validating checkpoints).
+    pub fn expected_shapes(&self) -> Vec<(String, Vec<usize>)> {
+        self.named_parameters()
+            .into_iter()
+            .map(|(n, t)| (n, t.shape().to_vec()))
+            .collect()
+    }
+
+    /// Logits for `ids`, `b` sequences of `t` tokens each (row-major):
+    /// `ids: (B·T) -> logits (B·T, V)`. With `ckpt_budget`, the blocks run
+    /// through [`checkpoint_sequential`] with that many layers of activations.
+    pub fn forward(&self, ids: &[u32], b: usize, t: usize, ckpt_budget: Option<usize>) -> Result<Tensor> {
+        if ids.len() != b * t || b == 0 || t == 0 {
+            bail!("Llama::forward: {} ids are not {b} sequences of {t}", ids.len());
+        }
+        if t > self.cfg.context {
+            bail!("Llama::forward: sequence of {t} tokens is longer than the context {}", self.cfg.context);
+        }
+        if let Some(&bad) = ids.iter().find(|&&i| i as usize >= self.cfg.vocab_size) {
+            bail!("Llama::forward: token id {bad} outside the vocabulary of {}", self.cfg.vocab_size);
+        }
+        let c = self.cfg.d_model;
+        let x = self.embed_tokens.forward(ids)?.reshape(&[b, t, c])?;
+        let x = match ckpt_budget {
+            Some(budget) => {
+                let layers: Vec<Rc<dyn Layer>> = self.layers.iter().map(|l| l.clone() as Rc<dyn Layer>).collect();
+                checkpoint_sequential(&layers, &x, budget, std::slice::from_ref(&self.rng))?
+            }
+            None => {
+                let mut h = x;
+                for l in &self.layers {
+                    h = l.forward(&h)?;
+                }
+                h
+            }
+        };
+        let x = self.norm.forward(&x)?;
+        self.lm_head.forward(&x.reshape(&[b * t, c])?)
+    }
+}
+
+impl Module for Llama {
+    fn parameters(&self) -> Vec<Tensor> {
+        self.named_parameters().into_iter().map(|(_, t)| t).collect()
+    }
+    fn set_training(&self, on: bool) {
+        self.layers.iter().for_each(|l| l.set_training(on));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn preset_parameter_counts() {
+        for (name, n) in [("capstone", 10_388_800), ("small", 869_504), ("tiny", 57_632)] {
+            let cfg = LlamaConfig::preset(name).unwrap();
+            assert_eq!(cfg.num_params(), n, "{name}");
+        }
+        let m = Llama::new(&LlamaConfig::preset("tiny").unwrap(), 0, Device::Cpu).unwrap();
+        let counted: usize = m.parameters().iter().map(|p| p.numel()).sum();
+        assert_eq!(counted, 57_632);
+    }
+
+    #[test]
+    fn hf_config_roundtrip() {
+        let cfg = LlamaConfig::preset("capstone").unwrap();
+        assert_eq!(LlamaConfig::from_hf_json(&cfg.to_hf_json()).unwrap(), cfg);
+    }
+}

@@ -1,0 +1,369 @@
+//! Checkpoints: `DIR/checkpoint/` holds
+//!
+//! * `model.safetensors` — the weights under Hugging Face `LlamaForCausalLM`
+//!   names (`model.embed_tokens.weight`, `model.layers.{i}.self_attn.q_proj.weight`,
+//!   …, `lm_head.weight`), float32;
+//! * `config.json` — the matching HF `LlamaConfig`;
+//! * `optimizer.safetensors` — AdamW's moments, `{name}.exp_avg` / `{name}.exp_avg_sq`;
+//! * `trainer_state.json` — step, run config, loss-scaler state, RNG states
+//!   (dropout and data order), per-parameter AdamW step counts, data fingerprint;
+//! * `manifest.json` — SHA-256 and size of every other file, written last.
+//!
+//! **Writing.** Every file is written to a temporary file in the same
+//! directory, fsynced and renamed into place. A checkpoint is first assembled in
+//! `checkpoint.next/`, then swapped for the previous `checkpoint/` by two
+//! renames, so a crash at any point leaves the last good checkpoint loadable.
+//!
+//! **Loading.** The manifest is checked first (every listed file present, of
+//! the recorded size and hash), then every tensor's name, dtype and shape
+//! against the model the config describes. Only when all of that passes is
+//! anything copied into a model or optimizer: a bad checkpoint is an error and
+//! nothing is half-loaded.
+
+use crate::backend::{Device, Storage};
+use crate::nn::llama::{Llama, LlamaConfig};
+use crate::nn::Module;
+use crate::optim::AdamW;
+use crate::precision::ScalerState;
+use crate::rng::RngState;
+use crate::train::config::TrainConfig;
+use crate::train::sha256::Sha256;
+use crate::{bail, Error, Result, Tensor};
+use safetensors::{Dtype, SafeTensors};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashMap};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+pub const MODEL_FILE: &str = "model.safetensors";
+pub const CONFIG_FILE: &str = "config.json";
+pub const OPTIM_FILE: &str = "optimizer.safetensors";
+pub const STATE_FILE: &str = "trainer_state.json";
+pub const MANIFEST_FILE: &str = "manifest.json";
+pub const FORMAT: &str = "tinyllm-checkpoint-1";
+
+/// Everything but tensors that a resumed run needs to continue bit for bit.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TrainState {
+    pub format: String,
+    /// Optimizer steps taken (skipped fp16 steps included).
+    pub step: usize,
+    pub config: TrainConfig,
+    pub scaler: Option<ScalerState>,
+    /// The dropout stream's state.
+    pub model_rng: RngState,
+    /// The batch-order stream's state: the data position.
+    pub data_rng: RngState,
+    /// AdamW's step count per parameter (`None`: never updated).
+    pub adam_steps: Vec<Option<u64>>,
+    pub data_name: String,
+    pub data_fingerprint: String,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct FileEntry {
+    sha256: String,
+    bytes: u64,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct Manifest {
+    format: String,
+    files: BTreeMap<String, FileEntry>,
+}
+
+fn io_err(what: &str, p: &Path, e: std::io::Error) -> Error {
+    Error::msg(format!("{what} {}: {e}", p.display()))
+}
+
+/// Writes `bytes` to `dir/name` atomically: a temporary file in `dir`,
+/// fsynced, then renamed over the target.
+pub fn write_atomic(dir: &Path, name: &str, bytes: &[u8]) -> Result<()> {
+    let target = dir.join(name);
+    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
+    let res = (|| -> std::io::Result<()> {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        drop(f);
+        std::fs::rename(&tmp, &target)
+    })();
+    if let Err(e) = res {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(io_err("cannot write", &target, e));
+    }
+    Ok(())
+}
+
+/// Makes a directory's entries (renames) durable.
+fn sync_dir(dir: &Path) {
+    if let Ok(d) = std::fs::File::open(dir) {
+        let _ = d.sync_all();
+    }
+}
+
+struct F32View {
+    shape: Vec<usize>,
+    bytes: Vec<u8>,
+}
+
+impl safetensors::View for F32View {
+    fn dtype(&self) -> Dtype {
+        Dtype::F32
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        (&self.bytes).into()
+    }
+    fn data_len(&self) -> usize {
+        self.bytes.len()
+    }
+}
+
+fn view(t: &Tensor) -> Result<F32View> {
+    let v = t.to_vec_f32()?;
+    Ok(F32View {
+        shape: t.shape().to_vec(),
+        bytes: v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+    })
+}
+
+fn serialize(tensors: Vec<(String, F32View)>, meta: HashMap<String, String>) -> Result<Vec<u8>> {
+    safetensors::serialize(tensors, Some(meta)).map_err(|e| Error::msg(format!("safetensors: {e}")))
+}
+
+/// Where a checkpoint lives: `dir` itself when it holds a manifest, else `dir/checkpoint`.
+pub fn resolve_dir(dir: &Path) -> PathBuf {
+    if dir.join(MANIFEST_FILE).exists() {
+        dir.to_path_buf()
+    } else {
+        dir.join("checkpoint")
+    }
+}
+
+/// Writes a complete checkpoint to `run_dir/checkpoint/` (see the module docs)
+/// and returns its path.
+pub fn save(run_dir: &Path, model: &Llama, opt: &AdamW, state: &TrainState) -> Result<PathBuf> {
+    std::fs::create_dir_all(run_dir).map_err(|e| io_err("cannot create", run_dir, e))?;
+    let staging = run_dir.join("checkpoint.next");
+    if staging.exists() {
+        std::fs::remove_dir_all(&staging).map_err(|e| io_err("cannot clear", &staging, e))?;
+    }
+    std::fs::create_dir(&staging).map_err(|e| io_err("cannot create", &staging, e))?;
+
+    let mut meta = HashMap::new();
+    meta.insert("format".to_string(), "pt".to_string());
+    let named = model.named_parameters();
+    let weights: Vec<(String, F32View)> =
+        named.iter().map(|(n, t)| Ok((n.clone(), view(t)?))).collect::<Result<_>>()?;
+    let mut moments = Vec::new();
+    for (i, (n, _)) in named.iter().enumerate() {
+        if let Some((m, v, _)) = opt.state(i) {
+            moments.push((format!("{n}.exp_avg"), view(m)?));
+            moments.push((format!("{n}.exp_avg_sq"), view(v)?));
+        }
+    }
+    let json = |v: &serde_json::Value| serde_json::to_vec_pretty(v).map_err(|e| Error::msg(e.to_string()));
+    let files: Vec<(&str, Vec<u8>)> = vec![
+        (MODEL_FILE, serialize(weights, meta.clone())?),
+        (CONFIG_FILE, json(&model.cfg.to_hf_json())?),
+        (OPTIM_FILE, serialize(moments, meta)?),
+        (STATE_FILE, serde_json::to_vec_pretty(state).map_err(|e| Error::msg(e.to_string()))?),
+    ];
+    let mut manifest = Manifest { format: FORMAT.into(), files: BTreeMap::new() };
+    for (name, bytes) in &files {
+        write_atomic(&staging, name, bytes)?;
+        manifest.files.insert(
+            name.to_string(),
+            FileEntry { sha256: Sha256::digest_hex(bytes), bytes: bytes.len() as u64 },
+        );
+    }
+    let mbytes = serde_json::to_vec_pretty(&manifest).map_err(|e| Error::msg(e.to_string()))?;
+    write_atomic(&staging, MANIFEST_FILE, &mbytes)?;
+    sync_dir(&staging);
+
+    // Swap: checkpoint -> checkpoint.prev, checkpoint.next -> checkpoint.
+    let fin = run_dir.join("checkpoint");
+    let prev = run_dir.join("checkpoint.prev");
+    if prev.exists() {
+        std::fs::remove_dir_all(&prev).map_err(|e| io_err("cannot clear", &prev, e))?;
+    }
+    if fin.exists() {
+        std::fs::rename(&fin, &prev).map_err(|e| io_err("cannot move aside", &fin, e))?;
+    }
+    std::fs::rename(&staging, &fin).map_err(|e| io_err("cannot move into place", &staging, e))?;
+    sync_dir(run_dir);
+    if prev.exists() {
+        let _ = std::fs::remove_dir_all(&prev);
+    }
+    Ok(fin)
+}
+
+/// A checkpoint's files, read and verified against its manifest.
+pub struct Verified {
+    pub dir: PathBuf,
+    files: HashMap<String, Vec<u8>>,
+}
+
+impl Verified {
+    /// Reads `dir`'s manifest and every file it lists, checking sizes and hashes.
+    pub fn open(dir: &Path) -> Result<Verified> {
+        let dir = resolve_dir(dir);
+        let shown = dir.display();
+        let mpath = dir.join(MANIFEST_FILE);
+        let mbytes = std::fs::read(&mpath).map_err(|e| {
+            Error::msg(format!("{shown} is not a readable tinyllm checkpoint (no {MANIFEST_FILE}: {e})"))
+        })?;
+        let manifest: Manifest = serde_json::from_slice(&mbytes)
+            .map_err(|e| Error::msg(format!("{}: corrupt manifest: {e}", mpath.display())))?;
+        if manifest.format != FORMAT {
+            bail!("{}: unknown checkpoint format {:?} (expected {FORMAT:?})", mpath.display(), manifest.format);
+        }
+        let mut files = HashMap::new();
+        for (name, entry) in &manifest.files {
+            let p = dir.join(name);
+            let bytes = std::fs::read(&p).map_err(|e| io_err("checkpoint file missing or unreadable:", &p, e))?;
+            if bytes.len() as u64 != entry.bytes {
+                bail!(
+                    "{}: {} bytes, the manifest records {} (truncated or partly written); nothing was loaded",
+                    p.display(),
+                    bytes.len(),
+                    entry.bytes
+                );
+            }
+            if Sha256::digest_hex(&bytes) != entry.sha256 {
+                bail!("{}: SHA-256 does not match the manifest (the file is corrupted or was modified); nothing was loaded", p.display());
+            }
+            files.insert(name.clone(), bytes);
+        }
+        Ok(Verified { dir, files })
+    }
+
+    fn file(&self, name: &str) -> Result<&[u8]> {
+        self.files
+            .get(name)
+            .map(Vec::as_slice)
+            .ok_or_else(|| Error::msg(format!("{}: the manifest lists no {name}", self.dir.display())))
+    }
+
+    /// The model architecture from `config.json`.
+    pub fn config(&self) -> Result<LlamaConfig> {
+        let v: serde_json::Value = serde_json::from_slice(self.file(CONFIG_FILE)?)
+            .map_err(|e| Error::msg(format!("{}/{CONFIG_FILE}: {e}", self.dir.display())))?;
+        LlamaConfig::from_hf_json(&v).map_err(|e| e.context(self.dir.display()))
+    }
+
+    pub fn train_state(&self) -> Result<TrainState> {
+        let st: TrainState = serde_json::from_slice(self.file(STATE_FILE)?)
+            .map_err(|e| Error::msg(format!("{}/{STATE_FILE}: {e}", self.dir.display())))?;
+        if st.format != FORMAT {
+            bail!("{}/{STATE_FILE}: unknown format {:?}", self.dir.display(), st.format);
+        }
+        Ok(st)
+    }
+
+    /// The tensors of `file`, each checked against `expected` (names, float32,
+    /// shapes): exactly the expected set, nothing missing, nothing extra.
+    fn tensors(&self, file: &str, expected: &[(String, Vec<usize>)]) -> Result<Vec<Vec<f32>>> {
+        let where_ = format!("{}/{file}", self.dir.display());
+        let st = SafeTensors::deserialize(self.file(file)?)
+            .map_err(|e| Error::msg(format!("{where_}: not a valid safetensors file ({e})")))?;
+        let want: std::collections::HashSet<&str> = expected.iter().map(|(n, _)| n.as_str()).collect();
+        if let Some(extra) = st.names().into_iter().find(|n| !want.contains(n)) {
+            bail!("{where_}: unexpected tensor {extra:?} (does the config match the weights?)");
+        }
+        let mut out = Vec::with_capacity(expected.len());
+        for (name, shape) in expected {
+            let t = st
+                .tensor(name)
+                .map_err(|_| Error::msg(format!("{where_}: missing tensor {name:?}")))?;
+            if t.dtype() != Dtype::F32 {
+                bail!("{where_}: tensor {name:?} is {:?}, expected F32", t.dtype());
+            }
+            if t.shape() != shape.as_slice() {
+                bail!("{where_}: tensor {name:?} has shape {:?}, the model expects {shape:?}", t.shape());
+            }
+            out.push(t.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect());
+        }
+        Ok(out)
+    }
+
+    /// Weights for `model` (validated, not yet assigned), after checking that
+    /// `config.json` describes exactly `model.cfg`.
+    pub fn weights_for(&self, model: &Llama) -> Result<Vec<Vec<f32>>> {
+        let cfg = self.config()?;
+        if cfg != model.cfg {
+            bail!(
+                "{}: config.json does not match the model (checkpoint {:?}, model {:?})",
+                self.dir.display(),
+                cfg,
+                model.cfg
+            );
+        }
+        self.tensors(MODEL_FILE, &model.expected_shapes())
+    }
+}
+
+fn assign(t: &Tensor, v: Vec<f32>, device: Device) -> Result<()> {
+    t.set_storage(Storage::from_f32(v, device)?)
+}
+
+/// Builds the model a checkpoint describes and loads its weights (for `eval`
+/// and `generate`).
+pub fn load_model(dir: &Path, device: Device) -> Result<Llama> {
+    let ck = Verified::open(dir)?;
+    let model = Llama::new(&ck.config()?, 0, device)?;
+    let weights = ck.weights_for(&model)?;
+    for (p, w) in model.parameters().iter().zip(weights) {
+        assign(p, w, device)?;
+    }
+    Ok(model)
+}
+
+/// Restores weights, AdamW moments and step counts from a verified checkpoint
+/// into `model` and `opt`; returns the trainer state. Everything is read and
+/// checked before the first value is assigned.
+pub fn restore(ck: &Verified, model: &Llama, opt: &mut AdamW) -> Result<TrainState> {
+    let st = ck.train_state()?;
+    let weights = ck.weights_for(model)?;
+    let named = model.named_parameters();
+    if st.adam_steps.len() != named.len() {
+        bail!(
+            "{}/{STATE_FILE}: optimizer state for {} parameters, the model has {}",
+            ck.dir.display(),
+            st.adam_steps.len(),
+            named.len()
+        );
+    }
+    let mut expected = Vec::new();
+    for ((n, t), s) in named.iter().zip(&st.adam_steps) {
+        if s.is_some() {
+            expected.push((format!("{n}.exp_avg"), t.shape().to_vec()));
+            expected.push((format!("{n}.exp_avg_sq"), t.shape().to_vec()));
+        }
+    }
+    let mut moments = ck.tensors(OPTIM_FILE, &expected)?.into_iter();
+    let device = model.device();
+    // Build every optimizer-state tensor first (allocation can fail), then assign.
+    let mut states = Vec::with_capacity(named.len());
+    for ((_, t), s) in named.iter().zip(&st.adam_steps) {
+        states.push(match s {
+            Some(k) => {
+                let m = Tensor::from_vec(moments.next().unwrap(), t.shape(), device)?;
+                let v = Tensor::from_vec(moments.next().unwrap(), t.shape(), device)?;
+                Some((m, v, *k))
+            }
+            None => None,
+        });
+    }
+    let weights: Vec<Storage> = weights.into_iter().map(|w| Storage::from_f32(w, device)).collect::<Result<_>>()?;
+    for ((_, p), w) in named.iter().zip(weights) {
+        p.set_storage(w)?;
+    }
+    for (i, s) in states.into_iter().enumerate() {
+        opt.set_state(i, s)?;
+    }
+    Ok(st)
+}

@@ -1,0 +1,233 @@
+//! Text to batches: a byte-level tokenizer, a corpus (the embedded default or
+//! any UTF-8 file), a seeded train/validation split, and batches drawn from a
+//! [`Generator`] whose `(seed, offset)` state is the data position a
+//! checkpoint saves.
+
+use crate::precision::MicroBatch;
+use crate::rng::Generator;
+use crate::train::sha256::Sha256;
+use crate::{bail, Result};
+use std::path::{Path, PathBuf};
+
+/// Bytes are tokens: id = byte value, vocabulary 256. Any UTF-8 text encodes;
+/// decoding replaces an incomplete sequence (a sample cut mid-character) with U+FFFD.
+pub struct ByteTokenizer;
+
+impl ByteTokenizer {
+    pub const VOCAB: usize = 256;
+    pub fn encode(text: &str) -> Vec<u32> {
+        text.bytes().map(u32::from).collect()
+    }
+    pub fn decode(ids: &[u32]) -> String {
+        let bytes: Vec<u8> = ids.iter().map(|&i| i.min(255) as u8).collect();
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+}
+
+/// A tokenized text and where it came from.
+pub struct Corpus {
+    /// `"embedded"` or the file's path.
+    pub name: String,
+    pub tokens: Vec<u32>,
+    /// SHA-256 of the text (hex): a resumed run must see the same data.
+    pub fingerprint: String,
+}
+
+impl Corpus {
+    pub fn from_text(name: &str, text: &str) -> Corpus {
+        Corpus {
+            name: name.to_string(),
+            tokens: ByteTokenizer::encode(text),
+            fingerprint: Sha256::digest_hex(text.as_bytes()),
+        }
+    }
+
+    /// The embedded default corpus (see [`corpus`](super::corpus)).
+    pub fn embedded() -> Corpus {
+        Corpus::from_text("embedded", super::corpus::default_text())
+    }
+
+    /// A UTF-8 text file; every failure names the file.
+    pub fn from_file(path: &Path) -> Result<Corpus> {
+        let shown = path.display();
+        let bytes = std::fs::read(path).map_err(|e| crate::Error::msg(format!("cannot read corpus {shown}: {e}")))?;
+        if bytes.is_empty() {
+            bail!("corpus {shown} is empty: give a UTF-8 text file with some text in it");
+        }
+        let text = std::str::from_utf8(&bytes).map_err(|e| {
+            crate::Error::msg(format!(
+                "corpus {shown} is not UTF-8 text (invalid byte at offset {}); convert it to UTF-8 first",
+                e.valid_up_to()
+            ))
+        })?;
+        Ok(Corpus::from_text(&shown.to_string(), text))
+    }
+
+    /// `Some(path)` → the file, `None` → the embedded corpus.
+    pub fn load(path: Option<&PathBuf>) -> Result<Corpus> {
+        match path {
+            Some(p) => Corpus::from_file(p),
+            None => Ok(Corpus::embedded()),
+        }
+    }
+}
+
+/// `rows` sequences of `t` tokens and their next-token targets (row-major).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Batch {
+    pub ids: Vec<u32>,
+    pub targets: Vec<u32>,
+    pub rows: usize,
+    pub t: usize,
+}
+
+impl MicroBatch for Batch {
+    fn rows(&self) -> usize {
+        self.rows
+    }
+}
+
+impl Batch {
+    /// Consecutive micro-batches of at most `micro` rows (the last may be
+    /// smaller; accumulation weights each by its rows).
+    pub fn split(&self, micro: usize) -> Vec<Batch> {
+        let micro = micro.max(1);
+        (0..self.rows)
+            .step_by(micro)
+            .map(|r0| {
+                let r1 = (r0 + micro).min(self.rows);
+                Batch {
+                    ids: self.ids[r0 * self.t..r1 * self.t].to_vec(),
+                    targets: self.targets[r0 * self.t..r1 * self.t].to_vec(),
+                    rows: r1 - r0,
+                    t: self.t,
+                }
+            })
+            .collect()
+    }
+}
+
+/// A contiguous run of tokens `[start, start + len)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Piece {
+    pub start: usize,
+    pub len: usize,
+}
+
+/// The corpus cut into pieces, shuffled with the seed, the first tenth (at
+/// least one piece) held out for validation. Windows never cross a piece, so
+/// no training window overlaps a validation one.
+pub struct Dataset {
+    pub tokens: Vec<u32>,
+    pub context: usize,
+    pub train: Vec<Piece>,
+    pub val: Vec<Piece>,
+    /// Cumulative count of training windows per piece (for uniform sampling).
+    cum: Vec<usize>,
+}
+
+impl Dataset {
+    pub fn new(corpus: &Corpus, context: usize, seed: u64) -> Result<Dataset> {
+        if context == 0 {
+            bail!("context must be at least 1 token");
+        }
+        let n = corpus.tokens.len();
+        let w = context + 1; // a window: t inputs and the next token
+        let piece = w.max((n / 20).min(4096));
+        let count = n / piece;
+        if count < 2 {
+            bail!(
+                "corpus {} is too short: {n} bytes, but a context of {context} needs at least {} (one window of {w} for training and one for validation)",
+                corpus.name,
+                2 * w
+            );
+        }
+        let mut pieces: Vec<Piece> = (0..count)
+            .map(|i| Piece {
+                start: i * piece,
+                len: if i + 1 == count { n - i * piece } else { piece },
+            })
+            .collect();
+        // Fisher–Yates with the split's own stream (independent of the batch order).
+        let g = Generator::new(seed ^ SPLIT_KEY);
+        for i in (1..pieces.len()).rev() {
+            let j = g.below(i + 1);
+            pieces.swap(i, j);
+        }
+        let n_val = (count / 10).max(1);
+        let mut val = pieces[..n_val].to_vec();
+        let mut train = pieces[n_val..].to_vec();
+        val.sort_by_key(|p| p.start);
+        train.sort_by_key(|p| p.start);
+        let mut cum = Vec::with_capacity(train.len());
+        let mut acc = 0;
+        for p in &train {
+            acc += p.len - context; // window starts s with s + context + 1 <= len
+            cum.push(acc);
+        }
+        Ok(Dataset {
+            tokens: corpus.tokens.clone(),
+            context,
+            train,
+            val,
+            cum,
+        })
+    }
+
+    fn window(&self, s: usize) -> (&[u32], &[u32]) {
+        let t = self.context;
+        (&self.tokens[s..s + t], &self.tokens[s + 1..s + t + 1])
+    }
+
+    /// `rows` training windows drawn uniformly from `gen` (its state is the data
+    /// position). The draw does not depend on how the batch is split later.
+    pub fn sample_batch(&self, gen: &Generator, rows: usize) -> Batch {
+        let total = *self.cum.last().expect("at least one training piece");
+        let mut ids = Vec::with_capacity(rows * self.context);
+        let mut targets = Vec::with_capacity(rows * self.context);
+        for _ in 0..rows {
+            let k = gen.below(total);
+            let pi = self.cum.partition_point(|&c| c <= k);
+            let before = if pi == 0 { 0 } else { self.cum[pi - 1] };
+            let s = self.train[pi].start + (k - before);
+            let (x, y) = self.window(s);
+            ids.extend_from_slice(x);
+            targets.extend_from_slice(y);
+        }
+        Batch { ids, targets, rows, t: self.context }
+    }
+
+    /// Up to `max_rows` validation windows: non-overlapping windows of every
+    /// validation piece, thinned evenly. Deterministic, the same every call.
+    pub fn val_batch(&self, max_rows: usize) -> Batch {
+        let t = self.context;
+        let starts: Vec<usize> = self
+            .val
+            .iter()
+            .flat_map(|p| (0..(p.len - 1) / t).map(move |i| p.start + i * t))
+            .collect();
+        let take = starts.len().min(max_rows.max(1));
+        let mut ids = Vec::with_capacity(take * t);
+        let mut targets = Vec::with_capacity(take * t);
+        for i in 0..take {
+            let (x, y) = self.window(starts[i * starts.len() / take]);
+            ids.extend_from_slice(x);
+            targets.extend_from_slice(y);
+        }
+        Batch { ids, targets, rows: take, t }
+    }
+}
+
+/// The split stream's key, xored into the seed (any fixed constant).
+const SPLIT_KEY: u64 = 0xda7a_5917;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokenizer_roundtrip() {
+        let s = "héllo, wörld";
+        assert_eq!(ByteTokenizer::decode(&ByteTokenizer::encode(s)), s);
+    }
+}

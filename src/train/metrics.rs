@@ -1,0 +1,70 @@
+//! `metrics.jsonl`: one JSON object per optimizer step.
+
+use crate::Result;
+use serde::{Deserialize, Serialize};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+/// One step's record.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StepMetrics {
+    pub step: usize,
+    pub loss: f32,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub val_loss: Option<f32>,
+    pub lr: f32,
+    pub scale: f32,
+    pub skipped: bool,
+    pub grad_norm: Option<f32>,
+    pub tokens_per_s: f64,
+    pub peak_bytes: usize,
+}
+
+/// Appends records to `DIR/metrics.jsonl`, flushing each line.
+pub struct MetricsLog {
+    path: PathBuf,
+    file: std::fs::File,
+}
+
+impl MetricsLog {
+    /// Opens the log; lines of steps after `keep_through` (a resumed run's
+    /// checkpoint step) are dropped, so a resumed run does not repeat steps.
+    pub fn open(dir: &Path, keep_through: usize) -> Result<MetricsLog> {
+        let path = dir.join("metrics.jsonl");
+        let kept: Vec<String> = if keep_through > 0 && path.exists() {
+            std::fs::read_to_string(&path)?
+                .lines()
+                .filter(|l| {
+                    serde_json::from_str::<StepMetrics>(l).is_ok_and(|m| m.step <= keep_through)
+                })
+                .map(str::to_string)
+                .collect()
+        } else {
+            vec![]
+        };
+        let mut file = std::fs::File::create(&path)
+            .map_err(|e| crate::Error::msg(format!("cannot write {}: {e}", path.display())))?;
+        for l in kept {
+            writeln!(file, "{l}")?;
+        }
+        Ok(MetricsLog { path, file })
+    }
+    pub fn append(&mut self, m: &StepMetrics) -> Result<()> {
+        let line = serde_json::to_string(m).map_err(|e| crate::Error::msg(e.to_string()))?;
+        writeln!(self.file, "{line}")?;
+        self.file.flush()?;
+        Ok(())
+    }
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+    /// Every record in a log file.
+    pub fn read(path: &Path) -> Result<Vec<StepMetrics>> {
+        std::fs::read_to_string(path)
+            .map_err(|e| crate::Error::msg(format!("cannot read {}: {e}", path.display())))?
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .map(|l| serde_json::from_str(l).map_err(|e| crate::Error::msg(format!("{}: {e}", path.display()))))
+            .collect()
+    }
+}

@@ -1,0 +1,27 @@
+//! The trainer: text → batches → mixed-precision steps → metrics, plots and
+//! checkpoints; plus `compare` (spec MS-L11), `eval` and `generate`.
+//!
+//! * [`data`] — byte tokenizer, corpus loading, seeded split and batch order;
+//!   [`corpus`] — the embedded default text;
+//! * [`config`] — flags resolved against a preset's recipe and validated;
+//! * [`plan`] — spec M05.1's memory plan;
+//! * [`trainer`] — the loop (one step: scale → backward → accumulate → unscale
+//!   → clip → step, via [`train_step_mixed`](crate::precision::train_step_mixed));
+//! * [`checkpoint`] — Hugging Face-named safetensors, atomic writes, a SHA-256
+//!   manifest ([`sha256`]) verified before anything loads;
+//! * [`metrics`], [`plot`] — `metrics.jsonl` and the SVG loss curves;
+//! * [`compare`] — float32 against bf16 + accumulation + checkpointing.
+
+pub mod checkpoint;
+pub mod compare;
+pub mod config;
+pub mod corpus;
+pub mod data;
+pub mod metrics;
+pub mod plan;
+pub mod plot;
+pub mod sha256;
+pub mod trainer;
+
+pub use config::{DeviceChoice, TrainConfig, TrainOptions};
+pub use trainer::{run, Progress, RunSummary, Trainer};
