@@ -1,107 +1,104 @@
 //! Elementwise ops with NumPy broadcasting. `x: any shape -> y: same shape`
 //! (binary: the broadcast shape; gradients are summed back to each input's shape).
+//!
+//! Each op keeps alive exactly what its backward reads — the input, the output,
+//! or nothing — so the graph never holds an activation no gradient uses.
 
 use crate::backend::{BinaryLayout, BinaryOp, UnaryOp};
 use crate::tensor::shape::{broadcast_shape, broadcast_strides};
 use crate::{Result, Tensor};
 
+/// What a unary op's backward needs.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Keep {
+    Nothing,
+    Input,
+    Output,
+}
+
 impl Tensor {
-    fn unary_op(
-        &self,
-        op: UnaryOp,
-        name: &'static str,
-        vjp: impl FnOnce(&Tensor, &Tensor, &Tensor) -> Result<Tensor> + 'static,
-    ) -> Result<Tensor> {
+    /// `vjp(kept, g)` gets the kept tensor (a constant view), or `g` itself
+    /// when nothing was kept.
+    fn unary_op(&self, op: UnaryOp, name: &'static str, keep: Keep, vjp: impl FnOnce(&Tensor, &Tensor) -> Result<Tensor> + 'static) -> Result<Tensor> {
         let s = self.storage().unary(op)?;
-        let y = Tensor::from_storage(s.clone(), self.shape())?;
-        let x = self.clone();
-        Ok(Tensor::from_op(
-            s,
-            self.shape().to_vec(),
-            name,
-            &[self],
-            move |g| {
-                // x: the input, y: the output (a constant view of it), g: upstream
-                Ok(vec![Some(vjp(&x.detach(), &y, g)?)])
-            },
-        ))
+        let kept = match keep {
+            Keep::Nothing => None,
+            Keep::Input => Some(self.detach()),
+            Keep::Output => Some(Tensor::from_storage(s.clone(), self.shape())?),
+        };
+        Ok(Tensor::from_op(s, self.shape().to_vec(), name, &[self], move |g| Ok(vec![Some(vjp(kept.as_ref().unwrap_or(g), g)?)])))
     }
 
     /// `-x` (as `-0 - x`, so the sign of zero flips like IEEE negation).
     pub fn neg(&self) -> Result<Tensor> {
-        self.unary_op(UnaryOp::Neg, "neg", |_, _, g| g.neg())
+        self.unary_op(UnaryOp::Neg, "neg", Keep::Nothing, |_, g| g.neg())
     }
     /// `e^x`; backward `g · y`.
     pub fn exp(&self) -> Result<Tensor> {
-        self.unary_op(UnaryOp::Exp, "exp", |_, y, g| g.mul(y))
+        self.unary_op(UnaryOp::Exp, "exp", Keep::Output, |y, g| g.mul(y))
     }
     /// `ln x`; backward `g / x`.
     pub fn log(&self) -> Result<Tensor> {
-        self.unary_op(UnaryOp::Log, "log", |x, _, g| g.div(x))
+        self.unary_op(UnaryOp::Log, "log", Keep::Input, |x, g| g.div(x))
     }
     /// `√x`; backward `g / (2y)`.
     pub fn sqrt(&self) -> Result<Tensor> {
-        self.unary_op(UnaryOp::Sqrt, "sqrt", |_, y, g| g.div(y)?.mul_scalar(0.5))
+        self.unary_op(UnaryOp::Sqrt, "sqrt", Keep::Output, |y, g| g.div(y)?.mul_scalar(0.5))
     }
     /// `1/√x`; backward `-g y³ / 2`.
     pub fn rsqrt(&self) -> Result<Tensor> {
-        self.unary_op(UnaryOp::Rsqrt, "rsqrt", |_, y, g| {
-            g.mul(y)?.mul(y)?.mul(y)?.mul_scalar(-0.5)
-        })
+        self.unary_op(UnaryOp::Rsqrt, "rsqrt", Keep::Output, |y, g| g.mul(y)?.mul(y)?.mul(y)?.mul_scalar(-0.5))
     }
     /// `1/x`; backward `-g y²`.
     pub fn recip(&self) -> Result<Tensor> {
-        self.unary_op(UnaryOp::Recip, "recip", |_, y, g| g.mul(y)?.mul(y)?.neg())
+        self.unary_op(UnaryOp::Recip, "recip", Keep::Output, |y, g| g.mul(y)?.mul(y)?.neg())
     }
     /// `σ(x)`; backward `g · y (1 − y)`.
     pub fn sigmoid(&self) -> Result<Tensor> {
-        self.unary_op(UnaryOp::Sigmoid, "sigmoid", |_, y, g| {
-            g.mul(&y.mul(&y.neg()?.add_scalar(1.0)?)?)
-        })
+        self.unary_op(UnaryOp::Sigmoid, "sigmoid", Keep::Output, |y, g| g.mul(&y.mul(&y.neg()?.add_scalar(1.0)?)?))
     }
     /// `x σ(x)`; backward `g · σ(x)(1 + x(1 − σ(x)))`.
     pub fn silu(&self) -> Result<Tensor> {
-        self.unary_op(UnaryOp::Silu, "silu", |x, _, g| {
+        self.unary_op(UnaryOp::Silu, "silu", Keep::Input, |x, g| {
             let d = Tensor::from_storage(x.storage().unary(UnaryOp::SiluGrad)?, x.shape())?;
             g.mul(&d)
         })
     }
     /// `max(x, 0)`; backward `g · [x > 0]`.
     pub fn relu(&self) -> Result<Tensor> {
-        self.unary_op(UnaryOp::Relu, "relu", |x, _, g| {
+        self.unary_op(UnaryOp::Relu, "relu", Keep::Input, |x, g| {
             let d = Tensor::from_storage(x.storage().unary(UnaryOp::Step)?, x.shape())?;
             g.mul(&d)
         })
     }
     /// `x²`; backward `2 g x`.
     pub fn square(&self) -> Result<Tensor> {
-        self.unary_op(UnaryOp::Square, "square", |x, _, g| {
-            g.mul(x)?.mul_scalar(2.0)
-        })
+        self.unary_op(UnaryOp::Square, "square", Keep::Input, |x, g| g.mul(x)?.mul_scalar(2.0))
     }
     /// `x + c`.
     pub fn add_scalar(&self, c: f64) -> Result<Tensor> {
-        self.unary_op(UnaryOp::AddScalar(c), "add_scalar", |_, _, g| Ok(g.clone()))
+        self.unary_op(UnaryOp::AddScalar(c), "add_scalar", Keep::Nothing, |_, g| Ok(g.clone()))
     }
     /// `x · c`.
     pub fn mul_scalar(&self, c: f64) -> Result<Tensor> {
-        self.unary_op(UnaryOp::MulScalar(c), "mul_scalar", move |_, _, g| {
-            g.mul_scalar(c)
-        })
+        self.unary_op(UnaryOp::MulScalar(c), "mul_scalar", Keep::Nothing, move |_, g| g.mul_scalar(c))
     }
     /// `x / c` (the crate's division).
     pub fn div_scalar(&self, c: f64) -> Result<Tensor> {
-        self.unary_op(UnaryOp::DivScalar(c), "div_scalar", move |_, _, g| {
-            g.div_scalar(c)
-        })
+        self.unary_op(UnaryOp::DivScalar(c), "div_scalar", Keep::Nothing, move |_, g| g.div_scalar(c))
     }
 
+    /// `keep(a_needs_grad, b_needs_grad) -> (keep a, keep b, keep y)` says what
+    /// the backward reads; `vjp(a, b, y, g)` gets those (the rest `None`) and
+    /// returns the gradients, which are then summed back to each input's shape.
+    #[allow(clippy::type_complexity)]
     fn binary_op(
         &self,
         rhs: &Tensor,
         op: BinaryOp,
         name: &'static str,
-        vjp: impl FnOnce(&Tensor, &Tensor, &Tensor, &Tensor) -> Result<(Tensor, Tensor)> + 'static,
+        keep: fn(bool, bool) -> (bool, bool, bool),
+        vjp: impl FnOnce(Option<&Tensor>, Option<&Tensor>, Option<&Tensor>, &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> + 'static,
     ) -> Result<Tensor> {
         let shape = broadcast_shape(self.shape(), rhs.shape()).map_err(|e| e.context(name))?;
         let layout = BinaryLayout {
@@ -109,56 +106,48 @@ impl Tensor {
             rhs_strides: broadcast_strides(rhs.shape(), &shape),
             shape: shape.clone(),
         };
-        let s = self
-            .storage()
-            .binary(&rhs.storage(), op, &layout)
-            .map_err(|e| e.context(name))?;
-        let y = Tensor::from_storage(s.clone(), &shape)?;
-        let (a, b) = (self.clone(), rhs.clone());
+        let s = self.storage().binary(&rhs.storage(), op, &layout).map_err(|e| e.context(name))?;
+        let (ra, rb) = (self.requires_grad(), rhs.requires_grad());
+        let (ka, kb, ky) = keep(ra, rb);
+        let a = ka.then(|| self.detach());
+        let b = kb.then(|| rhs.detach());
+        let y = if ky { Some(Tensor::from_storage(s.clone(), &shape)?) } else { None };
+        let (sa, sb) = (self.shape().to_vec(), rhs.shape().to_vec());
         Ok(Tensor::from_op(s, shape, name, &[self, rhs], move |g| {
-            let (ga, gb) = vjp(&a.detach(), &b.detach(), &y, g)?;
-            let ga = if a.requires_grad() {
-                Some(ga.sum_to(a.shape())?)
-            } else {
-                None
+            let (ga, gb) = vjp(a.as_ref(), b.as_ref(), y.as_ref(), g)?;
+            let ga = match (ra, ga) {
+                (true, Some(ga)) => Some(ga.sum_to(&sa)?),
+                _ => None,
             };
-            let gb = if b.requires_grad() {
-                Some(gb.sum_to(b.shape())?)
-            } else {
-                None
+            let gb = match (rb, gb) {
+                (true, Some(gb)) => Some(gb.sum_to(&sb)?),
+                _ => None,
             };
             Ok(vec![ga, gb])
         }))
     }
 
     pub fn add(&self, rhs: &Tensor) -> Result<Tensor> {
-        self.binary_op(rhs, BinaryOp::Add, "add", |_, _, _, g| {
-            Ok((g.clone(), g.clone()))
-        })
+        self.binary_op(rhs, BinaryOp::Add, "add", |_, _| (false, false, false), |_, _, _, g| Ok((Some(g.clone()), Some(g.clone()))))
     }
     pub fn sub(&self, rhs: &Tensor) -> Result<Tensor> {
-        self.binary_op(rhs, BinaryOp::Sub, "sub", |_, _, _, g| {
-            Ok((g.clone(), g.neg()?))
-        })
+        self.binary_op(rhs, BinaryOp::Sub, "sub", |_, _| (false, false, false), |_, _, _, g| Ok((Some(g.clone()), Some(g.neg()?))))
     }
+    /// Backward `g·b`, `g·a`: each operand is kept only if the other one needs a gradient.
     pub fn mul(&self, rhs: &Tensor) -> Result<Tensor> {
-        self.binary_op(rhs, BinaryOp::Mul, "mul", |a, b, _, g| {
-            Ok((g.mul(b)?, g.mul(a)?))
-        })
+        self.binary_op(rhs, BinaryOp::Mul, "mul", |ra, rb| (rb, ra, false), |a, b, _, g| Ok((b.map(|b| g.mul(b)).transpose()?, a.map(|a| g.mul(a)).transpose()?)))
     }
     /// `a / b` (the crate's division); backward `g/b`, `−(g/b)·y/b`.
     pub fn div(&self, rhs: &Tensor) -> Result<Tensor> {
-        self.binary_op(rhs, BinaryOp::Div, "div", |_, b, y, g| {
-            let ga = g.div(b)?;
-            let gb = ga.mul(y)?.neg()?;
-            Ok((ga, gb))
+        self.binary_op(rhs, BinaryOp::Div, "div", |_, rb| (false, true, rb), |_, b, y, g| {
+            let ga = g.div(b.expect("div keeps its divisor"))?;
+            let gb = y.map(|y| ga.mul(y)?.neg()).transpose()?;
+            Ok((Some(ga), gb))
         })
     }
     /// 1.0 where equal, else 0.0 (not differentiable: a constant).
     pub fn eq_mask(&self, rhs: &Tensor) -> Result<Tensor> {
         let _g = crate::no_grad();
-        self.binary_op(rhs, BinaryOp::Eq, "eq", |_, _, _, g| {
-            Ok((g.zeros_like()?, g.zeros_like()?))
-        })
+        self.binary_op(rhs, BinaryOp::Eq, "eq", |_, _| (false, false, false), |_, _, _, _| Ok((None, None)))
     }
 }

@@ -48,6 +48,7 @@ pub fn matmul_with(
         );
     }
     let k = ka;
+    let b_dims = b.dims();
     let (lead_a, lead_b) = (&a.shape()[..ra - 2], &b.shape()[..rb - 2]);
     let (batch, b_stride, lead) = if lead_b.is_empty() {
         (numel(lead_a), 0, lead_a.to_vec())
@@ -69,46 +70,37 @@ pub fn matmul_with(
     let s = a.storage().matmul(&b.storage(), dims, round)?;
     let mut shape = lead;
     shape.extend([m, n]);
-    let (a0, b0) = (a.clone(), b.clone());
+    // Keep each operand only if the other one needs a gradient.
+    let (ra, rb) = (a.requires_grad(), b.requires_grad());
+    let a_kept = rb.then(|| a.detach());
+    let b_kept = ra.then(|| b.detach());
+    let a_shape = a.shape().to_vec();
     Ok(Tensor::from_op(s, shape, "matmul", &[a, b], move |g| {
-        let (a, b) = (a0.detach(), b0.detach());
-        let ga = if !a0.requires_grad() {
-            None
-        } else if !ta {
-            Some(matmul_with(g, &b, false, !tb, round)?) // dA = dC op(B)ᵀ
-        } else {
-            Some(matmul_with(&b, g, tb, true, round)?) // dA = (dC op(B)ᵀ)ᵀ = op(B) dCᵀ
+        let ga = match &b_kept {
+            None => None,
+            Some(b) if !ta => Some(matmul_with(g, b, false, !tb, round)?), // dA = dC op(B)ᵀ
+            Some(b) => Some(matmul_with(b, g, tb, true, round)?), // dA = (dC op(B)ᵀ)ᵀ = op(B) dCᵀ
         };
-        let gb = if !b0.requires_grad() {
-            None
-        } else {
-            // With b broadcast over the batch, fold the batch into the rows.
-            let (a2, g2) = if b.dims() == 2 && a.dims() > 2 {
-                let ra = a.dims();
-                let lead: usize = numel(&a.shape()[..ra - 2]);
-                if ta {
-                    // op(A) = Aᵀ per batch: materialise it so rows can be folded.
-                    let at = a.transpose(-1, -2)?;
-                    (at.reshape(&[lead * m, k])?, g.reshape(&[lead * m, n])?)
+        let gb = match &a_kept {
+            None => None,
+            Some(a) => {
+                // With b shared by the batch, fold the batch into the rows.
+                let folded = b_dims == 2 && a_shape.len() > 2;
+                let (a2, g2) = if folded {
+                    let lead: usize = numel(&a_shape[..a_shape.len() - 2]);
+                    // op(A) = Aᵀ per batch must be materialised before folding.
+                    let a_op = if ta { a.transpose(-1, -2)? } else { a.clone() };
+                    (a_op.reshape(&[lead * m, k])?, g.reshape(&[lead * m, n])?)
                 } else {
-                    (a.reshape(&[lead * m, k])?, g.reshape(&[lead * m, n])?)
-                }
-            } else {
-                (
-                    if ta && b.dims() == 2 {
-                        a.transpose(-1, -2)?
-                    } else {
-                        a.clone()
-                    },
-                    g.clone(),
-                )
-            };
-            let ta2 = ta && !(b.dims() == 2);
-            Some(if !tb {
-                matmul_with(&a2, &g2, !ta2, false, round)? // dB = op(A)ᵀ dC
-            } else {
-                matmul_with(&g2, &a2, true, ta2, round)? // dB = (op(A)ᵀ dC)ᵀ = dCᵀ op(A)
-            })
+                    (a.clone(), g.clone())
+                };
+                let ta2 = ta && !folded;
+                Some(if !tb {
+                    matmul_with(&a2, &g2, !ta2, false, round)? // dB = op(A)ᵀ dC
+                } else {
+                    matmul_with(&g2, &a2, true, ta2, round)? // dB = (op(A)ᵀ dC)ᵀ = dCᵀ op(A)
+                })
+            }
         };
         Ok(vec![ga, gb])
     }))

@@ -8,7 +8,8 @@
 //! last node that needs it is done — the property activation checkpointing
 //! relies on to lower the peak during backward.
 
-use super::Tensor;
+use super::{Meta, Tensor};
+use std::rc::Rc;
 use crate::{bail, Result};
 use std::cell::Cell;
 use std::collections::HashMap;
@@ -52,29 +53,30 @@ pub type Vjp = Box<dyn FnOnce(&Tensor) -> Result<Vec<Option<Tensor>>>>;
 
 pub(crate) struct Node {
     pub(crate) name: &'static str,
-    pub(crate) parents: Vec<Tensor>,
+    /// Graph links only: a parent's values stay alive only if `vjp` saved them.
+    pub(crate) parents: Vec<Rc<Meta>>,
     pub(crate) vjp: Vjp,
 }
 
 /// Reverse topological order of the graph under `root` (root first), iterative
 /// so deep graphs cannot overflow the stack.
-fn topo_order(root: &Tensor) -> Vec<Tensor> {
+fn topo_order(root: &Rc<Meta>) -> Vec<Rc<Meta>> {
     let mut order = Vec::new();
     let mut seen = std::collections::HashSet::new();
-    // (tensor, children pushed?)
+    // (node, children pushed?)
     let mut stack = vec![(root.clone(), false)];
     while let Some((t, expanded)) = stack.pop() {
         if expanded {
             order.push(t);
             continue;
         }
-        if !seen.insert(t.id()) {
+        if !seen.insert(t.id) {
             continue;
         }
         stack.push((t.clone(), true));
-        if let Some(node) = t.0.node.borrow().as_ref() {
+        if let Some(node) = t.node.borrow().as_ref() {
             for p in &node.parents {
-                if p.requires_grad() && !seen.contains(&p.id()) {
+                if p.requires_grad.get() && !seen.contains(&p.id) {
                     stack.push((p.clone(), false));
                 }
             }
@@ -84,12 +86,12 @@ fn topo_order(root: &Tensor) -> Vec<Tensor> {
     order
 }
 
-fn accumulate(map: &mut HashMap<usize, Tensor>, t: &Tensor, g: Tensor) -> Result<()> {
-    let g = match map.remove(&t.id()) {
+fn accumulate(map: &mut HashMap<usize, Tensor>, id: usize, g: Tensor) -> Result<()> {
+    let g = match map.remove(&id) {
         Some(prev) => prev.add(&g)?,
         None => g,
     };
-    map.insert(t.id(), g);
+    map.insert(id, g);
     Ok(())
 }
 
@@ -106,33 +108,34 @@ pub(crate) fn backward(root: &Tensor, seed: Tensor) -> Result<()> {
     }
     // The backward pass itself builds no graph.
     let _g = no_grad();
-    let mut order = topo_order(root);
+    let mut order = topo_order(&root.0.meta);
     let mut grads: HashMap<usize, Tensor> = HashMap::new();
     grads.insert(root.id(), seed);
-    // Pop from the back = walk the reverse topological order; each tensor is
+    // Pop from the back = walk the reverse topological order; each node is
     // dropped from `order` as soon as it is processed.
     order.reverse();
     while let Some(t) = order.pop() {
-        let g = grads.remove(&t.id());
-        if t.0.is_leaf {
+        let g = grads.remove(&t.id);
+        if t.is_leaf {
             if let Some(g) = g {
                 t.accumulate_grad(g)?;
             }
             continue;
         }
-        let node = t.0.node.borrow_mut().take();
+        let node = t.node.borrow_mut().take();
         let Some(g) = g else { continue };
         let Some(node) = node else {
             bail!("backward through a graph that was already freed (a second backward over the same forward pass)");
         };
         let Node { name, parents, vjp } = node;
         let pgrads = vjp(&g).map_err(|e| e.context(format!("backward of {name}")))?;
+        drop(g);
         for (p, pg) in parents.iter().zip(pgrads) {
-            if let (true, Some(pg)) = (p.requires_grad(), pg) {
-                if pg.shape() != p.shape() {
-                    bail!("backward of {name} produced a gradient of shape {:?} for an input of shape {:?}", pg.shape(), p.shape());
+            if let (true, Some(pg)) = (p.requires_grad.get(), pg) {
+                if pg.shape() != p.shape.as_slice() {
+                    bail!("backward of {name} produced a gradient of shape {:?} for an input of shape {:?}", pg.shape(), p.shape);
                 }
-                accumulate(&mut grads, p, pg)?;
+                accumulate(&mut grads, p.id, pg)?;
             }
         }
     }

@@ -17,14 +17,38 @@ pub use autograd::{is_grad_enabled, no_grad, set_grad_enabled, GradModeGuard};
 
 static NEXT_ID: AtomicUsize = AtomicUsize::new(1);
 
-pub(crate) struct Inner {
-    id: usize,
-    storage: RefCell<Storage>,
-    shape: Vec<usize>,
-    requires_grad: Cell<bool>,
-    is_leaf: bool,
-    grad: RefCell<Option<Tensor>>,
+/// A tensor's place in the graph, without its values. Graph nodes link to
+/// their parents through this, so recording an op never keeps a parent's
+/// buffer alive: only what a backward closure explicitly saves stays.
+pub(crate) struct Meta {
+    pub(crate) id: usize,
+    pub(crate) shape: Vec<usize>,
+    pub(crate) requires_grad: Cell<bool>,
+    pub(crate) is_leaf: bool,
+    pub(crate) grad: RefCell<Option<Tensor>>,
     pub(crate) node: RefCell<Option<Node>>,
+}
+
+impl Meta {
+    /// Adds `g` into `.grad` (never overwrites, spec L0.1). The first
+    /// contribution is stored as is, unless its buffer is shared: `.grad` is
+    /// updated in place later (unscaling, clipping), so it must own its buffer.
+    pub(crate) fn accumulate_grad(&self, g: Tensor) -> Result<()> {
+        let _ng = no_grad();
+        let prev = self.grad.borrow().clone();
+        let new = match prev {
+            Some(prev) => prev.add(&g)?,
+            None if g.shares_storage() => g.copy()?,
+            None => g.detach(),
+        };
+        *self.grad.borrow_mut() = Some(new);
+        Ok(())
+    }
+}
+
+pub(crate) struct Inner {
+    pub(crate) meta: Rc<Meta>,
+    storage: RefCell<Storage>,
 }
 
 /// A shared handle: clones refer to the same tensor (and the same `.grad`).
@@ -58,13 +82,15 @@ impl Tensor {
     ) -> Tensor {
         debug_assert_eq!(storage.len(), shape::numel(&shape));
         Tensor(Rc::new(Inner {
-            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            meta: Rc::new(Meta {
+                id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+                shape,
+                requires_grad: Cell::new(requires_grad),
+                is_leaf: node.is_none(),
+                grad: RefCell::new(None),
+                node: RefCell::new(node),
+            }),
             storage: RefCell::new(storage),
-            shape,
-            requires_grad: Cell::new(requires_grad),
-            is_leaf: node.is_none(),
-            grad: RefCell::new(None),
-            node: RefCell::new(node),
         }))
     }
 
@@ -91,7 +117,7 @@ impl Tensor {
         if is_grad_enabled() && parents.iter().any(|p| p.requires_grad()) {
             let node = Node {
                 name,
-                parents: parents.iter().map(|&p| p.clone()).collect(),
+                parents: parents.iter().map(|&p| p.0.meta.clone()).collect(),
                 vjp: Box::new(vjp) as Vjp,
             };
             Tensor::make(storage, shape, true, Some(node))
@@ -178,16 +204,16 @@ impl Tensor {
     }
 
     pub fn id(&self) -> usize {
-        self.0.id
+        self.0.meta.id
     }
     pub fn shape(&self) -> &[usize] {
-        &self.0.shape
+        &self.0.meta.shape
     }
     pub fn dims(&self) -> usize {
-        self.0.shape.len()
+        self.0.meta.shape.len()
     }
     pub fn numel(&self) -> usize {
-        shape::numel(&self.0.shape)
+        shape::numel(&self.0.meta.shape)
     }
     pub fn device(&self) -> Device {
         self.0.storage.borrow().device()
@@ -260,7 +286,7 @@ impl Tensor {
     pub fn detach(&self) -> Tensor {
         Tensor::make(self.storage(), self.shape().to_vec(), false, None)
     }
-    fn shares_storage(&self) -> bool {
+    pub(crate) fn shares_storage(&self) -> bool {
         let s = self.0.storage.borrow();
         Rc::strong_count(&self.0) > 1
             || match &*s {
@@ -288,42 +314,27 @@ impl Tensor {
     }
 
     pub fn requires_grad(&self) -> bool {
-        self.0.requires_grad.get()
+        self.0.meta.requires_grad.get()
     }
     /// Marks a leaf as trainable (builder style).
     pub fn requires_grad_(self, on: bool) -> Tensor {
-        assert!(self.0.is_leaf, "requires_grad_ on a non-leaf tensor");
-        self.0.requires_grad.set(on);
+        assert!(self.0.meta.is_leaf, "requires_grad_ on a non-leaf tensor");
+        self.0.meta.requires_grad.set(on);
         self
     }
     pub fn is_leaf(&self) -> bool {
-        self.0.is_leaf
+        self.0.meta.is_leaf
     }
     /// The accumulated gradient of a leaf.
     pub fn grad(&self) -> Option<Tensor> {
-        self.0.grad.borrow().clone()
+        self.0.meta.grad.borrow().clone()
     }
     pub fn set_grad(&self, g: Option<Tensor>) {
-        *self.0.grad.borrow_mut() = g;
+        *self.0.meta.grad.borrow_mut() = g;
     }
     pub fn zero_grad(&self) {
         self.set_grad(None);
     }
-    /// Adds `g` into `.grad` (never overwrites, spec L0.1). The first
-    /// contribution is stored as is.
-    pub(crate) fn accumulate_grad(&self, g: Tensor) -> Result<()> {
-        let _ng = no_grad();
-        let new = match self.grad() {
-            Some(prev) => prev.add(&g)?,
-            // A gradient is updated in place later (unscaling, clipping), so
-            // `.grad` must own its buffer: copy when anything else shares it.
-            None if g.shares_storage() => g.copy()?,
-            None => g.detach(),
-        };
-        self.set_grad(Some(new));
-        Ok(())
-    }
-
     /// Backpropagates from a one-element tensor (seed 1).
     pub fn backward(&self) -> Result<()> {
         if self.numel() != 1 {
