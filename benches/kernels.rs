@@ -1,1 +1,249 @@
-fn main() {}
+//! Kernel benchmarks (criterion), each case with its baseline measured in the
+//! same run, then a summary table of ratios.
+//!
+//! ```text
+//! cargo bench --bench kernels                      # default set, a few minutes on lavapipe
+//! TINYLLM_BENCH_FULL=1 cargo bench --bench kernels # + 1024³ and the capstone's full-batch shapes
+//! cargo bench --bench kernels -- cpu_mm            # a criterion filter (summary shows what ran)
+//! ```
+//!
+//! Groups (the id after the group is `what`):
+//! * `cpu_mm_<case>`: `ndarray_dot` (matrixmultiply sgemm, f32, 1 thread — the
+//!   baseline), ours (`Storage::matmul` on the CPU) in f32/bf16/fp16 on 1 thread
+//!   (`t1`) and bf16 on all cores (`tall`);
+//! * `gpu_mm_<case>`: the GPU kernel in f32/bf16/fp16 (`record; sync`); f32 runs
+//!   on the small squares only unless full (the integer fma emulation is slow);
+//! * `gpu_bw_<n>m` / `cpu_bw_<n>m`: device buffer copy (the baseline), fused finite check +
+//!   unscale, fused AdamW, as bytes/s;
+//! * a full training step of the `small` preset: TODO(train-step bench), to be
+//!   added by the trainer's owner (see the marked place below).
+//!
+//! The summary reads criterion's medians back from
+//! `target/criterion/<group>/<id>/new/estimates.json`.
+
+use criterion::{BenchmarkId, Criterion, Throughput};
+use std::hint::black_box;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+use tinyllm::backend::cpu::set_matmul_threads;
+use tinyllm::backend::{gpu, Storage};
+use tinyllm::bench::{adamw_consts, bandwidth_elems, matmul_cases, ndarray_dot, MatmulCase};
+use tinyllm::{Device, Format};
+
+fn out_dir() -> PathBuf {
+    match std::env::var_os("CARGO_TARGET_DIR") {
+        Some(t) => PathBuf::from(t).join("criterion"),
+        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("target/criterion"),
+    }
+}
+
+fn slug(s: &str) -> String {
+    s.chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '_' })
+        .collect::<String>()
+        .split('_')
+        .filter(|p| !p.is_empty())
+        .collect::<Vec<_>>()
+        .join("_")
+}
+
+fn prec(f: Option<Format>) -> &'static str {
+    match f {
+        None => "f32",
+        Some(Format::Bf16) => "bf16",
+        Some(Format::Fp16) => "fp16",
+    }
+}
+
+fn gpu_of(s: &Storage) -> &gpu::GpuStorage {
+    match s {
+        Storage::Gpu(g) => g,
+        _ => unreachable!(),
+    }
+}
+
+/// Criterion's median for `group/id` in seconds, if that benchmark ran.
+fn median_s(group: &str, id: &str) -> Option<f64> {
+    let p = out_dir().join(group).join(id).join("new/estimates.json");
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(p).ok()?).ok()?;
+    Some(v["median"]["point_estimate"].as_f64()? * 1e-9)
+}
+
+fn cpu_matmul_group(c: &mut Criterion, case: &MatmulCase) {
+    let (a, b) = case.operands();
+    let ac = Storage::from_f32(a.clone(), Device::Cpu).unwrap();
+    let bc = Storage::from_f32(b.clone(), Device::Cpu).unwrap();
+    let mut g = c.benchmark_group(format!("cpu_mm_{}", slug(&case.name)));
+    g.throughput(Throughput::Elements(case.flops() as u64)); // "elem/s" = FLOP/s
+    g.bench_function("ndarray_dot", |bn| bn.iter(|| black_box(ndarray_dot(case, &a, &b))));
+    for (f, threads) in [
+        (None, Some(1)),
+        (Some(Format::Bf16), Some(1)),
+        (Some(Format::Fp16), Some(1)),
+        (Some(Format::Bf16), None),
+    ] {
+        let id = format!("ours_{}_{}", prec(f), if threads.is_some() { "t1" } else { "tall" });
+        g.bench_function(&id, |bn| {
+            set_matmul_threads(threads);
+            bn.iter(|| black_box(ac.matmul(&bc, case.dims, f).unwrap()));
+            set_matmul_threads(None);
+        });
+    }
+    g.finish();
+}
+
+fn gpu_matmul_group(c: &mut Criterion, case: &MatmulCase, full: bool) {
+    let (a, b) = case.operands();
+    let ag = Storage::from_f32(a, Device::Gpu).unwrap();
+    let bg = Storage::from_f32(b, Device::Gpu).unwrap();
+    let mut g = c.benchmark_group(format!("gpu_mm_{}", slug(&case.name)));
+    g.throughput(Throughput::Elements(case.flops() as u64));
+    let slow_f32 = gpu::fma_mode().unwrap() == "soft";
+    let small = case.flops() <= 2.0 * 512f64.powi(3);
+    for f in [None, Some(Format::Bf16), Some(Format::Fp16)] {
+        if f.is_none() && slow_f32 && !small && !full {
+            continue;
+        }
+        g.bench_function(BenchmarkId::from_parameter(prec(f)), |bn| {
+            bn.iter(|| {
+                let out = ag.matmul(&bg, case.dims, f).unwrap();
+                gpu::sync().unwrap();
+                out
+            })
+        });
+    }
+    g.finish();
+}
+
+fn bandwidth_groups(c: &mut Criterion, n: usize, have_gpu: bool) {
+    let k = adamw_consts();
+    for dev in [Device::Gpu, Device::Cpu] {
+        if dev == Device::Gpu && !have_gpu {
+            continue;
+        }
+        // the size is in the name so a summary never mixes runs of different sizes
+        let name = format!("{}_bw_{}m", if dev == Device::Gpu { "gpu" } else { "cpu" }, n >> 20);
+        let sync = || {
+            if dev == Device::Gpu {
+                gpu::sync().unwrap()
+            }
+        };
+        let grad: Vec<f32> = (0..n).map(|i| (i % 1000) as f32 * 1e-3).collect();
+        let src = Storage::from_f32(grad.clone(), dev).unwrap();
+        let dst = Storage::from_f32(vec![0.0; n], dev).unwrap();
+        let p = Storage::from_f32(vec![0.5; n], dev).unwrap();
+        let m = Storage::from_f32(vec![0.0; n], dev).unwrap();
+        let v = Storage::from_f32(vec![0.0; n], dev).unwrap();
+        let mut g = c.benchmark_group(&name);
+        g.throughput(Throughput::Bytes(8 * n as u64));
+        match dev {
+            Device::Gpu => g.bench_function("copy", |bn| {
+                bn.iter(|| {
+                    gpu::buffer_copy(gpu_of(&src), gpu_of(&dst)).unwrap();
+                    sync()
+                })
+            }),
+            Device::Cpu => {
+                let mut d = vec![0.0f32; n];
+                g.bench_function("copy", |bn| {
+                    bn.iter(|| {
+                        d.copy_from_slice(&grad);
+                        black_box(&d);
+                    })
+                })
+            }
+        };
+        g.bench_function("finite_unscale", |bn| {
+            bn.iter(|| Storage::finite_check_unscale(&[&src], 1.0).unwrap())
+        });
+        g.throughput(Throughput::Bytes(28 * n as u64));
+        g.bench_function("adamw", |bn| {
+            bn.iter(|| {
+                p.adamw_step(&src, &m, &v, &k).unwrap();
+                sync()
+            })
+        });
+        g.finish();
+    }
+}
+
+fn summary(cases: &[MatmulCase], n: usize) {
+    println!("\n==== summary (criterion medians of this run; ratios are within the run) ====");
+    if let Ok(a) = gpu::adapter_name() {
+        println!("adapter: {a}, fma: {}", gpu::fma_mode().unwrap_or("?"));
+    }
+    println!(
+        "{:<30} {:<16} {:>10} {:>9}  {:>10}",
+        "case", "what", "ms", "GFLOP/s", "vs dot"
+    );
+    for case in cases {
+        let cg = format!("cpu_mm_{}", slug(&case.name));
+        let gg = format!("gpu_mm_{}", slug(&case.name));
+        let base = median_s(&cg, "ndarray_dot");
+        let mut ids: Vec<(String, String)> = ["ndarray_dot", "ours_f32_t1", "ours_bf16_t1", "ours_fp16_t1", "ours_bf16_tall"]
+            .iter()
+            .map(|i| (cg.clone(), i.to_string()))
+            .collect();
+        ids.extend(["f32", "bf16", "fp16"].iter().map(|i| (gg.clone(), i.to_string())));
+        for (grp, id) in ids {
+            if let Some(s) = median_s(&grp, &id) {
+                let what = if grp.starts_with("gpu") { format!("gpu_{id}") } else { id };
+                let ratio = base.map_or("-".into(), |b| format!("{:.2}x", b / s));
+                println!(
+                    "{:<30} {:<16} {:>10.2} {:>9.2}  {:>10}",
+                    case.name,
+                    what,
+                    s * 1e3,
+                    case.flops() / s / 1e9,
+                    ratio
+                );
+            }
+        }
+    }
+    println!("\n{:<8} {:<16} {:>10} {:>9}  {:>10}", "device", "kernel", "ms", "GB/s", "vs copy");
+    for grp in ["gpu", "cpu"].map(|d| format!("{d}_bw_{}m", n >> 20)) {
+        let grp = grp.as_str();
+        let base = median_s(grp, "copy").map(|s| 8.0 * n as f64 / s);
+        for (id, bytes) in [("copy", 8.0), ("finite_unscale", 8.0), ("adamw", 28.0)] {
+            if let Some(s) = median_s(grp, id) {
+                let bw = bytes * n as f64 / s;
+                println!(
+                    "{:<8} {:<16} {:>10.3} {:>9.2}  {:>10}",
+                    &grp[..3],
+                    id,
+                    s * 1e3,
+                    bw / 1e9,
+                    base.map_or("-".into(), |b| format!("{:.2}x", bw / b))
+                );
+            }
+        }
+    }
+}
+
+fn main() {
+    let full = std::env::var("TINYLLM_BENCH_FULL").is_ok_and(|v| v == "1");
+    let mut c = Criterion::default()
+        .sample_size(10)
+        .warm_up_time(Duration::from_millis(300))
+        .measurement_time(Duration::from_secs(if full { 5 } else { 2 }))
+        .output_directory(&out_dir())
+        .configure_from_args();
+    let cases = matmul_cases(full);
+    let have_gpu = gpu::adapter_name().is_ok();
+    if !have_gpu {
+        eprintln!("no GPU adapter: GPU groups skipped");
+    }
+    for case in &cases {
+        cpu_matmul_group(&mut c, case);
+        if have_gpu {
+            gpu_matmul_group(&mut c, case, full);
+        }
+    }
+    let n = bandwidth_elems(full);
+    bandwidth_groups(&mut c, n, have_gpu);
+    // TODO(train-step bench): a full training step of the `small` preset goes
+    // here (group `train_step_small`, CPU and GPU, bf16 autocast + scaler),
+    // once the trainer exposes a step function; add its row to `summary`.
+    c.final_summary();
+    summary(&cases, n);
+}

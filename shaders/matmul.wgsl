@@ -4,21 +4,28 @@
 //
 // The contract, per output: acc = +0.0; for p in 0..k ascending:
 // acc = fma(round(a[i,p]), round(b[p,j]), acc); c = round(acc). Each
-// invocation owns a 4x4 register tile of outputs (4 rows x one vec4 of
+// invocation owns an 8x8 register tile of outputs (8 rows x two vec4s of
 // columns) and runs the whole k loop itself: tiles split rows and columns,
 // never k. No shared memory and no barriers (on lavapipe they cost more than
 // they save). Out-of-range rows/columns load a clamped in-range element and
 // are never stored, so ragged shapes need no padding.
+//
+// Why 8x8 (measured on lavapipe, Mesa 22.3): llvmpipe runs 8 invocations as one
+// AVX2 vector, but every storage-buffer load is a per-lane scalar loop there,
+// even when all lanes read the same address, so the cost is the number of load
+// instructions per fma: 16 loads (8 of A, 8 of B) feed 64 fmas per k step.
+// Bigger tiles (12x12, 16x16) and unrolling k were no faster. The format and
+// the layouts are pipeline constants, so the inner loop has no branches.
 
 struct MatmulParams {
     m: u32,
     k: u32,
     n: u32,
-    trans_a: u32,
+    trans_a: u32,  // unused by the kernel (see TRANS_A); kept for the params layout
     trans_b: u32,
     a_bs: u32,     // batch strides in elements (0 = broadcast)
     b_bs: u32,
-    fmt: u32,      // FMT_* applied to operands as loaded and to the output
+    fmt: u32,      // unused by the kernel (see FMT)
     batch0: u32,   // first batch of this dispatch (grids are split at 65535)
 }
 
@@ -27,98 +34,186 @@ struct MatmulParams {
 @group(0) @binding(2) var<storage, read> b: array<f32>;
 @group(0) @binding(3) var<storage, read_write> c: array<f32>;
 
-fn load_a(base: u32, i: u32, p: u32) -> f32 {
-    var idx: u32;
-    if prm.trans_a != 0u {
-        idx = base + p * prm.m + i;
-    } else {
-        idx = base + i * prm.k + p;
-    }
-    return round_fmt(a[idx], prm.fmt);
-}
+// Pipeline specialisation (one pipeline per combination, compiled on first use):
+// FMT is the FMT_* code applied to operands as loaded and to the output;
+// TRANS_A / TRANS_B select the storage layouts, so the index arithmetic of the
+// inner loop has no branches.
+override FMT: u32 = 0u;
+override TRANS_A: bool = false;
+override TRANS_B: bool = false;
 
-fn load_b(base: u32, p: u32, j: u32) -> f32 {
-    var idx: u32;
-    if prm.trans_b != 0u {
-        idx = base + j * prm.k + p;
-    } else {
-        idx = base + p * prm.n + j;
-    }
-    return round_fmt(b[idx], prm.fmt);
-}
-
-// fma(a, b[c], acc[c]) for the four columns of a tile row.
-//
-// With rounded operands (fmt != none) the product of two bf16 values (8+8
+// With rounded operands (FMT != none) the product of two bf16 values (8+8
 // significant bits) or two fp16 values (11+11 bits, exponents >= 2^-48) is
 // exact in f32, so `a * b + acc` rounds once whether or not the device fuses:
 // the device's own `fma` is then bit-exact even where it is not fused
 // (lavapipe), and much faster than the integer emulation `fma_c` may be.
-// The pipeline for rounded operands sets EXACT_PRODUCTS, so the other branch
-// (and the emulation) is compiled out of it.
-override EXACT_PRODUCTS: bool = false;
-
-fn fma4(a: f32, b: vec4<f32>, acc: vec4<f32>) -> vec4<f32> {
-    if EXACT_PRODUCTS {
-        return fma(vec4<f32>(a), b, acc);
+fn fma_k(x: f32, y: f32, acc: f32) -> f32 {
+    if FMT != 0u {
+        return fma(x, y, acc);
     }
-    return vec4<f32>(fma_c(a, b.x, acc.x), fma_c(a, b.y, acc.y),
-                     fma_c(a, b.z, acc.z), fma_c(a, b.w, acc.w));
+    return fma_c(x, y, acc);
 }
 
-// grid: (ceil(n/32), ceil(m/32), batches); workgroup 8x8 invocations of 4x4 outputs.
+fn fma4(x: f32, y: vec4<f32>, acc: vec4<f32>) -> vec4<f32> {
+    if FMT != 0u {
+        return fma(vec4<f32>(x), y, acc);
+    }
+    return vec4<f32>(fma_c(x, y.x, acc.x), fma_c(x, y.y, acc.y),
+                     fma_c(x, y.z, acc.z), fma_c(x, y.w, acc.w));
+}
+
+// Stores the columns j.. j+3 of one output row that lie inside the matrix, rounded.
+fn store4(row: u32, j: u32, v: vec4<f32>) {
+    let n = prm.n;
+    if j < n {
+        c[row + j] = rnd(v.x);
+    }
+    if j + 1u < n {
+        c[row + j + 1u] = rnd(v.y);
+    }
+    if j + 2u < n {
+        c[row + j + 2u] = rnd(v.z);
+    }
+    if j + 3u < n {
+        c[row + j + 3u] = rnd(v.w);
+    }
+}
+
+fn rnd(x: f32) -> f32 {
+    if FMT == 0u {
+        return x;
+    }
+    return round_fmt(x, FMT);
+}
+
+const ROWS: u32 = 8u;
+const COLS: u32 = 8u;
+
+// grid: (ceil(n / (8 COLS)), ceil(m / (8 ROWS)), batches); workgroup 8x8 invocations of ROWS x COLS outputs.
 @compute @workgroup_size(8, 8, 1)
 fn matmul(@builtin(global_invocation_id) gid: vec3<u32>) {
     let m = prm.m;
     let n = prm.n;
     let k = prm.k;
-    let i0 = gid.y * 4u;
-    let j0 = gid.x * 4u;
+    let i0 = gid.y * ROWS;
+    let j0 = gid.x * COLS;
     if i0 >= m || j0 >= n {
         return;
     }
     let bi = prm.batch0 + gid.z;
     let a_base = bi * prm.a_bs;
     let b_base = bi * prm.b_bs;
-    // Clamped row/column indices for loads past the edge (their results are dropped).
-    let r1 = min(i0 + 1u, m - 1u);
-    let r2 = min(i0 + 2u, m - 1u);
-    let r3 = min(i0 + 3u, m - 1u);
-    let c1 = min(j0 + 1u, n - 1u);
-    let c2 = min(j0 + 2u, n - 1u);
-    let c3 = min(j0 + 3u, n - 1u);
-    var acc0 = vec4<f32>(0.0);
-    var acc1 = vec4<f32>(0.0);
-    var acc2 = vec4<f32>(0.0);
-    var acc3 = vec4<f32>(0.0);
+    // A's element (i, p) is at a_base + i * ia + p * pa; B's (p, j) at b_base + p * pb + j * jb.
+    var ia = k;
+    var pa = 1u;
+    if TRANS_A {
+        ia = 1u;
+        pa = m;
+    }
+    var pb = n;
+    var jb = 1u;
+    if TRANS_B {
+        pb = 1u;
+        jb = k;
+    }
+    // start offsets of the tile's rows of A and columns of B, clamped to the matrix (loads past the edge are dropped)
+    let ar0 = a_base + min(i0 + 0u, m - 1u) * ia;
+    let ar1 = a_base + min(i0 + 1u, m - 1u) * ia;
+    let ar2 = a_base + min(i0 + 2u, m - 1u) * ia;
+    let ar3 = a_base + min(i0 + 3u, m - 1u) * ia;
+    let ar4 = a_base + min(i0 + 4u, m - 1u) * ia;
+    let ar5 = a_base + min(i0 + 5u, m - 1u) * ia;
+    let ar6 = a_base + min(i0 + 6u, m - 1u) * ia;
+    let ar7 = a_base + min(i0 + 7u, m - 1u) * ia;
+    let bc0 = b_base + min(j0 + 0u, n - 1u) * jb;
+    let bc1 = b_base + min(j0 + 1u, n - 1u) * jb;
+    let bc2 = b_base + min(j0 + 2u, n - 1u) * jb;
+    let bc3 = b_base + min(j0 + 3u, n - 1u) * jb;
+    let bc4 = b_base + min(j0 + 4u, n - 1u) * jb;
+    let bc5 = b_base + min(j0 + 5u, n - 1u) * jb;
+    let bc6 = b_base + min(j0 + 6u, n - 1u) * jb;
+    let bc7 = b_base + min(j0 + 7u, n - 1u) * jb;
+    var acc0_0 = vec4<f32>(0.0);
+    var acc0_1 = vec4<f32>(0.0);
+    var acc1_0 = vec4<f32>(0.0);
+    var acc1_1 = vec4<f32>(0.0);
+    var acc2_0 = vec4<f32>(0.0);
+    var acc2_1 = vec4<f32>(0.0);
+    var acc3_0 = vec4<f32>(0.0);
+    var acc3_1 = vec4<f32>(0.0);
+    var acc4_0 = vec4<f32>(0.0);
+    var acc4_1 = vec4<f32>(0.0);
+    var acc5_0 = vec4<f32>(0.0);
+    var acc5_1 = vec4<f32>(0.0);
+    var acc6_0 = vec4<f32>(0.0);
+    var acc6_1 = vec4<f32>(0.0);
+    var acc7_0 = vec4<f32>(0.0);
+    var acc7_1 = vec4<f32>(0.0);
+    var pa_off = 0u;
+    var pb_off = 0u;
     for (var p = 0u; p < k; p++) {
-        let bv = vec4<f32>(load_b(b_base, p, j0), load_b(b_base, p, c1),
-                           load_b(b_base, p, c2), load_b(b_base, p, c3));
-        // one fused multiply-add (one rounding) per output and p
-        acc0 = fma4(load_a(a_base, i0, p), bv, acc0);
-        acc1 = fma4(load_a(a_base, r1, p), bv, acc1);
-        acc2 = fma4(load_a(a_base, r2, p), bv, acc2);
-        acc3 = fma4(load_a(a_base, r3, p), bv, acc3);
+        {
+            let b0 = vec4<f32>(rnd(b[bc0 + pb_off]), rnd(b[bc1 + pb_off]), rnd(b[bc2 + pb_off]), rnd(b[bc3 + pb_off]));
+            let b1 = vec4<f32>(rnd(b[bc4 + pb_off]), rnd(b[bc5 + pb_off]), rnd(b[bc6 + pb_off]), rnd(b[bc7 + pb_off]));
+            let a0 = rnd(a[ar0 + pa_off]);
+            let a1 = rnd(a[ar1 + pa_off]);
+            let a2 = rnd(a[ar2 + pa_off]);
+            let a3 = rnd(a[ar3 + pa_off]);
+            let a4 = rnd(a[ar4 + pa_off]);
+            let a5 = rnd(a[ar5 + pa_off]);
+            let a6 = rnd(a[ar6 + pa_off]);
+            let a7 = rnd(a[ar7 + pa_off]);
+            acc0_0 = fma4(a0, b0, acc0_0);
+            acc0_1 = fma4(a0, b1, acc0_1);
+            acc1_0 = fma4(a1, b0, acc1_0);
+            acc1_1 = fma4(a1, b1, acc1_1);
+            acc2_0 = fma4(a2, b0, acc2_0);
+            acc2_1 = fma4(a2, b1, acc2_1);
+            acc3_0 = fma4(a3, b0, acc3_0);
+            acc3_1 = fma4(a3, b1, acc3_1);
+            acc4_0 = fma4(a4, b0, acc4_0);
+            acc4_1 = fma4(a4, b1, acc4_1);
+            acc5_0 = fma4(a5, b0, acc5_0);
+            acc5_1 = fma4(a5, b1, acc5_1);
+            acc6_0 = fma4(a6, b0, acc6_0);
+            acc6_1 = fma4(a6, b1, acc6_1);
+            acc7_0 = fma4(a7, b0, acc7_0);
+            acc7_1 = fma4(a7, b1, acc7_1);
+            pa_off += pa;
+            pb_off += pb;
+        }
     }
     let out = bi * m * n;
-    for (var r = 0u; r < 4u; r++) {
-        let i = i0 + r;
-        if i >= m {
-            break;
-        }
-        var acc: vec4<f32>;
-        switch r {
-            case 0u: { acc = acc0; }
-            case 1u: { acc = acc1; }
-            case 2u: { acc = acc2; }
-            default: { acc = acc3; }
-        }
-        for (var cc = 0u; cc < 4u; cc++) {
-            let j = j0 + cc;
-            if j >= n {
-                break;
-            }
-            c[out + i * n + j] = round_fmt(acc[cc], prm.fmt);
-        }
+    if i0 + 0u < m {
+        store4(out + (i0 + 0u) * n, j0 + 0u, acc0_0);
+        store4(out + (i0 + 0u) * n, j0 + 4u, acc0_1);
+    }
+    if i0 + 1u < m {
+        store4(out + (i0 + 1u) * n, j0 + 0u, acc1_0);
+        store4(out + (i0 + 1u) * n, j0 + 4u, acc1_1);
+    }
+    if i0 + 2u < m {
+        store4(out + (i0 + 2u) * n, j0 + 0u, acc2_0);
+        store4(out + (i0 + 2u) * n, j0 + 4u, acc2_1);
+    }
+    if i0 + 3u < m {
+        store4(out + (i0 + 3u) * n, j0 + 0u, acc3_0);
+        store4(out + (i0 + 3u) * n, j0 + 4u, acc3_1);
+    }
+    if i0 + 4u < m {
+        store4(out + (i0 + 4u) * n, j0 + 0u, acc4_0);
+        store4(out + (i0 + 4u) * n, j0 + 4u, acc4_1);
+    }
+    if i0 + 5u < m {
+        store4(out + (i0 + 5u) * n, j0 + 0u, acc5_0);
+        store4(out + (i0 + 5u) * n, j0 + 4u, acc5_1);
+    }
+    if i0 + 6u < m {
+        store4(out + (i0 + 6u) * n, j0 + 0u, acc6_0);
+        store4(out + (i0 + 6u) * n, j0 + 4u, acc6_1);
+    }
+    if i0 + 7u < m {
+        store4(out + (i0 + 7u) * n, j0 + 0u, acc7_0);
+        store4(out + (i0 + 7u) * n, j0 + 4u, acc7_1);
     }
 }

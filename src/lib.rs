@@ -16,6 +16,7 @@
 //! * [`optim`] updates the float32 master weights (SGD, AdamW, gradient clipping).
 
 pub mod backend;
+pub mod bench;
 pub mod error;
 pub mod memory;
 pub mod nn;

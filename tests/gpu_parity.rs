@@ -573,6 +573,57 @@ fn matmul_all_layouts_and_rounding() {
     }
 }
 
+/// The kernel's specialisations (format x trans_a x trans_b, one pipeline each)
+/// on shapes that cross its 64x64 workgroup tile and 8x8 invocation tile
+/// raggedly, with a long k (the accumulator is carried through every p), and
+/// batch broadcasting.
+#[test]
+fn matmul_specialisations_ragged_tiles_long_k() {
+    require_gpu!();
+    let mut rng = Rng(0x7a11);
+    // (batch, m, k, n, a broadcast, b broadcast)
+    let shapes = [
+        (1, 65, 300, 71, false, false),
+        (2, 9, 1031, 130, false, true),
+        (1, 130, 5, 7, true, false),
+        (3, 64, 64, 64, false, false),
+        (1, 1, 777, 129, false, false),
+        (1, 127, 2, 1, false, false),
+    ];
+    for (batch, m, k, n, bca, bcb) in shapes {
+        for ta in [false, true] {
+            for tb in [false, true] {
+                for round in [None, Some(Format::Bf16), Some(Format::Fp16)] {
+                    let na = if bca { 1 } else { batch };
+                    let nb = if bcb { 1 } else { batch };
+                    let mut a: Vec<f32> = (0..na * m * k).map(|_| rng.moderate()).collect();
+                    let b: Vec<f32> = (0..nb * k * n).map(|_| rng.moderate()).collect();
+                    for (i, v) in a.iter_mut().enumerate() {
+                        if i % 97 == 5 {
+                            *v = specials()[i % specials().len()];
+                        }
+                    }
+                    let dims = MatmulDims {
+                        batch,
+                        m,
+                        k,
+                        n,
+                        trans_a: ta,
+                        trans_b: tb,
+                        a_batch_stride: if bca { 0 } else { m * k },
+                        b_batch_stride: if bcb { 0 } else { k * n },
+                    };
+                    let (ac, ag) = pair(&a);
+                    let (bc, bg) = pair(&b);
+                    let c = vals(&ac.matmul(&bc, dims, round).unwrap());
+                    let g = vals(&ag.matmul(&bg, dims, round).unwrap());
+                    assert_bits(&format!("matmul {dims:?} {round:?}"), &c, &g, &[]);
+                }
+            }
+        }
+    }
+}
+
 /// Products that are inexact in f32 and sums that cancel: a kernel that did
 /// not fuse `a*b+c` into one rounding (or fused where the CPU doesn't) shows here.
 #[test]

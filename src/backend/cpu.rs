@@ -537,6 +537,16 @@ fn matmul_rows(
     }
 }
 
+/// Threads of a large CPU matmul; 0 = all available cores.
+static MATMUL_THREADS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Caps the threads a CPU matmul uses (`None` = all available cores), e.g. to
+/// compare with a single-threaded baseline. Results never depend on it: threads
+/// split rows or batches, never k.
+pub fn set_matmul_threads(threads: Option<usize>) {
+    MATMUL_THREADS.store(threads.unwrap_or(0), std::sync::atomic::Ordering::Relaxed);
+}
+
 fn matmul_f32(a: &[f32], b: &[f32], d: MatmulDims, round: Option<Format>) -> Vec<f32> {
     let MatmulDims { batch, m, k, n, .. } = d;
     let mut out = vec![0.0f32; batch * m * n];
@@ -544,9 +554,12 @@ fn matmul_f32(a: &[f32], b: &[f32], d: MatmulDims, round: Option<Format>) -> Vec
         return out;
     }
     let threads = if batch * m * n * k >= 1 << 18 {
-        std::thread::available_parallelism()
-            .map(|t| t.get())
-            .unwrap_or(1)
+        match MATMUL_THREADS.load(std::sync::atomic::Ordering::Relaxed) {
+            0 => std::thread::available_parallelism()
+                .map(|t| t.get())
+                .unwrap_or(1),
+            t => t,
+        }
     } else {
         1
     };

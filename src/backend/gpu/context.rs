@@ -248,7 +248,7 @@ impl Context {
                 module: &module,
                 entry_point: Some(entry),
                 compilation_options: wgpu::PipelineCompilationOptions {
-                    constants: k.constants(),
+                    constants: &k.constants(),
                     ..Default::default()
                 },
                 cache: None,
@@ -360,6 +360,30 @@ impl Context {
         self.submit(&mut pend);
         drop(pend);
         self.check()
+    }
+
+    /// Submits everything recorded so far and waits for the device to finish it.
+    pub fn sync(&self) -> Result<()> {
+        self.flush()?;
+        self.device
+            .poll(wgpu::PollType::wait_indefinitely())
+            .map_err(|e| Error::msg(format!("GPU sync failed: {e}")))?;
+        self.check()
+    }
+
+    /// Records a copy of the first `bytes` of `src` into `dst`, in order with
+    /// the pending dispatches.
+    pub fn copy(&self, src: &wgpu::Buffer, dst: &wgpu::Buffer, bytes: u64) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        let mut pend = self.pending.lock().unwrap();
+        self.ensure_batch(&mut pend);
+        pend.encoder
+            .as_mut()
+            .unwrap()
+            .copy_buffer_to_buffer(src, 0, dst, 0, bytes.next_multiple_of(4));
+        Ok(())
     }
 
     /// Records a copy of `data` into `dst` (in order with pending dispatches).

@@ -54,6 +54,26 @@ pub fn flush() -> Result<()> {
     ctx()?.flush()
 }
 
+/// Submits all recorded GPU work and blocks until the device has finished it
+/// (for timing: a kernel's wall time is `record; sync()`).
+pub fn sync() -> Result<()> {
+    ctx()?.sync()
+}
+
+/// Records a device-side copy of `src` into `dst` (`copy_buffer_to_buffer`, in
+/// order with pending dispatches); both must hold the same number of elements.
+/// The benchmarks' bandwidth baseline.
+pub fn buffer_copy(src: &GpuStorage, dst: &GpuStorage) -> Result<()> {
+    if src.len != dst.len {
+        bail!(
+            "buffer copy of {} elements into {} elements",
+            src.len,
+            dst.len
+        );
+    }
+    ctx()?.copy(src.buf(), dst.buf(), src.len as u64 * 4)
+}
+
 /// Whether kernels use the device's own `fma` ("native", probed to be exactly
 /// fused) or the integer emulation of `shaders/fma.wgsl` ("soft").
 pub fn fma_mode() -> Result<&'static str> {
@@ -96,6 +116,11 @@ fn u32_of(x: usize, what: &str) -> Result<u32> {
         ))
     })
 }
+
+/// Output columns of one matmul workgroup (matmul.wgsl: one per invocation).
+const MATMUL_COLS: usize = 64;
+/// Output rows of one matmul workgroup (matmul.wgsl `ROWS`).
+const MATMUL_ROWS: usize = 64;
 
 fn fmt_code(f: Option<Format>) -> u32 {
     match f {
@@ -306,8 +331,8 @@ impl GpuStorage {
         if n_out == 0 {
             return Ok(out);
         }
-        let gx = d.n.div_ceil(32);
-        let gy = d.m.div_ceil(32);
+        let gx = d.n.div_ceil(MATMUL_COLS);
+        let gy = d.m.div_ceil(MATMUL_ROWS);
         if gx > 65535 || gy > 65535 {
             bail!(
                 "matmul of {}x{} outputs per batch is too large for one GPU dispatch",
@@ -315,6 +340,11 @@ impl GpuStorage {
                 d.n
             );
         }
+        let kernel = Kernel::Matmul {
+            fmt: fmt_code(round) as u8,
+            trans_a: d.trans_a,
+            trans_b: d.trans_b,
+        };
         let mut b0 = 0usize;
         while b0 < d.batch {
             let nb = (d.batch - b0).min(65535);
@@ -330,11 +360,7 @@ impl GpuStorage {
                 b0 as u32,
             ];
             c.dispatch(
-                if round.is_some() {
-                    Kernel::MatmulRounded
-                } else {
-                    Kernel::Matmul
-                },
+                kernel,
                 &params,
                 &[self.buf(), rhs.buf(), out.buf()],
                 (gx as u32, gy as u32, nb as u32),

@@ -101,9 +101,13 @@ fn probe() {
 pub enum Kernel {
     Unary,
     Binary,
-    Matmul,
-    /// The same kernel specialised for rounded operands (see matmul.wgsl).
-    MatmulRounded,
+    /// matmul.wgsl specialised (override constants) for its rounding format
+    /// (`FMT_*` code: 0 none, 1 bf16, 2 fp16) and operand layouts.
+    Matmul {
+        fmt: u8,
+        trans_a: bool,
+        trans_b: bool,
+    },
     Reduce,
     Softmax,
     SoftmaxBackward,
@@ -121,11 +125,15 @@ pub enum Kernel {
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 18] = [
+    /// One kernel per entry point (a specialised kernel appears once).
+    pub const ALL: [Kernel; 17] = [
         Kernel::Unary,
         Kernel::Binary,
-        Kernel::Matmul,
-        Kernel::MatmulRounded,
+        Kernel::Matmul {
+            fmt: 0,
+            trans_a: false,
+            trans_b: false,
+        },
         Kernel::Reduce,
         Kernel::Softmax,
         Kernel::SoftmaxBackward,
@@ -143,10 +151,18 @@ impl Kernel {
     ];
 
     /// Values of the kernel's pipeline-overridable constants.
-    pub fn constants(self) -> &'static [(&'static str, f64)] {
+    pub fn constants(self) -> Vec<(&'static str, f64)> {
         match self {
-            Kernel::MatmulRounded => &[("EXACT_PRODUCTS", 1.0)],
-            _ => &[],
+            Kernel::Matmul {
+                fmt,
+                trans_a,
+                trans_b,
+            } => vec![
+                ("FMT", fmt as f64),
+                ("TRANS_A", trans_a as u8 as f64),
+                ("TRANS_B", trans_b as u8 as f64),
+            ],
+            _ => Vec::new(),
         }
     }
 
@@ -154,7 +170,7 @@ impl Kernel {
         match self {
             Kernel::Unary => (ELEMENTWISE, "unary"),
             Kernel::Binary => (ELEMENTWISE, "binary"),
-            Kernel::Matmul | Kernel::MatmulRounded => (MATMUL, "matmul"),
+            Kernel::Matmul { .. } => (MATMUL, "matmul"),
             Kernel::Reduce => (REDUCE, "reduce"),
             Kernel::Softmax => (REDUCE, "softmax_rows"),
             Kernel::SoftmaxBackward => (REDUCE, "softmax_rows_backward"),
