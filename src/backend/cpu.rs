@@ -423,6 +423,9 @@ fn pack_b(b: &[f32], k: usize, n: usize, trans: bool, round: Option<Format>) -> 
 /// (16 KiB) stay in L1 while a tile is computed.
 const KC: usize = 256;
 
+/// Row panels per L2 block of A (MC = 72 rows).
+const MC_PANELS: usize = 12;
+
 /// One MR×NR tile over one k-block: `acc[r][c] = fma(a[p][r], b[p][c], acc[r][c])`
 /// for `p` ascending, starting from the running values in `acc`. Carrying the
 /// accumulators from one k-block to the next keeps every output's sum in the
@@ -505,11 +508,15 @@ fn matmul_rows(
     let mut kb = 0;
     while kb < k {
         let kc = KC.min(k - kb);
-        for pj in 0..col_panels {
-            let b_blk = &bp[pj * k * NR + kb * NR..];
-            for pi in p0..p1 {
-                let a_blk = &ap[pi * k * MR + kb * MR..];
-                micro_kernel(a_blk, b_blk, kc, &mut accs[(pi - p0) * col_panels + pj]);
+        // Row panels in groups of MC_PANELS: that slice of A (about 72 KiB)
+        // stays in L2 while every column panel of B streams past it.
+        for ib in (p0..p1).step_by(MC_PANELS) {
+            for pj in 0..col_panels {
+                let b_blk = &bp[pj * k * NR + kb * NR..];
+                for pi in ib..(ib + MC_PANELS).min(p1) {
+                    let a_blk = &ap[pi * k * MR + kb * MR..];
+                    micro_kernel(a_blk, b_blk, kc, &mut accs[(pi - p0) * col_panels + pj]);
+                }
             }
         }
         kb += KC;
