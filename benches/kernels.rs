@@ -15,8 +15,10 @@
 //!   on the small squares only unless full (the integer fma emulation is slow);
 //! * `gpu_bw_<n>m` / `cpu_bw_<n>m`: device buffer copy (the baseline), fused finite check +
 //!   unscale, fused AdamW, as bytes/s;
-//! * a full training step of the `small` preset: TODO(train-step bench), to be
-//!   added by the trainer's owner (see the marked place below).
+//! * `train_step_<preset>_<device>`: one full optimizer step (forward, backward,
+//!   AdamW) as tokens/s: float32 with the whole batch at once (the baseline) vs
+//!   bf16 + micro-batches + accumulation + activation checkpointing. The `small`
+//!   preset on the CPU; on the GPU the `tiny` preset unless full (lavapipe is slow).
 //!
 //! The summary reads criterion's medians back from
 //! `target/criterion/<group>/<id>/new/estimates.json`.
@@ -28,6 +30,9 @@ use std::time::Duration;
 use tinyllm::backend::cpu::set_matmul_threads;
 use tinyllm::backend::{gpu, Storage};
 use tinyllm::bench::{adamw_consts, bandwidth_elems, matmul_cases, ndarray_dot, MatmulCase};
+use tinyllm::train::config::{TrainConfig, TrainOptions};
+use tinyllm::train::data::Corpus;
+use tinyllm::train::trainer::Trainer;
 use tinyllm::{Device, Format};
 
 fn out_dir() -> PathBuf {
@@ -39,7 +44,13 @@ fn out_dir() -> PathBuf {
 
 fn slug(s: &str) -> String {
     s.chars()
-        .map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '_' })
+        .map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_ascii_lowercase()
+            } else {
+                '_'
+            }
+        })
         .collect::<String>()
         .split('_')
         .filter(|p| !p.is_empty())
@@ -75,14 +86,20 @@ fn cpu_matmul_group(c: &mut Criterion, case: &MatmulCase) {
     let bc = Storage::from_f32(b.clone(), Device::Cpu).unwrap();
     let mut g = c.benchmark_group(format!("cpu_mm_{}", slug(&case.name)));
     g.throughput(Throughput::Elements(case.flops() as u64)); // "elem/s" = FLOP/s
-    g.bench_function("ndarray_dot", |bn| bn.iter(|| black_box(ndarray_dot(case, &a, &b))));
+    g.bench_function("ndarray_dot", |bn| {
+        bn.iter(|| black_box(ndarray_dot(case, &a, &b)))
+    });
     for (f, threads) in [
         (None, Some(1)),
         (Some(Format::Bf16), Some(1)),
         (Some(Format::Fp16), Some(1)),
         (Some(Format::Bf16), None),
     ] {
-        let id = format!("ours_{}_{}", prec(f), if threads.is_some() { "t1" } else { "tall" });
+        let id = format!(
+            "ours_{}_{}",
+            prec(f),
+            if threads.is_some() { "t1" } else { "tall" }
+        );
         g.bench_function(&id, |bn| {
             set_matmul_threads(threads);
             bn.iter(|| black_box(ac.matmul(&bc, case.dims, f).unwrap()));
@@ -122,7 +139,11 @@ fn bandwidth_groups(c: &mut Criterion, n: usize, have_gpu: bool) {
             continue;
         }
         // the size is in the name so a summary never mixes runs of different sizes
-        let name = format!("{}_bw_{}m", if dev == Device::Gpu { "gpu" } else { "cpu" }, n >> 20);
+        let name = format!(
+            "{}_bw_{}m",
+            if dev == Device::Gpu { "gpu" } else { "cpu" },
+            n >> 20
+        );
         let sync = || {
             if dev == Device::Gpu {
                 gpu::sync().unwrap()
@@ -167,6 +188,70 @@ fn bandwidth_groups(c: &mut Criterion, n: usize, have_gpu: bool) {
     }
 }
 
+/// The two recipes MS-L11 compares, as trainer options: the same batch of
+/// sequences, once whole in float32, once as the `train` default (bf16,
+/// micro-batches with accumulation, activation checkpointing).
+fn recipes(preset: &str, dev: Device) -> [(&'static str, TrainOptions); 2] {
+    let mixed = TrainOptions {
+        preset: Some(preset.into()),
+        device: Some(if dev == Device::Gpu { "gpu" } else { "cpu" }.into()),
+        ..Default::default()
+    };
+    let batch = TrainConfig::resolve(&mixed).unwrap().batch;
+    let fp32 = TrainOptions {
+        precision: Some("fp32".into()),
+        batch: Some(batch),
+        micro_batch: Some(batch),
+        checkpoint_activations: Some(false),
+        ..mixed.clone()
+    };
+    [("fp32_full_batch", fp32), ("bf16_accum_ckpt", mixed)]
+}
+
+fn train_step_group(c: &mut Criterion, preset: &str, dev: Device) {
+    let name = format!(
+        "train_step_{preset}_{}",
+        if dev == Device::Gpu { "gpu" } else { "cpu" }
+    );
+    let mut g = c.benchmark_group(&name);
+    for (id, opts) in recipes(preset, dev) {
+        let cfg = TrainConfig::resolve(&opts).unwrap();
+        let tokens = cfg.batch * cfg.model.context;
+        let mut tr = Trainer::new(cfg, dev, &Corpus::embedded()).unwrap();
+        g.throughput(Throughput::Elements(tokens as u64));
+        g.bench_function(id, |bn| bn.iter(|| tr.train_step().unwrap()));
+    }
+    g.finish();
+}
+
+fn train_step_summary(steps: &[(&str, Device)]) {
+    println!(
+        "\n{:<24} {:<18} {:>10} {:>10}  {:>14}",
+        "train step", "recipe", "ms", "tokens/s", "vs fp32 batch"
+    );
+    for &(preset, dev) in steps {
+        let grp = format!(
+            "train_step_{preset}_{}",
+            if dev == Device::Gpu { "gpu" } else { "cpu" }
+        );
+        let mut base = None;
+        for (id, opts) in recipes(preset, dev) {
+            let cfg = TrainConfig::resolve(&opts).unwrap();
+            let tokens = (cfg.batch * cfg.model.context) as f64;
+            if let Some(s) = median_s(&grp, id) {
+                let tps = tokens / s;
+                let base_tps = *base.get_or_insert(tps);
+                println!(
+                    "{grp:<24} {id:<18} {:>10.1} {:>10.0}  {:>13.2}x",
+                    s * 1e3,
+                    tps,
+                    tps / base_tps
+                );
+            }
+        }
+    }
+}
+
 fn summary(cases: &[MatmulCase], n: usize) {
     println!("\n==== summary (criterion medians of this run; ratios are within the run) ====");
     if let Ok(a) = gpu::adapter_name() {
@@ -180,14 +265,28 @@ fn summary(cases: &[MatmulCase], n: usize) {
         let cg = format!("cpu_mm_{}", slug(&case.name));
         let gg = format!("gpu_mm_{}", slug(&case.name));
         let base = median_s(&cg, "ndarray_dot");
-        let mut ids: Vec<(String, String)> = ["ndarray_dot", "ours_f32_t1", "ours_bf16_t1", "ours_fp16_t1", "ours_bf16_tall"]
-            .iter()
-            .map(|i| (cg.clone(), i.to_string()))
-            .collect();
-        ids.extend(["f32", "bf16", "fp16"].iter().map(|i| (gg.clone(), i.to_string())));
+        let mut ids: Vec<(String, String)> = [
+            "ndarray_dot",
+            "ours_f32_t1",
+            "ours_bf16_t1",
+            "ours_fp16_t1",
+            "ours_bf16_tall",
+        ]
+        .iter()
+        .map(|i| (cg.clone(), i.to_string()))
+        .collect();
+        ids.extend(
+            ["f32", "bf16", "fp16"]
+                .iter()
+                .map(|i| (gg.clone(), i.to_string())),
+        );
         for (grp, id) in ids {
             if let Some(s) = median_s(&grp, &id) {
-                let what = if grp.starts_with("gpu") { format!("gpu_{id}") } else { id };
+                let what = if grp.starts_with("gpu") {
+                    format!("gpu_{id}")
+                } else {
+                    id
+                };
                 let ratio = base.map_or("-".into(), |b| format!("{:.2}x", b / s));
                 println!(
                     "{:<30} {:<16} {:>10.2} {:>9.2}  {:>10}",
@@ -200,7 +299,10 @@ fn summary(cases: &[MatmulCase], n: usize) {
             }
         }
     }
-    println!("\n{:<8} {:<16} {:>10} {:>9}  {:>10}", "device", "kernel", "ms", "GB/s", "vs copy");
+    println!(
+        "\n{:<8} {:<16} {:>10} {:>9}  {:>10}",
+        "device", "kernel", "ms", "GB/s", "vs copy"
+    );
     for grp in ["gpu", "cpu"].map(|d| format!("{d}_bw_{}m", n >> 20)) {
         let grp = grp.as_str();
         let base = median_s(grp, "copy").map(|s| 8.0 * n as f64 / s);
@@ -241,9 +343,14 @@ fn main() {
     }
     let n = bandwidth_elems(full);
     bandwidth_groups(&mut c, n, have_gpu);
-    // TODO(train-step bench): a full training step of the `small` preset goes
-    // here (group `train_step_small`, CPU and GPU, bf16 autocast + scaler),
-    // once the trainer exposes a step function; add its row to `summary`.
+    let mut steps = vec![("small", Device::Cpu)];
+    if have_gpu {
+        steps.push((if full { "small" } else { "tiny" }, Device::Gpu));
+    }
+    for &(preset, dev) in &steps {
+        train_step_group(&mut c, preset, dev);
+    }
     c.final_summary();
     summary(&cases, n);
+    train_step_summary(&steps);
 }
