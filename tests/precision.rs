@@ -13,8 +13,8 @@ use tinyllm::nn::{Layer, Linear, Module, Sequential, Silu};
 use tinyllm::ops::mse;
 use tinyllm::optim::{clip_grad_norm_, AdamW, AdamWConfig, Optimizer, Sgd};
 use tinyllm::precision::{
-    autocast, autocast_bf16, autocast_dtype, autocast_named, cast, grad_accumulate,
-    round_to_bf16, train_step_mixed, DynamicLossScaler, Precision, ScalerState,
+    autocast, autocast_bf16, autocast_dtype, autocast_named, cast, grad_accumulate, round_to_bf16,
+    train_step_mixed, DynamicLossScaler, Precision, ScalerState,
 };
 use tinyllm::{DType, Format, Generator};
 
@@ -162,9 +162,15 @@ device_test!(hand_example_accumulation, |dev| {
     // last micro-batch would give -14.5; the unweighted mean loss is 5.33).
     let micro = [batch(&[1.0]), batch(&[2.0, 3.0, 4.0])];
     let l = grad_accumulate(&model, &micro, loss_fn, None)?;
-    assert!((l - 7.5).abs() <= 1e-6, "accumulated loss {l}, expected 7.5");
+    assert!(
+        (l - 7.5).abs() <= 1e-6,
+        "accumulated loss {l}, expected 7.5"
+    );
     let g = grad(&w)[0];
-    assert!((g + 15.0).abs() <= 1e-5, "accumulated gradient {g}, expected -15");
+    assert!(
+        (g + 15.0).abs() <= 1e-5,
+        "accumulated gradient {g}, expected -15"
+    );
 
     // The micro-batches' own numbers: L_1 = 1, L_2 = 29/3; gradients -2, -58/3.
     w.zero_grad();
@@ -258,7 +264,11 @@ device_test!(cast_rounds_both_directions, |dev| {
         y.backward_with(&t(&seed, &[n], dev))?;
         let g = grad(&x);
         assert_eq!(bits(&g), bits(&rd_all(&seed, fmt)), "{fmt} backward");
-        assert_ne!(bits(&g), bits(&seed), "{fmt}: the seed is not all 16-bit values");
+        assert_ne!(
+            bits(&g),
+            bits(&seed),
+            "{fmt}: the seed is not all 16-bit values"
+        );
         // Composed: cast(cast(x) * 3) backprops rd(3 · rd(seed)).
         x.zero_grad();
         let z = cast(&cast(&x, fmt)?.mul_scalar(3.0)?, fmt)?;
@@ -267,7 +277,11 @@ device_test!(cast_rounds_both_directions, |dev| {
         assert_eq!(bits(&grad(&x)), bits(&want), "{fmt} chained backward");
     }
     // Hand values of the two formats.
-    let x = t(&[1.0 + 2f32.powi(-8), 65520.0, 2f32.powi(-25), 1.0e-8], &[4], dev);
+    let x = t(
+        &[1.0 + 2f32.powi(-8), 65520.0, 2f32.powi(-25), 1.0e-8],
+        &[4],
+        dev,
+    );
     assert_eq!(
         vals(&cast(&x, Format::Bf16)?),
         vec![1.0, 65536.0, 2f32.powi(-25), rd(1.0e-8, Format::Bf16)]
@@ -285,27 +299,66 @@ device_test!(cast_rounds_both_directions, |dev| {
         // would first become the tie 1 + 2^-8 and then round to even, 1.0).
         // 1 + 2^-11 + 2^-40 is above the fp16 tie: 1 + 2^-10 (through f32: 1).
         let cases: [(Format, f64, f64, f64, f64); 4] = [
-            (Format::Bf16, 1.0 + 2f64.powi(-8) + eps, 1.0 + 2f64.powi(-7), 0.3, 0.30078125),
-            (Format::Bf16, -(1.0 + 3.0 * 2f64.powi(-8) - eps), -(1.0 + 2f64.powi(-7)), 1.01, 1.0078125),
-            (Format::Fp16, 1.0 + 2f64.powi(-11) + eps, 1.0 + 2f64.powi(-10), 0.1, 0.0999755859375),
-            (Format::Fp16, 1.0 + 3.0 * 2f64.powi(-11) - eps, 1.0 + 2f64.powi(-10), 1.0e-3, 0.0010004043579101562),
+            (
+                Format::Bf16,
+                1.0 + 2f64.powi(-8) + eps,
+                1.0 + 2f64.powi(-7),
+                0.3,
+                0.30078125,
+            ),
+            (
+                Format::Bf16,
+                -(1.0 + 3.0 * 2f64.powi(-8) - eps),
+                -(1.0 + 2f64.powi(-7)),
+                1.01,
+                1.0078125,
+            ),
+            (
+                Format::Fp16,
+                1.0 + 2f64.powi(-11) + eps,
+                1.0 + 2f64.powi(-10),
+                0.1,
+                0.0999755859375,
+            ),
+            (
+                Format::Fp16,
+                1.0 + 3.0 * 2f64.powi(-11) - eps,
+                1.0 + 2f64.powi(-10),
+                1.0e-3,
+                0.0010004043579101562,
+            ),
         ];
         for (fmt, x0, want, g0, gwant) in cases {
-            let x = Tensor::from_vec_f64(vec![x0, 1.0 / 3.0], &[2], Device::Cpu)?.requires_grad_(true);
+            let x =
+                Tensor::from_vec_f64(vec![x0, 1.0 / 3.0], &[2], Device::Cpu)?.requires_grad_(true);
             let y = cast(&x, fmt)?;
             assert_eq!(y.dtype(), DType::F64, "{fmt}: cast keeps f64");
             let yv = y.to_vec_f64()?;
-            assert_eq!(yv[0].to_bits(), want.to_bits(), "{fmt}: cast({x0:e}) = {:e}", yv[0]);
+            assert_eq!(
+                yv[0].to_bits(),
+                want.to_bits(),
+                "{fmt}: cast({x0:e}) = {:e}",
+                yv[0]
+            );
             assert_eq!(yv[1] as f32, rd(1.0 / 3.0, fmt), "{fmt}: 1/3");
             let seed = Tensor::from_vec_f64(vec![g0, 1.0], &[2], Device::Cpu)?;
             y.backward_with(&seed)?;
             let g = x.grad().unwrap();
             assert_eq!(g.dtype(), DType::F64, "{fmt}: the gradient keeps f64");
             let gv = g.to_vec_f64()?;
-            assert_eq!(gv[0].to_bits(), gwant.to_bits(), "{fmt}: gradient of {g0} = {:e}", gv[0]);
+            assert_eq!(
+                gv[0].to_bits(),
+                gwant.to_bits(),
+                "{fmt}: gradient of {g0} = {:e}",
+                gv[0]
+            );
         }
         // An f64 value just above an f32 tie that f32 would round to the tie.
-        let x = Tensor::from_vec_f64(vec![1.0 + 2f64.powi(-8) + 2f64.powi(-30)], &[1], Device::Cpu)?;
+        let x = Tensor::from_vec_f64(
+            vec![1.0 + 2f64.powi(-8) + 2f64.powi(-30)],
+            &[1],
+            Device::Cpu,
+        )?;
         assert_eq!(round_to_bf16(&x)?.to_vec_f64()?, vec![1.0 + 2f64.powi(-7)]);
         assert_eq!(round_to_bf16(&x)?.dtype(), DType::F64);
     }
@@ -382,7 +435,10 @@ device_test!(autocast_matmul_matches_rounded_reference, |dev| {
             )?;
             assert_eq!(auto.0, reference.0, "{fmt} case {ci}: product");
             assert_eq!(auto.1, reference.1, "{fmt} case {ci}: gradients");
-            assert!(auto.1.iter().any(|g| g.is_some()), "case {ci} has gradients");
+            assert!(
+                auto.1.iter().any(|g| g.is_some()),
+                "case {ci} has gradients"
+            );
             let plain = run_bits(&|| f(a, b), &[a, b], &seed)?;
             if plain.0 != auto.0 {
                 differs_from_f32 += 1;
@@ -434,8 +490,16 @@ device_test!(autocast_grads_are_bf16_and_masters_stay_fp32, |dev| {
     };
     let g16 = loss(Some(Format::Bf16))?;
     let g32 = loss(None)?;
-    assert_eq!(bits(&g16), bits(&rd_all(&g16, Format::Bf16)), "weight gradients are bf16 values");
-    assert_ne!(bits(&g32), bits(&rd_all(&g32, Format::Bf16)), "f32 gradients are not");
+    assert_eq!(
+        bits(&g16),
+        bits(&rd_all(&g16, Format::Bf16)),
+        "weight gradients are bf16 values"
+    );
+    assert_ne!(
+        bits(&g32),
+        bits(&rd_all(&g32, Format::Bf16)),
+        "f32 gradients are not"
+    );
     assert_eq!(lin.weight.grad().unwrap().dtype(), DType::F32);
     let scale = max_abs(&g32);
     for (a, b) in g16.iter().zip(&g32) {
@@ -454,7 +518,11 @@ device_test!(autocast_grads_are_bf16_and_masters_stay_fp32, |dev| {
     assert_eq!(grad(&l1.weight), vec![1.0]);
     let w = vals(&l1.weight)[0];
     assert_eq!(w, (-1e-3f32).mul_add(1.0, 1.0), "w = 1 - 1e-3 in f32");
-    assert_eq!(rd(w, Format::Bf16), 1.0, "the update is below bf16's spacing");
+    assert_eq!(
+        rd(w, Format::Bf16),
+        1.0,
+        "the update is below bf16's spacing"
+    );
     assert_eq!(l1.weight.dtype(), DType::F32);
     for _ in 0..9 {
         train_step_mixed(&l1, &mb, lf, &mut opt, Precision::Bf16, None, None)?;
@@ -472,7 +540,11 @@ device_test!(autocast_grads_are_bf16_and_masters_stay_fp32, |dev| {
     let wv = vals(&lin.weight);
     assert_eq!(lin.weight.dtype(), DType::F32);
     let off_grid = wv.iter().filter(|&&v| rd(v, Format::Bf16) != v).count();
-    assert!(off_grid >= wv.len() / 2, "master weights stay f32: {off_grid} of {} off the bf16 grid", wv.len());
+    assert!(
+        off_grid >= wv.len() / 2,
+        "master weights stay f32: {off_grid} of {} off the bf16 grid",
+        wv.len()
+    );
     let (m, v, _) = adam.state(0).unwrap();
     assert_eq!((m.dtype(), v.dtype()), (DType::F32, DType::F32));
 });
@@ -489,7 +561,10 @@ device_test!(autocast_restores_matmul, |dev| {
         let _g = autocast(Format::Fp16);
         (pbf, prod())
     };
-    assert!(p32 != pbf && p32 != pfp && pbf != pfp, "three distinct products");
+    assert!(
+        p32 != pbf && p32 != pfp && pbf != pfp,
+        "three distinct products"
+    );
     assert_eq!(autocast_dtype(), None);
     assert_eq!(prod(), p32);
 
@@ -512,7 +587,11 @@ device_test!(autocast_restores_matmul, |dev| {
             assert_eq!(autocast_dtype(), Some(Format::Fp16));
             assert_eq!(prod(), pfp, "the innermost format applies");
         }
-        assert_eq!(autocast_dtype(), Some(Format::Bf16), "leaving the inner block");
+        assert_eq!(
+            autocast_dtype(),
+            Some(Format::Bf16),
+            "leaving the inner block"
+        );
         assert_eq!(prod(), pbf, "the rest of the outer block is bf16");
         // A panic in a nested block restores the outer one, not float32.
         let r = catch_unwind(AssertUnwindSafe(|| {
@@ -568,13 +647,20 @@ device_test!(fp16_underflow_is_rescued_by_loss_scaling, |dev| {
     let mut opt = sgd(lin.parameters(), 1.0);
     train_step_mixed(&lin, &mb, lf, &mut opt, Precision::Fp32, None, None)?;
     let g32 = grad(&lin.weight);
-    assert!(g32.iter().all(|&g| g != 0.0 && g.abs() < 2f32.powi(-23)), "{g32:?}");
+    assert!(
+        g32.iter().all(|&g| g != 0.0 && g.abs() < 2f32.powi(-23)),
+        "{g32:?}"
+    );
     lin.weight.set_storage(t(&w0, &[2, 3], dev).storage())?;
 
     // fp16 without scaling: every weight gradient vanishes.
     let r = train_step_mixed(&lin, &mb, lf, &mut opt, Precision::Fp16, None, None)?;
     assert!(!r.skipped);
-    assert_eq!(grad(&lin.weight), vec![0.0; 6], "fp16 flushes the tiny gradients");
+    assert_eq!(
+        grad(&lin.weight),
+        vec![0.0; 6],
+        "fp16 flushes the tiny gradients"
+    );
     assert_eq!(vals(&lin.weight), w0);
 
     // fp16 with S = 2^16: the unscaled gradients match float32 to fp16 precision.
@@ -607,13 +693,22 @@ device_test!(scaler_skips_inf_steps, |dev| {
     let params = [w1.clone(), w2.clone()];
     let mut opt = sgd(params.to_vec(), 0.1);
     let mut s = DynamicLossScaler::new(1024.0, 2.0, 0.5, 1000)?;
-    for (k, bad) in [f32::INFINITY, f32::NAN, f32::NEG_INFINITY].into_iter().enumerate() {
+    for (k, bad) in [f32::INFINITY, f32::NAN, f32::NEG_INFINITY]
+        .into_iter()
+        .enumerate()
+    {
         set_grad(&w1, &[1.0, 2.0], dev);
         set_grad(&w2, &[3.0, bad, 4.0], dev);
-        assert!(!s.step(&mut opt, &params, None)?, "a non-finite gradient skips");
+        assert!(
+            !s.step(&mut opt, &params, None)?,
+            "a non-finite gradient skips"
+        );
         assert_eq!(vals(&w1), vec![0.5, -0.25], "no weight changes");
         assert_eq!(vals(&w2), vec![1.5, 2.0, -3.0], "no weight changes");
-        assert!(w1.grad().is_none() && w2.grad().is_none(), "gradients dropped");
+        assert!(
+            w1.grad().is_none() && w2.grad().is_none(),
+            "gradients dropped"
+        );
         assert_eq!(s.get_scale(), 1024.0 / 2f32.powi(k as i32 + 1));
         assert_eq!(s.good_steps(), 0);
     }
@@ -670,7 +765,10 @@ device_test!(scaler_skips_inf_steps, |dev| {
         prev_scale = r.scale;
         assert!(skipped < 20, "S never came down far enough");
     }
-    assert!(skipped >= 7, "S = 65536 .. 1024 must all overflow, skipped {skipped}");
+    assert!(
+        skipped >= 7,
+        "S = 65536 .. 1024 must all overflow, skipped {skipped}"
+    );
     let w1 = vals(&lin.weight);
     assert!(w1.iter().all(|v| v.is_finite()) && w1 != w0);
     for _ in 0..3 {
@@ -688,7 +786,10 @@ device_test!(scaler_unscales_before_clipping, |dev| {
     assert!(s.step(&mut opt, &[w.clone()], Some(1.0))?);
     assert_eq!(s.last_grad_norm(), Some(5.0), "the norm in true units");
     let got = vals(&w);
-    assert!((got[0] + 0.6).abs() < 1e-6 && (got[1] + 0.8).abs() < 1e-6, "{got:?}");
+    assert!(
+        (got[0] + 0.6).abs() < 1e-6 && (got[1] + 0.8).abs() < 1e-6,
+        "{got:?}"
+    );
 
     // Bit for bit what float32 gives without a scaler (unscaling by 2^10 is exact).
     let w_ref = param(&[0.0, 0.0], &[2], dev);
@@ -705,11 +806,22 @@ device_test!(scaler_unscales_before_clipping, |dev| {
     let mut s = DynamicLossScaler::new(1024.0, 2.0, 0.5, 1000)?;
     let mb = [(t(&[3.0, 4.0], &[2], dev), t(&[0.0], &[1], dev))];
     let lf = |(c, _): &(Tensor, Tensor)| p.mul(c)?.sum_all();
-    let r = train_step_mixed(&model, &mb, lf, &mut opt, Precision::Fp32, Some(&mut s), Some(1.0))?;
+    let r = train_step_mixed(
+        &model,
+        &mb,
+        lf,
+        &mut opt,
+        Precision::Fp32,
+        Some(&mut s),
+        Some(1.0),
+    )?;
     assert_eq!(r.grad_norm, Some(5.0));
     assert!(!r.skipped);
     let got = vals(&p);
-    assert!((got[0] - 0.4).abs() < 1e-6 && (got[1] - 0.2).abs() < 1e-6, "{got:?}");
+    assert!(
+        (got[0] - 0.4).abs() < 1e-6 && (got[1] - 0.2).abs() < 1e-6,
+        "{got:?}"
+    );
 });
 
 device_test!(scaler_state_dict_roundtrip, |dev| {
@@ -726,7 +838,13 @@ device_test!(scaler_state_dict_roundtrip, |dev| {
     let sd = a.state_dict();
     assert_eq!(
         sd,
-        ScalerState { scale: 8.0, growth: 2.0, backoff: 0.5, interval: 3, good_steps: 2 }
+        ScalerState {
+            scale: 8.0,
+            growth: 2.0,
+            backoff: 0.5,
+            interval: 3,
+            good_steps: 2
+        }
     );
     // Through JSON, as a checkpoint stores it.
     let json = serde_json::to_string(&sd).unwrap();
@@ -761,12 +879,24 @@ device_test!(scaler_state_dict_roundtrip, |dev| {
             DynamicLossScaler::new(init, growth, backoff, interval).is_err(),
             "new({init}, {growth}, {backoff}, {interval}) must fail"
         );
-        let bad = ScalerState { scale: init, growth, backoff, interval, good_steps: 0 };
+        let bad = ScalerState {
+            scale: init,
+            growth,
+            backoff,
+            interval,
+            good_steps: 0,
+        };
         let before = b.clone();
-        assert!(b.load_state_dict(&bad).is_err(), "load of {bad:?} must fail");
+        assert!(
+            b.load_state_dict(&bad).is_err(),
+            "load of {bad:?} must fail"
+        );
         assert_eq!(b, before, "a failed load changes nothing");
     }
-    let bad = ScalerState { good_steps: 3, ..sd.clone() };
+    let bad = ScalerState {
+        good_steps: 3,
+        ..sd.clone()
+    };
     assert!(b.load_state_dict(&bad).is_err(), "good_steps >= interval");
     assert_eq!((b.get_scale(), b.good_steps()), (16.0, 0));
 });
@@ -808,7 +938,10 @@ device_test!(accumulation_equals_one_big_batch, |dev| {
         }
     }
     assert!(worst <= 1e-6, "gradients differ from one batch by {worst}");
-    assert!(g_one.iter().flatten().any(|g| g.abs() > 1e-2), "non-trivial gradients");
+    assert!(
+        g_one.iter().flatten().any(|g| g.abs() > 1e-2),
+        "non-trivial gradients"
+    );
 
     // train_step_mixed over the micro-batches steps like one batch.
     let w0: Vec<Vec<f32>> = params.iter().map(vals).collect();
@@ -869,7 +1002,10 @@ device_test!(train_step_mixed_bf16_tracks_fp32, |dev| {
     };
     let (first32, fin32, w32) = train(Precision::Fp32)?;
     let (first16, fin16, w16) = train(Precision::Bf16)?;
-    assert!(fin32 < 0.3 * first32, "float32 learns: {first32} -> {fin32}");
+    assert!(
+        fin32 < 0.3 * first32,
+        "float32 learns: {first32} -> {fin32}"
+    );
     assert!(fin16 < 0.3 * first16, "bf16 learns: {first16} -> {fin16}");
     assert!(
         (fin16 - fin32).abs() <= 0.02 * fin32,
@@ -886,7 +1022,10 @@ device_test!(train_step_mixed_rejects_nan_loss, |dev| {
     let before: Vec<Vec<u32>> = params.iter().map(|p| bits(&vals(p))).collect();
     let mut xv = randv(12, 62, 1.0);
     xv[4] = f32::NAN;
-    let good = (t(&randv(12, 64, 1.0), &[4, 3], dev), t(&randv(8, 65, 1.0), &[4, 2], dev));
+    let good = (
+        t(&randv(12, 64, 1.0), &[4, 3], dev),
+        t(&randv(8, 65, 1.0), &[4, 2], dev),
+    );
     let bad = (t(&xv, &[4, 3], dev), t(&randv(8, 63, 1.0), &[4, 2], dev));
     let micro = [good.clone(), bad];
     let lf = |(x, y): &(Tensor, Tensor)| mse(&lin.forward(x)?, y);
@@ -896,12 +1035,21 @@ device_test!(train_step_mixed_rejects_nan_loss, |dev| {
         assert!(r.is_err(), "{prec:?}: a NaN loss is an error");
         let after: Vec<Vec<u32>> = params.iter().map(|p| bits(&vals(p))).collect();
         assert_eq!(after, before, "{prec:?}: no update was made");
-        assert!(opt.state(0).is_none(), "{prec:?}: the optimizer never stepped");
-        assert!(params.iter().all(|p| p.grad().is_none()), "gradients dropped");
+        assert!(
+            opt.state(0).is_none(),
+            "{prec:?}: the optimizer never stepped"
+        );
+        assert!(
+            params.iter().all(|p| p.grad().is_none()),
+            "gradients dropped"
+        );
         // With clipping too.
         let r = train_step_mixed(&lin, &micro, lf, &mut opt, prec, None, Some(1.0));
         assert!(r.is_err());
-        assert_eq!(params.iter().map(|p| bits(&vals(p))).collect::<Vec<_>>(), before);
+        assert_eq!(
+            params.iter().map(|p| bits(&vals(p))).collect::<Vec<_>>(),
+            before
+        );
     }
     // An infinite loss too.
     let mut yv = randv(8, 66, 1.0);
@@ -909,14 +1057,77 @@ device_test!(train_step_mixed_rejects_nan_loss, |dev| {
     let inf = [(good.0.clone(), t(&yv, &[4, 2], dev))];
     let mut opt = sgd(params.clone(), 0.1);
     assert!(train_step_mixed(&lin, &inf, lf, &mut opt, Precision::Fp32, None, None).is_err());
-    assert_eq!(params.iter().map(|p| bits(&vals(p))).collect::<Vec<_>>(), before);
+    assert_eq!(
+        params.iter().map(|p| bits(&vals(p))).collect::<Vec<_>>(),
+        before
+    );
     // With a scaler the same batch is a skipped step, not an error.
     let mut s = DynamicLossScaler::new(1024.0, 2.0, 0.5, 10)?;
-    let r = train_step_mixed(&lin, &micro, lf, &mut opt, Precision::Fp32, Some(&mut s), None)?;
+    let r = train_step_mixed(
+        &lin,
+        &micro,
+        lf,
+        &mut opt,
+        Precision::Fp32,
+        Some(&mut s),
+        None,
+    )?;
     assert!(r.skipped && r.loss.is_nan() && r.scale == 512.0);
-    assert_eq!(params.iter().map(|p| bits(&vals(p))).collect::<Vec<_>>(), before);
+    assert_eq!(
+        params.iter().map(|p| bits(&vals(p))).collect::<Vec<_>>(),
+        before
+    );
     // And a finite batch steps.
     let r = train_step_mixed(&lin, &[good], lf, &mut opt, Precision::Fp32, None, None)?;
     assert!(!r.skipped && r.loss.is_finite());
-    assert_ne!(params.iter().map(|p| bits(&vals(p))).collect::<Vec<_>>(), before);
+    assert_ne!(
+        params.iter().map(|p| bits(&vals(p))).collect::<Vec<_>>(),
+        before
+    );
+});
+
+device_test!(precision_names_parse_and_print, |_dev| {
+    use tinyllm::precision::Precision;
+    for (s, p) in [
+        ("fp32", Precision::Fp32),
+        ("float32", Precision::Fp32),
+        ("bf16", Precision::Bf16),
+        ("bfloat16", Precision::Bf16),
+        ("fp16", Precision::Fp16),
+        ("float16", Precision::Fp16),
+    ] {
+        assert_eq!(s.parse::<Precision>()?, p, "{s}");
+    }
+    assert_eq!(Precision::Fp32.name(), "fp32");
+    assert_eq!(Precision::Bf16.name(), "bf16");
+    assert_eq!(Precision::Fp16.name(), "fp16");
+    assert_eq!(Precision::Bf16.format(), Some(Format::Bf16));
+    assert_eq!(Precision::Fp32.format(), None);
+    let e = "fp8".parse::<Precision>().unwrap_err();
+    assert!(e.to_string().contains("fp32, bf16 or fp16"), "{e}");
+});
+
+device_test!(scaler_reports_the_scale_floor_instead_of_looping, |dev| {
+    // A gradient that is infinite at every scale: each step skips and halves
+    // S; once S falls below MIN_SCALE (2^-24) the step is an error, not one more
+    // skip, so a poisoned run stops instead of looping forever.
+    use tinyllm::precision::DynamicLossScaler;
+    let p = param(&[1.0], &[1], dev);
+    let mut opt = Sgd::new(vec![p.clone()], 0.1, 0.0, 0.0)?;
+    let mut s = DynamicLossScaler::new(1.0, 2.0, 0.5, 10)?;
+    let mut skips = 0;
+    let err = loop {
+        p.set_grad(Some(t(&[f32::INFINITY], &[1], dev)));
+        match s.step(&mut opt, &[p.clone()], None) {
+            Ok(false) => skips += 1,
+            Ok(true) => panic!("stepped on an infinite gradient"),
+            Err(e) => break e,
+        }
+        assert!(skips < 100, "no floor");
+    };
+    // S = 2^-k after k skips; 2^-25 is the first below 2^-24.
+    assert_eq!(skips, 24);
+    assert!(err.to_string().contains("loss scale fell"), "{err}");
+    assert_eq!(vals(&p), vec![1.0], "no update reached the weights");
+    assert!(p.grad().is_none(), "the poisoned gradients were dropped");
 });
