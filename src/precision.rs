@@ -248,7 +248,12 @@ impl DynamicLossScaler {
         opt.step()?;
         self.good_steps += 1;
         if self.good_steps >= self.interval {
-            self.scale *= self.growth;
+            // Never grow to inf: an infinite scale would poison every step and
+            // back off to inf again (skipping forever instead of failing).
+            let grown = self.scale * self.growth;
+            if grown.is_finite() {
+                self.scale = grown;
+            }
             self.good_steps = 0;
         }
         Ok(true)
@@ -378,6 +383,18 @@ pub fn train_step_mixed<M: crate::nn::Module + ?Sized, B: MicroBatch>(
                     p.zero_grad();
                 }
                 bail!("non-finite loss ({loss}) without a loss scaler: no update was made");
+            }
+            // A finite loss can still have non-finite gradients (an op whose
+            // derivative blows up); clipping or AdamW would spread them into
+            // every weight. The scaler's fused check with a scale of 1 (an
+            // exact no-op multiply) finds them in one pass.
+            let grads: Vec<Storage> = params.iter().filter_map(|p| p.grad().map(|g| g.storage())).collect();
+            let refs: Vec<&Storage> = grads.iter().collect();
+            if !Storage::finite_check_unscale(&refs, 1.0)? {
+                for p in &params {
+                    p.zero_grad();
+                }
+                bail!("non-finite gradients (loss {loss}) without a loss scaler: no update was made");
             }
             let grad_norm = match clip {
                 Some(c) => Some(clip_grad_norm_(&params, c)?),

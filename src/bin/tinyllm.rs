@@ -39,39 +39,39 @@ struct RunFlags {
     #[arg(long)]
     data: Option<PathBuf>,
     /// Optimizer steps.
-    #[arg(long)]
+    #[arg(long, value_parser = count, allow_negative_numbers = true)]
     steps: Option<usize>,
     /// Peak learning rate (AdamW; linear warmup, cosine decay to a tenth).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     lr: Option<f32>,
-    #[arg(long)]
+    #[arg(long, value_parser = count_u64, allow_negative_numbers = true)]
     seed: Option<u64>,
     /// auto (GPU if an adapter exists), cpu or gpu.
     #[arg(long)]
     device: Option<String>,
     /// Sequences per optimizer step.
-    #[arg(long)]
+    #[arg(long, value_parser = count, allow_negative_numbers = true)]
     batch: Option<usize>,
     /// Sequences per micro-batch (gradients accumulate over the batch).
-    #[arg(long)]
+    #[arg(long, value_parser = count, allow_negative_numbers = true)]
     micro_batch: Option<usize>,
     /// Micro-batches per step.
-    #[arg(long)]
+    #[arg(long, value_parser = count, allow_negative_numbers = true)]
     accum: Option<usize>,
     /// Memory budget of activation checkpointing, in layers.
-    #[arg(long)]
+    #[arg(long, value_parser = count, allow_negative_numbers = true)]
     ckpt_budget: Option<usize>,
     /// Gradient-norm clip (0 = off; default 1).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     clip: Option<f32>,
     /// Validate every N steps (0 = only at the end).
-    #[arg(long)]
+    #[arg(long, value_parser = count, allow_negative_numbers = true)]
     eval_every: Option<usize>,
     /// Warmup steps.
-    #[arg(long)]
+    #[arg(long, value_parser = count, allow_negative_numbers = true)]
     warmup: Option<usize>,
     /// Dropout probability.
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     dropout: Option<f32>,
     /// Output directory.
     #[arg(long)]
@@ -104,13 +104,13 @@ struct TrainArgs {
     #[arg(long, conflicts_with = "checkpoint_activations")]
     no_checkpoint_activations: bool,
     /// Write a checkpoint every N steps (0 = only at the end).
-    #[arg(long)]
+    #[arg(long, value_parser = count, allow_negative_numbers = true)]
     save_every: Option<usize>,
     /// Continue the run saved in DIR (its checkpoint/ subdirectory or DIR itself).
     #[arg(long)]
     resume: Option<PathBuf>,
     /// Bytes of text to sample at the end.
-    #[arg(long, default_value_t = 160)]
+    #[arg(long, default_value_t = 160, value_parser = count, allow_negative_numbers = true)]
     sample_len: usize,
 }
 
@@ -141,18 +141,37 @@ struct GenerateArgs {
     #[arg(long, default_value = "")]
     prompt: String,
     /// Bytes to generate.
-    #[arg(long, default_value_t = 300)]
+    #[arg(long, default_value_t = 300, value_parser = count, allow_negative_numbers = true)]
     len: usize,
     /// Softmax temperature (0 = greedy).
-    #[arg(long, default_value_t = 0.8)]
+    #[arg(long, default_value_t = 0.8, allow_negative_numbers = true)]
     temperature: f32,
     /// Sample among the k most likely bytes (0 = all).
-    #[arg(long, default_value_t = 40)]
+    #[arg(long, default_value_t = 40, value_parser = count, allow_negative_numbers = true)]
     top_k: usize,
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, value_parser = count_u64, allow_negative_numbers = true)]
     seed: u64,
     #[arg(long, default_value = "cpu")]
     device: String,
+}
+
+/// A whole number flag: a clear message instead of Rust's parse error.
+fn count(s: &str) -> Result<usize, String> {
+    s.trim().parse::<usize>().map_err(|_| format!("{s:?} is not a whole number: expected 0, 1, 2, …"))
+}
+
+fn count_u64(s: &str) -> Result<u64, String> {
+    s.trim().parse::<u64>().map_err(|_| format!("{s:?} is not a whole number: expected 0, 1, 2, …"))
+}
+
+/// The most bytes `generate --len` / `train --sample-len` produce.
+const MAX_SAMPLE: usize = 1_000_000;
+
+fn check_sample_len(flag: &str, n: usize) -> tinyllm::Result<()> {
+    if n > MAX_SAMPLE {
+        return Err(tinyllm::Error::msg(format!("{flag} must be 0..={MAX_SAMPLE} bytes (got {n})")));
+    }
+    Ok(())
 }
 
 impl RunFlags {
@@ -259,8 +278,9 @@ fn resume_config(a: &TrainArgs, dir: &std::path::Path) -> tinyllm::Result<TrainC
 }
 
 fn cmd_train(a: TrainArgs) -> tinyllm::Result<()> {
+    check_sample_len("--sample-len", a.sample_len)?;
     let cfg = match &a.resume {
-        Some(dir) => resume_config(&a, dir)?,
+        Some(dir) => resume_config(&a, dir).map_err(|e| e.context("--resume"))?,
         None => TrainConfig::resolve(&train_options(&a))?,
     };
     let summary = tinyllm::train::run(cfg.clone(), a.resume.as_deref(), a.run.progress())?;
@@ -310,7 +330,7 @@ fn device_of(s: &str) -> tinyllm::Result<tinyllm::Device> {
 
 fn cmd_eval(a: EvalArgs) -> tinyllm::Result<()> {
     let device = device_of(&a.device)?;
-    let model = checkpoint::load_model(&a.checkpoint, device)?;
+    let model = checkpoint::load_model(&a.checkpoint, device).map_err(|e| e.context("--checkpoint"))?;
     let corpus = Corpus::load(a.data.as_ref())?;
     let (loss, tokens) = eval_text(&model, &corpus, tinyllm::precision::Precision::Fp32)?;
     println!(
@@ -326,14 +346,25 @@ fn cmd_generate(a: GenerateArgs) -> tinyllm::Result<()> {
     if !(a.temperature >= 0.0 && a.temperature.is_finite()) {
         return Err(tinyllm::Error::msg(format!("--temperature must be 0 (greedy) or positive, got {}", a.temperature)));
     }
+    check_sample_len("--len", a.len)?;
     let device = device_of(&a.device)?;
-    let model = checkpoint::load_model(&a.checkpoint, device)?;
+    let model = checkpoint::load_model(&a.checkpoint, device).map_err(|e| e.context("--checkpoint"))?;
     println!("{}", sample_text(&model, &a.prompt, a.len, a.temperature, a.top_k, a.seed)?);
     Ok(())
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // TINYLLM_THREADS=n caps the CPU matmul's threads (results never depend on it).
+    if let Ok(t) = std::env::var("TINYLLM_THREADS") {
+        match t.trim().parse::<usize>() {
+            Ok(n) if n >= 1 => tinyllm::backend::cpu::set_matmul_threads(Some(n)),
+            _ => {
+                eprintln!("error: TINYLLM_THREADS must be a whole number ≥ 1 (got {t:?})");
+                return ExitCode::FAILURE;
+            }
+        }
+    }
     let res = match cli.cmd {
         Cmd::Train(a) => cmd_train(a),
         Cmd::Compare(a) => cmd_compare(a),

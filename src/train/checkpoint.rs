@@ -12,7 +12,12 @@
 //! **Writing.** Every file is written to a temporary file in the same
 //! directory, fsynced and renamed into place. A checkpoint is first assembled in
 //! `checkpoint.next/`, then swapped for the previous `checkpoint/` by two
-//! renames, so a crash at any point leaves the last good checkpoint loadable.
+//! renames, so a crash at any point leaves the last good checkpoint loadable:
+//! a crash between the two renames leaves no `checkpoint/` but a complete
+//! `checkpoint.next/` (and the previous one in `checkpoint.prev/`), which
+//! [`resolve_dir`] finds and the next [`save`] first moves back into place
+//! ([`recover`]). The directory is fsynced after the renames. Weights or
+//! moments that are not finite are never written over a good checkpoint.
 //!
 //! **Loading.** The manifest is checked first (every listed file present, of
 //! the recorded size and hash), then every tensor's name, dtype and shape
@@ -27,6 +32,7 @@ use crate::optim::AdamW;
 use crate::precision::ScalerState;
 use crate::rng::RngState;
 use crate::train::config::TrainConfig;
+use crate::train::fault;
 use crate::train::sha256::Sha256;
 use crate::{bail, Error, Result, Tensor};
 use safetensors::{Dtype, SafeTensors};
@@ -77,12 +83,26 @@ fn io_err(what: &str, p: &Path, e: std::io::Error) -> Error {
 }
 
 /// Writes `bytes` to `dir/name` atomically: a temporary file in `dir`,
-/// fsynced, then renamed over the target.
+/// fsynced, then renamed over the target, then the directory fsynced.
 pub fn write_atomic(dir: &Path, name: &str, bytes: &[u8]) -> Result<()> {
+    write_atomic_at(dir, name, bytes, None)?;
+    sync_dir(dir);
+    Ok(())
+}
+
+/// [`write_atomic`] without the directory sync (the caller syncs once), with
+/// the `write:NAME` fault point of checkpoint `step`.
+fn write_atomic_at(dir: &Path, name: &str, bytes: &[u8], step: Option<usize>) -> Result<()> {
     let target = dir.join(name);
     let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
     let res = (|| -> std::io::Result<()> {
         let mut f = std::fs::File::create(&tmp)?;
+        if let Some(step) = step {
+            if fault::armed(&format!("write:{name}"), step) {
+                f.write_all(&bytes[..bytes.len() / 2])?;
+                fault::pause_point(&format!("write:{name}"), step);
+            }
+        }
         f.write_all(bytes)?;
         f.sync_all()?;
         drop(f);
@@ -95,7 +115,8 @@ pub fn write_atomic(dir: &Path, name: &str, bytes: &[u8]) -> Result<()> {
     Ok(())
 }
 
-/// Makes a directory's entries (renames) durable.
+/// Makes a directory's entries (renames) durable. Best effort: a filesystem
+/// that cannot fsync a directory (some network mounts) is not an error.
 fn sync_dir(dir: &Path) {
     if let Ok(d) = std::fs::File::open(dir) {
         let _ = d.sync_all();
@@ -134,19 +155,68 @@ fn serialize(tensors: Vec<(String, F32View)>, meta: HashMap<String, String>) -> 
     safetensors::serialize(tensors, Some(meta)).map_err(|e| Error::msg(format!("safetensors: {e}")))
 }
 
-/// Where a checkpoint lives: `dir` itself when it holds a manifest, else `dir/checkpoint`.
+/// Where a checkpoint lives: `dir` itself when it holds a manifest, else
+/// `dir/checkpoint`; after a crash between [`save`]'s two renames (no
+/// `checkpoint/`, but a `checkpoint.prev/`), the complete `checkpoint.next/`
+/// (or, failing that, `checkpoint.prev/`).
 pub fn resolve_dir(dir: &Path) -> PathBuf {
     if dir.join(MANIFEST_FILE).exists() {
-        dir.to_path_buf()
-    } else {
-        dir.join("checkpoint")
+        return dir.to_path_buf();
     }
+    let (fin, next, prev) = (dir.join("checkpoint"), dir.join("checkpoint.next"), dir.join("checkpoint.prev"));
+    if !fin.exists() {
+        // The manifest is the last file staged: with it, the staging is
+        // complete (and `Verified::open` checks every byte of it anyway).
+        if next.join(MANIFEST_FILE).exists() {
+            return next;
+        }
+        if prev.is_dir() {
+            return prev;
+        }
+    }
+    fin
+}
+
+/// Repairs `run_dir` after a crash inside [`save`]'s swap: when `checkpoint/`
+/// is missing, a staged `checkpoint.next/` that verifies (the swap starts only
+/// after it is complete and synced) is moved into place, else a
+/// `checkpoint.prev/` is moved back. Anything else is left as it is (a partial
+/// `checkpoint.next/` beside a good `checkpoint/` is cleared by the next save).
+pub fn recover(run_dir: &Path) -> Result<()> {
+    let (fin, next, prev) = (run_dir.join("checkpoint"), run_dir.join("checkpoint.next"), run_dir.join("checkpoint.prev"));
+    if fin.exists() {
+        return Ok(());
+    }
+    let from = if next.join(MANIFEST_FILE).exists() && Verified::open(&next).is_ok() {
+        &next
+    } else if prev.is_dir() {
+        &prev
+    } else {
+        return Ok(());
+    };
+    std::fs::rename(from, &fin).map_err(|e| io_err("cannot restore the checkpoint from", from, e))?;
+    sync_dir(run_dir);
+    Ok(())
+}
+
+/// The first tensor with a non-finite value, if any.
+fn first_non_finite<'a>(tensors: &'a [(String, F32View)]) -> Option<&'a str> {
+    tensors.iter().find_map(|(n, v)| {
+        v.bytes
+            .chunks_exact(4)
+            .any(|b| !f32::from_le_bytes([b[0], b[1], b[2], b[3]]).is_finite())
+            .then_some(n.as_str())
+    })
 }
 
 /// Writes a complete checkpoint to `run_dir/checkpoint/` (see the module docs)
 /// and returns its path.
 pub fn save(run_dir: &Path, model: &Llama, opt: &AdamW, state: &TrainState) -> Result<PathBuf> {
     std::fs::create_dir_all(run_dir).map_err(|e| io_err("cannot create", run_dir, e))?;
+    // A crash inside an earlier swap: put the good checkpoint back before the
+    // staging area (which may hold it) is cleared.
+    recover(run_dir)?;
+    let step = state.step;
     let staging = run_dir.join("checkpoint.next");
     if staging.exists() {
         std::fs::remove_dir_all(&staging).map_err(|e| io_err("cannot clear", &staging, e))?;
@@ -165,6 +235,15 @@ pub fn save(run_dir: &Path, model: &Llama, opt: &AdamW, state: &TrainState) -> R
             moments.push((format!("{n}.exp_avg_sq"), view(v)?));
         }
     }
+    for (what, t) in [("weights", &weights), ("optimizer moments", &moments)] {
+        if let Some(n) = first_non_finite(t) {
+            let _ = std::fs::remove_dir_all(&staging);
+            bail!(
+                "refusing to write a checkpoint at step {step}: the {what} of {n:?} are not finite (NaN or inf); the previous checkpoint in {} is kept",
+                run_dir.display()
+            );
+        }
+    }
     let json = |v: &serde_json::Value| serde_json::to_vec_pretty(v).map_err(|e| Error::msg(e.to_string()));
     let files: Vec<(&str, Vec<u8>)> = vec![
         (MODEL_FILE, serialize(weights, meta.clone())?),
@@ -174,15 +253,19 @@ pub fn save(run_dir: &Path, model: &Llama, opt: &AdamW, state: &TrainState) -> R
     ];
     let mut manifest = Manifest { format: FORMAT.into(), files: BTreeMap::new() };
     for (name, bytes) in &files {
-        write_atomic(&staging, name, bytes)?;
+        write_atomic_at(&staging, name, bytes, Some(step))?;
+        fault::pause_point(&format!("wrote:{name}"), step);
         manifest.files.insert(
             name.to_string(),
             FileEntry { sha256: Sha256::digest_hex(bytes), bytes: bytes.len() as u64 },
         );
     }
     let mbytes = serde_json::to_vec_pretty(&manifest).map_err(|e| Error::msg(e.to_string()))?;
-    write_atomic(&staging, MANIFEST_FILE, &mbytes)?;
+    write_atomic_at(&staging, MANIFEST_FILE, &mbytes, Some(step))?;
+    fault::pause_point(&format!("wrote:{MANIFEST_FILE}"), step);
     sync_dir(&staging);
+    sync_dir(run_dir);
+    fault::pause_point("staged", step);
 
     // Swap: checkpoint -> checkpoint.prev, checkpoint.next -> checkpoint.
     let fin = run_dir.join("checkpoint");
@@ -193,8 +276,10 @@ pub fn save(run_dir: &Path, model: &Llama, opt: &AdamW, state: &TrainState) -> R
     if fin.exists() {
         std::fs::rename(&fin, &prev).map_err(|e| io_err("cannot move aside", &fin, e))?;
     }
+    fault::pause_point("swap", step);
     std::fs::rename(&staging, &fin).map_err(|e| io_err("cannot move into place", &staging, e))?;
     sync_dir(run_dir);
+    fault::pause_point("swapped", step);
     if prev.exists() {
         let _ = std::fs::remove_dir_all(&prev);
     }
@@ -210,20 +295,42 @@ pub struct Verified {
 impl Verified {
     /// Reads `dir`'s manifest and every file it lists, checking sizes and hashes.
     pub fn open(dir: &Path) -> Result<Verified> {
+        if !dir.exists() {
+            bail!("{}: no such checkpoint directory", dir.display());
+        }
         let dir = resolve_dir(dir);
         let shown = dir.display();
         let mpath = dir.join(MANIFEST_FILE);
         let mbytes = std::fs::read(&mpath).map_err(|e| {
             Error::msg(format!("{shown} is not a readable tinyllm checkpoint (no {MANIFEST_FILE}: {e})"))
         })?;
+        if mbytes.len() > 1 << 20 {
+            bail!("{}: {} bytes is far too large for a manifest (corrupt?)", mpath.display(), mbytes.len());
+        }
         let manifest: Manifest = serde_json::from_slice(&mbytes)
             .map_err(|e| Error::msg(format!("{}: corrupt manifest: {e}", mpath.display())))?;
         if manifest.format != FORMAT {
             bail!("{}: unknown checkpoint format {:?} (expected {FORMAT:?})", mpath.display(), manifest.format);
         }
+        const KNOWN: [&str; 4] = [MODEL_FILE, CONFIG_FILE, OPTIM_FILE, STATE_FILE];
+        if let Some(odd) = manifest.files.keys().find(|n| !KNOWN.contains(&n.as_str())) {
+            bail!("{}: lists an unknown file {odd:?} (a checkpoint holds {})", mpath.display(), KNOWN.join(", "));
+        }
+        if let Some(missing) = KNOWN.iter().find(|n| !manifest.files.contains_key(**n)) {
+            bail!("{}: does not list {missing} (incomplete or corrupt manifest)", mpath.display());
+        }
         let mut files = HashMap::new();
         for (name, entry) in &manifest.files {
             let p = dir.join(name);
+            // Sizes first, so a wrong file is refused before it is read.
+            let len = std::fs::metadata(&p).map_err(|e| io_err("checkpoint file missing or unreadable:", &p, e))?.len();
+            if len != entry.bytes {
+                bail!(
+                    "{}: {len} bytes, the manifest records {} (truncated or partly written); nothing was loaded",
+                    p.display(),
+                    entry.bytes
+                );
+            }
             let bytes = std::fs::read(&p).map_err(|e| io_err("checkpoint file missing or unreadable:", &p, e))?;
             if bytes.len() as u64 != entry.bytes {
                 bail!(
@@ -252,7 +359,19 @@ impl Verified {
     pub fn config(&self) -> Result<LlamaConfig> {
         let v: serde_json::Value = serde_json::from_slice(self.file(CONFIG_FILE)?)
             .map_err(|e| Error::msg(format!("{}/{CONFIG_FILE}: {e}", self.dir.display())))?;
-        LlamaConfig::from_hf_json(&v).map_err(|e| e.context(self.dir.display()))
+        let cfg = LlamaConfig::from_hf_json(&v).map_err(|e| e.context(self.dir.display()))?;
+        crate::train::config::check_model_size(&cfg).map_err(|e| e.context(format!("{}/{CONFIG_FILE}", self.dir.display())))?;
+        // A model far larger than the weights file that should hold it is
+        // refused before it is allocated (the exact check is per tensor, later).
+        let have = self.file(MODEL_FILE)?.len();
+        if cfg.num_params().saturating_mul(4) > have.saturating_mul(4).saturating_add(64 << 20) {
+            bail!(
+                "{}/{CONFIG_FILE}: describes {} parameters, far more than {MODEL_FILE} ({have} bytes) holds (config and weights do not match)",
+                self.dir.display(),
+                cfg.num_params()
+            );
+        }
+        Ok(cfg)
     }
 
     pub fn train_state(&self) -> Result<TrainState> {
@@ -261,6 +380,9 @@ impl Verified {
         if st.format != FORMAT {
             bail!("{}/{STATE_FILE}: unknown format {:?}", self.dir.display(), st.format);
         }
+        st.config
+            .validate()
+            .map_err(|e| e.context(format!("{}/{STATE_FILE}: the saved run config is invalid", self.dir.display())))?;
         Ok(st)
     }
 

@@ -86,6 +86,40 @@ pub struct TrainConfig {
     pub out: PathBuf,
 }
 
+/// The largest batch, in sequences (a larger one is a typo, not a plan).
+pub const MAX_BATCH: usize = 1 << 16;
+
+/// The largest model a config may describe, in bytes of float32 weights
+/// (a corrupt or hand-edited config must not make the loader allocate petabytes).
+pub const MAX_MODEL_BYTES: usize = 16 << 30;
+
+/// The most tokens one optimizer step may read.
+pub const MAX_TOKENS_PER_STEP: usize = 1 << 24;
+
+/// The longest context a config may ask for, in tokens.
+pub const MAX_CONTEXT: usize = 1 << 16;
+
+/// Refuses a model config whose sizes cannot be meant (before anything is
+/// allocated for it): more than [`MAX_MODEL_BYTES`] of weights, a context
+/// over [`MAX_CONTEXT`], sizes whose products overflow.
+pub fn check_model_size(m: &LlamaConfig) -> Result<()> {
+    let (v, c, f, l) = (m.vocab_size, m.d_model, m.hidden, m.n_layers);
+    let params = (|| {
+        let block = c.checked_mul(c)?.checked_mul(4)?.checked_add(c.checked_mul(f)?.checked_mul(3)?)?.checked_add(c.checked_mul(2)?)?;
+        v.checked_mul(c)?.checked_mul(2)?.checked_add(l.checked_mul(block)?)?.checked_add(c)
+    })();
+    if params.is_none_or(|p| p > MAX_MODEL_BYTES / 4) {
+        bail!(
+            "model config: vocab {v}, d_model {c}, hidden {f}, {l} layers is too large for tinyllm (at most {} MiB of float32 weights)",
+            MAX_MODEL_BYTES >> 20
+        );
+    }
+    if m.context > MAX_CONTEXT {
+        bail!("model config: context {} is longer than tinyllm allows (1..={MAX_CONTEXT} tokens)", m.context);
+    }
+    Ok(())
+}
+
 /// A preset's training recipe.
 struct Recipe {
     steps: usize,
@@ -183,7 +217,7 @@ impl TrainConfig {
         if warmup >= steps && steps > 1 {
             bail!("--warmup {warmup} must be shorter than the run ({steps} steps)");
         }
-        Ok(TrainConfig {
+        let cfg = TrainConfig {
             preset,
             model,
             data: o.data.clone(),
@@ -204,7 +238,65 @@ impl TrainConfig {
             eval_rows: r.eval_rows,
             save_every: o.save_every.unwrap_or(0),
             out: o.out.clone().unwrap_or_else(|| PathBuf::from("runs/latest")),
-        })
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Checks every invariant of a resolved run — what [`resolve`](Self::resolve)
+    /// guarantees, re-checked for a config read back from a checkpoint (a
+    /// hand-edited `trainer_state.json`): an error names the field and what is allowed.
+    pub fn validate(&self) -> Result<()> {
+        let c = self;
+        c.model.validate()?;
+        if c.model.vocab_size != crate::train::data::ByteTokenizer::VOCAB {
+            bail!("model config: vocab_size must be {} (bytes are tokens), got {}", crate::train::data::ByteTokenizer::VOCAB, c.model.vocab_size);
+        }
+        check_model_size(&c.model)?;
+        if c.steps == 0 {
+            bail!("--steps must be at least 1 (got 0)");
+        }
+        if !(c.lr.is_finite() && c.lr > 0.0) {
+            bail!("--lr must be a positive number (got {})", c.lr);
+        }
+        if !(c.min_lr_frac.is_finite() && (0.0..=1.0).contains(&c.min_lr_frac)) {
+            bail!("min_lr_frac must be in [0, 1] (got {})", c.min_lr_frac);
+        }
+        if !(c.weight_decay.is_finite() && c.weight_decay >= 0.0) {
+            bail!("weight_decay must be a non-negative number (got {})", c.weight_decay);
+        }
+        if c.batch == 0 || c.batch > MAX_BATCH {
+            bail!("--batch must be 1..={MAX_BATCH} sequences (got {})", c.batch);
+        }
+        if c.batch.saturating_mul(c.model.context) > MAX_TOKENS_PER_STEP {
+            bail!(
+                "--batch {} × context {} is {} tokens per step; at most {MAX_TOKENS_PER_STEP} fit",
+                c.batch,
+                c.model.context,
+                c.batch.saturating_mul(c.model.context)
+            );
+        }
+        if c.micro_batch == 0 || c.micro_batch > c.batch {
+            bail!("--micro-batch must be 1..={} (the batch), got {}", c.batch, c.micro_batch);
+        }
+        if c.accum != c.batch.div_ceil(c.micro_batch) {
+            bail!("--accum {} does not match a batch of {} in micro-batches of {}", c.accum, c.batch, c.micro_batch);
+        }
+        if let Some(b) = c.ckpt_budget {
+            checkpoint_schedule(c.model.n_layers, b).map_err(|e| e.context("--ckpt-budget"))?;
+        }
+        if let Some(clip) = c.clip {
+            if !(clip.is_finite() && clip > 0.0) {
+                bail!("--clip must be a positive number, or 0 to turn clipping off (got {clip})");
+            }
+        }
+        if c.warmup >= c.steps && c.steps > 1 {
+            bail!("--warmup {} must be shorter than the run ({} steps)", c.warmup, c.steps);
+        }
+        if c.eval_rows == 0 {
+            bail!("eval_rows must be at least 1");
+        }
+        Ok(())
     }
 
     /// The learning rate of step `step` (1-based): linear warmup, then a cosine

@@ -60,6 +60,9 @@ impl Corpus {
                 e.valid_up_to()
             ))
         })?;
+        if let Some(at) = bytes.iter().position(|&b| b == 0) {
+            bail!("corpus {shown} looks like a binary file (a NUL byte at offset {at}): give a UTF-8 text file");
+        }
         Ok(Corpus::from_text(&shown.to_string(), text))
     }
 

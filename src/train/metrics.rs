@@ -9,15 +9,24 @@ use std::path::{Path, PathBuf};
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct StepMetrics {
     pub step: usize,
+    /// NaN or ±inf on a skipped fp16 step: written as `null` (JSON has no
+    /// NaN), read back as NaN.
+    #[serde(deserialize_with = "f32_or_nan")]
     pub loss: f32,
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub val_loss: Option<f32>,
+    #[serde(deserialize_with = "f32_or_nan")]
     pub lr: f32,
+    #[serde(deserialize_with = "f32_or_nan")]
     pub scale: f32,
     pub skipped: bool,
     pub grad_norm: Option<f32>,
     pub tokens_per_s: f64,
     pub peak_bytes: usize,
+}
+
+fn f32_or_nan<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<f32, D::Error> {
+    Ok(Option::<f32>::deserialize(d)?.unwrap_or(f32::NAN))
 }
 
 /// Appends records to `DIR/metrics.jsonl`, flushing each line.
@@ -42,11 +51,13 @@ impl MetricsLog {
         } else {
             vec![]
         };
-        let mut file = std::fs::File::create(&path)
+        // Rewritten atomically: a crash here must not lose the kept history.
+        let text: String = kept.iter().map(|l| format!("{l}\n")).collect();
+        crate::train::checkpoint::write_atomic(dir, "metrics.jsonl", text.as_bytes())?;
+        let file = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
             .map_err(|e| crate::Error::msg(format!("cannot write {}: {e}", path.display())))?;
-        for l in kept {
-            writeln!(file, "{l}")?;
-        }
         Ok(MetricsLog { path, file })
     }
     pub fn append(&mut self, m: &StepMetrics) -> Result<()> {

@@ -17,6 +17,7 @@ pub mod compare;
 pub mod config;
 pub mod corpus;
 pub mod data;
+pub mod fault;
 pub mod metrics;
 pub mod plan;
 pub mod plot;

@@ -177,18 +177,20 @@ impl Trainer {
         let st = ck.train_state()?;
         if st.data_fingerprint != corpus.fingerprint {
             bail!(
-                "--resume {}: the checkpoint was trained on {} (SHA-256 {}…), not on {} ({}…)",
+                "--resume {}: the checkpoint was trained on {} (SHA-256 {}), not on {} ({})",
                 dir.display(),
                 st.data_name,
-                &st.data_fingerprint[..12.min(st.data_fingerprint.len())],
+                st.data_fingerprint,
                 corpus.name,
-                &corpus.fingerprint[..12]
+                corpus.fingerprint
             );
         }
         let mut t = Trainer::new(cfg, device, corpus)?;
         let st = checkpoint::restore(&ck, &t.model, &mut t.opt)?;
         match (&mut t.scaler, &st.scaler) {
-            (Some(s), Some(saved)) => s.load_state_dict(saved)?,
+            (Some(s), Some(saved)) => s
+                .load_state_dict(saved)
+                .map_err(|e| e.context(format!("{}/{}", ck.dir.display(), checkpoint::STATE_FILE)))?,
             (None, None) => {}
             _ => bail!("--resume: the checkpoint's precision ({}) differs from this run's", st.config.precision.name()),
         }
@@ -229,10 +231,17 @@ impl Trainer {
         let lr = self.cfg.lr_at(step);
         self.opt.set_lr(lr);
         let (model, ckpt) = (&self.model, self.cfg.ckpt_budget);
+        let mut first = true;
         let report = train_step_mixed(
             model,
             &micro,
-            |mb: &Batch| cross_entropy(&model.forward(&mb.ids, mb.rows, mb.t, ckpt)?, &mb.targets),
+            |mb: &Batch| {
+                let loss = cross_entropy(&model.forward(&mb.ids, mb.rows, mb.t, ckpt)?, &mb.targets)?;
+                if std::mem::take(&mut first) {
+                    return inject_fault(model, loss, step);
+                }
+                Ok(loss)
+            },
             &mut self.opt,
             self.cfg.precision,
             self.scaler.as_mut(),
@@ -273,6 +282,25 @@ impl Trainer {
         }
         Ok(out)
     }
+}
+
+/// The numerical faults of [`fault`](crate::train::fault) armed for `step`
+/// (test-only; a no-op unless `TINYLLM_FAULT` asks for one).
+fn inject_fault(model: &Llama, loss: crate::Tensor, step: usize) -> Result<crate::Tensor> {
+    use crate::train::fault::armed;
+    if armed("loss-inf", step) {
+        return loss.mul_scalar(f64::INFINITY);
+    }
+    if armed("loss-nan", step) {
+        return loss.mul_scalar(f64::NAN);
+    }
+    if armed("grad-inf", step) {
+        // + Σ √(p − p): adds exactly 0 to the loss, but d√x/dx = 1/(2√x) = inf at 0.
+        let p = &model.parameters()[0];
+        let zero = p.sub(&p.detach())?.sqrt()?.sum(-1, false)?.sum(-1, false)?;
+        return loss.add(&zero);
+    }
+    Ok(loss)
 }
 
 /// How a run reports progress.
@@ -421,7 +449,19 @@ pub fn run(cfg: TrainConfig, resume: Option<&Path>, progress: Progress) -> Resul
             write_plot(&out, &format!("tinyllm {} ({})", cfg.preset, cfg.precision.name()), &history)?;
         }
         if last || (cfg.save_every > 0 && tr.step % cfg.save_every == 0) {
-            last_saved = Some((tr.save(&out)?, tr.step));
+            match tr.save(&out) {
+                Ok(p) => last_saved = Some((p, tr.step)),
+                Err(e) => {
+                    if let Some(b) = &bar {
+                        b.abandon();
+                    }
+                    let where_ = match &last_saved {
+                        Some((dir, s)) => format!("the last good checkpoint, {} (step {s}), is intact", dir.display()),
+                        None => "no checkpoint had been written yet".into(),
+                    };
+                    bail!("training stopped: the checkpoint of step {} could not be written: {e}. {where_}", tr.step);
+                }
+            }
         }
     }
     if let Some(b) = &bar {
