@@ -35,7 +35,13 @@ fn gather_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) gr
 struct ScatterParams {
     v: u32,
     d: u32,
+    skip: u32, // this pass sums list entries [rowptr[r] + skip, + CHUNK); skip > 0 continues from y
+    chunk: u32,
 }
+
+// Lavapipe (llvmpipe) silently stops a shader after 65,535 loop iterations: the
+// host runs rows with more contributions than `chunk` in several passes, each
+// continuing from the running sum the last one stored. The order is unchanged.
 
 @group(0) @binding(0) var<storage, read> sc_prm: ScatterParams;
 @group(0) @binding(1) var<storage, read> sc_g: array<f32>;
@@ -54,7 +60,12 @@ fn scatter_add_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroup
     let r = t / d;
     let c = t % d;
     var acc = 0.0;
-    for (var q = sc_rowptr[r]; q < sc_rowptr[r + 1u]; q++) {
+    if sc_prm.skip > 0u {
+        acc = sc_y[t];
+    }
+    let q_end = sc_rowptr[r + 1u];
+    let q_start = sc_rowptr[r] + sc_prm.skip;
+    for (var q = q_start; q < min(q_end, q_start + sc_prm.chunk); q++) {
         acc = acc + sc_g[sc_list[q] * d + c];
     }
     sc_y[t] = acc;

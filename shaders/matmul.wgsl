@@ -27,7 +27,15 @@ struct MatmulParams {
     b_bs: u32,
     fmt: u32,      // unused by the kernel (see FMT)
     batch0: u32,   // first batch of this dispatch (grids are split at 65535)
+    p0: u32,       // this pass covers p in [p0, p1): see below
+    p1: u32,
+    last: u32,     // 1 on the pass that ends at k: it rounds and stores the result
 }
+
+// Lavapipe (llvmpipe) silently stops a shader after 65,535 loop iterations, so
+// the host splits a long k into passes: a pass after the first starts from the
+// unrounded running sums the previous one stored in c, and only the last pass
+// rounds. Every output still accumulates p = 0, 1, ..., k-1 in order.
 
 @group(0) @binding(0) var<storage, read> prm: MatmulParams;
 @group(0) @binding(1) var<storage, read> a: array<f32>;
@@ -62,21 +70,52 @@ fn fma4(x: f32, y: vec4<f32>, acc: vec4<f32>) -> vec4<f32> {
                      fma_c(x, y.z, acc.z), fma_c(x, y.w, acc.w));
 }
 
-// Stores the columns j.. j+3 of one output row that lie inside the matrix, rounded.
+// Stores the columns j.. j+3 of one output row that lie inside the matrix,
+// rounded on the last pass, raw running sums before it.
 fn store4(row: u32, j: u32, v: vec4<f32>) {
     let n = prm.n;
     if j < n {
-        c[row + j] = rnd(v.x);
+        c[row + j] = fin(v.x);
     }
     if j + 1u < n {
-        c[row + j + 1u] = rnd(v.y);
+        c[row + j + 1u] = fin(v.y);
     }
     if j + 2u < n {
-        c[row + j + 2u] = rnd(v.z);
+        c[row + j + 2u] = fin(v.z);
     }
     if j + 3u < n {
-        c[row + j + 3u] = rnd(v.w);
+        c[row + j + 3u] = fin(v.w);
     }
+}
+
+fn fin(x: f32) -> f32 {
+    if prm.last != 0u {
+        return rnd(x);
+    }
+    return x;
+}
+
+// The running sums of columns j.. j+3 of one output row left by the previous
+// pass (zero on the first pass, and outside the matrix).
+fn load4(row: u32, j: u32) -> vec4<f32> {
+    let n = prm.n;
+    var v = vec4<f32>(0.0);
+    if prm.p0 == 0u {
+        return v;
+    }
+    if j < n {
+        v.x = c[row + j];
+    }
+    if j + 1u < n {
+        v.y = c[row + j + 1u];
+    }
+    if j + 2u < n {
+        v.z = c[row + j + 2u];
+    }
+    if j + 3u < n {
+        v.w = c[row + j + 3u];
+    }
+    return v;
 }
 
 fn rnd(x: f32) -> f32 {
@@ -133,25 +172,26 @@ fn matmul(@builtin(global_invocation_id) gid: vec3<u32>) {
     let bc5 = b_base + min(j0 + 5u, n - 1u) * jb;
     let bc6 = b_base + min(j0 + 6u, n - 1u) * jb;
     let bc7 = b_base + min(j0 + 7u, n - 1u) * jb;
-    var acc0_0 = vec4<f32>(0.0);
-    var acc0_1 = vec4<f32>(0.0);
-    var acc1_0 = vec4<f32>(0.0);
-    var acc1_1 = vec4<f32>(0.0);
-    var acc2_0 = vec4<f32>(0.0);
-    var acc2_1 = vec4<f32>(0.0);
-    var acc3_0 = vec4<f32>(0.0);
-    var acc3_1 = vec4<f32>(0.0);
-    var acc4_0 = vec4<f32>(0.0);
-    var acc4_1 = vec4<f32>(0.0);
-    var acc5_0 = vec4<f32>(0.0);
-    var acc5_1 = vec4<f32>(0.0);
-    var acc6_0 = vec4<f32>(0.0);
-    var acc6_1 = vec4<f32>(0.0);
-    var acc7_0 = vec4<f32>(0.0);
-    var acc7_1 = vec4<f32>(0.0);
-    var pa_off = 0u;
-    var pb_off = 0u;
-    for (var p = 0u; p < k; p++) {
+    let out = bi * m * n;
+    var acc0_0 = load4(out + min(i0 + 0u, m - 1u) * n, j0 + 0u);
+    var acc0_1 = load4(out + min(i0 + 0u, m - 1u) * n, j0 + 4u);
+    var acc1_0 = load4(out + min(i0 + 1u, m - 1u) * n, j0 + 0u);
+    var acc1_1 = load4(out + min(i0 + 1u, m - 1u) * n, j0 + 4u);
+    var acc2_0 = load4(out + min(i0 + 2u, m - 1u) * n, j0 + 0u);
+    var acc2_1 = load4(out + min(i0 + 2u, m - 1u) * n, j0 + 4u);
+    var acc3_0 = load4(out + min(i0 + 3u, m - 1u) * n, j0 + 0u);
+    var acc3_1 = load4(out + min(i0 + 3u, m - 1u) * n, j0 + 4u);
+    var acc4_0 = load4(out + min(i0 + 4u, m - 1u) * n, j0 + 0u);
+    var acc4_1 = load4(out + min(i0 + 4u, m - 1u) * n, j0 + 4u);
+    var acc5_0 = load4(out + min(i0 + 5u, m - 1u) * n, j0 + 0u);
+    var acc5_1 = load4(out + min(i0 + 5u, m - 1u) * n, j0 + 4u);
+    var acc6_0 = load4(out + min(i0 + 6u, m - 1u) * n, j0 + 0u);
+    var acc6_1 = load4(out + min(i0 + 6u, m - 1u) * n, j0 + 4u);
+    var acc7_0 = load4(out + min(i0 + 7u, m - 1u) * n, j0 + 0u);
+    var acc7_1 = load4(out + min(i0 + 7u, m - 1u) * n, j0 + 4u);
+    var pa_off = prm.p0 * pa;
+    var pb_off = prm.p0 * pb;
+    for (var p = prm.p0; p < prm.p1; p++) {
         {
             let b0 = vec4<f32>(rnd(b[bc0 + pb_off]), rnd(b[bc1 + pb_off]), rnd(b[bc2 + pb_off]), rnd(b[bc3 + pb_off]));
             let b1 = vec4<f32>(rnd(b[bc4 + pb_off]), rnd(b[bc5 + pb_off]), rnd(b[bc6 + pb_off]), rnd(b[bc7 + pb_off]));
@@ -183,7 +223,6 @@ fn matmul(@builtin(global_invocation_id) gid: vec3<u32>) {
             pb_off += pb;
         }
     }
-    let out = bi * m * n;
     if i0 + 0u < m {
         store4(out + (i0 + 0u) * n, j0 + 0u, acc0_0);
         store4(out + (i0 + 0u) * n, j0 + 4u, acc0_1);

@@ -6,12 +6,18 @@
 // ---- reduce: x: (outer, r, inner) -> y: (outer, inner) ----
 // Sum: acc = -0.0 (the exact identity), acc = acc + x ascending.
 // Max: acc = -inf, acc = maximum(acc, x) ascending (NaN wins, +0 over -0).
+// One dispatch covers k in [k0, k1): the first starts from the identity, a
+// later one from the running value it left in y. Lavapipe (llvmpipe) silently
+// stops a shader after 65,535 loop iterations, so the host splits long
+// reductions into such passes; the order of the additions is unchanged.
 
 struct ReduceParams {
     outer: u32,
     r: u32,
     inner: u32,
     op: u32, // 0 sum, 1 max
+    k0: u32,
+    k1: u32,
 }
 
 @group(0) @binding(0) var<storage, read> r_prm: ReduceParams;
@@ -31,13 +37,19 @@ fn reduce(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups:
     let base = o * r_prm.r * inner + j;
     if r_prm.op == 0u {
         var acc = -0.0;
-        for (var k = 0u; k < r_prm.r; k++) {
+        if r_prm.k0 > 0u {
+            acc = r_y[t];
+        }
+        for (var k = r_prm.k0; k < r_prm.k1; k++) {
             acc = acc + r_x[base + k * inner];
         }
         r_y[t] = acc;
     } else {
         var acc = bitcast<f32>(0xff800000u);
-        for (var k = 0u; k < r_prm.r; k++) {
+        if r_prm.k0 > 0u {
+            acc = r_y[t];
+        }
+        for (var k = r_prm.k0; k < r_prm.k1; k++) {
             acc = maximum_c(acc, r_x[base + k * inner]);
         }
         r_y[t] = acc;

@@ -1030,3 +1030,65 @@ fn pool_reuses_buffers_and_memory_is_counted() {
     let z = Storage::from_f32(vec![], Device::Gpu).unwrap();
     assert!(vals(&z).is_empty());
 }
+
+// ------------------------------------------------------- long loops ----
+
+/// Lavapipe (llvmpipe) stops any single shader loop after 65,535 iterations.
+/// Every kernel loop that can run longer (reductions, a matmul's k, a scatter
+/// row's contributions) must still give the CPU's bits.
+#[test]
+fn loops_longer_than_lavapipes_iteration_cap() {
+    require_gpu!();
+    let n = 70_001;
+    let mut rng = Rng(91);
+    let x: Vec<f32> = (0..n).map(|_| rng.moderate()).collect();
+    let (c, g) = pair(&x);
+    for op in [ReduceOp::Sum, ReduceOp::Max] {
+        let want = vals(&c.reduce(op, 1, n, 1).unwrap());
+        let got = vals(&g.reduce(op, 1, n, 1).unwrap());
+        assert_bits(&format!("reduce {op:?} over {n}"), &want, &got, &[&x]);
+    }
+    let ones = vec![1.0f32; n];
+    let (_, g1) = pair(&ones);
+    assert_eq!(
+        vals(&g1.reduce(ReduceOp::Sum, 1, n, 1).unwrap()),
+        vec![n as f32]
+    );
+    // Softmax rows run as one fused loop nest per row: on lavapipe a row this
+    // long is refused with a clear error (never a silently truncated result);
+    // elsewhere it matches.
+    let sm = g.softmax_rows(1, n);
+    if tinyllm::backend::gpu::adapter_name()
+        .unwrap()
+        .contains("llvmpipe")
+    {
+        let e = sm.unwrap_err().to_string();
+        assert!(e.contains("loop limit"), "{e}");
+    } else {
+        let want = vals(&c.softmax_rows(1, n).unwrap());
+        assert_bits("softmax row of 70001", &want, &vals(&sm.unwrap()), &[&x]);
+    }
+    // (1, k) @ (k, 2) with k past the cap
+    let b: Vec<f32> = (0..2 * n).map(|_| rng.moderate()).collect();
+    let (cb, gb) = pair(&b);
+    for round in [None, Some(Format::Bf16)] {
+        let d = MatmulDims {
+            batch: 1,
+            m: 1,
+            k: n,
+            n: 2,
+            trans_a: false,
+            trans_b: false,
+            a_batch_stride: 0,
+            b_batch_stride: 0,
+        };
+        let want = vals(&c.matmul(&cb, d, round).unwrap());
+        let got = vals(&g.matmul(&gb, d, round).unwrap());
+        assert_bits(&format!("matmul k={n} {round:?}"), &want, &got, &[&x]);
+    }
+    // one embedding row gathered 70001 times: its gradient sums every one
+    let ids = vec![1u32; n];
+    let want = vals(&c.scatter_add_rows(&ids, 3, 1).unwrap());
+    let got = vals(&g.scatter_add_rows(&ids, 3, 1).unwrap());
+    assert_bits("scatter of 70001 rows into one", &want, &got, &[&x]);
+}

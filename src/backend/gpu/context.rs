@@ -379,10 +379,13 @@ impl Context {
         }
         let mut pend = self.pending.lock().unwrap();
         self.ensure_batch(&mut pend);
-        pend.encoder
-            .as_mut()
-            .unwrap()
-            .copy_buffer_to_buffer(src, 0, dst, 0, bytes.next_multiple_of(4));
+        pend.encoder.as_mut().unwrap().copy_buffer_to_buffer(
+            src,
+            0,
+            dst,
+            0,
+            bytes.next_multiple_of(4),
+        );
         Ok(())
     }
 

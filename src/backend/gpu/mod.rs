@@ -177,6 +177,26 @@ impl Drop for GpuStorage {
     }
 }
 
+/// Longest loop one dispatch runs per invocation. Lavapipe (llvmpipe) stops
+/// a shader silently after 65,535 loop iterations in all; reductions, matmul's
+/// k and scatter rows longer than this run as several passes that carry their
+/// running values through memory, in the same order.
+const LOOP_PASS: usize = 16_384;
+
+/// Softmax rows run as one fused loop nest per row; on a device that caps
+/// shader loops (lavapipe) a row that long would be cut short silently, so it
+/// is refused instead.
+fn check_row_loops(c: &Context, what: &str, iterations: usize) -> Result<()> {
+    if c.info.name.contains("llvmpipe") && iterations > 60_000 {
+        bail!(
+            "{what} over rows of {} elements exceeds the loop limit of this software device ({}: 65,535 shader loop iterations)",
+            iterations / if what == "softmax" { 3 } else { 2 },
+            c.info.name
+        );
+    }
+    Ok(())
+}
+
 impl GpuStorage {
     /// An uninitialised buffer of `len` f32s (from the pool when possible).
     fn alloc(c: &Context, len: usize) -> Result<GpuStorage> {
@@ -309,17 +329,28 @@ impl GpuStorage {
             ReduceOp::Sum => 0,
             ReduceOp::Max => 1,
         };
-        c.dispatch(
-            Kernel::Reduce,
-            &[
-                u32_of(outer, "outer")?,
-                u32_of(r, "r")?,
-                u32_of(inner, "inner")?,
-                code,
-            ],
-            &[self.buf(), out.buf()],
-            grid1d(n),
-        )?;
+        // Passes of at most LOOP_PASS steps each (see reduce.wgsl); at least one.
+        let mut k0 = 0;
+        loop {
+            let k1 = (k0 + LOOP_PASS).min(r);
+            c.dispatch(
+                Kernel::Reduce,
+                &[
+                    u32_of(outer, "outer")?,
+                    u32_of(r, "r")?,
+                    u32_of(inner, "inner")?,
+                    code,
+                    k0 as u32,
+                    k1 as u32,
+                ],
+                &[self.buf(), out.buf()],
+                grid1d(n),
+            )?;
+            k0 = k1;
+            if k0 >= r {
+                break;
+            }
+        }
         Ok(out)
     }
 
@@ -348,23 +379,35 @@ impl GpuStorage {
         let mut b0 = 0usize;
         while b0 < d.batch {
             let nb = (d.batch - b0).min(65535);
-            let params = [
-                u32_of(d.m, "m")?,
-                u32_of(d.k, "k")?,
-                u32_of(d.n, "n")?,
-                d.trans_a as u32,
-                d.trans_b as u32,
-                u32_of(d.a_batch_stride, "batch stride")?,
-                u32_of(d.b_batch_stride, "batch stride")?,
-                fmt_code(round),
-                b0 as u32,
-            ];
-            c.dispatch(
-                kernel,
-                &params,
-                &[self.buf(), rhs.buf(), out.buf()],
-                (gx as u32, gy as u32, nb as u32),
-            )?;
+            // k in passes of at most LOOP_PASS steps (see matmul.wgsl); at least one.
+            let mut p0 = 0usize;
+            loop {
+                let p1 = (p0 + LOOP_PASS).min(d.k);
+                let params = [
+                    u32_of(d.m, "m")?,
+                    u32_of(d.k, "k")?,
+                    u32_of(d.n, "n")?,
+                    d.trans_a as u32,
+                    d.trans_b as u32,
+                    u32_of(d.a_batch_stride, "batch stride")?,
+                    u32_of(d.b_batch_stride, "batch stride")?,
+                    fmt_code(round),
+                    b0 as u32,
+                    p0 as u32,
+                    p1 as u32,
+                    (p1 == d.k) as u32,
+                ];
+                c.dispatch(
+                    kernel,
+                    &params,
+                    &[self.buf(), rhs.buf(), out.buf()],
+                    (gx as u32, gy as u32, nb as u32),
+                )?;
+                p0 = p1;
+                if p0 >= d.k {
+                    break;
+                }
+            }
             b0 += nb;
         }
         Ok(out)
@@ -460,18 +503,36 @@ impl GpuStorage {
         }
         let rp = c.buffer_with(bytemuck::cast_slice(&rowptr));
         let ls = c.buffer_with(bytemuck::cast_slice(&list));
-        c.dispatch(
-            Kernel::ScatterAddRows,
-            &[u32_of(v, "v")?, u32_of(d, "d")?],
-            &[self.buf(), &rp, &ls, out.buf()],
-            grid1d(v * d),
-        )?;
+        // Rows with more contributions than LOOP_PASS take several passes (gather.wgsl).
+        let longest = (0..v)
+            .map(|r| (rowptr[r + 1] - rowptr[r]) as usize)
+            .max()
+            .unwrap_or(0);
+        let mut skip = 0;
+        loop {
+            c.dispatch(
+                Kernel::ScatterAddRows,
+                &[
+                    u32_of(v, "v")?,
+                    u32_of(d, "d")?,
+                    skip as u32,
+                    LOOP_PASS as u32,
+                ],
+                &[self.buf(), &rp, &ls, out.buf()],
+                grid1d(v * d),
+            )?;
+            skip += LOOP_PASS;
+            if skip >= longest {
+                break;
+            }
+        }
         Ok(out)
     }
 
     /// Row softmax, one invocation per row (reduce.wgsl `softmax_rows`).
     pub fn softmax_rows(&self, rows: usize, n: usize) -> Result<Self> {
         let c = ctx()?;
+        check_row_loops(c, "softmax", 3 * n)?;
         let out = Self::alloc(c, rows * n)?;
         if n == 0 {
             return Ok(out);
@@ -488,6 +549,7 @@ impl GpuStorage {
     /// Softmax backward from its output (reduce.wgsl `softmax_rows_backward`).
     pub fn softmax_rows_backward(&self, g: &Self, rows: usize, n: usize) -> Result<Self> {
         let c = ctx()?;
+        check_row_loops(c, "softmax backward", 2 * n)?;
         let out = Self::alloc(c, rows * n)?;
         if n == 0 {
             return Ok(out);
