@@ -242,7 +242,12 @@ impl GpuStorage {
         Ok(s)
     }
     pub fn full(n: usize, v: f32) -> Result<Self> {
-        Self::upload(&vec![v; n])
+        // Allocate on the device first: a size the device refuses is an error
+        // before any host memory is spent on it.
+        let c = ctx()?;
+        let s = Self::alloc(c, n)?;
+        c.upload(s.buf(), bytemuck::cast_slice(&vec![v; n]))?;
+        Ok(s)
     }
     pub fn len(&self) -> usize {
         self.len
