@@ -178,17 +178,57 @@ pub fn matmul_cases(full: bool) -> Vec<MatmulCase> {
         MatmulCase::new("square 512", 1, 512, 512, 512, false, false),
     ];
     if full {
-        v.push(MatmulCase::new("square 1024", 1, 1024, 1024, 1024, false, false));
+        v.push(MatmulCase::new(
+            "square 1024",
+            1,
+            1024,
+            1024,
+            1024,
+            false,
+            false,
+        ));
     }
     v.extend([
         // x @ W_up: (tokens, C) @ (C, hidden)
-        MatmulCase::new(&format!("mlp up {tok}x{c}x{hidden}"), 1, tok, c, hidden, false, false),
+        MatmulCase::new(
+            &format!("mlp up {tok}x{c}x{hidden}"),
+            1,
+            tok,
+            c,
+            hidden,
+            false,
+            false,
+        ),
         // dW_up = x^T @ dy: (C, tokens) @ (tokens, hidden), k = tokens
-        MatmulCase::new(&format!("mlp dW {c}x{tok}x{hidden} tA"), 1, c, tok, hidden, true, false),
+        MatmulCase::new(
+            &format!("mlp dW {c}x{tok}x{hidden} tA"),
+            1,
+            c,
+            tok,
+            hidden,
+            true,
+            false,
+        ),
         // scores q @ k^T per (sequence, head): (T, hd) @ (hd, T)
-        MatmulCase::new(&format!("attn qk^T {}x({t}x{hd}x{t}) tB", seqs * heads), seqs * heads, t, hd, t, false, true),
+        MatmulCase::new(
+            &format!("attn qk^T {}x({t}x{hd}x{t}) tB", seqs * heads),
+            seqs * heads,
+            t,
+            hd,
+            t,
+            false,
+            true,
+        ),
         // p @ v: (T, T) @ (T, hd)
-        MatmulCase::new(&format!("attn pv {}x({t}x{t}x{hd})", seqs * heads), seqs * heads, t, t, hd, false, false),
+        MatmulCase::new(
+            &format!("attn pv {}x({t}x{t}x{hd})", seqs * heads),
+            seqs * heads,
+            t,
+            t,
+            hd,
+            false,
+            false,
+        ),
     ]);
     v
 }
@@ -219,12 +259,16 @@ pub fn ndarray_dot(case: &MatmulCase, a: &[f32], b: &[f32]) -> Vec<ndarray::Arra
             let ab = &a[bi * d.a_batch_stride..][..d.m * d.k];
             let bb = &b[bi * d.b_batch_stride..][..d.k * d.n];
             let av = if d.trans_a {
-                ArrayView2::from_shape((d.k, d.m), ab).unwrap().reversed_axes()
+                ArrayView2::from_shape((d.k, d.m), ab)
+                    .unwrap()
+                    .reversed_axes()
             } else {
                 ArrayView2::from_shape((d.m, d.k), ab).unwrap()
             };
             let bv = if d.trans_b {
-                ArrayView2::from_shape((d.n, d.k), bb).unwrap().reversed_axes()
+                ArrayView2::from_shape((d.n, d.k), bb)
+                    .unwrap()
+                    .reversed_axes()
             } else {
                 ArrayView2::from_shape((d.k, d.n), bb).unwrap()
             };

@@ -388,13 +388,18 @@ pub fn train_step_mixed<M: crate::nn::Module + ?Sized, B: MicroBatch>(
             // derivative blows up); clipping or AdamW would spread them into
             // every weight. The scaler's fused check with a scale of 1 (an
             // exact no-op multiply) finds them in one pass.
-            let grads: Vec<Storage> = params.iter().filter_map(|p| p.grad().map(|g| g.storage())).collect();
+            let grads: Vec<Storage> = params
+                .iter()
+                .filter_map(|p| p.grad().map(|g| g.storage()))
+                .collect();
             let refs: Vec<&Storage> = grads.iter().collect();
             if !Storage::finite_check_unscale(&refs, 1.0)? {
                 for p in &params {
                     p.zero_grad();
                 }
-                bail!("non-finite gradients (loss {loss}) without a loss scaler: no update was made");
+                bail!(
+                    "non-finite gradients (loss {loss}) without a loss scaler: no update was made"
+                );
             }
             let grad_norm = match clip {
                 Some(c) => Some(clip_grad_norm_(&params, c)?),

@@ -56,7 +56,10 @@ impl Rng {
 }
 
 fn fuzz_iters(default: usize) -> usize {
-    std::env::var("TINYLLM_FUZZ_ITERS").ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+    std::env::var("TINYLLM_FUZZ_ITERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
 }
 
 /// Runs the binary; (success, stdout, stderr). A panic is never acceptable.
@@ -67,8 +70,14 @@ fn run_bin(args: &[&str], envs: &[(&str, &str)]) -> (bool, String, String) {
         c.env(k, v);
     }
     let o = c.output().unwrap();
-    let (out, err) = (String::from_utf8_lossy(&o.stdout).into_owned(), String::from_utf8_lossy(&o.stderr).into_owned());
-    assert!(!err.contains("panicked"), "the binary panicked on {args:?}:\n{err}");
+    let (out, err) = (
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    );
+    assert!(
+        !err.contains("panicked"),
+        "the binary panicked on {args:?}:\n{err}"
+    );
     (o.status.success(), out, err)
 }
 
@@ -78,20 +87,54 @@ fn run_bin(args: &[&str], envs: &[(&str, &str)]) -> (bool, String, String) {
 const STEPS: usize = 5;
 
 fn train_args(out: &Path, steps: usize) -> Vec<String> {
-    let mut a: Vec<String> = ["train", "--preset", "tiny", "--device", "cpu", "--plain", "--sample-len", "0", "--eval-every", "0", "--save-every", "1"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-    a.extend(["--steps".into(), steps.to_string(), "--out".into(), out.display().to_string()]);
+    let mut a: Vec<String> = [
+        "train",
+        "--preset",
+        "tiny",
+        "--device",
+        "cpu",
+        "--plain",
+        "--sample-len",
+        "0",
+        "--eval-every",
+        "0",
+        "--save-every",
+        "1",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    a.extend([
+        "--steps".into(),
+        steps.to_string(),
+        "--out".into(),
+        out.display().to_string(),
+    ]);
     a
 }
 
 fn resume_args(out: &Path, steps: usize) -> Vec<String> {
-    let mut a: Vec<String> = ["train", "--device", "cpu", "--plain", "--sample-len", "0", "--eval-every", "0", "--save-every", "1"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-    a.extend(["--resume".into(), out.display().to_string(), "--steps".into(), steps.to_string()]);
+    let mut a: Vec<String> = [
+        "train",
+        "--device",
+        "cpu",
+        "--plain",
+        "--sample-len",
+        "0",
+        "--eval-every",
+        "0",
+        "--save-every",
+        "1",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    a.extend([
+        "--resume".into(),
+        out.display().to_string(),
+        "--steps".into(),
+        steps.to_string(),
+    ]);
     a
 }
 
@@ -113,7 +156,9 @@ struct Outcome {
 
 fn outcome(out: &Path) -> Outcome {
     let ck = out.join("checkpoint");
-    let read = |n: &str| std::fs::read(ck.join(n)).unwrap_or_else(|e| panic!("{}: {e}", ck.join(n).display()));
+    let read = |n: &str| {
+        std::fs::read(ck.join(n)).unwrap_or_else(|e| panic!("{}: {e}", ck.join(n).display()))
+    };
     let mut state: serde_json::Value = serde_json::from_slice(&read("trainer_state.json")).unwrap();
     state["config"].as_object_mut().unwrap().remove("out");
     let losses = MetricsLog::read(&out.join("metrics.jsonl"))
@@ -121,7 +166,13 @@ fn outcome(out: &Path) -> Outcome {
         .iter()
         .map(|m: &StepMetrics| (m.step, m.loss.to_bits(), m.skipped))
         .collect();
-    Outcome { model: read("model.safetensors"), optimizer: read("optimizer.safetensors"), config: read("config.json"), state, losses }
+    Outcome {
+        model: read("model.safetensors"),
+        optimizer: read("optimizer.safetensors"),
+        config: read("config.json"),
+        state,
+        losses,
+    }
 }
 
 /// The uninterrupted run (computed once).
@@ -161,7 +212,10 @@ fn kill_at(out: &Path, fault: &str) {
     }
     child.kill().unwrap(); // SIGKILL
     let _ = child.wait();
-    assert!(reached, "the run never reached fault point {fault}:\n{seen}");
+    assert!(
+        reached,
+        "the run never reached fault point {fault}:\n{seen}"
+    );
 }
 
 /// After a crash: a checkpoint at `expect` must load, and resuming it must
@@ -170,28 +224,59 @@ fn kill_at(out: &Path, fault: &str) {
 fn check_recovers(out: &Path, expect: Option<usize>, what: &str) {
     match expect {
         Some(step) => {
-            let st = Verified::open(out).unwrap_or_else(|e| panic!("{what}: {e}")).train_state().unwrap();
+            let st = Verified::open(out)
+                .unwrap_or_else(|e| panic!("{what}: {e}"))
+                .train_state()
+                .unwrap();
             assert_eq!(st.step, step, "{what}: the surviving checkpoint");
             if step < STEPS {
                 let (ok, _, err) = run_bin(&strs(&resume_args(out, STEPS)), &[]);
                 assert!(ok, "{what}: resume failed: {err}");
             }
             let got = outcome(out);
-            assert!(got == *reference(), "{what}: the resumed run differs from the uninterrupted one");
+            assert!(
+                got == *reference(),
+                "{what}: the resumed run differs from the uninterrupted one"
+            );
             // Nothing is left behind: no staging, no temporary files.
-            assert!(!out.join("checkpoint.next").exists() && !out.join("checkpoint.prev").exists(), "{what}: leftovers");
-            let tmp = std::fs::read_dir(out.join("checkpoint")).unwrap().filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().contains(".tmp")).count();
+            assert!(
+                !out.join("checkpoint.next").exists() && !out.join("checkpoint.prev").exists(),
+                "{what}: leftovers"
+            );
+            let tmp = std::fs::read_dir(out.join("checkpoint"))
+                .unwrap()
+                .filter(|e| {
+                    e.as_ref()
+                        .unwrap()
+                        .file_name()
+                        .to_string_lossy()
+                        .contains(".tmp")
+                })
+                .count();
             assert_eq!(tmp, 0, "{what}: temporary files in the checkpoint");
         }
         None => {
-            let e = Verified::open(out).err().unwrap_or_else(|| panic!("{what}: a checkpoint loaded")).to_string();
-            assert!(e.contains("not a readable tinyllm checkpoint"), "{what}: {e}");
+            let e = Verified::open(out)
+                .err()
+                .unwrap_or_else(|| panic!("{what}: a checkpoint loaded"))
+                .to_string();
+            assert!(
+                e.contains("not a readable tinyllm checkpoint"),
+                "{what}: {e}"
+            );
             let (ok, _, err) = run_bin(&strs(&resume_args(out, STEPS)), &[]);
-            assert!(!ok && err.contains("--resume") && err.contains("not a readable tinyllm checkpoint"), "{what}: {err}");
+            assert!(
+                !ok && err.contains("--resume")
+                    && err.contains("not a readable tinyllm checkpoint"),
+                "{what}: {err}"
+            );
             // Starting over in the same directory works and gives the same bits.
             let (ok, _, err) = run_bin(&strs(&train_args(out, STEPS)), &[]);
             assert!(ok, "{what}: {err}");
-            assert!(outcome(out) == *reference(), "{what}: a fresh run after the crash differs");
+            assert!(
+                outcome(out) == *reference(),
+                "{what}: a fresh run after the crash differs"
+            );
         }
     }
 }
@@ -216,17 +301,33 @@ fn sigkill_inside_a_checkpoint_write_loses_nothing() {
     for (i, (point, expect)) in cases.iter().enumerate() {
         let out = tmpdir(&format!("kill-{i}"));
         kill_at(&out, &format!("{point}@3"));
-        check_recovers(&out, Some(*expect), &format!("SIGKILL at {point} of step 3"));
+        check_recovers(
+            &out,
+            Some(*expect),
+            &format!("SIGKILL at {point} of step 3"),
+        );
         let _ = std::fs::remove_dir_all(&out);
     }
-    eprintln!("crash points: {} SIGKILLs inside checkpoint writes, every one resumed bit-identically", cases.len());
+    eprintln!(
+        "crash points: {} SIGKILLs inside checkpoint writes, every one resumed bit-identically",
+        cases.len()
+    );
 }
 
 /// SIGKILL while the very first checkpoint is being written.
 #[test]
 fn sigkill_inside_the_first_checkpoint_write() {
-    for (i, (point, expect)) in
-        [("write:model.safetensors", None), ("wrote:optimizer.safetensors", None), ("write:manifest.json", None), ("wrote:manifest.json", Some(1)), ("staged", Some(1)), ("swap", Some(1)), ("swapped", Some(1))].iter().enumerate()
+    for (i, (point, expect)) in [
+        ("write:model.safetensors", None),
+        ("wrote:optimizer.safetensors", None),
+        ("write:manifest.json", None),
+        ("wrote:manifest.json", Some(1)),
+        ("staged", Some(1)),
+        ("swap", Some(1)),
+        ("swapped", Some(1)),
+    ]
+    .iter()
+    .enumerate()
     {
         let out = tmpdir(&format!("kill-first-{i}"));
         kill_at(&out, &format!("{point}@1"));
@@ -246,12 +347,20 @@ fn sigkill_at_random_moments_loses_nothing() {
     let span = t0.elapsed().as_micros() as u64;
     let _ = std::fs::remove_dir_all(&out);
     let mut rng = Rng(0x5eed_c4a5);
-    let n: usize = std::env::var("TINYLLM_KILLS").ok().and_then(|v| v.parse().ok()).unwrap_or(10);
+    let n: usize = std::env::var("TINYLLM_KILLS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(10);
     let (mut before_any, mut resumed, mut finished) = (0, 0, 0);
     for i in 0..n {
         let out = tmpdir(&format!("kill-random-{i}"));
         let delay = Duration::from_micros(rng.next() % (span + span / 5).max(1));
-        let mut child = Command::new(BIN).args(train_args(&out, STEPS)).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+        let mut child = Command::new(BIN)
+            .args(train_args(&out, STEPS))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
         std::thread::sleep(delay);
         let done = child.try_wait().unwrap().is_some();
         let _ = child.kill();
@@ -264,11 +373,19 @@ fn sigkill_at_random_moments_loses_nothing() {
                 } else {
                     resumed += 1;
                 }
-                check_recovers(&out, Some(step), &format!("SIGKILL after {delay:?} (checkpoint at step {step})"));
+                check_recovers(
+                    &out,
+                    Some(step),
+                    &format!("SIGKILL after {delay:?} (checkpoint at step {step})"),
+                );
             }
             Err(_) => {
                 before_any += 1;
-                check_recovers(&out, None, &format!("SIGKILL after {delay:?} (no checkpoint yet)"));
+                check_recovers(
+                    &out,
+                    None,
+                    &format!("SIGKILL after {delay:?} (no checkpoint yet)"),
+                );
             }
         }
         let _ = std::fs::remove_dir_all(&out);
@@ -316,13 +433,22 @@ fn copy_dir(from: &Path, to: &Path) {
 // ========================================================== bad files ====
 
 fn tiny(extra: TrainOptions) -> TrainConfig {
-    TrainConfig::resolve(&TrainOptions { preset: Some("tiny".into()), device: Some("cpu".into()), ..extra }).unwrap()
+    TrainConfig::resolve(&TrainOptions {
+        preset: Some("tiny".into()),
+        device: Some("cpu".into()),
+        ..extra
+    })
+    .unwrap()
 }
 
 /// A tiny run's checkpoint after `steps` steps: (its directory, the config).
 fn saved_tiny(name: &str, steps: usize) -> (PathBuf, TrainConfig) {
     let corpus = Corpus::embedded();
-    let cfg = tiny(TrainOptions { steps: Some(10), precision: Some("fp16".into()), ..Default::default() });
+    let cfg = tiny(TrainOptions {
+        steps: Some(10),
+        precision: Some("fp16".into()),
+        ..Default::default()
+    });
     let mut t = Trainer::new(cfg.clone(), Device::Cpu, &corpus).unwrap();
     for _ in 0..steps {
         t.train_step().unwrap();
@@ -345,7 +471,11 @@ fn rehash(dir: &Path) {
 }
 
 fn snapshot_bits(t: &Trainer) -> Vec<(String, Vec<u32>)> {
-    t.snapshot().unwrap().into_iter().map(|(n, v)| (n, v.iter().map(|x| x.to_bits()).collect())).collect()
+    t.snapshot()
+        .unwrap()
+        .into_iter()
+        .map(|(n, v)| (n, v.iter().map(|x| x.to_bits()).collect()))
+        .collect()
 }
 
 /// Every way of loading `dir` must fail, name `file` and leave a trainer untouched.
@@ -357,18 +487,32 @@ fn refused(dir: &Path, cfg: &TrainConfig, file: &str) -> String {
         Err(e) => e,
         Ok(ck) => match checkpoint::restore(&ck, &t.model, &mut t.opt) {
             Err(e) => e,
-            Ok(_) => Trainer::resume(cfg.clone(), Device::Cpu, &corpus, dir).err().expect("a bad checkpoint must not load"),
+            Ok(_) => Trainer::resume(cfg.clone(), Device::Cpu, &corpus, dir)
+                .err()
+                .expect("a bad checkpoint must not load"),
         },
     }
     .to_string();
-    assert!(before == snapshot_bits(&t), "a refused checkpoint changed the model or optimizer: {e}");
-    assert!(Trainer::resume(cfg.clone(), Device::Cpu, &corpus, dir).is_err(), "resume accepted it: {e}");
+    assert!(
+        before == snapshot_bits(&t),
+        "a refused checkpoint changed the model or optimizer: {e}"
+    );
+    assert!(
+        Trainer::resume(cfg.clone(), Device::Cpu, &corpus, dir).is_err(),
+        "resume accepted it: {e}"
+    );
     // What `eval` and `generate` load (they read no optimizer or trainer state
     // behind the checksum).
     if file != "trainer_state.json" && file != "optimizer.safetensors" {
-        assert!(checkpoint::load_model(dir, Device::Cpu).is_err(), "load_model accepted it: {e}");
+        assert!(
+            checkpoint::load_model(dir, Device::Cpu).is_err(),
+            "load_model accepted it: {e}"
+        );
     }
-    assert!(e.contains(file) || (file == "manifest.json" && e.contains("manifest")), "the error does not name {file}: {e}");
+    assert!(
+        e.contains(file) || (file == "manifest.json" && e.contains("manifest")),
+        "the error does not name {file}: {e}"
+    );
     e
 }
 
@@ -383,8 +527,17 @@ fn st_bytes(header: &str, data: &[u8]) -> Vec<u8> {
 #[test]
 fn damaged_checkpoint_files_are_refused_naming_the_file() {
     let (dir, cfg) = saved_tiny("damaged", 2);
-    let files = ["model.safetensors", "optimizer.safetensors", "config.json", "trainer_state.json", "manifest.json"];
-    let pristine: Vec<Vec<u8>> = files.iter().map(|f| std::fs::read(dir.join(f)).unwrap()).collect();
+    let files = [
+        "model.safetensors",
+        "optimizer.safetensors",
+        "config.json",
+        "trainer_state.json",
+        "manifest.json",
+    ];
+    let pristine: Vec<Vec<u8>> = files
+        .iter()
+        .map(|f| std::fs::read(dir.join(f)).unwrap())
+        .collect();
     let reset = || {
         for (f, b) in files.iter().zip(&pristine) {
             std::fs::write(dir.join(f), b).unwrap();
@@ -396,7 +549,10 @@ fn damaged_checkpoint_files_are_refused_naming_the_file() {
         for len in [0, 1, pristine[i].len() / 2] {
             std::fs::write(dir.join(f), &pristine[i][..len]).unwrap();
             let e = refused(&dir, &cfg, f);
-            assert!(e.contains("truncated") || e.contains("corrupt manifest"), "{f} cut to {len}: {e}");
+            assert!(
+                e.contains("truncated") || e.contains("corrupt manifest"),
+                "{f} cut to {len}: {e}"
+            );
             reset();
             cases += 1;
         }
@@ -419,7 +575,12 @@ fn damaged_checkpoint_files_are_refused_naming_the_file() {
     std::fs::write(dir.join("model.safetensors"), &pristine[0][..100]).unwrap();
     for cmd in ["eval", "generate"] {
         let (ok, _, err) = run_bin(&[cmd, "--checkpoint", dir.to_str().unwrap()], &[]);
-        assert!(!ok && err.contains("--checkpoint") && err.contains("model.safetensors") && err.contains("truncated"), "{err}");
+        assert!(
+            !ok && err.contains("--checkpoint")
+                && err.contains("model.safetensors")
+                && err.contains("truncated"),
+            "{err}"
+        );
     }
     reset();
     eprintln!("damaged files: {cases} truncations, bit flips and removals refused");
@@ -446,15 +607,67 @@ fn malformed_safetensors_are_refused_behind_a_matching_checksum() {
         ("header length cut into the JSON", with_len(hlen as u64 / 2)),
         ("under 8 bytes", good[..5].to_vec()),
         ("header not JSON", st_bytes("\u{0}\u{1}garbage", &[])),
-        ("header not UTF-8", { let mut b = st_bytes("{\"a\":1}", &[]); b[9] = 0xff; b }),
-        ("overlapping offsets", st_bytes(r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}}"#, &f32s(3))),
-        ("offsets past the end", st_bytes(r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,4611686018427387904]}}"#, &f32s(2))),
-        ("offsets reversed", st_bytes(r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[8,0]}}"#, &f32s(2))),
-        ("shape product overflows", st_bytes(r#"{"a":{"dtype":"F32","shape":[4294967296,4294967296,4294967296],"data_offsets":[0,8]}}"#, &f32s(2))),
-        ("shape disagrees with offsets", st_bytes(r#"{"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}}"#, &f32s(2))),
-        ("negative offset", st_bytes(r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[-8,0]}}"#, &f32s(2))),
-        ("unknown dtype", st_bytes(r#"{"a":{"dtype":"F33","shape":[2],"data_offsets":[0,8]}}"#, &f32s(2))),
-        ("a valid file of other tensors", st_bytes(r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#, &f32s(2))),
+        ("header not UTF-8", {
+            let mut b = st_bytes("{\"a\":1}", &[]);
+            b[9] = 0xff;
+            b
+        }),
+        (
+            "overlapping offsets",
+            st_bytes(
+                r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}}"#,
+                &f32s(3),
+            ),
+        ),
+        (
+            "offsets past the end",
+            st_bytes(
+                r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,4611686018427387904]}}"#,
+                &f32s(2),
+            ),
+        ),
+        (
+            "offsets reversed",
+            st_bytes(
+                r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[8,0]}}"#,
+                &f32s(2),
+            ),
+        ),
+        (
+            "shape product overflows",
+            st_bytes(
+                r#"{"a":{"dtype":"F32","shape":[4294967296,4294967296,4294967296],"data_offsets":[0,8]}}"#,
+                &f32s(2),
+            ),
+        ),
+        (
+            "shape disagrees with offsets",
+            st_bytes(
+                r#"{"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}}"#,
+                &f32s(2),
+            ),
+        ),
+        (
+            "negative offset",
+            st_bytes(
+                r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[-8,0]}}"#,
+                &f32s(2),
+            ),
+        ),
+        (
+            "unknown dtype",
+            st_bytes(
+                r#"{"a":{"dtype":"F33","shape":[2],"data_offsets":[0,8]}}"#,
+                &f32s(2),
+            ),
+        ),
+        (
+            "a valid file of other tensors",
+            st_bytes(
+                r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#,
+                &f32s(2),
+            ),
+        ),
         ("an empty valid file", st_bytes("{}", &[])),
     ];
     for (what, bytes) in &cases {
@@ -463,14 +676,28 @@ fn malformed_safetensors_are_refused_behind_a_matching_checksum() {
             rehash(&dir);
             let e = refused(&dir, &cfg, file);
             assert!(
-                e.contains("not a valid safetensors file") || e.contains("unexpected tensor") || e.contains("missing tensor") || e.contains("far more than"),
+                e.contains("not a valid safetensors file")
+                    || e.contains("unexpected tensor")
+                    || e.contains("missing tensor")
+                    || e.contains("far more than"),
                 "{what} in {file}: {e}"
             );
-            std::fs::write(dir.join(file), if file == "model.safetensors" { &good } else { &good_opt }).unwrap();
+            std::fs::write(
+                dir.join(file),
+                if file == "model.safetensors" {
+                    &good
+                } else {
+                    &good_opt
+                },
+            )
+            .unwrap();
             rehash(&dir);
         }
     }
-    eprintln!("malformed safetensors: {} headers × 2 files refused", cases.len());
+    eprintln!(
+        "malformed safetensors: {} headers × 2 files refused",
+        cases.len()
+    );
     let _ = std::fs::remove_dir_all(dir.parent().unwrap());
 }
 
@@ -480,7 +707,11 @@ fn wrong_dtype_shape_and_config_are_refused() {
     let good = std::fs::read(dir.join("model.safetensors")).unwrap();
     let st = safetensors::SafeTensors::deserialize(&good).unwrap();
     // One tensor stored as F16 (half the bytes) or F64, the rest as they were.
-    for (dtype, size) in [(safetensors::Dtype::F16, 2), (safetensors::Dtype::F64, 8), (safetensors::Dtype::I32, 4)] {
+    for (dtype, size) in [
+        (safetensors::Dtype::F16, 2),
+        (safetensors::Dtype::F64, 8),
+        (safetensors::Dtype::I32, 4),
+    ] {
         let data: Vec<(String, Vec<usize>, safetensors::Dtype, Vec<u8>)> = st
             .tensors()
             .into_iter()
@@ -495,12 +726,24 @@ fn wrong_dtype_shape_and_config_are_refused() {
             .collect();
         let views: Vec<(String, safetensors::tensor::TensorView)> = data
             .iter()
-            .map(|(n, s, d, b)| (n.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap()))
+            .map(|(n, s, d, b)| {
+                (
+                    n.clone(),
+                    safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
+                )
+            })
             .collect();
-        std::fs::write(dir.join("model.safetensors"), safetensors::serialize(views, None).unwrap()).unwrap();
+        std::fs::write(
+            dir.join("model.safetensors"),
+            safetensors::serialize(views, None).unwrap(),
+        )
+        .unwrap();
         rehash(&dir);
         let e = refused(&dir, &cfg, "model.safetensors");
-        assert!(e.contains("model.norm.weight") && e.contains("expected F32"), "{e}");
+        assert!(
+            e.contains("model.norm.weight") && e.contains("expected F32"),
+            "{e}"
+        );
     }
     std::fs::write(dir.join("model.safetensors"), &good).unwrap();
     rehash(&dir);
@@ -561,13 +804,23 @@ fn wrong_dtype_shape_and_config_are_refused() {
         let e = refused(&dir, &cfg, "trainer_state.json");
         assert!(e.contains(want), "trainer_state.json config.{k} = {v}: {e}");
     }
-    for (k, v) in [("adam_steps", serde_json::json!([1, 2])), ("format", "tinyllm-checkpoint-0".into()), ("scaler", serde_json::json!({"scale": -1.0, "growth": 2.0, "backoff": 0.5, "interval": 2000, "good_steps": 0}))] {
+    for (k, v) in [
+        ("adam_steps", serde_json::json!([1, 2])),
+        ("format", "tinyllm-checkpoint-0".into()),
+        (
+            "scaler",
+            serde_json::json!({"scale": -1.0, "growth": 2.0, "backoff": 0.5, "interval": 2000, "good_steps": 0}),
+        ),
+    ] {
         let mut s = sgood.clone();
         s[k] = v;
         std::fs::write(&spath, serde_json::to_vec(&s).unwrap()).unwrap();
         rehash(&dir);
         let corpus = Corpus::embedded();
-        let e = Trainer::resume(cfg.clone(), Device::Cpu, &corpus, &dir).err().expect("must be refused").to_string();
+        let e = Trainer::resume(cfg.clone(), Device::Cpu, &corpus, &dir)
+            .err()
+            .expect("must be refused")
+            .to_string();
         assert!(e.contains("trainer_state.json"), "{k}: {e}");
     }
     std::fs::write(&spath, serde_json::to_vec(&sgood).unwrap()).unwrap();
@@ -581,7 +834,10 @@ fn wrong_dtype_shape_and_config_are_refused() {
     std::fs::write(&mpath, serde_json::to_vec(&m).unwrap()).unwrap();
     assert!(refused(&dir, &cfg, "manifest.json").contains("unknown file"));
     let mut m = mgood.clone();
-    m["files"].as_object_mut().unwrap().remove("optimizer.safetensors");
+    m["files"]
+        .as_object_mut()
+        .unwrap()
+        .remove("optimizer.safetensors");
     std::fs::write(&mpath, serde_json::to_vec(&m).unwrap()).unwrap();
     assert!(refused(&dir, &cfg, "manifest.json").contains("does not list optimizer.safetensors"));
     let mut m = mgood.clone();
@@ -608,8 +864,14 @@ fn bad_corpora_are_clear_errors_and_write_nothing() {
     let cases: Vec<(PathBuf, &str)> = vec![
         (write("empty.txt", b""), "is empty"),
         (write("program.bin", &binary), "not UTF-8"),
-        (write("nul.txt", &nul_text), "binary file (a NUL byte at offset 10)"),
-        (write("latin1.txt", b"caf\xe9 au lait, encore du caf\xe9"), "not UTF-8 text (invalid byte at offset 3)"),
+        (
+            write("nul.txt", &nul_text),
+            "binary file (a NUL byte at offset 10)",
+        ),
+        (
+            write("latin1.txt", b"caf\xe9 au lait, encore du caf\xe9"),
+            "not UTF-8 text (invalid byte at offset 3)",
+        ),
         (write("utf16.txt", b"\xff\xfeh\x00i\x00"), "not UTF-8"),
         (write("short.txt", b"tiny text"), "too short"),
         (d.join("missing.txt"), "cannot read corpus"),
@@ -617,9 +879,29 @@ fn bad_corpora_are_clear_errors_and_write_nothing() {
     ];
     for (path, want) in &cases {
         let out = d.join("out");
-        let (ok, _, err) = run_bin(&["train", "--preset", "tiny", "--device", "cpu", "--data", path.to_str().unwrap(), "--out", out.to_str().unwrap()], &[]);
-        assert!(!ok && err.contains(&path.display().to_string()) && err.contains(want), "{}: {err}", path.display());
-        assert!(!out.join("checkpoint").exists() && !out.join("metrics.jsonl").exists(), "a refused corpus left state behind");
+        let (ok, _, err) = run_bin(
+            &[
+                "train",
+                "--preset",
+                "tiny",
+                "--device",
+                "cpu",
+                "--data",
+                path.to_str().unwrap(),
+                "--out",
+                out.to_str().unwrap(),
+            ],
+            &[],
+        );
+        assert!(
+            !ok && err.contains(&path.display().to_string()) && err.contains(want),
+            "{}: {err}",
+            path.display()
+        );
+        assert!(
+            !out.join("checkpoint").exists() && !out.join("metrics.jsonl").exists(),
+            "a refused corpus left state behind"
+        );
     }
     let _ = std::fs::remove_dir_all(&d);
 }
@@ -628,9 +910,32 @@ fn bad_corpora_are_clear_errors_and_write_nothing() {
 
 /// One random mutation of `b` (a safetensors file when `st`, else JSON).
 fn mutate(b: &mut Vec<u8>, st: bool, rng: &mut Rng) -> String {
-    const TOKENS: [&str; 14] = ["-1", "0", "1e308", "1e999", "18446744073709551615", "4294967296", "null", "\"x\"", "[]", "{}", "NaN", "true", "[0,0]", ",", ];
-    let header_end = if st && b.len() >= 8 { (8 + u64::from_le_bytes(b[..8].try_into().unwrap()) as usize).min(b.len()) } else { b.len() };
-    let region = if st && rng.chance(0.7) { header_end.max(1) } else { b.len().max(1) };
+    const TOKENS: [&str; 14] = [
+        "-1",
+        "0",
+        "1e308",
+        "1e999",
+        "18446744073709551615",
+        "4294967296",
+        "null",
+        "\"x\"",
+        "[]",
+        "{}",
+        "NaN",
+        "true",
+        "[0,0]",
+        ",",
+    ];
+    let header_end = if st && b.len() >= 8 {
+        (8 + u64::from_le_bytes(b[..8].try_into().unwrap()) as usize).min(b.len())
+    } else {
+        b.len()
+    };
+    let region = if st && rng.chance(0.7) {
+        header_end.max(1)
+    } else {
+        b.len().max(1)
+    };
     match rng.below(7) {
         0 if !b.is_empty() => {
             let at = rng.below(region.min(b.len()));
@@ -640,7 +945,9 @@ fn mutate(b: &mut Vec<u8>, st: bool, rng: &mut Rng) -> String {
         }
         1 if !b.is_empty() => {
             // A digit for another digit: offsets, shapes and sizes shift.
-            let digits: Vec<usize> = (0..region.min(b.len())).filter(|&i| b[i].is_ascii_digit() && i >= 8).collect();
+            let digits: Vec<usize> = (0..region.min(b.len()))
+                .filter(|&i| b[i].is_ascii_digit() && i >= 8)
+                .collect();
             if digits.is_empty() {
                 return "no digit".into();
             }
@@ -657,7 +964,9 @@ fn mutate(b: &mut Vec<u8>, st: bool, rng: &mut Rng) -> String {
             let v = match rng.below(4) {
                 0 => rng.next(),
                 1 => u64::MAX - rng.below(16) as u64,
-                2 => (header_end as u64).wrapping_add(rng.below(64) as u64).wrapping_sub(40),
+                2 => (header_end as u64)
+                    .wrapping_add(rng.below(64) as u64)
+                    .wrapping_sub(40),
                 _ => rng.below(b.len() * 2) as u64,
             };
             b[..8].copy_from_slice(&v.to_le_bytes());
@@ -696,8 +1005,17 @@ fn mutate(b: &mut Vec<u8>, st: bool, rng: &mut Rng) -> String {
 fn fuzz_checkpoint_files() {
     let iters = fuzz_iters(250);
     let (dir, cfg) = saved_tiny("fuzz", 2);
-    let files = ["model.safetensors", "optimizer.safetensors", "config.json", "trainer_state.json", "manifest.json"];
-    let pristine: Vec<Vec<u8>> = files.iter().map(|f| std::fs::read(dir.join(f)).unwrap()).collect();
+    let files = [
+        "model.safetensors",
+        "optimizer.safetensors",
+        "config.json",
+        "trainer_state.json",
+        "manifest.json",
+    ];
+    let pristine: Vec<Vec<u8>> = files
+        .iter()
+        .map(|f| std::fs::read(dir.join(f)).unwrap())
+        .collect();
     let corpus = Corpus::embedded();
     let mut t = Trainer::new(cfg.clone(), Device::Cpu, &corpus).unwrap();
     let base = snapshot_bits(&t);
@@ -707,7 +1025,9 @@ fn fuzz_checkpoint_files() {
     for i in 0..iters {
         let fi = [0, 0, 0, 1, 1, 1, 2, 2, 3, 3, 4][rng.below(11)];
         let mut b = pristine[fi].clone();
-        let what: Vec<String> = (0..1 + rng.below(3)).map(|_| mutate(&mut b, fi < 2, &mut rng)).collect();
+        let what: Vec<String> = (0..1 + rng.below(3))
+            .map(|_| mutate(&mut b, fi < 2, &mut rng))
+            .collect();
         std::fs::write(dir.join(files[fi]), &b).unwrap();
         if fi != 4 && rng.chance(0.9) {
             rehash(&dir);
@@ -728,7 +1048,11 @@ fn fuzz_checkpoint_files() {
         }));
         match r {
             Err(p) => {
-                let msg = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default();
+                let msg = p
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_default();
                 panics.push(format!("#{i} {}: {what:?}: {msg}", files[fi]));
             }
             Ok((_, Ok(()))) => {
@@ -738,9 +1062,16 @@ fn fuzz_checkpoint_files() {
             }
             Ok((refused_restore, Err(e))) => {
                 refused_n += 1;
-                assert!(e.contains(dir.to_str().unwrap()), "#{i} {what:?}: the error names no file: {e}");
+                assert!(
+                    e.contains(dir.to_str().unwrap()),
+                    "#{i} {what:?}: the error names no file: {e}"
+                );
                 if refused_restore {
-                    assert!(snapshot_bits(&t) == base, "#{i} {}: {what:?} was refused but changed the model: {e}", files[fi]);
+                    assert!(
+                        snapshot_bits(&t) == base,
+                        "#{i} {}: {what:?} was refused but changed the model: {e}",
+                        files[fi]
+                    );
                 } else {
                     // `restore` alone took it (e.g. a changed data fingerprint, which
                     // only `Trainer::resume` checks); start over.
@@ -766,13 +1097,48 @@ fn random_json(rng: &mut Rng, depth: usize) -> serde_json::Value {
         0 => Value::Null,
         1 => rng.chance(0.5).into(),
         2 => (rng.next() >> rng.below(64)).into(),
-        3 => [0u64, 1, 2, 3, 4, 16, 32, 64, 256, 1 << 16, 1 << 31, 1 << 32, u64::MAX][rng.below(13)].into(),
+        3 => [
+            0u64,
+            1,
+            2,
+            3,
+            4,
+            16,
+            32,
+            64,
+            256,
+            1 << 16,
+            1 << 31,
+            1 << 32,
+            u64::MAX,
+        ][rng.below(13)]
+        .into(),
         4 => (-(rng.below(1000) as i64)).into(),
-        5 => [0.0, -0.0, 1e-5, 0.5, 1.0, -1.0, 1e30, f64::MAX, 1e-310, 32.5][rng.below(10)].into(),
+        5 => [
+            0.0,
+            -0.0,
+            1e-5,
+            0.5,
+            1.0,
+            -1.0,
+            1e30,
+            f64::MAX,
+            1e-310,
+            32.5,
+        ][rng.below(10)]
+        .into(),
         6 => ["llama", "", "32", "NaN", "\u{0}", "LlamaForCausalLM"][rng.below(6)].into(),
         7 => (rng.next() % 100000).into(),
-        8 => Value::Array((0..rng.below(4)).map(|_| random_json(rng, depth + 1)).collect()),
-        _ => Value::Object((0..rng.below(4)).map(|i| (format!("k{i}"), random_json(rng, depth + 1))).collect()),
+        8 => Value::Array(
+            (0..rng.below(4))
+                .map(|_| random_json(rng, depth + 1))
+                .collect(),
+        ),
+        _ => Value::Object(
+            (0..rng.below(4))
+                .map(|i| (format!("k{i}"), random_json(rng, depth + 1)))
+                .collect(),
+        ),
     }
 }
 
@@ -785,8 +1151,20 @@ fn fuzz_configs() {
     let iters = fuzz_iters(3000);
     let mut rng = Rng(0xc0_f16);
     let keys = [
-        "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "max_position_embeddings",
-        "rms_norm_eps", "rope_theta", "num_key_value_heads", "head_dim", "tie_word_embeddings", "model_type", "attention_dropout", "tinyllm_dropout",
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "intermediate_size",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "rope_theta",
+        "num_key_value_heads",
+        "head_dim",
+        "tie_word_embeddings",
+        "model_type",
+        "attention_dropout",
+        "tinyllm_dropout",
     ];
     let tiny_cfg = LlamaConfig::preset("tiny").unwrap();
     let base = tiny_cfg.to_hf_json();
@@ -795,16 +1173,31 @@ fn fuzz_configs() {
     let t0 = Instant::now();
     // 1. config.json alone (fast): from_hf_json + the size check.
     for i in 0..iters * 10 {
-        let mut v = if rng.chance(0.3) { serde_json::json!({}) } else { base.clone() };
+        let mut v = if rng.chance(0.3) {
+            serde_json::json!({})
+        } else {
+            base.clone()
+        };
         for _ in 0..1 + rng.below(4) {
             let k = keys[rng.below(keys.len())];
-            v[k] = if rng.chance(0.7) { random_json(&mut rng, 2) } else { [1u64, 2, 4, 8, 32, 64, 256, 1 << 20, 1 << 40][rng.below(9)].into() };
+            v[k] = if rng.chance(0.7) {
+                random_json(&mut rng, 2)
+            } else {
+                [1u64, 2, 4, 8, 32, 64, 256, 1 << 20, 1 << 40][rng.below(9)].into()
+            };
         }
-        match catch_unwind(AssertUnwindSafe(|| LlamaConfig::from_hf_json(&v).and_then(|c| tinyllm::train::config::check_model_size(&c).map(|_| c)))) {
+        match catch_unwind(AssertUnwindSafe(|| {
+            LlamaConfig::from_hf_json(&v)
+                .and_then(|c| tinyllm::train::config::check_model_size(&c).map(|_| c))
+        })) {
             Err(_) => panics.push(format!("from_hf_json #{i}: {v}")),
             Ok(Ok(c)) => {
                 ok_hf += 1;
-                assert!(c.validate().is_ok() && c.num_params() <= tinyllm::train::config::MAX_MODEL_BYTES / 4, "{v}");
+                assert!(
+                    c.validate().is_ok()
+                        && c.num_params() <= tinyllm::train::config::MAX_MODEL_BYTES / 4,
+                    "{v}"
+                );
             }
             Ok(Err(_)) => {}
         }
@@ -813,12 +1206,46 @@ fn fuzz_configs() {
     // 2. resolve() with random flags.
     for i in 0..iters * 10 {
         let n = |rng: &mut Rng| -> Option<usize> {
-            rng.chance(0.4).then(|| [0, 1, 2, 3, 4, 7, 8, 16, 100, 65536, 65537, 1 << 40, usize::MAX][rng.below(13)])
+            rng.chance(0.4).then(|| {
+                [
+                    0,
+                    1,
+                    2,
+                    3,
+                    4,
+                    7,
+                    8,
+                    16,
+                    100,
+                    65536,
+                    65537,
+                    1 << 40,
+                    usize::MAX,
+                ][rng.below(13)]
+            })
         };
         let f = |rng: &mut Rng| -> Option<f32> {
-            rng.chance(0.4).then(|| [0.0, -0.0, -1.0, 1e-3, 0.5, 1.0, 2.0, f32::NAN, f32::INFINITY, -f32::INFINITY, f32::MAX, 1e-45][rng.below(12)])
+            rng.chance(0.4).then(|| {
+                [
+                    0.0,
+                    -0.0,
+                    -1.0,
+                    1e-3,
+                    0.5,
+                    1.0,
+                    2.0,
+                    f32::NAN,
+                    f32::INFINITY,
+                    -f32::INFINITY,
+                    f32::MAX,
+                    1e-45,
+                ][rng.below(12)]
+            })
         };
-        let s = |rng: &mut Rng, opts: &[&str]| -> Option<String> { rng.chance(0.4).then(|| opts[rng.below(opts.len())].to_string()) };
+        let s = |rng: &mut Rng, opts: &[&str]| -> Option<String> {
+            rng.chance(0.4)
+                .then(|| opts[rng.below(opts.len())].to_string())
+        };
         let o = TrainOptions {
             preset: s(&mut rng, &["tiny", "small", "capstone", "huge", ""]),
             steps: n(&mut rng),
@@ -846,17 +1273,26 @@ fn fuzz_configs() {
                 let _ = c.describe();
                 let _ = c.lr_at(c.steps);
             }
-            Ok(Err(e)) => assert!(e.to_string().contains("--") || e.to_string().contains("model config"), "{e}"),
+            Ok(Err(e)) => assert!(
+                e.to_string().contains("--") || e.to_string().contains("model config"),
+                "{e}"
+            ),
         }
     }
     let t2 = Instant::now();
     // 3. Through the checkpoint loader: random config.json and trainer_state.json configs.
     let (dir, cfg) = saved_tiny("fuzz-config", 1);
     let corpus = Corpus::embedded();
-    let state: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join("trainer_state.json")).unwrap()).unwrap();
+    let state: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("trainer_state.json")).unwrap()).unwrap();
     let cfg_json = std::fs::read(dir.join("config.json")).unwrap();
     let state_json = std::fs::read(dir.join("trainer_state.json")).unwrap();
-    let run_keys: Vec<String> = state["config"].as_object().unwrap().keys().cloned().collect();
+    let run_keys: Vec<String> = state["config"]
+        .as_object()
+        .unwrap()
+        .keys()
+        .cloned()
+        .collect();
     let mut loaded = 0;
     let n3 = iters / 40;
     for i in 0..n3 {
@@ -878,7 +1314,9 @@ fn fuzz_configs() {
         rehash(&dir);
         match catch_unwind(AssertUnwindSafe(|| {
             let a = checkpoint::load_model(&dir, Device::Cpu).map(|_| ());
-            let b = Verified::open(&dir).and_then(|ck| ck.train_state()).map(|_| ());
+            let b = Verified::open(&dir)
+                .and_then(|ck| ck.train_state())
+                .map(|_| ());
             let c = Trainer::resume(cfg.clone(), Device::Cpu, &corpus, &dir).map(|_| ());
             a.and(b).and(c)
         })) {
@@ -918,66 +1356,183 @@ fn every_flag_is_validated_with_what_is_allowed() {
     };
     let cases: Vec<(Vec<&str>, &str)> = vec![
         (t(&["--steps", "0"]), "--steps must be at least 1"),
-        (t(&["--steps", "-3"]), "not a whole number: expected 0, 1, 2"),
+        (
+            t(&["--steps", "-3"]),
+            "not a whole number: expected 0, 1, 2",
+        ),
         (t(&["--steps", "1.5"]), "not a whole number"),
         (t(&["--batch", "0"]), "--batch must be at least 1"),
         (t(&["--batch", "-8"]), "not a whole number"),
         (t(&["--batch", "99999999999"]), "--batch must be 1..=65536"),
-        (t(&["--micro-batch", "0"]), "--micro-batch must be at least 1"),
-        (t(&["--batch", "4", "--micro-batch", "8"]), "use a micro-batch of 1..=4"),
+        (
+            t(&["--micro-batch", "0"]),
+            "--micro-batch must be at least 1",
+        ),
+        (
+            t(&["--batch", "4", "--micro-batch", "8"]),
+            "use a micro-batch of 1..=4",
+        ),
         (t(&["--accum", "0"]), "--accum must be at least 1"),
-        (t(&["--batch", "8", "--micro-batch", "4", "--accum", "3"]), "give any two of --batch, --micro-batch, --accum"),
-        (t(&["--ckpt-budget", "2"]), "the smallest achievable peak is 3"),
-        (t(&["--ckpt-budget", "0"]), "the smallest achievable peak is 3"),
-        (t(&["--ckpt-budget", "3", "--no-checkpoint-activations"]), "--ckpt-budget needs activation checkpointing"),
-        (vec!["train", "--preset", "huge"], "expected capstone, small or tiny"),
-        (vec!["train", "--preset", "tiny", "--device", "tpu"], "expected auto, cpu or gpu"),
+        (
+            t(&["--batch", "8", "--micro-batch", "4", "--accum", "3"]),
+            "give any two of --batch, --micro-batch, --accum",
+        ),
+        (
+            t(&["--ckpt-budget", "2"]),
+            "the smallest achievable peak is 3",
+        ),
+        (
+            t(&["--ckpt-budget", "0"]),
+            "the smallest achievable peak is 3",
+        ),
+        (
+            t(&["--ckpt-budget", "3", "--no-checkpoint-activations"]),
+            "--ckpt-budget needs activation checkpointing",
+        ),
+        (
+            vec!["train", "--preset", "huge"],
+            "expected capstone, small or tiny",
+        ),
+        (
+            vec!["train", "--preset", "tiny", "--device", "tpu"],
+            "expected auto, cpu or gpu",
+        ),
         (t(&["--precision", "fp8"]), "expected fp32, bf16 or fp16"),
         (t(&["--fp16", "--bf16"]), "cannot be used with"),
         (t(&["--lr", "NaN"]), "--lr must be a positive number"),
         (t(&["--lr", "-1"]), "--lr must be a positive number"),
         (t(&["--lr", "0"]), "--lr must be a positive number"),
         (t(&["--lr", "inf"]), "--lr must be a positive number"),
-        (t(&["--clip", "-1"]), "--clip must be a positive number, or 0"),
-        (t(&["--clip", "NaN"]), "--clip must be a positive number, or 0"),
+        (
+            t(&["--clip", "-1"]),
+            "--clip must be a positive number, or 0",
+        ),
+        (
+            t(&["--clip", "NaN"]),
+            "--clip must be a positive number, or 0",
+        ),
         (t(&["--dropout", "1"]), "--dropout must be in [0, 1)"),
         (t(&["--dropout", "-0.5"]), "--dropout must be in [0, 1)"),
         (t(&["--dropout", "NaN"]), "--dropout must be in [0, 1)"),
         (t(&["--warmup", "30"]), "must be shorter than the run"),
         (t(&["--seed", "-1"]), "not a whole number"),
-        (t(&["--sample-len", "99999999999"]), "--sample-len must be 0..=1000000"),
+        (
+            t(&["--sample-len", "99999999999"]),
+            "--sample-len must be 0..=1000000",
+        ),
         (t(&["--save-every", "x"]), "not a whole number"),
-        (vec!["train", "--resume", "/nonexistent/run"], "--resume: /nonexistent/run: no such checkpoint directory"),
-        (vec!["train", "--resume", "/tmp"], "not a readable tinyllm checkpoint"),
+        (
+            vec!["train", "--resume", "/nonexistent/run"],
+            "--resume: /nonexistent/run: no such checkpoint directory",
+        ),
+        (
+            vec!["train", "--resume", "/tmp"],
+            "not a readable tinyllm checkpoint",
+        ),
         (vec!["eval"], "--checkpoint <CHECKPOINT>"),
         (vec!["generate"], "--checkpoint <CHECKPOINT>"),
-        (vec!["eval", "--checkpoint", "/nonexistent/ckpt"], "--checkpoint: /nonexistent/ckpt: no such checkpoint directory"),
-        (vec!["generate", "--checkpoint", "/nonexistent/ckpt"], "no such checkpoint directory"),
-        (vec!["generate", "--checkpoint", "/nonexistent/ckpt", "--temperature", "-1"], "--temperature must be 0 (greedy) or positive"),
-        (vec!["generate", "--checkpoint", "/nonexistent/ckpt", "--temperature", "NaN"], "--temperature must be 0 (greedy) or positive"),
-        (vec!["generate", "--checkpoint", "/nonexistent/ckpt", "--len", "18446744073709551615"], "--len must be 0..=1000000"),
-        (vec!["generate", "--checkpoint", "/nonexistent/ckpt", "--top-k", "-1"], "not a whole number"),
-        (vec!["eval", "--checkpoint", "/nonexistent/ckpt", "--device", "tpu"], "expected auto, cpu or gpu"),
-        (vec!["compare", "--preset", "tiny", "--micro-batch", "0"], "--micro-batch must be at least 1"),
+        (
+            vec!["eval", "--checkpoint", "/nonexistent/ckpt"],
+            "--checkpoint: /nonexistent/ckpt: no such checkpoint directory",
+        ),
+        (
+            vec!["generate", "--checkpoint", "/nonexistent/ckpt"],
+            "no such checkpoint directory",
+        ),
+        (
+            vec![
+                "generate",
+                "--checkpoint",
+                "/nonexistent/ckpt",
+                "--temperature",
+                "-1",
+            ],
+            "--temperature must be 0 (greedy) or positive",
+        ),
+        (
+            vec![
+                "generate",
+                "--checkpoint",
+                "/nonexistent/ckpt",
+                "--temperature",
+                "NaN",
+            ],
+            "--temperature must be 0 (greedy) or positive",
+        ),
+        (
+            vec![
+                "generate",
+                "--checkpoint",
+                "/nonexistent/ckpt",
+                "--len",
+                "18446744073709551615",
+            ],
+            "--len must be 0..=1000000",
+        ),
+        (
+            vec![
+                "generate",
+                "--checkpoint",
+                "/nonexistent/ckpt",
+                "--top-k",
+                "-1",
+            ],
+            "not a whole number",
+        ),
+        (
+            vec![
+                "eval",
+                "--checkpoint",
+                "/nonexistent/ckpt",
+                "--device",
+                "tpu",
+            ],
+            "expected auto, cpu or gpu",
+        ),
+        (
+            vec!["compare", "--preset", "tiny", "--micro-batch", "0"],
+            "--micro-batch must be at least 1",
+        ),
     ];
     for (args, want) in &cases {
         let (ok, _, err) = run_bin(args, &[]);
-        assert!(!ok && err.contains(want), "{args:?}: expected an error containing {want:?}, got:\n{err}");
-        assert!(!out.join("checkpoint").exists(), "{args:?} left a checkpoint behind");
+        assert!(
+            !ok && err.contains(want),
+            "{args:?}: expected an error containing {want:?}, got:\n{err}"
+        );
+        assert!(
+            !out.join("checkpoint").exists(),
+            "{args:?} left a checkpoint behind"
+        );
     }
     // A finished run refuses to "continue" to fewer steps, and a resume may
     // not change the recipe.
     let (ok, _, err) = run_bin(&t(&["--steps", "2", "--sample-len", "0", "--plain"]), &[]);
     assert!(ok, "{err}");
     let (ok, _, err) = run_bin(&["train", "--resume", o, "--steps", "2"], &[]);
-    assert!(!ok && err.contains("already at step 2 of 2") && err.contains("larger --steps"), "{err}");
-    let (ok, _, err) = run_bin(&["train", "--resume", o, "--steps", "4", "--lr", "0.5"], &[]);
-    assert!(!ok && err.contains("--lr differs from the run being resumed"), "{err}");
+    assert!(
+        !ok && err.contains("already at step 2 of 2") && err.contains("larger --steps"),
+        "{err}"
+    );
+    let (ok, _, err) = run_bin(
+        &["train", "--resume", o, "--steps", "4", "--lr", "0.5"],
+        &[],
+    );
+    assert!(
+        !ok && err.contains("--lr differs from the run being resumed"),
+        "{err}"
+    );
     let (ok, _, err) = run_bin(&[], &[]);
     assert!(!ok && err.contains("Usage"), "{err}");
     let (ok, _, err) = run_bin(&["eval", "--checkpoint", o], &[("TINYLLM_THREADS", "0")]);
-    assert!(!ok && err.contains("TINYLLM_THREADS must be a whole number ≥ 1"), "{err}");
-    eprintln!("flags: {} bad invocations refused with what is allowed", cases.len() + 4);
+    assert!(
+        !ok && err.contains("TINYLLM_THREADS must be a whole number ≥ 1"),
+        "{err}"
+    );
+    eprintln!(
+        "flags: {} bad invocations refused with what is allowed",
+        cases.len() + 4
+    );
     let _ = std::fs::remove_dir_all(&d);
 }
 
@@ -991,7 +1546,10 @@ fn metrics(out: &Path) -> Vec<StepMetrics> {
 fn assert_finite_checkpoint(out: &Path) {
     let m = checkpoint::load_model(out, Device::Cpu).unwrap();
     for (n, p) in m.named_parameters() {
-        assert!(p.to_vec_f32().unwrap().iter().all(|x| x.is_finite()), "{n} is not finite");
+        assert!(
+            p.to_vec_f32().unwrap().iter().all(|x| x.is_finite()),
+            "{n} is not finite"
+        );
     }
 }
 
@@ -1003,16 +1561,29 @@ fn fp16_run_skips_injected_overflows_and_recovers() {
     let out = tmpdir("fp16-faults");
     let mut a = train_args(&out, 10);
     a.push("--fp16".into());
-    let (ok, _, err) = run_bin(&strs(&a), &[("TINYLLM_FAULT", "loss-inf@3,loss-nan@4,grad-inf@5,grad-inf@8")]);
+    let (ok, _, err) = run_bin(
+        &strs(&a),
+        &[(
+            "TINYLLM_FAULT",
+            "loss-inf@3,loss-nan@4,grad-inf@5,grad-inf@8",
+        )],
+    );
     assert!(ok, "{err}");
     let m = metrics(&out);
     assert_eq!(m.len(), 10);
     for s in [3, 4, 5, 8] {
         let (before, at) = (&m[s - 2], &m[s - 1]);
         assert!(at.skipped, "step {s} was not skipped: {at:?}");
-        assert_eq!(at.scale, before.scale / 2.0, "step {s}: the scale did not back off");
+        assert_eq!(
+            at.scale,
+            before.scale / 2.0,
+            "step {s}: the scale did not back off"
+        );
     }
-    assert!(!m[5].skipped && !m[6].skipped && !m[9].skipped, "training did not recover: {m:?}");
+    assert!(
+        !m[5].skipped && !m[6].skipped && !m[9].skipped,
+        "training did not recover: {m:?}"
+    );
     assert!(m.iter().all(|x| x.loss.is_finite() || x.skipped));
     assert!(m[9].scale >= m[0].scale / 16.0 && m[9].scale > MIN_SCALE);
     assert_finite_checkpoint(&out);
@@ -1026,11 +1597,18 @@ fn fp16_run_skips_injected_overflows_and_recovers() {
 /// checkpoint, which is intact, finite, and resumes to the reference bits.
 #[test]
 fn bf16_run_stops_on_non_finite_values_with_the_last_checkpoint_intact() {
-    for (fault, want) in [("loss-nan@3", "non-finite loss"), ("loss-inf@3", "non-finite loss"), ("grad-inf@3", "non-finite gradients")] {
+    for (fault, want) in [
+        ("loss-nan@3", "non-finite loss"),
+        ("loss-inf@3", "non-finite loss"),
+        ("grad-inf@3", "non-finite gradients"),
+    ] {
         let out = tmpdir(&format!("bf16-{fault}"));
         let (ok, _, err) = run_bin(&strs(&train_args(&out, STEPS)), &[("TINYLLM_FAULT", fault)]);
         assert!(!ok, "{fault}: the run did not stop");
-        assert!(err.contains(want) && err.contains("step 3") && err.contains("(step 2), is intact"), "{fault}: {err}");
+        assert!(
+            err.contains(want) && err.contains("step 3") && err.contains("(step 2), is intact"),
+            "{fault}: {err}"
+        );
         assert_eq!(Verified::open(&out).unwrap().train_state().unwrap().step, 2);
         assert_finite_checkpoint(&out);
         check_recovers(&out, Some(2), fault);
@@ -1049,7 +1627,12 @@ fn an_overflow_streak_to_min_scale_is_an_error() {
     a.push("--fp16".into());
     let t0 = Instant::now();
     let (ok, _, err) = run_bin(&strs(&a), &[("TINYLLM_FAULT", "loss-nan")]);
-    assert!(!ok && err.contains("loss scale fell") && err.contains("step 41") && err.contains("(step 40), is intact"), "{err}");
+    assert!(
+        !ok && err.contains("loss scale fell")
+            && err.contains("step 41")
+            && err.contains("(step 40), is intact"),
+        "{err}"
+    );
     assert!(t0.elapsed() < Duration::from_secs(120));
     let st = Verified::open(&out).unwrap().train_state().unwrap();
     assert_eq!(st.step, 40);
@@ -1071,26 +1654,50 @@ fn scaler_skips_backs_off_and_recovers_on_injected_faults() -> tinyllm::Result<(
         let mut scaler = DynamicLossScaler::new(256.0, 2.0, 0.5, 1000)?;
         let x = Tensor::randn(&[32, 4], 1.0, &gen, Device::Cpu)?;
         let y = x.sum(-1, true)?;
-        let micro: Vec<(Tensor, Tensor)> = (0..4).map(|i| Ok((x.narrow(0, 8 * i, 8)?, y.narrow(0, 8 * i, 8)?))).collect::<tinyllm::Result<_>>()?;
+        let micro: Vec<(Tensor, Tensor)> = (0..4)
+            .map(|i| Ok((x.narrow(0, 8 * i, 8)?, y.narrow(0, 8 * i, 8)?)))
+            .collect::<tinyllm::Result<_>>()?;
         let bad = [3usize, 4, 10, 30];
         let mut last = f32::INFINITY;
         for step in 0..300 {
-            let poison = if bad.contains(&step) { if step % 2 == 0 { f64::NAN } else { f64::INFINITY } } else { 1.0 };
+            let poison = if bad.contains(&step) {
+                if step % 2 == 0 {
+                    f64::NAN
+                } else {
+                    f64::INFINITY
+                }
+            } else {
+                1.0
+            };
             let before = scaler.get_scale();
-            let r = train_step_mixed(&model, &micro, |(x, y)| tinyllm::ops::mse(&model.forward(x)?, y)?.mul_scalar(poison), &mut opt, prec, Some(&mut scaler), Some(1.0))?;
+            let r = train_step_mixed(
+                &model,
+                &micro,
+                |(x, y)| tinyllm::ops::mse(&model.forward(x)?, y)?.mul_scalar(poison),
+                &mut opt,
+                prec,
+                Some(&mut scaler),
+                Some(1.0),
+            )?;
             assert_eq!(r.skipped, bad.contains(&step), "{prec:?} step {step}");
             if r.skipped {
                 assert_eq!(r.scale, before / 2.0);
             }
             assert!(r.scale.is_finite() && r.scale >= MIN_SCALE);
             for p in model.parameters() {
-                assert!(p.to_vec_f32()?.iter().all(|v| v.is_finite()), "{prec:?} step {step}: non-finite weights");
+                assert!(
+                    p.to_vec_f32()?.iter().all(|v| v.is_finite()),
+                    "{prec:?} step {step}: non-finite weights"
+                );
             }
             if !r.skipped {
                 last = r.loss;
             }
         }
-        assert!(last < 5e-2, "{prec:?}: did not converge after the faults (loss {last})");
+        assert!(
+            last < 5e-2,
+            "{prec:?}: did not converge after the faults (loss {last})"
+        );
     }
 
     // Growth stops short of inf (zero gradients never overflow).
@@ -1101,7 +1708,15 @@ fn scaler_skips_backs_off_and_recovers_on_injected_faults() -> tinyllm::Result<(
     let x = Tensor::zeros(&[4, 2], tinyllm::DType::F32, Device::Cpu)?;
     let micro = vec![(x.clone(), x.narrow(1, 0, 1)?)];
     for _ in 0..5 {
-        let r = train_step_mixed(&model, &micro, |(x, _)| model.forward(x)?.sum(0, false)?.sum(0, false), &mut opt, Precision::Fp32, Some(&mut scaler), None)?;
+        let r = train_step_mixed(
+            &model,
+            &micro,
+            |(x, _)| model.forward(x)?.sum(0, false)?.sum(0, false),
+            &mut opt,
+            Precision::Fp32,
+            Some(&mut scaler),
+            None,
+        )?;
         assert!(!r.skipped && r.scale.is_finite(), "{r:?}");
     }
 
@@ -1110,13 +1725,26 @@ fn scaler_skips_backs_off_and_recovers_on_injected_faults() -> tinyllm::Result<(
     let mut opt = AdamW::new(model.parameters(), AdamWConfig::new(1e-2))?;
     let x = Tensor::randn(&[8, 4], 1.0, &gen, Device::Cpu)?;
     let micro = vec![(x.clone(), x.sum(-1, true)?)];
-    let before: Vec<Vec<u32>> = model.parameters().iter().map(|p| p.to_vec_f32().unwrap().iter().map(|v| v.to_bits()).collect()).collect();
+    let before: Vec<Vec<u32>> = model
+        .parameters()
+        .iter()
+        .map(|p| {
+            p.to_vec_f32()
+                .unwrap()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect()
+        })
+        .collect();
     let w = model.parameters()[0].clone();
     for clip in [Some(1.0), None] {
         let e = train_step_mixed(
             &model,
             &micro,
-            |(x, y)| tinyllm::ops::mse(&model.forward(x)?, y)?.add(&w.sub(&w.detach())?.sqrt()?.sum(-1, false)?.sum(-1, false)?),
+            |(x, y)| {
+                tinyllm::ops::mse(&model.forward(x)?, y)?
+                    .add(&w.sub(&w.detach())?.sqrt()?.sum(-1, false)?.sum(-1, false)?)
+            },
             &mut opt,
             Precision::Bf16,
             None,
@@ -1124,9 +1752,26 @@ fn scaler_skips_backs_off_and_recovers_on_injected_faults() -> tinyllm::Result<(
         )
         .expect_err("an inf gradient must not be stepped");
         assert!(e.to_string().contains("non-finite gradients"), "{e}");
-        let after: Vec<Vec<u32>> = model.parameters().iter().map(|p| p.to_vec_f32().unwrap().iter().map(|v| v.to_bits()).collect()).collect();
+        let after: Vec<Vec<u32>> = model
+            .parameters()
+            .iter()
+            .map(|p| {
+                p.to_vec_f32()
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect()
+            })
+            .collect();
         assert_eq!(before, after, "weights changed");
-        assert!(model.parameters().iter().all(|p| p.grad().is_none_or(|g| g.to_vec_f32().unwrap().iter().all(|v| *v == 0.0))), "gradients kept");
+        assert!(
+            model.parameters().iter().all(|p| p.grad().is_none_or(|g| g
+                .to_vec_f32()
+                .unwrap()
+                .iter()
+                .all(|v| *v == 0.0))),
+            "gradients kept"
+        );
     }
     Ok(())
 }
@@ -1141,11 +1786,21 @@ fn non_finite_weights_are_never_saved() {
     let p = &t.model.parameters()[3];
     let mut v = p.to_vec_f32().unwrap();
     v[0] = f32::NAN;
-    p.set_storage(tinyllm::backend::Storage::from_f32(v, Device::Cpu).unwrap()).unwrap();
+    p.set_storage(tinyllm::backend::Storage::from_f32(v, Device::Cpu).unwrap())
+        .unwrap();
     let before = std::fs::read(dir.join("model.safetensors")).unwrap();
-    let e = t.save(run).expect_err("NaN weights must not be saved").to_string();
-    assert!(e.contains("not finite") && e.contains("previous checkpoint"), "{e}");
-    assert_eq!(std::fs::read(dir.join("model.safetensors")).unwrap(), before);
+    let e = t
+        .save(run)
+        .expect_err("NaN weights must not be saved")
+        .to_string();
+    assert!(
+        e.contains("not finite") && e.contains("previous checkpoint"),
+        "{e}"
+    );
+    assert_eq!(
+        std::fs::read(dir.join("model.safetensors")).unwrap(),
+        before
+    );
     assert!(!run.join("checkpoint.next").exists());
     Verified::open(run).unwrap();
     let _ = std::fs::remove_dir_all(run);
@@ -1157,19 +1812,49 @@ fn non_finite_weights_are_never_saved() {
 fn a_missing_gpu_is_a_clear_error_or_a_cpu_fallback() {
     let d = tmpdir("devices");
     let o = d.join("out");
-    for hide in [("TINYLLM_ADAPTER", "nonexistent-adapter"), ("WGPU_BACKEND", "metal")] {
+    for hide in [
+        ("TINYLLM_ADAPTER", "nonexistent-adapter"),
+        ("WGPU_BACKEND", "metal"),
+    ] {
         let envs = [hide];
-        let mut a = vec!["train", "--preset", "tiny", "--steps", "1", "--sample-len", "0", "--plain", "--out", o.to_str().unwrap()];
+        let mut a = vec![
+            "train",
+            "--preset",
+            "tiny",
+            "--steps",
+            "1",
+            "--sample-len",
+            "0",
+            "--plain",
+            "--out",
+            o.to_str().unwrap(),
+        ];
         a.extend(["--device", "gpu"]);
         let (ok, _, err) = run_bin(&a, &envs);
-        assert!(!ok && err.contains("--device gpu: no GPU adapter is available") && err.contains("use --device cpu or auto"), "{hide:?}: {err}");
+        assert!(
+            !ok && err.contains("--device gpu: no GPU adapter is available")
+                && err.contains("use --device cpu or auto"),
+            "{hide:?}: {err}"
+        );
         assert!(!o.join("checkpoint").exists());
         a.truncate(a.len() - 2);
         a.extend(["--device", "auto"]);
         let (ok, _, err) = run_bin(&a, &envs);
-        assert!(ok && err.contains("no GPU adapter") && err.contains("training on the CPU"), "{hide:?}: {err}");
+        assert!(
+            ok && err.contains("no GPU adapter") && err.contains("training on the CPU"),
+            "{hide:?}: {err}"
+        );
         assert!(o.join("checkpoint/manifest.json").exists());
-        let (ok, _, err) = run_bin(&["eval", "--device", "gpu", "--checkpoint", o.to_str().unwrap()], &envs);
+        let (ok, _, err) = run_bin(
+            &[
+                "eval",
+                "--device",
+                "gpu",
+                "--checkpoint",
+                o.to_str().unwrap(),
+            ],
+            &envs,
+        );
         assert!(!ok && err.contains("no GPU adapter"), "{err}");
         let _ = std::fs::remove_dir_all(&o);
     }
@@ -1187,14 +1872,25 @@ fn an_oversized_gpu_tensor_is_an_error() {
     // An outer product of 2^16 × 2^16 float32s: 16 GiB, past any binding limit.
     let a = Tensor::from_vec(vec![1.0; 1 << 16], &[1 << 16, 1], Device::Gpu).unwrap();
     let b = Tensor::from_vec(vec![1.0; 1 << 16], &[1, 1 << 16], Device::Gpu).unwrap();
-    let e = catch_unwind(AssertUnwindSafe(|| a.matmul(&b).and_then(|c| c.to_vec_f32()).map(|v| v.len())))
-        .expect("the GPU backend panicked on an oversized tensor")
-        .expect_err("a 16 GiB tensor must be refused");
-    assert!(e.to_string().contains("exceeds") || e.to_string().contains("GPU"), "{e}");
+    let e = catch_unwind(AssertUnwindSafe(|| {
+        a.matmul(&b).and_then(|c| c.to_vec_f32()).map(|v| v.len())
+    }))
+    .expect("the GPU backend panicked on an oversized tensor")
+    .expect_err("a 16 GiB tensor must be refused");
+    assert!(
+        e.to_string().contains("exceeds") || e.to_string().contains("GPU"),
+        "{e}"
+    );
     // The device is still usable afterwards. (A 1024-long sum: lavapipe caps a
     // shader loop at 65535 iterations, so longer single-invocation reductions
     // come out short on that software device.)
-    let s = a.narrow(0, 0, 1024).unwrap().sum(0, false).unwrap().to_vec_f32().unwrap();
+    let s = a
+        .narrow(0, 0, 1024)
+        .unwrap()
+        .sum(0, false)
+        .unwrap()
+        .to_vec_f32()
+        .unwrap();
     assert_eq!(s, vec![1024.0]);
 }
 
@@ -1209,15 +1905,29 @@ fn same_bits_on_any_thread_count() {
         for threads in ["1", "2", "3", "1"] {
             let out = tmpdir(&format!("threads-{prec}-{threads}-{}", runs.len()));
             let mut a = train_args(&out, 3);
-            a.extend([prec.into(), "--batch".into(), "16".into(), "--micro-batch".into(), "16".into(), "--dropout".into(), "0.1".into()]);
+            a.extend([
+                prec.into(),
+                "--batch".into(),
+                "16".into(),
+                "--micro-batch".into(),
+                "16".into(),
+                "--dropout".into(),
+                "0.1".into(),
+            ]);
             let (ok, _, err) = run_bin(&strs(&a), &[("TINYLLM_THREADS", threads)]);
             assert!(ok, "{err}");
             runs.push((threads.into(), outcome(&out)));
             let _ = std::fs::remove_dir_all(&out);
         }
         for (t, o) in &runs[1..] {
-            assert!(o.losses == runs[0].1.losses, "{prec}: losses differ with {t} threads");
-            assert!(*o == runs[0].1, "{prec}: final checkpoint differs with {t} threads");
+            assert!(
+                o.losses == runs[0].1.losses,
+                "{prec}: losses differ with {t} threads"
+            );
+            assert!(
+                *o == runs[0].1,
+                "{prec}: final checkpoint differs with {t} threads"
+            );
         }
     }
 }

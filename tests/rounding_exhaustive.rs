@@ -73,7 +73,11 @@ fn bf16_every_f32_bit_pattern_matches_half() {
         .iter()
         .map(|&i| {
             let x = f32::from_bits(i as u32);
-            format!("{i:#010x} ({x:e}): ours {:e}, half {:e}", bf16_f32(x), half::bf16::from_f32(x).to_f32())
+            format!(
+                "{i:#010x} ({x:e}): ours {:e}, half {:e}",
+                bf16_f32(x),
+                half::bf16::from_f32(x).to_f32()
+            )
         })
         .collect();
     assert_eq!(bad, 0, "bf16 mismatches, e.g. {show:#?}");
@@ -106,7 +110,11 @@ fn fp16_every_f32_bit_pattern_matches_half() {
             .filter(|(&x, &w)| !same32(fp16_f32(x), w))
             .map(|(&x, &w)| {
                 let one = half::f16::from_f32(x).to_f32();
-                format!("{:#010x} ({x:e}): ours {:e}, half {w:e} (scalar {one:e})", x.to_bits(), fp16_f32(x))
+                format!(
+                    "{:#010x} ({x:e}): ours {:e}, half {w:e} (scalar {one:e})",
+                    x.to_bits(),
+                    fp16_f32(x)
+                )
             })
             .collect()
     });
@@ -155,12 +163,36 @@ fn f64_path_equals_f32_path_on_f32_values() {
             let x = f32::from_bits((i * 97) as u32);
             same64(round_f64(x as f64, fmt), round_f32(x, fmt) as f64)
         });
-        assert_eq!(bad, 0, "{fmt}: f64 and f32 paths differ at patterns {:x?}", ex.iter().map(|i| i * 97).collect::<Vec<_>>());
+        assert_eq!(
+            bad,
+            0,
+            "{fmt}: f64 and f32 paths differ at patterns {:x?}",
+            ex.iter().map(|i| i * 97).collect::<Vec<_>>()
+        );
     }
     let special = [
-        0.0f32, -0.0, 1.0, -1.0, f32::MAX, f32::MIN, f32::MIN_POSITIVE, 1.0e-45, -1.0e-45,
-        65504.0, 65519.996, 65520.0, -65520.0, 65536.0, 3.4e38, f32::INFINITY,
-        f32::NEG_INFINITY, f32::NAN, 2.0e-8, 2.9802322e-8, 5.9604645e-8, 6.1035156e-5,
+        0.0f32,
+        -0.0,
+        1.0,
+        -1.0,
+        f32::MAX,
+        f32::MIN,
+        f32::MIN_POSITIVE,
+        1.0e-45,
+        -1.0e-45,
+        65504.0,
+        65519.996,
+        65520.0,
+        -65520.0,
+        65536.0,
+        3.4e38,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        2.0e-8,
+        2.9802322e-8,
+        5.9604645e-8,
+        6.1035156e-5,
     ];
     for fmt in FORMATS {
         for x in special {
@@ -178,7 +210,10 @@ fn tie_neighbours(t: f32, fmt: Format) -> (f64, f64) {
     match fmt {
         Format::Bf16 => {
             let lo = b & 0xffff_0000;
-            (f32::from_bits(lo) as f64, f32::from_bits(lo + 0x1_0000) as f64)
+            (
+                f32::from_bits(lo) as f64,
+                f32::from_bits(lo + 0x1_0000) as f64,
+            )
         }
         Format::Fp16 => {
             let q = if t >= 2f32.powi(-14) {
@@ -233,8 +268,14 @@ fn f64_near_ties_round_from_f64_directly() {
             // just above and just below: the upper and lower neighbour, whatever
             // their parity. The 2^-30 offsets vanish when narrowed to f32 (which
             // would turn them into the tie and round to even).
-            let above = [f64::from_bits(t64.to_bits() + 1), t64 * (1.0 + 2f64.powi(-30))];
-            let below = [f64::from_bits(t64.to_bits() - 1), t64 * (1.0 - 2f64.powi(-30))];
+            let above = [
+                f64::from_bits(t64.to_bits() + 1),
+                t64 * (1.0 + 2f64.powi(-30)),
+            ];
+            let below = [
+                f64::from_bits(t64.to_bits() - 1),
+                t64 * (1.0 - 2f64.powi(-30)),
+            ];
             for (xs, want) in [(above, hi), (below, lo)] {
                 for x in xs {
                     for sign in [1.0, -1.0] {
@@ -264,7 +305,10 @@ fn f64_near_ties_round_from_f64_directly() {
     let e = 2f64.powi(-30);
     assert_eq!(round_f64(65520.0 * (1.0 - e), Format::Fp16), 65504.0);
     assert_eq!(round_f64(65520.0, Format::Fp16), f64::INFINITY);
-    assert_eq!(round_f64(-65520.0 * (1.0 + e), Format::Fp16), f64::NEG_INFINITY);
+    assert_eq!(
+        round_f64(-65520.0 * (1.0 + e), Format::Fp16),
+        f64::NEG_INFINITY
+    );
     let bmax = f32::from_bits(0x7f7f_0000) as f64;
     let bnd = f32::from_bits(0x7f7f_8000) as f64;
     assert_eq!(round_f64(bnd * (1.0 - e), Format::Bf16), bmax);
@@ -272,16 +316,26 @@ fn f64_near_ties_round_from_f64_directly() {
     assert_eq!(round_f64(1.0e300, Format::Bf16), f64::INFINITY);
     assert_eq!(round_f64(-1.0e300, Format::Fp16), f64::NEG_INFINITY);
     // Below the smallest subnormal's half: zero, sign kept.
-    assert_eq!(round_f64(-1.0e-300, Format::Bf16).to_bits(), (-0.0f64).to_bits());
-    assert_eq!(round_f64(2f64.powi(-25) * (1.0 + e), Format::Fp16), 2f64.powi(-24));
+    assert_eq!(
+        round_f64(-1.0e-300, Format::Bf16).to_bits(),
+        (-0.0f64).to_bits()
+    );
+    assert_eq!(
+        round_f64(2f64.powi(-25) * (1.0 + e), Format::Fp16),
+        2f64.powi(-24)
+    );
     assert_eq!(round_f64(2f64.powi(-25), Format::Fp16), 0.0);
 }
 
 /// The neighbours of a (non-negative, finite) format value `r` as f64.
 fn neighbours(r: f64, fmt: Format) -> (Option<f64>, f64) {
     let (bits, from): (u16, fn(u16) -> f64) = match fmt {
-        Format::Bf16 => (half::bf16::from_f64(r).to_bits(), |b| half::bf16::from_bits(b).to_f64()),
-        Format::Fp16 => (half::f16::from_f64(r).to_bits(), |b| half::f16::from_bits(b).to_f64()),
+        Format::Bf16 => (half::bf16::from_f64(r).to_bits(), |b| {
+            half::bf16::from_bits(b).to_f64()
+        }),
+        Format::Fp16 => (half::f16::from_f64(r).to_bits(), |b| {
+            half::f16::from_bits(b).to_f64()
+        }),
     };
     let down = (bits > 0).then(|| from(bits - 1));
     (down, from(bits + 1))
@@ -319,7 +373,10 @@ fn f64_rounds_to_the_nearest_value_ties_to_even() {
             let r = round_f64(x, fmt);
             assert!(r.is_finite(), "{fmt}: {x:e} -> {r:e}");
             let r32 = r as f32;
-            assert!(r32 as f64 == r && round_f32(r32, fmt) == r32, "{fmt}: {r:e} is not a format value");
+            assert!(
+                r32 as f64 == r && round_f32(r32, fmt) == r32,
+                "{fmt}: {r:e} is not a format value"
+            );
             let (down, up) = neighbours(r, fmt);
             let d = (x - r).abs();
             let even = match fmt {
@@ -328,7 +385,10 @@ fn f64_rounds_to_the_nearest_value_ties_to_even() {
             };
             for nb in down.into_iter().chain([up]) {
                 let dn = (x - nb).abs();
-                assert!(d < dn || (d == dn && even), "{fmt}: {x:e} -> {r:e}, but {nb:e} is nearer");
+                assert!(
+                    d < dn || (d == dn && even),
+                    "{fmt}: {x:e} -> {r:e}, but {nb:e} is nearer"
+                );
             }
             // and the sign is symmetric
             assert_eq!(round_f64(-x, fmt), -r);

@@ -46,13 +46,20 @@ fn assert_same_snapshot(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) {
 /// losses are equal bit for bit.
 fn resume_matches(opts: TrainOptions, name: &str) {
     let corpus = Corpus::embedded();
-    let cfg = tiny(TrainOptions { steps: Some(6), ..opts });
+    let cfg = tiny(TrainOptions {
+        steps: Some(6),
+        ..opts
+    });
     let mut a = Trainer::new(cfg.clone(), Device::Cpu, &corpus).unwrap();
-    let la: Vec<u32> = (0..6).map(|_| a.train_step().unwrap().loss.to_bits()).collect();
+    let la: Vec<u32> = (0..6)
+        .map(|_| a.train_step().unwrap().loss.to_bits())
+        .collect();
 
     let dir = tmpdir(name);
     let mut b = Trainer::new(cfg.clone(), Device::Cpu, &corpus).unwrap();
-    let mut lb: Vec<u32> = (0..3).map(|_| b.train_step().unwrap().loss.to_bits()).collect();
+    let mut lb: Vec<u32> = (0..3)
+        .map(|_| b.train_step().unwrap().loss.to_bits())
+        .collect();
     b.save(&dir).unwrap();
     drop(b);
     let mut c = Trainer::resume(cfg, Device::Cpu, &corpus, &dir).unwrap();
@@ -63,19 +70,32 @@ fn resume_matches(opts: TrainOptions, name: &str) {
     assert_same_snapshot(&a.snapshot().unwrap(), &c.snapshot().unwrap());
     assert_eq!(a.model.rng.state(), c.model.rng.state());
     assert_eq!(a.data_rng.state(), c.data_rng.state());
-    assert_eq!(a.scaler.as_ref().map(|s| s.state_dict()), c.scaler.as_ref().map(|s| s.state_dict()));
+    assert_eq!(
+        a.scaler.as_ref().map(|s| s.state_dict()),
+        c.scaler.as_ref().map(|s| s.state_dict())
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
 fn resume_is_bit_for_bit_bf16_with_dropout_and_checkpointing() {
-    resume_matches(TrainOptions { dropout: Some(0.1), ..Default::default() }, "resume-bf16");
+    resume_matches(
+        TrainOptions {
+            dropout: Some(0.1),
+            ..Default::default()
+        },
+        "resume-bf16",
+    );
 }
 
 #[test]
 fn resume_is_bit_for_bit_fp16_with_loss_scaler() {
     resume_matches(
-        TrainOptions { precision: Some("fp16".into()), checkpoint_activations: Some(false), ..Default::default() },
+        TrainOptions {
+            precision: Some("fp16".into()),
+            checkpoint_activations: Some(false),
+            ..Default::default()
+        },
         "resume-fp16",
     );
 }
@@ -91,14 +111,23 @@ fn cpu_and_gpu_runs_are_identical() {
         return;
     }
     let corpus = Corpus::embedded();
-    let cfg = tiny(TrainOptions { steps: Some(3), dropout: Some(0.1), ..Default::default() });
+    let cfg = tiny(TrainOptions {
+        steps: Some(3),
+        dropout: Some(0.1),
+        ..Default::default()
+    });
     let mut runs = Vec::new();
     for dev in [Device::Cpu, Device::Gpu] {
         let mut t = Trainer::new(cfg.clone(), dev, &corpus).unwrap();
-        let losses: Vec<u32> = (0..3).map(|_| t.train_step().unwrap().loss.to_bits()).collect();
+        let losses: Vec<u32> = (0..3)
+            .map(|_| t.train_step().unwrap().loss.to_bits())
+            .collect();
         runs.push((losses, t.snapshot().unwrap()));
     }
-    assert_eq!(runs[0].0, runs[1].0, "per-step losses differ between CPU and GPU");
+    assert_eq!(
+        runs[0].0, runs[1].0,
+        "per-step losses differ between CPU and GPU"
+    );
     assert_same_snapshot(&runs[0].1, &runs[1].1);
 }
 
@@ -106,7 +135,10 @@ fn cpu_and_gpu_runs_are_identical() {
 
 fn saved_tiny(name: &str) -> (PathBuf, TrainConfig) {
     let corpus = Corpus::embedded();
-    let cfg = tiny(TrainOptions { steps: Some(2), ..Default::default() });
+    let cfg = tiny(TrainOptions {
+        steps: Some(2),
+        ..Default::default()
+    });
     let mut t = Trainer::new(cfg.clone(), Device::Cpu, &corpus).unwrap();
     t.train_step().unwrap();
     let dir = tmpdir(name);
@@ -138,7 +170,8 @@ fn resume_fails(dir: &Path, cfg: &TrainConfig) -> String {
     let ck = Verified::open(dir);
     let err = match ck {
         Err(e) => e,
-        Ok(ck) => checkpoint::restore(&ck, &t.model, &mut t.opt).expect_err("a bad checkpoint must not load"),
+        Ok(ck) => checkpoint::restore(&ck, &t.model, &mut t.opt)
+            .expect_err("a bad checkpoint must not load"),
     };
     assert_same_snapshot(&before, &t.snapshot().unwrap());
     err.to_string()
@@ -164,8 +197,14 @@ fn checkpoint_has_hugging_face_names_and_config() {
         assert!(names.contains(&n), "missing {n}");
     }
     assert_eq!(names.len(), 2 + 4 * 9 + 1);
-    assert_eq!(st.tensor("model.layers.0.mlp.up_proj.weight").unwrap().shape(), &[64, 32]);
-    let c: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
+    assert_eq!(
+        st.tensor("model.layers.0.mlp.up_proj.weight")
+            .unwrap()
+            .shape(),
+        &[64, 32]
+    );
+    let c: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
     assert_eq!(c["architectures"][0], "LlamaForCausalLM");
     assert_eq!(c["hidden_size"], 32);
     assert_eq!(c["intermediate_size"], 64);
@@ -185,7 +224,10 @@ fn corrupted_checkpoints_are_refused_and_nothing_loads() {
     b[at] ^= 0x10;
     std::fs::write(&p, &b).unwrap();
     let e = resume_fails(&dir, &cfg);
-    assert!(e.contains("SHA-256") && e.contains("model.safetensors"), "{e}");
+    assert!(
+        e.contains("SHA-256") && e.contains("model.safetensors"),
+        "{e}"
+    );
 
     // A truncated file.
     let (dir, cfg) = saved_tiny("trunc");
@@ -193,7 +235,10 @@ fn corrupted_checkpoints_are_refused_and_nothing_loads() {
     let b = std::fs::read(&p).unwrap();
     std::fs::write(&p, &b[..b.len() / 2]).unwrap();
     let e = resume_fails(&dir, &cfg);
-    assert!(e.contains("truncated") && e.contains("optimizer.safetensors"), "{e}");
+    assert!(
+        e.contains("truncated") && e.contains("optimizer.safetensors"),
+        "{e}"
+    );
 
     // A missing manifest.
     let (dir, cfg) = saved_tiny("nomanifest");
@@ -214,15 +259,30 @@ fn wrong_shapes_are_refused_before_anything_loads() {
         .named_parameters()
         .into_iter()
         .map(|(n, t)| {
-            let b: Vec<u8> = t.to_vec_f32().unwrap().iter().flat_map(|x| x.to_le_bytes()).collect();
+            let b: Vec<u8> = t
+                .to_vec_f32()
+                .unwrap()
+                .iter()
+                .flat_map(|x| x.to_le_bytes())
+                .collect();
             (n, t.shape().to_vec(), b)
         })
         .collect();
     let views: Vec<(String, safetensors::tensor::TensorView)> = data
         .iter()
-        .map(|(n, s, b)| (n.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b).unwrap()))
+        .map(|(n, s, b)| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)
+                    .unwrap(),
+            )
+        })
         .collect();
-    std::fs::write(dir.join("model.safetensors"), safetensors::serialize(views, None).unwrap()).unwrap();
+    std::fs::write(
+        dir.join("model.safetensors"),
+        safetensors::serialize(views, None).unwrap(),
+    )
+    .unwrap();
     rehash(&dir);
     let e = resume_fails(&dir, &cfg);
     assert!(e.contains("shape") && e.contains("mlp"), "{e}");
@@ -232,7 +292,13 @@ fn wrong_shapes_are_refused_before_anything_loads() {
 fn a_config_that_does_not_match_is_refused() {
     let (dir, cfg) = saved_tiny("config");
     // The run's model differs from the checkpoint's config.json.
-    let other = TrainConfig { model: LlamaConfig { hidden: 48, ..cfg.model.clone() }, ..cfg.clone() };
+    let other = TrainConfig {
+        model: LlamaConfig {
+            hidden: 48,
+            ..cfg.model.clone()
+        },
+        ..cfg.clone()
+    };
     let e = resume_fails(&dir, &other);
     assert!(e.contains("config.json does not match"), "{e}");
     // config.json edited to disagree with the weights it ships with.
@@ -241,7 +307,10 @@ fn a_config_that_does_not_match_is_refused() {
     c["intermediate_size"] = 80.into();
     std::fs::write(&p, serde_json::to_vec(&c).unwrap()).unwrap();
     rehash(&dir);
-    let e = checkpoint::load_model(&dir, Device::Cpu).err().expect("must fail").to_string();
+    let e = checkpoint::load_model(&dir, Device::Cpu)
+        .err()
+        .expect("must fail")
+        .to_string();
     assert!(e.contains("shape"), "{e}");
 }
 
@@ -259,16 +328,29 @@ fn nan_loss_without_scaler_stops_with_last_checkpoint_intact() {
         out: Some(out.clone()),
         ..Default::default()
     });
-    let e = tinyllm::train::run(cfg, None, Progress::Quiet).expect_err("the run must stop").to_string();
+    let e = tinyllm::train::run(cfg, None, Progress::Quiet)
+        .expect_err("the run must stop")
+        .to_string();
     // The first symptom is either a non-finite loss or (a step earlier, with
     // the loss still finite) non-finite gradients: both stop before the update.
-    assert!((e.contains("non-finite loss") || e.contains("non-finite gradients")) && e.contains("last good checkpoint"), "{e}");
+    assert!(
+        (e.contains("non-finite loss") || e.contains("non-finite gradients"))
+            && e.contains("last good checkpoint"),
+        "{e}"
+    );
     let st = Verified::open(&out).unwrap().train_state().unwrap();
-    assert!(st.step >= 1 && e.contains(&format!("step {}", st.step + 1)), "{e} / saved step {}", st.step);
+    assert!(
+        st.step >= 1 && e.contains(&format!("step {}", st.step + 1)),
+        "{e} / saved step {}",
+        st.step
+    );
     // "Good" means it: the saved weights are finite.
     let m = checkpoint::load_model(&out, Device::Cpu).unwrap();
     for (n, p) in m.named_parameters() {
-        assert!(p.to_vec_f32().unwrap().iter().all(|x| x.is_finite()), "{n} is not finite in the last checkpoint");
+        assert!(
+            p.to_vec_f32().unwrap().iter().all(|x| x.is_finite()),
+            "{n} is not finite in the last checkpoint"
+        );
     }
     let _ = std::fs::remove_dir_all(&out);
 }
@@ -279,20 +361,41 @@ fn nan_loss_without_scaler_stops_with_last_checkpoint_intact() {
 fn rope_rotate_half_by_hand() {
     // rotate_half([1, 2, 3, 4]) = [-3, -4, 1, 2]: pairs are (i, i + D/2).
     let x = Tensor::from_vec(vec![1.0, 2.0, 3.0, 4.0], &[1, 4], Device::Cpu).unwrap();
-    assert_eq!(rotate_half(&x).unwrap().to_vec_f32().unwrap(), vec![-3.0, -4.0, 1.0, 2.0]);
+    assert_eq!(
+        rotate_half(&x).unwrap().to_vec_f32().unwrap(),
+        vec![-3.0, -4.0, 1.0, 2.0]
+    );
     // D = 4, theta = 10000: inverse frequencies [1, 0.01], repeated per half.
     let (cos, sin) = rope_tables(2, 4, 10000.0);
     assert_eq!(&cos[..4], &[1.0, 1.0, 1.0, 1.0]);
     assert_eq!(&sin[..4], &[0.0, 0.0, 0.0, 0.0]);
-    let (c1, c01, s1, s01) = (1f64.cos() as f32, 0.01f64.cos() as f32, 1f64.sin() as f32, 0.01f64.sin() as f32);
+    let (c1, c01, s1, s01) = (
+        1f64.cos() as f32,
+        0.01f64.cos() as f32,
+        1f64.sin() as f32,
+        0.01f64.sin() as f32,
+    );
     assert_eq!(&cos[4..], &[c1, c01, c1, c01]);
     assert_eq!(&sin[4..], &[s1, s01, s1, s01]);
     // Position 1: [x0 cos1 − x2 sin1, x1 cos.01 − x3 sin.01, x2 cos1 + x0 sin1, x3 cos.01 + x1 sin.01].
-    let xt = Tensor::from_vec(vec![0.0; 4].into_iter().chain([1.0, 2.0, 3.0, 4.0]).collect(), &[2, 4], Device::Cpu).unwrap();
+    let xt = Tensor::from_vec(
+        vec![0.0; 4]
+            .into_iter()
+            .chain([1.0, 2.0, 3.0, 4.0])
+            .collect(),
+        &[2, 4],
+        Device::Cpu,
+    )
+    .unwrap();
     let ct = Tensor::from_vec(cos, &[2, 4], Device::Cpu).unwrap();
     let st = Tensor::from_vec(sin, &[2, 4], Device::Cpu).unwrap();
     let y = apply_rope(&xt, &ct, &st).unwrap().to_vec_f32().unwrap();
-    let want = [1.0 * c1 - 3.0 * s1, 2.0 * c01 - 4.0 * s01, 3.0 * c1 + 1.0 * s1, 4.0 * c01 + 2.0 * s01];
+    let want = [
+        1.0 * c1 - 3.0 * s1,
+        2.0 * c01 - 4.0 * s01,
+        3.0 * c1 + 1.0 * s1,
+        4.0 * c01 + 2.0 * s01,
+    ];
     for (g, w) in y[4..].iter().zip(want) {
         assert!((g - w).abs() < 1e-6, "{y:?} vs {want:?}");
     }
@@ -312,15 +415,30 @@ fn write(dir: &Path, name: &str, bytes: &[u8]) -> PathBuf {
 #[test]
 fn bad_corpora_are_clear_errors_naming_the_file() {
     let d = tmpdir("data");
-    let e = Corpus::from_file(&write(&d, "empty.txt", b"")).err().unwrap().to_string();
+    let e = Corpus::from_file(&write(&d, "empty.txt", b""))
+        .err()
+        .unwrap()
+        .to_string();
     assert!(e.contains("empty.txt") && e.contains("empty"), "{e}");
-    let e = Corpus::from_file(&write(&d, "latin1.txt", b"caf\xe9 au lait")).err().unwrap().to_string();
-    assert!(e.contains("latin1.txt") && e.contains("UTF-8") && e.contains("offset 3"), "{e}");
-    let e = Corpus::from_file(&d.join("missing.txt")).err().unwrap().to_string();
+    let e = Corpus::from_file(&write(&d, "latin1.txt", b"caf\xe9 au lait"))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("latin1.txt") && e.contains("UTF-8") && e.contains("offset 3"),
+        "{e}"
+    );
+    let e = Corpus::from_file(&d.join("missing.txt"))
+        .err()
+        .unwrap()
+        .to_string();
     assert!(e.contains("missing.txt"), "{e}");
     let short = Corpus::from_file(&write(&d, "short.txt", b"only twenty bytes!!!")).unwrap();
     let e = Dataset::new(&short, 16, 0).err().unwrap().to_string();
-    assert!(e.contains("short.txt") && e.contains("too short") && e.contains("34"), "{e}");
+    assert!(
+        e.contains("short.txt") && e.contains("too short") && e.contains("34"),
+        "{e}"
+    );
     // Exactly enough: two windows of 17.
     let ok = Corpus::from_file(&write(&d, "ok.txt", &[b'a'; 34])).unwrap();
     let ds = Dataset::new(&ok, 16, 0).unwrap();
@@ -346,54 +464,145 @@ fn split_and_batch_order_are_deterministic_per_seed() {
     assert_eq!(a.train, b.train);
     assert_ne!(a.val, other.val, "another seed holds out other pieces");
     // Validation and training pieces are disjoint and cover the corpus.
-    let mut all: Vec<_> = a.train.iter().chain(&a.val).map(|p| (p.start, p.len)).collect();
+    let mut all: Vec<_> = a
+        .train
+        .iter()
+        .chain(&a.val)
+        .map(|p| (p.start, p.len))
+        .collect();
     all.sort();
     assert_eq!(all.iter().map(|p| p.1).sum::<usize>(), c.tokens.len());
     let (g1, g2) = (Generator::new(3), Generator::new(3));
     assert_eq!(a.sample_batch(&g1, 4), b.sample_batch(&g2, 4));
     assert_eq!(a.sample_batch(&g1, 4), b.sample_batch(&g2, 4));
-    assert_ne!(a.sample_batch(&Generator::new(4), 4), a.sample_batch(&Generator::new(3), 4));
+    assert_ne!(
+        a.sample_batch(&Generator::new(4), 4),
+        a.sample_batch(&Generator::new(3), 4)
+    );
     // Targets are the inputs shifted by one.
     let bt = a.sample_batch(&Generator::new(5), 2);
     assert_eq!(&bt.ids[1..16], &bt.targets[..15]);
     // Splitting into micro-batches keeps the rows in order.
     let parts = bt.split(1);
     assert_eq!(parts.len(), 2);
-    assert_eq!([parts[0].ids.clone(), parts[1].ids.clone()].concat(), bt.ids);
+    assert_eq!(
+        [parts[0].ids.clone(), parts[1].ids.clone()].concat(),
+        bt.ids
+    );
     assert_eq!(ByteTokenizer::decode(&ByteTokenizer::encode("ok")), "ok");
 }
 
 // ---------------------------------------------------------------- CLI ----
 
 fn resolve_err(o: TrainOptions) -> String {
-    TrainConfig::resolve(&o).expect_err("must be rejected").to_string()
+    TrainConfig::resolve(&o)
+        .expect_err("must be rejected")
+        .to_string()
 }
 
 #[test]
 fn flags_are_validated_with_what_is_allowed() {
-    let t = || TrainOptions { preset: Some("tiny".into()), ..Default::default() };
-    assert!(resolve_err(TrainOptions { steps: Some(0), ..t() }).contains("--steps must be at least 1"));
-    assert!(resolve_err(TrainOptions { batch: Some(0), ..t() }).contains("--batch must be at least 1"));
-    assert!(resolve_err(TrainOptions { micro_batch: Some(0), ..t() }).contains("--micro-batch must be at least 1"));
-    assert!(resolve_err(TrainOptions { accum: Some(0), ..t() }).contains("--accum must be at least 1"));
-    let e = resolve_err(TrainOptions { batch: Some(4), micro_batch: Some(8), ..t() });
-    assert!(e.contains("larger than the batch") && e.contains("1..=4"), "{e}");
-    let e = resolve_err(TrainOptions { batch: Some(8), micro_batch: Some(4), accum: Some(3), ..t() });
+    let t = || TrainOptions {
+        preset: Some("tiny".into()),
+        ..Default::default()
+    };
+    assert!(resolve_err(TrainOptions {
+        steps: Some(0),
+        ..t()
+    })
+    .contains("--steps must be at least 1"));
+    assert!(resolve_err(TrainOptions {
+        batch: Some(0),
+        ..t()
+    })
+    .contains("--batch must be at least 1"));
+    assert!(resolve_err(TrainOptions {
+        micro_batch: Some(0),
+        ..t()
+    })
+    .contains("--micro-batch must be at least 1"));
+    assert!(resolve_err(TrainOptions {
+        accum: Some(0),
+        ..t()
+    })
+    .contains("--accum must be at least 1"));
+    let e = resolve_err(TrainOptions {
+        batch: Some(4),
+        micro_batch: Some(8),
+        ..t()
+    });
+    assert!(
+        e.contains("larger than the batch") && e.contains("1..=4"),
+        "{e}"
+    );
+    let e = resolve_err(TrainOptions {
+        batch: Some(8),
+        micro_batch: Some(4),
+        accum: Some(3),
+        ..t()
+    });
     assert!(e.contains("--accum 3 does not match"), "{e}");
-    let e = resolve_err(TrainOptions { ckpt_budget: Some(2), ..t() });
-    assert!(e.contains("--ckpt-budget") && e.contains("smallest achievable peak is 3"), "{e}");
-    let e = resolve_err(TrainOptions { ckpt_budget: Some(3), checkpoint_activations: Some(false), ..t() });
-    assert!(e.contains("--ckpt-budget needs activation checkpointing"), "{e}");
-    let e = resolve_err(TrainOptions { preset: Some("huge".into()), ..Default::default() });
-    assert!(e.contains("--preset") && e.contains("capstone, small or tiny"), "{e}");
-    let e = resolve_err(TrainOptions { device: Some("tpu".into()), ..t() });
-    assert!(e.contains("--device") && e.contains("auto, cpu or gpu"), "{e}");
-    let e = resolve_err(TrainOptions { precision: Some("fp8".into()), ..t() });
-    assert!(e.contains("--precision") && e.contains("fp32, bf16 or fp16"), "{e}");
-    assert!(resolve_err(TrainOptions { lr: Some(-1.0), ..t() }).contains("--lr must be a positive number"));
-    assert!(resolve_err(TrainOptions { lr: Some(f32::NAN), ..t() }).contains("--lr"));
-    assert!(resolve_err(TrainOptions { clip: Some(-1.0), ..t() }).contains("--clip"));
-    assert!(resolve_err(TrainOptions { dropout: Some(1.0), ..t() }).contains("--dropout"));
+    let e = resolve_err(TrainOptions {
+        ckpt_budget: Some(2),
+        ..t()
+    });
+    assert!(
+        e.contains("--ckpt-budget") && e.contains("smallest achievable peak is 3"),
+        "{e}"
+    );
+    let e = resolve_err(TrainOptions {
+        ckpt_budget: Some(3),
+        checkpoint_activations: Some(false),
+        ..t()
+    });
+    assert!(
+        e.contains("--ckpt-budget needs activation checkpointing"),
+        "{e}"
+    );
+    let e = resolve_err(TrainOptions {
+        preset: Some("huge".into()),
+        ..Default::default()
+    });
+    assert!(
+        e.contains("--preset") && e.contains("capstone, small or tiny"),
+        "{e}"
+    );
+    let e = resolve_err(TrainOptions {
+        device: Some("tpu".into()),
+        ..t()
+    });
+    assert!(
+        e.contains("--device") && e.contains("auto, cpu or gpu"),
+        "{e}"
+    );
+    let e = resolve_err(TrainOptions {
+        precision: Some("fp8".into()),
+        ..t()
+    });
+    assert!(
+        e.contains("--precision") && e.contains("fp32, bf16 or fp16"),
+        "{e}"
+    );
+    assert!(resolve_err(TrainOptions {
+        lr: Some(-1.0),
+        ..t()
+    })
+    .contains("--lr must be a positive number"));
+    assert!(resolve_err(TrainOptions {
+        lr: Some(f32::NAN),
+        ..t()
+    })
+    .contains("--lr"));
+    assert!(resolve_err(TrainOptions {
+        clip: Some(-1.0),
+        ..t()
+    })
+    .contains("--clip"));
+    assert!(resolve_err(TrainOptions {
+        dropout: Some(1.0),
+        ..t()
+    })
+    .contains("--dropout"));
 
     // The defaults of `train`: small, bf16, accumulation, checkpointing.
     let d = TrainConfig::resolve(&TrainOptions::default()).unwrap();
@@ -401,18 +610,37 @@ fn flags_are_validated_with_what_is_allowed() {
     assert_eq!(d.precision, tinyllm::precision::Precision::Bf16);
     assert!(d.accum > 1 && d.ckpt_budget == Some(min_ckpt_budget(d.model.n_layers)));
     // Any two of batch / micro-batch / accum fix the third.
-    let c = TrainConfig::resolve(&TrainOptions { micro_batch: Some(2), accum: Some(3), ..t() }).unwrap();
+    let c = TrainConfig::resolve(&TrainOptions {
+        micro_batch: Some(2),
+        accum: Some(3),
+        ..t()
+    })
+    .unwrap();
     assert_eq!((c.batch, c.micro_batch, c.accum), (6, 2, 3));
-    let c = TrainConfig::resolve(&TrainOptions { batch: Some(7), micro_batch: Some(3), ..t() }).unwrap();
+    let c = TrainConfig::resolve(&TrainOptions {
+        batch: Some(7),
+        micro_batch: Some(3),
+        ..t()
+    })
+    .unwrap();
     assert_eq!((c.batch, c.micro_batch, c.accum), (7, 3, 3));
 
     // Through the binary: clap rejects malformed values, the library the rest.
     let run = |args: &[&str]| {
-        let o = std::process::Command::new(env!("CARGO_BIN_EXE_tinyllm")).args(args).output().unwrap();
-        (o.status.success(), String::from_utf8_lossy(&o.stderr).into_owned())
+        let o = std::process::Command::new(env!("CARGO_BIN_EXE_tinyllm"))
+            .args(args)
+            .output()
+            .unwrap();
+        (
+            o.status.success(),
+            String::from_utf8_lossy(&o.stderr).into_owned(),
+        )
     };
     let (ok, err) = run(&["train", "--preset", "tiny", "--micro-batch", "0"]);
-    assert!(!ok && err.contains("--micro-batch must be at least 1"), "{err}");
+    assert!(
+        !ok && err.contains("--micro-batch must be at least 1"),
+        "{err}"
+    );
     let (ok, err) = run(&["train", "--steps=-3"]);
     assert!(!ok && err.contains("--steps"), "{err}");
     let (ok, err) = run(&["train", "--fp32", "--fp16"]);
@@ -424,7 +652,12 @@ fn flags_are_validated_with_what_is_allowed() {
 #[test]
 fn a_run_writes_metrics_plot_checkpoint_and_compare_passes() {
     let out = tmpdir("run");
-    let cfg = tiny(TrainOptions { steps: Some(4), eval_every: Some(2), out: Some(out.clone()), ..Default::default() });
+    let cfg = tiny(TrainOptions {
+        steps: Some(4),
+        eval_every: Some(2),
+        out: Some(out.clone()),
+        ..Default::default()
+    });
     let s = tinyllm::train::run(cfg, None, Progress::Quiet).unwrap();
     let lines: Vec<serde_json::Value> = std::fs::read_to_string(out.join("metrics.jsonl"))
         .unwrap()
@@ -432,23 +665,50 @@ fn a_run_writes_metrics_plot_checkpoint_and_compare_passes() {
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
     assert_eq!(lines.len(), 4);
-    for k in ["step", "loss", "lr", "scale", "skipped", "grad_norm", "tokens_per_s", "peak_bytes"] {
+    for k in [
+        "step",
+        "loss",
+        "lr",
+        "scale",
+        "skipped",
+        "grad_norm",
+        "tokens_per_s",
+        "peak_bytes",
+    ] {
         assert!(lines[0].get(k).is_some(), "metrics lack {k}");
     }
     assert!(lines[1].get("val_loss").is_some() && lines[0].get("val_loss").is_none());
-    assert!(std::fs::read_to_string(out.join("loss.svg")).unwrap().starts_with("<svg"));
+    assert!(std::fs::read_to_string(out.join("loss.svg"))
+        .unwrap()
+        .starts_with("<svg"));
     assert!(s.peak_bytes > 0 && s.plan.total > 0);
     // The plan is an estimate of the same quantity the counters measure.
     let ratio = s.peak_bytes as f64 / s.plan.total as f64;
-    assert!((0.5..1.5).contains(&ratio), "planned {} vs measured {}", s.plan.total, s.peak_bytes);
+    assert!(
+        (0.5..1.5).contains(&ratio),
+        "planned {} vs measured {}",
+        s.plan.total,
+        s.peak_bytes
+    );
 
     // eval and generate through the binary, on that checkpoint.
     let bin = env!("CARGO_BIN_EXE_tinyllm");
-    let o = std::process::Command::new(bin).args(["eval", "--checkpoint"]).arg(&out).output().unwrap();
+    let o = std::process::Command::new(bin)
+        .args(["eval", "--checkpoint"])
+        .arg(&out)
+        .output()
+        .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(String::from_utf8_lossy(&o.stdout).contains("mean cross-entropy"));
     let o = std::process::Command::new(bin)
-        .args(["generate", "--prompt", "The ", "--len", "12", "--checkpoint"])
+        .args([
+            "generate",
+            "--prompt",
+            "The ",
+            "--len",
+            "12",
+            "--checkpoint",
+        ])
         .arg(&out)
         .output()
         .unwrap();
@@ -457,7 +717,13 @@ fn a_run_writes_metrics_plot_checkpoint_and_compare_passes() {
 
     // MS-L11 in miniature.
     let c = tinyllm::train::compare::compare(
-        &TrainOptions { preset: Some("tiny".into()), device: Some("cpu".into()), steps: Some(20), out: Some(out.join("cmp")), ..Default::default() },
+        &TrainOptions {
+            preset: Some("tiny".into()),
+            device: Some("cpu".into()),
+            steps: Some(20),
+            out: Some(out.join("cmp")),
+            ..Default::default()
+        },
         Progress::Quiet,
     )
     .unwrap();

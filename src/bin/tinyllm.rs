@@ -11,7 +11,11 @@ use tinyllm::train::trainer::{eval_text, sample_text, select_device};
 use tinyllm::train::{compare, Progress};
 
 #[derive(Parser)]
-#[command(name = "tinyllm", version, about = "Train small Llama-style language models with mixed precision")]
+#[command(
+    name = "tinyllm",
+    version,
+    about = "Train small Llama-style language models with mixed precision"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -28,6 +32,22 @@ enum Cmd {
     Eval(EvalArgs),
     /// Sample text from a checkpoint.
     Generate(GenerateArgs),
+    /// GPU kernel throughput on this machine's adapter (matmul, fused finite
+    /// check + unscale, fused AdamW) against the device's own baselines.
+    Bench(BenchArgs),
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    /// Large shapes too (1024³, the capstone's full-batch products).
+    #[arg(long)]
+    full: bool,
+    /// Skip the float32 matmuls (slow where the device's fma must be emulated).
+    #[arg(long)]
+    no_f32: bool,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args, Clone, Default)]
@@ -157,11 +177,15 @@ struct GenerateArgs {
 
 /// A whole number flag: a clear message instead of Rust's parse error.
 fn count(s: &str) -> Result<usize, String> {
-    s.trim().parse::<usize>().map_err(|_| format!("{s:?} is not a whole number: expected 0, 1, 2, …"))
+    s.trim()
+        .parse::<usize>()
+        .map_err(|_| format!("{s:?} is not a whole number: expected 0, 1, 2, …"))
 }
 
 fn count_u64(s: &str) -> Result<u64, String> {
-    s.trim().parse::<u64>().map_err(|_| format!("{s:?} is not a whole number: expected 0, 1, 2, …"))
+    s.trim()
+        .parse::<u64>()
+        .map_err(|_| format!("{s:?} is not a whole number: expected 0, 1, 2, …"))
 }
 
 /// The most bytes `generate --len` / `train --sample-len` produce.
@@ -169,7 +193,9 @@ const MAX_SAMPLE: usize = 1_000_000;
 
 fn check_sample_len(flag: &str, n: usize) -> tinyllm::Result<()> {
     if n > MAX_SAMPLE {
-        return Err(tinyllm::Error::msg(format!("{flag} must be 0..={MAX_SAMPLE} bytes (got {n})")));
+        return Err(tinyllm::Error::msg(format!(
+            "{flag} must be 0..={MAX_SAMPLE} bytes (got {n})"
+        )));
     }
     Ok(())
 }
@@ -244,11 +270,27 @@ fn resume_config(a: &TrainArgs, dir: &std::path::Path) -> tinyllm::Result<TrainC
         ("--data", o.data.is_some(), given.data != saved.data),
         ("--lr", o.lr.is_some(), given.lr != saved.lr),
         ("--seed", o.seed.is_some(), given.seed != saved.seed),
-        ("--fp32/--bf16/--fp16", o.precision.is_some(), given.precision != saved.precision),
-        ("--batch/--micro-batch/--accum", o.batch.is_some() || o.micro_batch.is_some() || o.accum.is_some(), (given.batch, given.micro_batch) != (saved.batch, saved.micro_batch)),
-        ("--checkpoint-activations/--ckpt-budget", o.checkpoint_activations.is_some() || o.ckpt_budget.is_some(), given.ckpt_budget != saved.ckpt_budget),
+        (
+            "--fp32/--bf16/--fp16",
+            o.precision.is_some(),
+            given.precision != saved.precision,
+        ),
+        (
+            "--batch/--micro-batch/--accum",
+            o.batch.is_some() || o.micro_batch.is_some() || o.accum.is_some(),
+            (given.batch, given.micro_batch) != (saved.batch, saved.micro_batch),
+        ),
+        (
+            "--checkpoint-activations/--ckpt-budget",
+            o.checkpoint_activations.is_some() || o.ckpt_budget.is_some(),
+            given.ckpt_budget != saved.ckpt_budget,
+        ),
         ("--clip", o.clip.is_some(), given.clip != saved.clip),
-        ("--warmup/--dropout", o.warmup.is_some() || o.dropout.is_some(), (given.warmup, given.model.dropout) != (saved.warmup, saved.model.dropout)),
+        (
+            "--warmup/--dropout",
+            o.warmup.is_some() || o.dropout.is_some(),
+            (given.warmup, given.model.dropout) != (saved.warmup, saved.model.dropout),
+        ),
     ];
     for (flag, set, differs) in checks {
         if set && differs {
@@ -268,7 +310,9 @@ fn resume_config(a: &TrainArgs, dir: &std::path::Path) -> tinyllm::Result<TrainC
         cfg.save_every = s;
     }
     if let Some(d) = &o.device {
-        cfg.device = d.parse::<DeviceChoice>().map_err(|e| e.context("--device"))?;
+        cfg.device = d
+            .parse::<DeviceChoice>()
+            .map_err(|e| e.context("--device"))?;
     }
     cfg.out = o.out.clone().unwrap_or_else(|| {
         let d = checkpoint::resolve_dir(dir);
@@ -295,25 +339,48 @@ fn cmd_train(a: TrainArgs) -> tinyllm::Result<()> {
         summary.final_val_loss.map(|v| format!("{v:.4}")).unwrap_or("-".into())
     );
     if let Some(first) = summary.history.first() {
-        println!("loss went from {:.4} at step {} to {:.4} at step {}", first.loss, first.step, last.unwrap().loss, last.unwrap().step);
+        println!(
+            "loss went from {:.4} at step {} to {:.4} at step {}",
+            first.loss,
+            first.step,
+            last.unwrap().loss,
+            last.unwrap().step
+        );
     }
     println!("sample (temperature 0.8, top-k 40):");
     println!("----");
-    println!("{}", sample_text(&model, "The ", a.sample_len, 0.8, 40, cfg.seed)?);
+    println!(
+        "{}",
+        sample_text(&model, "The ", a.sample_len, 0.8, 40, cfg.seed)?
+    );
     println!("----");
     println!("files:");
-    println!("  metrics     {}", summary.out.join("metrics.jsonl").display());
+    println!(
+        "  metrics     {}",
+        summary.out.join("metrics.jsonl").display()
+    );
     println!("  loss plot   {}", summary.out.join("loss.svg").display());
     println!("  checkpoint  {}/ (model.safetensors, config.json, optimizer.safetensors, trainer_state.json, manifest.json)", summary.checkpoint.display());
-    println!("continue with: tinyllm train --resume {} --steps {}", summary.out.display(), cfg.steps * 2);
+    println!(
+        "continue with: tinyllm train --resume {} --steps {}",
+        summary.out.display(),
+        cfg.steps * 2
+    );
     Ok(())
 }
 
 fn cmd_compare(a: CompareArgs) -> tinyllm::Result<()> {
-    let progress = if a.json { Progress::Quiet } else { a.run.progress() };
+    let progress = if a.json {
+        Progress::Quiet
+    } else {
+        a.run.progress()
+    };
     let c = compare::compare(&a.run.options(), progress)?;
     if a.json {
-        println!("{}", serde_json::to_string(&c).map_err(|e| tinyllm::Error::msg(e.to_string()))?);
+        println!(
+            "{}",
+            serde_json::to_string(&c).map_err(|e| tinyllm::Error::msg(e.to_string()))?
+        );
     } else {
         println!("{}", c.table());
     }
@@ -321,7 +388,10 @@ fn cmd_compare(a: CompareArgs) -> tinyllm::Result<()> {
 }
 
 fn device_of(s: &str) -> tinyllm::Result<tinyllm::Device> {
-    let (d, note) = select_device(s.parse::<DeviceChoice>().map_err(|e| e.context("--device"))?)?;
+    let (d, note) = select_device(
+        s.parse::<DeviceChoice>()
+            .map_err(|e| e.context("--device"))?,
+    )?;
     if let Some(n) = note {
         eprintln!("{n}");
     }
@@ -330,7 +400,8 @@ fn device_of(s: &str) -> tinyllm::Result<tinyllm::Device> {
 
 fn cmd_eval(a: EvalArgs) -> tinyllm::Result<()> {
     let device = device_of(&a.device)?;
-    let model = checkpoint::load_model(&a.checkpoint, device).map_err(|e| e.context("--checkpoint"))?;
+    let model =
+        checkpoint::load_model(&a.checkpoint, device).map_err(|e| e.context("--checkpoint"))?;
     let corpus = Corpus::load(a.data.as_ref())?;
     let (loss, tokens) = eval_text(&model, &corpus, tinyllm::precision::Precision::Fp32)?;
     println!(
@@ -344,12 +415,35 @@ fn cmd_eval(a: EvalArgs) -> tinyllm::Result<()> {
 
 fn cmd_generate(a: GenerateArgs) -> tinyllm::Result<()> {
     if !(a.temperature >= 0.0 && a.temperature.is_finite()) {
-        return Err(tinyllm::Error::msg(format!("--temperature must be 0 (greedy) or positive, got {}", a.temperature)));
+        return Err(tinyllm::Error::msg(format!(
+            "--temperature must be 0 (greedy) or positive, got {}",
+            a.temperature
+        )));
     }
     check_sample_len("--len", a.len)?;
     let device = device_of(&a.device)?;
-    let model = checkpoint::load_model(&a.checkpoint, device).map_err(|e| e.context("--checkpoint"))?;
-    println!("{}", sample_text(&model, &a.prompt, a.len, a.temperature, a.top_k, a.seed)?);
+    let model =
+        checkpoint::load_model(&a.checkpoint, device).map_err(|e| e.context("--checkpoint"))?;
+    println!(
+        "{}",
+        sample_text(&model, &a.prompt, a.len, a.temperature, a.top_k, a.seed)?
+    );
+    Ok(())
+}
+
+fn cmd_bench(a: BenchArgs) -> tinyllm::Result<()> {
+    let defaults = tinyllm::bench::BenchOptions::default();
+    let opts = tinyllm::bench::BenchOptions {
+        full: a.full || defaults.full,
+        f32_matmul: !a.no_f32,
+        ..defaults
+    };
+    let report = tinyllm::bench::run_gpu(&opts).map_err(|e| e.context("bench"))?;
+    if a.json {
+        println!("{}", report.to_json());
+    } else {
+        print!("{}", report.table());
+    }
     Ok(())
 }
 
@@ -370,6 +464,7 @@ fn main() -> ExitCode {
         Cmd::Compare(a) => cmd_compare(a),
         Cmd::Eval(a) => cmd_eval(a),
         Cmd::Generate(a) => cmd_generate(a),
+        Cmd::Bench(a) => cmd_bench(a),
     };
     match res {
         Ok(()) => ExitCode::SUCCESS,

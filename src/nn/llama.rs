@@ -70,7 +70,13 @@ impl LlamaConfig {
 
     pub fn validate(&self) -> Result<()> {
         let c = self;
-        if c.vocab_size == 0 || c.d_model == 0 || c.n_layers == 0 || c.n_heads == 0 || c.hidden == 0 || c.context == 0 {
+        if c.vocab_size == 0
+            || c.d_model == 0
+            || c.n_layers == 0
+            || c.n_heads == 0
+            || c.hidden == 0
+            || c.context == 0
+        {
             bail!("model config: every size must be at least 1 ({c:?})");
         }
         if !c.d_model.is_multiple_of(c.n_heads) || !c.head_dim().is_multiple_of(2) {
@@ -145,7 +151,9 @@ impl LlamaConfig {
             }
         }
         if v.get("tie_word_embeddings").and_then(|x| x.as_bool()) == Some(true) {
-            bail!("config.json: tied embeddings are not supported (this Llama has its own lm_head)");
+            bail!(
+                "config.json: tied embeddings are not supported (this Llama has its own lm_head)"
+            );
         }
         let cfg = LlamaConfig {
             vocab_size: num("vocab_size")?,
@@ -160,7 +168,11 @@ impl LlamaConfig {
         };
         if let Ok(hd) = num("head_dim") {
             if cfg.n_heads * hd != cfg.d_model {
-                bail!("config.json: head_dim {hd} × {} heads ≠ hidden_size {}", cfg.n_heads, cfg.d_model);
+                bail!(
+                    "config.json: head_dim {hd} × {} heads ≠ hidden_size {}",
+                    cfg.n_heads,
+                    cfg.d_model
+                );
             }
         }
         cfg.validate().map_err(|e| e.context("config.json"))?;
@@ -262,7 +274,12 @@ impl Attention {
             .matmul_t(&k)?
             .mul_scalar(1.0 / (d as f64).sqrt())?
             .causal_mask()?;
-        let p = dropout(&scores.softmax()?, self.dropout, &self.rng, self.training.get())?;
+        let p = dropout(
+            &scores.softmax()?,
+            self.dropout,
+            &self.rng,
+            self.training.get(),
+        )?;
         // (B,H,T,D) -> (B,T,H,D) -> (B,T,C)
         let y = p.matmul(&v)?.permute(&[0, 2, 1, 3])?.reshape(&[b, t, c])?;
         self.o_proj.forward(&y)
@@ -297,12 +314,18 @@ impl Block {
     pub fn named_parameters(&self) -> Vec<(&'static str, Tensor)> {
         let a = &self.self_attn;
         vec![
-            ("input_layernorm.weight", self.input_layernorm.weight.clone()),
+            (
+                "input_layernorm.weight",
+                self.input_layernorm.weight.clone(),
+            ),
             ("self_attn.q_proj.weight", a.q_proj.weight.clone()),
             ("self_attn.k_proj.weight", a.k_proj.weight.clone()),
             ("self_attn.v_proj.weight", a.v_proj.weight.clone()),
             ("self_attn.o_proj.weight", a.o_proj.weight.clone()),
-            ("post_attention_layernorm.weight", self.post_attention_layernorm.weight.clone()),
+            (
+                "post_attention_layernorm.weight",
+                self.post_attention_layernorm.weight.clone(),
+            ),
             ("mlp.gate_proj.weight", self.mlp.gate_proj.weight.clone()),
             ("mlp.up_proj.weight", self.mlp.up_proj.weight.clone()),
             ("mlp.down_proj.weight", self.mlp.down_proj.weight.clone()),
@@ -312,7 +335,10 @@ impl Block {
 
 impl Module for Block {
     fn parameters(&self) -> Vec<Tensor> {
-        self.named_parameters().into_iter().map(|(_, t)| t).collect()
+        self.named_parameters()
+            .into_iter()
+            .map(|(_, t)| t)
+            .collect()
     }
     fn set_training(&self, on: bool) {
         self.self_attn.training.set(on);
@@ -329,7 +355,9 @@ impl Layer for Block {
         let train = a.training.get();
         let att = a.forward(&self.input_layernorm.forward(x)?)?;
         let h = x.add(&dropout(&att, a.dropout, &a.rng, train)?)?;
-        let m = self.mlp.forward(&self.post_attention_layernorm.forward(&h)?)?;
+        let m = self
+            .mlp
+            .forward(&self.post_attention_layernorm.forward(&h)?)?;
         h.add(&dropout(&m, a.dropout, &a.rng, train)?)
     }
 }
@@ -407,7 +435,10 @@ impl Llama {
     /// Every parameter with its Hugging Face `LlamaForCausalLM` name, in
     /// [`Module::parameters`] order.
     pub fn named_parameters(&self) -> Vec<(String, Tensor)> {
-        let mut out = vec![("model.embed_tokens.weight".to_string(), self.embed_tokens.weight.clone())];
+        let mut out = vec![(
+            "model.embed_tokens.weight".to_string(),
+            self.embed_tokens.weight.clone(),
+        )];
         for (i, b) in self.layers.iter().enumerate() {
             for (n, t) in b.named_parameters() {
                 out.push((format!("model.layers.{i}.{n}"), t));
@@ -429,21 +460,40 @@ impl Llama {
     /// Logits for `ids`, `b` sequences of `t` tokens each (row-major):
     /// `ids: (B·T) -> logits (B·T, V)`. With `ckpt_budget`, the blocks run
     /// through [`checkpoint_sequential`] with that many layers of activations.
-    pub fn forward(&self, ids: &[u32], b: usize, t: usize, ckpt_budget: Option<usize>) -> Result<Tensor> {
+    pub fn forward(
+        &self,
+        ids: &[u32],
+        b: usize,
+        t: usize,
+        ckpt_budget: Option<usize>,
+    ) -> Result<Tensor> {
         if ids.len() != b * t || b == 0 || t == 0 {
-            bail!("Llama::forward: {} ids are not {b} sequences of {t}", ids.len());
+            bail!(
+                "Llama::forward: {} ids are not {b} sequences of {t}",
+                ids.len()
+            );
         }
         if t > self.cfg.context {
-            bail!("Llama::forward: sequence of {t} tokens is longer than the context {}", self.cfg.context);
+            bail!(
+                "Llama::forward: sequence of {t} tokens is longer than the context {}",
+                self.cfg.context
+            );
         }
         if let Some(&bad) = ids.iter().find(|&&i| i as usize >= self.cfg.vocab_size) {
-            bail!("Llama::forward: token id {bad} outside the vocabulary of {}", self.cfg.vocab_size);
+            bail!(
+                "Llama::forward: token id {bad} outside the vocabulary of {}",
+                self.cfg.vocab_size
+            );
         }
         let c = self.cfg.d_model;
         let x = self.embed_tokens.forward(ids)?.reshape(&[b, t, c])?;
         let x = match ckpt_budget {
             Some(budget) => {
-                let layers: Vec<Rc<dyn Layer>> = self.layers.iter().map(|l| l.clone() as Rc<dyn Layer>).collect();
+                let layers: Vec<Rc<dyn Layer>> = self
+                    .layers
+                    .iter()
+                    .map(|l| l.clone() as Rc<dyn Layer>)
+                    .collect();
                 checkpoint_sequential(&layers, &x, budget, std::slice::from_ref(&self.rng))?
             }
             None => {
@@ -461,7 +511,10 @@ impl Llama {
 
 impl Module for Llama {
     fn parameters(&self) -> Vec<Tensor> {
-        self.named_parameters().into_iter().map(|(_, t)| t).collect()
+        self.named_parameters()
+            .into_iter()
+            .map(|(_, t)| t)
+            .collect()
     }
     fn set_training(&self, on: bool) {
         self.layers.iter().for_each(|l| l.set_training(on));
@@ -474,7 +527,11 @@ mod tests {
 
     #[test]
     fn preset_parameter_counts() {
-        for (name, n) in [("capstone", 10_388_800), ("small", 869_504), ("tiny", 57_632)] {
+        for (name, n) in [
+            ("capstone", 10_388_800),
+            ("small", 869_504),
+            ("tiny", 57_632),
+        ] {
             let cfg = LlamaConfig::preset(name).unwrap();
             assert_eq!(cfg.num_params(), n, "{name}");
         }

@@ -19,14 +19,26 @@ enum Keep {
 impl Tensor {
     /// `vjp(kept, g)` gets the kept tensor (a constant view), or `g` itself
     /// when nothing was kept.
-    fn unary_op(&self, op: UnaryOp, name: &'static str, keep: Keep, vjp: impl FnOnce(&Tensor, &Tensor) -> Result<Tensor> + 'static) -> Result<Tensor> {
+    fn unary_op(
+        &self,
+        op: UnaryOp,
+        name: &'static str,
+        keep: Keep,
+        vjp: impl FnOnce(&Tensor, &Tensor) -> Result<Tensor> + 'static,
+    ) -> Result<Tensor> {
         let s = self.storage().unary(op)?;
         let kept = match keep {
             Keep::Nothing => None,
             Keep::Input => Some(self.detach()),
             Keep::Output => Some(Tensor::from_storage(s.clone(), self.shape())?),
         };
-        Ok(Tensor::from_op(s, self.shape().to_vec(), name, &[self], move |g| Ok(vec![Some(vjp(kept.as_ref().unwrap_or(g), g)?)])))
+        Ok(Tensor::from_op(
+            s,
+            self.shape().to_vec(),
+            name,
+            &[self],
+            move |g| Ok(vec![Some(vjp(kept.as_ref().unwrap_or(g), g)?)]),
+        ))
     }
 
     /// `-x` (as `-0 - x`, so the sign of zero flips like IEEE negation).
@@ -43,19 +55,27 @@ impl Tensor {
     }
     /// `√x`; backward `g / (2y)`.
     pub fn sqrt(&self) -> Result<Tensor> {
-        self.unary_op(UnaryOp::Sqrt, "sqrt", Keep::Output, |y, g| g.div(y)?.mul_scalar(0.5))
+        self.unary_op(UnaryOp::Sqrt, "sqrt", Keep::Output, |y, g| {
+            g.div(y)?.mul_scalar(0.5)
+        })
     }
     /// `1/√x`; backward `-g y³ / 2`.
     pub fn rsqrt(&self) -> Result<Tensor> {
-        self.unary_op(UnaryOp::Rsqrt, "rsqrt", Keep::Output, |y, g| g.mul(y)?.mul(y)?.mul(y)?.mul_scalar(-0.5))
+        self.unary_op(UnaryOp::Rsqrt, "rsqrt", Keep::Output, |y, g| {
+            g.mul(y)?.mul(y)?.mul(y)?.mul_scalar(-0.5)
+        })
     }
     /// `1/x`; backward `-g y²`.
     pub fn recip(&self) -> Result<Tensor> {
-        self.unary_op(UnaryOp::Recip, "recip", Keep::Output, |y, g| g.mul(y)?.mul(y)?.neg())
+        self.unary_op(UnaryOp::Recip, "recip", Keep::Output, |y, g| {
+            g.mul(y)?.mul(y)?.neg()
+        })
     }
     /// `σ(x)`; backward `g · y (1 − y)`.
     pub fn sigmoid(&self) -> Result<Tensor> {
-        self.unary_op(UnaryOp::Sigmoid, "sigmoid", Keep::Output, |y, g| g.mul(&y.mul(&y.neg()?.add_scalar(1.0)?)?))
+        self.unary_op(UnaryOp::Sigmoid, "sigmoid", Keep::Output, |y, g| {
+            g.mul(&y.mul(&y.neg()?.add_scalar(1.0)?)?)
+        })
     }
     /// `x σ(x)`; backward `g · σ(x)(1 + x(1 − σ(x)))`.
     pub fn silu(&self) -> Result<Tensor> {
@@ -73,19 +93,36 @@ impl Tensor {
     }
     /// `x²`; backward `2 g x`.
     pub fn square(&self) -> Result<Tensor> {
-        self.unary_op(UnaryOp::Square, "square", Keep::Input, |x, g| g.mul(x)?.mul_scalar(2.0))
+        self.unary_op(UnaryOp::Square, "square", Keep::Input, |x, g| {
+            g.mul(x)?.mul_scalar(2.0)
+        })
     }
     /// `x + c`.
     pub fn add_scalar(&self, c: f64) -> Result<Tensor> {
-        self.unary_op(UnaryOp::AddScalar(c), "add_scalar", Keep::Nothing, |_, g| Ok(g.clone()))
+        self.unary_op(
+            UnaryOp::AddScalar(c),
+            "add_scalar",
+            Keep::Nothing,
+            |_, g| Ok(g.clone()),
+        )
     }
     /// `x · c`.
     pub fn mul_scalar(&self, c: f64) -> Result<Tensor> {
-        self.unary_op(UnaryOp::MulScalar(c), "mul_scalar", Keep::Nothing, move |_, g| g.mul_scalar(c))
+        self.unary_op(
+            UnaryOp::MulScalar(c),
+            "mul_scalar",
+            Keep::Nothing,
+            move |_, g| g.mul_scalar(c),
+        )
     }
     /// `x / c` (the crate's division).
     pub fn div_scalar(&self, c: f64) -> Result<Tensor> {
-        self.unary_op(UnaryOp::DivScalar(c), "div_scalar", Keep::Nothing, move |_, g| g.div_scalar(c))
+        self.unary_op(
+            UnaryOp::DivScalar(c),
+            "div_scalar",
+            Keep::Nothing,
+            move |_, g| g.div_scalar(c),
+        )
     }
 
     /// `keep(a_needs_grad, b_needs_grad) -> (keep a, keep b, keep y)` says what
@@ -98,7 +135,13 @@ impl Tensor {
         op: BinaryOp,
         name: &'static str,
         keep: fn(bool, bool) -> (bool, bool, bool),
-        vjp: impl FnOnce(Option<&Tensor>, Option<&Tensor>, Option<&Tensor>, &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> + 'static,
+        vjp: impl FnOnce(
+                Option<&Tensor>,
+                Option<&Tensor>,
+                Option<&Tensor>,
+                &Tensor,
+            ) -> Result<(Option<Tensor>, Option<Tensor>)>
+            + 'static,
     ) -> Result<Tensor> {
         let shape = broadcast_shape(self.shape(), rhs.shape()).map_err(|e| e.context(name))?;
         let layout = BinaryLayout {
@@ -106,12 +149,19 @@ impl Tensor {
             rhs_strides: broadcast_strides(rhs.shape(), &shape),
             shape: shape.clone(),
         };
-        let s = self.storage().binary(&rhs.storage(), op, &layout).map_err(|e| e.context(name))?;
+        let s = self
+            .storage()
+            .binary(&rhs.storage(), op, &layout)
+            .map_err(|e| e.context(name))?;
         let (ra, rb) = (self.requires_grad(), rhs.requires_grad());
         let (ka, kb, ky) = keep(ra, rb);
         let a = ka.then(|| self.detach());
         let b = kb.then(|| rhs.detach());
-        let y = if ky { Some(Tensor::from_storage(s.clone(), &shape)?) } else { None };
+        let y = if ky {
+            Some(Tensor::from_storage(s.clone(), &shape)?)
+        } else {
+            None
+        };
         let (sa, sb) = (self.shape().to_vec(), rhs.shape().to_vec());
         Ok(Tensor::from_op(s, shape, name, &[self, rhs], move |g| {
             let (ga, gb) = vjp(a.as_ref(), b.as_ref(), y.as_ref(), g)?;
@@ -128,26 +178,61 @@ impl Tensor {
     }
 
     pub fn add(&self, rhs: &Tensor) -> Result<Tensor> {
-        self.binary_op(rhs, BinaryOp::Add, "add", |_, _| (false, false, false), |_, _, _, g| Ok((Some(g.clone()), Some(g.clone()))))
+        self.binary_op(
+            rhs,
+            BinaryOp::Add,
+            "add",
+            |_, _| (false, false, false),
+            |_, _, _, g| Ok((Some(g.clone()), Some(g.clone()))),
+        )
     }
     pub fn sub(&self, rhs: &Tensor) -> Result<Tensor> {
-        self.binary_op(rhs, BinaryOp::Sub, "sub", |_, _| (false, false, false), |_, _, _, g| Ok((Some(g.clone()), Some(g.neg()?))))
+        self.binary_op(
+            rhs,
+            BinaryOp::Sub,
+            "sub",
+            |_, _| (false, false, false),
+            |_, _, _, g| Ok((Some(g.clone()), Some(g.neg()?))),
+        )
     }
     /// Backward `g·b`, `g·a`: each operand is kept only if the other one needs a gradient.
     pub fn mul(&self, rhs: &Tensor) -> Result<Tensor> {
-        self.binary_op(rhs, BinaryOp::Mul, "mul", |ra, rb| (rb, ra, false), |a, b, _, g| Ok((b.map(|b| g.mul(b)).transpose()?, a.map(|a| g.mul(a)).transpose()?)))
+        self.binary_op(
+            rhs,
+            BinaryOp::Mul,
+            "mul",
+            |ra, rb| (rb, ra, false),
+            |a, b, _, g| {
+                Ok((
+                    b.map(|b| g.mul(b)).transpose()?,
+                    a.map(|a| g.mul(a)).transpose()?,
+                ))
+            },
+        )
     }
     /// `a / b` (the crate's division); backward `g/b`, `−(g/b)·y/b`.
     pub fn div(&self, rhs: &Tensor) -> Result<Tensor> {
-        self.binary_op(rhs, BinaryOp::Div, "div", |_, rb| (false, true, rb), |_, b, y, g| {
-            let ga = g.div(b.expect("div keeps its divisor"))?;
-            let gb = y.map(|y| ga.mul(y)?.neg()).transpose()?;
-            Ok((Some(ga), gb))
-        })
+        self.binary_op(
+            rhs,
+            BinaryOp::Div,
+            "div",
+            |_, rb| (false, true, rb),
+            |_, b, y, g| {
+                let ga = g.div(b.expect("div keeps its divisor"))?;
+                let gb = y.map(|y| ga.mul(y)?.neg()).transpose()?;
+                Ok((Some(ga), gb))
+            },
+        )
     }
     /// 1.0 where equal, else 0.0 (not differentiable: a constant).
     pub fn eq_mask(&self, rhs: &Tensor) -> Result<Tensor> {
         let _g = crate::no_grad();
-        self.binary_op(rhs, BinaryOp::Eq, "eq", |_, _| (false, false, false), |_, _, _, _| Ok((None, None)))
+        self.binary_op(
+            rhs,
+            BinaryOp::Eq,
+            "eq",
+            |_, _| (false, false, false),
+            |_, _, _, _| Ok((None, None)),
+        )
     }
 }

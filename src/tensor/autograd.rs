@@ -9,10 +9,10 @@
 //! relies on to lower the peak during backward.
 
 use super::{Meta, Tensor};
-use std::rc::Rc;
 use crate::{bail, Result};
 use std::cell::Cell;
 use std::collections::HashMap;
+use std::rc::Rc;
 
 thread_local! {
     static GRAD_ENABLED: Cell<bool> = const { Cell::new(true) };

@@ -163,7 +163,11 @@ pub fn resolve_dir(dir: &Path) -> PathBuf {
     if dir.join(MANIFEST_FILE).exists() {
         return dir.to_path_buf();
     }
-    let (fin, next, prev) = (dir.join("checkpoint"), dir.join("checkpoint.next"), dir.join("checkpoint.prev"));
+    let (fin, next, prev) = (
+        dir.join("checkpoint"),
+        dir.join("checkpoint.next"),
+        dir.join("checkpoint.prev"),
+    );
     if !fin.exists() {
         // The manifest is the last file staged: with it, the staging is
         // complete (and `Verified::open` checks every byte of it anyway).
@@ -183,7 +187,11 @@ pub fn resolve_dir(dir: &Path) -> PathBuf {
 /// `checkpoint.prev/` is moved back. Anything else is left as it is (a partial
 /// `checkpoint.next/` beside a good `checkpoint/` is cleared by the next save).
 pub fn recover(run_dir: &Path) -> Result<()> {
-    let (fin, next, prev) = (run_dir.join("checkpoint"), run_dir.join("checkpoint.next"), run_dir.join("checkpoint.prev"));
+    let (fin, next, prev) = (
+        run_dir.join("checkpoint"),
+        run_dir.join("checkpoint.next"),
+        run_dir.join("checkpoint.prev"),
+    );
     if fin.exists() {
         return Ok(());
     }
@@ -194,7 +202,8 @@ pub fn recover(run_dir: &Path) -> Result<()> {
     } else {
         return Ok(());
     };
-    std::fs::rename(from, &fin).map_err(|e| io_err("cannot restore the checkpoint from", from, e))?;
+    std::fs::rename(from, &fin)
+        .map_err(|e| io_err("cannot restore the checkpoint from", from, e))?;
     sync_dir(run_dir);
     Ok(())
 }
@@ -226,8 +235,10 @@ pub fn save(run_dir: &Path, model: &Llama, opt: &AdamW, state: &TrainState) -> R
     let mut meta = HashMap::new();
     meta.insert("format".to_string(), "pt".to_string());
     let named = model.named_parameters();
-    let weights: Vec<(String, F32View)> =
-        named.iter().map(|(n, t)| Ok((n.clone(), view(t)?))).collect::<Result<_>>()?;
+    let weights: Vec<(String, F32View)> = named
+        .iter()
+        .map(|(n, t)| Ok((n.clone(), view(t)?)))
+        .collect::<Result<_>>()?;
     let mut moments = Vec::new();
     for (i, (n, _)) in named.iter().enumerate() {
         if let Some((m, v, _)) = opt.state(i) {
@@ -244,20 +255,30 @@ pub fn save(run_dir: &Path, model: &Llama, opt: &AdamW, state: &TrainState) -> R
             );
         }
     }
-    let json = |v: &serde_json::Value| serde_json::to_vec_pretty(v).map_err(|e| Error::msg(e.to_string()));
+    let json =
+        |v: &serde_json::Value| serde_json::to_vec_pretty(v).map_err(|e| Error::msg(e.to_string()));
     let files: Vec<(&str, Vec<u8>)> = vec![
         (MODEL_FILE, serialize(weights, meta.clone())?),
         (CONFIG_FILE, json(&model.cfg.to_hf_json())?),
         (OPTIM_FILE, serialize(moments, meta)?),
-        (STATE_FILE, serde_json::to_vec_pretty(state).map_err(|e| Error::msg(e.to_string()))?),
+        (
+            STATE_FILE,
+            serde_json::to_vec_pretty(state).map_err(|e| Error::msg(e.to_string()))?,
+        ),
     ];
-    let mut manifest = Manifest { format: FORMAT.into(), files: BTreeMap::new() };
+    let mut manifest = Manifest {
+        format: FORMAT.into(),
+        files: BTreeMap::new(),
+    };
     for (name, bytes) in &files {
         write_atomic_at(&staging, name, bytes, Some(step))?;
         fault::pause_point(&format!("wrote:{name}"), step);
         manifest.files.insert(
             name.to_string(),
-            FileEntry { sha256: Sha256::digest_hex(bytes), bytes: bytes.len() as u64 },
+            FileEntry {
+                sha256: Sha256::digest_hex(bytes),
+                bytes: bytes.len() as u64,
+            },
         );
     }
     let mbytes = serde_json::to_vec_pretty(&manifest).map_err(|e| Error::msg(e.to_string()))?;
@@ -302,28 +323,47 @@ impl Verified {
         let shown = dir.display();
         let mpath = dir.join(MANIFEST_FILE);
         let mbytes = std::fs::read(&mpath).map_err(|e| {
-            Error::msg(format!("{shown} is not a readable tinyllm checkpoint (no {MANIFEST_FILE}: {e})"))
+            Error::msg(format!(
+                "{shown} is not a readable tinyllm checkpoint (no {MANIFEST_FILE}: {e})"
+            ))
         })?;
         if mbytes.len() > 1 << 20 {
-            bail!("{}: {} bytes is far too large for a manifest (corrupt?)", mpath.display(), mbytes.len());
+            bail!(
+                "{}: {} bytes is far too large for a manifest (corrupt?)",
+                mpath.display(),
+                mbytes.len()
+            );
         }
         let manifest: Manifest = serde_json::from_slice(&mbytes)
             .map_err(|e| Error::msg(format!("{}: corrupt manifest: {e}", mpath.display())))?;
         if manifest.format != FORMAT {
-            bail!("{}: unknown checkpoint format {:?} (expected {FORMAT:?})", mpath.display(), manifest.format);
+            bail!(
+                "{}: unknown checkpoint format {:?} (expected {FORMAT:?})",
+                mpath.display(),
+                manifest.format
+            );
         }
         const KNOWN: [&str; 4] = [MODEL_FILE, CONFIG_FILE, OPTIM_FILE, STATE_FILE];
         if let Some(odd) = manifest.files.keys().find(|n| !KNOWN.contains(&n.as_str())) {
-            bail!("{}: lists an unknown file {odd:?} (a checkpoint holds {})", mpath.display(), KNOWN.join(", "));
+            bail!(
+                "{}: lists an unknown file {odd:?} (a checkpoint holds {})",
+                mpath.display(),
+                KNOWN.join(", ")
+            );
         }
         if let Some(missing) = KNOWN.iter().find(|n| !manifest.files.contains_key(**n)) {
-            bail!("{}: does not list {missing} (incomplete or corrupt manifest)", mpath.display());
+            bail!(
+                "{}: does not list {missing} (incomplete or corrupt manifest)",
+                mpath.display()
+            );
         }
         let mut files = HashMap::new();
         for (name, entry) in &manifest.files {
             let p = dir.join(name);
             // Sizes first, so a wrong file is refused before it is read.
-            let len = std::fs::metadata(&p).map_err(|e| io_err("checkpoint file missing or unreadable:", &p, e))?.len();
+            let len = std::fs::metadata(&p)
+                .map_err(|e| io_err("checkpoint file missing or unreadable:", &p, e))?
+                .len();
             if len != entry.bytes {
                 bail!(
                     "{}: {len} bytes, the manifest records {} (truncated or partly written); nothing was loaded",
@@ -331,7 +371,8 @@ impl Verified {
                     entry.bytes
                 );
             }
-            let bytes = std::fs::read(&p).map_err(|e| io_err("checkpoint file missing or unreadable:", &p, e))?;
+            let bytes = std::fs::read(&p)
+                .map_err(|e| io_err("checkpoint file missing or unreadable:", &p, e))?;
             if bytes.len() as u64 != entry.bytes {
                 bail!(
                     "{}: {} bytes, the manifest records {} (truncated or partly written); nothing was loaded",
@@ -349,10 +390,12 @@ impl Verified {
     }
 
     fn file(&self, name: &str) -> Result<&[u8]> {
-        self.files
-            .get(name)
-            .map(Vec::as_slice)
-            .ok_or_else(|| Error::msg(format!("{}: the manifest lists no {name}", self.dir.display())))
+        self.files.get(name).map(Vec::as_slice).ok_or_else(|| {
+            Error::msg(format!(
+                "{}: the manifest lists no {name}",
+                self.dir.display()
+            ))
+        })
     }
 
     /// The model architecture from `config.json`.
@@ -360,7 +403,8 @@ impl Verified {
         let v: serde_json::Value = serde_json::from_slice(self.file(CONFIG_FILE)?)
             .map_err(|e| Error::msg(format!("{}/{CONFIG_FILE}: {e}", self.dir.display())))?;
         let cfg = LlamaConfig::from_hf_json(&v).map_err(|e| e.context(self.dir.display()))?;
-        crate::train::config::check_model_size(&cfg).map_err(|e| e.context(format!("{}/{CONFIG_FILE}", self.dir.display())))?;
+        crate::train::config::check_model_size(&cfg)
+            .map_err(|e| e.context(format!("{}/{CONFIG_FILE}", self.dir.display())))?;
         // A model far larger than the weights file that should hold it is
         // refused before it is allocated (the exact check is per tensor, later).
         let have = self.file(MODEL_FILE)?.len();
@@ -378,11 +422,18 @@ impl Verified {
         let st: TrainState = serde_json::from_slice(self.file(STATE_FILE)?)
             .map_err(|e| Error::msg(format!("{}/{STATE_FILE}: {e}", self.dir.display())))?;
         if st.format != FORMAT {
-            bail!("{}/{STATE_FILE}: unknown format {:?}", self.dir.display(), st.format);
+            bail!(
+                "{}/{STATE_FILE}: unknown format {:?}",
+                self.dir.display(),
+                st.format
+            );
         }
-        st.config
-            .validate()
-            .map_err(|e| e.context(format!("{}/{STATE_FILE}: the saved run config is invalid", self.dir.display())))?;
+        st.config.validate().map_err(|e| {
+            e.context(format!(
+                "{}/{STATE_FILE}: the saved run config is invalid",
+                self.dir.display()
+            ))
+        })?;
         Ok(st)
     }
 
@@ -392,7 +443,8 @@ impl Verified {
         let where_ = format!("{}/{file}", self.dir.display());
         let st = SafeTensors::deserialize(self.file(file)?)
             .map_err(|e| Error::msg(format!("{where_}: not a valid safetensors file ({e})")))?;
-        let want: std::collections::HashSet<&str> = expected.iter().map(|(n, _)| n.as_str()).collect();
+        let want: std::collections::HashSet<&str> =
+            expected.iter().map(|(n, _)| n.as_str()).collect();
         if let Some(extra) = st.names().into_iter().find(|n| !want.contains(n)) {
             bail!("{where_}: unexpected tensor {extra:?} (does the config match the weights?)");
         }
@@ -405,9 +457,17 @@ impl Verified {
                 bail!("{where_}: tensor {name:?} is {:?}, expected F32", t.dtype());
             }
             if t.shape() != shape.as_slice() {
-                bail!("{where_}: tensor {name:?} has shape {:?}, the model expects {shape:?}", t.shape());
+                bail!(
+                    "{where_}: tensor {name:?} has shape {:?}, the model expects {shape:?}",
+                    t.shape()
+                );
             }
-            out.push(t.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect());
+            out.push(
+                t.data()
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect(),
+            );
         }
         Ok(out)
     }
@@ -480,7 +540,10 @@ pub fn restore(ck: &Verified, model: &Llama, opt: &mut AdamW) -> Result<TrainSta
             None => None,
         });
     }
-    let weights: Vec<Storage> = weights.into_iter().map(|w| Storage::from_f32(w, device)).collect::<Result<_>>()?;
+    let weights: Vec<Storage> = weights
+        .into_iter()
+        .map(|w| Storage::from_f32(w, device))
+        .collect::<Result<_>>()?;
     for ((_, p), w) in named.iter().zip(weights) {
         p.set_storage(w)?;
     }

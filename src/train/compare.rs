@@ -93,13 +93,24 @@ pub fn compare(opts: &TrainOptions, progress: Progress) -> Result<Comparison> {
     let series = |name, color, s: &RunSummary| Series {
         name,
         color,
-        points: s.history.iter().map(|m| (m.step as f64, m.loss as f64)).collect(),
+        points: s
+            .history
+            .iter()
+            .map(|m| (m.step as f64, m.loss as f64))
+            .collect(),
         dots: false,
     };
     let plot = out.join("compare.svg");
     let svg = loss_svg(
-        &format!("{}: float32 vs {} + accumulation + checkpointing", mixed_cfg.preset, mixed_cfg.precision.name()),
-        &[series("float32, full batch", "#1f77b4", &a), series("mixed precision", "#ff7f0e", &b)],
+        &format!(
+            "{}: float32 vs {} + accumulation + checkpointing",
+            mixed_cfg.preset,
+            mixed_cfg.precision.name()
+        ),
+        &[
+            series("float32, full batch", "#1f77b4", &a),
+            series("mixed precision", "#ff7f0e", &b),
+        ],
     );
     crate::train::checkpoint::write_atomic(&out, "compare.svg", svg.as_bytes())?;
     let within = rel <= 0.02;
@@ -128,7 +139,9 @@ impl Comparison {
                 s.precision,
                 s.accum,
                 s.micro_batch,
-                s.ckpt_budget.map(|b| format!(", ckpt {b}")).unwrap_or_default()
+                s.ckpt_budget
+                    .map(|b| format!(", ckpt {b}"))
+                    .unwrap_or_default()
             );
             format!(
                 "| {:<24} | {:>10.4} | {:>12} | {:>13} |\n",

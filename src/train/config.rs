@@ -105,8 +105,15 @@ pub const MAX_CONTEXT: usize = 1 << 16;
 pub fn check_model_size(m: &LlamaConfig) -> Result<()> {
     let (v, c, f, l) = (m.vocab_size, m.d_model, m.hidden, m.n_layers);
     let params = (|| {
-        let block = c.checked_mul(c)?.checked_mul(4)?.checked_add(c.checked_mul(f)?.checked_mul(3)?)?.checked_add(c.checked_mul(2)?)?;
-        v.checked_mul(c)?.checked_mul(2)?.checked_add(l.checked_mul(block)?)?.checked_add(c)
+        let block = c
+            .checked_mul(c)?
+            .checked_mul(4)?
+            .checked_add(c.checked_mul(f)?.checked_mul(3)?)?
+            .checked_add(c.checked_mul(2)?)?;
+        v.checked_mul(c)?
+            .checked_mul(2)?
+            .checked_add(l.checked_mul(block)?)?
+            .checked_add(c)
     })();
     if params.is_none_or(|p| p > MAX_MODEL_BYTES / 4) {
         bail!(
@@ -115,7 +122,10 @@ pub fn check_model_size(m: &LlamaConfig) -> Result<()> {
         );
     }
     if m.context > MAX_CONTEXT {
-        bail!("model config: context {} is longer than tinyllm allows (1..={MAX_CONTEXT} tokens)", m.context);
+        bail!(
+            "model config: context {} is longer than tinyllm allows (1..={MAX_CONTEXT} tokens)",
+            m.context
+        );
     }
     Ok(())
 }
@@ -132,10 +142,31 @@ struct Recipe {
 
 fn recipe(preset: &str) -> Recipe {
     match preset {
-        "tiny" => Recipe { steps: 30, lr: 1e-2, batch: 8, micro: 4, eval_every: 10, eval_rows: 16 },
-        "small" => Recipe { steps: 100, lr: 3e-3, batch: 16, micro: 4, eval_every: 30, eval_rows: 32 },
+        "tiny" => Recipe {
+            steps: 30,
+            lr: 1e-2,
+            batch: 8,
+            micro: 4,
+            eval_every: 10,
+            eval_rows: 16,
+        },
+        "small" => Recipe {
+            steps: 100,
+            lr: 3e-3,
+            batch: 16,
+            micro: 4,
+            eval_every: 30,
+            eval_rows: 32,
+        },
         // spec C1: an effective batch of 32 sequences as 4 micro-batches of 8
-        _ => Recipe { steps: 2000, lr: 1e-3, batch: 32, micro: 8, eval_every: 100, eval_rows: 64 },
+        _ => Recipe {
+            steps: 2000,
+            lr: 1e-3,
+            batch: 32,
+            micro: 8,
+            eval_every: 100,
+            eval_rows: 64,
+        },
     }
 }
 
@@ -170,8 +201,18 @@ impl TrainConfig {
         if !(lr.is_finite() && lr > 0.0) {
             bail!("--lr must be a positive number (got {lr})");
         }
-        let device: DeviceChoice = o.device.as_deref().unwrap_or("auto").parse().map_err(|e: Error| e.context("--device"))?;
-        let precision: Precision = o.precision.as_deref().unwrap_or("bf16").parse().map_err(|e: Error| e.context("--precision"))?;
+        let device: DeviceChoice = o
+            .device
+            .as_deref()
+            .unwrap_or("auto")
+            .parse()
+            .map_err(|e: Error| e.context("--device"))?;
+        let precision: Precision = o
+            .precision
+            .as_deref()
+            .unwrap_or("bf16")
+            .parse()
+            .map_err(|e: Error| e.context("--precision"))?;
 
         // Any two of batch, micro-batch and accum fix the third; the batch is
         // split into ceil(batch / micro) micro-batches (the last may be smaller).
@@ -199,7 +240,9 @@ impl TrainConfig {
 
         let ckpt_on = o.checkpoint_activations.unwrap_or(true);
         let ckpt_budget = match (ckpt_on, o.ckpt_budget) {
-            (false, Some(_)) => bail!("--ckpt-budget needs activation checkpointing (drop --no-checkpoint-activations)"),
+            (false, Some(_)) => bail!(
+                "--ckpt-budget needs activation checkpointing (drop --no-checkpoint-activations)"
+            ),
             (false, None) => None,
             (true, b) => {
                 let b = b.unwrap_or_else(|| min_ckpt_budget(model.n_layers));
@@ -211,7 +254,9 @@ impl TrainConfig {
             None => Some(1.0),
             Some(0.0) => None,
             Some(c) if c.is_finite() && c > 0.0 => Some(c),
-            Some(c) => bail!("--clip must be a positive number, or 0 to turn clipping off (got {c})"),
+            Some(c) => {
+                bail!("--clip must be a positive number, or 0 to turn clipping off (got {c})")
+            }
         };
         let warmup = o.warmup.unwrap_or((steps / 10).min(100));
         if warmup >= steps && steps > 1 {
@@ -237,7 +282,10 @@ impl TrainConfig {
             eval_every: o.eval_every.unwrap_or(r.eval_every),
             eval_rows: r.eval_rows,
             save_every: o.save_every.unwrap_or(0),
-            out: o.out.clone().unwrap_or_else(|| PathBuf::from("runs/latest")),
+            out: o
+                .out
+                .clone()
+                .unwrap_or_else(|| PathBuf::from("runs/latest")),
         };
         cfg.validate()?;
         Ok(cfg)
@@ -250,7 +298,11 @@ impl TrainConfig {
         let c = self;
         c.model.validate()?;
         if c.model.vocab_size != crate::train::data::ByteTokenizer::VOCAB {
-            bail!("model config: vocab_size must be {} (bytes are tokens), got {}", crate::train::data::ByteTokenizer::VOCAB, c.model.vocab_size);
+            bail!(
+                "model config: vocab_size must be {} (bytes are tokens), got {}",
+                crate::train::data::ByteTokenizer::VOCAB,
+                c.model.vocab_size
+            );
         }
         check_model_size(&c.model)?;
         if c.steps == 0 {
@@ -263,10 +315,16 @@ impl TrainConfig {
             bail!("min_lr_frac must be in [0, 1] (got {})", c.min_lr_frac);
         }
         if !(c.weight_decay.is_finite() && c.weight_decay >= 0.0) {
-            bail!("weight_decay must be a non-negative number (got {})", c.weight_decay);
+            bail!(
+                "weight_decay must be a non-negative number (got {})",
+                c.weight_decay
+            );
         }
         if c.batch == 0 || c.batch > MAX_BATCH {
-            bail!("--batch must be 1..={MAX_BATCH} sequences (got {})", c.batch);
+            bail!(
+                "--batch must be 1..={MAX_BATCH} sequences (got {})",
+                c.batch
+            );
         }
         if c.batch.saturating_mul(c.model.context) > MAX_TOKENS_PER_STEP {
             bail!(
@@ -277,10 +335,19 @@ impl TrainConfig {
             );
         }
         if c.micro_batch == 0 || c.micro_batch > c.batch {
-            bail!("--micro-batch must be 1..={} (the batch), got {}", c.batch, c.micro_batch);
+            bail!(
+                "--micro-batch must be 1..={} (the batch), got {}",
+                c.batch,
+                c.micro_batch
+            );
         }
         if c.accum != c.batch.div_ceil(c.micro_batch) {
-            bail!("--accum {} does not match a batch of {} in micro-batches of {}", c.accum, c.batch, c.micro_batch);
+            bail!(
+                "--accum {} does not match a batch of {} in micro-batches of {}",
+                c.accum,
+                c.batch,
+                c.micro_batch
+            );
         }
         if let Some(b) = c.ckpt_budget {
             checkpoint_schedule(c.model.n_layers, b).map_err(|e| e.context("--ckpt-budget"))?;
@@ -291,7 +358,11 @@ impl TrainConfig {
             }
         }
         if c.warmup >= c.steps && c.steps > 1 {
-            bail!("--warmup {} must be shorter than the run ({} steps)", c.warmup, c.steps);
+            bail!(
+                "--warmup {} must be shorter than the run ({} steps)",
+                c.warmup,
+                c.steps
+            );
         }
         if c.eval_rows == 0 {
             bail!("eval_rows must be at least 1");
@@ -351,7 +422,13 @@ mod tests {
 
     #[test]
     fn lr_schedule_warms_up_then_decays_to_a_tenth() {
-        let c = TrainConfig::resolve(&TrainOptions { steps: Some(100), warmup: Some(10), lr: Some(1.0), ..Default::default() }).unwrap();
+        let c = TrainConfig::resolve(&TrainOptions {
+            steps: Some(100),
+            warmup: Some(10),
+            lr: Some(1.0),
+            ..Default::default()
+        })
+        .unwrap();
         assert!((c.lr_at(1) - 0.1).abs() < 1e-6);
         assert_eq!(c.lr_at(10), 1.0);
         assert!((c.lr_at(100) - 0.1).abs() < 1e-6);

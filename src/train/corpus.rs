@@ -16,8 +16,9 @@ pub const TARGET_BYTES: usize = 300_000;
 const SEED: u64 = 0x7131_11a0_c0de;
 
 const NAMES: &[&str] = &[
-    "Ada", "Ben", "Cora", "Dan", "Eve", "Finn", "Gus", "Hana", "Ivo", "June", "Kit", "Lena", "Milo",
-    "Nora", "Otto", "Pia", "Quin", "Rosa", "Sam", "Tess", "Uma", "Vic", "Wren", "Yara", "Zed",
+    "Ada", "Ben", "Cora", "Dan", "Eve", "Finn", "Gus", "Hana", "Ivo", "June", "Kit", "Lena",
+    "Milo", "Nora", "Otto", "Pia", "Quin", "Rosa", "Sam", "Tess", "Uma", "Vic", "Wren", "Yara",
+    "Zed",
 ];
 const ANIMALS: &[&str] = &[
     "fox", "cat", "dog", "owl", "bear", "hare", "crow", "goat", "mouse", "horse", "duck", "frog",
@@ -25,8 +26,8 @@ const ANIMALS: &[&str] = &[
 ];
 const THINGS: &[&str] = &[
     "lamp", "book", "stone", "cup", "key", "map", "coat", "boat", "bell", "box", "kite", "drum",
-    "ring", "rope", "shell", "loaf", "hat", "chair", "clock", "basket", "letter", "candle", "spoon",
-    "ladder", "blanket",
+    "ring", "rope", "shell", "loaf", "hat", "chair", "clock", "basket", "letter", "candle",
+    "spoon", "ladder", "blanket",
 ];
 const ADJS: &[&str] = &[
     "little", "old", "red", "quiet", "bright", "small", "green", "warm", "cold", "tall", "round",
@@ -43,24 +44,87 @@ const MOVES: &[&str] = &[
     "drifted", "marched", "raced",
 ];
 const ACTS: &[&str] = &[
-    "found", "lost", "carried", "painted", "mended", "opened", "dropped", "hid", "shared", "washed",
-    "counted", "sold", "bought", "lifted", "kept", "gave away",
+    "found",
+    "lost",
+    "carried",
+    "painted",
+    "mended",
+    "opened",
+    "dropped",
+    "hid",
+    "shared",
+    "washed",
+    "counted",
+    "sold",
+    "bought",
+    "lifted",
+    "kept",
+    "gave away",
 ];
 const TIMES: &[&str] = &[
-    "In the morning", "At noon", "In the evening", "At night", "On Monday", "On a rainy day",
-    "Before dinner", "After school", "Long ago", "One summer", "In the winter", "At dawn",
+    "In the morning",
+    "At noon",
+    "In the evening",
+    "At night",
+    "On Monday",
+    "On a rainy day",
+    "Before dinner",
+    "After school",
+    "Long ago",
+    "One summer",
+    "In the winter",
+    "At dawn",
 ];
 const FEELS: &[&str] = &[
-    "glad", "tired", "hungry", "curious", "proud", "sad", "calm", "surprised", "worried", "cheerful",
+    "glad",
+    "tired",
+    "hungry",
+    "curious",
+    "proud",
+    "sad",
+    "calm",
+    "surprised",
+    "worried",
+    "cheerful",
 ];
 const WEATHER: &[&str] = &[
-    "The sun was shining", "The wind was blowing", "Rain fell softly", "Snow covered the ground",
-    "The sky was gray", "Fog hid the hills", "The air smelled of bread", "Stars filled the sky",
+    "The sun was shining",
+    "The wind was blowing",
+    "Rain fell softly",
+    "Snow covered the ground",
+    "The sky was gray",
+    "Fog hid the hills",
+    "The air smelled of bread",
+    "Stars filled the sky",
 ];
-const SAYS: &[&str] = &["said", "asked", "called", "whispered", "laughed", "answered"];
+const SAYS: &[&str] = &[
+    "said",
+    "asked",
+    "called",
+    "whispered",
+    "laughed",
+    "answered",
+];
 const NUMS: &[&str] = &[
-    "zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten",
-    "eleven", "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen",
+    "zero",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+    "ten",
+    "eleven",
+    "twelve",
+    "thirteen",
+    "fourteen",
+    "fifteen",
+    "sixteen",
+    "seventeen",
+    "eighteen",
 ];
 
 /// A small helper over the generator: picks from lists.
@@ -97,8 +161,16 @@ fn sentence(p: &Pick) -> String {
     let place = p.of(PLACES);
     match p.n(12) {
         0 => format!("The {adj} {animal} {} to the {place}.", p.of(MOVES)),
-        1 => format!("{name} {} {} {adj} {thing} near the {place}.", p.of(ACTS), p.article(adj)),
-        2 => format!("{} {name} {} to the {place} with the {animal}.", p.of(TIMES), p.of(MOVES)),
+        1 => format!(
+            "{name} {} {} {adj} {thing} near the {place}.",
+            p.of(ACTS),
+            p.article(adj)
+        ),
+        2 => format!(
+            "{} {name} {} to the {place} with the {animal}.",
+            p.of(TIMES),
+            p.of(MOVES)
+        ),
         3 => format!("{}, and the {animal} felt {}.", p.of(WEATHER), p.of(FEELS)),
         4 => format!(
             "\"Where is my {thing}?\" {} {name}. \"It is in the {place},\" {} {}.",
@@ -112,13 +184,38 @@ fn sentence(p: &Pick) -> String {
         }
         6 => {
             let n = 2 + p.n(8);
-            format!("{name} counted {} {}s: {}.", NUMS[n], thing, (1..=n).map(|i| NUMS[i]).collect::<Vec<_>>().join(", "))
+            format!(
+                "{name} counted {} {}s: {}.",
+                NUMS[n],
+                thing,
+                (1..=n).map(|i| NUMS[i]).collect::<Vec<_>>().join(", ")
+            )
         }
-        7 => format!("The {thing} was {adj}, and the {} {animal} liked it.", p.of(ADJS)),
-        8 => format!("{name} gave the {thing} to {}, who was {}.", p.of(NAMES), p.of(FEELS)),
-        9 => format!("\"Good {},\" {} {name} to the {animal}.", ["morning", "evening", "night", "day"][p.n(4)], p.of(SAYS)),
-        10 => format!("At the {place} there was {} {adj} {thing} and {} {animal}.", p.article(adj), p.article(animal)),
-        _ => format!("{} {name} was {}, so {name} {} home.", p.of(TIMES), p.of(FEELS), p.of(MOVES)),
+        7 => format!(
+            "The {thing} was {adj}, and the {} {animal} liked it.",
+            p.of(ADJS)
+        ),
+        8 => format!(
+            "{name} gave the {thing} to {}, who was {}.",
+            p.of(NAMES),
+            p.of(FEELS)
+        ),
+        9 => format!(
+            "\"Good {},\" {} {name} to the {animal}.",
+            ["morning", "evening", "night", "day"][p.n(4)],
+            p.of(SAYS)
+        ),
+        10 => format!(
+            "At the {place} there was {} {adj} {thing} and {} {animal}.",
+            p.article(adj),
+            p.article(animal)
+        ),
+        _ => format!(
+            "{} {name} was {}, so {name} {} home.",
+            p.of(TIMES),
+            p.of(FEELS),
+            p.of(MOVES)
+        ),
     }
 }
 

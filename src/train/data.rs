@@ -50,7 +50,8 @@ impl Corpus {
     /// A UTF-8 text file; every failure names the file.
     pub fn from_file(path: &Path) -> Result<Corpus> {
         let shown = path.display();
-        let bytes = std::fs::read(path).map_err(|e| crate::Error::msg(format!("cannot read corpus {shown}: {e}")))?;
+        let bytes = std::fs::read(path)
+            .map_err(|e| crate::Error::msg(format!("cannot read corpus {shown}: {e}")))?;
         if bytes.is_empty() {
             bail!("corpus {shown} is empty: give a UTF-8 text file with some text in it");
         }
@@ -197,7 +198,12 @@ impl Dataset {
             ids.extend_from_slice(x);
             targets.extend_from_slice(y);
         }
-        Batch { ids, targets, rows, t: self.context }
+        Batch {
+            ids,
+            targets,
+            rows,
+            t: self.context,
+        }
     }
 
     /// Up to `max_rows` validation windows: non-overlapping windows of every
@@ -217,7 +223,12 @@ impl Dataset {
             ids.extend_from_slice(x);
             targets.extend_from_slice(y);
         }
-        Batch { ids, targets, rows: take, t }
+        Batch {
+            ids,
+            targets,
+            rows: take,
+            t,
+        }
     }
 }
 

@@ -40,7 +40,9 @@ fn faults() -> &'static [(String, Option<usize>)] {
 
 /// Whether fault `point` is armed for `step`.
 pub fn armed(point: &str, step: usize) -> bool {
-    faults().iter().any(|(p, s)| p == point && s.is_none_or(|s| s == step))
+    faults()
+        .iter()
+        .any(|(p, s)| p == point && s.is_none_or(|s| s == step))
 }
 
 /// Pauses forever at `point` when it is armed for `step` (see the module docs).

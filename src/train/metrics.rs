@@ -75,7 +75,10 @@ impl MetricsLog {
             .map_err(|e| crate::Error::msg(format!("cannot read {}: {e}", path.display())))?
             .lines()
             .filter(|l| !l.trim().is_empty())
-            .map(|l| serde_json::from_str(l).map_err(|e| crate::Error::msg(format!("{}: {e}", path.display()))))
+            .map(|l| {
+                serde_json::from_str(l)
+                    .map_err(|e| crate::Error::msg(format!("{}: {e}", path.display())))
+            })
             .collect()
     }
 }

@@ -89,7 +89,11 @@ pub fn generate(
 ) -> Result<Vec<u32>> {
     let _ng = crate::no_grad();
     model.set_training(false);
-    let mut ids: Vec<u32> = if prompt.is_empty() { vec![b'\n' as u32] } else { prompt.to_vec() };
+    let mut ids: Vec<u32> = if prompt.is_empty() {
+        vec![b'\n' as u32]
+    } else {
+        prompt.to_vec()
+    };
     let v = model.cfg.vocab_size;
     let mut out = Vec::with_capacity(n);
     for _ in 0..n {
@@ -112,10 +116,17 @@ pub fn sample_logits(logits: &[f32], temperature: f32, top_k: usize, gen: &Gener
     if temperature <= 0.0 {
         return order[0] as u32;
     }
-    let k = if top_k == 0 { logits.len() } else { top_k.min(logits.len()) };
+    let k = if top_k == 0 {
+        logits.len()
+    } else {
+        top_k.min(logits.len())
+    };
     let top = &order[..k];
     let m = logits[top[0]] as f64;
-    let w: Vec<f64> = top.iter().map(|&i| ((logits[i] as f64 - m) / temperature as f64).exp()).collect();
+    let w: Vec<f64> = top
+        .iter()
+        .map(|&i| ((logits[i] as f64 - m) / temperature as f64).exp())
+        .collect();
     let total: f64 = w.iter().sum();
     let u = gen.uniform(1)[0] as f64 * total;
     let mut acc = 0.0;
@@ -151,10 +162,19 @@ impl Trainer {
         let model = Llama::new(&cfg.model, cfg.seed, device)?;
         let opt = AdamW::new(
             model.parameters(),
-            AdamWConfig { weight_decay: cfg.weight_decay, ..AdamWConfig::new(cfg.lr) },
+            AdamWConfig {
+                weight_decay: cfg.weight_decay,
+                ..AdamWConfig::new(cfg.lr)
+            },
         )?;
         let scaler = (cfg.precision == Precision::Fp16).then(DynamicLossScaler::default);
-        let plan = memory_plan(&cfg.model, cfg.micro_batch, cfg.model.context, cfg.precision, cfg.ckpt_budget)?;
+        let plan = memory_plan(
+            &cfg.model,
+            cfg.micro_batch,
+            cfg.model.context,
+            cfg.precision,
+            cfg.ckpt_budget,
+        )?;
         Ok(Trainer {
             data_rng: Generator::new(cfg.seed ^ DATA_KEY),
             cfg,
@@ -172,7 +192,12 @@ impl Trainer {
 
     /// Continues the run saved in `dir` with `cfg` (the saved config with the
     /// overrides a resume allows). The corpus must be the one it was trained on.
-    pub fn resume(cfg: TrainConfig, device: Device, corpus: &Corpus, dir: &Path) -> Result<Trainer> {
+    pub fn resume(
+        cfg: TrainConfig,
+        device: Device,
+        corpus: &Corpus,
+        dir: &Path,
+    ) -> Result<Trainer> {
         let ck = Verified::open(dir)?;
         let st = ck.train_state()?;
         if st.data_fingerprint != corpus.fingerprint {
@@ -188,11 +213,14 @@ impl Trainer {
         let mut t = Trainer::new(cfg, device, corpus)?;
         let st = checkpoint::restore(&ck, &t.model, &mut t.opt)?;
         match (&mut t.scaler, &st.scaler) {
-            (Some(s), Some(saved)) => s
-                .load_state_dict(saved)
-                .map_err(|e| e.context(format!("{}/{}", ck.dir.display(), checkpoint::STATE_FILE)))?,
+            (Some(s), Some(saved)) => s.load_state_dict(saved).map_err(|e| {
+                e.context(format!("{}/{}", ck.dir.display(), checkpoint::STATE_FILE))
+            })?,
             (None, None) => {}
-            _ => bail!("--resume: the checkpoint's precision ({}) differs from this run's", st.config.precision.name()),
+            _ => bail!(
+                "--resume: the checkpoint's precision ({}) differs from this run's",
+                st.config.precision.name()
+            ),
         }
         t.model.rng.set_state(st.model_rng);
         t.data_rng.set_state(st.data_rng);
@@ -209,7 +237,9 @@ impl Trainer {
             scaler: self.scaler.as_ref().map(|s| s.state_dict()),
             model_rng: self.model.rng.state(),
             data_rng: self.data_rng.state(),
-            adam_steps: (0..self.model.parameters().len()).map(|i| self.opt.state(i).map(|s| s.2)).collect(),
+            adam_steps: (0..self.model.parameters().len())
+                .map(|i| self.opt.state(i).map(|s| s.2))
+                .collect(),
             data_name: self.corpus_name.clone(),
             data_fingerprint: self.fingerprint.clone(),
         }
@@ -236,7 +266,8 @@ impl Trainer {
             model,
             &micro,
             |mb: &Batch| {
-                let loss = cross_entropy(&model.forward(&mb.ids, mb.rows, mb.t, ckpt)?, &mb.targets)?;
+                let loss =
+                    cross_entropy(&model.forward(&mb.ids, mb.rows, mb.t, ckpt)?, &mb.targets)?;
                 if std::mem::take(&mut first) {
                     return inject_fault(model, loss, step);
                 }
@@ -266,7 +297,12 @@ impl Trainer {
     /// Validation loss on the held-out windows.
     pub fn evaluate(&self) -> Result<f32> {
         let b = self.data.val_batch(self.cfg.eval_rows);
-        evaluate(&self.model, &b, self.cfg.precision, self.cfg.micro_batch.max(8))
+        evaluate(
+            &self.model,
+            &b,
+            self.cfg.precision,
+            self.cfg.micro_batch.max(8),
+        )
     }
 
     /// All parameter and moment values (for bit-for-bit comparisons).
@@ -342,13 +378,19 @@ pub fn write_plot(out: &Path, title: &str, history: &[StepMetrics]) -> Result<()
     let train = Series {
         name: "train loss",
         color: "#1f77b4",
-        points: history.iter().map(|m| (m.step as f64, m.loss as f64)).collect(),
+        points: history
+            .iter()
+            .map(|m| (m.step as f64, m.loss as f64))
+            .collect(),
         dots: false,
     };
     let val = Series {
         name: "validation loss",
         color: "#d62728",
-        points: history.iter().filter_map(|m| m.val_loss.map(|v| (m.step as f64, v as f64))).collect(),
+        points: history
+            .iter()
+            .filter_map(|m| m.val_loss.map(|v| (m.step as f64, v as f64)))
+            .collect(),
         dots: true,
     };
     checkpoint::write_atomic(out, "loss.svg", loss_svg(title, &[train, val]).as_bytes())
@@ -370,35 +412,65 @@ pub fn run(cfg: TrainConfig, resume: Option<&Path>, progress: Progress) -> Resul
     }
     let corpus = Corpus::load(cfg.data.as_ref())?;
     let out = cfg.out.clone();
-    std::fs::create_dir_all(&out).map_err(|e| crate::Error::msg(format!("cannot create {}: {e}", out.display())))?;
+    std::fs::create_dir_all(&out)
+        .map_err(|e| crate::Error::msg(format!("cannot create {}: {e}", out.display())))?;
     let mut tr = match resume {
         Some(dir) => Trainer::resume(cfg.clone(), device, &corpus, dir)?,
         None => Trainer::new(cfg.clone(), device, &corpus)?,
     };
     say(progress, &cfg.describe());
-    say(progress, &format!(
-        "data: {} ({} bytes; {} training and {} validation pieces)",
-        corpus.name,
-        corpus.tokens.len(),
-        tr.data.train.len(),
-        tr.data.val.len()
-    ));
-    say(progress, &tr.plan.describe(cfg.micro_batch, cfg.model.context, cfg.precision, cfg.ckpt_budget));
+    say(
+        progress,
+        &format!(
+            "data: {} ({} bytes; {} training and {} validation pieces)",
+            corpus.name,
+            corpus.tokens.len(),
+            tr.data.train.len(),
+            tr.data.val.len()
+        ),
+    );
+    say(
+        progress,
+        &tr.plan.describe(
+            cfg.micro_batch,
+            cfg.model.context,
+            cfg.precision,
+            cfg.ckpt_budget,
+        ),
+    );
     if tr.step > 0 {
-        say(progress, &format!("resumed at step {} from {}", tr.step, resume.unwrap().display()));
+        say(
+            progress,
+            &format!(
+                "resumed at step {} from {}",
+                tr.step,
+                resume.unwrap().display()
+            ),
+        );
     }
     if tr.step >= cfg.steps {
-        bail!("the run is already at step {} of {}: give a larger --steps to continue it", tr.step, cfg.steps);
+        bail!(
+            "the run is already at step {} of {}: give a larger --steps to continue it",
+            tr.step,
+            cfg.steps
+        );
     }
     let mut log = MetricsLog::open(&out, tr.step)?;
-    let mut history = if tr.step > 0 { MetricsLog::read(log.path()).unwrap_or_default() } else { vec![] };
-    let mut last_saved: Option<(PathBuf, usize)> = resume.map(|d| (checkpoint::resolve_dir(d), tr.step));
+    let mut history = if tr.step > 0 {
+        MetricsLog::read(log.path()).unwrap_or_default()
+    } else {
+        vec![]
+    };
+    let mut last_saved: Option<(PathBuf, usize)> =
+        resume.map(|d| (checkpoint::resolve_dir(d), tr.step));
 
     let bar = (progress == Progress::Auto && std::io::stderr().is_terminal()).then(|| {
         let b = indicatif::ProgressBar::new(cfg.steps as u64);
         b.set_style(
-            indicatif::ProgressStyle::with_template("{bar:30.cyan/blue} {pos}/{len} {msg} [{elapsed_precise}<{eta_precise}]")
-                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+            indicatif::ProgressStyle::with_template(
+                "{bar:30.cyan/blue} {pos}/{len} {msg} [{elapsed_precise}<{eta_precise}]",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
         );
         b.set_position(tr.step as u64);
         b
@@ -413,7 +485,10 @@ pub fn run(cfg: TrainConfig, resume: Option<&Path>, progress: Progress) -> Resul
                     b.abandon();
                 }
                 let where_ = match last_saved {
-                    Some((dir, s)) => format!("the last good checkpoint, {} (step {s}), is intact", dir.display()),
+                    Some((dir, s)) => format!(
+                        "the last good checkpoint, {} (step {s}), is intact",
+                        dir.display()
+                    ),
                     None => "no checkpoint had been written yet".into(),
                 };
                 bail!("training stopped: {e}. {where_}");
@@ -429,7 +504,9 @@ pub fn run(cfg: TrainConfig, resume: Option<&Path>, progress: Progress) -> Resul
         let msg = format!(
             "loss {:.4}{} lr {:.2e} scale {} {:.0} tok/s",
             m.loss,
-            m.val_loss.map(|v| format!(" val {v:.4}")).unwrap_or_default(),
+            m.val_loss
+                .map(|v| format!(" val {v:.4}"))
+                .unwrap_or_default(),
             m.lr,
             m.scale,
             m.tokens_per_s
@@ -440,13 +517,28 @@ pub fn run(cfg: TrainConfig, resume: Option<&Path>, progress: Progress) -> Resul
                 b.set_message(msg);
             }
             None => {
-                if progress != Progress::Quiet && (tr.step % log_every == 0 || last || m.val_loss.is_some() || tr.step == 1) {
-                    eprintln!("step {:>5}/{} {msg}{}", tr.step, cfg.steps, if m.skipped { " (skipped: overflow)" } else { "" });
+                if progress != Progress::Quiet
+                    && (tr.step % log_every == 0 || last || m.val_loss.is_some() || tr.step == 1)
+                {
+                    eprintln!(
+                        "step {:>5}/{} {msg}{}",
+                        tr.step,
+                        cfg.steps,
+                        if m.skipped {
+                            " (skipped: overflow)"
+                        } else {
+                            ""
+                        }
+                    );
                 }
             }
         }
         if m.val_loss.is_some() {
-            write_plot(&out, &format!("tinyllm {} ({})", cfg.preset, cfg.precision.name()), &history)?;
+            write_plot(
+                &out,
+                &format!("tinyllm {} ({})", cfg.preset, cfg.precision.name()),
+                &history,
+            )?;
         }
         if last || (cfg.save_every > 0 && tr.step % cfg.save_every == 0) {
             match tr.save(&out) {
@@ -456,7 +548,10 @@ pub fn run(cfg: TrainConfig, resume: Option<&Path>, progress: Progress) -> Resul
                         b.abandon();
                     }
                     let where_ = match &last_saved {
-                        Some((dir, s)) => format!("the last good checkpoint, {} (step {s}), is intact", dir.display()),
+                        Some((dir, s)) => format!(
+                            "the last good checkpoint, {} (step {s}), is intact",
+                            dir.display()
+                        ),
                         None => "no checkpoint had been written yet".into(),
                     };
                     bail!("training stopped: the checkpoint of step {} could not be written: {e}. {where_}", tr.step);
@@ -479,16 +574,26 @@ pub fn run(cfg: TrainConfig, resume: Option<&Path>, progress: Progress) -> Resul
         history,
         out,
     };
-    say(progress, &format!(
-        "memory: planned peak {} · measured peak {} (tinyllm::memory, largest step)",
-        mib(summary.plan.total),
-        mib(summary.peak_bytes)
-    ));
+    say(
+        progress,
+        &format!(
+            "memory: planned peak {} · measured peak {} (tinyllm::memory, largest step)",
+            mib(summary.plan.total),
+            mib(summary.peak_bytes)
+        ),
+    );
     Ok(summary)
 }
 
 /// A sample from a trained model, as text (the prompt included).
-pub fn sample_text(model: &Llama, prompt: &str, n: usize, temperature: f32, top_k: usize, seed: u64) -> Result<String> {
+pub fn sample_text(
+    model: &Llama,
+    prompt: &str,
+    n: usize,
+    temperature: f32,
+    top_k: usize,
+    seed: u64,
+) -> Result<String> {
     let ids = ByteTokenizer::encode(prompt);
     let out = generate(model, &ids, n, temperature, top_k, &Generator::new(seed))?;
     Ok(format!("{prompt}{}", ByteTokenizer::decode(&out)))
@@ -510,6 +615,11 @@ pub fn eval_text(model: &Llama, corpus: &Corpus, precision: Precision) -> Result
         ids.extend_from_slice(&toks[w * t..w * t + t]);
         targets.extend_from_slice(&toks[w * t + 1..w * t + t + 1]);
     }
-    let b = Batch { ids, targets, rows: windows, t };
+    let b = Batch {
+        ids,
+        targets,
+        rows: windows,
+        t,
+    };
     Ok((evaluate(model, &b, precision, 8)?, windows * t))
 }
