@@ -118,13 +118,14 @@ fn softmax_rows_backward(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_work
     }
 }
 
-// ---- chunked sum of squares: x: (n) -> partials: (ceil(n / chunk)) ----
+// ---- chunked sum of squares: x: (n) -> partials[offset ..][.. ceil(n / chunk)] ----
 // partial[c] = Σ_{i in chunk c} x_i² as fma_c(x, x, acc), ascending from -0
 // (the host adds the partials in order: Storage::sum_squares).
 
 struct ChunkParams {
     n: u32,
     chunk: u32,
+    offset: u32, // where this buffer's partials start in the shared output
 }
 
 @group(0) @binding(0) var<storage, read> q_prm: ChunkParams;
@@ -146,5 +147,5 @@ fn chunk_sum_squares(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgrou
         let v = q_x[i];
         acc = fma_c(v, v, acc);
     }
-    q_out[c] = acc;
+    q_out[q_prm.offset + c] = acc;
 }

@@ -468,9 +468,24 @@ impl Storage {
     /// chunks of [`NORM_CHUNK`] elements, every sum from −0, as f32. Used by
     /// gradient clipping; the host takes the square root.
     pub fn sum_squares(bufs: &[&Storage]) -> Result<f32> {
+        // The GPU buffers' partials come back together, in one readback.
+        let gpu_bufs: Vec<&gpu::GpuStorage> = bufs
+            .iter()
+            .filter_map(|b| match b {
+                Storage::Gpu(g) => Some(&**g),
+                Storage::Cpu(_) => None,
+            })
+            .collect();
+        let mut gpu_partials = gpu::GpuStorage::chunk_sum_squares(&gpu_bufs)?.into_iter();
         let mut total = -0.0f32;
         for b in bufs {
-            let partials = dispatch!(b, s => s.chunk_sum_squares(), g => g.chunk_sum_squares()?);
+            let partials = match b {
+                Storage::Cpu(s) => s.chunk_sum_squares(),
+                Storage::Gpu(g) => gpu_partials
+                    .by_ref()
+                    .take(g.len().div_ceil(NORM_CHUNK))
+                    .collect(),
+            };
             for p in partials {
                 total += p;
             }

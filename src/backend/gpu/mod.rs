@@ -615,21 +615,35 @@ impl GpuStorage {
         Ok(u32::from_le_bytes([v[0], v[1], v[2], v[3]]) == 0)
     }
 
-    /// Partial sums of squares over chunks of [`NORM_CHUNK`] (reduce.wgsl
-    /// `chunk_sum_squares`); the host adds them in order.
-    pub fn chunk_sum_squares(&self) -> Result<Vec<f32>> {
-        let c = ctx()?;
-        let chunks = self.len.div_ceil(NORM_CHUNK);
-        if chunks == 0 {
+    /// Partial sums of squares over chunks of [`NORM_CHUNK`] of every buffer,
+    /// concatenated in buffer order (reduce.wgsl `chunk_sum_squares`), with one
+    /// readback for all of them; the host adds them in order.
+    pub fn chunk_sum_squares(bufs: &[&Self]) -> Result<Vec<f32>> {
+        let total: usize = bufs.iter().map(|b| b.len.div_ceil(NORM_CHUNK)).sum();
+        if total == 0 {
             return Ok(Vec::new());
         }
-        let partials = Self::alloc(c, chunks)?;
-        c.dispatch(
-            Kernel::ChunkSumSquares,
-            &[self.len as u32, NORM_CHUNK as u32],
-            &[self.buf(), partials.buf()],
-            grid1d(chunks),
-        )?;
+        let c = ctx()?;
+        // Every buffer's partials land in one device buffer, read back once.
+        let partials = Self::alloc(c, total)?;
+        let mut offset = 0usize;
+        for b in bufs {
+            let chunks = b.len.div_ceil(NORM_CHUNK);
+            if chunks == 0 {
+                continue;
+            }
+            c.dispatch(
+                Kernel::ChunkSumSquares,
+                &[
+                    u32_of(b.len, "n")?,
+                    NORM_CHUNK as u32,
+                    u32_of(offset, "offset")?,
+                ],
+                &[b.buf(), partials.buf()],
+                grid1d(chunks),
+            )?;
+            offset += chunks;
+        }
         partials.download()
     }
 
