@@ -17,7 +17,9 @@
 // so cancellation never exposes them), added or subtracted exactly, then
 // rounded once to nearest-even at the f32 (or subnormal) position.
 
-fn fs_mulhi(a: u32, b: u32) -> u32 {
+// High 32 bits of the 64-bit product a * b (the low half is the wrapping a * b);
+// also Philox's multiply (rng.wgsl).
+fn mulhi32(a: u32, b: u32) -> u32 {
     let al = a & 0xffffu;
     let ah = a >> 16u;
     let bl = b & 0xffffu;
@@ -135,7 +137,7 @@ fn fma_soft(a: f32, b: f32, c: f32) -> f32 {
     }
     let ua = fs_unpack(aa);
     let ub = fs_unpack(ba);
-    var x = vec2<u32>(ua.m * ub.m, fs_mulhi(ua.m, ub.m)); // the exact product, < 2^48
+    var x = vec2<u32>(ua.m * ub.m, mulhi32(ua.m, ub.m)); // the exact product, < 2^48
     let lzp = u64_clz(x);
     x = u64_shl(x, lzp - 1u); // top bit at 62: one bit of headroom for a carry
     var ex = ua.e + ub.e - i32(lzp - 1u);

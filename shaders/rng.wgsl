@@ -8,20 +8,7 @@ const PH_M1: u32 = 0xCD9E8D57u;
 const PH_W0: u32 = 0x9E3779B9u;
 const PH_W1: u32 = 0xBB67AE85u;
 
-// High 32 bits of the 64-bit product a * b (the low half is the wrapping a * b).
-fn mulhi32(a: u32, b: u32) -> u32 {
-    let al = a & 0xffffu;
-    let ah = a >> 16u;
-    let bl = b & 0xffffu;
-    let bh = b >> 16u;
-    let ll = al * bl;
-    let lh = al * bh;
-    let hl = ah * bl;
-    let hh = ah * bh;
-    // carries out of the low 32 bits: every term < 2^32, their sum < 3 * 2^16
-    let mid = (ll >> 16u) + (lh & 0xffffu) + (hl & 0xffffu);
-    return hh + (lh >> 16u) + (hl >> 16u) + (mid >> 16u);
-}
+// mulhi32 (the high half of a 32x32-bit product) comes with the math prelude (fma.wgsl).
 
 // Ten Philox rounds on one 128-bit counter block.
 fn philox4x32(counter: vec4<u32>, key: vec2<u32>) -> vec4<u32> {

@@ -9,7 +9,7 @@
 
 use crate::backend::round::Format;
 use crate::backend::{Storage, UnaryOp};
-use crate::optim::{clip_grad_norm_, Optimizer};
+use crate::optim::{clip_grad_norm_, grad_storages, Optimizer};
 use crate::{bail, Error, Result, Tensor};
 use serde::{Deserialize, Serialize};
 use std::cell::Cell;
@@ -223,10 +223,7 @@ impl DynamicLossScaler {
         clip: Option<f32>,
     ) -> Result<bool> {
         self.last_grad_norm = None;
-        let grads: Vec<Storage> = params
-            .iter()
-            .filter_map(|p| p.grad().map(|g| g.storage()))
-            .collect();
+        let grads = grad_storages(&params);
         let refs: Vec<&Storage> = grads.iter().collect();
         let inv = crate::backend::math::div(1.0, self.scale);
         let finite = Storage::finite_check_unscale(&refs, inv)?;
@@ -388,10 +385,7 @@ pub fn train_step_mixed<M: crate::nn::Module + ?Sized, B: MicroBatch>(
             // derivative blows up); clipping or AdamW would spread them into
             // every weight. The scaler's fused check with a scale of 1 (an
             // exact no-op multiply) finds them in one pass.
-            let grads: Vec<Storage> = params
-                .iter()
-                .filter_map(|p| p.grad().map(|g| g.storage()))
-                .collect();
+            let grads = grad_storages(&params);
             let refs: Vec<&Storage> = grads.iter().collect();
             if !Storage::finite_check_unscale(&refs, 1.0)? {
                 for p in &params {

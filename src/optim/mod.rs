@@ -209,6 +209,15 @@ impl Optimizer for AdamW {
     }
 }
 
+/// The buffers of the parameters' gradients, in parameter order (those with
+/// none are left out): what the scaler checks, clipping measures and scales.
+pub fn grad_storages(params: &[Tensor]) -> Vec<Storage> {
+    params
+        .iter()
+        .filter_map(|p| p.grad().map(|g| g.storage()))
+        .collect()
+}
+
 /// Clips the global L2 norm of all gradients to `max_norm` in place and
 /// returns the norm before clipping (spec M10.4): when it exceeds `max_norm`
 /// every gradient is multiplied by `max_norm / (norm + 1e-6)`.
@@ -216,10 +225,7 @@ pub fn clip_grad_norm_(params: &[Tensor], max_norm: f32) -> Result<f32> {
     if !(max_norm > 0.0) {
         bail!("clip: max_norm must be positive, got {max_norm}");
     }
-    let grads: Vec<Storage> = params
-        .iter()
-        .filter_map(|p| p.grad().map(|g| g.storage()))
-        .collect();
+    let grads = grad_storages(params);
     let refs: Vec<&Storage> = grads.iter().collect();
     let norm = crate::backend::math::sqrt(Storage::sum_squares(&refs)?);
     if norm > max_norm {

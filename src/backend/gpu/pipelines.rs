@@ -51,7 +51,7 @@ pub const GATHER: Family = Family {
 pub const RNG: Family = Family {
     name: "rng",
     source: include_str!("../../../shaders/rng.wgsl"),
-    needs_math: false,
+    needs_math: true,
 };
 pub const OPTIM: Family = Family {
     name: "optim",
