@@ -223,7 +223,7 @@ impl DynamicLossScaler {
         clip: Option<f32>,
     ) -> Result<bool> {
         self.last_grad_norm = None;
-        let grads = grad_storages(&params);
+        let grads = grad_storages(params);
         let refs: Vec<&Storage> = grads.iter().collect();
         let inv = crate::backend::math::div(1.0, self.scale);
         let finite = Storage::finite_check_unscale(&refs, inv)?;
