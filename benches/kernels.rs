@@ -73,9 +73,18 @@ fn gpu_of(s: &Storage) -> &gpu::GpuStorage {
     }
 }
 
-/// Criterion's median for `group/id` in seconds, if that benchmark ran.
+/// When this run started: results older than it are an earlier run's.
+static STARTED: std::sync::OnceLock<std::time::SystemTime> = std::sync::OnceLock::new();
+
+/// Criterion's median for `group/id` in seconds, if that benchmark ran in
+/// this run (criterion keeps earlier runs' files; a filtered run must not
+/// report them as its own).
 fn median_s(group: &str, id: &str) -> Option<f64> {
     let p = out_dir().join(group).join(id).join("new/estimates.json");
+    let written = std::fs::metadata(&p).ok()?.modified().ok()?;
+    if written < *STARTED.get()? {
+        return None;
+    }
     let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(p).ok()?).ok()?;
     Some(v["median"]["point_estimate"].as_f64()? * 1e-9)
 }
@@ -220,9 +229,24 @@ fn train_step_group(c: &mut Criterion, preset: &str, dev: Device) {
         let mut tr = Trainer::new(cfg, dev, &Corpus::embedded()).unwrap();
         g.throughput(Throughput::Elements(tokens as u64));
         g.bench_function(id, |bn| bn.iter(|| tr.train_step().unwrap()));
+        // Then the profile behind "share of the step outside matmul": three
+        // more steps with every primitive timed (tinyllm::profile).
+        tinyllm::profile::start();
+        for _ in 0..3 {
+            let _on = tinyllm::profile::unpause();
+            tr.train_step().unwrap();
+        }
+        let p = tinyllm::profile::take().unwrap();
+        let share = 1.0 - p.matmul().as_secs_f64() / p.wall.unwrap().as_secs_f64();
+        PROFILES.lock().unwrap().push((name.clone(), id, share, p));
     }
     g.finish();
 }
+
+/// (group, recipe, non-matmul share of the step, profile) of the train-step groups.
+#[allow(clippy::type_complexity)]
+static PROFILES: std::sync::Mutex<Vec<(String, &'static str, f64, tinyllm::profile::Profile)>> =
+    std::sync::Mutex::new(Vec::new());
 
 fn train_step_summary(steps: &[(&str, Device)]) {
     println!(
@@ -249,6 +273,12 @@ fn train_step_summary(steps: &[(&str, Device)]) {
                 );
             }
         }
+    }
+    for (grp, id, share, p) in PROFILES.lock().unwrap().iter() {
+        println!(
+            "\nprofile of 3 steps, {grp} {id}: outside matmul {:.1}% of the step\n{p}",
+            100.0 * share
+        );
     }
 }
 
@@ -323,6 +353,9 @@ fn summary(cases: &[MatmulCase], n: usize) {
 }
 
 fn main() {
+    STARTED.set(std::time::SystemTime::now()).unwrap();
+    // As the tinyllm binary does: freed buffers stay with the process.
+    tinyllm::memory::keep_freed_host_memory();
     let full = std::env::var("TINYLLM_BENCH_FULL").is_ok_and(|v| v == "1");
     let mut c = Criterion::default()
         .sample_size(10)

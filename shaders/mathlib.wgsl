@@ -83,7 +83,8 @@ struct Frexp {
     e: i32,
 }
 
-// Splits a finite, non-zero |x| into (m, e), m in [1, 2), |x| = m * 2^e.
+// Splits a finite, non-zero |x| into (m, e), m in [1, 2), |x| = m * 2^e. For
+// ±0, ±inf and NaN m is still in [1, 2) (callers discard the result).
 fn frexp_abs(x: f32) -> Frexp {
     var bits = bitcast<u32>(x) & 0x7fffffffu;
     var e_adj = 0;
@@ -99,9 +100,34 @@ fn frexp_abs(x: f32) -> Frexp {
 
 // a / b, correctly rounded for normal results (reciprocal by a linear guess and
 // three Newton steps, one Markstein correction, exponent applied by scale2).
+// Split in two like the Rust: divisor_new(b) is the half that depends on b
+// alone (done once when many values share a divisor), divisor_div the rest.
 fn m_div(a: f32, b: f32) -> f32 {
+    return divisor_div(divisor_new(b), a);
+}
+
+struct Divisor {
+    bits: u32,
+    mb: f32,
+    eb: i32,
+    r: f32,
+}
+
+fn divisor_new(b: f32) -> Divisor {
+    let fb = frexp_abs(b);
+    let mb = fb.m;
+    // r ≈ 1/mb: the minimax line 24/17 - 8/17 mb on [1, 2), then Newton r += r (1 - mb r).
+    var r = fma_c(M8_17, mb, C24_17);
+    for (var i = 0; i < 3; i++) {
+        let e = fma_c(-mb, r, 1.0);
+        r = fma_c(r, e, r);
+    }
+    return Divisor(bitcast<u32>(b), mb, fb.e, r);
+}
+
+fn divisor_div(dv: Divisor, a: f32) -> f32 {
     let ab = bitcast<u32>(a);
-    let bb = bitcast<u32>(b);
+    let bb = dv.bits;
     let sign = (ab ^ bb) & 0x80000000u;
     let aa = ab & 0x7fffffffu;
     let ba = bb & 0x7fffffffu;
@@ -129,19 +155,11 @@ fn m_div(a: f32, b: f32) -> f32 {
         return bitcast<f32>(sign);
     }
     let fa = frexp_abs(a);
-    let fb = frexp_abs(b);
     let ma = fa.m;
-    let mb = fb.m;
-    // r ≈ 1/mb: the minimax line 24/17 - 8/17 mb on [1, 2), then Newton r += r (1 - mb r).
-    var r = fma_c(M8_17, mb, C24_17);
-    for (var i = 0; i < 3; i++) {
-        let e = fma_c(-mb, r, 1.0);
-        r = fma_c(r, e, r);
-    }
-    let q0 = ma * r;
-    let rem = fma_c(-q0, mb, ma);
-    let q = fma_c(rem, r, q0);
-    let d = fa.e - fb.e;
+    let q0 = ma * dv.r;
+    let rem = fma_c(-q0, dv.mb, ma);
+    let q = fma_c(rem, dv.r, q0);
+    let d = fa.e - dv.eb;
     if d > 128 {
         return bitcast<f32>(sign | 0x7f800000u);
     }
@@ -151,7 +169,8 @@ fn m_div(a: f32, b: f32) -> f32 {
     return bitcast<f32>(bitcast<u32>(scale2(q, d)) | sign);
 }
 
-// sqrt(x), correctly rounded for normal inputs; sqrt(-0) = -0, negative -> NaN.
+// sqrt(x), correctly rounded for every input (all 2^32 checked against the CPU's
+// hardware sqrt, which the CPU backend therefore uses); sqrt(-0) = -0, negative -> NaN.
 fn m_sqrt(x: f32) -> f32 {
     let b = bitcast<u32>(x);
     if is_nan_bits(b) {

@@ -1,7 +1,22 @@
 // optim.wgsl — in-place optimizer updates and the loss scaler's fused check
 // (needs mathlib). Each expression has the shape of the CPU reference's
 // (src/backend/cpu.rs): explicit fma where the Rust uses mul_add, separate
-// ops where it does two roundings. 1-D grids: i = (wg.y * groups.x + wg.x) * 64 + lane.
+// ops where it does two roundings.
+//
+// 1-D grids. scale_in_place, finite_check_unscale and adamw_step give each
+// invocation PER_LANE elements: workgroup w covers the 64 * PER_LANE
+// consecutive elements from w * 64 * PER_LANE, lane l takes every 64th of them
+// from l (neighbouring lanes, neighbouring addresses). Fewer, fuller
+// workgroups: on lavapipe each workgroup is a scheduled task, and with one
+// element per lane the scheduling, not the memory, set the pace. The
+// parameters are read once per invocation. The SGD kernels keep one element
+// per lane: i = (wg.y * groups.x + wg.x) * 64 + lane.
+
+const PER_LANE: u32 = 16u;
+
+fn chunk_base(wg: vec3<u32>, groups: vec3<u32>) -> u32 {
+    return (wg.y * groups.x + wg.x) * 64u * PER_LANE;
+}
 
 // ---- scale in place: x: (n), x = x * c (gradient clipping) ----
 
@@ -16,11 +31,16 @@ struct ScaleParams {
 @compute @workgroup_size(64)
 fn scale_in_place(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
                   @builtin(local_invocation_index) lane: u32) {
-    let i = (wg.y * groups.x + wg.x) * 64u + lane;
-    if i >= sc_prm.n {
-        return;
+    let base = chunk_base(wg, groups) + lane;
+    let n = sc_prm.n;
+    let c = bitcast<f32>(sc_prm.c);
+    for (var t = 0u; t < PER_LANE; t++) {
+        let i = base + t * 64u;
+        if i >= n {
+            return;
+        }
+        sc_x[i] = sc_x[i] * c;
     }
-    sc_x[i] = sc_x[i] * bitcast<f32>(sc_prm.c);
 }
 
 // ---- finite check + unscale: grad: (n) in place, flag: one u32 shared by all buffers ----
@@ -36,15 +56,22 @@ fn scale_in_place(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups)
 @compute @workgroup_size(64)
 fn finite_check_unscale(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
                         @builtin(local_invocation_index) lane: u32) {
-    let i = (wg.y * groups.x + wg.x) * 64u + lane;
-    if i >= fc_prm.n {
-        return;
+    let base = chunk_base(wg, groups) + lane;
+    let n = fc_prm.n;
+    let c = bitcast<f32>(fc_prm.c);
+    var bad = false;
+    for (var t = 0u; t < PER_LANE; t++) {
+        let i = base + t * 64u;
+        if i >= n {
+            break;
+        }
+        let x = fc_x[i];
+        bad = bad || is_nonfinite_bits(bitcast<u32>(x));
+        fc_x[i] = x * c;
     }
-    let x = fc_x[i];
-    if is_nonfinite_bits(bitcast<u32>(x)) {
+    if bad {
         atomicOr(&fc_flag, 1u); // only the rare bad lanes touch the atomic
     }
-    fc_x[i] = x * bitcast<f32>(fc_prm.c);
 }
 
 // ---- AdamW: p, g, m, v: (n), p/m/v in place (PyTorch's formula) ----
@@ -72,18 +99,31 @@ struct AdamWParams {
 @compute @workgroup_size(64)
 fn adamw_step(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
               @builtin(local_invocation_index) lane: u32) {
-    let i = (wg.y * groups.x + wg.x) * 64u + lane;
-    if i >= aw_prm.n {
-        return;
+    let base = chunk_base(wg, groups) + lane;
+    let n = aw_prm.n;
+    let decay = bitcast<f32>(aw_prm.decay);
+    let beta1 = bitcast<f32>(aw_prm.beta1);
+    let omb1 = bitcast<f32>(aw_prm.omb1);
+    let beta2 = bitcast<f32>(aw_prm.beta2);
+    let omb2 = bitcast<f32>(aw_prm.omb2);
+    let step_size = bitcast<f32>(aw_prm.step_size);
+    let eps = bitcast<f32>(aw_prm.eps);
+    // The bias correction's divisor, prepared once (= m_div(x, bc2_sqrt) bit for bit).
+    let bc2 = divisor_new(bitcast<f32>(aw_prm.bc2_sqrt));
+    for (var t = 0u; t < PER_LANE; t++) {
+        let i = base + t * 64u;
+        if i >= n {
+            return;
+        }
+        let gi = aw_g[i];
+        let p1 = aw_p[i] * decay;
+        let mi = fma_c(beta1, aw_m[i], omb1 * gi);
+        let vi = fma_c(beta2, aw_v[i], omb2 * (gi * gi));
+        let den = divisor_div(bc2, m_sqrt(vi)) + eps;
+        aw_p[i] = fma_c(-step_size, m_div(mi, den), p1);
+        aw_m[i] = mi;
+        aw_v[i] = vi;
     }
-    let gi = aw_g[i];
-    let p1 = aw_p[i] * bitcast<f32>(aw_prm.decay);
-    let mi = fma_c(bitcast<f32>(aw_prm.beta1), aw_m[i], bitcast<f32>(aw_prm.omb1) * gi);
-    let vi = fma_c(bitcast<f32>(aw_prm.beta2), aw_v[i], bitcast<f32>(aw_prm.omb2) * (gi * gi));
-    let den = m_div(m_sqrt(vi), bitcast<f32>(aw_prm.bc2_sqrt)) + bitcast<f32>(aw_prm.eps);
-    aw_p[i] = fma_c(-bitcast<f32>(aw_prm.step_size), m_div(mi, den), p1);
-    aw_m[i] = mi;
-    aw_v[i] = vi;
 }
 
 // ---- SGD: p, g (, buf): (n), in place (PyTorch's formula) ----

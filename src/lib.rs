@@ -23,6 +23,7 @@ pub mod nn;
 pub mod ops;
 pub mod optim;
 pub mod precision;
+pub mod profile;
 pub mod recompute;
 pub mod rng;
 pub mod tensor;

@@ -500,6 +500,54 @@ fn softmax_forward_and_backward() {
     }
 }
 
+/// Rows with trailing −inf (a causal mask's shape), which the CPU fills with
+/// +0 without computing them: every tail length, −inf also in the middle, a
+/// whole −inf row, +inf and NaN maxima with −inf tails.
+#[test]
+fn softmax_of_causally_masked_rows() {
+    require_gpu!();
+    let mut rng = Rng(13);
+    let n = 11;
+    let mut x = Vec::new();
+    for i in 0..n {
+        // row i: the causal mask of query i (entries past i are −inf)
+        x.extend((0..n).map(|j| {
+            if j > i {
+                f32::NEG_INFINITY
+            } else {
+                rng.unif(-30.0, 30.0)
+            }
+        }));
+    }
+    let mut extra = |row: Vec<f32>| x.extend(row);
+    let mut mid = vec![f32::NEG_INFINITY; n];
+    (mid[0], mid[3], mid[5]) = (-1.0, 2.0, -0.0);
+    extra(mid);
+    extra(vec![f32::NEG_INFINITY; n]);
+    let mut inf = vec![f32::NEG_INFINITY; n];
+    (inf[0], inf[1]) = (f32::INFINITY, 3.0);
+    extra(inf);
+    let mut nan = vec![f32::NEG_INFINITY; n];
+    (nan[0], nan[2]) = (1.0, f32::NAN);
+    extra(nan);
+    let rows = x.len() / n;
+    let (c, g) = pair(&x);
+    let yc = c.softmax_rows(rows, n).unwrap();
+    assert_bits(
+        "masked softmax",
+        &vals(&yc),
+        &vals(&g.softmax_rows(rows, n).unwrap()),
+        &[&x],
+    );
+    // and the CPU's shortcut is the full computation: the tails are +0
+    let y = vals(&yc);
+    for i in 0..n - 1 {
+        assert!(y[i * n + i + 1..(i + 1) * n]
+            .iter()
+            .all(|v| v.to_bits() == 0));
+    }
+}
+
 #[test]
 fn sum_squares_chunks() {
     require_gpu!();
@@ -885,22 +933,26 @@ fn finite_check_unscale_flags_and_values() {
     require_gpu!();
     let mut rng = Rng(31);
     let inv = 2f32.powi(-16);
-    // (buffers, expected finite)
+    // (buffers, expected finite). The first spans three workgroups of the
+    // kernel (1024 elements each, 16 per lane) with a ragged end.
     let finite_bufs: Vec<Vec<f32>> = vec![
-        (0..500).map(|_| rng.moderate() * 1e4).collect(),
+        (0..2600).map(|_| rng.moderate() * 1e4).collect(),
         vec![f32::MAX, -f32::MAX, 1e-45, -0.0, 3e-39],
         vec![],
     ];
     let mut with_inf = finite_bufs.clone();
     with_inf[1][2] = f32::NEG_INFINITY;
     let mut with_nan = finite_bufs.clone();
-    with_nan[0][499] = f32::NAN;
+    with_nan[0][2599] = f32::NAN; // the last lane of the last, partial workgroup
+    let mut mid_inf = finite_bufs.clone();
+    mid_inf[0][1024 + 64 * 7 + 5] = f32::INFINITY; // workgroup 1, lane 5, its 8th element
     let mut only_last = finite_bufs.clone();
     only_last.push(vec![1.0, 2.0, f32::INFINITY]);
     for (bufs, want) in [
         (finite_bufs, true),
         (with_inf, false),
         (with_nan, false),
+        (mid_inf, false),
         (only_last, false),
     ] {
         let cs: Vec<Storage> = bufs.iter().map(|b| pair(b).0).collect();
@@ -919,7 +971,7 @@ fn finite_check_unscale_flags_and_values() {
 fn scale_in_place_matches() {
     require_gpu!();
     let mut rng = Rng(37);
-    let x = adversarial(&mut rng, 999);
+    let x = adversarial(&mut rng, 2999); // three workgroups, ragged
     for c in [0.5f32, 0.3, 1e-30, -7.0] {
         let (a, b) = pair(&x);
         a.scale_in_place(c).unwrap();
@@ -932,7 +984,7 @@ fn scale_in_place_matches() {
 fn adamw_steps() {
     require_gpu!();
     let mut rng = Rng(41);
-    let n = 777;
+    let n = 2777; // three workgroups of 1024, ragged
     let p: Vec<f32> = (0..n).map(|_| rng.moderate()).collect();
     let (pc, pg) = pair(&p);
     let zeros = vec![0.0f32; n];

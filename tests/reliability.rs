@@ -238,11 +238,28 @@ fn check_recovers(out: &Path, expect: Option<usize>, what: &str) {
                 got == *reference(),
                 "{what}: the resumed run differs from the uninterrupted one"
             );
-            // Nothing is left behind: no staging, no temporary files.
-            assert!(
-                !out.join("checkpoint.next").exists() && !out.join("checkpoint.prev").exists(),
-                "{what}: leftovers"
-            );
+            // Nothing is left behind: no staging, no temporary files. One
+            // exception, when no resume ran (the kill came during the last
+            // save): killed after its swap but before the old copy was
+            // removed, the previous checkpoint stays in `checkpoint.prev/` —
+            // no process is left to clear it. It must then be the older one,
+            // and `checkpoint/` the one that is used.
+            assert!(!out.join("checkpoint.next").exists(), "{what}: leftovers");
+            let prev = out.join("checkpoint.prev");
+            if prev.exists() {
+                assert_eq!(step, STEPS, "{what}: leftovers after a resume");
+                assert_eq!(
+                    checkpoint::resolve_dir(out),
+                    out.join("checkpoint"),
+                    "{what}"
+                );
+                if let Ok(old) = Verified::open(&prev) {
+                    assert!(
+                        old.train_state().unwrap().step < step,
+                        "{what}: checkpoint.prev"
+                    );
+                }
+            }
             let tmp = std::fs::read_dir(out.join("checkpoint"))
                 .unwrap()
                 .filter(|e| {

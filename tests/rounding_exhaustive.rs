@@ -2,6 +2,10 @@
 //! the `half` crate, and the f64 path against the f32 one and against
 //! constructed near-tie values that double rounding through f32 gets wrong.
 //!
+//! Also the square root: the contract's software `sqrt_soft` (the GPU's
+//! algorithm) against the CPU's hardware `sqrt` on every bit pattern — the
+//! equality that lets the CPU backend use the hardware instruction.
+//!
 //! Meant for the release-mode suite (`cargo test --release`): the two
 //! exhaustive sweeps take a few seconds each there.
 
@@ -61,6 +65,27 @@ fn sweep(n: u64, check: impl Fn(u64) -> bool + Sync) -> (u64, Vec<u64>) {
     });
     examples.truncate(8);
     (failures.into_inner(), examples)
+}
+
+#[test]
+fn soft_sqrt_equals_the_hardware_sqrt_on_every_f32() {
+    use tinyllm::backend::math::{sqrt, sqrt_soft};
+    let (bad, ex) = sweep(1 << 32, |i| {
+        let x = f32::from_bits(i as u32);
+        sqrt_soft(x).to_bits() == sqrt(x).to_bits()
+    });
+    let show: Vec<String> = ex
+        .iter()
+        .map(|&i| {
+            let x = f32::from_bits(i as u32);
+            format!(
+                "{i:#010x}: soft {:#010x}, hardware {:#010x}",
+                sqrt_soft(x).to_bits(),
+                sqrt(x).to_bits()
+            )
+        })
+        .collect();
+    assert_eq!(bad, 0, "sqrt mismatches, e.g. {show:#?}");
 }
 
 #[test]

@@ -11,6 +11,7 @@ use super::{
 use crate::memory::Ticket;
 use crate::rng;
 use std::cell::{Ref, RefCell, RefMut};
+use std::mem::MaybeUninit;
 
 /// A counted host buffer. Interior mutability serves the in-place primitives
 /// (optimizer steps, unscaling); everything else builds a new buffer.
@@ -55,6 +56,10 @@ pub trait Elem: Copy + PartialOrd + std::fmt::Debug + Send + Sync + 'static {
     fn mul(self, o: Self) -> Self;
     fn fma(self, b: Self, c: Self) -> Self;
     fn div(self, o: Self) -> Self;
+    /// A divisor prepared for many divisions: `x.div_by(&d.divisor())` is `x.div(d)`.
+    type Divisor: Copy;
+    fn divisor(self) -> Self::Divisor;
+    fn div_by(self, d: &Self::Divisor) -> Self;
     fn exp(self) -> Self;
     fn log(self) -> Self;
     fn sqrt(self) -> Self;
@@ -88,24 +93,40 @@ impl Elem for f32 {
     fn fma(self, b: f32, c: f32) -> f32 {
         self.mul_add(b, c)
     }
+    #[inline(always)]
     fn div(self, o: f32) -> f32 {
         math::div(self, o)
     }
+    type Divisor = math::Divisor;
+    #[inline(always)]
+    fn divisor(self) -> math::Divisor {
+        math::Divisor::new(self)
+    }
+    #[inline(always)]
+    fn div_by(self, d: &math::Divisor) -> f32 {
+        d.div(self)
+    }
+    #[inline(always)]
     fn exp(self) -> f32 {
         math::exp(self)
     }
+    #[inline(always)]
     fn log(self) -> f32 {
         math::log(self)
     }
+    #[inline(always)]
     fn sqrt(self) -> f32 {
         math::sqrt(self)
     }
+    #[inline(always)]
     fn is_nan(self) -> bool {
         f32::is_nan(self)
     }
+    #[inline(always)]
     fn is_finite(self) -> bool {
         f32::is_finite(self)
     }
+    #[inline(always)]
     fn round_to(self, f: Format) -> f32 {
         round::round_f32(self, f)
     }
@@ -137,6 +158,13 @@ impl Elem for f64 {
     fn div(self, o: f64) -> f64 {
         self / o
     }
+    type Divisor = f64;
+    fn divisor(self) -> f64 {
+        self
+    }
+    fn div_by(self, d: &f64) -> f64 {
+        self / d
+    }
     fn exp(self) -> f64 {
         f64::exp(self)
     }
@@ -160,143 +188,237 @@ impl Elem for f64 {
     }
 }
 
-/// `maximum` as the contract defines it: NaN wins, then the larger, `+0` over `-0`.
-#[inline]
+/// `maximum` as the contract defines it: NaN wins (the first NaN), then the
+/// larger, `+0` over `-0`. Branch-free (each case computed, then selected),
+/// since in a running max "b > a" is as unpredictable as data.
+#[inline(always)]
 fn maximum<T: Elem>(a: T, b: T) -> T {
-    if a.is_nan() {
-        a
-    } else if b.is_nan() || b > a {
-        b
-    } else if a == b && a == T::ZERO && b == T::ZERO {
-        // ±0: prefer +0 (x + y on ±0 is +0 unless both are −0)
+    let r = if b > a { b } else { a };
+    // ±0 and ±0: x + y is +0 unless both are −0
+    let r = if a == T::ZERO && b == T::ZERO {
         a.add(b)
     } else {
+        r
+    };
+    let r = if b.is_nan() { b } else { r };
+    if a.is_nan() {
         a
+    } else {
+        r
     }
 }
 
-fn unary_elem<T: Elem>(x: T, op: UnaryOp) -> T {
+/// Folds `R` rows at once, each in its own order (`acc = f(acc, row[i])` for
+/// `i` ascending — the contract's sequential reductions), interleaved so that
+/// `R` independent dependency chains are in flight instead of one.
+#[inline(always)]
+fn fold_rows<T: Elem, const R: usize>(rows: [&[T]; R], init: T, f: impl Fn(T, T) -> T) -> [T; R] {
+    let n = rows[0].len();
+    let mut acc = [init; R];
+    #[allow(clippy::needless_range_loop)] // one index across R rows is the point
+    for i in 0..n {
+        for r in 0..R {
+            acc[r] = f(acc[r], rows[r][i]);
+        }
+    }
+    acc
+}
+
+/// `fold_rows` over every row of a row-major `(rows, n)` buffer, `n > 0`: four
+/// at a time, then the rest one by one.
+fn fold_each_row<T: Elem>(x: &[T], n: usize, init: T, f: impl Fn(T, T) -> T + Copy) -> Vec<T> {
+    assert!(n > 0, "rows of length 0");
+    let mut out = Vec::with_capacity(x.len() / n);
+    let mut quads = x.chunks_exact(4 * n);
+    for q in &mut quads {
+        let (r0, rest) = q.split_at(n);
+        let (r1, rest) = rest.split_at(n);
+        let (r2, r3) = rest.split_at(n);
+        out.extend(fold_rows([r0, r1, r2, r3], init, f));
+    }
+    for row in quads.remainder().chunks_exact(n) {
+        out.extend(fold_rows([row], init, f));
+    }
+    out
+}
+
+/// Every unary op as one loop over the slice: the op is matched once, outside,
+/// so each arm is a straight-line body the compiler vectorises (the f32 math
+/// functions are branch-free for that reason, see [`math`]).
+fn unary_t<T: Elem>(x: &[T], op: UnaryOp) -> Vec<T> {
+    #[inline(always)]
+    fn map<T: Copy>(x: &[T], f: impl Fn(T) -> T) -> Vec<T> {
+        x.iter().map(|&v| f(v)).collect()
+    }
+    #[inline(always)]
+    fn sigmoid<T: Elem>(x: T) -> T {
+        T::ONE.div(T::ONE.add(T::NEG_ZERO.sub(x).exp()))
+    }
     match op {
-        UnaryOp::Neg => T::NEG_ZERO.sub(x),
-        UnaryOp::Exp => x.exp(),
-        UnaryOp::Log => x.log(),
-        UnaryOp::Sqrt => x.sqrt(),
-        UnaryOp::Rsqrt => T::ONE.div(x.sqrt()),
-        UnaryOp::Recip => T::ONE.div(x),
-        UnaryOp::Sigmoid => T::ONE.div(T::ONE.add(T::NEG_ZERO.sub(x).exp())),
-        UnaryOp::Silu => x.mul(T::ONE.div(T::ONE.add(T::NEG_ZERO.sub(x).exp()))),
-        UnaryOp::SiluGrad => {
-            let s = T::ONE.div(T::ONE.add(T::NEG_ZERO.sub(x).exp()));
-            // s * (1 + x * (1 - s)) = s * fma(x, 1 - s, 1)
-            s.mul(x.fma(T::ONE.sub(s), T::ONE))
-        }
-        UnaryOp::Abs => {
-            if x < T::ZERO || (x == T::ZERO && T::ONE.div(x) < T::ZERO) {
-                T::NEG_ZERO.sub(x)
+        UnaryOp::Neg => map(x, |v| T::NEG_ZERO.sub(v)),
+        UnaryOp::Exp => map(x, |v| v.exp()),
+        UnaryOp::Log => map(x, |v| v.log()),
+        UnaryOp::Sqrt => map(x, |v| v.sqrt()),
+        UnaryOp::Rsqrt => map(x, |v| T::ONE.div(v.sqrt())),
+        UnaryOp::Recip => map(x, |v| T::ONE.div(v)),
+        UnaryOp::Sigmoid => map(x, sigmoid),
+        UnaryOp::Silu => map(x, |v| v.mul(sigmoid(v))),
+        // s * (1 + x * (1 - s)) = s * fma(x, 1 - s, 1)
+        UnaryOp::SiluGrad => map(x, |v| {
+            let s = sigmoid(v);
+            s.mul(v.fma(T::ONE.sub(s), T::ONE))
+        }),
+        UnaryOp::Abs => map(x, |v| {
+            if v < T::ZERO || (v == T::ZERO && T::ONE.div(v) < T::ZERO) {
+                T::NEG_ZERO.sub(v)
             } else {
-                x
+                v
             }
-        }
-        UnaryOp::Relu => {
-            if x > T::ZERO {
-                x
-            } else if x.is_nan() {
-                x
+        }),
+        UnaryOp::Relu => map(x, |v| {
+            if v > T::ZERO || v.is_nan() {
+                v
             } else {
                 T::ZERO
             }
+        }),
+        UnaryOp::Step => map(x, |v| if v > T::ZERO { T::ONE } else { T::ZERO }),
+        UnaryOp::Square => map(x, |v| v.mul(v)),
+        UnaryOp::AddScalar(c) => {
+            let c = T::from_f64(c);
+            map(x, |v| v.add(c))
         }
-        UnaryOp::Step => {
-            if x > T::ZERO {
-                T::ONE
-            } else {
-                T::ZERO
-            }
+        UnaryOp::MulScalar(c) => {
+            let c = T::from_f64(c);
+            map(x, |v| v.mul(c))
         }
-        UnaryOp::Square => x.mul(x),
-        UnaryOp::AddScalar(c) => x.add(T::from_f64(c)),
-        UnaryOp::MulScalar(c) => x.mul(T::from_f64(c)),
-        UnaryOp::DivScalar(c) => x.div(T::from_f64(c)),
-        UnaryOp::RDivScalar(c) => T::from_f64(c).div(x),
-        UnaryOp::Round(f) => x.round_to(f),
+        UnaryOp::DivScalar(c) => {
+            let c = T::from_f64(c).divisor();
+            map(x, |v| v.div_by(&c))
+        }
+        UnaryOp::RDivScalar(c) => {
+            let c = T::from_f64(c);
+            map(x, |v| c.div(v))
+        }
+        UnaryOp::Round(f) => map(x, |v| v.round_to(f)),
     }
 }
 
-#[inline]
-fn binary_elem<T: Elem>(a: T, b: T, op: BinaryOp) -> T {
-    match op {
-        BinaryOp::Add => a.add(b),
-        BinaryOp::Sub => a.sub(b),
-        BinaryOp::Mul => a.mul(b),
-        BinaryOp::Div => a.div(b),
-        BinaryOp::Maximum => maximum(a, b),
-        BinaryOp::Eq => {
-            if a == b {
-                T::ONE
-            } else {
-                T::ZERO
+/// A broadcast layout reduced to as few dimensions as possible: size-1
+/// dimensions dropped, and a dimension merged into the one inside it wherever
+/// both inputs step through the pair as through one (contiguous, or both
+/// broadcast). Most layouts end as one or two dimensions, so the innermost
+/// run — what [`for_each_run`] hands out — is long.
+fn coalesce(layout: &BinaryLayout) -> [Vec<usize>; 3] {
+    let (mut shape, mut ls, mut rs) = (Vec::new(), Vec::new(), Vec::new());
+    for d in 0..layout.shape.len() {
+        let (n, l, r) = (
+            layout.shape[d],
+            layout.lhs_strides[d],
+            layout.rhs_strides[d],
+        );
+        if n == 1 {
+            continue;
+        }
+        match (shape.last_mut(), ls.last_mut(), rs.last_mut()) {
+            (Some(pn), Some(pl), Some(pr)) if *pl == l * n && *pr == r * n => {
+                *pn *= n;
+                *pl = l;
+                *pr = r;
+            }
+            _ => {
+                shape.push(n);
+                ls.push(l);
+                rs.push(r);
             }
         }
     }
+    if shape.is_empty() {
+        // one element
+        (shape, ls, rs) = (vec![1], vec![0], vec![0]);
+    }
+    [shape, ls, rs]
 }
 
-/// Calls `f(out_index, lhs_index, rhs_index)` over a broadcast layout, row-major.
-fn for_each_broadcast(layout: &BinaryLayout, mut f: impl FnMut(usize, usize, usize)) {
-    let nd = layout.shape.len();
-    let n: usize = layout.shape.iter().product();
-    if n == 0 {
-        return;
-    }
-    let mut idx = vec![0usize; nd];
+/// Calls `run(lhs_start, rhs_start, len, lhs_stride, rhs_stride)` for every
+/// innermost run of a (non-empty) broadcast layout, in row-major output order.
+fn for_each_run(layout: &BinaryLayout, mut run: impl FnMut(usize, usize, usize, usize, usize)) {
+    let [shape, ls, rs] = coalesce(layout);
+    let inner = shape.len() - 1;
+    let runs: usize = shape[..inner].iter().product();
+    let mut idx = vec![0usize; inner];
     let (mut li, mut ri) = (0usize, 0usize);
-    for o in 0..n {
-        f(o, li, ri);
-        // increment the multi-index, carrying
-        for d in (0..nd).rev() {
+    for _ in 0..runs {
+        run(li, ri, shape[inner], ls[inner], rs[inner]);
+        // increment the outer multi-index, carrying
+        for d in (0..inner).rev() {
             idx[d] += 1;
-            li += layout.lhs_strides[d];
-            ri += layout.rhs_strides[d];
-            if idx[d] < layout.shape[d] {
+            li += ls[d];
+            ri += rs[d];
+            if idx[d] < shape[d] {
                 break;
             }
-            li -= layout.lhs_strides[d] * layout.shape[d];
-            ri -= layout.rhs_strides[d] * layout.shape[d];
+            li -= ls[d] * shape[d];
+            ri -= rs[d] * shape[d];
             idx[d] = 0;
         }
     }
 }
 
-fn binary_t<T: Elem>(a: &[T], b: &[T], op: BinaryOp, layout: &BinaryLayout) -> Vec<T> {
+/// `f` over a broadcast layout; each run is a slice loop (both contiguous, or
+/// one side a broadcast scalar) whenever the strides allow.
+#[inline(always)]
+fn broadcast_map<T: Elem>(
+    a: &[T],
+    b: &[T],
+    layout: &BinaryLayout,
+    f: impl Fn(T, T) -> T,
+) -> Vec<T> {
     let n: usize = layout.shape.iter().product();
-    // Fast path: same shape, both contiguous.
-    if a.len() == n
-        && b.len() == n
-        && is_contiguous(&layout.shape, &layout.lhs_strides)
-        && is_contiguous(&layout.shape, &layout.rhs_strides)
-    {
-        return a
-            .iter()
-            .zip(b)
-            .map(|(&x, &y)| binary_elem(x, y, op))
-            .collect();
-    }
     let mut out = Vec::with_capacity(n);
-    for_each_broadcast(layout, |_, li, ri| out.push(binary_elem(a[li], b[ri], op)));
+    if n == 0 {
+        return out;
+    }
+    for_each_run(layout, |li, ri, len, lst, rst| match (lst, rst) {
+        (1, 1) => out.extend(
+            a[li..li + len]
+                .iter()
+                .zip(&b[ri..ri + len])
+                .map(|(&x, &y)| f(x, y)),
+        ),
+        (1, 0) => {
+            let y = b[ri];
+            out.extend(a[li..li + len].iter().map(|&x| f(x, y)))
+        }
+        (0, 1) => {
+            let x = a[li];
+            out.extend(b[ri..ri + len].iter().map(|&y| f(x, y)))
+        }
+        _ => out.extend((0..len).map(|t| f(a[li + t * lst], b[ri + t * rst]))),
+    });
     out
 }
 
-pub(crate) fn is_contiguous(shape: &[usize], strides: &[usize]) -> bool {
-    let mut expect = 1;
-    for d in (0..shape.len()).rev() {
-        if shape[d] != 1 && strides[d] != expect {
-            return false;
-        }
-        expect *= shape[d];
+fn binary_t<T: Elem>(a: &[T], b: &[T], op: BinaryOp, layout: &BinaryLayout) -> Vec<T> {
+    match op {
+        BinaryOp::Add => broadcast_map(a, b, layout, |x, y| x.add(y)),
+        BinaryOp::Sub => broadcast_map(a, b, layout, |x, y| x.sub(y)),
+        BinaryOp::Mul => broadcast_map(a, b, layout, |x, y| x.mul(y)),
+        BinaryOp::Div => broadcast_map(a, b, layout, |x, y| x.div(y)),
+        BinaryOp::Maximum => broadcast_map(a, b, layout, maximum),
+        BinaryOp::Eq => broadcast_map(a, b, layout, |x, y| if x == y { T::ONE } else { T::ZERO }),
     }
-    true
 }
 
 fn reduce_t<T: Elem>(x: &[T], op: ReduceOp, outer: usize, r: usize, inner: usize) -> Vec<T> {
+    if inner == 1 && r > 0 {
+        // Along contiguous rows: each row folded in order, four rows in flight.
+        let x = &x[..outer * r];
+        return match op {
+            ReduceOp::Sum => fold_each_row(x, r, T::NEG_ZERO, |a, v| a.add(v)),
+            ReduceOp::Max => fold_each_row(x, r, T::NEG_INF, maximum),
+        };
+    }
     let mut out = vec![
         match op {
             ReduceOp::Sum => T::NEG_ZERO,
@@ -323,12 +445,22 @@ fn reduce_t<T: Elem>(x: &[T], op: ReduceOp, outer: usize, r: usize, inner: usize
 fn strided_copy_t<T: Elem>(x: &[T], shape: &[usize], strides: &[usize], offset: usize) -> Vec<T> {
     let n: usize = shape.iter().product();
     let mut out = Vec::with_capacity(n);
+    if n == 0 {
+        return out;
+    }
     let layout = BinaryLayout {
         shape: shape.to_vec(),
         lhs_strides: strides.to_vec(),
         rhs_strides: vec![0; shape.len()],
     };
-    for_each_broadcast(&layout, |_, li, _| out.push(x[offset + li]));
+    let x = &x[offset..];
+    for_each_run(&layout, |li, _, len, lst, _| {
+        if lst == 1 {
+            out.extend_from_slice(&x[li..li + len]);
+        } else {
+            out.extend((0..len).map(|t| x[li + t * lst]));
+        }
+    });
     out
 }
 
@@ -344,34 +476,52 @@ fn concat_t<T: Elem>(parts: &[&[T]], outer: usize, sizes: &[usize], inner: usize
 }
 
 fn softmax_t<T: Elem>(x: &[T], rows: usize, n: usize) -> Vec<T> {
-    let mut out = vec![T::ZERO; rows * n];
-    for r in 0..rows {
-        let row = &x[r * n..(r + 1) * n];
-        let m = row.iter().fold(T::NEG_INF, |a, &v| maximum(a, v));
-        let o = &mut out[r * n..(r + 1) * n];
-        let mut s = T::NEG_ZERO;
-        for (y, &v) in o.iter_mut().zip(row) {
-            *y = v.sub(m).exp();
-            s = s.add(*y);
-        }
-        for y in o.iter_mut() {
-            *y = y.div(s);
-        }
+    let x = &x[..rows * n];
+    let mut out = Vec::with_capacity(rows * n);
+    if n == 0 {
+        return out;
+    }
+    // Row maxima and sums are sequential folds (the contract's order); they
+    // run four rows at a time. The exps and the divisions are vectorised loops.
+    let maxes = fold_each_row(x, n, T::NEG_INF, maximum);
+    // A causal mask leaves a tail of −inf in most rows. With a finite max m,
+    // each is exp(−inf − m) = +0, adds +0 to a sum that is already ≥ 1 (the
+    // max's own exp(0)), and +0 / s = +0: the tail's outputs are +0 without
+    // computing them, bit for bit what the full loop gives. `live` is the rest.
+    let live: Vec<usize> = x
+        .chunks_exact(n)
+        .zip(&maxes)
+        .map(|(row, &m)| match m.is_finite() {
+            true => row
+                .iter()
+                .rposition(|&v| v != T::NEG_INF)
+                .map_or(0, |p| p + 1),
+            false => n,
+        })
+        .collect();
+    for ((row, &m), &l) in x.chunks_exact(n).zip(&maxes).zip(&live) {
+        out.extend(row[..l].iter().map(|&v| v.sub(m).exp()));
+        out.extend(std::iter::repeat_n(T::ZERO, n - l));
+    }
+    let sums = fold_each_row(&out, n, T::NEG_ZERO, |a, y| a.add(y));
+    for ((o, &s), &l) in out.chunks_exact_mut(n).zip(&sums).zip(&live) {
+        let s = s.divisor();
+        o[..l].iter_mut().for_each(|y| *y = y.div_by(&s));
     }
     out
 }
 
 fn softmax_backward_t<T: Elem>(y: &[T], g: &[T], rows: usize, n: usize) -> Vec<T> {
-    let mut out = vec![T::ZERO; rows * n];
-    for r in 0..rows {
-        let (yr, gr) = (&y[r * n..(r + 1) * n], &g[r * n..(r + 1) * n]);
+    let mut out = Vec::with_capacity(rows * n);
+    if n == 0 {
+        return out;
+    }
+    for (yr, gr) in y[..rows * n].chunks_exact(n).zip(g.chunks_exact(n)) {
         let dot = yr
             .iter()
             .zip(gr)
             .fold(T::NEG_ZERO, |a, (&yv, &gv)| gv.fma(yv, a));
-        for ((o, &yv), &gv) in out[r * n..(r + 1) * n].iter_mut().zip(yr).zip(gr) {
-            *o = yv.mul(gv.sub(dot));
-        }
+        out.extend(yr.iter().zip(gr).map(|(&yv, &gv)| yv.mul(gv.sub(dot))));
     }
     out
 }
@@ -383,40 +533,90 @@ const MR: usize = 6;
 /// Columns of the register tile (two AVX2 vectors of f32).
 const NR: usize = 16;
 
-/// Packs `op(A)` (m, k) of one batch into row panels of MR: `ap[panel][p][r]`,
-/// rounding each element once when `round` is set; rows past `m` are zero.
-fn pack_a(a: &[f32], m: usize, k: usize, trans: bool, round: Option<Format>) -> Vec<f32> {
-    let panels = m.div_ceil(MR);
-    let mut ap = vec![0.0f32; panels * k * MR];
-    for i in 0..m {
-        let (pi, r) = (i / MR, i % MR);
-        let base = pi * k * MR + r;
-        for p in 0..k {
-            let v = if trans { a[p * m + i] } else { a[i * k + p] };
-            ap[base + p * MR] = match round {
-                Some(f) => round::round_f32(v, f),
-                None => v,
-            };
-        }
-    }
-    ap
+thread_local! {
+    /// Packed operands of this thread's last matmul, reused so that a training
+    /// step's hundreds of products do not each map (and page-fault) fresh memory.
+    static PACKED: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
-/// Packs `op(B)` (k, n) of one batch into column panels of NR: `bp[panel][p][c]`.
-fn pack_b(b: &[f32], k: usize, n: usize, trans: bool, round: Option<Format>) -> Vec<f32> {
-    let panels = n.div_ceil(NR);
-    let mut bp = vec![0.0f32; panels * k * NR];
-    for p in 0..k {
-        for j in 0..n {
-            let v = if trans { b[j * k + p] } else { b[p * n + j] };
-            let (pj, c) = (j / NR, j % NR);
-            bp[pj * k * NR + p * NR + c] = match round {
-                Some(f) => round::round_f32(v, f),
-                None => v,
-            };
+/// Packs `op(A)` (m, k) of one batch into row panels of MR: `ap[panel][p][r]`,
+/// rows past `m` zero; then rounds the packed buffer once when `round` is set
+/// (one vectorised pass; the zero padding stays zero).
+fn pack_a(ap: &mut Vec<f32>, a: &[f32], m: usize, k: usize, trans: bool, round: Option<Format>) {
+    // Reused buffer: every value is overwritten below, so no zero fill first
+    // except in the ragged last panel, whose padding must be zero.
+    ap.resize(m.div_ceil(MR) * k * MR, 0.0);
+    ap.truncate(m.div_ceil(MR) * k * MR);
+    if k == 0 {
+        return;
+    }
+    for (pi, panel) in ap.chunks_exact_mut(k * MR).enumerate() {
+        let i0 = pi * MR;
+        let rows = MR.min(m - i0);
+        if rows < MR {
+            panel.fill(0.0);
+        }
+        if trans {
+            // A stored (k, m): each p is `rows` consecutive values.
+            for (p, dst) in panel.chunks_exact_mut(MR).enumerate() {
+                let src = &a[p * m + i0..p * m + i0 + rows];
+                match <&mut [f32; MR]>::try_from(dst) {
+                    Ok(dst) if rows == MR => *dst = src.try_into().unwrap(),
+                    Ok(dst) => dst[..rows].copy_from_slice(src),
+                    Err(_) => unreachable!(),
+                }
+            }
+        } else {
+            for r in 0..rows {
+                let src = &a[(i0 + r) * k..(i0 + r + 1) * k];
+                for (dst, &v) in panel.chunks_exact_mut(MR).zip(src) {
+                    dst[r] = v;
+                }
+            }
         }
     }
-    bp
+    if let Some(f) = round {
+        round::round_slice(ap, f);
+    }
+}
+
+/// Packs `op(B)` (k, n) of one batch into column panels of NR: `bp[panel][p][c]`,
+/// columns past `n` zero, rounded like [`pack_a`].
+fn pack_b(bp: &mut Vec<f32>, b: &[f32], k: usize, n: usize, trans: bool, round: Option<Format>) {
+    bp.resize(n.div_ceil(NR) * k * NR, 0.0);
+    bp.truncate(n.div_ceil(NR) * k * NR);
+    if k == 0 {
+        return;
+    }
+    for (pj, panel) in bp.chunks_exact_mut(k * NR).enumerate() {
+        let j0 = pj * NR;
+        let cols = NR.min(n - j0);
+        if cols < NR {
+            panel.fill(0.0);
+        }
+        if trans {
+            // B stored (n, k): column c of the panel is a row of B.
+            for c in 0..cols {
+                let src = &b[(j0 + c) * k..(j0 + c + 1) * k];
+                for (dst, &v) in panel.chunks_exact_mut(NR).zip(src) {
+                    dst[c] = v;
+                }
+            }
+        } else {
+            for (p, dst) in panel.chunks_exact_mut(NR).enumerate() {
+                // A fixed-size copy for whole panels (two vector moves, not a memcpy call).
+                let src = &b[p * n + j0..p * n + j0 + cols];
+                match <&mut [f32; NR]>::try_from(dst) {
+                    Ok(dst) if cols == NR => *dst = src.try_into().unwrap(),
+                    Ok(dst) => dst[..cols].copy_from_slice(src),
+                    Err(_) => unreachable!(),
+                }
+            }
+        }
+    }
+    if let Some(f) = round {
+        round::round_slice(bp, f);
+    }
 }
 
 /// Depth of one k-block: an MR×KC slice of A (6 KiB) and a KC×NR slice of B
@@ -426,12 +626,25 @@ const KC: usize = 256;
 /// Row panels per L2 block of A (MC = 72 rows).
 const MC_PANELS: usize = 12;
 
-/// One MR×NR tile over one k-block: `acc[r][c] = fma(a[p][r], b[p][c], acc[r][c])`
-/// for `p` ascending, starting from the running values in `acc`. Carrying the
-/// accumulators from one k-block to the next keeps every output's sum in the
-/// contract's exact order while the blocks stay in cache.
+/// One MR×NR tile of C (row stride `ldc`) over one k-block:
+/// `c[r][j] = fma(a[p][r], b[p][j], c[r][j])` for `p` ascending, starting from
+/// +0 in the first k-block (`first`: C is not read, it may be uninitialised)
+/// and from the running values in C after it. Carrying the sums in C from one
+/// k-block to the next keeps every output's sum in the contract's exact order
+/// while the blocks stay in cache.
+///
+/// # Safety
+/// `ap` holds `kc * MR` values, `bp` `kc * NR`, and `c` is valid for writes of
+/// `MR` rows of `NR` values at stride `ldc` (and for reads unless `first`).
 #[inline(always)]
-fn micro_kernel(ap: &[f32], bp: &[f32], kc: usize, acc: &mut [[f32; NR]; MR]) {
+unsafe fn micro_kernel(
+    ap: *const f32,
+    bp: *const f32,
+    kc: usize,
+    c: *mut f32,
+    ldc: usize,
+    first: bool,
+) {
     #[cfg(all(
         target_arch = "x86_64",
         target_feature = "avx2",
@@ -439,22 +652,31 @@ fn micro_kernel(ap: &[f32], bp: &[f32], kc: usize, acc: &mut [[f32; NR]; MR]) {
     ))]
     {
         // SAFETY: the target features are enabled at compile time (see
-        // .cargo/config.toml); loads stay inside the slices, checked below.
-        assert!(ap.len() >= kc * MR && bp.len() >= kc * NR);
-        unsafe { micro_kernel_avx2(ap.as_ptr(), bp.as_ptr(), kc, acc) };
+        // .cargo/config.toml); the pointers are valid per this fn's contract.
+        micro_kernel_avx2(ap, bp, kc, c, ldc, first)
     }
     #[cfg(not(all(
         target_arch = "x86_64",
         target_feature = "avx2",
         target_feature = "fma"
     )))]
-    for p in 0..kc {
-        let b: &[f32; NR] = bp[p * NR..p * NR + NR].try_into().unwrap();
-        let a: &[f32; MR] = ap[p * MR..p * MR + MR].try_into().unwrap();
-        for r in 0..MR {
-            for c in 0..NR {
-                acc[r][c] = a[r].mul_add(b[c], acc[r][c]);
+    {
+        let mut acc = [[0.0f32; NR]; MR];
+        if !first {
+            for (r, row) in acc.iter_mut().enumerate() {
+                std::ptr::copy_nonoverlapping(c.add(r * ldc), row.as_mut_ptr(), NR);
             }
+        }
+        for p in 0..kc {
+            for (r, row) in acc.iter_mut().enumerate() {
+                let a = *ap.add(p * MR + r);
+                for (j, v) in row.iter_mut().enumerate() {
+                    *v = a.mul_add(*bp.add(p * NR + j), *v);
+                }
+            }
+        }
+        for (r, row) in acc.iter().enumerate() {
+            std::ptr::copy_nonoverlapping(row.as_ptr(), c.add(r * ldc), NR);
         }
     }
 }
@@ -467,80 +689,130 @@ fn micro_kernel(ap: &[f32], bp: &[f32], kc: usize, acc: &mut [[f32; NR]; MR]) {
     target_feature = "fma"
 ))]
 #[inline(always)]
-unsafe fn micro_kernel_avx2(ap: *const f32, bp: *const f32, kc: usize, acc: &mut [[f32; NR]; MR]) {
+unsafe fn micro_kernel_avx2(
+    ap: *const f32,
+    bp: *const f32,
+    kc: usize,
+    c: *mut f32,
+    ldc: usize,
+    first: bool,
+) {
     use std::arch::x86_64::*;
-    let mut c = [[_mm256_setzero_ps(); 2]; MR];
-    for r in 0..MR {
-        c[r][0] = _mm256_loadu_ps(acc[r].as_ptr());
-        c[r][1] = _mm256_loadu_ps(acc[r].as_ptr().add(8));
+    let mut acc = [[_mm256_setzero_ps(); 2]; MR];
+    if !first {
+        for (r, row) in acc.iter_mut().enumerate() {
+            row[0] = _mm256_loadu_ps(c.add(r * ldc));
+            row[1] = _mm256_loadu_ps(c.add(r * ldc + 8));
+        }
+    }
+    // The next tile down (the caller's next call) starts by loading its C rows,
+    // strided, from L2/L3: ask for them now, while this tile computes. A
+    // prefetch never faults, so an address past C is harmless.
+    for r in MR..2 * MR {
+        _mm_prefetch::<_MM_HINT_T0>(c.wrapping_add(r * ldc) as *const i8);
+        _mm_prefetch::<_MM_HINT_T0>(c.wrapping_add(r * ldc + NR - 1) as *const i8);
     }
     for p in 0..kc {
         let b0 = _mm256_loadu_ps(bp.add(p * NR));
         let b1 = _mm256_loadu_ps(bp.add(p * NR + 8));
-        for r in 0..MR {
+        for (r, row) in acc.iter_mut().enumerate() {
             let a = _mm256_broadcast_ss(&*ap.add(p * MR + r));
-            c[r][0] = _mm256_fmadd_ps(a, b0, c[r][0]);
-            c[r][1] = _mm256_fmadd_ps(a, b1, c[r][1]);
+            row[0] = _mm256_fmadd_ps(a, b0, row[0]);
+            row[1] = _mm256_fmadd_ps(a, b1, row[1]);
         }
     }
-    for r in 0..MR {
-        _mm256_storeu_ps(acc[r].as_mut_ptr(), c[r][0]);
-        _mm256_storeu_ps(acc[r].as_mut_ptr().add(8), c[r][1]);
+    for (r, row) in acc.iter().enumerate() {
+        _mm256_storeu_ps(c.add(r * ldc), row[0]);
+        _mm256_storeu_ps(c.add(r * ldc + 8), row[1]);
     }
 }
 
-/// Computes the rows `[r0, r0 + rows)` of one batch's `C` (`out` holds exactly
-/// those rows) from packed operands.
+/// One tile of C at `c` (row stride `ldc`), of which `rows` × `cols` are real:
+/// full tiles run the kernel on C itself, edge tiles on a padded copy.
+#[allow(clippy::too_many_arguments)]
+fn tile(
+    ap: &[f32],
+    bp: &[f32],
+    kc: usize,
+    c: &mut [MaybeUninit<f32>],
+    ldc: usize,
+    rows: usize,
+    cols: usize,
+    first: bool,
+) {
+    assert!(ap.len() >= kc * MR && bp.len() >= kc * NR);
+    assert!(c.len() >= (rows - 1) * ldc + cols);
+    let cp = c.as_mut_ptr() as *mut f32;
+    if rows == MR && cols == NR {
+        // SAFETY: lengths checked above; C is read only after the first k-block wrote it.
+        unsafe { micro_kernel(ap.as_ptr(), bp.as_ptr(), kc, cp, ldc, first) };
+        return;
+    }
+    let mut t = [0.0f32; MR * NR];
+    if !first {
+        for r in 0..rows {
+            // SAFETY: inside `c` (checked above) and written by an earlier k-block.
+            unsafe {
+                std::ptr::copy_nonoverlapping(cp.add(r * ldc), t[r * NR..].as_mut_ptr(), cols)
+            };
+        }
+    }
+    // SAFETY: `t` is exactly one MR×NR tile; lengths of ap/bp checked above.
+    unsafe { micro_kernel(ap.as_ptr(), bp.as_ptr(), kc, t.as_mut_ptr(), NR, first) };
+    for r in 0..rows {
+        // SAFETY: inside `c` (checked above).
+        unsafe { std::ptr::copy_nonoverlapping(t[r * NR..].as_ptr(), cp.add(r * ldc), cols) };
+    }
+}
+
+/// Computes rows `[r0, r0 + rows)` of one batch's `C` into `out` (exactly those
+/// rows, uninitialised on entry: the first k-block starts every sum from +0
+/// and writes it) from packed operands, then rounds them once when `round` is
+/// set. `r0` is a multiple of MR; `k > 0`.
 fn matmul_rows(
     ap: &[f32],
     bp: &[f32],
     k: usize,
     n: usize,
     r0: usize,
-    out: &mut [f32],
+    out: &mut [MaybeUninit<f32>],
     round: Option<Format>,
 ) {
+    assert!(k > 0);
     let rows = out.len() / n;
-    let (p0, p1) = (r0 / MR, (r0 + rows).div_ceil(MR));
+    let (panel0, row_panels) = (r0 / MR, rows.div_ceil(MR));
     let col_panels = n.div_ceil(NR);
-    // Running accumulators of every tile this thread owns, carried across k-blocks.
-    let mut accs = vec![[[0.0f32; NR]; MR]; (p1 - p0) * col_panels];
     let mut kb = 0;
     while kb < k {
         let kc = KC.min(k - kb);
         // Row panels in groups of MC_PANELS: that slice of A (about 72 KiB)
         // stays in L2 while every column panel of B streams past it.
-        for ib in (p0..p1).step_by(MC_PANELS) {
+        for ib in (0..row_panels).step_by(MC_PANELS) {
             for pj in 0..col_panels {
                 let b_blk = &bp[pj * k * NR + kb * NR..];
-                for pi in ib..(ib + MC_PANELS).min(p1) {
-                    let a_blk = &ap[pi * k * MR + kb * MR..];
-                    micro_kernel(a_blk, b_blk, kc, &mut accs[(pi - p0) * col_panels + pj]);
+                let cols = NR.min(n - pj * NR);
+                for pi in ib..(ib + MC_PANELS).min(row_panels) {
+                    let a_blk = &ap[(panel0 + pi) * k * MR + kb * MR..];
+                    let c = &mut out[pi * MR * n + pj * NR..];
+                    tile(
+                        a_blk,
+                        b_blk,
+                        kc,
+                        c,
+                        n,
+                        MR.min(rows - pi * MR),
+                        cols,
+                        kb == 0,
+                    );
                 }
             }
         }
         kb += KC;
     }
-    for pi in p0..p1 {
-        for pj in 0..col_panels {
-            let acc = &accs[(pi - p0) * col_panels + pj];
-            for (r, acc_row) in acc.iter().enumerate() {
-                let i = pi * MR + r;
-                if i < r0 || i >= r0 + rows {
-                    continue;
-                }
-                for (cc, &v) in acc_row.iter().enumerate() {
-                    let j = pj * NR + cc;
-                    if j >= n {
-                        break;
-                    }
-                    out[(i - r0) * n + j] = match round {
-                        Some(f) => round::round_f32(v, f),
-                        None => v,
-                    };
-                }
-            }
-        }
+    // SAFETY: the first k-block wrote every element of `out`.
+    let out = unsafe { &mut *(out as *mut [MaybeUninit<f32>] as *mut [f32]) };
+    if let Some(f) = round {
+        round::round_slice(out, f);
     }
 }
 
@@ -556,11 +828,14 @@ pub fn set_matmul_threads(threads: Option<usize>) {
 
 fn matmul_f32(a: &[f32], b: &[f32], d: MatmulDims, round: Option<Format>) -> Vec<f32> {
     let MatmulDims { batch, m, k, n, .. } = d;
-    let mut out = vec![0.0f32; batch * m * n];
-    if m == 0 || n == 0 || batch == 0 {
-        return out;
+    let len = batch * m * n;
+    if len == 0 || k == 0 {
+        return vec![0.0f32; len]; // empty sums are +0
     }
-    let threads = if batch * m * n * k >= 1 << 18 {
+    // No zero fill: every element is written by its first k-block.
+    let mut out_vec = Vec::<f32>::with_capacity(len);
+    let out = &mut out_vec.spare_capacity_mut()[..len];
+    let threads = if batch * m * n * k >= 1 << 21 {
         match MATMUL_THREADS.load(std::sync::atomic::Ordering::Relaxed) {
             0 => std::thread::available_parallelism()
                 .map(|t| t.get())
@@ -571,22 +846,24 @@ fn matmul_f32(a: &[f32], b: &[f32], d: MatmulDims, round: Option<Format>) -> Vec
         1
     };
     // One batch entry: pack (rounding each operand element once), multiply.
-    let one = |bi: usize, c: &mut [f32], threads: usize| {
-        let ap = pack_a(&a[bi * d.a_batch_stride..], m, k, d.trans_a, round);
-        let bp = pack_b(&b[bi * d.b_batch_stride..], k, n, d.trans_b, round);
-        if threads == 1 {
-            matmul_rows(&ap, &bp, k, n, 0, c, round);
-            return;
-        }
-        // Threads split whole row panels only; each output's k-loop is
-        // untouched, so results do not depend on the thread count.
-        let rows_per_thread = m.div_ceil(MR).div_ceil(threads) * MR;
-        std::thread::scope(|s| {
-            for (t, chunk) in c.chunks_mut(rows_per_thread * n).enumerate() {
-                let (ap, bp) = (&ap, &bp);
-                s.spawn(move || matmul_rows(ap, bp, k, n, t * rows_per_thread, chunk, round));
+    let one = |bi: usize, c: &mut [MaybeUninit<f32>], threads: usize| {
+        PACKED.with_borrow_mut(|(ap, bp)| {
+            pack_a(ap, &a[bi * d.a_batch_stride..], m, k, d.trans_a, round);
+            pack_b(bp, &b[bi * d.b_batch_stride..], k, n, d.trans_b, round);
+            if threads == 1 {
+                matmul_rows(ap, bp, k, n, 0, c, round);
+                return;
             }
-        });
+            // Threads split whole row panels only; each output's k-loop is
+            // untouched, so results do not depend on the thread count.
+            let rows_per_thread = m.div_ceil(MR).div_ceil(threads) * MR;
+            std::thread::scope(|s| {
+                for (t, chunk) in c.chunks_mut(rows_per_thread * n).enumerate() {
+                    let (ap, bp) = (&*ap, &*bp);
+                    s.spawn(move || matmul_rows(ap, bp, k, n, t * rows_per_thread, chunk, round));
+                }
+            });
+        })
     };
     if threads > 1 && batch >= threads {
         // Many small products (attention heads): split the batch instead.
@@ -606,7 +883,9 @@ fn matmul_f32(a: &[f32], b: &[f32], d: MatmulDims, round: Option<Format>) -> Vec
             one(bi, c, threads);
         }
     }
-    out
+    // SAFETY: every batch entry's rows were all written by matmul_rows above.
+    unsafe { out_vec.set_len(len) };
+    out_vec
 }
 
 fn matmul_f64(a: &[f64], b: &[f64], d: MatmulDims, round: Option<Format>) -> Vec<f64> {
@@ -693,7 +972,7 @@ impl CpuStorage {
     }
 
     pub fn unary(&self, op: UnaryOp) -> CpuStorage {
-        both!(self, x => x.iter().map(|&v| unary_elem(v, op)).collect())
+        both!(self, x => unary_t(x, op))
     }
 
     pub fn binary(&self, rhs: &CpuStorage, op: BinaryOp, layout: &BinaryLayout) -> CpuStorage {
@@ -843,16 +1122,22 @@ impl CpuStorage {
 
     pub fn adamw_step(&self, g: &CpuStorage, m: &CpuStorage, v: &CpuStorage, c: &AdamWConsts) {
         let (mut p, g, mut m, mut v) = (self.f32s_mut(), g.f32s(), m.f32s_mut(), v.f32s_mut());
-        for i in 0..p.len() {
-            let gi = g[i];
-            let p1 = p[i] * c.decay;
-            let mi = c.beta1.mul_add(m[i], c.omb1 * gi);
-            let vi = c.beta2.mul_add(v[i], c.omb2 * (gi * gi));
-            let den = math::div(math::sqrt(vi), c.bc2_sqrt) + c.eps;
-            p[i] = (-c.step_size).mul_add(math::div(mi, den), p1);
-            m[i] = mi;
-            v[i] = vi;
-        }
+        // One zipped loop (no index checks), vectorised with the branch-free math.
+        let c = *c;
+        let bc2 = math::Divisor::new(c.bc2_sqrt);
+        p.iter_mut()
+            .zip(m.iter_mut())
+            .zip(v.iter_mut())
+            .zip(g.iter())
+            .for_each(|(((p, m), v), &gi)| {
+                let p1 = *p * c.decay;
+                let mi = c.beta1.mul_add(*m, c.omb1 * gi);
+                let vi = c.beta2.mul_add(*v, c.omb2 * (gi * gi));
+                let den = bc2.div(math::sqrt(vi)) + c.eps;
+                *p = (-c.step_size).mul_add(math::div(mi, den), p1);
+                *m = mi;
+                *v = vi;
+            });
     }
 
     pub fn sgd_step(

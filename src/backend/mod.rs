@@ -79,6 +79,32 @@ pub enum UnaryOp {
     Round(Format),
 }
 
+impl UnaryOp {
+    /// A fixed name per op (scalar arguments left out), for the profile.
+    pub fn name(&self) -> &'static str {
+        match self {
+            UnaryOp::Neg => "unary neg",
+            UnaryOp::Exp => "unary exp",
+            UnaryOp::Log => "unary log",
+            UnaryOp::Sqrt => "unary sqrt",
+            UnaryOp::Rsqrt => "unary rsqrt",
+            UnaryOp::Recip => "unary recip",
+            UnaryOp::Sigmoid => "unary sigmoid",
+            UnaryOp::Silu => "unary silu",
+            UnaryOp::SiluGrad => "unary silu grad",
+            UnaryOp::Abs => "unary abs",
+            UnaryOp::Relu => "unary relu",
+            UnaryOp::Step => "unary step",
+            UnaryOp::Square => "unary square",
+            UnaryOp::AddScalar(_) => "unary add scalar",
+            UnaryOp::MulScalar(_) => "unary mul scalar",
+            UnaryOp::DivScalar(_) => "unary div scalar",
+            UnaryOp::RDivScalar(_) => "unary scalar div",
+            UnaryOp::Round(_) => "unary round",
+        }
+    }
+}
+
 /// Elementwise functions of two inputs (with broadcasting, see [`BinaryLayout`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BinaryOp {
@@ -90,6 +116,20 @@ pub enum BinaryOp {
     Maximum,
     /// 1.0 where equal (IEEE: NaN ≠ NaN, +0 = -0), else 0.0
     Eq,
+}
+
+impl BinaryOp {
+    /// A fixed name per op, for the profile.
+    pub fn name(&self) -> &'static str {
+        match self {
+            BinaryOp::Add => "binary add",
+            BinaryOp::Sub => "binary sub",
+            BinaryOp::Mul => "binary mul",
+            BinaryOp::Div => "binary div",
+            BinaryOp::Maximum => "binary maximum",
+            BinaryOp::Eq => "binary eq",
+        }
+    }
 }
 
 /// How two inputs broadcast to an output: element strides per output
@@ -269,12 +309,14 @@ impl Storage {
 
     /// `y = f(x)` elementwise; see [`UnaryOp`] and [`math`] for each `f`.
     pub fn unary(&self, op: UnaryOp) -> Result<Storage> {
+        let _prof = crate::profile::scope(op.name());
         dispatch!(self, s => Ok(Storage::Cpu(Rc::new(s.unary(op)))), g => Ok(Storage::Gpu(Rc::new(g.unary(op)?))))
     }
 
     /// `y[i] = lhs[li] op rhs[ri]` over `layout.shape` (row-major), `li`/`ri`
     /// from the broadcast strides.
     pub fn binary(&self, rhs: &Storage, op: BinaryOp, layout: &BinaryLayout) -> Result<Storage> {
+        let _prof = crate::profile::scope(op.name());
         same_device(self, rhs)?;
         if layout.shape.len() > MAX_DIMS {
             bail!(
@@ -296,6 +338,10 @@ impl Storage {
     /// Reduces the middle axis of an `(outer, r, inner)` view to `(outer, inner)`
     /// in ascending order (see [`ReduceOp`]).
     pub fn reduce(&self, op: ReduceOp, outer: usize, r: usize, inner: usize) -> Result<Storage> {
+        let _prof = crate::profile::scope(match op {
+            ReduceOp::Sum => "reduce sum",
+            ReduceOp::Max => "reduce max",
+        });
         debug_assert_eq!(outer * r * inner, self.len());
         dispatch!(self, s => Ok(Storage::Cpu(Rc::new(s.reduce(op, outer, r, inner)))),
                   g => Ok(Storage::Gpu(Rc::new(g.reduce(op, outer, r, inner)?))))
@@ -310,6 +356,7 @@ impl Storage {
         dims: MatmulDims,
         round: Option<Format>,
     ) -> Result<Storage> {
+        let _prof = crate::profile::scope("matmul");
         same_device(self, rhs)?;
         match (self, rhs) {
             (Storage::Cpu(a), Storage::Cpu(b)) => {
@@ -331,6 +378,7 @@ impl Storage {
         strides: &[usize],
         offset: usize,
     ) -> Result<Storage> {
+        let _prof = crate::profile::scope("strided copy");
         if shape.len() > MAX_DIMS {
             bail!(
                 "view with {} dimensions: at most {MAX_DIMS} are supported",
@@ -348,6 +396,7 @@ impl Storage {
         sizes: &[usize],
         inner: usize,
     ) -> Result<Storage> {
+        let _prof = crate::profile::scope("concat");
         let first = parts
             .first()
             .ok_or_else(|| crate::Error::msg("concat of no tensors"))?;
@@ -385,6 +434,7 @@ impl Storage {
     /// Embedding lookup: `self` is a table `(v, d)`; returns `(ids.len(), d)`
     /// with row `i` = `table[ids[i]]`. Ids are checked on the host.
     pub fn gather_rows(&self, ids: &[u32], d: usize) -> Result<Storage> {
+        let _prof = crate::profile::scope("gather rows");
         let v = self.len() / d.max(1);
         if let Some(&bad) = ids.iter().find(|&&i| i as usize >= v) {
             bail!("index {bad} out of range for an embedding of {v} rows");
@@ -397,6 +447,7 @@ impl Storage {
     /// returns `(v, d)` where row `r` = `+0.0 + Σ self[i]` over the `i` with
     /// `ids[i] == r`, added in ascending `i`.
     pub fn scatter_add_rows(&self, ids: &[u32], v: usize, d: usize) -> Result<Storage> {
+        let _prof = crate::profile::scope("scatter-add rows");
         dispatch!(self, s => Ok(Storage::Cpu(Rc::new(s.scatter_add_rows(ids, v, d)))),
                   g => Ok(Storage::Gpu(Rc::new(g.scatter_add_rows(ids, v, d)?))))
     }
@@ -405,6 +456,7 @@ impl Storage {
     /// [`ReduceOp::Max`] order), `e = exp(x - m)`, `s = Σ e` ascending from −0,
     /// `y = div(e, s)`.
     pub fn softmax_rows(&self, rows: usize, n: usize) -> Result<Storage> {
+        let _prof = crate::profile::scope("softmax");
         dispatch!(self, s => Ok(Storage::Cpu(Rc::new(s.softmax_rows(rows, n)))),
                   g => Ok(Storage::Gpu(Rc::new(g.softmax_rows(rows, n)?))))
     }
@@ -412,6 +464,7 @@ impl Storage {
     /// Softmax backward from its output: `dot = Σ g·y` ascending from −0 (as
     /// `fma(g, y, dot)`), `dx = y · (g − dot)`.
     pub fn softmax_rows_backward(&self, grad: &Storage, rows: usize, n: usize) -> Result<Storage> {
+        let _prof = crate::profile::scope("softmax backward");
         same_device(self, grad)?;
         match (self, grad) {
             (Storage::Cpu(y), Storage::Cpu(g)) => {
@@ -434,6 +487,7 @@ impl Storage {
         offset: u64,
         device: Device,
     ) -> Result<Storage> {
+        let _prof = crate::profile::scope("dropout mask");
         match device {
             Device::Cpu => Ok(Storage::Cpu(Rc::new(cpu::CpuStorage::dropout_mask(
                 n, p, scale, seed, offset,
@@ -449,6 +503,7 @@ impl Storage {
     /// value of every buffer was finite *before* the multiply. On the GPU this is
     /// one kernel per buffer writing one shared flag, and one 4-byte readback.
     pub fn finite_check_unscale(grads: &[&Storage], inv_scale: f32) -> Result<bool> {
+        let _prof = crate::profile::scope("finite check + unscale");
         let mut finite = true;
         let mut gpu_bufs = Vec::new();
         for g in grads {
@@ -468,6 +523,7 @@ impl Storage {
     /// chunks of [`NORM_CHUNK`] elements, every sum from −0, as f32. Used by
     /// gradient clipping; the host takes the square root.
     pub fn sum_squares(bufs: &[&Storage]) -> Result<f32> {
+        let _prof = crate::profile::scope("sum of squares");
         // The GPU buffers' partials come back together, in one readback.
         let gpu_bufs: Vec<&gpu::GpuStorage> = bufs
             .iter()
@@ -495,6 +551,7 @@ impl Storage {
 
     /// In place: `self *= c` (clipping). On both backends `x * c` exactly rounded.
     pub fn scale_in_place(&self, c: f32) -> Result<()> {
+        let _prof = crate::profile::scope("scale in place");
         dispatch!(self, s => { s.scale_in_place(c); Ok(()) }, g => g.scale_in_place(c))
     }
 
@@ -513,6 +570,7 @@ impl Storage {
         v: &Storage,
         c: &AdamWConsts,
     ) -> Result<()> {
+        let _prof = crate::profile::scope("adamw");
         match (self, grad, m, v) {
             (Storage::Cpu(p), Storage::Cpu(g), Storage::Cpu(m), Storage::Cpu(v)) => {
                 p.adamw_step(g, m, v, c);
@@ -537,6 +595,7 @@ impl Storage {
         wd: f32,
         first: bool,
     ) -> Result<()> {
+        let _prof = crate::profile::scope("sgd");
         match (self, grad, buf) {
             (Storage::Cpu(p), Storage::Cpu(g), None) => {
                 p.sgd_step(g, None, lr, momentum, wd, first);

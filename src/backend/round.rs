@@ -45,14 +45,16 @@ impl std::fmt::Display for Format {
 /// f32 → nearest bf16 value (kept in an f32): add `0x7fff + lsb` to the bits and
 /// clear the low 16. A carry out of the mantissa bumps the exponent, which is
 /// exactly round-to-nearest-even, overflow to ±inf included. NaN stays NaN (quieted).
-#[inline]
+///
+/// Written without branches (both results computed, one selected) so loops over
+/// slices vectorise; [`round_slice`] is the loop.
+#[inline(always)]
 pub fn bf16_f32(x: f32) -> f32 {
     let b = x.to_bits();
-    if (b & 0x7fff_ffff) > 0x7f80_0000 {
-        return f32::from_bits(b | 0x0040_0000);
-    }
     let lsb = (b >> 16) & 1;
-    f32::from_bits(b.wrapping_add(0x7fff + lsb) & 0xffff_0000)
+    let rounded = b.wrapping_add(0x7fff + lsb) & 0xffff_0000;
+    let nan = (b & 0x7fff_ffff) > 0x7f80_0000;
+    f32::from_bits(if nan { b | 0x0040_0000 } else { rounded })
 }
 
 /// f32 → nearest fp16 value (kept in an f32).
@@ -61,31 +63,46 @@ pub fn bf16_f32(x: f32) -> f32 {
 /// * fp16 normals (`|x| >= 2^-14`): drop 13 mantissa bits with the same add-and-mask trick.
 /// * below that the quantum is 2^-24: `|x| * 2^24` is exact, and `(y + 2^23) - 2^23` rounds it
 ///   to the nearest even integer in f32 arithmetic (exact for `y < 2^23`); then scale back.
-#[inline]
+///
+/// Branch-free like [`bf16_f32`]: every case is computed, the right one selected.
+#[inline(always)]
 pub fn fp16_f32(x: f32) -> f32 {
     let b = x.to_bits();
     let sign = b & 0x8000_0000;
     let a = b & 0x7fff_ffff;
-    if a > 0x7f80_0000 {
-        return f32::from_bits(b | 0x0040_0000);
-    }
-    if a >= 0x477f_f000 {
-        return f32::from_bits(sign | 0x7f80_0000);
-    }
-    if a >= 0x3880_0000 {
-        let lsb = (a >> 13) & 1;
-        return f32::from_bits(sign | ((a + 0x0fff + lsb) & !0x1fff));
-    }
+    let lsb = (a >> 13) & 1;
+    let normal = sign | (a.wrapping_add(0x0fff + lsb) & !0x1fff);
     let y = f32::from_bits(a) * 16_777_216.0;
     let r = (y + 8_388_608.0) - 8_388_608.0;
-    f32::from_bits(sign | (r * 5.960_464_5e-8).to_bits())
+    let subnormal = sign | (r * 5.960_464_5e-8).to_bits();
+    let mut out = if a >= 0x3880_0000 { normal } else { subnormal };
+    out = if a >= 0x477f_f000 {
+        sign | 0x7f80_0000
+    } else {
+        out
+    };
+    out = if a > 0x7f80_0000 {
+        b | 0x0040_0000
+    } else {
+        out
+    };
+    f32::from_bits(out)
 }
 
-#[inline]
+#[inline(always)]
 pub fn round_f32(x: f32, fmt: Format) -> f32 {
     match fmt {
         Format::Bf16 => bf16_f32(x),
         Format::Fp16 => fp16_f32(x),
+    }
+}
+
+/// Rounds every element in place: the format is chosen once, outside the loop,
+/// so each loop is one vectorised body.
+pub fn round_slice(xs: &mut [f32], fmt: Format) {
+    match fmt {
+        Format::Bf16 => xs.iter_mut().for_each(|x| *x = bf16_f32(*x)),
+        Format::Fp16 => xs.iter_mut().for_each(|x| *x = fp16_f32(*x)),
     }
 }
 

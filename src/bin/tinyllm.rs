@@ -99,6 +99,10 @@ struct RunFlags {
     /// Plain log lines even on a terminal.
     #[arg(long)]
     plain: bool,
+    /// Time every backend primitive during the training steps and print the
+    /// table at the end (wall clock; on the GPU only the host's recording time).
+    #[arg(long)]
+    profile: bool,
 }
 
 #[derive(Args)]
@@ -327,7 +331,17 @@ fn cmd_train(a: TrainArgs) -> tinyllm::Result<()> {
         Some(dir) => resume_config(&a, dir).map_err(|e| e.context("--resume"))?,
         None => TrainConfig::resolve(&train_options(&a))?,
     };
+    if a.run.profile {
+        tinyllm::profile::start();
+    }
     let summary = tinyllm::train::run(cfg.clone(), a.resume.as_deref(), a.run.progress())?;
+    if let Some(p) = tinyllm::profile::take() {
+        println!(
+            "\nprofile of {} training steps ({} device):\n{p}",
+            summary.history.len(),
+            summary.device
+        );
+    }
     let model = checkpoint::load_model(&summary.checkpoint, summary.device)?;
     let last = summary.history.last();
     println!();
@@ -449,6 +463,7 @@ fn cmd_bench(a: BenchArgs) -> tinyllm::Result<()> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    tinyllm::memory::keep_freed_host_memory();
     // TINYLLM_THREADS=n caps the CPU matmul's threads (results never depend on it).
     if let Ok(t) = std::env::var("TINYLLM_THREADS") {
         match t.trim().parse::<usize>() {

@@ -406,6 +406,9 @@ fn say(progress: Progress, msg: &str) {
 /// metrics, plot and checkpoints under `cfg.out`.
 pub fn run(cfg: TrainConfig, resume: Option<&Path>, progress: Progress) -> Result<RunSummary> {
     let t_start = Instant::now();
+    // A profile the caller started (`tinyllm train --profile`) sees the
+    // training steps only: everything else here is paused.
+    let _not_profiled = crate::profile::pause();
     let (device, note) = select_device(cfg.device)?;
     if let Some(n) = note {
         say(progress, &n);
@@ -478,7 +481,11 @@ pub fn run(cfg: TrainConfig, resume: Option<&Path>, progress: Progress) -> Resul
     let log_every = (cfg.steps / 20).max(1);
     let mut peak = 0usize;
     while tr.step < cfg.steps {
-        let mut m = match tr.train_step() {
+        let step = {
+            let _profiled = crate::profile::unpause();
+            tr.train_step()
+        };
+        let mut m = match step {
             Ok(m) => m,
             Err(e) => {
                 if let Some(b) = &bar {

@@ -1,0 +1,223 @@
+//! An opt-in wall-clock profile of the backend primitives, per thread.
+//!
+//! Every [`Storage`](crate::backend::Storage) primitive opens a [`scope`] named
+//! after what it computes; while a profile is running ([`start`]) the scope
+//! adds its elapsed time to that name, and [`take`] returns the table. When no
+//! profile runs a scope is one thread-local flag read, nothing else.
+//!
+//! On the CPU the times are the work itself. On the GPU they are the host's
+//! time to record the kernels (the device runs asynchronously), so a GPU
+//! profile shows host overhead, not kernel time.
+//!
+//! `tinyllm train --profile` prints it for the training steps; it is how the
+//! share of the step spent outside matrix products is measured (BENCHMARKS.md).
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+thread_local! {
+    static ON: Cell<bool> = const { Cell::new(false) };
+    /// Open [`pause`] guards (minus open [`unpause`] guards).
+    static PAUSED: Cell<i32> = const { Cell::new(0) };
+    /// Wall time inside [`unpause`] guards while a profile runs.
+    static WALL: Cell<Duration> = const { Cell::new(Duration::ZERO) };
+    static TABLE: RefCell<HashMap<&'static str, (u64, Duration)>> = RefCell::new(HashMap::new());
+}
+
+/// Starts (or restarts, emptying the table) this thread's profile.
+pub fn start() {
+    TABLE.with_borrow_mut(HashMap::clear);
+    WALL.with(|w| w.set(Duration::ZERO));
+    ON.with(|on| on.set(true));
+}
+
+/// Stops this thread's profile and returns it (`None` if none was running).
+pub fn take() -> Option<Profile> {
+    if !ON.with(|on| on.replace(false)) {
+        return None;
+    }
+    let mut rows: Vec<Row> = TABLE.with_borrow_mut(|t| {
+        t.drain()
+            .map(|(name, (calls, time))| Row { name, calls, time })
+            .collect()
+    });
+    rows.sort_by(|a, b| b.time.cmp(&a.time).then(a.name.cmp(b.name)));
+    let wall = WALL.with(Cell::get);
+    Some(Profile {
+        rows,
+        wall: (wall > Duration::ZERO).then_some(wall),
+    })
+}
+
+/// Stops counting until the guard drops (the profile keeps running): a
+/// caller that wants only some of its work in the profile pauses around the
+/// rest, or pauses everything and [`unpause`]s the part it wants.
+pub fn pause() -> Pause {
+    PAUSED.with(|p| p.set(p.get() + 1));
+    Pause(1, None)
+}
+
+/// Counts again inside a [`pause`] until the guard drops; the guard's own wall
+/// time is the profile's [`Profile::wall`] (the denominator that includes
+/// everything between the primitives: graph bookkeeping, allocation).
+pub fn unpause() -> Pause {
+    PAUSED.with(|p| p.set(p.get() - 1));
+    Pause(-1, ON.with(Cell::get).then(Instant::now))
+}
+
+/// Restores the pause state when dropped.
+#[must_use]
+pub struct Pause(i32, Option<Instant>);
+
+impl Drop for Pause {
+    fn drop(&mut self) {
+        PAUSED.with(|p| p.set(p.get() - self.0));
+        if let Some(t0) = self.1 {
+            WALL.with(|w| w.set(w.get() + t0.elapsed()));
+        }
+    }
+}
+
+/// Times the enclosing primitive under `name` while a profile runs.
+#[must_use]
+pub(crate) fn scope(name: &'static str) -> Scope {
+    let on = ON.with(Cell::get) && PAUSED.with(Cell::get) <= 0;
+    Scope {
+        name,
+        t0: on.then(Instant::now),
+    }
+}
+
+pub(crate) struct Scope {
+    name: &'static str,
+    t0: Option<Instant>,
+}
+
+impl Drop for Scope {
+    fn drop(&mut self) {
+        if let Some(t0) = self.t0 {
+            let dt = t0.elapsed();
+            TABLE.with_borrow_mut(|t| {
+                let e = t.entry(self.name).or_default();
+                e.0 += 1;
+                e.1 += dt;
+            });
+        }
+    }
+}
+
+/// One primitive's calls and total time.
+#[derive(Clone, Debug)]
+pub struct Row {
+    pub name: &'static str,
+    pub calls: u64,
+    pub time: Duration,
+}
+
+/// A finished profile: rows by descending time.
+#[derive(Clone, Debug)]
+pub struct Profile {
+    pub rows: Vec<Row>,
+    /// Wall time inside [`unpause`] guards (a trainer's steps), if any.
+    pub wall: Option<Duration>,
+}
+
+impl Profile {
+    /// Total time inside primitives.
+    pub fn total(&self) -> Duration {
+        self.rows.iter().map(|r| r.time).sum()
+    }
+
+    /// Time in the matrix products (the `matmul` scope).
+    pub fn matmul(&self) -> Duration {
+        self.rows
+            .iter()
+            .filter(|r| r.name == "matmul")
+            .map(|r| r.time)
+            .sum()
+    }
+}
+
+impl std::fmt::Display for Profile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let total = self.total().as_secs_f64().max(1e-12);
+        writeln!(
+            f,
+            "{:<28} {:>9} {:>11} {:>7}",
+            "primitive", "calls", "ms", "share"
+        )?;
+        for r in &self.rows {
+            let s = r.time.as_secs_f64();
+            writeln!(
+                f,
+                "{:<28} {:>9} {:>11.1} {:>6.1}%",
+                r.name,
+                r.calls,
+                s * 1e3,
+                100.0 * s / total
+            )?;
+        }
+        write!(
+            f,
+            "{:<28} {:>9} {:>11.1}",
+            "all primitives",
+            self.rows.iter().map(|r| r.calls).sum::<u64>(),
+            total * 1e3,
+        )?;
+        let mm = self.matmul().as_secs_f64();
+        match self.wall {
+            Some(w) => {
+                let w = w.as_secs_f64().max(1e-12);
+                write!(
+                    f,
+                    "\nwall time of the steps {:.1} ms: matmul {:.1}%, everything else {:.1}% \
+                     (other primitives {:.1}%, between primitives {:.1}%)",
+                    w * 1e3,
+                    100.0 * mm / w,
+                    100.0 * (1.0 - mm / w),
+                    100.0 * (total - mm) / w,
+                    100.0 * (1.0 - total / w)
+                )
+            }
+            None => write!(
+                f,
+                "\nmatmul {:.1}% of the primitives' time",
+                100.0 * mm / total
+            ),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scopes_count_only_while_a_profile_runs() {
+        drop(scope("before"));
+        start();
+        for _ in 0..3 {
+            let _s = scope("matmul");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        drop(scope("unary exp"));
+        {
+            let _p = pause();
+            drop(scope("paused"));
+            let _u = unpause();
+            drop(scope("unary exp"));
+            std::thread::sleep(Duration::from_millis(3));
+        }
+        let p = take().unwrap();
+        assert!(p.wall.unwrap() >= Duration::from_millis(3));
+        assert!(take().is_none(), "take stops the profile");
+        drop(scope("after"));
+        assert_eq!(p.rows.len(), 2, "{p:?}");
+        assert_eq!((p.rows[0].name, p.rows[0].calls), ("matmul", 3));
+        assert_eq!((p.rows[1].name, p.rows[1].calls), ("unary exp", 2));
+        assert!(p.matmul() >= Duration::from_millis(6));
+        assert!(p.matmul() <= p.total());
+        assert!(p.to_string().contains("matmul"));
+    }
+}
