@@ -6,13 +6,15 @@
 // 1-D grids. scale_in_place, finite_check_unscale and adamw_step give each
 // invocation PER_LANE elements: workgroup w covers the 64 * PER_LANE
 // consecutive elements from w * 64 * PER_LANE, lane l takes every 64th of them
-// from l (neighbouring lanes, neighbouring addresses). Fewer, fuller
-// workgroups: on lavapipe each workgroup is a scheduled task, and with one
-// element per lane the scheduling, not the memory, set the pace. The
-// parameters are read once per invocation. The SGD kernels keep one element
-// per lane: i = (wg.y * groups.x + wg.x) * 64 + lane.
+// from l (neighbouring lanes, neighbouring addresses). PER_LANE is a pipeline
+// override chosen per adapter by the host (context.rs `optim_per_lane`): many
+// per lane on a software device, where each workgroup is a scheduled task and
+// one element per lane left the scheduling, not the memory, setting the pace;
+// a few on a real GPU, which wants many lanes in flight. The parameters are
+// read once per invocation. The SGD kernels keep one element per lane:
+// i = (wg.y * groups.x + wg.x) * 64 + lane.
 
-const PER_LANE: u32 = 16u;
+override PER_LANE: u32 = 4u;
 
 fn chunk_base(wg: vec3<u32>, groups: vec3<u32>) -> u32 {
     return (wg.y * groups.x + wg.x) * 64u * PER_LANE;

@@ -928,24 +928,29 @@ fn dropout_mask_philox() {
 
 // ----------------------------------------------------- optimizer & scaler ----
 
+/// Length of the optimizer-kernel test buffers: two full workgroups and a
+/// ragged third at lavapipe's 256 elements per lane (many on a real GPU).
+const N_OPTIM: usize = 2 * 64 * 256 + 77;
+
 #[test]
 fn finite_check_unscale_flags_and_values() {
     require_gpu!();
     let mut rng = Rng(31);
     let inv = 2f32.powi(-16);
-    // (buffers, expected finite). The first spans three workgroups of the
-    // kernel (1024 elements each, 16 per lane) with a ragged end.
+    // (buffers, expected finite). The first spans several workgroups of the
+    // kernel on every adapter (64 lanes x PER_LANE elements: 256 elements on a
+    // GPU, 16384 on lavapipe), with a ragged end.
     let finite_bufs: Vec<Vec<f32>> = vec![
-        (0..2600).map(|_| rng.moderate() * 1e4).collect(),
+        (0..N_OPTIM).map(|_| rng.moderate() * 1e4).collect(),
         vec![f32::MAX, -f32::MAX, 1e-45, -0.0, 3e-39],
         vec![],
     ];
     let mut with_inf = finite_bufs.clone();
     with_inf[1][2] = f32::NEG_INFINITY;
     let mut with_nan = finite_bufs.clone();
-    with_nan[0][2599] = f32::NAN; // the last lane of the last, partial workgroup
+    with_nan[0][N_OPTIM - 1] = f32::NAN; // the last element of the last, partial workgroup
     let mut mid_inf = finite_bufs.clone();
-    mid_inf[0][1024 + 64 * 7 + 5] = f32::INFINITY; // workgroup 1, lane 5, its 8th element
+    mid_inf[0][16384 + 64 * 7 + 5] = f32::INFINITY; // past the first workgroup, lane 5
     let mut only_last = finite_bufs.clone();
     only_last.push(vec![1.0, 2.0, f32::INFINITY]);
     for (bufs, want) in [
@@ -971,7 +976,7 @@ fn finite_check_unscale_flags_and_values() {
 fn scale_in_place_matches() {
     require_gpu!();
     let mut rng = Rng(37);
-    let x = adversarial(&mut rng, 2999); // three workgroups, ragged
+    let x = adversarial(&mut rng, N_OPTIM); // several workgroups, ragged
     for c in [0.5f32, 0.3, 1e-30, -7.0] {
         let (a, b) = pair(&x);
         a.scale_in_place(c).unwrap();
@@ -984,7 +989,7 @@ fn scale_in_place_matches() {
 fn adamw_steps() {
     require_gpu!();
     let mut rng = Rng(41);
-    let n = 2777; // three workgroups of 1024, ragged
+    let n = N_OPTIM; // several workgroups, ragged
     let p: Vec<f32> = (0..n).map(|_| rng.moderate()).collect();
     let (pc, pg) = pair(&p);
     let zeros = vec![0.0f32; n];

@@ -566,6 +566,15 @@ fn pack_a(ap: &mut Vec<f32>, a: &[f32], m: usize, k: usize, trans: bool, round: 
                     Err(_) => unreachable!(),
                 }
             }
+        } else if rows == MR {
+            // A stored (m, k): gather the six rows' p-th values into one
+            // panel row, reading six streams forward, writing one.
+            let src: [&[f32]; MR] = std::array::from_fn(|r| &a[(i0 + r) * k..(i0 + r + 1) * k]);
+            for (p, dst) in panel.chunks_exact_mut(MR).enumerate().take(k) {
+                for r in 0..MR {
+                    dst[r] = src[r][p];
+                }
+            }
         } else {
             for r in 0..rows {
                 let src = &a[(i0 + r) * k..(i0 + r + 1) * k];
@@ -727,6 +736,15 @@ unsafe fn micro_kernel_avx2(
     }
 }
 
+/// Which k-block a [`tile`] call computes: the first starts every sum from
+/// +0; the last (`round` set when the product is rounded) rounds the finished
+/// sums while the tile is still in L1, instead of a separate pass over C.
+#[derive(Clone, Copy)]
+struct KBlock {
+    first: bool,
+    round: Option<Format>,
+}
+
 /// One tile of C at `c` (row stride `ldc`), of which `rows` × `cols` are real:
 /// full tiles run the kernel on C itself, edge tiles on a padded copy.
 #[allow(clippy::too_many_arguments)]
@@ -738,18 +756,27 @@ fn tile(
     ldc: usize,
     rows: usize,
     cols: usize,
-    first: bool,
+    blk: KBlock,
 ) {
     assert!(ap.len() >= kc * MR && bp.len() >= kc * NR);
     assert!(c.len() >= (rows - 1) * ldc + cols);
     let cp = c.as_mut_ptr() as *mut f32;
     if rows == MR && cols == NR {
         // SAFETY: lengths checked above; C is read only after the first k-block wrote it.
-        unsafe { micro_kernel(ap.as_ptr(), bp.as_ptr(), kc, cp, ldc, first) };
+        unsafe { micro_kernel(ap.as_ptr(), bp.as_ptr(), kc, cp, ldc, blk.first) };
+        if let Some(f) = blk.round {
+            for r in 0..MR {
+                // SAFETY: inside `c` (checked above), just written by the kernel.
+                round::round_slice(
+                    unsafe { std::slice::from_raw_parts_mut(cp.add(r * ldc), NR) },
+                    f,
+                );
+            }
+        }
         return;
     }
     let mut t = [0.0f32; MR * NR];
-    if !first {
+    if !blk.first {
         for r in 0..rows {
             // SAFETY: inside `c` (checked above) and written by an earlier k-block.
             unsafe {
@@ -758,7 +785,10 @@ fn tile(
         }
     }
     // SAFETY: `t` is exactly one MR×NR tile; lengths of ap/bp checked above.
-    unsafe { micro_kernel(ap.as_ptr(), bp.as_ptr(), kc, t.as_mut_ptr(), NR, first) };
+    unsafe { micro_kernel(ap.as_ptr(), bp.as_ptr(), kc, t.as_mut_ptr(), NR, blk.first) };
+    if let Some(f) = blk.round {
+        round::round_slice(&mut t, f);
+    }
     for r in 0..rows {
         // SAFETY: inside `c` (checked above).
         unsafe { std::ptr::copy_nonoverlapping(t[r * NR..].as_ptr(), cp.add(r * ldc), cols) };
@@ -767,8 +797,8 @@ fn tile(
 
 /// Computes rows `[r0, r0 + rows)` of one batch's `C` into `out` (exactly those
 /// rows, uninitialised on entry: the first k-block starts every sum from +0
-/// and writes it) from packed operands, then rounds them once when `round` is
-/// set. `r0` is a multiple of MR; `k > 0`.
+/// and writes it) from packed operands, rounding each finished sum once when
+/// `round` is set. `r0` is a multiple of MR; `k > 0`.
 fn matmul_rows(
     ap: &[f32],
     bp: &[f32],
@@ -785,6 +815,10 @@ fn matmul_rows(
     let mut kb = 0;
     while kb < k {
         let kc = KC.min(k - kb);
+        let blk = KBlock {
+            first: kb == 0,
+            round: if kb + kc == k { round } else { None },
+        };
         // Row panels in groups of MC_PANELS: that slice of A (about 72 KiB)
         // stays in L2 while every column panel of B streams past it.
         for ib in (0..row_panels).step_by(MC_PANELS) {
@@ -794,25 +828,11 @@ fn matmul_rows(
                 for pi in ib..(ib + MC_PANELS).min(row_panels) {
                     let a_blk = &ap[(panel0 + pi) * k * MR + kb * MR..];
                     let c = &mut out[pi * MR * n + pj * NR..];
-                    tile(
-                        a_blk,
-                        b_blk,
-                        kc,
-                        c,
-                        n,
-                        MR.min(rows - pi * MR),
-                        cols,
-                        kb == 0,
-                    );
+                    tile(a_blk, b_blk, kc, c, n, MR.min(rows - pi * MR), cols, blk);
                 }
             }
         }
         kb += KC;
-    }
-    // SAFETY: the first k-block wrote every element of `out`.
-    let out = unsafe { &mut *(out as *mut [MaybeUninit<f32>] as *mut [f32]) };
-    if let Some(f) = round {
-        round::round_slice(out, f);
     }
 }
 
@@ -1220,6 +1240,10 @@ mod tests {
             (1, 13, 300, 17),
             (3, 6, 16, 16),
             (1, 70, 600, 33),
+            // past the threading threshold (2^21 multiply-adds): rows split
+            // over threads, more than one MC block of rows; then a batch split
+            (1, 150, 300, 50),
+            (4, 40, 120, 120),
             (1, 0, 4, 3),
             (1, 4, 0, 3),
         ] {

@@ -33,6 +33,9 @@ pub struct Context {
     pub limits: wgpu::Limits,
     /// The device's `fma` is exactly fused (else kernels use `fma_soft`).
     pub native_fma: bool,
+    /// Elements per invocation of the optimizer kernels (optim.wgsl's
+    /// `PER_LANE` override), chosen per adapter: see [`optim_per_lane`].
+    pub optim_per_lane: u32,
     slot: u64,
     pending: Mutex<Pending>,
     pipelines: Mutex<HashMap<Kernel, wgpu::ComputePipeline>>,
@@ -190,6 +193,7 @@ impl Context {
             ));
         }
         Ok(Context {
+            optim_per_lane: optim_per_lane(&info),
             device,
             queue,
             info,
@@ -248,7 +252,7 @@ impl Context {
                 module: &module,
                 entry_point: Some(entry),
                 compilation_options: wgpu::PipelineCompilationOptions {
-                    constants: &k.constants(),
+                    constants: &k.constants(self),
                     ..Default::default()
                 },
                 cache: None,
@@ -490,6 +494,22 @@ impl Context {
 /// Runs the device's own WGSL `fma` on triples whose fused and unfused results
 /// differ (inexact products, cancellation, subnormal results) and compares with
 /// Rust's `f32::mul_add` (always a true fma). `Ok(true)` only if every bit agrees.
+/// Elements per invocation of the elementwise optimizer kernels, per adapter.
+///
+/// A software device (lavapipe: `DeviceType::Cpu`) runs each workgroup as a
+/// task on a thread pool, and the scheduling, not memory, limits a one-element
+/// kernel: on 4M elements the finite check + unscale took 72.9 ms with 1
+/// element per lane, 12.7 with 16, 8.7 with 64, 7.4 with 256 (`cargo bench
+/// --bench kernels -- gpu_bw`). A real GPU wants the opposite — tens of
+/// thousands of lanes in flight to hide memory latency — so a few elements per
+/// lane there (unmeasured: no GPU was available when this was tuned).
+fn optim_per_lane(info: &wgpu::AdapterInfo) -> u32 {
+    match info.device_type {
+        wgpu::DeviceType::Cpu => 256,
+        _ => 4,
+    }
+}
+
 fn probe_native_fma(
     device: &wgpu::Device,
     queue: &wgpu::Queue,

@@ -145,10 +145,6 @@ fn grid1d(threads: usize) -> (u32, u32, u32) {
     }
 }
 
-/// Elements per invocation of optim.wgsl's `scale_in_place`,
-/// `finite_check_unscale` and `adamw_step` (its `PER_LANE`).
-const OPTIM_PER_LANE: usize = 16;
-
 /// Pads a shape and its strides on the left to [`MAX_DIMS`] (size 1, stride 0).
 fn pad6(shape: &[usize], strides: &[&[usize]]) -> Result<Vec<[u32; MAX_DIMS]>> {
     let nd = shape.len();
@@ -612,7 +608,7 @@ impl GpuStorage {
                 Kernel::FiniteCheckUnscale,
                 &[b.len as u32, bits(inv_scale)],
                 &[b.buf(), &flag],
-                grid1d(b.len.div_ceil(OPTIM_PER_LANE)),
+                grid1d(b.len.div_ceil(c.optim_per_lane as usize)),
             )?;
         }
         let v = c.read(&flag, 4)?;
@@ -658,7 +654,7 @@ impl GpuStorage {
             Kernel::ScaleInPlace,
             &[self.len as u32, bits(c)],
             &[self.buf()],
-            grid1d(self.len.div_ceil(OPTIM_PER_LANE)),
+            grid1d(self.len.div_ceil(cx.optim_per_lane as usize)),
         )
     }
 
@@ -683,7 +679,7 @@ impl GpuStorage {
             Kernel::AdamW,
             &params,
             &[self.buf(), g.buf(), m.buf(), v.buf()],
-            grid1d(self.len.div_ceil(OPTIM_PER_LANE)),
+            grid1d(self.len.div_ceil(c.optim_per_lane as usize)),
         )
     }
 

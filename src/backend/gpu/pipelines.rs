@@ -150,9 +150,12 @@ impl Kernel {
         Kernel::SgdMomentum,
     ];
 
-    /// Values of the kernel's pipeline-overridable constants.
-    pub fn constants(self) -> Vec<(&'static str, f64)> {
+    /// Values of the kernel's pipeline-overridable constants on device `c`.
+    pub fn constants(self, c: &super::context::Context) -> Vec<(&'static str, f64)> {
         match self {
+            Kernel::ScaleInPlace | Kernel::FiniteCheckUnscale | Kernel::AdamW => {
+                vec![("PER_LANE", c.optim_per_lane as f64)]
+            }
             Kernel::Matmul {
                 fmt,
                 trans_a,
