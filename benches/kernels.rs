@@ -21,7 +21,10 @@
 //!   preset on the CPU; on the GPU the `tiny` preset unless full (lavapipe is slow).
 //!
 //! The summary reads criterion's medians back from
-//! `target/criterion/<group>/<id>/new/estimates.json`.
+//! `target/criterion/<group>/<id>/new/estimates.json`, then measures the CPU
+//! matmul ratios once more as *paired* ratios (ours and ndarray called
+//! alternately, median of the per-pair ratios), which drifting load on a shared
+//! machine cannot bias.
 
 use criterion::{BenchmarkId, Criterion, Throughput};
 use std::hint::black_box;
@@ -116,6 +119,49 @@ fn cpu_matmul_group(c: &mut Criterion, case: &MatmulCase) {
         });
     }
     g.finish();
+}
+
+/// Paired ratios `ndarray time / our time` (one thread each), for f32, bf16
+/// and fp16: the two are called alternately and each pair's ratio is taken,
+/// then the median over the pairs. Criterion measures one function after the
+/// other, so load that drifts between them (a shared machine) moves its
+/// ratios; within a pair both calls see the same load.
+fn paired_ratios(case: &MatmulCase) -> [(Option<Format>, f64); 3] {
+    let (a, b) = case.operands();
+    let ac = Storage::from_f32(a.clone(), Device::Cpu).unwrap();
+    let bc = Storage::from_f32(b.clone(), Device::Cpu).unwrap();
+    set_matmul_threads(Some(1));
+    let time = |f: &mut dyn FnMut()| {
+        let t = std::time::Instant::now();
+        f();
+        t.elapsed().as_secs_f64()
+    };
+    let out = [None, Some(Format::Bf16), Some(Format::Fp16)].map(|fmt| {
+        let mut ours = || drop(black_box(ac.matmul(&bc, case.dims, fmt).unwrap()));
+        let mut dot = || drop(black_box(ndarray_dot(case, &a, &b)));
+        ours();
+        dot();
+        // about 1.5 s of pairs, at least 15
+        let one = time(&mut ours) + time(&mut dot);
+        let pairs = ((1.5 / one) as usize).clamp(15, 401);
+        let mut r: Vec<f64> = (0..pairs)
+            .map(|i| {
+                // alternate which goes first
+                let (o, d) = if i % 2 == 0 {
+                    let o = time(&mut ours);
+                    (o, time(&mut dot))
+                } else {
+                    let d = time(&mut dot);
+                    (time(&mut ours), d)
+                };
+                d / o
+            })
+            .collect();
+        r.sort_by(|x, y| x.total_cmp(y));
+        (fmt, r[r.len() / 2])
+    });
+    set_matmul_threads(None);
+    out
 }
 
 fn gpu_matmul_group(c: &mut Criterion, case: &MatmulCase, full: bool) {
@@ -228,14 +274,18 @@ fn train_step_group(c: &mut Criterion, preset: &str, dev: Device) {
         let tokens = cfg.batch * cfg.model.context;
         let mut tr = Trainer::new(cfg, dev, &Corpus::embedded()).unwrap();
         g.throughput(Throughput::Elements(tokens as u64));
-        g.bench_function(id, |bn| bn.iter(|| tr.train_step().unwrap()));
-        if dev == Device::Gpu {
-            continue; // a GPU profile times the host's recording, not the kernels
+        let mut ran = false;
+        g.bench_function(id, |bn| {
+            ran = true;
+            bn.iter(|| tr.train_step().unwrap())
+        });
+        if !ran || dev == Device::Gpu {
+            continue; // filtered out; or a GPU profile: the host's recording, not the kernels
         }
-        // Then the profile behind "share of the step outside matmul": three
+        // Then the profile behind "share of the step outside matmul": a few
         // more steps with every primitive timed (tinyllm::profile).
         tinyllm::profile::start();
-        for _ in 0..3 {
+        for _ in 0..PROFILED_STEPS {
             let _on = tinyllm::profile::unpause();
             tr.train_step().unwrap();
         }
@@ -245,6 +295,9 @@ fn train_step_group(c: &mut Criterion, preset: &str, dev: Device) {
     }
     g.finish();
 }
+
+/// Steps timed primitive by primitive after each CPU train-step benchmark.
+const PROFILED_STEPS: usize = 8;
 
 /// (group, recipe, non-matmul share of the step, profile) of the train-step groups.
 #[allow(clippy::type_complexity)]
@@ -279,8 +332,25 @@ fn train_step_summary(steps: &[(&str, Device)]) {
     }
     for (grp, id, share, p) in PROFILES.lock().unwrap().iter() {
         println!(
-            "\nprofile of 3 steps, {grp} {id}: outside matmul {:.1}% of the step\n{p}",
+            "\nprofile of {PROFILED_STEPS} steps, {grp} {id}: outside matmul {:.1}% of the step\n{p}",
             100.0 * share
+        );
+    }
+}
+
+fn paired_summary(cases: &[MatmulCase]) {
+    println!(
+        "\n{:<30} {:>10} {:>10} {:>10}   (paired: ndarray time / ours, median over alternating pairs, 1 thread)",
+        "case", "f32", "bf16", "fp16"
+    );
+    for case in cases {
+        if median_s(&format!("cpu_mm_{}", slug(&case.name)), "ndarray_dot").is_none() {
+            continue; // filtered out of this run
+        }
+        let r = paired_ratios(case);
+        println!(
+            "{:<30} {:>9.3}x {:>9.3}x {:>9.3}x",
+            case.name, r[0].1, r[1].1, r[2].1
         );
     }
 }
@@ -388,5 +458,12 @@ fn main() {
     }
     c.final_summary();
     summary(&cases, n);
+    // Paired ratios unless a filter left out the CPU matmul groups.
+    if cases
+        .iter()
+        .any(|k| median_s(&format!("cpu_mm_{}", slug(&k.name)), "ndarray_dot").is_some())
+    {
+        paired_summary(&cases);
+    }
     train_step_summary(&steps);
 }
