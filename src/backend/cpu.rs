@@ -550,23 +550,40 @@ fn pack_a(ap: &mut Vec<f32>, a: &[f32], m: usize, k: usize, trans: bool, round: 
     if k == 0 {
         return;
     }
+    if trans {
+        // A stored (k, m): row p of A holds the p-th value of every panel.
+        // Panels go in groups of 8 (48 columns of A, three cache lines), so
+        // each stretch of a row is read once per group, not once per panel.
+        const GROUP: usize = 8;
+        let panels = m.div_ceil(MR);
+        for g0 in (0..panels).step_by(GROUP) {
+            for p in 0..k {
+                let row = &a[p * m..(p + 1) * m];
+                for pi in g0..(g0 + GROUP).min(panels) {
+                    let i0 = pi * MR;
+                    let dst: &mut [f32; MR] =
+                        (&mut ap[(pi * k + p) * MR..][..MR]).try_into().unwrap();
+                    if i0 + MR <= m {
+                        *dst = row[i0..i0 + MR].try_into().unwrap();
+                    } else {
+                        dst[..m - i0].copy_from_slice(&row[i0..]);
+                        dst[m - i0..].fill(0.0);
+                    }
+                }
+            }
+        }
+        if let Some(f) = round {
+            round::round_slice(ap, f);
+        }
+        return;
+    }
     for (pi, panel) in ap.chunks_exact_mut(k * MR).enumerate() {
         let i0 = pi * MR;
         let rows = MR.min(m - i0);
         if rows < MR {
             panel.fill(0.0);
         }
-        if trans {
-            // A stored (k, m): each p is `rows` consecutive values.
-            for (p, dst) in panel.chunks_exact_mut(MR).enumerate() {
-                let src = &a[p * m + i0..p * m + i0 + rows];
-                match <&mut [f32; MR]>::try_from(dst) {
-                    Ok(dst) if rows == MR => *dst = src.try_into().unwrap(),
-                    Ok(dst) => dst[..rows].copy_from_slice(src),
-                    Err(_) => unreachable!(),
-                }
-            }
-        } else if rows == MR {
+        if rows == MR {
             // A stored (m, k): gather the six rows' p-th values into one
             // panel row, reading six streams forward, writing one.
             let src: [&[f32]; MR] = std::array::from_fn(|r| &a[(i0 + r) * k..(i0 + r + 1) * k]);
