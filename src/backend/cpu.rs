@@ -539,64 +539,66 @@ thread_local! {
     static PACKED: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
-/// Packs `op(A)` (m, k) of one batch into row panels of MR: `ap[panel][p][r]`,
-/// rows past `m` zero; then rounds the packed buffer once when `round` is set
-/// (one vectorised pass; the zero padding stays zero).
-fn pack_a(ap: &mut Vec<f32>, a: &[f32], m: usize, k: usize, trans: bool, round: Option<Format>) {
+/// The k-range `[kb, kb + kc)` of `op(A)` (m × k) of one batch, packed into
+/// row panels of MR: `ap[panel][p][r]` (panel stride `kc * MR`), rows past `m`
+/// zero; then rounded once when `round` is set (one vectorised pass; the zero
+/// padding stays zero). One k-block at a time, so the packed block is still
+/// in cache when the tiles read it.
+#[allow(clippy::too_many_arguments)]
+fn pack_a(
+    ap: &mut Vec<f32>,
+    a: &[f32],
+    m: usize,
+    k: usize,
+    (kb, kc): (usize, usize),
+    trans: bool,
+    round: Option<Format>,
+) {
     // Reused buffer: every value is overwritten below, so no zero fill first
     // except in the ragged last panel, whose padding must be zero.
-    ap.resize(m.div_ceil(MR) * k * MR, 0.0);
-    ap.truncate(m.div_ceil(MR) * k * MR);
-    if k == 0 {
-        return;
-    }
+    let panels = m.div_ceil(MR);
+    ap.resize(panels * kc * MR, 0.0);
+    ap.truncate(panels * kc * MR);
     if trans {
-        // A stored (k, m): row p of A holds the p-th value of every panel.
-        // Panels go in groups of 8 (48 columns of A, three cache lines), so
-        // each stretch of a row is read once per group, not once per panel.
-        const GROUP: usize = 8;
-        let panels = m.div_ceil(MR);
-        for g0 in (0..panels).step_by(GROUP) {
-            for p in 0..k {
-                let row = &a[p * m..(p + 1) * m];
-                for pi in g0..(g0 + GROUP).min(panels) {
-                    let i0 = pi * MR;
-                    let dst: &mut [f32; MR] =
-                        (&mut ap[(pi * k + p) * MR..][..MR]).try_into().unwrap();
-                    if i0 + MR <= m {
-                        *dst = row[i0..i0 + MR].try_into().unwrap();
-                    } else {
-                        dst[..m - i0].copy_from_slice(&row[i0..]);
-                        dst[m - i0..].fill(0.0);
+        // A stored (k, m): row p of A holds the p-th value of every panel, and
+        // the block's rows are one contiguous stretch of A: walk it in order
+        // (a sequential read the prefetcher keeps ahead of), scattering each
+        // row over the panels. Panel by panel instead strided through A once
+        // per panel: 0.93x of ndarray on mlp dW 320x4096x904, now ~1.03x.
+        for p in 0..kc {
+            let row = &a[(kb + p) * m..(kb + p + 1) * m];
+            for pi in 0..panels {
+                let i0 = pi * MR;
+                let dst: &mut [f32; MR] = (&mut ap[(pi * kc + p) * MR..][..MR]).try_into().unwrap();
+                if i0 + MR <= m {
+                    *dst = row[i0..i0 + MR].try_into().unwrap();
+                } else {
+                    dst[..m - i0].copy_from_slice(&row[i0..]);
+                    dst[m - i0..].fill(0.0);
+                }
+            }
+        }
+    } else {
+        for (pi, panel) in ap.chunks_exact_mut(kc * MR).enumerate() {
+            let i0 = pi * MR;
+            let rows = MR.min(m - i0);
+            // A stored (m, k): row r's stretch [kb, kb + kc).
+            let row = |r: usize| &a[(i0 + r) * k + kb..(i0 + r) * k + kb + kc];
+            if rows == MR {
+                // Gather the six rows' p-th values into one panel row,
+                // reading six streams forward, writing one.
+                let src: [&[f32]; MR] = std::array::from_fn(row);
+                for (p, dst) in panel.chunks_exact_mut(MR).enumerate().take(kc) {
+                    for r in 0..MR {
+                        dst[r] = src[r][p];
                     }
                 }
-            }
-        }
-        if let Some(f) = round {
-            round::round_slice(ap, f);
-        }
-        return;
-    }
-    for (pi, panel) in ap.chunks_exact_mut(k * MR).enumerate() {
-        let i0 = pi * MR;
-        let rows = MR.min(m - i0);
-        if rows < MR {
-            panel.fill(0.0);
-        }
-        if rows == MR {
-            // A stored (m, k): gather the six rows' p-th values into one
-            // panel row, reading six streams forward, writing one.
-            let src: [&[f32]; MR] = std::array::from_fn(|r| &a[(i0 + r) * k..(i0 + r + 1) * k]);
-            for (p, dst) in panel.chunks_exact_mut(MR).enumerate().take(k) {
-                for r in 0..MR {
-                    dst[r] = src[r][p];
-                }
-            }
-        } else {
-            for r in 0..rows {
-                let src = &a[(i0 + r) * k..(i0 + r + 1) * k];
-                for (dst, &v) in panel.chunks_exact_mut(MR).zip(src) {
-                    dst[r] = v;
+            } else {
+                panel.fill(0.0);
+                for r in 0..rows {
+                    for (dst, &v) in panel.chunks_exact_mut(MR).zip(row(r)) {
+                        dst[r] = v;
+                    }
                 }
             }
         }
@@ -606,37 +608,55 @@ fn pack_a(ap: &mut Vec<f32>, a: &[f32], m: usize, k: usize, trans: bool, round: 
     }
 }
 
-/// Packs `op(B)` (k, n) of one batch into column panels of NR: `bp[panel][p][c]`,
-/// columns past `n` zero, rounded like [`pack_a`].
-fn pack_b(bp: &mut Vec<f32>, b: &[f32], k: usize, n: usize, trans: bool, round: Option<Format>) {
-    bp.resize(n.div_ceil(NR) * k * NR, 0.0);
-    bp.truncate(n.div_ceil(NR) * k * NR);
-    if k == 0 {
+/// The k-range `[kb, kb + kc)` of `op(B)` (k × n) of one batch, packed into
+/// column panels of NR: `bp[panel][p][c]` (panel stride `kc * NR`), columns
+/// past `n` zero, rounded like [`pack_a`].
+#[allow(clippy::too_many_arguments)]
+fn pack_b(
+    bp: &mut Vec<f32>,
+    b: &[f32],
+    k: usize,
+    n: usize,
+    (kb, kc): (usize, usize),
+    trans: bool,
+    round: Option<Format>,
+) {
+    let panels = n.div_ceil(NR);
+    bp.resize(panels * kc * NR, 0.0);
+    bp.truncate(panels * kc * NR);
+    if !trans {
+        // B stored (k, n): row p of B holds the p-th row of every panel; the
+        // block's rows are contiguous, read in order as for A above. Each
+        // 16-value panel row is a fixed-size copy (two vector moves).
+        for p in 0..kc {
+            let row = &b[(kb + p) * n..(kb + p + 1) * n];
+            for pj in 0..panels {
+                let j0 = pj * NR;
+                let dst: &mut [f32; NR] = (&mut bp[(pj * kc + p) * NR..][..NR]).try_into().unwrap();
+                if j0 + NR <= n {
+                    *dst = row[j0..j0 + NR].try_into().unwrap();
+                } else {
+                    dst[..n - j0].copy_from_slice(&row[j0..]);
+                    dst[n - j0..].fill(0.0);
+                }
+            }
+        }
+        if let Some(f) = round {
+            round::round_slice(bp, f);
+        }
         return;
     }
-    for (pj, panel) in bp.chunks_exact_mut(k * NR).enumerate() {
+    for (pj, panel) in bp.chunks_exact_mut(kc * NR).enumerate() {
         let j0 = pj * NR;
         let cols = NR.min(n - j0);
         if cols < NR {
             panel.fill(0.0);
         }
-        if trans {
-            // B stored (n, k): column c of the panel is a row of B.
-            for c in 0..cols {
-                let src = &b[(j0 + c) * k..(j0 + c + 1) * k];
-                for (dst, &v) in panel.chunks_exact_mut(NR).zip(src) {
-                    dst[c] = v;
-                }
-            }
-        } else {
-            for (p, dst) in panel.chunks_exact_mut(NR).enumerate() {
-                // A fixed-size copy for whole panels (two vector moves, not a memcpy call).
-                let src = &b[p * n + j0..p * n + j0 + cols];
-                match <&mut [f32; NR]>::try_from(dst) {
-                    Ok(dst) if cols == NR => *dst = src.try_into().unwrap(),
-                    Ok(dst) => dst[..cols].copy_from_slice(src),
-                    Err(_) => unreachable!(),
-                }
+        // B stored (n, k): column c of the panel is a stretch of a row of B.
+        for c in 0..cols {
+            let src = &b[(j0 + c) * k + kb..(j0 + c) * k + kb + kc];
+            for (dst, &v) in panel.chunks_exact_mut(NR).zip(src) {
+                dst[c] = v;
             }
         }
     }
@@ -812,44 +832,34 @@ fn tile(
     }
 }
 
-/// Computes rows `[r0, r0 + rows)` of one batch's `C` into `out` (exactly those
-/// rows, uninitialised on entry: the first k-block starts every sum from +0
-/// and writes it) from packed operands, rounding each finished sum once when
-/// `round` is set. `r0` is a multiple of MR; `k > 0`.
-fn matmul_rows(
+/// One k-block of rows `[r0, r0 + rows)` of one batch's `C`, in `out`
+/// (exactly those rows; uninitialised before the first k-block, which starts
+/// every sum from +0 and writes it), from the block's packed operands (panel
+/// strides `kc * MR` and `kc * NR`). `r0` is a multiple of MR.
+fn matmul_block(
     ap: &[f32],
     bp: &[f32],
-    k: usize,
+    kc: usize,
     n: usize,
     r0: usize,
     out: &mut [MaybeUninit<f32>],
-    round: Option<Format>,
+    blk: KBlock,
 ) {
-    assert!(k > 0);
     let rows = out.len() / n;
     let (panel0, row_panels) = (r0 / MR, rows.div_ceil(MR));
     let col_panels = n.div_ceil(NR);
-    let mut kb = 0;
-    while kb < k {
-        let kc = KC.min(k - kb);
-        let blk = KBlock {
-            first: kb == 0,
-            round: if kb + kc == k { round } else { None },
-        };
-        // Row panels in groups of MC_PANELS: that slice of A (about 72 KiB)
-        // stays in L2 while every column panel of B streams past it.
-        for ib in (0..row_panels).step_by(MC_PANELS) {
-            for pj in 0..col_panels {
-                let b_blk = &bp[pj * k * NR + kb * NR..];
-                let cols = NR.min(n - pj * NR);
-                for pi in ib..(ib + MC_PANELS).min(row_panels) {
-                    let a_blk = &ap[(panel0 + pi) * k * MR + kb * MR..];
-                    let c = &mut out[pi * MR * n + pj * NR..];
-                    tile(a_blk, b_blk, kc, c, n, MR.min(rows - pi * MR), cols, blk);
-                }
+    // Row panels in groups of MC_PANELS: that slice of A (about 72 KiB)
+    // stays in L2 while every column panel of B streams past it.
+    for ib in (0..row_panels).step_by(MC_PANELS) {
+        for pj in 0..col_panels {
+            let b_blk = &bp[pj * kc * NR..];
+            let cols = NR.min(n - pj * NR);
+            for pi in ib..(ib + MC_PANELS).min(row_panels) {
+                let a_blk = &ap[(panel0 + pi) * kc * MR..];
+                let c = &mut out[pi * MR * n + pj * NR..];
+                tile(a_blk, b_blk, kc, c, n, MR.min(rows - pi * MR), cols, blk);
             }
         }
-        kb += KC;
     }
 }
 
@@ -882,24 +892,39 @@ fn matmul_f32(a: &[f32], b: &[f32], d: MatmulDims, round: Option<Format>) -> Vec
     } else {
         1
     };
-    // One batch entry: pack (rounding each operand element once), multiply.
+    // One batch entry, k-block by k-block: pack the block of both operands
+    // (rounding each element once), then every tile of C over it — the
+    // running sums stay in C between blocks, in the contract's order.
     let one = |bi: usize, c: &mut [MaybeUninit<f32>], threads: usize| {
+        let (a, b) = (&a[bi * d.a_batch_stride..], &b[bi * d.b_batch_stride..]);
         PACKED.with_borrow_mut(|(ap, bp)| {
-            pack_a(ap, &a[bi * d.a_batch_stride..], m, k, d.trans_a, round);
-            pack_b(bp, &b[bi * d.b_batch_stride..], k, n, d.trans_b, round);
-            if threads == 1 {
-                matmul_rows(ap, bp, k, n, 0, c, round);
-                return;
-            }
-            // Threads split whole row panels only; each output's k-loop is
-            // untouched, so results do not depend on the thread count.
-            let rows_per_thread = m.div_ceil(MR).div_ceil(threads) * MR;
-            std::thread::scope(|s| {
-                for (t, chunk) in c.chunks_mut(rows_per_thread * n).enumerate() {
+            let mut kb = 0;
+            while kb < k {
+                let kc = KC.min(k - kb);
+                pack_a(ap, a, m, k, (kb, kc), d.trans_a, round);
+                pack_b(bp, b, k, n, (kb, kc), d.trans_b, round);
+                let blk = KBlock {
+                    first: kb == 0,
+                    round: if kb + kc == k { round } else { None },
+                };
+                if threads == 1 {
+                    matmul_block(ap, bp, kc, n, 0, c, blk);
+                } else {
+                    // Threads split whole row panels only; each output's
+                    // k-loop is untouched, so results do not depend on the
+                    // thread count.
+                    let rows_per_thread = m.div_ceil(MR).div_ceil(threads) * MR;
                     let (ap, bp) = (&*ap, &*bp);
-                    s.spawn(move || matmul_rows(ap, bp, k, n, t * rows_per_thread, chunk, round));
+                    std::thread::scope(|s| {
+                        for (t, chunk) in c.chunks_mut(rows_per_thread * n).enumerate() {
+                            s.spawn(move || {
+                                matmul_block(ap, bp, kc, n, t * rows_per_thread, chunk, blk)
+                            });
+                        }
+                    });
                 }
-            });
+                kb += KC;
+            }
         })
     };
     if threads > 1 && batch >= threads {
@@ -920,7 +945,7 @@ fn matmul_f32(a: &[f32], b: &[f32], d: MatmulDims, round: Option<Format>) -> Vec
             one(bi, c, threads);
         }
     }
-    // SAFETY: every batch entry's rows were all written by matmul_rows above.
+    // SAFETY: every batch entry's rows were all written by their first k-block above.
     unsafe { out_vec.set_len(len) };
     out_vec
 }
