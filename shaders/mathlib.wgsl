@@ -1,6 +1,9 @@
-// mathlib.wgsl — the WGSL half of the numerics contract: a line-for-line twin
-// of src/backend/math.rs. Prepended (with cast.wgsl) to every kernel that needs
-// it, by string concatenation at pipeline creation.
+// mathlib.wgsl — the WGSL half of the numerics contract: the twin of
+// src/backend/math.rs (the same operations in the same order; the Rust writes
+// the special cases below as selects after the main path, so its loops
+// vectorise, and uses the hardware square root, proven equal to m_sqrt on all
+// 2^32 inputs). Prepended (with cast.wgsl) to every kernel that needs it, by
+// string concatenation at pipeline creation.
 //
 // Rules (the same as in math.rs):
 // * every multiply that feeds an add is an explicit fused multiply-add, written

@@ -544,7 +544,6 @@ thread_local! {
 /// zero; then rounded once when `round` is set (one vectorised pass; the zero
 /// padding stays zero). One k-block at a time, so the packed block is still
 /// in cache when the tiles read it.
-#[allow(clippy::too_many_arguments)]
 fn pack_a(
     ap: &mut Vec<f32>,
     a: &[f32],
@@ -611,7 +610,6 @@ fn pack_a(
 /// The k-range `[kb, kb + kc)` of `op(B)` (k × n) of one batch, packed into
 /// column panels of NR: `bp[panel][p][c]` (panel stride `kc * NR`), columns
 /// past `n` zero, rounded like [`pack_a`].
-#[allow(clippy::too_many_arguments)]
 fn pack_b(
     bp: &mut Vec<f32>,
     b: &[f32],
@@ -641,22 +639,19 @@ fn pack_b(
                 }
             }
         }
-        if let Some(f) = round {
-            round::round_slice(bp, f);
-        }
-        return;
-    }
-    for (pj, panel) in bp.chunks_exact_mut(kc * NR).enumerate() {
-        let j0 = pj * NR;
-        let cols = NR.min(n - j0);
-        if cols < NR {
-            panel.fill(0.0);
-        }
-        // B stored (n, k): column c of the panel is a stretch of a row of B.
-        for c in 0..cols {
-            let src = &b[(j0 + c) * k + kb..(j0 + c) * k + kb + kc];
-            for (dst, &v) in panel.chunks_exact_mut(NR).zip(src) {
-                dst[c] = v;
+    } else {
+        for (pj, panel) in bp.chunks_exact_mut(kc * NR).enumerate() {
+            let j0 = pj * NR;
+            let cols = NR.min(n - j0);
+            if cols < NR {
+                panel.fill(0.0);
+            }
+            // B stored (n, k): column c of the panel is a stretch of a row of B.
+            for c in 0..cols {
+                let src = &b[(j0 + c) * k + kb..(j0 + c) * k + kb + kc];
+                for (dst, &v) in panel.chunks_exact_mut(NR).zip(src) {
+                    dst[c] = v;
+                }
             }
         }
     }
