@@ -338,15 +338,21 @@ fn train_step_summary(steps: &[(&str, Device)]) {
     }
 }
 
+/// Paired ratios for the cases whose CPU matmul group ran (a filter may
+/// have left some or all out).
 fn paired_summary(cases: &[MatmulCase]) {
+    let ran: Vec<&MatmulCase> = cases
+        .iter()
+        .filter(|k| median_s(&format!("cpu_mm_{}", slug(&k.name)), "ndarray_dot").is_some())
+        .collect();
+    if ran.is_empty() {
+        return;
+    }
     println!(
         "\n{:<30} {:>10} {:>10} {:>10}   (paired: ndarray time / ours, median over alternating pairs, 1 thread)",
         "case", "f32", "bf16", "fp16"
     );
-    for case in cases {
-        if median_s(&format!("cpu_mm_{}", slug(&case.name)), "ndarray_dot").is_none() {
-            continue; // filtered out of this run
-        }
+    for case in ran {
         let r = paired_ratios(case);
         println!(
             "{:<30} {:>9.3}x {:>9.3}x {:>9.3}x",
@@ -458,12 +464,6 @@ fn main() {
     }
     c.final_summary();
     summary(&cases, n);
-    // Paired ratios unless a filter left out the CPU matmul groups.
-    if cases
-        .iter()
-        .any(|k| median_s(&format!("cpu_mm_{}", slug(&k.name)), "ndarray_dot").is_some())
-    {
-        paired_summary(&cases);
-    }
+    paired_summary(&cases);
     train_step_summary(&steps);
 }

@@ -25,6 +25,10 @@ thread_local! {
     static TABLE: RefCell<HashMap<&'static str, (u64, Duration)>> = RefCell::new(HashMap::new());
 }
 
+/// The scope name of the matrix products, the denominator's other half in
+/// [`Profile::matmul`].
+pub const MATMUL: &str = "matmul";
+
 /// Starts (or restarts, emptying the table) this thread's profile.
 pub fn start() {
     TABLE.with_borrow_mut(HashMap::clear);
@@ -133,7 +137,7 @@ impl Profile {
     pub fn matmul(&self) -> Duration {
         self.rows
             .iter()
-            .filter(|r| r.name == "matmul")
+            .filter(|r| r.name == MATMUL)
             .map(|r| r.time)
             .sum()
     }

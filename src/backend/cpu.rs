@@ -557,11 +557,11 @@ fn pack<const W: usize>(
     k_major: bool,
     round: Option<Format>,
 ) {
-    // Reused buffer: every value is overwritten below, so no zero fill first
-    // except in the ragged last panel, whose padding must be zero.
+    // Reused buffer: `resize` fills only growth (and truncates otherwise);
+    // every value is overwritten below, so the only zero fill needed is the
+    // ragged last panel's padding.
     let panels = lanes.div_ceil(W);
     buf.resize(panels * kc * W, 0.0);
-    buf.truncate(panels * kc * W);
     if k_major {
         // Row p holds the p-th value of every panel, and the block's rows are
         // one contiguous stretch of the source: walk it in order (a sequential

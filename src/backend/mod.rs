@@ -356,7 +356,7 @@ impl Storage {
         dims: MatmulDims,
         round: Option<Format>,
     ) -> Result<Storage> {
-        let _prof = crate::profile::scope("matmul");
+        let _prof = crate::profile::scope(crate::profile::MATMUL);
         same_device(self, rhs)?;
         match (self, rhs) {
             (Storage::Cpu(a), Storage::Cpu(b)) => {
