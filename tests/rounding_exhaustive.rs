@@ -4,7 +4,9 @@
 //!
 //! Also the square root: the contract's software `sqrt_soft` (the GPU's
 //! algorithm) against the CPU's hardware `sqrt` on every bit pattern — the
-//! equality that lets the CPU backend use the hardware instruction.
+//! equality that lets the CPU backend use the hardware instruction — and the
+//! division: its fast path against the soft algorithm for every dividend
+//! mantissa (the pairs as a whole cannot be swept).
 //!
 //! Meant for the release-mode suite (`cargo test --release`): the two
 //! exhaustive sweeps take a few seconds each there.
@@ -419,4 +421,45 @@ fn f64_rounds_to_the_nearest_value_ties_to_even() {
             assert_eq!(round_f64(-x, fmt), -r);
         }
     }
+}
+
+/// The CPU's fast division (hardware `/` where it provably has the soft
+/// division's bits, `math::div_lanes`) against the contract's `div`, for every
+/// dividend mantissa against 48 divisors (the edges of the binade, mantissas
+/// with few or many ones, and pseudo-random ones). For normal results a
+/// quotient's bits depend only on the two mantissas, so each divisor here is
+/// checked against all 2^23 dividends at once; the dividend also takes both
+/// binades around the divisor, so quotients fall on both sides of 1.
+#[test]
+fn fast_division_equals_the_soft_one_for_every_dividend_mantissa() {
+    use tinyllm::backend::math::{div, div_lanes, LANES};
+    let mut divisors: Vec<u32> = vec![
+        0, 1, 2, 3, 0x7f_ffff, 0x7f_fffe, 0x40_0000, 0x40_0001, 0x3f_ffff, 0x20_0000, 0x60_0000,
+        0x55_5555, 0x2a_aaaa, 0x35_04f3, 0x00_0800, 0x7f_f800,
+    ];
+    let mut s = 0x2545_f491u32;
+    while divisors.len() < 48 {
+        s ^= s << 13;
+        s ^= s >> 17;
+        s ^= s << 5;
+        divisors.push(s & 0x7f_ffff);
+    }
+    let groups = (1u64 << 23) / LANES as u64;
+    let (bad, ex) = sweep(divisors.len() as u64 * groups * 2, |i| {
+        let (pair, g) = (i / groups, i % groups);
+        let b = f32::from_bits(0x3f80_0000 | divisors[(pair / 2) as usize]);
+        // dividends in [1, 2) or in [0.5, 1), negative for odd groups
+        let exp = if pair % 2 == 0 {
+            0x3f80_0000
+        } else {
+            0x3f00_0000
+        };
+        let sign = ((g & 1) as u32) << 31;
+        let a: [f32; LANES] = std::array::from_fn(|k| {
+            f32::from_bits(sign | exp | (g as u32 * LANES as u32 + k as u32))
+        });
+        let q = div_lanes(a, [b; LANES]);
+        (0..LANES).all(|k| q[k].to_bits() == div(a[k], b).to_bits())
+    });
+    assert_eq!(bad, 0, "groups where div_lanes differs from div: {ex:?}");
 }

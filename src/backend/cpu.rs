@@ -3,7 +3,7 @@
 //! f64 storage (for gradient checks) uses the same algorithms with platform
 //! f64 math — it has no GPU twin, so it needs none of the contract's care.
 
-use super::math;
+use super::math::{self, LANES};
 use super::round::{self, Format};
 use super::{
     AdamWConsts, BinaryLayout, BinaryOp, DType, MatmulDims, ReduceOp, UnaryOp, NORM_CHUNK,
@@ -1131,22 +1131,37 @@ impl CpuStorage {
 
     pub fn adamw_step(&self, g: &CpuStorage, m: &CpuStorage, v: &CpuStorage, c: &AdamWConsts) {
         let (mut p, g, mut m, mut v) = (self.f32s_mut(), g.f32s(), m.f32s_mut(), v.f32s_mut());
-        // One zipped loop (no index checks), vectorised with the branch-free math.
+        let n = p.len();
         let c = *c;
-        let bc2 = math::Divisor::new(c.bc2_sqrt);
-        p.iter_mut()
-            .zip(m.iter_mut())
-            .zip(v.iter_mut())
-            .zip(g.iter())
-            .for_each(|(((p, m), v), &gi)| {
-                let p1 = *p * c.decay;
-                let mi = c.beta1.mul_add(*m, c.omb1 * gi);
-                let vi = c.beta2.mul_add(*v, c.omb2 * (gi * gi));
-                let den = bc2.div(math::sqrt(vi)) + c.eps;
-                *p = (-c.step_size).mul_add(math::div(mi, den), p1);
-                *m = mi;
-                *v = vi;
-            });
+        // Groups of LANES elements, so the two divisions per element are one
+        // hardware division of a vector each (`math::div_lanes`, the soft
+        // division's bits); the ragged tail runs as a group padded with zeros.
+        let whole = n - n % LANES;
+        for i in (0..whole).step_by(LANES) {
+            let r = i..i + LANES;
+            adamw_lanes(
+                &mut p[r.clone()],
+                &g[r.clone()],
+                &mut m[r.clone()],
+                &mut v[r],
+                &c,
+            );
+        }
+        if whole < n {
+            let t = n - whole;
+            let mut lanes = [[0.0f32; LANES]; 4];
+            for (l, x) in lanes
+                .iter_mut()
+                .zip([&p[whole..], &g[whole..], &m[whole..], &v[whole..]])
+            {
+                l[..t].copy_from_slice(x);
+            }
+            let [mut pt, gt, mut mt, mut vt] = lanes;
+            adamw_lanes(&mut pt, &gt, &mut mt, &mut vt, &c);
+            p[whole..].copy_from_slice(&pt[..t]);
+            m[whole..].copy_from_slice(&mt[..t]);
+            v[whole..].copy_from_slice(&vt[..t]);
+        }
     }
 
     pub fn sgd_step(
@@ -1180,6 +1195,25 @@ impl CpuStorage {
             CpuStorage::F64(_) => panic!("optimizer state must be f32 (the masters)"),
         }
     }
+}
+
+/// One AdamW group (slices of exactly LANES elements), PyTorch's formula:
+/// `p1 = p·decay; m = fma(β1, m, (1-β1)·g); v = fma(β2, v, (1-β2)·g²);
+/// den = v̂ / sqrt(1-β2^t) + eps` with `v̂ = sqrt(v)`; `p = fma(-step, m / den, p1)`.
+#[inline(always)]
+fn adamw_lanes(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], c: &AdamWConsts) {
+    // Whole groups in registers, stored once at the end: element-wise stores
+    // followed by a vector load of the same group stall store forwarding.
+    let lanes = |x: &[f32]| -> [f32; LANES] { x.try_into().unwrap() };
+    let (p0, g, m0, v0) = (lanes(p), lanes(g), lanes(m), lanes(v));
+    let m1: [f32; LANES] = std::array::from_fn(|i| c.beta1.mul_add(m0[i], c.omb1 * g[i]));
+    let v1: [f32; LANES] = std::array::from_fn(|i| c.beta2.mul_add(v0[i], c.omb2 * (g[i] * g[i])));
+    let vhat = math::div_lanes(v1.map(math::sqrt), [c.bc2_sqrt; LANES]);
+    let upd = math::div_lanes(m1, vhat.map(|x| x + c.eps));
+    let p1: [f32; LANES] = std::array::from_fn(|i| (-c.step_size).mul_add(upd[i], p0[i] * c.decay));
+    p.copy_from_slice(&p1);
+    m.copy_from_slice(&m1);
+    v.copy_from_slice(&v1);
 }
 
 #[cfg(test)]

@@ -23,9 +23,12 @@
 //! would have returned early.
 //!
 //! Accuracy: `div` is correctly rounded for normal results (one
-//! Newton/Markstein correction step), `sqrt` for every input (checked
-//! exhaustively, which lets the CPU use the hardware square root, see
-//! [`sqrt`]); `exp` and `log` are within about one ulp.
+//! Newton/Markstein correction step) except possibly within 2^-19 ulp of a
+//! tie — which is what lets the CPU take the hardware division wherever the
+//! quotient is provably not that close ([`div_lanes`]); `sqrt` is correctly
+//! rounded for every input (checked exhaustively, which lets the CPU use the
+//! hardware square root, see [`sqrt`]); `exp` and `log` are within about one
+//! ulp.
 
 /// `if c { a } else { b }` on bit patterns; with both sides already computed
 /// this compiles to a blend, never a branch.
@@ -143,6 +146,79 @@ impl Divisor {
         out = sel(is_nan_bits(ab) || is_nan_bits(bb), QNAN, out);
         f32::from_bits(out)
     }
+}
+
+/// Lanes [`div_lanes`] divides at once (one AVX2 vector of f32).
+pub const LANES: usize = 8;
+
+/// [`div`] for [`LANES`] pairs at once, bit for bit, mostly from the hardware
+/// division — the soft algorithm costs ~10x the whole AdamW update otherwise.
+///
+/// Why the bits are the same: [`div`] is the contract's algorithm, and it is
+/// *not* known to equal IEEE division everywhere (its pairs of inputs cannot be
+/// checked exhaustively). What is known:
+/// * for a normal result it works on the mantissas `ma / mb` and applies the
+///   exponent exactly, so it rounds `v = q0 + rem·r` once, where (with the
+///   reciprocal's relative error `|mb·r − 1| ≤ 2^-22`, checked for all 2^23
+///   mantissas by `reciprocal_is_within_2_pow_minus_22_for_every_mantissa`)
+///   `v` is within 2^-19 ulp of the exact quotient (`q0 = RN(ma·r)` is within
+///   4.5 ulp, and `v` misses by that times the reciprocal's error);
+/// * rounding to nearest is constant between two consecutive midpoints, so
+///   wherever the exact quotient is farther than that from every midpoint,
+///   `div` returns the correctly rounded quotient — which is what the hardware
+///   returns (IEEE `/`).
+///
+/// [`div_hw`] computes the hardware quotient `q`, its exact remainder
+/// `a − q·b` (one fma) and accepts `q` only when the exact quotient lies more
+/// than 2^-15 ulp inside `q`'s rounding interval, with every operand and the
+/// result well inside the normal range (or `a = ±0`). A group with any lane
+/// outside that falls back to [`div`] for the whole group: for real data that
+/// is a quotient within 2^-13 of a tie (about one pair in 8,000) or a tiny,
+/// huge or special operand.
+#[inline(always)]
+pub fn div_lanes(a: [f32; LANES], b: [f32; LANES]) -> [f32; LANES] {
+    let mut q = [0.0f32; LANES];
+    let mut ok = true;
+    for i in 0..LANES {
+        let (qi, oki) = div_hw(a[i], b[i]);
+        q[i] = qi;
+        ok &= oki;
+    }
+    if !ok {
+        // Rare: only here does a group pay for the soft division.
+        for i in 0..LANES {
+            q[i] = div(a[i], b[i]);
+        }
+    }
+    q
+}
+
+/// Exponent fields accepted by [`div_hw`]: 2^-100 ..= the largest finite. At
+/// and above 2^-100 the remainder `a − q·b` and the half-ulp bound `h·|b|`
+/// (≈ |a|·2^-25) are exact normal numbers, and [`div`]'s result is normal.
+const HW_MIN_FIELD: u32 = 27;
+
+/// The hardware quotient `a / b` and whether it provably equals [`div`]'s
+/// (see [`div_lanes`]).
+#[inline(always)]
+pub fn div_hw(a: f32, b: f32) -> (f32, bool) {
+    let q = a / b;
+    // Exact: q is the correctly rounded quotient and nothing underflows.
+    let r = (-q).mul_add(b, a);
+    let field = |x: f32| (x.to_bits() >> 23) & 0xff;
+    let in_range = |x: f32| (HW_MIN_FIELD..0xff).contains(&field(x));
+    // Half an ulp of q, 2^(e_q - 24) (in-range q: field >= 27). When q is a
+    // power of two the midpoint below it is only a quarter ulp away, but no
+    // quotient of two floats lands there: a/b just below 2^k means a is at
+    // least one ulp of a under 2^k·b, i.e. at least a whole ulp below 2^k.
+    let h = f32::from_bits((field(q) - 24) << 23);
+    // |a/b - q| = |r|/|b| must stay 2^-13 of h (>= 2^-15 ulp) inside the
+    // interval; h·|b| is exact, the margin's own rounding is far below 2^-13.
+    let limit = (h * b.abs()) * (1.0 - 1.0 / 4096.0);
+    let general = in_range(a) && in_range(b) && in_range(q) && r.abs() < limit;
+    // ±0 / a normal b: both give the signed zero.
+    let zero = a.to_bits() & 0x7fff_ffff == 0 && in_range(b);
+    (q, general || zero)
 }
 
 /// `sqrt(x)` with the contract's bits: the IEEE square root, NaNs made the
@@ -300,6 +376,182 @@ mod tests {
             let b = f32::from_bits((s.rotate_left(7) & 0x3fff_ffff) | 0x2000_0000);
             assert_eq!(div(a, b).to_bits(), (a / b).to_bits(), "{a} / {b}");
             assert_eq!(sqrt_soft(b).to_bits(), b.sqrt().to_bits(), "sqrt {b}");
+        }
+    }
+
+    /// The premise of [`div_lanes`]' proof: the Newton reciprocal of every
+    /// mantissa has relative error at most 2^-22 (products of two f32 are exact
+    /// in f64).
+    #[test]
+    fn reciprocal_is_within_2_pow_minus_22_for_every_mantissa() {
+        let mut worst = 0.0f64;
+        for m in 0..1u32 << 23 {
+            let mb = f32::from_bits(0x3f80_0000 | m);
+            let r = Divisor::new(mb).r;
+            worst = worst.max((mb as f64 * r as f64 - 1.0).abs());
+        }
+        assert!(worst <= 2f64.powi(-22), "worst |mb r - 1| = {worst:e}");
+    }
+
+    /// Pairs for the fast division's tests: mostly random over the whole range
+    /// (every sign, exponent and mantissa), a share with both operands in one
+    /// binade, specials and boundary exponents, and neighbours of exact
+    /// quotients (quotients next to powers of two and to ties).
+    fn division_pairs(n: usize) -> Vec<(f32, f32)> {
+        let mut s = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s
+        };
+        let specials = [
+            0.0f32,
+            -0.0,
+            1.0,
+            -1.0,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            f32::MIN_POSITIVE,
+            1e-45,
+            f32::MAX,
+            2f32.powi(-100),
+            2f32.powi(-99),
+            f32::from_bits(0x0d7f_ffff),
+            3.0,
+            1.5,
+            0.1,
+        ];
+        let mut out = Vec::with_capacity(n + specials.len().pow(2));
+        for &a in &specials {
+            for &b in &specials {
+                out.push((a, b));
+            }
+        }
+        while out.len() < n {
+            let x = next();
+            let (a, b) = match x % 5 {
+                0 => (f32::from_bits(x as u32), f32::from_bits((x >> 32) as u32)),
+                1 => (
+                    f32::from_bits(0x3f80_0000 | (x as u32 & 0x007f_ffff)),
+                    f32::from_bits(0x3f80_0000 | ((x >> 32) as u32 & 0x007f_ffff)),
+                ),
+                2 => {
+                    // a quotient q times b, nudged by a few ulps: a/b lands next
+                    // to q, which is often a power of two or has few bits
+                    let b = f32::from_bits(0x3f80_0000 | ((x >> 32) as u32 & 0x007f_ffff));
+                    let q = f32::from_bits(0x3f00_0000 + ((x as u32 >> 8) & 0x00ff_0000));
+                    let a = (b * q).to_bits() as i64 + ((x >> 20) % 7) as i64 - 3;
+                    (f32::from_bits(a as u32), b)
+                }
+                3 => {
+                    // a below 2^-100 with b and a/b above it: the remainder
+                    // a - q b would not be exact there
+                    let a = f32::from_bits(
+                        (((x >> 40) as u32 % 20 + 6) << 23) | (x as u32 & 0x807f_ffff),
+                    );
+                    let b = f32::from_bits(
+                        (((x >> 48) as u32 % 50 + 67) << 23) | ((x >> 8) as u32 & 0x007f_ffff),
+                    );
+                    (a, b)
+                }
+                _ => {
+                    // exponents at the edges of the fast path's range
+                    let e = [25u32, 26, 27, 28, 127, 253, 254][(x >> 40) as usize % 7];
+                    let a = f32::from_bits((e << 23) | (x as u32 & 0x807f_ffff));
+                    let b = f32::from_bits(((x >> 24) as u32 & 0xbfff_ffff) | 0x3000_0000);
+                    if x & 1 == 0 {
+                        (a, b)
+                    } else {
+                        (b, a)
+                    }
+                }
+            };
+            out.push((a, b));
+        }
+        out
+    }
+
+    /// What the fast division's proof rests on, checked against the exact
+    /// quotient (f64 has it to 2^-53, far finer than the 2^-15 ulp in play):
+    /// every quotient `div_hw` accepts is more than 2^-16 ulp from the
+    /// rounding midpoints on both sides — so the hardware's correctly rounded
+    /// result is `div`'s — and the acceptance rate is what makes it fast.
+    #[test]
+    fn accepted_hardware_quotients_are_far_from_every_midpoint() {
+        let pairs = division_pairs(4_000_000);
+        let (mut accepted, mut normal_in_one_binade) = (0usize, 0usize);
+        let mut near_tie_rejected = 0usize;
+        for &(a, b) in &pairs {
+            let (q, ok) = div_hw(a, b);
+            let both_in_range = (27..255).contains(&((a.to_bits() >> 23) & 0xff))
+                && (27..255).contains(&((b.to_bits() >> 23) & 0xff));
+            let t = (a as f64 / b as f64).abs();
+            let qa = q.abs();
+            let q_normal = (1..255).contains(&((q.to_bits() >> 23) & 0xff));
+            if both_in_range && q_normal {
+                // q's neighbours in f64 (exact), also past f32::MAX
+                let ulp = 2f64.powi(((qa.to_bits() >> 23) as i32 - 150).max(-149));
+                let below = if qa.to_bits() & 0x007f_ffff == 0 {
+                    ulp / 2.0
+                } else {
+                    ulp
+                };
+                let qa = qa as f64;
+                let (up, dn) = (qa + ulp, qa - below);
+                let dist = ((qa + up) / 2.0 - t).min(t - (qa + dn) / 2.0);
+                assert!(dist >= 0.0, "{a} / {b}: hardware q {q} is not the nearest");
+                if ok {
+                    assert!(
+                        dist > ulp * 2f64.powi(-16),
+                        "{a} / {b}: accepted {dist:e} from a tie"
+                    );
+                } else if dist < ulp * 2f64.powi(-16) {
+                    near_tie_rejected += 1;
+                }
+                normal_in_one_binade += (t > 1e-25 && t < 1e25) as usize;
+            }
+            if ok {
+                // the proof's other premise: the remainder is exact (in f64
+                // q·b is exact and the subtraction cancels exactly)
+                let r = (-q).mul_add(b, a) as f64;
+                assert_eq!(
+                    r,
+                    a as f64 - q as f64 * b as f64,
+                    "{a} / {b}: inexact remainder"
+                );
+                assert_eq!(q.to_bits(), div(a, b).to_bits(), "{a} / {b}");
+                accepted += 1;
+            }
+        }
+        assert!(
+            near_tie_rejected > 0,
+            "the sample holds no quotient next to a tie"
+        );
+        // nearly every ordinary quotient takes the fast path
+        assert!(
+            accepted as f64 > 0.99 * normal_in_one_binade as f64,
+            "{accepted} / {normal_in_one_binade}"
+        );
+    }
+
+    #[test]
+    fn div_lanes_equals_div_bit_for_bit() {
+        let pairs = division_pairs(2_000_000);
+        for group in pairs.chunks_exact(LANES) {
+            let a: [f32; LANES] = std::array::from_fn(|i| group[i].0);
+            let b: [f32; LANES] = std::array::from_fn(|i| group[i].1);
+            let q = div_lanes(a, b);
+            for i in 0..LANES {
+                assert_eq!(
+                    q[i].to_bits(),
+                    div(a[i], b[i]).to_bits(),
+                    "{} / {}",
+                    a[i],
+                    b[i]
+                );
+            }
         }
     }
 
