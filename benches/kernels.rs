@@ -13,7 +13,8 @@
 //!   (`t1`) and bf16 on all cores (`tall`);
 //! * `gpu_mm_<case>`: the GPU kernel in f32/bf16/fp16 (`record; sync`); f32 runs
 //!   on the small squares only unless full (the integer fma emulation is slow);
-//! * `gpu_bw_<n>m` / `cpu_bw_<n>m`: device buffer copy (the baseline), fused finite check +
+//! * `gpu_bw_<n>m` / `cpu_bw_<n>m`: device buffer copy (the baseline), in-place scale (the
+//!   simplest kernel with the same traffic: the ceiling of the next), fused finite check +
 //!   unscale, fused AdamW, as bytes/s;
 //! * `train_step_<preset>_<device>`: one full optimizer step (forward, backward,
 //!   AdamW) as tokens/s: float32 with the whole batch at once (the baseline) vs
@@ -232,6 +233,15 @@ fn bandwidth_groups(c: &mut Criterion, n: usize, have_gpu: bool) {
         g.bench_function("finite_unscale", |bn| {
             bn.iter(|| Storage::finite_check_unscale(&[&src], 1.0).unwrap())
         });
+        // The same traffic as the finite check through the simplest kernel
+        // there is (x *= c in place): what an in-place pass costs on this
+        // device before any checking — the ceiling the finite check can reach.
+        g.bench_function("scale", |bn| {
+            bn.iter(|| {
+                src.scale_in_place(1.0).unwrap();
+                sync()
+            })
+        });
         g.throughput(Throughput::Bytes(28 * n as u64));
         g.bench_function("adamw", |bn| {
             bn.iter(|| {
@@ -415,7 +425,12 @@ fn summary(cases: &[MatmulCase], n: usize) {
     for grp in ["gpu", "cpu"].map(|d| format!("{d}_bw_{}m", n >> 20)) {
         let grp = grp.as_str();
         let base = median_s(grp, "copy").map(|s| 8.0 * n as f64 / s);
-        for (id, bytes) in [("copy", 8.0), ("finite_unscale", 8.0), ("adamw", 28.0)] {
+        for (id, bytes) in [
+            ("copy", 8.0),
+            ("scale", 8.0),
+            ("finite_unscale", 8.0),
+            ("adamw", 28.0),
+        ] {
             if let Some(s) = median_s(grp, id) {
                 let bw = bytes * n as f64 / s;
                 println!(

@@ -56,10 +56,13 @@ pub trait Elem: Copy + PartialOrd + std::fmt::Debug + Send + Sync + 'static {
     fn mul(self, o: Self) -> Self;
     fn fma(self, b: Self, c: Self) -> Self;
     fn div(self, o: Self) -> Self;
-    /// A divisor prepared for many divisions: `x.div_by(&d.divisor())` is `x.div(d)`.
-    type Divisor: Copy;
-    fn divisor(self) -> Self::Divisor;
-    fn div_by(self, d: &Self::Divisor) -> Self;
+    /// `a[i].div(b[i])` for a group of lanes at once, where loops over slices
+    /// divide (f32: hardware divisions wherever they provably have the
+    /// contract's bits, [`math::div_lanes`]).
+    #[inline(always)]
+    fn div_lanes(a: [Self; LANES], b: [Self; LANES]) -> [Self; LANES] {
+        std::array::from_fn(|i| a[i].div(b[i]))
+    }
     fn exp(self) -> Self;
     fn log(self) -> Self;
     fn sqrt(self) -> Self;
@@ -97,14 +100,9 @@ impl Elem for f32 {
     fn div(self, o: f32) -> f32 {
         math::div(self, o)
     }
-    type Divisor = math::Divisor;
     #[inline(always)]
-    fn divisor(self) -> math::Divisor {
-        math::Divisor::new(self)
-    }
-    #[inline(always)]
-    fn div_by(self, d: &math::Divisor) -> f32 {
-        d.div(self)
+    fn div_lanes(a: [f32; LANES], b: [f32; LANES]) -> [f32; LANES] {
+        math::div_lanes(a, b)
     }
     #[inline(always)]
     fn exp(self) -> f32 {
@@ -157,13 +155,6 @@ impl Elem for f64 {
     }
     fn div(self, o: f64) -> f64 {
         self / o
-    }
-    type Divisor = f64;
-    fn divisor(self) -> f64 {
-        self
-    }
-    fn div_by(self, d: &f64) -> f64 {
-        self / d
     }
     fn exp(self) -> f64 {
         f64::exp(self)
@@ -242,6 +233,25 @@ fn fold_each_row<T: Elem>(x: &[T], n: usize, init: T, f: impl Fn(T, T) -> T + Co
     out
 }
 
+/// `f` over `x` a group of [`LANES`] at a time — the loops that divide, so a
+/// division is one vector operation ([`Elem::div_lanes`]). The ragged tail goes
+/// through `f` padded with zeros (their results are dropped).
+#[inline(always)]
+fn map_lanes<T: Elem>(x: &[T], f: impl Fn([T; LANES]) -> [T; LANES]) -> Vec<T> {
+    let mut out = Vec::with_capacity(x.len());
+    let groups = x.chunks_exact(LANES);
+    let tail = groups.remainder();
+    for g in groups {
+        out.extend_from_slice(&f(g.try_into().unwrap()));
+    }
+    if !tail.is_empty() {
+        let mut v = [T::ZERO; LANES];
+        v[..tail.len()].copy_from_slice(tail);
+        out.extend_from_slice(&f(v)[..tail.len()]);
+    }
+    out
+}
+
 /// Every unary op as one loop over the slice: the op is matched once, outside,
 /// so each arm is a straight-line body the compiler vectorises (the f32 math
 /// functions are branch-free for that reason, see [`math`]).
@@ -251,23 +261,40 @@ fn unary_t<T: Elem>(x: &[T], op: UnaryOp) -> Vec<T> {
         x.iter().map(|&v| f(v)).collect()
     }
     #[inline(always)]
-    fn sigmoid<T: Elem>(x: T) -> T {
-        T::ONE.div(T::ONE.add(T::NEG_ZERO.sub(x).exp()))
+    fn sigmoid<T: Elem>(x: [T; LANES]) -> [T; LANES] {
+        let mut d = [T::ZERO; LANES];
+        for i in 0..LANES {
+            d[i] = T::ONE.add(T::NEG_ZERO.sub(x[i]).exp());
+        }
+        T::div_lanes([T::ONE; LANES], d)
+    }
+    #[inline(always)]
+    fn silu<T: Elem>(x: [T; LANES]) -> [T; LANES] {
+        let mut s = sigmoid(x);
+        for i in 0..LANES {
+            s[i] = x[i].mul(s[i]);
+        }
+        s
+    }
+    // s * (1 + x * (1 - s)) = s * fma(x, 1 - s, 1)
+    #[inline(always)]
+    fn silu_grad<T: Elem>(x: [T; LANES]) -> [T; LANES] {
+        let mut s = sigmoid(x);
+        for i in 0..LANES {
+            s[i] = s[i].mul(x[i].fma(T::ONE.sub(s[i]), T::ONE));
+        }
+        s
     }
     match op {
         UnaryOp::Neg => map(x, |v| T::NEG_ZERO.sub(v)),
         UnaryOp::Exp => map(x, |v| v.exp()),
         UnaryOp::Log => map(x, |v| v.log()),
         UnaryOp::Sqrt => map(x, |v| v.sqrt()),
-        UnaryOp::Rsqrt => map(x, |v| T::ONE.div(v.sqrt())),
-        UnaryOp::Recip => map(x, |v| T::ONE.div(v)),
-        UnaryOp::Sigmoid => map(x, sigmoid),
-        UnaryOp::Silu => map(x, |v| v.mul(sigmoid(v))),
-        // s * (1 + x * (1 - s)) = s * fma(x, 1 - s, 1)
-        UnaryOp::SiluGrad => map(x, |v| {
-            let s = sigmoid(v);
-            s.mul(v.fma(T::ONE.sub(s), T::ONE))
-        }),
+        UnaryOp::Rsqrt => map_lanes(x, |v| T::div_lanes([T::ONE; LANES], v.map(T::sqrt))),
+        UnaryOp::Recip => map_lanes(x, |v| T::div_lanes([T::ONE; LANES], v)),
+        UnaryOp::Sigmoid => map_lanes(x, |v| sigmoid(v)),
+        UnaryOp::Silu => map_lanes(x, |v| silu(v)),
+        UnaryOp::SiluGrad => map_lanes(x, |v| silu_grad(v)),
         UnaryOp::Abs => map(x, |v| {
             if v < T::ZERO || (v == T::ZERO && T::ONE.div(v) < T::ZERO) {
                 T::NEG_ZERO.sub(v)
@@ -293,8 +320,8 @@ fn unary_t<T: Elem>(x: &[T], op: UnaryOp) -> Vec<T> {
             map(x, |v| v.mul(c))
         }
         UnaryOp::DivScalar(c) => {
-            let c = T::from_f64(c).divisor();
-            map(x, |v| v.div_by(&c))
+            let c = T::from_f64(c);
+            map_lanes(x, |v| T::div_lanes(v, [c; LANES]))
         }
         UnaryOp::RDivScalar(c) => {
             let c = T::from_f64(c);
@@ -505,8 +532,9 @@ fn softmax_t<T: Elem>(x: &[T], rows: usize, n: usize) -> Vec<T> {
     }
     let sums = fold_each_row(&out, n, T::NEG_ZERO, |a, y| a.add(y));
     for ((o, &s), &l) in out.chunks_exact_mut(n).zip(&sums).zip(&live) {
-        let s = s.divisor();
-        o[..l].iter_mut().for_each(|y| *y = y.div_by(&s));
+        let o = &mut o[..l];
+        let q = map_lanes(o, |y| T::div_lanes(y, [s; LANES]));
+        o.copy_from_slice(&q);
     }
     out
 }

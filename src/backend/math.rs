@@ -186,11 +186,17 @@ pub fn div_lanes(a: [f32; LANES], b: [f32; LANES]) -> [f32; LANES] {
     }
     if !ok {
         // Rare: only here does a group pay for the soft division.
-        for i in 0..LANES {
-            q[i] = div(a[i], b[i]);
-        }
+        q = div_lanes_soft(a, b);
     }
     q
+}
+
+/// [`div`] lane by lane: [`div_lanes`]' fallback, kept out of line so the
+/// loops that call it stay small enough to inline.
+#[cold]
+#[inline(never)]
+fn div_lanes_soft(a: [f32; LANES], b: [f32; LANES]) -> [f32; LANES] {
+    std::array::from_fn(|i| div(a[i], b[i]))
 }
 
 /// Exponent fields accepted by [`div_hw`]: 2^-100 ..= the largest finite. At
