@@ -1,8 +1,9 @@
 // mathlib.wgsl — the WGSL half of the numerics contract: the twin of
 // src/backend/math.rs (the same operations in the same order; the Rust writes
 // the special cases below as selects after the main path, so its loops
-// vectorise, and uses the hardware square root, proven equal to m_sqrt on all
-// 2^32 inputs). Prepended (with cast.wgsl) to every kernel that needs it, by
+// vectorise, uses the hardware square root, proven equal to m_sqrt on all
+// 2^32 inputs, and the hardware division where its result provably equals
+// m_div's, see math.rs div_lanes). Prepended (with cast.wgsl) to every kernel that needs it, by
 // string concatenation at pipeline creation.
 //
 // Rules (the same as in math.rs):

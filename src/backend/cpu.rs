@@ -841,11 +841,20 @@ fn matmul_block(
 /// Threads of a large CPU matmul; 0 = all available cores.
 static MATMUL_THREADS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
-/// Caps the threads a CPU matmul uses (`None` = all available cores), e.g. to
-/// compare with a single-threaded baseline. Results never depend on it: threads
-/// split rows or batches, never k.
+/// Caps the threads a CPU matmul (and AdamW on a large buffer) uses (`None` =
+/// all available cores), e.g. to compare with a single-threaded baseline.
+/// Results never depend on it: threads split rows, batches or elements, never k.
 pub fn set_matmul_threads(threads: Option<usize>) {
     MATMUL_THREADS.store(threads.unwrap_or(0), std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The threads a large CPU kernel (matmul, AdamW) uses: the cap set by
+/// [`set_matmul_threads`], else all available cores.
+fn cpu_threads() -> usize {
+    match MATMUL_THREADS.load(std::sync::atomic::Ordering::Relaxed) {
+        0 => std::thread::available_parallelism().map_or(1, |t| t.get()),
+        t => t,
+    }
 }
 
 fn matmul_f32(a: &[f32], b: &[f32], d: MatmulDims, round: Option<Format>) -> Vec<f32> {
@@ -858,12 +867,7 @@ fn matmul_f32(a: &[f32], b: &[f32], d: MatmulDims, round: Option<Format>) -> Vec
     let mut out_vec = Vec::<f32>::with_capacity(len);
     let out = &mut out_vec.spare_capacity_mut()[..len];
     let threads = if batch * m * n * k >= 1 << 21 {
-        match MATMUL_THREADS.load(std::sync::atomic::Ordering::Relaxed) {
-            0 => std::thread::available_parallelism()
-                .map(|t| t.get())
-                .unwrap_or(1),
-            t => t,
-        }
+        cpu_threads()
     } else {
         1
     };
@@ -1159,37 +1163,24 @@ impl CpuStorage {
 
     pub fn adamw_step(&self, g: &CpuStorage, m: &CpuStorage, v: &CpuStorage, c: &AdamWConsts) {
         let (mut p, g, mut m, mut v) = (self.f32s_mut(), g.f32s(), m.f32s_mut(), v.f32s_mut());
-        let n = p.len();
-        let c = *c;
-        // Groups of LANES elements, so the two divisions per element are one
-        // hardware division of a vector each (`math::div_lanes`, the soft
-        // division's bits); the ragged tail runs as a group padded with zeros.
-        let whole = n - n % LANES;
-        for i in (0..whole).step_by(LANES) {
-            let r = i..i + LANES;
-            adamw_lanes(
-                &mut p[r.clone()],
-                &g[r.clone()],
-                &mut m[r.clone()],
-                &mut v[r],
-                &c,
-            );
+        let (n, c) = (p.len(), *c);
+        // An element-wise update has no order to keep: large buffers are split
+        // over the threads in whole groups of lanes.
+        let threads = if n >= 1 << 18 { cpu_threads() } else { 1 };
+        if threads == 1 {
+            return adamw_slices(&mut p, &g, &mut m, &mut v, &c);
         }
-        if whole < n {
-            let t = n - whole;
-            let mut lanes = [[0.0f32; LANES]; 4];
-            for (l, x) in lanes
-                .iter_mut()
-                .zip([&p[whole..], &g[whole..], &m[whole..], &v[whole..]])
-            {
-                l[..t].copy_from_slice(x);
+        let per = n.div_ceil(threads).next_multiple_of(LANES);
+        std::thread::scope(|s| {
+            let parts = p
+                .chunks_mut(per)
+                .zip(g.chunks(per))
+                .zip(m.chunks_mut(per))
+                .zip(v.chunks_mut(per));
+            for (((p, g), m), v) in parts {
+                s.spawn(move || adamw_slices(p, g, m, v, &c));
             }
-            let [mut pt, gt, mut mt, mut vt] = lanes;
-            adamw_lanes(&mut pt, &gt, &mut mt, &mut vt, &c);
-            p[whole..].copy_from_slice(&pt[..t]);
-            m[whole..].copy_from_slice(&mt[..t]);
-            v[whole..].copy_from_slice(&vt[..t]);
-        }
+        });
     }
 
     pub fn sgd_step(
@@ -1225,6 +1216,39 @@ impl CpuStorage {
     }
 }
 
+/// AdamW over whole slices: groups of LANES elements, so the two divisions per
+/// element are one hardware division of a vector each (`math::div_lanes`, the
+/// soft division's bits); the ragged tail runs as a group padded with zeros.
+fn adamw_slices(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], c: &AdamWConsts) {
+    let n = p.len();
+    let whole = n - n % LANES;
+    for i in (0..whole).step_by(LANES) {
+        let r = i..i + LANES;
+        adamw_lanes(
+            &mut p[r.clone()],
+            &g[r.clone()],
+            &mut m[r.clone()],
+            &mut v[r],
+            c,
+        );
+    }
+    if whole < n {
+        let t = n - whole;
+        let mut lanes = [[0.0f32; LANES]; 4];
+        for (l, x) in lanes
+            .iter_mut()
+            .zip([&p[whole..], &g[whole..], &m[whole..], &v[whole..]])
+        {
+            l[..t].copy_from_slice(x);
+        }
+        let [mut pt, gt, mut mt, mut vt] = lanes;
+        adamw_lanes(&mut pt, &gt, &mut mt, &mut vt, c);
+        p[whole..].copy_from_slice(&pt[..t]);
+        m[whole..].copy_from_slice(&mt[..t]);
+        v[whole..].copy_from_slice(&vt[..t]);
+    }
+}
+
 /// One AdamW group (slices of exactly LANES elements), PyTorch's formula:
 /// `p1 = p·decay; m = fma(β1, m, (1-β1)·g); v = fma(β2, v, (1-β2)·g²);
 /// den = v̂ / sqrt(1-β2^t) + eps` with `v̂ = sqrt(v)`; `p = fma(-step, m / den, p1)`.
@@ -1247,6 +1271,44 @@ fn adamw_lanes(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], c: &AdamW
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// AdamW split over threads (large buffers) against one pass over the
+    /// whole buffer, bit for bit: a ragged length past the threshold, three
+    /// threads (so the parts are not halves), data with zeros and tiny values
+    /// (the division's fallback groups).
+    #[test]
+    fn threaded_adamw_equals_one_pass_bitwise() {
+        let n = (1 << 18) + 13;
+        let mut s = 0x1234_5678_9abc_def0u64;
+        let mut next = move |scale: f32| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            let u = (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+            if s & 63 == 0 {
+                0.0
+            } else if s & 63 == 1 {
+                u * 1e-36
+            } else {
+                u * scale
+            }
+        };
+        let p: Vec<f32> = (0..n).map(|_| next(1.0)).collect();
+        let g: Vec<f32> = (0..n).map(|_| next(1e-2)).collect();
+        let m: Vec<f32> = (0..n).map(|_| next(1e-3)).collect();
+        let v: Vec<f32> = (0..n).map(|_| next(1e-5).abs()).collect();
+        let c = crate::bench::adamw_consts();
+        let (mut p1, mut m1, mut v1) = (p.clone(), m.clone(), v.clone());
+        adamw_slices(&mut p1, &g, &mut m1, &mut v1, &c);
+        let [ps, gs, ms, vs] = [p, g, m, v].map(|x| CpuStorage::F32(Buf::new(x)));
+        set_matmul_threads(Some(3));
+        ps.adamw_step(&gs, &ms, &vs, &c);
+        set_matmul_threads(None);
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&ps.f32s()), bits(&p1));
+        assert_eq!(bits(&ms.f32s()), bits(&m1));
+        assert_eq!(bits(&vs.f32s()), bits(&v1));
+    }
 
     /// The contract's matmul written as plainly as possible.
     fn naive(a: &[f32], b: &[f32], d: MatmulDims, round: Option<Format>) -> Vec<f32> {

@@ -89,9 +89,10 @@ pub fn div(a: f32, b: f32) -> f32 {
 }
 
 /// The half of [`div`] that depends on the divisor alone — its split into
-/// mantissa and exponent and the Newton reciprocal — done once for a row of
-/// divisions by the same value (softmax's sum, a scalar, AdamW's bias
-/// correction). `Divisor::new(b).div(a)` *is* `div(a, b)`, bit for bit.
+/// mantissa and exponent and the Newton reciprocal. `Divisor::new(b).div(a)`
+/// *is* `div(a, b)`, bit for bit. The WGSL twin (`divisor_new`/`divisor_div`)
+/// prepares it once for a row of divisions by the same value (softmax's sum, a
+/// scalar, AdamW's bias correction); the CPU's loops divide with [`div_lanes`].
 #[derive(Clone, Copy, Debug)]
 pub struct Divisor {
     bits: u32,
