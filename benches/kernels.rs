@@ -25,7 +25,11 @@
 //! `target/criterion/<group>/<id>/new/estimates.json`, then measures the CPU
 //! matmul ratios once more as *paired* ratios (ours and ndarray called
 //! alternately, median of the per-pair ratios), which drifting load on a shared
-//! machine cannot bias.
+//! machine cannot bias, and the GPU kernel's autocast time over its f32 time the
+//! same way (for the cases whose f32 ran). On a device whose `fma` is emulated
+//! (`fma: soft`) that f32 is the emulation; `TINYLLM_GPU_FMA=native` times the
+//! device's own `fma` instead (timing only: its bits are not the contract's
+//! there) — the comparison a fused-fma GPU makes.
 
 use criterion::{BenchmarkId, Criterion, Throughput};
 use std::hint::black_box;
@@ -127,42 +131,62 @@ fn cpu_matmul_group(c: &mut Criterion, case: &MatmulCase) {
 /// then the median over the pairs. Criterion measures one function after the
 /// other, so load that drifts between them (a shared machine) moves its
 /// ratios; within a pair both calls see the same load.
-fn paired_ratios(case: &MatmulCase) -> [(Option<Format>, f64); 3] {
-    let (a, b) = case.operands();
-    let ac = Storage::from_f32(a.clone(), Device::Cpu).unwrap();
-    let bc = Storage::from_f32(b.clone(), Device::Cpu).unwrap();
-    set_matmul_threads(Some(1));
+/// The median over alternating pairs of `time(b) / time(a)`: load that drifts
+/// on a shared machine moves sequential measurements, not a pair. About 1.5 s
+/// of pairs, at least 15.
+fn paired(a: &mut dyn FnMut(), b: &mut dyn FnMut()) -> f64 {
     let time = |f: &mut dyn FnMut()| {
         let t = std::time::Instant::now();
         f();
         t.elapsed().as_secs_f64()
     };
+    a();
+    b();
+    let one = time(a) + time(b);
+    let pairs = ((1.5 / one) as usize).clamp(15, 401);
+    let mut r: Vec<f64> = (0..pairs)
+        .map(|i| {
+            // alternate which goes first
+            let (ta, tb) = if i % 2 == 0 {
+                let ta = time(a);
+                (ta, time(b))
+            } else {
+                let tb = time(b);
+                (time(a), tb)
+            };
+            tb / ta
+        })
+        .collect();
+    r.sort_by(|x, y| x.total_cmp(y));
+    r[r.len() / 2]
+}
+
+/// ndarray's time over ours, paired, one thread each, per precision.
+fn paired_ratios(case: &MatmulCase) -> [(Option<Format>, f64); 3] {
+    let (a, b) = case.operands();
+    let ac = Storage::from_f32(a.clone(), Device::Cpu).unwrap();
+    let bc = Storage::from_f32(b.clone(), Device::Cpu).unwrap();
+    set_matmul_threads(Some(1));
     let out = [None, Some(Format::Bf16), Some(Format::Fp16)].map(|fmt| {
         let mut ours = || drop(black_box(ac.matmul(&bc, case.dims, fmt).unwrap()));
         let mut dot = || drop(black_box(ndarray_dot(case, &a, &b)));
-        ours();
-        dot();
-        // about 1.5 s of pairs, at least 15
-        let one = time(&mut ours) + time(&mut dot);
-        let pairs = ((1.5 / one) as usize).clamp(15, 401);
-        let mut r: Vec<f64> = (0..pairs)
-            .map(|i| {
-                // alternate which goes first
-                let (o, d) = if i % 2 == 0 {
-                    let o = time(&mut ours);
-                    (o, time(&mut dot))
-                } else {
-                    let d = time(&mut dot);
-                    (time(&mut ours), d)
-                };
-                d / o
-            })
-            .collect();
-        r.sort_by(|x, y| x.total_cmp(y));
-        (fmt, r[r.len() / 2])
+        (fmt, paired(&mut ours, &mut dot))
     });
     set_matmul_threads(None);
     out
+}
+
+/// The GPU kernel's time under bf16 and fp16 autocast over its f32 time,
+/// paired: what autocast costs on this adapter.
+fn gpu_autocast_cost(case: &MatmulCase) -> [f64; 2] {
+    let (a, b) = case.operands();
+    let ag = Storage::from_f32(a, Device::Gpu).unwrap();
+    let bg = Storage::from_f32(b, Device::Gpu).unwrap();
+    let run = |f: Option<Format>| {
+        drop(black_box(ag.matmul(&bg, case.dims, f).unwrap()));
+        gpu::sync().unwrap();
+    };
+    [Format::Bf16, Format::Fp16].map(|f| paired(&mut || run(None), &mut || run(Some(f))))
 }
 
 fn gpu_matmul_group(c: &mut Criterion, case: &MatmulCase, full: bool) {
@@ -371,6 +395,27 @@ fn paired_summary(cases: &[MatmulCase]) {
     }
 }
 
+fn gpu_paired_summary(cases: &[MatmulCase]) {
+    let ran: Vec<&MatmulCase> = cases
+        .iter()
+        .filter(|k| median_s(&format!("gpu_mm_{}", slug(&k.name)), "f32").is_some())
+        .collect();
+    if ran.is_empty() {
+        return;
+    }
+    println!(
+        "\n{:<30} {:>10} {:>10}   (paired: GPU autocast time / f32 time, fma {})",
+        "case",
+        "bf16",
+        "fp16",
+        gpu::fma_mode().unwrap_or("?")
+    );
+    for case in ran {
+        let [b, h] = gpu_autocast_cost(case);
+        println!("{:<30} {:>9.3}x {:>9.3}x", case.name, b, h);
+    }
+}
+
 fn summary(cases: &[MatmulCase], n: usize) {
     println!("\n==== summary (criterion medians of this run; ratios are within the run) ====");
     if let Ok(a) = gpu::adapter_name() {
@@ -480,5 +525,8 @@ fn main() {
     c.final_summary();
     summary(&cases, n);
     paired_summary(&cases);
+    if have_gpu {
+        gpu_paired_summary(&cases);
+    }
     train_step_summary(&steps);
 }
