@@ -10,6 +10,7 @@ use super::{
 };
 use crate::memory::Ticket;
 use crate::rng;
+use rayon::prelude::*;
 use std::cell::{Ref, RefCell, RefMut};
 use std::mem::MaybeUninit;
 
@@ -502,6 +503,24 @@ fn concat_t<T: Elem>(parts: &[&[T]], outer: usize, sizes: &[usize], inner: usize
     out
 }
 
+/// The row without its trailing run of −inf: whole groups of eight are
+/// skipped with one vector compare each (an element-by-element scan from the
+/// end was half the softmax's time), the rest element by element.
+fn live_len<T: Elem>(row: &[T]) -> usize {
+    let mut end = row.len();
+    while end >= 8
+        && row[end - 8..end]
+            .iter()
+            .fold(true, |all, &v| all & (v == T::NEG_INF))
+    {
+        end -= 8;
+    }
+    row[..end]
+        .iter()
+        .rposition(|&v| v != T::NEG_INF)
+        .map_or(0, |p| p + 1)
+}
+
 fn softmax_t<T: Elem>(x: &[T], rows: usize, n: usize) -> Vec<T> {
     let x = &x[..rows * n];
     let mut out = Vec::with_capacity(rows * n);
@@ -519,10 +538,7 @@ fn softmax_t<T: Elem>(x: &[T], rows: usize, n: usize) -> Vec<T> {
         .chunks_exact(n)
         .zip(&maxes)
         .map(|(row, &m)| match m.is_finite() {
-            true => row
-                .iter()
-                .rposition(|&v| v != T::NEG_INF)
-                .map_or(0, |p| p + 1),
+            true => live_len(row),
             false => n,
         })
         .collect();
@@ -848,6 +864,13 @@ pub fn set_matmul_threads(threads: Option<usize>) {
     MATMUL_THREADS.store(threads.unwrap_or(0), std::sync::atomic::Ordering::Relaxed);
 }
 
+/// Products below this many multiply-adds run on one thread: ~1 ms of one
+/// core's work, against the 20–60 µs it takes to wake another core on a VM.
+/// (Measured on a 2-vCPU VM: at 2^21 the `small` preset's step was ~20 %
+/// *slower* on two threads than on one; from 2^25 the two were level, and
+/// 512×320×904 products gain 1.3x.)
+const THREADED_MACS: usize = 1 << 26;
+
 /// The threads a large CPU kernel (matmul, AdamW) uses: the cap set by
 /// [`set_matmul_threads`], else all available cores.
 fn cpu_threads() -> usize {
@@ -866,7 +889,7 @@ fn matmul_f32(a: &[f32], b: &[f32], d: MatmulDims, round: Option<Format>) -> Vec
     // No zero fill: every element is written by its first k-block.
     let mut out_vec = Vec::<f32>::with_capacity(len);
     let out = &mut out_vec.spare_capacity_mut()[..len];
-    let threads = if batch * m * n * k >= 1 << 21 {
+    let threads = if batch * m * n * k >= THREADED_MACS {
         cpu_threads()
     } else {
         1
@@ -894,13 +917,11 @@ fn matmul_f32(a: &[f32], b: &[f32], d: MatmulDims, round: Option<Format>) -> Vec
                     // thread count.
                     let rows_per_thread = m.div_ceil(MR).div_ceil(threads) * MR;
                     let (ap, bp) = (&*ap, &*bp);
-                    std::thread::scope(|s| {
-                        for (t, chunk) in c.chunks_mut(rows_per_thread * n).enumerate() {
-                            s.spawn(move || {
-                                matmul_block(ap, bp, kc, n, t * rows_per_thread, chunk, blk)
-                            });
-                        }
-                    });
+                    c.par_chunks_mut(rows_per_thread * n)
+                        .enumerate()
+                        .for_each(|(t, chunk)| {
+                            matmul_block(ap, bp, kc, n, t * rows_per_thread, chunk, blk)
+                        });
                 }
                 kb += KC;
             }
@@ -909,16 +930,13 @@ fn matmul_f32(a: &[f32], b: &[f32], d: MatmulDims, round: Option<Format>) -> Vec
     if threads > 1 && batch >= threads {
         // Many small products (attention heads): split the batch instead.
         let per = batch.div_ceil(threads);
-        std::thread::scope(|s| {
-            for (t, chunk) in out.chunks_mut(per * m * n).enumerate() {
-                let one = &one;
-                s.spawn(move || {
-                    for (i, c) in chunk.chunks_mut(m * n).enumerate() {
-                        one(t * per + i, c, 1);
-                    }
-                });
-            }
-        });
+        out.par_chunks_mut(per * m * n)
+            .enumerate()
+            .for_each(|(t, chunk)| {
+                for (i, c) in chunk.chunks_mut(m * n).enumerate() {
+                    one(t * per + i, c, 1);
+                }
+            });
     } else {
         for (bi, c) in out.chunks_mut(m * n).enumerate() {
             one(bi, c, threads);
@@ -1171,16 +1189,11 @@ impl CpuStorage {
             return adamw_slices(&mut p, &g, &mut m, &mut v, &c);
         }
         let per = n.div_ceil(threads).next_multiple_of(LANES);
-        std::thread::scope(|s| {
-            let parts = p
-                .chunks_mut(per)
-                .zip(g.chunks(per))
-                .zip(m.chunks_mut(per))
-                .zip(v.chunks_mut(per));
-            for (((p, g), m), v) in parts {
-                s.spawn(move || adamw_slices(p, g, m, v, &c));
-            }
-        });
+        p.par_chunks_mut(per)
+            .zip(g.par_chunks(per))
+            .zip(m.par_chunks_mut(per))
+            .zip(v.par_chunks_mut(per))
+            .for_each(|(((p, g), m), v)| adamw_slices(p, g, m, v, &c));
     }
 
     pub fn sgd_step(
@@ -1347,16 +1360,18 @@ mod tests {
                 .wrapping_add(1442695040888963407);
             (seed >> 33) as u32
         };
+        const { assert!(200 * 600 * 600 >= THREADED_MACS && 4 * 120 * 400 * 400 >= THREADED_MACS) };
         for &(batch, m, k, n) in &[
             (1, 1, 1, 1),
             (2, 7, 3, 5),
             (1, 13, 300, 17),
             (3, 6, 16, 16),
             (1, 70, 600, 33),
-            // past the threading threshold (2^21 multiply-adds): rows split
-            // over threads, more than one MC block of rows; then a batch split
-            (1, 150, 300, 50),
-            (4, 40, 120, 120),
+            // past the threading threshold (THREADED_MACS = 2^26 multiply-adds):
+            // rows split over threads, more than one MC block of rows and more
+            // than one k-block; then a batch split
+            (1, 200, 600, 600),
+            (4, 120, 400, 400),
             (1, 0, 4, 3),
             (1, 4, 0, 3),
         ] {
