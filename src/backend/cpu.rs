@@ -234,7 +234,34 @@ fn fold_each_row<T: Elem>(x: &[T], n: usize, init: T, f: impl Fn(T, T) -> T + Co
     out
 }
 
-/// `f` over `x` a group of [`LANES`] at a time — the loops that divide, so a
+/// [`fold_each_row`] over the first `lens[r]` elements of each row `r`: four
+/// rows in lockstep over their common length, then each row's own rest — every
+/// row still folded in ascending order.
+fn fold_ragged<T: Elem>(
+    x: &[T],
+    n: usize,
+    lens: &[usize],
+    init: T,
+    f: impl Fn(T, T) -> T + Copy,
+) -> Vec<T> {
+    let mut out = Vec::with_capacity(lens.len());
+    let mut quads = x.chunks_exact(4 * n).zip(lens.chunks_exact(4));
+    for (q, l) in &mut quads {
+        let common = l.iter().copied().min().unwrap_or(0);
+        let rows: [&[T]; 4] = std::array::from_fn(|r| &q[r * n..r * n + l[r]]);
+        let acc = fold_rows(rows.map(|r| &r[..common]), init, f);
+        for r in 0..4 {
+            out.push(rows[r][common..].iter().fold(acc[r], |a, &v| f(a, v)));
+        }
+    }
+    let done = out.len();
+    for (row, &l) in x[done * n..].chunks_exact(n).zip(&lens[done..]) {
+        out.push(row[..l].iter().fold(init, |a, &v| f(a, v)));
+    }
+    out
+}
+
+/// `f` over `x` a group of [`LANES`] at a time/// `f` over `x` a group of [`LANES`] at a time — the loops that divide, so a
 /// division is one vector operation ([`Elem::div_lanes`]). The ragged tail goes
 /// through `f` padded with zeros (their results are dropped).
 #[inline(always)]
@@ -529,24 +556,26 @@ fn softmax_t<T: Elem>(x: &[T], rows: usize, n: usize) -> Vec<T> {
     }
     // Row maxima and sums are sequential folds (the contract's order); they
     // run four rows at a time. The exps and the divisions are vectorised loops.
-    let maxes = fold_each_row(x, n, T::NEG_INF, maximum);
-    // A causal mask leaves a tail of −inf in most rows. With a finite max m,
-    // each is exp(−inf − m) = +0, adds +0 to a sum that is already ≥ 1 (the
-    // max's own exp(0)), and +0 / s = +0: the tail's outputs are +0 without
-    // computing them, bit for bit what the full loop gives. `live` is the rest.
-    let live: Vec<usize> = x
-        .chunks_exact(n)
+    //
+    // A causal mask leaves a trailing run of −inf in most rows, which changes
+    // neither fold: maximum(m, −inf) = m for every m, so the max of the row
+    // before the run is the row's max; and with a finite max m each masked
+    // value is exp(−inf − m) = +0, added to a sum that is already ≥ 1 (the
+    // max's own exp(0)), and +0 / s = +0. So with a finite max the run's
+    // outputs are +0 without computing them and neither fold visits it — bit
+    // for bit what the full loops give. `live` is the rest of each row.
+    let unmasked: Vec<usize> = x.chunks_exact(n).map(live_len).collect();
+    let maxes = fold_ragged(x, n, &unmasked, T::NEG_INF, maximum);
+    let live: Vec<usize> = unmasked
+        .iter()
         .zip(&maxes)
-        .map(|(row, &m)| match m.is_finite() {
-            true => live_len(row),
-            false => n,
-        })
+        .map(|(&l, m)| if m.is_finite() { l } else { n })
         .collect();
     for ((row, &m), &l) in x.chunks_exact(n).zip(&maxes).zip(&live) {
         out.extend(row[..l].iter().map(|&v| v.sub(m).exp()));
         out.extend(std::iter::repeat_n(T::ZERO, n - l));
     }
-    let sums = fold_each_row(&out, n, T::NEG_ZERO, |a, y| a.add(y));
+    let sums = fold_ragged(&out, n, &live, T::NEG_ZERO, |a, y| a.add(y));
     for ((o, &s), &l) in out.chunks_exact_mut(n).zip(&sums).zip(&live) {
         let o = &mut o[..l];
         let q = map_lanes(o, |y| T::div_lanes(y, [s; LANES]));
