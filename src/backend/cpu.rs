@@ -261,7 +261,25 @@ fn fold_ragged<T: Elem>(
     out
 }
 
-/// `f` over `x` a group of [`LANES`] at a time/// `f` over `x` a group of [`LANES`] at a time — the loops that divide, so a
+/// `x = f(x)` a group of [`LANES`] at a time, in place; the ragged tail goes
+/// through `f` padded with zeros (their results are dropped).
+#[inline(always)]
+fn for_lanes_mut<T: Elem>(x: &mut [T], f: impl Fn([T; LANES]) -> [T; LANES]) {
+    let mut groups = x.chunks_exact_mut(LANES);
+    for g in &mut groups {
+        let v: [T; LANES] = (&*g).try_into().unwrap();
+        g.copy_from_slice(&f(v));
+    }
+    let tail = groups.into_remainder();
+    if !tail.is_empty() {
+        let t = tail.len();
+        let mut v = [T::ZERO; LANES];
+        v[..t].copy_from_slice(tail);
+        tail.copy_from_slice(&f(v)[..t]);
+    }
+}
+
+/// `f` over `x` a group of [`LANES`] at a time — the loops that divide, so a
 /// division is one vector operation ([`Elem::div_lanes`]). The ragged tail goes
 /// through `f` padded with zeros (their results are dropped).
 #[inline(always)]
@@ -288,29 +306,11 @@ fn unary_t<T: Elem>(x: &[T], op: UnaryOp) -> Vec<T> {
     fn map<T: Copy>(x: &[T], f: impl Fn(T) -> T) -> Vec<T> {
         x.iter().map(|&v| f(v)).collect()
     }
-    #[inline(always)]
-    fn sigmoid<T: Elem>(x: [T; LANES]) -> [T; LANES] {
-        let mut d = [T::ZERO; LANES];
-        for i in 0..LANES {
-            d[i] = T::ONE.add(T::NEG_ZERO.sub(x[i]).exp());
-        }
-        T::div_lanes([T::ONE; LANES], d)
-    }
-    #[inline(always)]
-    fn silu<T: Elem>(x: [T; LANES]) -> [T; LANES] {
-        let mut s = sigmoid(x);
-        for i in 0..LANES {
-            s[i] = x[i].mul(s[i]);
-        }
-        s
-    }
-    // s * (1 + x * (1 - s)) = s * fma(x, 1 - s, 1)
-    #[inline(always)]
-    fn silu_grad<T: Elem>(x: [T; LANES]) -> [T; LANES] {
-        let mut s = sigmoid(x);
-        for i in 0..LANES {
-            s[i] = s[i].mul(x[i].fma(T::ONE.sub(s[i]), T::ONE));
-        }
+    /// σ(x) = 1 / (1 + e^-x) in two passes, each a loop the compiler keeps in
+    /// vector registers: the exps, then the divisions a group at a time.
+    fn sigmoid<T: Elem>(x: &[T]) -> Vec<T> {
+        let mut s = map(x, |v| T::ONE.add(T::NEG_ZERO.sub(v).exp()));
+        for_lanes_mut(&mut s, |d| T::div_lanes([T::ONE; LANES], d));
         s
     }
     match op {
@@ -320,9 +320,20 @@ fn unary_t<T: Elem>(x: &[T], op: UnaryOp) -> Vec<T> {
         UnaryOp::Sqrt => map(x, |v| v.sqrt()),
         UnaryOp::Rsqrt => map_lanes(x, |v| T::div_lanes([T::ONE; LANES], v.map(T::sqrt))),
         UnaryOp::Recip => map_lanes(x, |v| T::div_lanes([T::ONE; LANES], v)),
-        UnaryOp::Sigmoid => map_lanes(x, |v| sigmoid(v)),
-        UnaryOp::Silu => map_lanes(x, |v| silu(v)),
-        UnaryOp::SiluGrad => map_lanes(x, |v| silu_grad(v)),
+        UnaryOp::Sigmoid => sigmoid(x),
+        UnaryOp::Silu => {
+            let mut s = sigmoid(x);
+            s.iter_mut().zip(x).for_each(|(s, &v)| *s = v.mul(*s));
+            s
+        }
+        // s * (1 + x * (1 - s)) = s * fma(x, 1 - s, 1)
+        UnaryOp::SiluGrad => {
+            let mut s = sigmoid(x);
+            s.iter_mut()
+                .zip(x)
+                .for_each(|(s, &v)| *s = s.mul(v.fma(T::ONE.sub(*s), T::ONE)));
+            s
+        }
         UnaryOp::Abs => map(x, |v| {
             if v < T::ZERO || (v == T::ZERO && T::ONE.div(v) < T::ZERO) {
                 T::NEG_ZERO.sub(v)
@@ -577,9 +588,7 @@ fn softmax_t<T: Elem>(x: &[T], rows: usize, n: usize) -> Vec<T> {
     }
     let sums = fold_ragged(&out, n, &live, T::NEG_ZERO, |a, y| a.add(y));
     for ((o, &s), &l) in out.chunks_exact_mut(n).zip(&sums).zip(&live) {
-        let o = &mut o[..l];
-        let q = map_lanes(o, |y| T::div_lanes(y, [s; LANES]));
-        o.copy_from_slice(&q);
+        for_lanes_mut(&mut o[..l], |y| T::div_lanes(y, [s; LANES]));
     }
     out
 }
