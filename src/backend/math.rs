@@ -170,12 +170,12 @@ pub const LANES: usize = 8;
 ///   returns (IEEE `/`).
 ///
 /// [`div_hw`] computes the hardware quotient `q`, its exact remainder
-/// `a − q·b` (one fma) and accepts `q` only when the exact quotient lies more
-/// than 2^-15 ulp inside `q`'s rounding interval, with every operand and the
-/// result well inside the normal range (or `a = ±0`). A group with any lane
-/// outside that falls back to [`div`] for the whole group: for real data that
-/// is a quotient within 2^-13 of a tie (about one pair in 8,000) or a tiny,
-/// huge or special operand.
+/// `a − q·b` (one fma) and accepts `q` only when that puts the exact quotient
+/// more than 2^-13 ulp from the ends of `q`'s rounding interval (the ties),
+/// with every operand and the result well inside the normal range (or
+/// `a = ±0`). A group with any lane outside that falls back to [`div`] for the
+/// whole group: for real data that is a quotient within 2^-13 ulp of a tie
+/// (about one pair in 4,000) or a tiny, huge or special operand.
 #[inline(always)]
 pub fn div_lanes(a: [f32; LANES], b: [f32; LANES]) -> [f32; LANES] {
     let mut q = [0.0f32; LANES];
@@ -217,9 +217,10 @@ pub fn div_hw(a: f32, b: f32) -> (f32, bool) {
     // Half an ulp of q, 2^(e_q - 24) (in-range q: field >= 27). When q is a
     // power of two the midpoint below it is only a quarter ulp away, but no
     // quotient of two floats lands there: a/b just below 2^k means a is at
-    // least one ulp of a under 2^k·b, i.e. at least a whole ulp below 2^k.
+    // least one ulp of a under 2^k·b, so a/b is at least one spacing of the
+    // floats below 2^k away from it — twice that midpoint's distance.
     let h = f32::from_bits((field(q) - 24) << 23);
-    // |a/b - q| = |r|/|b| must stay 2^-13 of h (>= 2^-15 ulp) inside the
+    // |a/b - q| = |r|/|b| must stay 2^-12 of h (2^-13 ulp) inside the
     // interval; h·|b| is exact, the margin's own rounding is far below 2^-13.
     let limit = (h * b.abs()) * (1.0 - 1.0 / 4096.0);
     let general = in_range(a) && in_range(b) && in_range(q) && r.abs() < limit;
@@ -236,8 +237,10 @@ pub fn div_hw(a: f32, b: f32) -> (f32, bool) {
 /// checks all 2^32 bit patterns against the platform square root, which Rust
 /// specifies as IEEE (correctly rounded) — so the CPU may use the hardware
 /// instruction and still produce exactly the GPU's bits, at a fraction of the
-/// cost. (Division has no such shortcut: the soft division double-rounds
-/// subnormal results, and its pairs of inputs cannot be checked exhaustively.)
+/// cost. (Division has no such blanket shortcut: the soft division
+/// double-rounds subnormal results, and its pairs of inputs cannot be checked
+/// exhaustively; [`div_lanes`] takes the hardware's quotient only where it is
+/// provably the same.)
 #[inline(always)]
 pub fn sqrt(x: f32) -> f32 {
     // Selected on bits: a float select between NaNs may be folded away.
@@ -481,7 +484,7 @@ mod tests {
     }
 
     /// What the fast division's proof rests on, checked against the exact
-    /// quotient (f64 has it to 2^-53, far finer than the 2^-15 ulp in play):
+    /// quotient (f64 has it to 2^-53, far finer than the 2^-13 ulp in play):
     /// every quotient `div_hw` accepts is more than 2^-16 ulp from the
     /// rounding midpoints on both sides — so the hardware's correctly rounded
     /// result is `div`'s — and the acceptance rate is what makes it fast.

@@ -464,7 +464,8 @@ fn cmd_bench(a: BenchArgs) -> tinyllm::Result<()> {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     tinyllm::memory::keep_freed_host_memory();
-    // TINYLLM_THREADS=n caps the CPU matmul's threads (results never depend on it).
+    // TINYLLM_THREADS=n caps the CPU's threads for large products and AdamW
+    // updates (results never depend on it).
     if let Ok(t) = std::env::var("TINYLLM_THREADS") {
         match t.trim().parse::<usize>() {
             Ok(n) if n >= 1 => tinyllm::backend::cpu::set_matmul_threads(Some(n)),
