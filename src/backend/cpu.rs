@@ -279,25 +279,6 @@ fn for_lanes_mut<T: Elem>(x: &mut [T], f: impl Fn([T; LANES]) -> [T; LANES]) {
     }
 }
 
-/// `f` over `x` a group of [`LANES`] at a time — the loops that divide, so a
-/// division is one vector operation ([`Elem::div_lanes`]). The ragged tail goes
-/// through `f` padded with zeros (their results are dropped).
-#[inline(always)]
-fn map_lanes<T: Elem>(x: &[T], f: impl Fn([T; LANES]) -> [T; LANES]) -> Vec<T> {
-    let mut out = Vec::with_capacity(x.len());
-    let groups = x.chunks_exact(LANES);
-    let tail = groups.remainder();
-    for g in groups {
-        out.extend_from_slice(&f(g.try_into().unwrap()));
-    }
-    if !tail.is_empty() {
-        let mut v = [T::ZERO; LANES];
-        v[..tail.len()].copy_from_slice(tail);
-        out.extend_from_slice(&f(v)[..tail.len()]);
-    }
-    out
-}
-
 /// Every unary op as one loop over the slice: the op is matched once, outside,
 /// so each arm is a straight-line body the compiler vectorises (the f32 math
 /// functions are branch-free for that reason, see [`math`]).
@@ -305,6 +286,14 @@ fn unary_t<T: Elem>(x: &[T], op: UnaryOp) -> Vec<T> {
     #[inline(always)]
     fn map<T: Copy>(x: &[T], f: impl Fn(T) -> T) -> Vec<T> {
         x.iter().map(|&v| f(v)).collect()
+    }
+    /// The ops that divide: a group of lanes at a time, so the division is one
+    /// vector operation ([`Elem::div_lanes`]).
+    #[inline(always)]
+    fn map_lanes<T: Elem>(x: &[T], f: impl Fn([T; LANES]) -> [T; LANES]) -> Vec<T> {
+        let mut out = x.to_vec();
+        for_lanes_mut(&mut out, f);
+        out
     }
     /// σ(x) = 1 / (1 + e^-x) in two passes, each a loop the compiler keeps in
     /// vector registers: the exps, then the divisions a group at a time.
