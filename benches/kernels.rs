@@ -162,7 +162,7 @@ fn paired(a: &mut dyn FnMut(), b: &mut dyn FnMut()) -> f64 {
 }
 
 /// ndarray's time over ours, paired, one thread each, per precision.
-fn paired_ratios(case: &MatmulCase) -> [(Option<Format>, f64); 3] {
+fn paired_ratios(case: &MatmulCase) -> [f64; 3] {
     let (a, b) = case.operands();
     let ac = Storage::from_f32(a.clone(), Device::Cpu).unwrap();
     let bc = Storage::from_f32(b.clone(), Device::Cpu).unwrap();
@@ -170,7 +170,7 @@ fn paired_ratios(case: &MatmulCase) -> [(Option<Format>, f64); 3] {
     let out = [None, Some(Format::Bf16), Some(Format::Fp16)].map(|fmt| {
         let mut ours = || drop(black_box(ac.matmul(&bc, case.dims, fmt).unwrap()));
         let mut dot = || drop(black_box(ndarray_dot(case, &a, &b)));
-        (fmt, paired(&mut ours, &mut dot))
+        paired(&mut ours, &mut dot)
     });
     set_matmul_threads(None);
     out
@@ -374,46 +374,48 @@ fn train_step_summary(steps: &[(&str, Device)]) {
 
 /// Paired ratios for the cases whose CPU matmul group ran (a filter may
 /// have left some or all out).
-fn paired_summary(cases: &[MatmulCase]) {
+/// A table of paired ratios, one row per case whose criterion `group/id` ran
+/// in this run: `row(case)` gives one ratio per column.
+fn paired_table(
+    cases: &[MatmulCase],
+    (group, id): (&str, &str),
+    cols: &[&str],
+    note: &str,
+    row: impl Fn(&MatmulCase) -> Vec<f64>,
+) {
     let ran: Vec<&MatmulCase> = cases
         .iter()
-        .filter(|k| median_s(&format!("cpu_mm_{}", slug(&k.name)), "ndarray_dot").is_some())
+        .filter(|k| median_s(&format!("{group}_{}", slug(&k.name)), id).is_some())
         .collect();
     if ran.is_empty() {
         return;
     }
-    println!(
-        "\n{:<30} {:>10} {:>10} {:>10}   (paired: ndarray time / ours, median over alternating pairs, 1 thread)",
-        "case", "f32", "bf16", "fp16"
-    );
+    let head: String = cols.iter().map(|c| format!(" {c:>10}")).collect();
+    println!("\n{:<30}{head}   ({note})", "case");
     for case in ran {
-        let r = paired_ratios(case);
-        println!(
-            "{:<30} {:>9.3}x {:>9.3}x {:>9.3}x",
-            case.name, r[0].1, r[1].1, r[2].1
-        );
+        let cells: String = row(case).iter().map(|r| format!(" {r:>9.3}x")).collect();
+        println!("{:<30}{cells}", case.name);
     }
 }
 
+fn paired_summary(cases: &[MatmulCase]) {
+    paired_table(
+        cases,
+        ("cpu_mm", "ndarray_dot"),
+        &["f32", "bf16", "fp16"],
+        "paired: ndarray time / ours, median over alternating pairs, 1 thread",
+        |case| paired_ratios(case).to_vec(),
+    );
+}
+
 fn gpu_paired_summary(cases: &[MatmulCase]) {
-    let ran: Vec<&MatmulCase> = cases
-        .iter()
-        .filter(|k| median_s(&format!("gpu_mm_{}", slug(&k.name)), "f32").is_some())
-        .collect();
-    if ran.is_empty() {
-        return;
-    }
-    println!(
-        "\n{:<30} {:>10} {:>10}   (paired: GPU autocast time / f32 time, fma {})",
-        "case",
-        "bf16",
-        "fp16",
+    let note = format!(
+        "paired: GPU autocast time / f32 time, fma {}",
         gpu::fma_mode().unwrap_or("?")
     );
-    for case in ran {
-        let [b, h] = gpu_autocast_cost(case);
-        println!("{:<30} {:>9.3}x {:>9.3}x", case.name, b, h);
-    }
+    paired_table(cases, ("gpu_mm", "f32"), &["bf16", "fp16"], &note, |case| {
+        gpu_autocast_cost(case).to_vec()
+    });
 }
 
 fn summary(cases: &[MatmulCase], n: usize) {

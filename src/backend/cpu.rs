@@ -216,27 +216,10 @@ fn fold_rows<T: Elem, const R: usize>(rows: [&[T]; R], init: T, f: impl Fn(T, T)
     acc
 }
 
-/// `fold_rows` over every row of a row-major `(rows, n)` buffer, `n > 0`: four
-/// at a time, then the rest one by one.
-fn fold_each_row<T: Elem>(x: &[T], n: usize, init: T, f: impl Fn(T, T) -> T + Copy) -> Vec<T> {
-    assert!(n > 0, "rows of length 0");
-    let mut out = Vec::with_capacity(x.len() / n);
-    let mut quads = x.chunks_exact(4 * n);
-    for q in &mut quads {
-        let (r0, rest) = q.split_at(n);
-        let (r1, rest) = rest.split_at(n);
-        let (r2, r3) = rest.split_at(n);
-        out.extend(fold_rows([r0, r1, r2, r3], init, f));
-    }
-    for row in quads.remainder().chunks_exact(n) {
-        out.extend(fold_rows([row], init, f));
-    }
-    out
-}
-
-/// [`fold_each_row`] over the first `lens[r]` elements of each row `r`: four
-/// rows in lockstep over their common length, then each row's own rest — every
-/// row still folded in ascending order.
+/// [`fold_rows`] over the first `lens[r]` elements of each row `r` of a
+/// row-major `(lens.len(), n)` buffer, `n > 0`: four rows in lockstep over their
+/// common length, then each row's own rest — every row still folded in
+/// ascending order.
 fn fold_ragged<T: Elem>(
     x: &[T],
     n: usize,
@@ -244,6 +227,7 @@ fn fold_ragged<T: Elem>(
     init: T,
     f: impl Fn(T, T) -> T + Copy,
 ) -> Vec<T> {
+    assert!(n > 0, "rows of length 0");
     let mut out = Vec::with_capacity(lens.len());
     let mut quads = x.chunks_exact(4 * n).zip(lens.chunks_exact(4));
     for (q, l) in &mut quads {
@@ -468,10 +452,10 @@ fn binary_t<T: Elem>(a: &[T], b: &[T], op: BinaryOp, layout: &BinaryLayout) -> V
 fn reduce_t<T: Elem>(x: &[T], op: ReduceOp, outer: usize, r: usize, inner: usize) -> Vec<T> {
     if inner == 1 && r > 0 {
         // Along contiguous rows: each row folded in order, four rows in flight.
-        let x = &x[..outer * r];
+        let (x, whole) = (&x[..outer * r], vec![r; outer]);
         return match op {
-            ReduceOp::Sum => fold_each_row(x, r, T::NEG_ZERO, |a, v| a.add(v)),
-            ReduceOp::Max => fold_each_row(x, r, T::NEG_INF, maximum),
+            ReduceOp::Sum => fold_ragged(x, r, &whole, T::NEG_ZERO, |a, v| a.add(v)),
+            ReduceOp::Max => fold_ragged(x, r, &whole, T::NEG_INF, maximum),
         };
     }
     let mut out = vec![
@@ -530,17 +514,17 @@ fn concat_t<T: Elem>(parts: &[&[T]], outer: usize, sizes: &[usize], inner: usize
     out
 }
 
-/// The row without its trailing run of −inf: whole groups of eight are
+/// The row without its trailing run of −inf: whole groups of lanes are
 /// skipped with one vector compare each (an element-by-element scan from the
 /// end was half the softmax's time), the rest element by element.
 fn live_len<T: Elem>(row: &[T]) -> usize {
     let mut end = row.len();
-    while end >= 8
-        && row[end - 8..end]
+    while end >= LANES
+        && row[end - LANES..end]
             .iter()
             .fold(true, |all, &v| all & (v == T::NEG_INF))
     {
-        end -= 8;
+        end -= LANES;
     }
     row[..end]
         .iter()
@@ -881,7 +865,7 @@ fn matmul_block(
     }
 }
 
-/// Threads of a large CPU matmul; 0 = all available cores.
+/// The cap on a large CPU kernel's threads; 0 = all available cores.
 static MATMUL_THREADS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 /// Caps the threads a CPU matmul (and AdamW on a large buffer) uses (`None` =
@@ -894,9 +878,13 @@ pub fn set_matmul_threads(threads: Option<usize>) {
 /// Products below this many multiply-adds run on one thread: ~1 ms of one
 /// core's work, against the 20–60 µs it takes to wake another core on a VM.
 /// (Measured on a 2-vCPU VM: at 2^21 the `small` preset's step was ~20 %
-/// *slower* on two threads than on one; from 2^25 the two were level, and
-/// 512×320×904 products gain 1.3x.)
+/// *slower* on two threads than on one; at 2^26 it was within run-to-run noise
+/// of one thread, and 512×320×904 products gain ~1.3x from the second core.)
 const THREADED_MACS: usize = 1 << 26;
+
+/// AdamW buffers from this many elements are split over the threads (~0.5 ms
+/// of one core's update).
+const THREADED_ELEMS: usize = 1 << 18;
 
 /// The threads a large CPU kernel (matmul, AdamW) uses: the cap set by
 /// [`set_matmul_threads`], else all available cores.
@@ -1211,7 +1199,11 @@ impl CpuStorage {
         let (n, c) = (p.len(), *c);
         // An element-wise update has no order to keep: large buffers are split
         // over the threads in whole groups of lanes.
-        let threads = if n >= 1 << 18 { cpu_threads() } else { 1 };
+        let threads = if n >= THREADED_ELEMS {
+            cpu_threads()
+        } else {
+            1
+        };
         if threads == 1 {
             return adamw_slices(&mut p, &g, &mut m, &mut v, &c);
         }
@@ -1318,7 +1310,7 @@ mod tests {
     /// (the division's fallback groups).
     #[test]
     fn threaded_adamw_equals_one_pass_bitwise() {
-        let n = (1 << 18) + 13;
+        let n = THREADED_ELEMS + 13;
         let mut s = 0x1234_5678_9abc_def0u64;
         let mut next = move |scale: f32| {
             s ^= s << 13;
