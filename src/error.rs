@@ -1,45 +1,141 @@
-//! One error type for the whole crate: a message a user can act on.
+//! Errors: one enum whose variants say what kind of thing went wrong, so a
+//! caller can match on it, each carrying a message a user can act on.
 
 use std::fmt;
 
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Error {
-    msg: String,
+/// What went wrong. The message (`Display`) names the file, flag, op or
+/// device involved and, where there is one, what to do about it.
+#[non_exhaustive]
+#[derive(Debug)]
+pub enum Error {
+    /// Operands that do not fit an operation: shapes, dtypes, devices, ids.
+    Shape(String),
+    /// The GPU: no adapter, a device limit exceeded, a kernel that failed to
+    /// compile, a lost device, a failed readback.
+    Device(String),
+    /// A file or stream operation failed; `source` is the operating system's error.
+    Io {
+        context: String,
+        source: std::io::Error,
+    },
+    /// A checkpoint that is missing, corrupt, tampered with or does not match the run.
+    Checkpoint(String),
+    /// Invalid configuration: flags, hyper-parameters, a model config.
+    Config(String),
+    /// Training text that cannot be used (unreadable, empty, binary, too short).
+    Data(String),
+    /// Non-finite losses or gradients, a collapsed loss scale.
+    Numerical(String),
 }
 
 impl Error {
-    pub fn msg(msg: impl Into<String>) -> Self {
-        Error { msg: msg.into() }
+    pub fn shape(msg: impl Into<String>) -> Self {
+        Error::Shape(msg.into())
     }
-    /// Prefixes the message with where it happened (a file, a flag, an op).
-    pub fn context(self, ctx: impl fmt::Display) -> Self {
-        Error {
-            msg: format!("{ctx}: {}", self.msg),
+    pub fn device(msg: impl Into<String>) -> Self {
+        Error::Device(msg.into())
+    }
+    pub fn checkpoint(msg: impl Into<String>) -> Self {
+        Error::Checkpoint(msg.into())
+    }
+    pub fn config(msg: impl Into<String>) -> Self {
+        Error::Config(msg.into())
+    }
+    pub fn data(msg: impl Into<String>) -> Self {
+        Error::Data(msg.into())
+    }
+    pub fn numerical(msg: impl Into<String>) -> Self {
+        Error::Numerical(msg.into())
+    }
+    /// An I/O failure, `context` saying what was being done to which path.
+    pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        Error::Io {
+            context: context.into(),
+            source,
         }
     }
-    pub fn message(&self) -> &str {
-        &self.msg
+
+    /// Prefixes the message with where it happened (a file, a flag, an op);
+    /// the kind is kept.
+    pub fn context(self, ctx: impl fmt::Display) -> Self {
+        self.map_message(|m| format!("{ctx}: {m}"))
+    }
+
+    /// The same kind with its message rewritten by `f` (for an I/O error, the
+    /// context part).
+    pub fn map_message(self, f: impl FnOnce(&str) -> String) -> Self {
+        let pre = |m: String| f(&m);
+        match self {
+            Error::Shape(m) => Error::Shape(pre(m)),
+            Error::Device(m) => Error::Device(pre(m)),
+            Error::Io { context, source } => Error::Io {
+                context: pre(context),
+                source,
+            },
+            Error::Checkpoint(m) => Error::Checkpoint(pre(m)),
+            Error::Config(m) => Error::Config(pre(m)),
+            Error::Data(m) => Error::Data(pre(m)),
+            Error::Numerical(m) => Error::Numerical(pre(m)),
+        }
+    }
+
+    /// The whole message, as `Display` writes it.
+    pub fn message(&self) -> String {
+        self.to_string()
     }
 }
 
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.msg)
+        match self {
+            Error::Shape(m)
+            | Error::Device(m)
+            | Error::Checkpoint(m)
+            | Error::Config(m)
+            | Error::Data(m)
+            | Error::Numerical(m) => f.write_str(m),
+            Error::Io { context, source } => write!(f, "{context}: {source}"),
+        }
     }
 }
 
-impl std::error::Error for Error {}
-
-impl From<std::io::Error> for Error {
-    fn from(e: std::io::Error) -> Self {
-        Error::msg(e.to_string())
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Error::Io { source, .. } => Some(source),
+            _ => None,
+        }
     }
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
 
-/// `bail!("...")`: return an [`Error`] built with `format!`.
+/// `bail!(Kind, "...", args)`: return an [`Error::Kind`](Error) built with `format!`.
 #[macro_export]
 macro_rules! bail {
-    ($($arg:tt)*) => { return Err($crate::Error::msg(format!($($arg)*))) };
+    ($kind:ident, $($arg:tt)*) => {
+        return Err($crate::Error::$kind(format!($($arg)*)))
+    };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn context_keeps_the_kind_and_io_keeps_its_source() {
+        let e = Error::config("bad").context("--lr");
+        assert!(matches!(&e, Error::Config(m) if m == "--lr: bad"));
+        let io = Error::io(
+            "cannot read x.txt",
+            std::io::Error::from(std::io::ErrorKind::NotFound),
+        )
+        .context("corpus");
+        assert!(io.to_string().starts_with("corpus: cannot read x.txt: "));
+        let src = std::error::Error::source(&io).expect("an I/O error has a source");
+        assert_eq!(
+            src.downcast_ref::<std::io::Error>().map(|e| e.kind()),
+            Some(std::io::ErrorKind::NotFound)
+        );
+    }
 }

@@ -122,7 +122,10 @@ impl std::str::FromStr for Precision {
             "fp32" | "float32" => Ok(Precision::Fp32),
             "bf16" | "bfloat16" => Ok(Precision::Bf16),
             "fp16" | "float16" => Ok(Precision::Fp16),
-            _ => bail!("unknown precision {s:?}: expected fp32, bf16 or fp16"),
+            _ => bail!(
+                Config,
+                "unknown precision {s:?}: expected fp32, bf16 or fp16"
+            ),
         }
     }
 }
@@ -170,16 +173,19 @@ impl Default for DynamicLossScaler {
 
 fn validate(scale: f32, growth: f32, backoff: f32, interval: u64) -> Result<()> {
     if !(scale.is_finite() && scale > 0.0) {
-        bail!("loss scale must be a positive finite number, got {scale}");
+        bail!(
+            Config,
+            "loss scale must be a positive finite number, got {scale}"
+        );
     }
     if !(growth.is_finite() && growth > 1.0) {
-        bail!("growth factor must be > 1, got {growth}");
+        bail!(Config, "growth factor must be > 1, got {growth}");
     }
     if !(backoff > 0.0 && backoff < 1.0) {
-        bail!("backoff factor must be in (0, 1), got {backoff}");
+        bail!(Config, "backoff factor must be in (0, 1), got {backoff}");
     }
     if interval == 0 {
-        bail!("growth interval must be at least 1");
+        bail!(Config, "growth interval must be at least 1");
     }
     Ok(())
 }
@@ -235,7 +241,7 @@ impl DynamicLossScaler {
             self.scale *= self.backoff;
             self.good_steps = 0;
             if self.scale < MIN_SCALE {
-                bail!("loss scale fell to {:e} after repeated overflows: the gradients are non-finite at any scale (a NaN in the model or the data?)", self.scale);
+                bail!(Numerical, "loss scale fell to {:e} after repeated overflows: the gradients are non-finite at any scale (a NaN in the model or the data?)", self.scale);
             }
             return Ok(false);
         }
@@ -272,6 +278,7 @@ impl DynamicLossScaler {
             .map_err(|e| e.context("loss scaler state"))?;
         if sd.good_steps >= sd.interval {
             bail!(
+                Config,
                 "loss scaler state: good_steps {} must be below the interval {}",
                 sd.good_steps,
                 sd.interval
@@ -314,7 +321,7 @@ pub fn grad_accumulate<M: ?Sized, B: MicroBatch>(
 ) -> Result<f32> {
     let total: usize = micro_batches.iter().map(|b| b.rows()).sum();
     if total == 0 {
-        bail!("grad_accumulate: no rows in the micro-batches");
+        bail!(Shape, "grad_accumulate: no rows in the micro-batches");
     }
     let mut loss = 0.0f64;
     for mb in micro_batches {
@@ -379,7 +386,10 @@ pub fn train_step_mixed<M: crate::nn::Module + ?Sized, B: MicroBatch>(
                 for p in &params {
                     p.zero_grad();
                 }
-                bail!("non-finite loss ({loss}) without a loss scaler: no update was made");
+                bail!(
+                    Numerical,
+                    "non-finite loss ({loss}) without a loss scaler: no update was made"
+                );
             }
             // A finite loss can still have non-finite gradients (an op whose
             // derivative blows up); clipping or AdamW would spread them into
@@ -392,6 +402,7 @@ pub fn train_step_mixed<M: crate::nn::Module + ?Sized, B: MicroBatch>(
                     p.zero_grad();
                 }
                 bail!(
+                    Numerical,
                     "non-finite gradients (loss {loss}) without a loss scaler: no update was made"
                 );
             }

@@ -33,7 +33,7 @@ pub fn schedule_peak(schedule: &[usize], n: usize) -> usize {
 /// gives `[0]`. Too small a budget is an error naming the smallest achievable peak.
 pub fn checkpoint_schedule(n_layers: usize, budget: usize) -> Result<Vec<usize>> {
     if n_layers == 0 {
-        bail!("checkpoint_schedule: no layers");
+        bail!(Config, "checkpoint_schedule: no layers");
     }
     let mut best = usize::MAX;
     for k in 1..=n_layers {
@@ -50,7 +50,7 @@ pub fn checkpoint_schedule(n_layers: usize, budget: usize) -> Result<Vec<usize>>
             return Ok(starts);
         }
     }
-    bail!("a memory budget of {budget} layer(s) is too small for {n_layers} layers: the smallest achievable peak is {best}")
+    bail!(Config, "a memory budget of {budget} layer(s) is too small for {n_layers} layers: the smallest achievable peak is {best}")
 }
 
 /// Runs `f(args)` without recording its inside, as one node that recomputes

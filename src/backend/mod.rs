@@ -219,6 +219,7 @@ macro_rules! dispatch {
 fn same_device(a: &Storage, b: &Storage) -> Result<()> {
     if a.device() != b.device() {
         bail!(
+            Shape,
             "tensors on different devices ({} and {})",
             a.device(),
             b.device()
@@ -226,6 +227,7 @@ fn same_device(a: &Storage, b: &Storage) -> Result<()> {
     }
     if a.dtype() != b.dtype() {
         bail!(
+            Shape,
             "tensors of different dtypes ({:?} and {:?})",
             a.dtype(),
             b.dtype()
@@ -248,7 +250,10 @@ impl Storage {
             Device::Cpu => Ok(Storage::Cpu(Rc::new(cpu::CpuStorage::F64(cpu::Buf::new(
                 data,
             ))))),
-            Device::Gpu => bail!("f64 tensors live on the CPU only (the GPU backend is f32)"),
+            Device::Gpu => bail!(
+                Shape,
+                "f64 tensors live on the CPU only (the GPU backend is f32)"
+            ),
         }
     }
     /// `n` copies of `value`.
@@ -260,7 +265,7 @@ impl Storage {
                 n,
                 value as f32,
             )?))),
-            (Device::Gpu, DType::F64) => bail!("f64 tensors live on the CPU only"),
+            (Device::Gpu, DType::F64) => bail!(Shape, "f64 tensors live on the CPU only"),
         }
     }
     pub fn device(&self) -> Device {
@@ -293,7 +298,7 @@ impl Storage {
         }
         match self.dtype() {
             DType::F32 => Storage::from_f32(self.to_vec_f32()?, device),
-            DType::F64 => bail!("f64 tensors live on the CPU only"),
+            DType::F64 => bail!(Shape, "f64 tensors live on the CPU only"),
         }
     }
     /// A copy with another element type (CPU only for f64).
@@ -320,6 +325,7 @@ impl Storage {
         same_device(self, rhs)?;
         if layout.shape.len() > MAX_DIMS {
             bail!(
+                Shape,
                 "binary op on {} dimensions: at most {MAX_DIMS} are supported",
                 layout.shape.len()
             );
@@ -381,6 +387,7 @@ impl Storage {
         let _prof = crate::profile::scope("strided copy");
         if shape.len() > MAX_DIMS {
             bail!(
+                Shape,
                 "view with {} dimensions: at most {MAX_DIMS} are supported",
                 shape.len()
             );
@@ -399,7 +406,7 @@ impl Storage {
         let _prof = crate::profile::scope("concat");
         let first = parts
             .first()
-            .ok_or_else(|| crate::Error::msg("concat of no tensors"))?;
+            .ok_or_else(|| crate::Error::shape("concat of no tensors"))?;
         for p in parts {
             same_device(first, p)?;
         }
@@ -437,7 +444,10 @@ impl Storage {
         let _prof = crate::profile::scope("gather rows");
         let v = self.len() / d.max(1);
         if let Some(&bad) = ids.iter().find(|&&i| i as usize >= v) {
-            bail!("index {bad} out of range for an embedding of {v} rows");
+            bail!(
+                Shape,
+                "index {bad} out of range for an embedding of {v} rows"
+            );
         }
         dispatch!(self, s => Ok(Storage::Cpu(Rc::new(s.gather_rows(ids, d)))),
                   g => Ok(Storage::Gpu(Rc::new(g.gather_rows(ids, d)?))))
@@ -579,7 +589,10 @@ impl Storage {
             (Storage::Gpu(p), Storage::Gpu(g), Storage::Gpu(m), Storage::Gpu(v)) => {
                 p.adamw_step(g, m, v, c)
             }
-            _ => bail!("AdamW: parameter, gradient and moments must share a device"),
+            _ => bail!(
+                Shape,
+                "AdamW: parameter, gradient and moments must share a device"
+            ),
         }
     }
 
@@ -611,7 +624,10 @@ impl Storage {
             (Storage::Gpu(p), Storage::Gpu(g), Some(Storage::Gpu(b))) => {
                 p.sgd_step(g, Some(b), lr, momentum, wd, first)
             }
-            _ => bail!("SGD: parameter, gradient and momentum buffer must share a device"),
+            _ => bail!(
+                Shape,
+                "SGD: parameter, gradient and momentum buffer must share a device"
+            ),
         }
     }
 }

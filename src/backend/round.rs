@@ -29,7 +29,7 @@ impl std::str::FromStr for Format {
         match s {
             "bf16" | "bfloat16" => Ok(Format::Bf16),
             "fp16" | "float16" | "half" => Ok(Format::Fp16),
-            _ => Err(crate::Error::msg(format!(
+            _ => Err(crate::Error::config(format!(
                 "unknown 16-bit format {s:?}: expected \"bf16\" or \"fp16\""
             ))),
         }

@@ -197,7 +197,7 @@ const MAX_SAMPLE: usize = 1_000_000;
 
 fn check_sample_len(flag: &str, n: usize) -> tinyllm::Result<()> {
     if n > MAX_SAMPLE {
-        return Err(tinyllm::Error::msg(format!(
+        return Err(tinyllm::Error::config(format!(
             "{flag} must be 0..={MAX_SAMPLE} bytes (got {n})"
         )));
     }
@@ -298,7 +298,7 @@ fn resume_config(a: &TrainArgs, dir: &std::path::Path) -> tinyllm::Result<TrainC
     ];
     for (flag, set, differs) in checks {
         if set && differs {
-            return Err(tinyllm::Error::msg(format!(
+            return Err(tinyllm::Error::config(format!(
                 "{flag} differs from the run being resumed ({}); a resumed run keeps its recipe (only --steps, --out, --eval-every, --save-every and --device may change)",
                 dir.display()
             )));
@@ -393,7 +393,7 @@ fn cmd_compare(a: CompareArgs) -> tinyllm::Result<()> {
     if a.json {
         println!(
             "{}",
-            serde_json::to_string(&c).map_err(|e| tinyllm::Error::msg(e.to_string()))?
+            serde_json::to_string(&c).map_err(|e| tinyllm::Error::config(e.to_string()))?
         );
     } else {
         println!("{}", c.table());
@@ -429,7 +429,7 @@ fn cmd_eval(a: EvalArgs) -> tinyllm::Result<()> {
 
 fn cmd_generate(a: GenerateArgs) -> tinyllm::Result<()> {
     if !(a.temperature >= 0.0 && a.temperature.is_finite()) {
-        return Err(tinyllm::Error::msg(format!(
+        return Err(tinyllm::Error::config(format!(
             "--temperature must be 0 (greedy) or positive, got {}",
             a.temperature
         )));

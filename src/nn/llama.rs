@@ -60,7 +60,10 @@ impl LlamaConfig {
             "capstone" => base(320, 8, 5, 904, 512),
             "small" => base(128, 4, 4, 352, 128),
             "tiny" => base(32, 4, 2, 64, 16),
-            _ => bail!("unknown preset {name:?}: expected capstone, small or tiny"),
+            _ => bail!(
+                Config,
+                "unknown preset {name:?}: expected capstone, small or tiny"
+            ),
         })
     }
 
@@ -77,20 +80,30 @@ impl LlamaConfig {
             || c.hidden == 0
             || c.context == 0
         {
-            bail!("model config: every size must be at least 1 ({c:?})");
+            bail!(
+                Config,
+                "model config: every size must be at least 1 ({c:?})"
+            );
         }
         if !c.d_model.is_multiple_of(c.n_heads) || !c.head_dim().is_multiple_of(2) {
-            bail!(
+            bail!(Config,
                 "model config: d_model {} must split into {} heads of an even width (RoPE rotates pairs)",
                 c.d_model,
                 c.n_heads
             );
         }
         if !(0.0..1.0).contains(&c.dropout) {
-            bail!("model config: dropout must be in [0, 1), got {}", c.dropout);
+            bail!(
+                Config,
+                "model config: dropout must be in [0, 1), got {}",
+                c.dropout
+            );
         }
         if c.rms_eps.is_nan() || c.rms_eps <= 0.0 || c.rope_theta.is_nan() || c.rope_theta <= 0.0 {
-            bail!("model config: rms_eps and rope_theta must be positive");
+            bail!(
+                Config,
+                "model config: rms_eps and rope_theta must be positive"
+            );
         }
         Ok(())
     }
@@ -136,22 +149,25 @@ impl LlamaConfig {
             v.get(k)
                 .and_then(|x| x.as_u64())
                 .map(|x| x as usize)
-                .ok_or_else(|| crate::Error::msg(format!("config.json: missing or invalid {k:?}")))
+                .ok_or_else(|| {
+                    crate::Error::config(format!("config.json: missing or invalid {k:?}"))
+                })
         };
         let flt = |k: &str, d: f64| v.get(k).and_then(|x| x.as_f64()).unwrap_or(d);
         if let Some(t) = v.get("model_type").and_then(|x| x.as_str()) {
             if t != "llama" {
-                bail!("config.json: model_type {t:?} is not \"llama\"");
+                bail!(Config, "config.json: model_type {t:?} is not \"llama\"");
             }
         }
         let n_heads = num("num_attention_heads")?;
         if let Ok(kv) = num("num_key_value_heads") {
             if kv != n_heads {
-                bail!("config.json: grouped-query attention ({kv} key/value heads for {n_heads} heads) is not supported");
+                bail!(Config, "config.json: grouped-query attention ({kv} key/value heads for {n_heads} heads) is not supported");
             }
         }
         if v.get("tie_word_embeddings").and_then(|x| x.as_bool()) == Some(true) {
             bail!(
+                Config,
                 "config.json: tied embeddings are not supported (this Llama has its own lm_head)"
             );
         }
@@ -169,6 +185,7 @@ impl LlamaConfig {
         if let Ok(hd) = num("head_dim") {
             if cfg.n_heads * hd != cfg.d_model {
                 bail!(
+                    Config,
                     "config.json: head_dim {hd} × {} heads ≠ hidden_size {}",
                     cfg.n_heads,
                     cfg.d_model
@@ -207,7 +224,11 @@ pub fn rope_tables(context: usize, head_dim: usize, theta: f64) -> (Vec<f32>, Ve
 pub fn rotate_half(x: &Tensor) -> Result<Tensor> {
     let d = *x.shape().last().unwrap_or(&0);
     if !d.is_multiple_of(2) {
-        bail!("rotate_half needs an even last axis, got {:?}", x.shape());
+        bail!(
+            Shape,
+            "rotate_half needs an even last axis, got {:?}",
+            x.shape()
+        );
     }
     let x1 = x.narrow(-1, 0, d / 2)?;
     let x2 = x.narrow(-1, d / 2, d / 2)?;
@@ -349,7 +370,7 @@ impl Layer for Block {
     /// `x: (B,T,C) -> (B,T,C)`
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         if x.dims() != 3 {
-            bail!("a Llama block takes (B,T,C), got {:?}", x.shape());
+            bail!(Shape, "a Llama block takes (B,T,C), got {:?}", x.shape());
         }
         let a = &self.self_attn;
         let train = a.training.get();
@@ -469,18 +490,21 @@ impl Llama {
     ) -> Result<Tensor> {
         if ids.len() != b * t || b == 0 || t == 0 {
             bail!(
+                Shape,
                 "Llama::forward: {} ids are not {b} sequences of {t}",
                 ids.len()
             );
         }
         if t > self.cfg.context {
             bail!(
+                Shape,
                 "Llama::forward: sequence of {t} tokens is longer than the context {}",
                 self.cfg.context
             );
         }
         if let Some(&bad) = ids.iter().find(|&&i| i as usize >= self.cfg.vocab_size) {
             bail!(
+                Shape,
                 "Llama::forward: token id {bad} outside the vocabulary of {}",
                 self.cfg.vocab_size
             );

@@ -76,6 +76,7 @@ impl Layer for Linear {
         let inp = self.weight.shape()[1];
         if x.shape().last() != Some(&inp) {
             bail!(
+                Shape,
                 "Linear({inp} -> {}): input of shape {:?}",
                 self.weight.shape()[0],
                 x.shape()
@@ -168,7 +169,7 @@ pub struct Dropout {
 impl Dropout {
     pub fn new(p: f32, gen: &Generator) -> Result<Dropout> {
         if !(0.0..1.0).contains(&p) {
-            bail!("dropout probability must be in [0, 1), got {p}");
+            bail!(Config, "dropout probability must be in [0, 1), got {p}");
         }
         Ok(Dropout {
             p,

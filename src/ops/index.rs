@@ -7,7 +7,7 @@ impl Tensor {
     /// scatter-adds `g` into a `(v, d)` gradient, each row summed in ascending `i`.
     pub fn embedding(&self, ids: &[u32]) -> Result<Tensor> {
         if self.dims() != 2 {
-            bail!("embedding table must be 2-d, got {:?}", self.shape());
+            bail!(Shape, "embedding table must be 2-d, got {:?}", self.shape());
         }
         let (v, d) = (self.shape()[0], self.shape()[1]);
         let s = self.storage().gather_rows(ids, d)?;

@@ -22,6 +22,7 @@ pub fn matmul_with(
 ) -> Result<Tensor> {
     if a.dims() < 2 || b.dims() < 2 {
         bail!(
+            Shape,
             "matmul needs at least 2-d operands, got {:?} and {:?}",
             a.shape(),
             b.shape()
@@ -40,6 +41,7 @@ pub fn matmul_with(
     };
     if ka != kb {
         bail!(
+            Shape,
             "matmul: inner dimensions differ ({:?}{} @ {:?}{})",
             a.shape(),
             if ta { "ᵀ" } else { "" },
@@ -55,7 +57,7 @@ pub fn matmul_with(
     } else if lead_a == lead_b {
         (numel(lead_a), k * n, lead_a.to_vec())
     } else {
-        bail!("matmul: batch axes {lead_a:?} and {lead_b:?} differ");
+        bail!(Shape, "matmul: batch axes {lead_a:?} and {lead_b:?} differ");
     };
     let dims = MatmulDims {
         batch,

@@ -13,7 +13,7 @@ impl Tensor {
         let n = *self
             .shape()
             .last()
-            .ok_or_else(|| crate::Error::msg("softmax of a 0-d tensor"))?;
+            .ok_or_else(|| crate::Error::shape("softmax of a 0-d tensor"))?;
         let rows = numel(self.shape()) / n.max(1);
         let s = self.storage().softmax_rows(rows, n)?;
         let y = Tensor::from_storage(s.clone(), self.shape())?;
@@ -47,6 +47,7 @@ impl Tensor {
         let r = self.dims();
         if r < 2 || self.shape()[r - 1] != self.shape()[r - 2] {
             bail!(
+                Shape,
                 "causal_mask needs square trailing axes, got {:?}",
                 self.shape()
             );
@@ -70,6 +71,7 @@ impl Tensor {
 pub fn mse(pred: &Tensor, target: &Tensor) -> Result<Tensor> {
     if pred.shape() != target.shape() {
         bail!(
+            Shape,
             "mse: prediction {:?} and target {:?} differ in shape",
             pred.shape(),
             target.shape()
@@ -84,6 +86,7 @@ pub fn mse(pred: &Tensor, target: &Tensor) -> Result<Tensor> {
 pub fn cross_entropy(logits: &Tensor, targets: &[u32]) -> Result<Tensor> {
     if logits.dims() != 2 || logits.shape()[0] != targets.len() {
         bail!(
+            Shape,
             "cross_entropy: logits {:?} need shape (n, v) with n = {} targets",
             logits.shape(),
             targets.len()
@@ -91,7 +94,10 @@ pub fn cross_entropy(logits: &Tensor, targets: &[u32]) -> Result<Tensor> {
     }
     let (n, v) = (logits.shape()[0], logits.shape()[1]);
     if let Some(&t) = targets.iter().find(|&&t| t as usize >= v) {
-        bail!("cross_entropy: target {t} out of range for {v} classes");
+        bail!(
+            Shape,
+            "cross_entropy: target {t} out of range for {v} classes"
+        );
     }
     let lsm = logits.log_softmax()?.reshape(&[n * v, 1])?;
     let ids: Vec<u32> = targets
@@ -107,7 +113,7 @@ pub fn cross_entropy(logits: &Tensor, targets: &[u32]) -> Result<Tensor> {
 /// either device), so recording and restoring `gen` replays it exactly.
 pub fn dropout(x: &Tensor, p: f32, gen: &Generator, training: bool) -> Result<Tensor> {
     if !(0.0..1.0).contains(&p) {
-        bail!("dropout probability must be in [0, 1), got {p}");
+        bail!(Config, "dropout probability must be in [0, 1), got {p}");
     }
     if !training || p == 0.0 {
         return Ok(x.clone());

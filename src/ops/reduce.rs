@@ -14,7 +14,7 @@ impl Tensor {
     fn reduce_axis(&self, op: ReduceOp, ax: isize, keepdim: bool) -> Result<(Tensor, Vec<usize>)> {
         let ax = axis(ax, self.dims())?;
         if self.dims() == 0 {
-            bail!("reduction over an axis of a 0-d tensor");
+            bail!(Shape, "reduction over an axis of a 0-d tensor");
         }
         let (o, r, i) = split(self.shape(), ax);
         let s = self.storage().reduce(op, o, r, i)?;

@@ -11,6 +11,7 @@ impl Tensor {
     pub fn reshape(&self, shape: &[usize]) -> Result<Tensor> {
         if numel(shape) != self.numel() {
             bail!(
+                Shape,
                 "cannot reshape {:?} ({} elements) to {shape:?}",
                 self.shape(),
                 self.numel()
@@ -38,7 +39,7 @@ impl Tensor {
                 .iter()
                 .any(|&p| p >= n || std::mem::replace(&mut seen[p], true))
         {
-            bail!("permute {perm:?} is not a permutation of {n} axes");
+            bail!(Shape, "permute {perm:?} is not a permutation of {n} axes");
         }
         let cs = contiguous_strides(self.shape());
         let shape: Vec<usize> = perm.iter().map(|&p| self.shape()[p]).collect();
@@ -67,6 +68,7 @@ impl Tensor {
         let full = self.shape()[ax];
         if start + len > full {
             bail!(
+                Shape,
                 "narrow {start}..{} out of range for axis {ax} of size {full}",
                 start + len
             );
@@ -100,13 +102,14 @@ impl Tensor {
     pub fn cat(parts: &[&Tensor], ax: isize) -> Result<Tensor> {
         let first = parts
             .first()
-            .ok_or_else(|| crate::Error::msg("cat of no tensors"))?;
+            .ok_or_else(|| crate::Error::shape("cat of no tensors"))?;
         let ax = axis(ax, first.dims())?;
         for p in parts {
             if p.dims() != first.dims()
                 || (0..first.dims()).any(|d| d != ax && p.shape()[d] != first.shape()[d])
             {
                 bail!(
+                    Shape,
                     "cat along axis {ax}: shapes {:?} and {:?} differ elsewhere",
                     first.shape(),
                     p.shape()
@@ -138,7 +141,7 @@ impl Tensor {
         }
         let bs = crate::tensor::shape::broadcast_shape(self.shape(), shape)?;
         if bs != shape {
-            bail!("cannot broadcast {:?} to {shape:?}", self.shape());
+            bail!(Shape, "cannot broadcast {:?} to {shape:?}", self.shape());
         }
         let s = self
             .storage()

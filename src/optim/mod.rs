@@ -24,6 +24,7 @@ pub trait Optimizer {
 fn check_master(p: &Tensor) -> Result<()> {
     if p.dtype() != DType::F32 {
         bail!(
+            Config,
             "optimizers update float32 master weights; got a {:?} parameter",
             p.dtype()
         );
@@ -43,7 +44,10 @@ pub struct Sgd {
 impl Sgd {
     pub fn new(params: Vec<Tensor>, lr: f32, momentum: f32, weight_decay: f32) -> Result<Sgd> {
         if !(lr >= 0.0) || !(momentum >= 0.0) || !(weight_decay >= 0.0) {
-            bail!("SGD: lr, momentum and weight decay must be non-negative");
+            bail!(
+                Config,
+                "SGD: lr, momentum and weight decay must be non-negative"
+            );
         }
         let n = params.len();
         Ok(Sgd {
@@ -132,7 +136,10 @@ impl AdamW {
             || !(cfg.eps > 0.0)
             || !(cfg.weight_decay >= 0.0)
         {
-            bail!("AdamW: need lr >= 0, betas in [0, 1), eps > 0, weight decay >= 0 (got {cfg:?})");
+            bail!(
+                Config,
+                "AdamW: need lr >= 0, betas in [0, 1), eps > 0, weight decay >= 0 (got {cfg:?})"
+            );
         }
         let n = params.len();
         Ok(AdamW {
@@ -152,10 +159,11 @@ impl AdamW {
         let p = self
             .params
             .get(i)
-            .ok_or_else(|| crate::Error::msg(format!("no parameter {i}")))?;
+            .ok_or_else(|| crate::Error::config(format!("no parameter {i}")))?;
         if let Some((m, v, _)) = &st {
             if m.shape() != p.shape() || v.shape() != p.shape() {
                 bail!(
+                    Config,
                     "optimizer state {i}: moments of shape {:?}/{:?} for a parameter of shape {:?}",
                     m.shape(),
                     v.shape(),
@@ -223,7 +231,7 @@ pub fn grad_storages(params: &[Tensor]) -> Vec<Storage> {
 /// every gradient is multiplied by `max_norm / (norm + 1e-6)`.
 pub fn clip_grad_norm_(params: &[Tensor], max_norm: f32) -> Result<f32> {
     if !(max_norm > 0.0) {
-        bail!("clip: max_norm must be positive, got {max_norm}");
+        bail!(Config, "clip: max_norm must be positive, got {max_norm}");
     }
     let grads = grad_storages(params);
     let refs: Vec<&Storage> = grads.iter().collect();

@@ -97,10 +97,11 @@ fn accumulate(map: &mut HashMap<usize, Tensor>, id: usize, g: Tensor) -> Result<
 
 pub(crate) fn backward(root: &Tensor, seed: Tensor) -> Result<()> {
     if !root.requires_grad() {
-        bail!("backward on a tensor that does not require grad (no parameter reached it, or it was made under no_grad)");
+        bail!(Shape, "backward on a tensor that does not require grad (no parameter reached it, or it was made under no_grad)");
     }
     if seed.shape() != root.shape() {
         bail!(
+            Shape,
             "backward seed of shape {:?} for a tensor of shape {:?}",
             seed.shape(),
             root.shape()
@@ -125,7 +126,7 @@ pub(crate) fn backward(root: &Tensor, seed: Tensor) -> Result<()> {
         let node = t.node.borrow_mut().take();
         let Some(g) = g else { continue };
         let Some(node) = node else {
-            bail!("backward through a graph that was already freed (a second backward over the same forward pass)");
+            bail!(Shape, "backward through a graph that was already freed (a second backward over the same forward pass)");
         };
         let Node { name, parents, vjp } = node;
         let pgrads = vjp(&g).map_err(|e| e.context(format!("backward of {name}")))?;
@@ -133,7 +134,7 @@ pub(crate) fn backward(root: &Tensor, seed: Tensor) -> Result<()> {
         for (p, pg) in parents.iter().zip(pgrads) {
             if let (true, Some(pg)) = (p.requires_grad.get(), pg) {
                 if pg.shape() != p.shape.as_slice() {
-                    bail!("backward of {name} produced a gradient of shape {:?} for an input of shape {:?}", pg.shape(), p.shape);
+                    bail!(Shape, "backward of {name} produced a gradient of shape {:?} for an input of shape {:?}", pg.shape(), p.shape);
                 }
                 accumulate(&mut grads, p.id, pg)?;
             }

@@ -98,6 +98,7 @@ impl Tensor {
     pub fn from_storage(storage: Storage, shape: &[usize]) -> Result<Tensor> {
         if storage.len() != shape::numel(shape) {
             bail!(
+                Shape,
                 "{} values do not fill a tensor of shape {shape:?}",
                 storage.len()
             );
@@ -129,6 +130,7 @@ impl Tensor {
     pub fn from_vec(data: Vec<f32>, shape: &[usize], device: Device) -> Result<Tensor> {
         if data.len() != shape::numel(shape) {
             bail!(
+                Shape,
                 "{} values do not fill a tensor of shape {shape:?}",
                 data.len()
             );
@@ -139,6 +141,7 @@ impl Tensor {
     pub fn from_vec_f64(data: Vec<f64>, shape: &[usize], device: Device) -> Result<Tensor> {
         if data.len() != shape::numel(shape) {
             bail!(
+                Shape,
                 "{} values do not fill a tensor of shape {shape:?}",
                 data.len()
             );
@@ -155,7 +158,7 @@ impl Tensor {
     /// The values as an ndarray array (f32).
     pub fn to_ndarray(&self) -> Result<ndarray::ArrayD<f32>> {
         ndarray::ArrayD::from_shape_vec(self.shape().to_vec(), self.to_vec_f32()?)
-            .map_err(|e| crate::Error::msg(e.to_string()))
+            .map_err(|e| crate::Error::shape(e.to_string()))
     }
 
     pub fn full(shape: &[usize], value: f64, dtype: DType, device: Device) -> Result<Tensor> {
@@ -229,6 +232,7 @@ impl Tensor {
     pub fn set_storage(&self, s: Storage) -> Result<()> {
         if s.len() != self.numel() || s.dtype() != self.dtype() {
             bail!(
+                Shape,
                 "set_storage: {} {:?} values for a {:?} {:?} tensor",
                 s.len(),
                 s.dtype(),
@@ -248,7 +252,7 @@ impl Tensor {
     /// The single value of a one-element tensor.
     pub fn item(&self) -> Result<f64> {
         if self.numel() != 1 {
-            bail!("item() of a tensor with {} elements", self.numel());
+            bail!(Shape, "item() of a tensor with {} elements", self.numel());
         }
         Ok(self.to_vec_f64()?[0])
     }
@@ -339,6 +343,7 @@ impl Tensor {
     pub fn backward(&self) -> Result<()> {
         if self.numel() != 1 {
             bail!(
+                Shape,
                 "backward() needs a one-element tensor (shape {:?}); use backward_with(seed)",
                 self.shape()
             );

@@ -36,7 +36,7 @@ pub fn broadcast_shape(a: &[usize], b: &[usize]) -> Result<Vec<usize>> {
             (x, y) if x == y => x,
             (1, y) => y,
             (x, 1) => x,
-            _ => bail!("shapes {a:?} and {b:?} do not broadcast"),
+            _ => bail!(Shape, "shapes {a:?} and {b:?} do not broadcast"),
         };
     }
     Ok(out)
@@ -62,7 +62,7 @@ pub fn broadcast_strides(src: &[usize], out: &[usize]) -> Vec<usize> {
 pub fn axis(ax: isize, rank: usize) -> Result<usize> {
     let a = if ax < 0 { ax + rank as isize } else { ax };
     if a < 0 || a as usize >= rank.max(1) {
-        bail!("axis {ax} out of range for a tensor of rank {rank}");
+        bail!(Shape, "axis {ax} out of range for a tensor of rank {rank}");
     }
     Ok(a as usize)
 }

@@ -79,7 +79,7 @@ struct Manifest {
 }
 
 fn io_err(what: &str, p: &Path, e: std::io::Error) -> Error {
-    Error::msg(format!("{what} {}: {e}", p.display()))
+    Error::io(format!("{what} {}", p.display()), e)
 }
 
 /// Writes `bytes` to `dir/name` atomically: a temporary file in `dir`,
@@ -152,7 +152,8 @@ fn view(t: &Tensor) -> Result<F32View> {
 }
 
 fn serialize(tensors: Vec<(String, F32View)>, meta: HashMap<String, String>) -> Result<Vec<u8>> {
-    safetensors::serialize(tensors, Some(meta)).map_err(|e| Error::msg(format!("safetensors: {e}")))
+    safetensors::serialize(tensors, Some(meta))
+        .map_err(|e| Error::checkpoint(format!("safetensors: {e}")))
 }
 
 /// Where a checkpoint lives: `dir` itself when it holds a manifest, else
@@ -249,21 +250,22 @@ pub fn save(run_dir: &Path, model: &Llama, opt: &AdamW, state: &TrainState) -> R
     for (what, t) in [("weights", &weights), ("optimizer moments", &moments)] {
         if let Some(n) = first_non_finite(t) {
             let _ = std::fs::remove_dir_all(&staging);
-            bail!(
+            bail!(Checkpoint,
                 "refusing to write a checkpoint at step {step}: the {what} of {n:?} are not finite (NaN or inf); the previous checkpoint in {} is kept",
                 run_dir.display()
             );
         }
     }
-    let json =
-        |v: &serde_json::Value| serde_json::to_vec_pretty(v).map_err(|e| Error::msg(e.to_string()));
+    let json = |v: &serde_json::Value| {
+        serde_json::to_vec_pretty(v).map_err(|e| Error::checkpoint(e.to_string()))
+    };
     let files: Vec<(&str, Vec<u8>)> = vec![
         (MODEL_FILE, serialize(weights, meta.clone())?),
         (CONFIG_FILE, json(&model.cfg.to_hf_json())?),
         (OPTIM_FILE, serialize(moments, meta)?),
         (
             STATE_FILE,
-            serde_json::to_vec_pretty(state).map_err(|e| Error::msg(e.to_string()))?,
+            serde_json::to_vec_pretty(state).map_err(|e| Error::checkpoint(e.to_string()))?,
         ),
     ];
     let mut manifest = Manifest {
@@ -281,7 +283,8 @@ pub fn save(run_dir: &Path, model: &Llama, opt: &AdamW, state: &TrainState) -> R
             },
         );
     }
-    let mbytes = serde_json::to_vec_pretty(&manifest).map_err(|e| Error::msg(e.to_string()))?;
+    let mbytes =
+        serde_json::to_vec_pretty(&manifest).map_err(|e| Error::checkpoint(e.to_string()))?;
     write_atomic_at(&staging, MANIFEST_FILE, &mbytes, Some(step))?;
     fault::pause_point(&format!("wrote:{MANIFEST_FILE}"), step);
     sync_dir(&staging);
@@ -317,27 +320,34 @@ impl Verified {
     /// Reads `dir`'s manifest and every file it lists, checking sizes and hashes.
     pub fn open(dir: &Path) -> Result<Verified> {
         if !dir.exists() {
-            bail!("{}: no such checkpoint directory", dir.display());
+            bail!(
+                Checkpoint,
+                "{}: no such checkpoint directory",
+                dir.display()
+            );
         }
         let dir = resolve_dir(dir);
         let shown = dir.display();
         let mpath = dir.join(MANIFEST_FILE);
         let mbytes = std::fs::read(&mpath).map_err(|e| {
-            Error::msg(format!(
+            Error::checkpoint(format!(
                 "{shown} is not a readable tinyllm checkpoint (no {MANIFEST_FILE}: {e})"
             ))
         })?;
         if mbytes.len() > 1 << 20 {
             bail!(
+                Checkpoint,
                 "{}: {} bytes is far too large for a manifest (corrupt?)",
                 mpath.display(),
                 mbytes.len()
             );
         }
-        let manifest: Manifest = serde_json::from_slice(&mbytes)
-            .map_err(|e| Error::msg(format!("{}: corrupt manifest: {e}", mpath.display())))?;
+        let manifest: Manifest = serde_json::from_slice(&mbytes).map_err(|e| {
+            Error::checkpoint(format!("{}: corrupt manifest: {e}", mpath.display()))
+        })?;
         if manifest.format != FORMAT {
             bail!(
+                Checkpoint,
                 "{}: unknown checkpoint format {:?} (expected {FORMAT:?})",
                 mpath.display(),
                 manifest.format
@@ -346,6 +356,7 @@ impl Verified {
         const KNOWN: [&str; 4] = [MODEL_FILE, CONFIG_FILE, OPTIM_FILE, STATE_FILE];
         if let Some(odd) = manifest.files.keys().find(|n| !KNOWN.contains(&n.as_str())) {
             bail!(
+                Checkpoint,
                 "{}: lists an unknown file {odd:?} (a checkpoint holds {})",
                 mpath.display(),
                 KNOWN.join(", ")
@@ -353,6 +364,7 @@ impl Verified {
         }
         if let Some(missing) = KNOWN.iter().find(|n| !manifest.files.contains_key(**n)) {
             bail!(
+                Checkpoint,
                 "{}: does not list {missing} (incomplete or corrupt manifest)",
                 mpath.display()
             );
@@ -365,7 +377,7 @@ impl Verified {
                 .map_err(|e| io_err("checkpoint file missing or unreadable:", &p, e))?
                 .len();
             if len != entry.bytes {
-                bail!(
+                bail!(Checkpoint,
                     "{}: {len} bytes, the manifest records {} (truncated or partly written); nothing was loaded",
                     p.display(),
                     entry.bytes
@@ -374,7 +386,7 @@ impl Verified {
             let bytes = std::fs::read(&p)
                 .map_err(|e| io_err("checkpoint file missing or unreadable:", &p, e))?;
             if bytes.len() as u64 != entry.bytes {
-                bail!(
+                bail!(Checkpoint,
                     "{}: {} bytes, the manifest records {} (truncated or partly written); nothing was loaded",
                     p.display(),
                     bytes.len(),
@@ -382,7 +394,7 @@ impl Verified {
                 );
             }
             if Sha256::digest_hex(&bytes) != entry.sha256 {
-                bail!("{}: SHA-256 does not match the manifest (the file is corrupted or was modified); nothing was loaded", p.display());
+                bail!(Checkpoint, "{}: SHA-256 does not match the manifest (the file is corrupted or was modified); nothing was loaded", p.display());
             }
             files.insert(name.clone(), bytes);
         }
@@ -391,7 +403,7 @@ impl Verified {
 
     fn file(&self, name: &str) -> Result<&[u8]> {
         self.files.get(name).map(Vec::as_slice).ok_or_else(|| {
-            Error::msg(format!(
+            Error::checkpoint(format!(
                 "{}: the manifest lists no {name}",
                 self.dir.display()
             ))
@@ -401,7 +413,7 @@ impl Verified {
     /// The model architecture from `config.json`.
     pub fn config(&self) -> Result<LlamaConfig> {
         let v: serde_json::Value = serde_json::from_slice(self.file(CONFIG_FILE)?)
-            .map_err(|e| Error::msg(format!("{}/{CONFIG_FILE}: {e}", self.dir.display())))?;
+            .map_err(|e| Error::checkpoint(format!("{}/{CONFIG_FILE}: {e}", self.dir.display())))?;
         let cfg = LlamaConfig::from_hf_json(&v).map_err(|e| e.context(self.dir.display()))?;
         crate::train::config::check_model_size(&cfg)
             .map_err(|e| e.context(format!("{}/{CONFIG_FILE}", self.dir.display())))?;
@@ -409,7 +421,7 @@ impl Verified {
         // refused before it is allocated (the exact check is per tensor, later).
         let have = self.file(MODEL_FILE)?.len();
         if cfg.num_params().saturating_mul(4) > have.saturating_mul(4).saturating_add(64 << 20) {
-            bail!(
+            bail!(Checkpoint,
                 "{}/{CONFIG_FILE}: describes {} parameters, far more than {MODEL_FILE} ({have} bytes) holds (config and weights do not match)",
                 self.dir.display(),
                 cfg.num_params()
@@ -420,9 +432,10 @@ impl Verified {
 
     pub fn train_state(&self) -> Result<TrainState> {
         let st: TrainState = serde_json::from_slice(self.file(STATE_FILE)?)
-            .map_err(|e| Error::msg(format!("{}/{STATE_FILE}: {e}", self.dir.display())))?;
+            .map_err(|e| Error::checkpoint(format!("{}/{STATE_FILE}: {e}", self.dir.display())))?;
         if st.format != FORMAT {
             bail!(
+                Checkpoint,
                 "{}/{STATE_FILE}: unknown format {:?}",
                 self.dir.display(),
                 st.format
@@ -441,23 +454,32 @@ impl Verified {
     /// shapes): exactly the expected set, nothing missing, nothing extra.
     fn tensors(&self, file: &str, expected: &[(String, Vec<usize>)]) -> Result<Vec<Vec<f32>>> {
         let where_ = format!("{}/{file}", self.dir.display());
-        let st = SafeTensors::deserialize(self.file(file)?)
-            .map_err(|e| Error::msg(format!("{where_}: not a valid safetensors file ({e})")))?;
+        let st = SafeTensors::deserialize(self.file(file)?).map_err(|e| {
+            Error::checkpoint(format!("{where_}: not a valid safetensors file ({e})"))
+        })?;
         let want: std::collections::HashSet<&str> =
             expected.iter().map(|(n, _)| n.as_str()).collect();
         if let Some(extra) = st.names().into_iter().find(|n| !want.contains(n)) {
-            bail!("{where_}: unexpected tensor {extra:?} (does the config match the weights?)");
+            bail!(
+                Checkpoint,
+                "{where_}: unexpected tensor {extra:?} (does the config match the weights?)"
+            );
         }
         let mut out = Vec::with_capacity(expected.len());
         for (name, shape) in expected {
             let t = st
                 .tensor(name)
-                .map_err(|_| Error::msg(format!("{where_}: missing tensor {name:?}")))?;
+                .map_err(|_| Error::checkpoint(format!("{where_}: missing tensor {name:?}")))?;
             if t.dtype() != Dtype::F32 {
-                bail!("{where_}: tensor {name:?} is {:?}, expected F32", t.dtype());
+                bail!(
+                    Checkpoint,
+                    "{where_}: tensor {name:?} is {:?}, expected F32",
+                    t.dtype()
+                );
             }
             if t.shape() != shape.as_slice() {
                 bail!(
+                    Checkpoint,
                     "{where_}: tensor {name:?} has shape {:?}, the model expects {shape:?}",
                     t.shape()
                 );
@@ -478,6 +500,7 @@ impl Verified {
         let cfg = self.config()?;
         if cfg != model.cfg {
             bail!(
+                Checkpoint,
                 "{}: config.json does not match the model (checkpoint {:?}, model {:?})",
                 self.dir.display(),
                 cfg,
@@ -513,6 +536,7 @@ pub fn restore(ck: &Verified, model: &Llama, opt: &mut AdamW) -> Result<TrainSta
     let named = model.named_parameters();
     if st.adam_steps.len() != named.len() {
         bail!(
+            Checkpoint,
             "{}/{STATE_FILE}: optimizer state for {} parameters, the model has {}",
             ck.dir.display(),
             st.adam_steps.len(),

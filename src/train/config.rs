@@ -25,7 +25,7 @@ impl std::str::FromStr for DeviceChoice {
             "auto" => Ok(DeviceChoice::Auto),
             "cpu" => Ok(DeviceChoice::Cpu),
             "gpu" => Ok(DeviceChoice::Gpu),
-            _ => bail!("unknown device {s:?}: expected auto, cpu or gpu"),
+            _ => bail!(Config, "unknown device {s:?}: expected auto, cpu or gpu"),
         }
     }
 }
@@ -116,13 +116,14 @@ pub fn check_model_size(m: &LlamaConfig) -> Result<()> {
             .checked_add(c)
     })();
     if params.is_none_or(|p| p > MAX_MODEL_BYTES / 4) {
-        bail!(
+        bail!(Config,
             "model config: vocab {v}, d_model {c}, hidden {f}, {l} layers is too large for tinyllm (at most {} MiB of float32 weights)",
             MAX_MODEL_BYTES >> 20
         );
     }
     if m.context > MAX_CONTEXT {
         bail!(
+            Config,
             "model config: context {} is longer than tinyllm allows (1..={MAX_CONTEXT} tokens)",
             m.context
         );
@@ -178,7 +179,7 @@ pub fn min_ckpt_budget(n: usize) -> usize {
 
 fn at_least_one(name: &str, v: Option<usize>) -> Result<Option<usize>> {
     match v {
-        Some(0) => bail!("{name} must be at least 1 (got 0)"),
+        Some(0) => bail!(Config, "{name} must be at least 1 (got 0)"),
         v => Ok(v),
     }
 }
@@ -191,7 +192,7 @@ impl TrainConfig {
         let mut model = LlamaConfig::preset(&preset).map_err(|e| e.context("--preset"))?;
         if let Some(p) = o.dropout {
             if !(0.0..1.0).contains(&p) {
-                bail!("--dropout must be in [0, 1) (got {p})");
+                bail!(Config, "--dropout must be in [0, 1) (got {p})");
             }
             model.dropout = p;
         }
@@ -199,7 +200,7 @@ impl TrainConfig {
         let steps = at_least_one("--steps", o.steps)?.unwrap_or(r.steps);
         let lr = o.lr.unwrap_or(r.lr);
         if !(lr.is_finite() && lr > 0.0) {
-            bail!("--lr must be a positive number (got {lr})");
+            bail!(Config, "--lr must be a positive number (got {lr})");
         }
         let device: DeviceChoice = o
             .device
@@ -229,20 +230,22 @@ impl TrainConfig {
             (None, None, None) => (r.batch, r.micro),
         };
         if micro > batch {
-            bail!("--micro-batch {micro} is larger than the batch of {batch} sequences: use a micro-batch of 1..={batch}");
+            bail!(Config, "--micro-batch {micro} is larger than the batch of {batch} sequences: use a micro-batch of 1..={batch}");
         }
         let accum = batch.div_ceil(micro);
         if let Some(k) = accum_o {
             if k != accum {
-                bail!("--accum {k} does not match a batch of {batch} in micro-batches of {micro} (that is {accum} micro-batches); give any two of --batch, --micro-batch, --accum");
+                bail!(Config, "--accum {k} does not match a batch of {batch} in micro-batches of {micro} (that is {accum} micro-batches); give any two of --batch, --micro-batch, --accum");
             }
         }
 
         let ckpt_on = o.checkpoint_activations.unwrap_or(true);
         let ckpt_budget = match (ckpt_on, o.ckpt_budget) {
-            (false, Some(_)) => bail!(
+            (false, Some(_)) => {
+                bail!(Config,
                 "--ckpt-budget needs activation checkpointing (drop --no-checkpoint-activations)"
-            ),
+            )
+            }
             (false, None) => None,
             (true, b) => {
                 let b = b.unwrap_or_else(|| min_ckpt_budget(model.n_layers));
@@ -255,12 +258,18 @@ impl TrainConfig {
             Some(0.0) => None,
             Some(c) if c.is_finite() && c > 0.0 => Some(c),
             Some(c) => {
-                bail!("--clip must be a positive number, or 0 to turn clipping off (got {c})")
+                bail!(
+                    Config,
+                    "--clip must be a positive number, or 0 to turn clipping off (got {c})"
+                )
             }
         };
         let warmup = o.warmup.unwrap_or((steps / 10).min(100));
         if warmup >= steps && steps > 1 {
-            bail!("--warmup {warmup} must be shorter than the run ({steps} steps)");
+            bail!(
+                Config,
+                "--warmup {warmup} must be shorter than the run ({steps} steps)"
+            );
         }
         let cfg = TrainConfig {
             preset,
@@ -299,6 +308,7 @@ impl TrainConfig {
         c.model.validate()?;
         if c.model.vocab_size != crate::train::data::ByteTokenizer::VOCAB {
             bail!(
+                Config,
                 "model config: vocab_size must be {} (bytes are tokens), got {}",
                 crate::train::data::ByteTokenizer::VOCAB,
                 c.model.vocab_size
@@ -306,28 +316,35 @@ impl TrainConfig {
         }
         check_model_size(&c.model)?;
         if c.steps == 0 {
-            bail!("--steps must be at least 1 (got 0)");
+            bail!(Config, "--steps must be at least 1 (got 0)");
         }
         if !(c.lr.is_finite() && c.lr > 0.0) {
-            bail!("--lr must be a positive number (got {})", c.lr);
+            bail!(Config, "--lr must be a positive number (got {})", c.lr);
         }
         if !(c.min_lr_frac.is_finite() && (0.0..=1.0).contains(&c.min_lr_frac)) {
-            bail!("min_lr_frac must be in [0, 1] (got {})", c.min_lr_frac);
+            bail!(
+                Config,
+                "min_lr_frac must be in [0, 1] (got {})",
+                c.min_lr_frac
+            );
         }
         if !(c.weight_decay.is_finite() && c.weight_decay >= 0.0) {
             bail!(
+                Config,
                 "weight_decay must be a non-negative number (got {})",
                 c.weight_decay
             );
         }
         if c.batch == 0 || c.batch > MAX_BATCH {
             bail!(
+                Config,
                 "--batch must be 1..={MAX_BATCH} sequences (got {})",
                 c.batch
             );
         }
         if c.batch.saturating_mul(c.model.context) > MAX_TOKENS_PER_STEP {
             bail!(
+                Config,
                 "--batch {} × context {} is {} tokens per step; at most {MAX_TOKENS_PER_STEP} fit",
                 c.batch,
                 c.model.context,
@@ -336,6 +353,7 @@ impl TrainConfig {
         }
         if c.micro_batch == 0 || c.micro_batch > c.batch {
             bail!(
+                Config,
                 "--micro-batch must be 1..={} (the batch), got {}",
                 c.batch,
                 c.micro_batch
@@ -343,6 +361,7 @@ impl TrainConfig {
         }
         if c.accum != c.batch.div_ceil(c.micro_batch) {
             bail!(
+                Config,
                 "--accum {} does not match a batch of {} in micro-batches of {}",
                 c.accum,
                 c.batch,
@@ -354,18 +373,22 @@ impl TrainConfig {
         }
         if let Some(clip) = c.clip {
             if !(clip.is_finite() && clip > 0.0) {
-                bail!("--clip must be a positive number, or 0 to turn clipping off (got {clip})");
+                bail!(
+                    Config,
+                    "--clip must be a positive number, or 0 to turn clipping off (got {clip})"
+                );
             }
         }
         if c.warmup >= c.steps && c.steps > 1 {
             bail!(
+                Config,
                 "--warmup {} must be shorter than the run ({} steps)",
                 c.warmup,
                 c.steps
             );
         }
         if c.eval_rows == 0 {
-            bail!("eval_rows must be at least 1");
+            bail!(Config, "eval_rows must be at least 1");
         }
         Ok(())
     }

@@ -51,18 +51,21 @@ impl Corpus {
     pub fn from_file(path: &Path) -> Result<Corpus> {
         let shown = path.display();
         let bytes = std::fs::read(path)
-            .map_err(|e| crate::Error::msg(format!("cannot read corpus {shown}: {e}")))?;
+            .map_err(|e| crate::Error::io(format!("cannot read corpus {shown}"), e))?;
         if bytes.is_empty() {
-            bail!("corpus {shown} is empty: give a UTF-8 text file with some text in it");
+            bail!(
+                Data,
+                "corpus {shown} is empty: give a UTF-8 text file with some text in it"
+            );
         }
         let text = std::str::from_utf8(&bytes).map_err(|e| {
-            crate::Error::msg(format!(
+            crate::Error::data(format!(
                 "corpus {shown} is not UTF-8 text (invalid byte at offset {}); convert it to UTF-8 first",
                 e.valid_up_to()
             ))
         })?;
         if let Some(at) = bytes.iter().position(|&b| b == 0) {
-            bail!("corpus {shown} looks like a binary file (a NUL byte at offset {at}): give a UTF-8 text file");
+            bail!(Data, "corpus {shown} looks like a binary file (a NUL byte at offset {at}): give a UTF-8 text file");
         }
         Ok(Corpus::from_text(&shown.to_string(), text))
     }
@@ -133,14 +136,14 @@ pub struct Dataset {
 impl Dataset {
     pub fn new(corpus: &Corpus, context: usize, seed: u64) -> Result<Dataset> {
         if context == 0 {
-            bail!("context must be at least 1 token");
+            bail!(Data, "context must be at least 1 token");
         }
         let n = corpus.tokens.len();
         let w = context + 1; // a window: t inputs and the next token
         let piece = w.max((n / 20).min(4096));
         let count = n / piece;
         if count < 2 {
-            bail!(
+            bail!(Data,
                 "corpus {} is too short: {n} bytes, but a context of {context} needs at least {} (one window of {w} for training and one for validation)",
                 corpus.name,
                 2 * w

@@ -41,7 +41,8 @@ impl MetricsLog {
     pub fn open(dir: &Path, keep_through: usize) -> Result<MetricsLog> {
         let path = dir.join("metrics.jsonl");
         let kept: Vec<String> = if keep_through > 0 && path.exists() {
-            std::fs::read_to_string(&path)?
+            std::fs::read_to_string(&path)
+                .map_err(|e| crate::Error::io(format!("cannot read {}", path.display()), e))?
                 .lines()
                 .filter(|l| {
                     serde_json::from_str::<StepMetrics>(l).is_ok_and(|m| m.step <= keep_through)
@@ -57,14 +58,14 @@ impl MetricsLog {
         let file = std::fs::OpenOptions::new()
             .append(true)
             .open(&path)
-            .map_err(|e| crate::Error::msg(format!("cannot write {}: {e}", path.display())))?;
+            .map_err(|e| crate::Error::io(format!("cannot write {}", path.display()), e))?;
         Ok(MetricsLog { path, file })
     }
     pub fn append(&mut self, m: &StepMetrics) -> Result<()> {
-        let line = serde_json::to_string(m).map_err(|e| crate::Error::msg(e.to_string()))?;
-        writeln!(self.file, "{line}")?;
-        self.file.flush()?;
-        Ok(())
+        let line = serde_json::to_string(m).map_err(|e| crate::Error::data(e.to_string()))?;
+        writeln!(self.file, "{line}")
+            .and_then(|()| self.file.flush())
+            .map_err(|e| crate::Error::io(format!("cannot write {}", self.path.display()), e))
     }
     pub fn path(&self) -> &Path {
         &self.path
@@ -72,12 +73,12 @@ impl MetricsLog {
     /// Every record in a log file.
     pub fn read(path: &Path) -> Result<Vec<StepMetrics>> {
         std::fs::read_to_string(path)
-            .map_err(|e| crate::Error::msg(format!("cannot read {}: {e}", path.display())))?
+            .map_err(|e| crate::Error::io(format!("cannot read {}", path.display()), e))?
             .lines()
             .filter(|l| !l.trim().is_empty())
             .map(|l| {
                 serde_json::from_str(l)
-                    .map_err(|e| crate::Error::msg(format!("{}: {e}", path.display())))
+                    .map_err(|e| crate::Error::data(format!("{}: {e}", path.display())))
             })
             .collect()
     }

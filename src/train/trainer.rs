@@ -39,7 +39,7 @@ pub fn select_device(choice: DeviceChoice) -> Result<(Device, Option<String>)> {
         DeviceChoice::Cpu => Ok((Device::Cpu, None)),
         DeviceChoice::Gpu => match crate::backend::gpu::adapter_name() {
             Ok(name) => Ok((Device::Gpu, Some(format!("device: GPU {name}")))),
-            Err(e) => bail!("--device gpu: no GPU adapter is available ({e}); use --device cpu or auto"),
+            Err(e) => bail!(Device, "--device gpu: no GPU adapter is available ({e}); use --device cpu or auto"),
         },
         DeviceChoice::Auto => match crate::backend::gpu::adapter_name() {
             // A software adapter (Mesa's lavapipe, SwiftShader) runs the same
@@ -202,6 +202,7 @@ impl Trainer {
         let st = ck.train_state()?;
         if st.data_fingerprint != corpus.fingerprint {
             bail!(
+                Config,
                 "--resume {}: the checkpoint was trained on {} (SHA-256 {}), not on {} ({})",
                 dir.display(),
                 st.data_name,
@@ -218,6 +219,7 @@ impl Trainer {
             })?,
             (None, None) => {}
             _ => bail!(
+                Config,
                 "--resume: the checkpoint's precision ({}) differs from this run's",
                 st.config.precision.name()
             ),
@@ -416,7 +418,7 @@ pub fn run(cfg: TrainConfig, resume: Option<&Path>, progress: Progress) -> Resul
     let corpus = Corpus::load(cfg.data.as_ref())?;
     let out = cfg.out.clone();
     std::fs::create_dir_all(&out)
-        .map_err(|e| crate::Error::msg(format!("cannot create {}: {e}", out.display())))?;
+        .map_err(|e| crate::Error::io(format!("cannot create {}", out.display()), e))?;
     let mut tr = match resume {
         Some(dir) => Trainer::resume(cfg.clone(), device, &corpus, dir)?,
         None => Trainer::new(cfg.clone(), device, &corpus)?,
@@ -453,6 +455,7 @@ pub fn run(cfg: TrainConfig, resume: Option<&Path>, progress: Progress) -> Resul
     }
     if tr.step >= cfg.steps {
         bail!(
+            Config,
             "the run is already at step {} of {}: give a larger --steps to continue it",
             tr.step,
             cfg.steps
@@ -498,7 +501,7 @@ pub fn run(cfg: TrainConfig, resume: Option<&Path>, progress: Progress) -> Resul
                     ),
                     None => "no checkpoint had been written yet".into(),
                 };
-                bail!("training stopped: {e}. {where_}");
+                return Err(e.map_message(|m| format!("training stopped: {m}. {where_}")));
             }
         };
         peak = peak.max(m.peak_bytes);
@@ -561,7 +564,8 @@ pub fn run(cfg: TrainConfig, resume: Option<&Path>, progress: Progress) -> Resul
                         ),
                         None => "no checkpoint had been written yet".into(),
                     };
-                    bail!("training stopped: the checkpoint of step {} could not be written: {e}. {where_}", tr.step);
+                    let step = tr.step;
+                    return Err(e.map_message(|m| format!("training stopped: the checkpoint of step {step} could not be written: {m}. {where_}")));
                 }
             }
         }
@@ -612,7 +616,11 @@ pub fn eval_text(model: &Llama, corpus: &Corpus, precision: Precision) -> Result
     let t = model.cfg.context;
     let toks = &corpus.tokens;
     if toks.len() < 2 {
-        bail!("{}: need at least 2 bytes of text to evaluate", corpus.name);
+        bail!(
+            Data,
+            "{}: need at least 2 bytes of text to evaluate",
+            corpus.name
+        );
     }
     let t = t.min(toks.len() - 1);
     let windows = (toks.len() - 1) / t;

@@ -62,7 +62,7 @@ pub fn ctx() -> Result<&'static Context> {
             c.check()?;
             Ok(c)
         }
-        Err(e) => Err(Error::msg(e.clone())),
+        Err(e) => Err(Error::device(e.clone())),
     }
 }
 
@@ -211,7 +211,7 @@ impl Context {
     /// Fails with the first device error, if one happened.
     pub fn check(&self) -> Result<()> {
         match &*self.error.lock().unwrap_or_else(|p| p.into_inner()) {
-            Some(e) => Err(Error::msg(e.clone())),
+            Some(e) => Err(Error::device(e.clone())),
             None => Ok(()),
         }
     }
@@ -258,7 +258,7 @@ impl Context {
                 cache: None,
             });
         if let Some(e) = pollster::block_on(scope.pop()) {
-            return Err(Error::msg(format!(
+            return Err(Error::device(format!(
                 "GPU kernel {}::{entry} failed to compile: {e}",
                 family.name
             )));
@@ -371,7 +371,7 @@ impl Context {
         self.flush()?;
         self.device
             .poll(wgpu::PollType::wait_indefinitely())
-            .map_err(|e| Error::msg(format!("GPU sync failed: {e}")))?;
+            .map_err(|e| Error::device(format!("GPU sync failed: {e}")))?;
         self.check()
     }
 
@@ -471,20 +471,20 @@ impl Context {
         });
         self.device
             .poll(wgpu::PollType::wait_indefinitely())
-            .map_err(|e| Error::msg(format!("GPU readback failed: {e}")))?;
+            .map_err(|e| Error::device(format!("GPU readback failed: {e}")))?;
         self.check()?;
         match rx.recv() {
             Ok(Ok(())) => {}
-            Ok(Err(e)) => return Err(Error::msg(format!("GPU readback failed: {e}"))),
+            Ok(Err(e)) => return Err(Error::device(format!("GPU readback failed: {e}"))),
             Err(_) => {
-                return Err(Error::msg(
+                return Err(Error::device(
                     "GPU readback failed: the map callback never ran",
                 ))
             }
         }
         let out = staging
             .get_mapped_range(..)
-            .map_err(|e| Error::msg(format!("GPU readback failed: {e}")))?[..bytes as usize]
+            .map_err(|e| Error::device(format!("GPU readback failed: {e}")))?[..bytes as usize]
             .to_vec();
         staging.unmap();
         Ok(out)

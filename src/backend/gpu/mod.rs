@@ -66,6 +66,7 @@ pub fn sync() -> Result<()> {
 pub fn buffer_copy(src: &GpuStorage, dst: &GpuStorage) -> Result<()> {
     if src.len != dst.len {
         bail!(
+            Shape,
             "buffer copy of {} elements into {} elements",
             src.len,
             dst.len
@@ -111,7 +112,7 @@ pub fn shader_sources() -> Vec<(String, String, Vec<&'static str>)> {
 
 fn u32_of(x: usize, what: &str) -> Result<u32> {
     u32::try_from(x).map_err(|_| {
-        crate::Error::msg(format!(
+        crate::Error::device(format!(
             "{what} = {x} is too large for the GPU backend (32-bit indices)"
         ))
     })
@@ -149,7 +150,7 @@ fn grid1d(threads: usize) -> (u32, u32, u32) {
 fn pad6(shape: &[usize], strides: &[&[usize]]) -> Result<Vec<[u32; MAX_DIMS]>> {
     let nd = shape.len();
     if nd > MAX_DIMS {
-        bail!("{nd} dimensions: at most {MAX_DIMS} are supported");
+        bail!(Shape, "{nd} dimensions: at most {MAX_DIMS} are supported");
     }
     let mut out = vec![[1u32; MAX_DIMS]];
     for (d, &s) in shape.iter().enumerate() {
@@ -188,7 +189,7 @@ const LOOP_PASS: usize = 16_384;
 /// is refused instead.
 fn check_row_loops(c: &Context, what: &str, iterations: usize) -> Result<()> {
     if c.info.name.contains("llvmpipe") && iterations > 60_000 {
-        bail!(
+        bail!(Device,
             "{what} over rows of {} elements exceeds the loop limit of this software device ({}: 65,535 shader loop iterations)",
             iterations / if what == "softmax" { 3 } else { 2 },
             c.info.name
@@ -204,6 +205,7 @@ impl GpuStorage {
         let class = pool::size_class(bytes.max(4));
         if class > c.max_binding() {
             bail!(
+                Device,
                 "a GPU tensor of {len} elements ({bytes} bytes) exceeds this device's largest \
                  storage binding ({} bytes, adapter {:?})",
                 c.max_binding(),
@@ -371,6 +373,7 @@ impl GpuStorage {
         let gy = d.m.div_ceil(MATMUL_ROWS);
         if gx > 65535 || gy > 65535 {
             bail!(
+                Device,
                 "matmul of {}x{} outputs per batch is too large for one GPU dispatch",
                 d.m,
                 d.n
@@ -486,7 +489,7 @@ impl GpuStorage {
     pub fn scatter_add_rows(&self, ids: &[u32], v: usize, d: usize) -> Result<Self> {
         let c = ctx()?;
         if let Some(&bad) = ids.iter().find(|&&i| i as usize >= v) {
-            bail!("index {bad} out of range for {v} rows");
+            bail!(Shape, "index {bad} out of range for {v} rows");
         }
         let out = Self::alloc(c, v * d)?;
         if v * d == 0 {
@@ -662,7 +665,10 @@ impl GpuStorage {
     pub fn adamw_step(&self, g: &Self, m: &Self, v: &Self, k: &AdamWConsts) -> Result<()> {
         let c = ctx()?;
         if g.len != self.len || m.len != self.len || v.len != self.len {
-            bail!("AdamW: parameter, gradient and moments must have the same length");
+            bail!(
+                Shape,
+                "AdamW: parameter, gradient and moments must have the same length"
+            );
         }
         let params = [
             self.len as u32,
@@ -695,7 +701,10 @@ impl GpuStorage {
     ) -> Result<()> {
         let c = ctx()?;
         if g.len != self.len || buf.is_some_and(|b| b.len != self.len) {
-            bail!("SGD: parameter, gradient and momentum buffer must have the same length");
+            bail!(
+                Shape,
+                "SGD: parameter, gradient and momentum buffer must have the same length"
+            );
         }
         let params = [
             self.len as u32,
