@@ -19,6 +19,7 @@ pub mod backend;
 pub mod bench;
 pub mod error;
 pub mod memory;
+pub mod module;
 pub mod nn;
 pub mod ops;
 pub mod optim;

@@ -12,7 +12,6 @@ use crate::backend::{Storage, UnaryOp};
 use crate::optim::{clip_grad_norm_, grad_storages, Optimizer};
 use crate::{bail, Error, Result, Tensor};
 use serde::{Deserialize, Serialize};
-use std::cell::Cell;
 
 // ------------------------------------------------------------- rounding ----
 
@@ -48,36 +47,7 @@ pub fn cast(x: &Tensor, fmt: Format) -> Result<Tensor> {
 
 // ------------------------------------------------------------- autocast ----
 
-thread_local! {
-    static AUTOCAST: Cell<Option<Format>> = const { Cell::new(None) };
-}
-
-/// The format every matmul on this thread rounds to right now, if any.
-pub fn autocast_dtype() -> Option<Format> {
-    AUTOCAST.with(Cell::get)
-}
-
-/// While alive, every matmul on this thread (`Tensor::matmul`, `Linear`,
-/// attention; CPU and GPU) computes `cast(cast(a) @ cast(b))` with f32
-/// accumulation. Dropping it restores the enclosing state — also while
-/// unwinding from a panic — so guards nest and the innermost format applies.
-#[must_use = "autocast ends when the guard is dropped"]
-pub struct AutocastGuard {
-    prev: Option<Format>,
-}
-
-impl Drop for AutocastGuard {
-    fn drop(&mut self) {
-        AUTOCAST.with(|a| a.set(self.prev));
-    }
-}
-
-/// Enters an autocast scope with `fmt` (or, with `None`, a float32 scope that
-/// switches an enclosing autocast off).
-pub fn autocast(fmt: impl Into<Option<Format>>) -> AutocastGuard {
-    let prev = AUTOCAST.with(|a| a.replace(fmt.into()));
-    AutocastGuard { prev }
-}
+pub use crate::tensor::autocast::{autocast, autocast_dtype, AutocastGuard};
 
 /// `autocast(Format::Bf16)`.
 pub fn autocast_bf16() -> AutocastGuard {

@@ -10,9 +10,9 @@
 //! gradients on. Same operations on the same values: the gradients equal a
 //! plain run's bit for bit.
 
-use crate::nn::Layer;
-use crate::precision::{autocast, autocast_dtype};
+use crate::module::Layer;
 use crate::rng::Generator;
+use crate::tensor::autocast::{autocast, autocast_dtype};
 use crate::tensor::{is_grad_enabled, no_grad, set_grad_enabled};
 use crate::{bail, Result, Tensor};
 use std::rc::Rc;

@@ -11,17 +11,7 @@ use crate::{bail, Result, Tensor};
 use std::cell::Cell;
 use std::rc::Rc;
 
-pub trait Module {
-    /// Trainable tensors, in a stable order (checkpoints rely on it).
-    fn parameters(&self) -> Vec<Tensor>;
-    /// Switches training behaviour (dropout) on or off.
-    fn set_training(&self, _on: bool) {}
-}
-
-/// One tensor in, one tensor out.
-pub trait Layer: Module {
-    fn forward(&self, x: &Tensor) -> Result<Tensor>;
-}
+pub use crate::module::{Layer, Module};
 
 /// `y = x Wᵀ (+ b)`, weight `(out, in)` — the PyTorch / Hugging Face layout.
 pub struct Linear {
@@ -240,35 +230,5 @@ impl Layer for Sequential {
             h = l.forward(&h)?;
         }
         Ok(h)
-    }
-}
-
-impl<L: Layer + ?Sized> Module for Box<L> {
-    fn parameters(&self) -> Vec<Tensor> {
-        (**self).parameters()
-    }
-    fn set_training(&self, on: bool) {
-        (**self).set_training(on)
-    }
-}
-
-impl<L: Layer + ?Sized> Layer for Box<L> {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        (**self).forward(x)
-    }
-}
-
-impl<L: Layer + ?Sized> Module for Rc<L> {
-    fn parameters(&self) -> Vec<Tensor> {
-        (**self).parameters()
-    }
-    fn set_training(&self, on: bool) {
-        (**self).set_training(on)
-    }
-}
-
-impl<L: Layer + ?Sized> Layer for Rc<L> {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        (**self).forward(x)
     }
 }

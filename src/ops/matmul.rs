@@ -6,7 +6,7 @@
 
 use crate::backend::round::Format;
 use crate::backend::MatmulDims;
-use crate::precision::autocast_dtype;
+use crate::tensor::autocast::autocast_dtype;
 use crate::tensor::shape::numel;
 use crate::{bail, Result, Tensor};
 

@@ -2,6 +2,7 @@
 //! autograd — a graph node. Host-side reverse mode, backend-agnostic: nothing
 //! here looks inside [`Storage`].
 
+pub mod autocast;
 pub mod autograd;
 pub mod shape;
 
