@@ -35,9 +35,9 @@ use criterion::{BenchmarkId, Criterion, Throughput};
 use std::hint::black_box;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
-use tinyllm::backend::cpu::set_matmul_threads;
 use tinyllm::backend::{gpu, Storage};
 use tinyllm::bench::{adamw_consts, bandwidth_elems, matmul_cases, ndarray_dot, MatmulCase};
+use tinyllm::set_cpu_threads;
 use tinyllm::train::config::{TrainConfig, TrainOptions};
 use tinyllm::train::data::Corpus;
 use tinyllm::train::trainer::Trainer;
@@ -118,9 +118,9 @@ fn cpu_matmul_group(c: &mut Criterion, case: &MatmulCase) {
             if threads.is_some() { "t1" } else { "tall" }
         );
         g.bench_function(&id, |bn| {
-            set_matmul_threads(threads);
+            set_cpu_threads(threads);
             bn.iter(|| black_box(ac.matmul(&bc, case.dims, f).unwrap()));
-            set_matmul_threads(None);
+            set_cpu_threads(None);
         });
     }
     g.finish();
@@ -166,13 +166,13 @@ fn paired_ratios(case: &MatmulCase) -> [f64; 3] {
     let (a, b) = case.operands();
     let ac = Storage::from_f32(a.clone(), Device::Cpu).unwrap();
     let bc = Storage::from_f32(b.clone(), Device::Cpu).unwrap();
-    set_matmul_threads(Some(1));
+    set_cpu_threads(Some(1));
     let out = [None, Some(Format::Bf16), Some(Format::Fp16)].map(|fmt| {
         let mut ours = || drop(black_box(ac.matmul(&bc, case.dims, fmt).unwrap()));
         let mut dot = || drop(black_box(ndarray_dot(case, &a, &b)));
         paired(&mut ours, &mut dot)
     });
-    set_matmul_threads(None);
+    set_cpu_threads(None);
     out
 }
 

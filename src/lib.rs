@@ -7,17 +7,35 @@
 //!
 //! * [`train`] turns text into batches and micro-batches and runs the loop;
 //! * [`nn`] builds the model (Linear, RMSNorm, attention, the Llama) from [`Tensor`] ops;
+//!   [`module`] says what a model is ([`Module`](module::Module), [`Layer`](module::Layer));
 //! * [`ops`] are the differentiable operations, each forward beside its backward;
 //! * [`tensor`] records the graph and runs `backward`, freeing saved values as it goes;
-//! * [`backend`] executes primitives on the CPU reference or the GPU (wgpu, `shaders/`),
-//!   under one numerics contract so both give the same bits;
-//! * [`precision`] adds bf16/fp16 emulation (`cast`, `autocast`), the dynamic loss
-//!   scaler and gradient accumulation; [`recompute`] adds activation checkpointing;
+//! * a backend executes primitives on the CPU reference or the GPU (wgpu,
+//!   WGSL), under one numerics contract so both give the same bits;
+//! * [`precision`] adds bf16/fp16 emulation (`cast`, `autocast`) and the dynamic
+//!   loss scaler; [`recompute`] adds activation checkpointing;
 //! * [`optim`] updates the float32 master weights (SGD, AdamW, gradient clipping).
 
-pub mod backend;
+/// The backend's primitives are internal; the `test-hooks` feature (on for
+/// the crate's own tests and benches) makes them reachable.
+macro_rules! internal {
+    ($($m:ident),*) => {$(
+        #[cfg(feature = "test-hooks")]
+        #[doc(hidden)]
+        pub mod $m;
+        #[cfg(not(feature = "test-hooks"))]
+        mod $m;
+    )*};
+}
+internal!(backend);
+#[cfg(feature = "test-hooks")]
+#[doc(hidden)]
+pub mod testing;
+
 pub mod bench;
 pub mod error;
+pub mod gpu;
+pub mod math;
 pub mod memory;
 pub mod module;
 pub mod nn;
@@ -28,9 +46,9 @@ pub mod profile;
 pub mod recompute;
 pub mod rng;
 pub mod tensor;
-pub mod testing;
 pub mod train;
 
+pub use backend::cpu::set_cpu_threads;
 pub use backend::round::Format;
 pub use backend::{DType, Device};
 pub use error::{Error, Result};

@@ -36,7 +36,7 @@ pub fn round_to(x: &Tensor, fmt: Format) -> Result<Tensor> {
 /// derivative is zero almost everywhere) and arrives as a 16-bit value.
 pub fn cast(x: &Tensor, fmt: Format) -> Result<Tensor> {
     let s = x.storage().unary(UnaryOp::Round(fmt))?;
-    Ok(Tensor::from_op(
+    Ok(Tensor::record(
         s,
         x.shape().to_vec(),
         "cast",

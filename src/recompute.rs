@@ -73,7 +73,7 @@ where
     let n_params = params.len();
     let parents: Vec<&Tensor> = args.iter().chain(params.iter()).collect();
     let (args0, rngs0) = (args.to_vec(), rngs.to_vec());
-    Ok(Tensor::from_op(
+    Ok(Tensor::record(
         out.storage(),
         out.shape().to_vec(),
         "checkpoint",

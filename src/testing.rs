@@ -3,7 +3,7 @@
 /// Whether a GPU adapter is available for tests. With `TINYLLM_REQUIRE_GPU=1`
 /// (as CI sets it) a missing adapter is a test failure, never a silent skip.
 pub fn gpu_available() -> bool {
-    match crate::backend::gpu::adapter_name() {
+    match crate::gpu::adapter_name() {
         Ok(_) => true,
         Err(e) => {
             if std::env::var("TINYLLM_REQUIRE_GPU").is_ok_and(|v| v == "1") {

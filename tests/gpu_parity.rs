@@ -1073,7 +1073,7 @@ fn pool_reuses_buffers_and_memory_is_counted() {
     assert_eq!(tinyllm::memory::live_bytes(), before + 4000);
     drop(a);
     assert_eq!(tinyllm::memory::live_bytes(), before);
-    assert!(tinyllm::backend::gpu_pool_bytes() >= 4000);
+    assert!(tinyllm::gpu::pool_bytes() >= 4000);
     // a long chain of small ops: many batches, buffers recycled
     let mut x = Storage::from_f32(vec![0.5; 100], Device::Gpu).unwrap();
     for _ in 0..200 {

@@ -12,11 +12,11 @@ device_test!(linear_is_x_w_transposed_plus_b, |dev| {
     let l = Linear::new(3, 2, true, &gen, dev)?;
     assert_eq!(l.weight.shape(), &[2, 3], "weight is (out, in)");
     l.weight
-        .set_storage(t(&[1.0, 2.0, 3.0, -1.0, 0.5, 0.25], &[2, 3], dev).storage())?;
+        .assign(&t(&[1.0, 2.0, 3.0, -1.0, 0.5, 0.25], &[2, 3], dev))?;
     l.bias
         .as_ref()
         .unwrap()
-        .set_storage(t(&[0.5, -0.5], &[2], dev).storage())?;
+        .assign(&t(&[0.5, -0.5], &[2], dev))?;
     let x = t(&[1.0, 1.0, 2.0, 0.0, 4.0, -2.0], &[2, 3], dev);
     let y = l.forward(&x)?;
     assert_eq!(
@@ -46,7 +46,7 @@ device_test!(rmsnorm_normalises_the_last_axis, |dev| {
 device_test!(embedding_looks_up_rows_and_scatters_grads, |dev| {
     let e = Embedding::new(4, 2, 1.0, &Generator::new(1), dev)?;
     e.weight
-        .set_storage(t(&[0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0], &[4, 2], dev).storage())?;
+        .assign(&t(&[0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0], &[4, 2], dev))?;
     let y = e.forward(&[3, 1, 3])?;
     assert_eq!(vals(&y), vec![6.0, 7.0, 2.0, 3.0, 6.0, 7.0]);
     y.sum_all()?.backward()?;

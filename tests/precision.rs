@@ -509,7 +509,7 @@ device_test!(autocast_grads_are_bf16_and_masters_stay_fp32, |dev| {
     // A 1e-3 update to a weight of 1.0 survives in the f32 master (in bf16 the
     // spacing below 1 is 2^-8 and 0.999 would round straight back to 1).
     let l1 = Linear::new(1, 1, false, &gen, dev)?;
-    l1.weight.set_storage(t(&[1.0], &[1, 1], dev).storage())?;
+    l1.weight.assign(&t(&[1.0], &[1, 1], dev))?;
     let mut opt = sgd(l1.parameters(), 1e-3);
     let mb = [(t(&[1.0], &[1, 1], dev), t(&[0.0], &[1, 1], dev))];
     let lf = |(x, _): &(Tensor, Tensor)| l1.forward(x)?.sum_all();
@@ -651,7 +651,7 @@ device_test!(fp16_underflow_is_rescued_by_loss_scaling, |dev| {
         g32.iter().all(|&g| g != 0.0 && g.abs() < 2f32.powi(-23)),
         "{g32:?}"
     );
-    lin.weight.set_storage(t(&w0, &[2, 3], dev).storage())?;
+    lin.weight.assign(&t(&w0, &[2, 3], dev))?;
 
     // fp16 without scaling: every weight gradient vanishes.
     let r = train_step_mixed(&lin, &mb, lf, &mut opt, Precision::Fp16, None, None)?;

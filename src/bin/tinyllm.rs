@@ -468,7 +468,7 @@ fn main() -> ExitCode {
     // updates (results never depend on it).
     if let Ok(t) = std::env::var("TINYLLM_THREADS") {
         match t.trim().parse::<usize>() {
-            Ok(n) if n >= 1 => tinyllm::backend::cpu::set_matmul_threads(Some(n)),
+            Ok(n) if n >= 1 => tinyllm::set_cpu_threads(Some(n)),
             _ => {
                 eprintln!("error: TINYLLM_THREADS must be a whole number ≥ 1 (got {t:?})");
                 return ExitCode::FAILURE;

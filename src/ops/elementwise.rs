@@ -32,7 +32,7 @@ impl Tensor {
             Keep::Input => Some(self.detach()),
             Keep::Output => Some(Tensor::from_storage(s.clone(), self.shape())?),
         };
-        Ok(Tensor::from_op(
+        Ok(Tensor::record(
             s,
             self.shape().to_vec(),
             name,
@@ -163,7 +163,7 @@ impl Tensor {
             None
         };
         let (sa, sb) = (self.shape().to_vec(), rhs.shape().to_vec());
-        Ok(Tensor::from_op(s, shape, name, &[self, rhs], move |g| {
+        Ok(Tensor::record(s, shape, name, &[self, rhs], move |g| {
             let (ga, gb) = vjp(a.as_ref(), b.as_ref(), y.as_ref(), g)?;
             let ga = match (ra, ga) {
                 (true, Some(ga)) => Some(ga.sum_to(&sa)?),

@@ -12,7 +12,7 @@ impl Tensor {
         let (v, d) = (self.shape()[0], self.shape()[1]);
         let s = self.storage().gather_rows(ids, d)?;
         let ids = ids.to_vec();
-        Ok(Tensor::from_op(
+        Ok(Tensor::record(
             s,
             vec![ids.len(), d],
             "embedding",

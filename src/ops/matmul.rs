@@ -77,7 +77,7 @@ pub fn matmul_with(
     let a_kept = rb.then(|| a.detach());
     let b_kept = ra.then(|| b.detach());
     let a_shape = a.shape().to_vec();
-    Ok(Tensor::from_op(s, shape, "matmul", &[a, b], move |g| {
+    Ok(Tensor::record(s, shape, "matmul", &[a, b], move |g| {
         let ga = match &b_kept {
             None => None,
             Some(b) if !ta => Some(matmul_with(g, b, false, !tb, round)?), // dA = dC op(B)ᵀ

@@ -1,7 +1,5 @@
 //! User-facing ops. Each file holds a family; each op's backward sits right
-//! beside its forward, in the closure handed to [`Tensor::from_op`].
-//!
-//! [`Tensor::from_op`]: crate::Tensor::from_op
+//! beside its forward, in the closure each op records with its result.
 
 pub mod elementwise;
 pub mod index;

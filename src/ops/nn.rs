@@ -17,7 +17,7 @@ impl Tensor {
         let rows = numel(self.shape()) / n.max(1);
         let s = self.storage().softmax_rows(rows, n)?;
         let y = Tensor::from_storage(s.clone(), self.shape())?;
-        Ok(Tensor::from_op(
+        Ok(Tensor::record(
             s,
             self.shape().to_vec(),
             "softmax",

@@ -32,7 +32,7 @@ impl Tensor {
     pub fn sum(&self, ax: isize, keepdim: bool) -> Result<Tensor> {
         let (y, kshape) = self.reduce_axis(ReduceOp::Sum, ax, keepdim)?;
         let in_shape = self.shape().to_vec();
-        Ok(Tensor::from_op(
+        Ok(Tensor::record(
             y.storage(),
             y.shape().to_vec(),
             "sum",
@@ -64,7 +64,7 @@ impl Tensor {
         let x = self.clone();
         let yk = y.reshape(&kshape)?;
         let axu = axis(ax, self.dims())? as isize;
-        Ok(Tensor::from_op(
+        Ok(Tensor::record(
             y.storage(),
             y.shape().to_vec(),
             "max",

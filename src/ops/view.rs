@@ -21,7 +21,7 @@ impl Tensor {
             return Ok(self.clone());
         }
         let in_shape = self.shape().to_vec();
-        Ok(Tensor::from_op(
+        Ok(Tensor::record(
             self.storage(),
             shape.to_vec(),
             "reshape",
@@ -49,7 +49,7 @@ impl Tensor {
         for (i, &p) in perm.iter().enumerate() {
             inv[p] = i;
         }
-        Ok(Tensor::from_op(s, shape, "permute", &[self], move |g| {
+        Ok(Tensor::record(s, shape, "permute", &[self], move |g| {
             Ok(vec![Some(g.permute(&inv)?)])
         }))
     }
@@ -78,7 +78,7 @@ impl Tensor {
         shape[ax] = len;
         let s = self.storage().strided_copy(&shape, &cs, start * cs[ax])?;
         let in_shape = self.shape().to_vec();
-        Ok(Tensor::from_op(s, shape, "narrow", &[self], move |g| {
+        Ok(Tensor::record(s, shape, "narrow", &[self], move |g| {
             // Pad the gradient back with zeros on both sides.
             let mut parts = Vec::new();
             let mut zshape = in_shape.clone();
@@ -123,7 +123,7 @@ impl Tensor {
         let s = Storage::concat(&storages.iter().collect::<Vec<_>>(), outer, &sizes, inner)?;
         let mut shape = first.shape().to_vec();
         shape[ax] = sizes.iter().sum();
-        Ok(Tensor::from_op(s, shape, "cat", parts, move |g| {
+        Ok(Tensor::record(s, shape, "cat", parts, move |g| {
             let mut out = Vec::new();
             let mut start = 0;
             for &sz in &sizes {
@@ -147,7 +147,7 @@ impl Tensor {
             .storage()
             .strided_copy(shape, &broadcast_strides(self.shape(), shape), 0)?;
         let in_shape = self.shape().to_vec();
-        Ok(Tensor::from_op(
+        Ok(Tensor::record(
             s,
             shape.to_vec(),
             "broadcast_to",

@@ -96,7 +96,7 @@ impl Tensor {
     }
 
     /// A constant (leaf, no grad) over an existing storage.
-    pub fn from_storage(storage: Storage, shape: &[usize]) -> Result<Tensor> {
+    pub(crate) fn from_storage(storage: Storage, shape: &[usize]) -> Result<Tensor> {
         if storage.len() != shape::numel(shape) {
             bail!(
                 Shape,
@@ -107,9 +107,36 @@ impl Tensor {
         Ok(Tensor::make(storage, shape.to_vec(), false, None))
     }
 
-    /// The result of an op (spec L0.1 `from_op`): records a node with `vjp` only
-    /// when grad mode is on and some parent requires grad; otherwise a constant.
+    /// The result of a differentiable op, spec L0.1's `from_op` — the
+    /// extension point for ops of your own. `value` is the forward result
+    /// (computed by any ops, typically under [`no_grad`](crate::no_grad)); a
+    /// graph node with `vjp` is recorded only when grad mode is on and some
+    /// parent requires grad, otherwise the result is a constant. `vjp` maps the
+    /// upstream gradient to one gradient per parent (`None`: no gradient).
+    ///
+    /// ```
+    /// use tinyllm::{Device, Tensor};
+    /// # fn main() -> tinyllm::Result<()> {
+    /// // y = 3x, written as a custom op whose backward is 3g
+    /// let x = Tensor::from_vec(vec![1.0, 2.0], &[2], Device::Cpu)?.requires_grad_(true);
+    /// let value = { let _ng = tinyllm::no_grad(); x.mul_scalar(3.0)? };
+    /// let y = Tensor::from_op(&value, "triple", &[&x], |g| Ok(vec![Some(g.mul_scalar(3.0)?)]));
+    /// y.sum_all()?.backward()?;
+    /// assert_eq!(x.grad().unwrap().to_vec_f32()?, vec![3.0, 3.0]);
+    /// # Ok(()) }
+    /// ```
     pub fn from_op(
+        value: &Tensor,
+        name: &'static str,
+        parents: &[&Tensor],
+        vjp: impl FnOnce(&Tensor) -> Result<Vec<Option<Tensor>>> + 'static,
+    ) -> Tensor {
+        Tensor::record(value.storage(), value.shape().to_vec(), name, parents, vjp)
+    }
+
+    /// [`from_op`](Self::from_op) over a storage: how every op in the crate
+    /// records itself.
+    pub(crate) fn record(
         storage: Storage,
         shape: Vec<usize>,
         name: &'static str,
@@ -226,11 +253,30 @@ impl Tensor {
         self.0.storage.borrow().dtype()
     }
     /// The storage handle (shared, not copied).
-    pub fn storage(&self) -> Storage {
+    pub(crate) fn storage(&self) -> Storage {
         self.0.storage.borrow().clone()
     }
+    /// Replaces the values of a leaf with those of `values` (same shape; it
+    /// is moved to this tensor's device and dtype): loading weights. The
+    /// graph, `.grad` and `requires_grad` are untouched.
+    pub fn assign(&self, values: &Tensor) -> Result<()> {
+        if values.shape() != self.shape() {
+            bail!(
+                Shape,
+                "assign: values of shape {:?} for a tensor of shape {:?}",
+                values.shape(),
+                self.shape()
+            );
+        }
+        let s = values
+            .storage()
+            .to_device(self.device())?
+            .to_dtype(self.dtype())?;
+        self.set_storage(s)
+    }
+
     /// Replaces the values of a leaf in place (loading a checkpoint, tests).
-    pub fn set_storage(&self, s: Storage) -> Result<()> {
+    pub(crate) fn set_storage(&self, s: Storage) -> Result<()> {
         if s.len() != self.numel() || s.dtype() != self.dtype() {
             bail!(
                 Shape,
@@ -264,7 +310,7 @@ impl Tensor {
         }
         let from = self.device();
         let s = self.storage().to_device(device)?;
-        Ok(Tensor::from_op(
+        Ok(Tensor::record(
             s,
             self.shape().to_vec(),
             "to_device",
@@ -279,7 +325,7 @@ impl Tensor {
         }
         let from = self.dtype();
         let s = self.storage().to_dtype(dtype)?;
-        Ok(Tensor::from_op(
+        Ok(Tensor::record(
             s,
             self.shape().to_vec(),
             "to_dtype",

@@ -37,11 +37,11 @@ const DATA_KEY: u64 = 0x0ba7_c4e5_0000;
 pub fn select_device(choice: DeviceChoice) -> Result<(Device, Option<String>)> {
     match choice {
         DeviceChoice::Cpu => Ok((Device::Cpu, None)),
-        DeviceChoice::Gpu => match crate::backend::gpu::adapter_name() {
+        DeviceChoice::Gpu => match crate::gpu::adapter_name() {
             Ok(name) => Ok((Device::Gpu, Some(format!("device: GPU {name}")))),
             Err(e) => bail!(Device, "--device gpu: no GPU adapter is available ({e}); use --device cpu or auto"),
         },
-        DeviceChoice::Auto => match crate::backend::gpu::adapter_name() {
+        DeviceChoice::Auto => match crate::gpu::adapter_name() {
             // A software adapter (Mesa's lavapipe, SwiftShader) runs the same
             // kernels on the CPU, far slower than the CPU reference itself.
             Ok(name) if is_software_adapter() => Ok((
@@ -56,7 +56,7 @@ pub fn select_device(choice: DeviceChoice) -> Result<(Device, Option<String>)> {
 
 /// Whether the GPU backend's adapter is a CPU-based software implementation.
 fn is_software_adapter() -> bool {
-    crate::backend::gpu::context::ctx().is_ok_and(|c| c.info.device_type == wgpu::DeviceType::Cpu)
+    crate::gpu::adapter().is_ok_and(|a| a.software)
 }
 
 /// Mean cross-entropy of `batch` under `precision`, without a graph, in chunks

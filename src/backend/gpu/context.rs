@@ -17,6 +17,7 @@
 //! and a `copy_buffer_to_buffer` recorded in the pending encoder, in order.
 
 use super::pipelines::{self, Kernel};
+use bytemuck::Pod;
 use crate::{Error, Result};
 use std::collections::HashMap;
 use std::sync::{mpsc, Arc, Mutex, OnceLock};
@@ -223,11 +224,11 @@ impl Context {
             .min(self.limits.max_buffer_size)
     }
 
-    fn pipeline(&self, k: Kernel) -> Result<wgpu::ComputePipeline> {
-        if let Some(p) = self.pipelines.lock().unwrap().get(&k) {
+    fn pipeline(&self, k: &Kernel) -> Result<wgpu::ComputePipeline> {
+        if let Some(p) = self.pipelines.lock().unwrap().get(k) {
             return Ok(p.clone());
         }
-        let (family, entry) = k.family_and_entry();
+        let (family, entry) = (k.family, k.entry);
         // Validation errors of shader/pipeline creation are caught in a scope
         // (on this thread, synchronously) and become an Error, not a panic.
         let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
@@ -252,7 +253,7 @@ impl Context {
                 module: &module,
                 entry_point: Some(entry),
                 compilation_options: wgpu::PipelineCompilationOptions {
-                    constants: &k.constants(self),
+                    constants: &k.constants(),
                     ..Default::default()
                 },
                 cache: None,
@@ -263,16 +264,16 @@ impl Context {
                 family.name
             )));
         }
-        self.pipelines.lock().unwrap().insert(k, p.clone());
+        self.pipelines.lock().unwrap().insert(*k, p.clone());
         Ok(p)
     }
 
-    /// Records one dispatch of `k` over `groups` workgroups. `params` fill the
-    /// kernel's binding 0; `bufs` are bindings 1, 2, ... in order.
-    pub fn dispatch(
+    /// Records one dispatch of `k` over `groups` workgroups. `params` (the
+    /// kernel's parameter struct) fill binding 0; `bufs` are bindings 1, 2, ...
+    pub fn dispatch<P: Pod>(
         &self,
-        k: Kernel,
-        params: &[u32],
+        k: &Kernel,
+        params: &P,
         bufs: &[&wgpu::Buffer],
         groups: (u32, u32, u32),
     ) -> Result<()> {
@@ -288,7 +289,7 @@ impl Context {
         let slot = pend.dispatches as u64;
         pend.dispatches += 1;
         let off = (slot * self.slot) as usize;
-        let bytes: &[u8] = bytemuck::cast_slice(params);
+        let bytes: &[u8] = bytemuck::bytes_of(params);
         assert!(
             bytes.len() as u64 <= self.slot,
             "kernel params exceed a slot"

@@ -1,65 +1,99 @@
-//! The WGSL sources, how they are composed, and the kernel catalogue.
+//! Kernel families, how their WGSL is composed, and what identifies one
+//! compiled pipeline. Nothing here knows the device: the [`context`](super::context)
+//! compiles what this describes.
 //!
-//! Shaders are real files in `shaders/`, compiled into the binary with
-//! `include_str!`. A kernel family that uses the math library gets the math
-//! prelude prepended by plain string concatenation (WGSL has no includes):
-//! the `fma_c` selector line, `fma.wgsl`, `mathlib.wgsl` and `cast.wgsl`.
-//! Each (family, entry point) becomes one pipeline, compiled once and cached
-//! in the context.
+//! Each primitive family (`backend/<family>/`) declares one [`Family`]: its
+//! `.wgsl` sources (included with `include_str!` from beside its Rust), the
+//! constants generated from its Rust enums (op codes: one source), its entry
+//! points and its parameter structs. WGSL has no includes, so a family that
+//! uses the math library gets the prelude prepended: the `fma_c` selector,
+//! `fma.wgsl`, `mathlib.wgsl`, the format codes and `cast.wgsl`.
 //!
 //! `fma_c` is the contract's fused multiply-add: the device's `fma` when a
 //! probe at start-up shows it is exactly fused, else `fma_soft` (fma.wgsl,
 //! integer emulation). On Mesa's lavapipe `fma` is not fused.
 
-pub const FMA: &str = include_str!("../../../shaders/fma.wgsl");
-pub const MATHLIB: &str = include_str!("../../../shaders/mathlib.wgsl");
-pub const CAST: &str = include_str!("../../../shaders/cast.wgsl");
+use crate::backend::{math, round};
 
-/// One shader file and whether it needs the math library prepended.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Family {
-    pub name: &'static str,
-    pub source: &'static str,
-    pub needs_math: bool,
+/// The byte layout of a `#[repr(C)]` parameter struct and the name of its
+/// WGSL twin, so a test can hold the two against naga's reflection.
+#[derive(Debug)]
+pub struct ParamsLayout {
+    pub wgsl: &'static str,
+    pub size: usize,
+    pub fields: &'static [(&'static str, usize)],
 }
 
-pub const ELEMENTWISE: Family = Family {
-    name: "elementwise",
-    source: include_str!("../../../shaders/elementwise.wgsl"),
-    needs_math: true,
-};
-pub const MATMUL: Family = Family {
-    name: "matmul",
-    source: include_str!("../../../shaders/matmul.wgsl"),
-    needs_math: true,
-};
-pub const REDUCE: Family = Family {
-    name: "reduce",
-    source: include_str!("../../../shaders/reduce.wgsl"),
-    needs_math: true,
-};
-pub const COPY: Family = Family {
-    name: "copy",
-    source: include_str!("../../../shaders/copy.wgsl"),
-    needs_math: false,
-};
-pub const GATHER: Family = Family {
-    name: "gather",
-    source: include_str!("../../../shaders/gather.wgsl"),
-    needs_math: false,
-};
-pub const RNG: Family = Family {
-    name: "rng",
-    source: include_str!("../../../shaders/rng.wgsl"),
-    needs_math: true,
-};
-pub const OPTIM: Family = Family {
-    name: "optim",
-    source: include_str!("../../../shaders/optim.wgsl"),
-    needs_math: true,
-};
+/// One family's shaders.
+#[derive(Debug)]
+pub struct Family {
+    pub name: &'static str,
+    pub sources: &'static [&'static str],
+    /// Whether the math prelude goes in front.
+    pub needs_math: bool,
+    /// WGSL constants generated from the family's Rust enums.
+    pub consts: fn() -> String,
+    pub entries: &'static [&'static str],
+    pub params: &'static [ParamsLayout],
+}
 
-pub const FAMILIES: [Family; 7] = [ELEMENTWISE, MATMUL, REDUCE, COPY, GATHER, RNG, OPTIM];
+/// No generated constants.
+pub fn no_consts() -> String {
+    String::new()
+}
+
+/// Values for a kernel's `override` constants (unused slots have no name).
+pub type Overrides = [(&'static str, u32); 3];
+
+/// One pipeline: a family's entry point with its override constants.
+#[derive(Clone, Copy, Debug)]
+pub struct Kernel {
+    pub family: &'static Family,
+    pub entry: &'static str,
+    pub overrides: Overrides,
+}
+
+impl Kernel {
+    pub const fn new(family: &'static Family, entry: &'static str) -> Kernel {
+        Kernel {
+            family,
+            entry,
+            overrides: [("", 0); 3],
+        }
+    }
+    /// The same entry point with `name = value` set (at most three).
+    pub const fn with(mut self, name: &'static str, value: u32) -> Kernel {
+        let mut i = 0;
+        while i < self.overrides.len() && !self.overrides[i].0.is_empty() {
+            i += 1;
+        }
+        self.overrides[i] = (name, value);
+        self
+    }
+    /// The override constants as wgpu takes them.
+    pub fn constants(&self) -> Vec<(&'static str, f64)> {
+        self.overrides
+            .iter()
+            .filter(|(n, _)| !n.is_empty())
+            .map(|&(n, v)| (n, v as f64))
+            .collect()
+    }
+    fn key(&self) -> (&'static str, &'static str, Overrides) {
+        (self.family.name, self.entry, self.overrides)
+    }
+}
+
+impl PartialEq for Kernel {
+    fn eq(&self, o: &Kernel) -> bool {
+        self.key() == o.key()
+    }
+}
+impl Eq for Kernel {}
+impl std::hash::Hash for Kernel {
+    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
+        self.key().hash(h)
+    }
+}
 
 /// The math prelude, with `fma_c` bound to the device's `fma` (`native_fma`)
 /// or to the integer emulation.
@@ -71,16 +105,28 @@ pub fn prelude(native_fma: bool) -> String {
         "// fma_c: the device's fma is not fused (probed): integer emulation\n\
          fn fma_c(a: f32, b: f32, c: f32) -> f32 { return fma_soft(a, b, c); }"
     };
-    format!("{sel}\n{FMA}\n{MATHLIB}\n{CAST}\n")
+    format!(
+        "{sel}\n{}\n{}\n{}{}\n",
+        math::FMA_WGSL,
+        math::MATHLIB_WGSL,
+        round::wgsl_consts(),
+        round::CAST_WGSL
+    )
 }
 
 /// The full source of a family as the backend compiles it.
-pub fn compose(f: Family, native_fma: bool) -> String {
-    if f.needs_math {
-        format!("{}{}", prelude(native_fma), f.source)
+pub fn compose(f: &Family, native_fma: bool) -> String {
+    let mut s = if f.needs_math {
+        prelude(native_fma)
     } else {
-        f.source.to_string()
+        String::new()
+    };
+    s.push_str(&(f.consts)());
+    for src in f.sources {
+        s.push_str(src);
+        s.push('\n');
     }
+    s
 }
 
 /// Kernel of the start-up probe: `d[4i+3] = fma(d[4i], d[4i+1], d[4i+2])` with
@@ -96,98 +142,92 @@ fn probe() {
 }
 ";
 
-/// Every kernel (one pipeline each).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Kernel {
-    Unary,
-    Binary,
-    /// matmul.wgsl specialised (override constants) for its rounding format
-    /// (`FMT_*` code: 0 none, 1 bf16, 2 fp16) and operand layouts.
-    Matmul {
-        fmt: u8,
-        trans_a: bool,
-        trans_b: bool,
-    },
-    Reduce,
-    Softmax,
-    SoftmaxBackward,
-    ChunkSumSquares,
-    StridedCopy,
-    ConcatPart,
-    GatherRows,
-    ScatterAddRows,
-    DropoutMask,
-    ScaleInPlace,
-    FiniteCheckUnscale,
-    AdamW,
-    Sgd,
-    SgdMomentum,
+/// `gpu_params! { /// doc  pub struct Name { field: u32, .. } }`: a
+/// `#[repr(C)]` [`bytemuck::Pod`] struct mirroring the WGSL struct `Name`,
+/// with its [`ParamsLayout`] as `Name::LAYOUT`.
+macro_rules! gpu_params {
+    ($(#[$m:meta])* $vis:vis struct $name:ident { $($f:ident : $t:ty),* $(,)? }) => {
+        $(#[$m])*
+        #[repr(C)]
+        #[derive(Clone, Copy, Debug, bytemuck::Pod, bytemuck::Zeroable)]
+        $vis struct $name { $(pub $f: $t),* }
+        impl $name {
+            pub const LAYOUT: $crate::backend::gpu::pipelines::ParamsLayout =
+                $crate::backend::gpu::pipelines::ParamsLayout {
+                    wgsl: stringify!($name),
+                    size: std::mem::size_of::<$name>(),
+                    fields: &[$((stringify!($f), std::mem::offset_of!($name, $f))),*],
+                };
+        }
+    };
 }
+pub(crate) use gpu_params;
 
-impl Kernel {
-    /// One kernel per entry point (a specialised kernel appears once).
-    pub const ALL: [Kernel; 17] = [
-        Kernel::Unary,
-        Kernel::Binary,
-        Kernel::Matmul {
-            fmt: 0,
-            trans_a: false,
-            trans_b: false,
-        },
-        Kernel::Reduce,
-        Kernel::Softmax,
-        Kernel::SoftmaxBackward,
-        Kernel::ChunkSumSquares,
-        Kernel::StridedCopy,
-        Kernel::ConcatPart,
-        Kernel::GatherRows,
-        Kernel::ScatterAddRows,
-        Kernel::DropoutMask,
-        Kernel::ScaleInPlace,
-        Kernel::FiniteCheckUnscale,
-        Kernel::AdamW,
-        Kernel::Sgd,
-        Kernel::SgdMomentum,
-    ];
+#[cfg(test)]
+mod tests {
+    use super::*;
 
-    /// Values of the kernel's pipeline-overridable constants on device `c`.
-    pub fn constants(self, c: &super::context::Context) -> Vec<(&'static str, f64)> {
-        match self {
-            Kernel::ScaleInPlace | Kernel::FiniteCheckUnscale | Kernel::AdamW => {
-                vec![("PER_LANE", c.optim_per_lane as f64)]
+    /// Every family as composed for both fma variants (and the fma probe)
+    /// parses and validates with naga, and every entry point exists.
+    #[test]
+    fn every_shader_validates_with_naga() {
+        let mut sources = vec![("fma probe".to_string(), FMA_PROBE.to_string(), vec!["probe"])];
+        for f in crate::backend::gpu_families() {
+            for native in [false, true] {
+                sources.push((
+                    format!("{} (native fma: {native})", f.name),
+                    compose(f, native),
+                    f.entries.to_vec(),
+                ));
             }
-            Kernel::Matmul {
-                fmt,
-                trans_a,
-                trans_b,
-            } => vec![
-                ("FMT", fmt as f64),
-                ("TRANS_A", trans_a as u8 as f64),
-                ("TRANS_B", trans_b as u8 as f64),
-            ],
-            _ => Vec::new(),
+        }
+        for (label, src, entries) in sources {
+            let module = naga::front::wgsl::parse_str(&src)
+                .unwrap_or_else(|e| panic!("{label}: {}", e.emit_to_string(&src)));
+            naga::valid::Validator::new(
+                naga::valid::ValidationFlags::all(),
+                naga::valid::Capabilities::all(),
+            )
+            .validate(&module)
+            .unwrap_or_else(|e| panic!("{label}: {e:?}"));
+            for e in entries {
+                assert!(
+                    module.entry_points.iter().any(|ep| ep.name == e),
+                    "{label}: no entry point {e}"
+                );
+            }
         }
     }
 
-    pub fn family_and_entry(self) -> (Family, &'static str) {
-        match self {
-            Kernel::Unary => (ELEMENTWISE, "unary"),
-            Kernel::Binary => (ELEMENTWISE, "binary"),
-            Kernel::Matmul { .. } => (MATMUL, "matmul"),
-            Kernel::Reduce => (REDUCE, "reduce"),
-            Kernel::Softmax => (REDUCE, "softmax_rows"),
-            Kernel::SoftmaxBackward => (REDUCE, "softmax_rows_backward"),
-            Kernel::ChunkSumSquares => (REDUCE, "chunk_sum_squares"),
-            Kernel::StridedCopy => (COPY, "strided_copy"),
-            Kernel::ConcatPart => (COPY, "concat_part"),
-            Kernel::GatherRows => (GATHER, "gather_rows"),
-            Kernel::ScatterAddRows => (GATHER, "scatter_add_rows"),
-            Kernel::DropoutMask => (RNG, "dropout_mask"),
-            Kernel::ScaleInPlace => (OPTIM, "scale_in_place"),
-            Kernel::FiniteCheckUnscale => (OPTIM, "finite_check_unscale"),
-            Kernel::AdamW => (OPTIM, "adamw_step"),
-            Kernel::Sgd => (OPTIM, "sgd_step"),
-            Kernel::SgdMomentum => (OPTIM, "sgd_momentum_step"),
+    /// Each `#[repr(C)]` parameter struct has its WGSL twin's size and the
+    /// same fields at the same offsets, as naga lays the WGSL struct out.
+    #[test]
+    fn params_structs_mirror_their_wgsl_twins() {
+        let mut checked = 0;
+        for f in crate::backend::gpu_families() {
+            let src = compose(f, false);
+            let module = naga::front::wgsl::parse_str(&src).expect("parses");
+            for p in f.params {
+                let ty = module
+                    .types
+                    .iter()
+                    .find(|(_, t)| t.name.as_deref() == Some(p.wgsl))
+                    .unwrap_or_else(|| panic!("{}: no WGSL struct {}", f.name, p.wgsl))
+                    .1;
+                let naga::TypeInner::Struct { members, span } = &ty.inner else {
+                    panic!("{} is not a struct", p.wgsl)
+                };
+                assert_eq!(*span as usize, p.size, "{}: size", p.wgsl);
+                let wgsl: Vec<(String, usize)> = members
+                    .iter()
+                    .map(|m| (m.name.clone().unwrap_or_default(), m.offset as usize))
+                    .collect();
+                let rust: Vec<(String, usize)> =
+                    p.fields.iter().map(|&(n, o)| (n.to_string(), o)).collect();
+                assert_eq!(wgsl, rust, "{}: fields and offsets", p.wgsl);
+                checked += 1;
+            }
         }
+        assert!(checked >= 10, "only {checked} parameter structs checked");
     }
 }

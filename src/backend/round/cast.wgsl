@@ -4,9 +4,7 @@
 // value is exactly representable in the format, chosen by round-to-nearest,
 // ties-to-even; NaN stays NaN (quieted), ±inf stay, signed zero is kept.
 
-const FMT_NONE: u32 = 0u;
-const FMT_BF16: u32 = 1u;
-const FMT_FP16: u32 = 2u;
+// FMT_NONE, FMT_BF16, FMT_FP16: generated from round::fmt_code (the prelude).
 
 // f32 -> nearest bf16 value: add 0x7fff + lsb to the bits and clear the low 16;
 // a carry out of the mantissa bumps the exponent (overflow to ±inf included).

@@ -3,7 +3,7 @@
 //! Both functions return a value of the *input's* type whose every bit pattern
 //! is a value of the 16-bit format, chosen by round-to-nearest, ties-to-even.
 //! They never go through a platform conversion (WGSL's f32→f16 has no specified
-//! rounding mode); `shaders/cast.wgsl` implements the same integer steps.
+//! rounding mode); `cast.wgsl` beside this file implements the same integer steps.
 
 /// The two emulated storage formats.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
@@ -34,6 +34,26 @@ impl std::str::FromStr for Format {
             ))),
         }
     }
+}
+
+/// The WGSL twin of this file's f32 functions.
+pub const CAST_WGSL: &str = include_str!("cast.wgsl");
+
+/// A rounding format as the kernels take it (`FMT_*` in WGSL): 0 none, 1 bf16, 2 fp16.
+pub fn fmt_code(f: Option<Format>) -> u32 {
+    match f {
+        None => 0,
+        Some(Format::Bf16) => 1,
+        Some(Format::Fp16) => 2,
+    }
+}
+
+/// The `FMT_*` constants, generated from [`fmt_code`] into the WGSL prelude.
+pub fn wgsl_consts() -> String {
+    [("NONE", None), ("BF16", Some(Format::Bf16)), ("FP16", Some(Format::Fp16))]
+        .iter()
+        .map(|&(n, f)| format!("const FMT_{n}: u32 = {}u;\n", fmt_code(f)))
+        .collect()
 }
 
 impl std::fmt::Display for Format {

@@ -15,7 +15,7 @@ struct ReduceParams {
     outer: u32,
     r: u32,
     inner: u32,
-    op: u32, // 0 sum, 1 max
+    op: u32, // R_SUM or R_MAX (generated from ReduceOp::code)
     k0: u32,
     k1: u32,
 }
@@ -35,7 +35,7 @@ fn reduce(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups:
     let o = t / inner;
     let j = t % inner;
     let base = o * r_prm.r * inner + j;
-    if r_prm.op == 0u {
+    if r_prm.op == R_SUM {
         var acc = -0.0;
         if r_prm.k0 > 0u {
             acc = r_y[t];

@@ -2,8 +2,8 @@
 //!
 //! Division, square root, exp, log and sigmoid are built here from operations
 //! that are exactly rounded everywhere (`+ - *`, `fma`, `floor`, bit casts), so
-//! the CPU reference and the WGSL kernels (`shaders/mathlib.wgsl`, the twin of
-//! this file) produce the same bits. Nothing here calls a platform `exp`, `ln`
+//! the CPU reference and the WGSL kernels (`mathlib.wgsl` beside this file, its twin;
+//! `fma.wgsl` emulates a fused multiply-add where a device lacks one) produce the same bits. Nothing here calls a platform `exp`, `ln`
 //! or a hardware divide whose accuracy a GPU driver may relax.
 //!
 //! Three rules keep the twins identical:
@@ -29,6 +29,11 @@
 //! rounded for every input (checked exhaustively, which lets the CPU use the
 //! hardware square root, see [`sqrt`]); `exp` and `log` are within about one
 //! ulp.
+
+/// The WGSL twin of this file.
+pub const MATHLIB_WGSL: &str = include_str!("mathlib.wgsl");
+/// A correctly rounded fma in integer arithmetic, for devices whose `fma` is not fused.
+pub const FMA_WGSL: &str = include_str!("fma.wgsl");
 
 /// `if c { a } else { b }` on bit patterns; with both sides already computed
 /// this compiles to a blend, never a branch.
@@ -251,6 +256,7 @@ pub fn sqrt(x: f32) -> f32 {
 /// `sqrt(x)`, correctly rounded; `sqrt(-0) = -0`, negative → NaN: the contract's
 /// algorithm, the twin of WGSL's `m_sqrt`.
 #[inline(always)]
+#[cfg(any(test, feature = "test-hooks"))]
 pub fn sqrt_soft(x: f32) -> f32 {
     let b = x.to_bits();
     let (m, e) = frexp_abs(x);

@@ -1,5 +1,5 @@
 // elementwise.wgsl — unary and broadcasting binary ops (needs mathlib + cast).
-// Every op is the CPU's `unary_elem` / `binary_elem` (src/backend/cpu.rs)
+// Every op is the CPU reference's (elementwise/cpu.rs `unary_t` / `binary_t`)
 // expression for expression. 1-D problems use a 2-D grid of 64-wide
 // workgroups (65535 groups per dimension at most): i = (wg.y * groups.x + wg.x) * 64 + lane.
 
@@ -16,25 +16,7 @@ struct UnaryParams {
 @group(0) @binding(1) var<storage, read> u_x: array<f32>;
 @group(0) @binding(2) var<storage, read_write> u_y: array<f32>;
 
-// Op codes (src/backend/gpu/mod.rs, `unary_code`).
-const U_NEG: u32 = 0u;
-const U_EXP: u32 = 1u;
-const U_LOG: u32 = 2u;
-const U_SQRT: u32 = 3u;
-const U_RSQRT: u32 = 4u;
-const U_RECIP: u32 = 5u;
-const U_SIGMOID: u32 = 6u;
-const U_SILU: u32 = 7u;
-const U_SILU_GRAD: u32 = 8u;
-const U_ABS: u32 = 9u;
-const U_RELU: u32 = 10u;
-const U_STEP: u32 = 11u;
-const U_SQUARE: u32 = 12u;
-const U_ADD_S: u32 = 13u;
-const U_MUL_S: u32 = 14u;
-const U_DIV_S: u32 = 15u;
-const U_RDIV_S: u32 = 16u;
-const U_ROUND: u32 = 17u;
+// U_* op codes: generated from UnaryOp::code (elementwise/mod.rs).
 
 fn unary_elem(x: f32, op: u32, c: f32, fmt: u32) -> f32 {
     switch op {
@@ -72,10 +54,10 @@ fn unary_elem(x: f32, op: u32, c: f32, fmt: u32) -> f32 {
             return 0.0;
         }
         case U_SQUARE: { return x * x; }
-        case U_ADD_S: { return x + c; }
-        case U_MUL_S: { return x * c; }
-        case U_DIV_S: { return m_div(x, c); }
-        case U_RDIV_S: { return m_div(c, x); }
+        case U_ADD_SCALAR: { return x + c; }
+        case U_MUL_SCALAR: { return x * c; }
+        case U_DIV_SCALAR: { return m_div(x, c); }
+        case U_SCALAR_DIV: { return m_div(c, x); }
         case U_ROUND: { return round_fmt(x, fmt); }
         default: { return bitcast<f32>(QNAN); }
     }
@@ -111,12 +93,7 @@ struct BinaryParams {
 @group(0) @binding(2) var<storage, read> b_rhs: array<f32>;
 @group(0) @binding(3) var<storage, read_write> b_y: array<f32>;
 
-const B_ADD: u32 = 0u;
-const B_SUB: u32 = 1u;
-const B_MUL: u32 = 2u;
-const B_DIV: u32 = 3u;
-const B_MAXIMUM: u32 = 4u;
-const B_EQ: u32 = 5u;
+// B_* op codes: generated from BinaryOp::code (elementwise/mod.rs).
 
 fn binary_elem(a: f32, b: f32, op: u32) -> f32 {
     switch op {

@@ -1,0 +1,431 @@
+//! The CPU side's shared ground: counted host buffers ([`CpuStorage`]), the
+//! scalar type an algorithm runs on ([`Elem`]), the contract's fold orders,
+//! groups of lanes, strided walks, and the threads the large kernels use.
+//! Each primitive's CPU reference lives in its family's `cpu.rs`.
+//!
+//! f64 storage (for gradient checks) uses the same algorithms with platform
+//! f64 math — it has no GPU twin, so it needs none of the contract's care.
+
+use super::math::{self, LANES};
+use super::round::{self, Format};
+use super::{BinaryLayout, DType};
+use crate::memory::Ticket;
+use std::cell::{Ref, RefCell, RefMut};
+
+/// A counted host buffer. Interior mutability serves the in-place primitives
+/// (optimizer steps, unscaling); everything else builds a new buffer.
+#[derive(Debug)]
+pub struct Buf<T> {
+    data: RefCell<Vec<T>>,
+    _ticket: Ticket,
+}
+
+impl<T> Buf<T> {
+    pub fn new(data: Vec<T>) -> Buf<T> {
+        let bytes = data.len() * std::mem::size_of::<T>();
+        Buf {
+            data: RefCell::new(data),
+            _ticket: Ticket::new(bytes),
+        }
+    }
+    pub fn get(&self) -> Ref<'_, Vec<T>> {
+        self.data.borrow()
+    }
+    pub fn get_mut(&self) -> RefMut<'_, Vec<T>> {
+        self.data.borrow_mut()
+    }
+}
+
+#[derive(Debug)]
+pub enum CpuStorage {
+    F32(Buf<f32>),
+    F64(Buf<f64>),
+}
+
+/// The scalar type an algorithm runs on: f32 follows the contract through
+/// [`math`]; f64 uses the platform's exactly-specified operations.
+pub trait Elem: Copy + PartialOrd + std::fmt::Debug + Send + Sync + 'static {
+    const NEG_ZERO: Self;
+    const ZERO: Self;
+    const ONE: Self;
+    const NEG_INF: Self;
+    fn from_f64(x: f64) -> Self;
+    fn add(self, o: Self) -> Self;
+    fn sub(self, o: Self) -> Self;
+    fn mul(self, o: Self) -> Self;
+    fn fma(self, b: Self, c: Self) -> Self;
+    fn div(self, o: Self) -> Self;
+    /// `a[i].div(b[i])` for a group of lanes at once, where loops over slices
+    /// divide (f32: hardware divisions wherever they provably have the
+    /// contract's bits, [`math::div_lanes`]).
+    #[inline(always)]
+    fn div_lanes(a: [Self; LANES], b: [Self; LANES]) -> [Self; LANES] {
+        std::array::from_fn(|i| a[i].div(b[i]))
+    }
+    fn exp(self) -> Self;
+    fn log(self) -> Self;
+    fn sqrt(self) -> Self;
+    fn is_nan(self) -> bool;
+    fn is_finite(self) -> bool;
+    fn round_to(self, f: Format) -> Self;
+    fn wrap(v: Vec<Self>) -> CpuStorage;
+}
+
+impl Elem for f32 {
+    const NEG_ZERO: f32 = -0.0;
+    const ZERO: f32 = 0.0;
+    const ONE: f32 = 1.0;
+    const NEG_INF: f32 = f32::NEG_INFINITY;
+    fn from_f64(x: f64) -> f32 {
+        x as f32
+    }
+    #[inline(always)]
+    fn add(self, o: f32) -> f32 {
+        self + o
+    }
+    #[inline(always)]
+    fn sub(self, o: f32) -> f32 {
+        self - o
+    }
+    #[inline(always)]
+    fn mul(self, o: f32) -> f32 {
+        self * o
+    }
+    #[inline(always)]
+    fn fma(self, b: f32, c: f32) -> f32 {
+        self.mul_add(b, c)
+    }
+    #[inline(always)]
+    fn div(self, o: f32) -> f32 {
+        math::div(self, o)
+    }
+    #[inline(always)]
+    fn div_lanes(a: [f32; LANES], b: [f32; LANES]) -> [f32; LANES] {
+        math::div_lanes(a, b)
+    }
+    #[inline(always)]
+    fn exp(self) -> f32 {
+        math::exp(self)
+    }
+    #[inline(always)]
+    fn log(self) -> f32 {
+        math::log(self)
+    }
+    #[inline(always)]
+    fn sqrt(self) -> f32 {
+        math::sqrt(self)
+    }
+    #[inline(always)]
+    fn is_nan(self) -> bool {
+        f32::is_nan(self)
+    }
+    #[inline(always)]
+    fn is_finite(self) -> bool {
+        f32::is_finite(self)
+    }
+    #[inline(always)]
+    fn round_to(self, f: Format) -> f32 {
+        round::round_f32(self, f)
+    }
+    fn wrap(v: Vec<f32>) -> CpuStorage {
+        CpuStorage::F32(Buf::new(v))
+    }
+}
+
+impl Elem for f64 {
+    const NEG_ZERO: f64 = -0.0;
+    const ZERO: f64 = 0.0;
+    const ONE: f64 = 1.0;
+    const NEG_INF: f64 = f64::NEG_INFINITY;
+    fn from_f64(x: f64) -> f64 {
+        x
+    }
+    fn add(self, o: f64) -> f64 {
+        self + o
+    }
+    fn sub(self, o: f64) -> f64 {
+        self - o
+    }
+    fn mul(self, o: f64) -> f64 {
+        self * o
+    }
+    fn fma(self, b: f64, c: f64) -> f64 {
+        self.mul_add(b, c)
+    }
+    fn div(self, o: f64) -> f64 {
+        self / o
+    }
+    fn exp(self) -> f64 {
+        f64::exp(self)
+    }
+    fn log(self) -> f64 {
+        f64::ln(self)
+    }
+    fn sqrt(self) -> f64 {
+        f64::sqrt(self)
+    }
+    fn is_nan(self) -> bool {
+        f64::is_nan(self)
+    }
+    fn is_finite(self) -> bool {
+        f64::is_finite(self)
+    }
+    fn round_to(self, f: Format) -> f64 {
+        round::round_f64(self, f)
+    }
+    fn wrap(v: Vec<f64>) -> CpuStorage {
+        CpuStorage::F64(Buf::new(v))
+    }
+}
+
+/// `maximum` as the contract defines it: NaN wins (the first NaN), then the
+/// larger, `+0` over `-0`. Branch-free (each case computed, then selected),
+/// since in a running max "b > a" is as unpredictable as data.
+#[inline(always)]
+pub fn maximum<T: Elem>(a: T, b: T) -> T {
+    let r = if b > a { b } else { a };
+    // ±0 and ±0: x + y is +0 unless both are −0
+    let r = if a == T::ZERO && b == T::ZERO {
+        a.add(b)
+    } else {
+        r
+    };
+    let r = if b.is_nan() { b } else { r };
+    if a.is_nan() {
+        a
+    } else {
+        r
+    }
+}
+
+/// Folds `R` rows at once, each in its own order (`acc = f(acc, row[i])` for
+/// `i` ascending — the contract's sequential reductions), interleaved so that
+/// `R` independent dependency chains are in flight instead of one.
+#[inline(always)]
+pub fn fold_rows<T: Elem, const R: usize>(rows: [&[T]; R], init: T, f: impl Fn(T, T) -> T) -> [T; R] {
+    let n = rows[0].len();
+    let mut acc = [init; R];
+    #[allow(clippy::needless_range_loop)] // one index across R rows is the point
+    for i in 0..n {
+        for r in 0..R {
+            acc[r] = f(acc[r], rows[r][i]);
+        }
+    }
+    acc
+}
+
+/// [`fold_rows`] over the first `lens[r]` elements of each row `r` of a
+/// row-major `(lens.len(), n)` buffer, `n > 0`: four rows in lockstep over their
+/// common length, then each row's own rest — every row still folded in
+/// ascending order.
+pub fn fold_ragged<T: Elem>(
+    x: &[T],
+    n: usize,
+    lens: &[usize],
+    init: T,
+    f: impl Fn(T, T) -> T + Copy,
+) -> Vec<T> {
+    assert!(n > 0, "rows of length 0");
+    let mut out = Vec::with_capacity(lens.len());
+    let mut quads = x.chunks_exact(4 * n).zip(lens.chunks_exact(4));
+    for (q, l) in &mut quads {
+        let common = l.iter().copied().min().unwrap_or(0);
+        let rows: [&[T]; 4] = std::array::from_fn(|r| &q[r * n..r * n + l[r]]);
+        let acc = fold_rows(rows.map(|r| &r[..common]), init, f);
+        for r in 0..4 {
+            out.push(rows[r][common..].iter().fold(acc[r], |a, &v| f(a, v)));
+        }
+    }
+    let done = out.len();
+    for (row, &l) in x[done * n..].chunks_exact(n).zip(&lens[done..]) {
+        out.push(row[..l].iter().fold(init, |a, &v| f(a, v)));
+    }
+    out
+}
+
+/// `x = f(x)` a group of [`LANES`] at a time, in place; the ragged tail goes
+/// through `f` padded with zeros (their results are dropped).
+#[inline(always)]
+pub fn for_lanes_mut<T: Elem>(x: &mut [T], f: impl Fn([T; LANES]) -> [T; LANES]) {
+    let mut groups = x.chunks_exact_mut(LANES);
+    for g in &mut groups {
+        let v: [T; LANES] = (&*g).try_into().unwrap();
+        g.copy_from_slice(&f(v));
+    }
+    let tail = groups.into_remainder();
+    if !tail.is_empty() {
+        let t = tail.len();
+        let mut v = [T::ZERO; LANES];
+        v[..t].copy_from_slice(tail);
+        tail.copy_from_slice(&f(v)[..t]);
+    }
+}
+
+/// A broadcast layout reduced to as few dimensions as possible: size-1
+/// dimensions dropped, and a dimension merged into the one inside it wherever
+/// both inputs step through the pair as through one (contiguous, or both
+/// broadcast). Most layouts end as one or two dimensions, so the innermost
+/// run — what [`for_each_run`] hands out — is long.
+fn coalesce(layout: &BinaryLayout) -> [Vec<usize>; 3] {
+    let (mut shape, mut ls, mut rs) = (Vec::new(), Vec::new(), Vec::new());
+    for d in 0..layout.shape.len() {
+        let (n, l, r) = (
+            layout.shape[d],
+            layout.lhs_strides[d],
+            layout.rhs_strides[d],
+        );
+        if n == 1 {
+            continue;
+        }
+        match (shape.last_mut(), ls.last_mut(), rs.last_mut()) {
+            (Some(pn), Some(pl), Some(pr)) if *pl == l * n && *pr == r * n => {
+                *pn *= n;
+                *pl = l;
+                *pr = r;
+            }
+            _ => {
+                shape.push(n);
+                ls.push(l);
+                rs.push(r);
+            }
+        }
+    }
+    if shape.is_empty() {
+        // one element
+        (shape, ls, rs) = (vec![1], vec![0], vec![0]);
+    }
+    [shape, ls, rs]
+}
+
+/// Calls `run(lhs_start, rhs_start, len, lhs_stride, rhs_stride)` for every
+/// innermost run of a (non-empty) broadcast layout, in row-major output order.
+pub fn for_each_run(layout: &BinaryLayout, mut run: impl FnMut(usize, usize, usize, usize, usize)) {
+    let [shape, ls, rs] = coalesce(layout);
+    let inner = shape.len() - 1;
+    let runs: usize = shape[..inner].iter().product();
+    let mut idx = vec![0usize; inner];
+    let (mut li, mut ri) = (0usize, 0usize);
+    for _ in 0..runs {
+        run(li, ri, shape[inner], ls[inner], rs[inner]);
+        // increment the outer multi-index, carrying
+        for d in (0..inner).rev() {
+            idx[d] += 1;
+            li += ls[d];
+            ri += rs[d];
+            if idx[d] < shape[d] {
+                break;
+            }
+            li -= ls[d] * shape[d];
+            ri -= rs[d] * shape[d];
+            idx[d] = 0;
+        }
+    }
+}
+
+// --------------------------------------------------------------- threads ----
+
+/// The cap on a large CPU kernel's threads; 0 = all available cores.
+static CPU_THREADS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Caps the threads the large CPU kernels (matmul, AdamW) use (`None` =
+/// all available cores), e.g. to compare with a single-threaded baseline.
+/// Results never depend on it: threads split rows, batches or elements, never k.
+pub fn set_cpu_threads(threads: Option<usize>) {
+    CPU_THREADS.store(threads.unwrap_or(0), std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The threads a large CPU kernel (matmul, AdamW) uses: the cap set by
+/// [`set_cpu_threads`], else all available cores.
+pub fn cpu_threads() -> usize {
+    match CPU_THREADS.load(std::sync::atomic::Ordering::Relaxed) {
+        0 => std::thread::available_parallelism().map_or(1, |t| t.get()),
+        t => t,
+    }
+}
+
+/// `both!(storage, x => expr)`: `expr` over the f32 or f64 values as `x`,
+/// its `Vec` wrapped back into a storage of the same dtype.
+macro_rules! both {
+    ($s:expr, $x:ident => $e:expr) => {
+        match $s {
+            $crate::backend::cpu::CpuStorage::F32(b) => {
+                let $x = &*b.get();
+                <f32 as $crate::backend::cpu::Elem>::wrap($e)
+            }
+            $crate::backend::cpu::CpuStorage::F64(b) => {
+                let $x = &*b.get();
+                <f64 as $crate::backend::cpu::Elem>::wrap($e)
+            }
+        }
+    };
+}
+pub(crate) use both;
+
+/// `both2!(a, b, x, y => expr)`: the same over two buffers of one dtype (the
+/// dispatch has checked that they agree).
+macro_rules! both2 {
+    ($a:expr, $b:expr, $x:ident, $y:ident => $e:expr) => {
+        match ($a, $b) {
+            ($crate::backend::cpu::CpuStorage::F32(a), $crate::backend::cpu::CpuStorage::F32(b)) => {
+                let ($x, $y) = (&*a.get(), &*b.get());
+                <f32 as $crate::backend::cpu::Elem>::wrap($e)
+            }
+            ($crate::backend::cpu::CpuStorage::F64(a), $crate::backend::cpu::CpuStorage::F64(b)) => {
+                let ($x, $y) = (&*a.get(), &*b.get());
+                <f64 as $crate::backend::cpu::Elem>::wrap($e)
+            }
+            _ => unreachable!("dtypes checked by the dispatch"),
+        }
+    };
+}
+pub(crate) use both2;
+
+impl CpuStorage {
+    pub fn from_f32(data: Vec<f32>) -> CpuStorage {
+        CpuStorage::F32(Buf::new(data))
+    }
+    pub fn from_f64(data: Vec<f64>) -> CpuStorage {
+        CpuStorage::F64(Buf::new(data))
+    }
+    pub fn dtype(&self) -> DType {
+        match self {
+            CpuStorage::F32(_) => DType::F32,
+            CpuStorage::F64(_) => DType::F64,
+        }
+    }
+    pub fn len(&self) -> usize {
+        match self {
+            CpuStorage::F32(b) => b.get().len(),
+            CpuStorage::F64(b) => b.get().len(),
+        }
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    pub fn to_vec_f32(&self) -> Vec<f32> {
+        match self {
+            CpuStorage::F32(b) => b.get().clone(),
+            CpuStorage::F64(b) => b.get().iter().map(|&x| x as f32).collect(),
+        }
+    }
+    pub fn to_vec_f64(&self) -> Vec<f64> {
+        match self {
+            CpuStorage::F32(b) => b.get().iter().map(|&x| x as f64).collect(),
+            CpuStorage::F64(b) => b.get().clone(),
+        }
+    }
+    /// The f32 buffer (panics on f64: callers check the dtype first).
+    pub fn f32s(&self) -> Ref<'_, Vec<f32>> {
+        match self {
+            CpuStorage::F32(b) => b.get(),
+            CpuStorage::F64(_) => panic!("expected f32 storage"),
+        }
+    }
+    /// The f32 buffer, writable (the optimizer state and masters are f32).
+    pub fn f32s_mut(&self) -> RefMut<'_, Vec<f32>> {
+        match self {
+            CpuStorage::F32(b) => b.get_mut(),
+            CpuStorage::F64(_) => panic!("optimizer state must be f32 (the masters)"),
+        }
+    }
+}

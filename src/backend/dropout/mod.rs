@@ -1,0 +1,34 @@
+//! Dropout masks from the counter-based Philox4x32-10 generator
+//! ([`rng`](crate::rng), `rng.wgsl` its twin): the same bits on every device,
+//! and a generator state `(seed, offset)` that is trivially saved and replayed.
+//!
+//! ## Contract
+//! Element `i` of an `n`-element mask is `scale` when
+//! `uniform01(draw_u32(seed, offset, i)) >= p`, else `0`.
+
+mod cpu;
+pub(crate) mod gpu;
+
+use super::{Device, Storage};
+use super::on_device;
+use crate::Result;
+
+/// The two devices' mask generators.
+pub trait DropoutOps: Sized {
+    fn dropout_mask(n: usize, p: f32, scale: f32, seed: u64, offset: u64) -> Result<Self>;
+}
+
+impl Storage {
+    /// An `n`-element dropout mask on `device` (see the contract).
+    pub fn dropout_mask(
+        n: usize,
+        p: f32,
+        scale: f32,
+        seed: u64,
+        offset: u64,
+        device: Device,
+    ) -> Result<Storage> {
+        let _prof = crate::profile::scope("dropout mask");
+        Ok(on_device!(device device => |S| S::dropout_mask(n, p, scale, seed, offset)))
+    }
+}

@@ -1,0 +1,103 @@
+//! The GPU launcher of the matmul (`matmul.wgsl`): one pipeline per (format,
+//! transposes), a grid of 64×64-output workgroups, batches past 65535 and
+//! `k` past [`LOOP_PASS`] split into dispatches.
+
+use super::{MatmulDims, MatmulOps};
+use crate::backend::gpu::context::ctx;
+use crate::backend::gpu::pipelines::{gpu_params, no_consts, Family, Kernel};
+use crate::backend::gpu::{u32_of, GpuStorage, LOOP_PASS};
+use crate::backend::round::{fmt_code, Format};
+use crate::{bail, Result};
+
+gpu_params! {
+    /// `matmul.wgsl` `MatmulParams`.
+    pub struct MatmulParams {
+        m: u32,
+        k: u32,
+        n: u32,
+        trans_a: u32,
+        trans_b: u32,
+        a_bs: u32,
+        b_bs: u32,
+        fmt: u32,
+        batch0: u32,
+        p0: u32,
+        p1: u32,
+        last: u32,
+    }
+}
+
+pub const FAMILY: Family = Family {
+    name: "matmul",
+    sources: &[include_str!("matmul.wgsl")],
+    needs_math: true,
+    consts: no_consts,
+    entries: &["matmul"],
+    params: &[MatmulParams::LAYOUT],
+};
+
+/// Output columns of one matmul workgroup (matmul.wgsl: one per invocation).
+const MATMUL_COLS: usize = 64;
+/// Output rows of one matmul workgroup (matmul.wgsl `ROWS`).
+const MATMUL_ROWS: usize = 64;
+
+impl MatmulOps for GpuStorage {
+    fn matmul(&self, rhs: &GpuStorage, d: MatmulDims, round: Option<Format>) -> Result<GpuStorage> {
+        let c = ctx()?;
+        let n_out = d.batch * d.m * d.n;
+        let out = GpuStorage::alloc(c, n_out)?;
+        if n_out == 0 {
+            return Ok(out);
+        }
+        let gx = d.n.div_ceil(MATMUL_COLS);
+        let gy = d.m.div_ceil(MATMUL_ROWS);
+        if gx > 65535 || gy > 65535 {
+            bail!(
+                Device,
+                "matmul of {}x{} outputs per batch is too large for one GPU dispatch",
+                d.m,
+                d.n
+            );
+        }
+        // The format and layouts are pipeline constants: no branches in the k loop.
+        let kernel = Kernel::new(&FAMILY, "matmul")
+            .with("FMT", fmt_code(round))
+            .with("TRANS_A", d.trans_a as u32)
+            .with("TRANS_B", d.trans_b as u32);
+        let mut b0 = 0usize;
+        while b0 < d.batch {
+            let nb = (d.batch - b0).min(65535);
+            // k in passes of at most LOOP_PASS steps (see matmul.wgsl); at least one.
+            let mut p0 = 0usize;
+            loop {
+                let p1 = (p0 + LOOP_PASS).min(d.k);
+                let prm = MatmulParams {
+                    m: u32_of(d.m, "m")?,
+                    k: u32_of(d.k, "k")?,
+                    n: u32_of(d.n, "n")?,
+                    trans_a: d.trans_a as u32,
+                    trans_b: d.trans_b as u32,
+                    a_bs: u32_of(d.a_batch_stride, "batch stride")?,
+                    b_bs: u32_of(d.b_batch_stride, "batch stride")?,
+                    fmt: fmt_code(round),
+                    batch0: b0 as u32,
+                    p0: p0 as u32,
+                    p1: p1 as u32,
+                    last: (p1 == d.k) as u32,
+                };
+                c.dispatch(
+                    &kernel,
+                    &prm,
+                    &[self.buf(), rhs.buf(), out.buf()],
+                    (gx as u32, gy as u32, nb as u32),
+                )?;
+                p0 = p1;
+                if p0 >= d.k {
+                    break;
+                }
+            }
+            b0 += nb;
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,200 @@
+//! The CPU reference of the in-place updates.
+
+use super::{AdamWConsts, OptimOps};
+use crate::backend::cpu::{cpu_threads, CpuStorage};
+use crate::backend::math::{self, LANES};
+use crate::Result;
+use rayon::prelude::*;
+
+/// AdamW buffers from this many elements are split over the threads (~0.5 ms
+/// of one core's update).
+const THREADED_ELEMS: usize = 1 << 18;
+
+impl OptimOps for CpuStorage {
+    fn finite_check_unscale(bufs: &[&CpuStorage], inv_scale: f32) -> Result<bool> {
+        let mut finite = true;
+        for b in bufs {
+            finite &= b.unscale_in_place(inv_scale);
+        }
+        Ok(finite)
+    }
+
+    fn scale_in_place(&self, c: f32) -> Result<()> {
+
+        match self {
+            CpuStorage::F32(b) => b.get_mut().iter_mut().for_each(|x| *x *= c),
+            CpuStorage::F64(b) => b.get_mut().iter_mut().for_each(|x| *x *= c as f64),
+        }
+        Ok(())
+    }
+
+    fn adamw_step(&self, g: &CpuStorage, m: &CpuStorage, v: &CpuStorage, c: &AdamWConsts) -> Result<()> {
+
+        let (mut p, g, mut m, mut v) = (self.f32s_mut(), g.f32s(), m.f32s_mut(), v.f32s_mut());
+        let (n, c) = (p.len(), *c);
+        // An element-wise update has no order to keep: large buffers are split
+        // over the threads in whole groups of lanes.
+        let threads = if n >= THREADED_ELEMS {
+            cpu_threads()
+        } else {
+            1
+        };
+        if threads == 1 {
+            adamw_slices(&mut p, &g, &mut m, &mut v, &c);
+            return Ok(());
+        }
+        let per = n.div_ceil(threads).next_multiple_of(LANES);
+        p.par_chunks_mut(per)
+            .zip(g.par_chunks(per))
+            .zip(m.par_chunks_mut(per))
+            .zip(v.par_chunks_mut(per))
+            .for_each(|(((p, g), m), v)| adamw_slices(p, g, m, v, &c));
+        Ok(())
+    }
+
+    fn sgd_step(
+        &self,
+        g: &CpuStorage,
+        buf: Option<&CpuStorage>,
+        lr: f32,
+        momentum: f32,
+        wd: f32,
+        first: bool,
+    ) -> Result<()> {
+        let (mut p, g) = (self.f32s_mut(), g.f32s());
+        let mut b = buf.map(|b| b.f32s_mut());
+        for i in 0..p.len() {
+            let mut gi = wd.mul_add(p[i], g[i]);
+            if let Some(b) = b.as_mut() {
+                b[i] = if first {
+                    gi
+                } else {
+                    momentum.mul_add(b[i], gi)
+                };
+                gi = b[i];
+            }
+            p[i] = (-lr).mul_add(gi, p[i]);
+        }
+        Ok(())
+    }
+}
+
+impl CpuStorage {
+    /// `x *= inv_scale` in place; true when every value was finite before.
+    fn unscale_in_place(&self, inv_scale: f32) -> bool {
+        match self {
+            CpuStorage::F32(b) => {
+                let mut finite = true;
+                for x in b.get_mut().iter_mut() {
+                    finite &= x.is_finite();
+                    *x *= inv_scale;
+                }
+                finite
+            }
+            CpuStorage::F64(b) => {
+                let mut finite = true;
+                for x in b.get_mut().iter_mut() {
+                    finite &= x.is_finite();
+                    *x *= inv_scale as f64;
+                }
+                finite
+            }
+        }
+    }
+}
+
+/// AdamW over whole slices: groups of LANES elements, so the two divisions per
+/// element are one hardware division of a vector each (`math::div_lanes`, the
+/// soft division's bits); the ragged tail runs as a group padded with zeros.
+fn adamw_slices(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], c: &AdamWConsts) {
+    let n = p.len();
+    let whole = n - n % LANES;
+    for i in (0..whole).step_by(LANES) {
+        let r = i..i + LANES;
+        adamw_lanes(
+            &mut p[r.clone()],
+            &g[r.clone()],
+            &mut m[r.clone()],
+            &mut v[r],
+            c,
+        );
+    }
+    if whole < n {
+        let t = n - whole;
+        let mut lanes = [[0.0f32; LANES]; 4];
+        for (l, x) in lanes
+            .iter_mut()
+            .zip([&p[whole..], &g[whole..], &m[whole..], &v[whole..]])
+        {
+            l[..t].copy_from_slice(x);
+        }
+        let [mut pt, gt, mut mt, mut vt] = lanes;
+        adamw_lanes(&mut pt, &gt, &mut mt, &mut vt, c);
+        p[whole..].copy_from_slice(&pt[..t]);
+        m[whole..].copy_from_slice(&mt[..t]);
+        v[whole..].copy_from_slice(&vt[..t]);
+    }
+}
+
+/// One AdamW group (slices of exactly LANES elements), PyTorch's formula:
+/// `p1 = p·decay; m = fma(β1, m, (1-β1)·g); v = fma(β2, v, (1-β2)·g²);
+/// den = v̂ / sqrt(1-β2^t) + eps` with `v̂ = sqrt(v)`; `p = fma(-step, m / den, p1)`.
+#[inline(always)]
+fn adamw_lanes(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], c: &AdamWConsts) {
+    // Whole groups in registers, stored once at the end: element-wise stores
+    // followed by a vector load of the same group stall store forwarding.
+    let lanes = |x: &[f32]| -> [f32; LANES] { x.try_into().unwrap() };
+    let (p0, g, m0, v0) = (lanes(p), lanes(g), lanes(m), lanes(v));
+    let m1: [f32; LANES] = std::array::from_fn(|i| c.beta1.mul_add(m0[i], c.omb1 * g[i]));
+    let v1: [f32; LANES] = std::array::from_fn(|i| c.beta2.mul_add(v0[i], c.omb2 * (g[i] * g[i])));
+    let vhat = math::div_lanes(v1.map(math::sqrt), [c.bc2_sqrt; LANES]);
+    let upd = math::div_lanes(m1, vhat.map(|x| x + c.eps));
+    let p1: [f32; LANES] = std::array::from_fn(|i| (-c.step_size).mul_add(upd[i], p0[i] * c.decay));
+    p.copy_from_slice(&p1);
+    m.copy_from_slice(&m1);
+    v.copy_from_slice(&v1);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::set_cpu_threads;
+
+    /// AdamW split over threads (large buffers) against one pass over the
+    /// whole buffer, bit for bit: a ragged length past the threshold, three
+    /// threads (so the parts are not halves), data with zeros and tiny values
+    /// (the division's fallback groups).
+    #[test]
+    fn threaded_adamw_equals_one_pass_bitwise() {
+        let n = THREADED_ELEMS + 13;
+        let mut s = 0x1234_5678_9abc_def0u64;
+        let mut next = move |scale: f32| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            let u = (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+            if s & 63 == 0 {
+                0.0
+            } else if s & 63 == 1 {
+                u * 1e-36
+            } else {
+                u * scale
+            }
+        };
+        let p: Vec<f32> = (0..n).map(|_| next(1.0)).collect();
+        let g: Vec<f32> = (0..n).map(|_| next(1e-2)).collect();
+        let m: Vec<f32> = (0..n).map(|_| next(1e-3)).collect();
+        let v: Vec<f32> = (0..n).map(|_| next(1e-5).abs()).collect();
+        let c = crate::bench::adamw_consts();
+        let (mut p1, mut m1, mut v1) = (p.clone(), m.clone(), v.clone());
+        adamw_slices(&mut p1, &g, &mut m1, &mut v1, &c);
+        let [ps, gs, ms, vs] = [p, g, m, v].map(CpuStorage::from_f32);
+        set_cpu_threads(Some(3));
+        ps.adamw_step(&gs, &ms, &vs, &c).unwrap();
+        set_cpu_threads(None);
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&ps.f32s()), bits(&p1));
+        assert_eq!(bits(&ms.f32s()), bits(&m1));
+        assert_eq!(bits(&vs.f32s()), bits(&v1));
+    }
+}

@@ -1,0 +1,141 @@
+//! The GPU launchers of the in-place updates (`optim.wgsl`). The elementwise
+//! kernels take `PER_LANE` elements per invocation, an override chosen per
+//! adapter ([`Context::optim_per_lane`](crate::backend::gpu::context::Context)).
+
+use super::{AdamWConsts, OptimOps};
+use crate::backend::gpu::context::ctx;
+use crate::backend::gpu::pipelines::{gpu_params, no_consts, Family, Kernel};
+use crate::backend::gpu::{grid1d, u32_of, GpuStorage};
+use crate::Result;
+
+gpu_params! {
+    /// `optim.wgsl` `ScaleParams`: `n` elements times the f32 `c` (bits).
+    pub struct ScaleParams { n: u32, c: u32 }
+}
+
+gpu_params! {
+    /// `optim.wgsl` `AdamWParams`: [`AdamWConsts`] as f32 bits.
+    pub struct AdamWParams {
+        n: u32,
+        decay: u32,
+        beta1: u32,
+        omb1: u32,
+        beta2: u32,
+        omb2: u32,
+        step_size: u32,
+        bc2_sqrt: u32,
+        eps: u32,
+    }
+}
+
+gpu_params! {
+    /// `optim.wgsl` `SgdParams` (f32 bits; `first` 1 on the first momentum step).
+    pub struct SgdParams { n: u32, lr: u32, momentum: u32, wd: u32, first: u32 }
+}
+
+pub const FAMILY: Family = Family {
+    name: "optim",
+    sources: &[include_str!("optim.wgsl")],
+    needs_math: true,
+    consts: no_consts,
+    entries: &[
+        "scale_in_place",
+        "finite_check_unscale",
+        "adamw_step",
+        "sgd_step",
+        "sgd_momentum_step",
+    ],
+    params: &[
+        ScaleParams::LAYOUT,
+        AdamWParams::LAYOUT,
+        SgdParams::LAYOUT,
+    ],
+};
+
+const SGD: Kernel = Kernel::new(&FAMILY, "sgd_step");
+const SGD_MOMENTUM: Kernel = Kernel::new(&FAMILY, "sgd_momentum_step");
+
+/// A `PER_LANE` kernel specialised for this adapter, and its grid for `n` elements.
+fn per_lane(entry: &'static str, n: usize) -> Result<(Kernel, (u32, u32, u32))> {
+    let lanes = ctx()?.optim_per_lane;
+    Ok((
+        Kernel::new(&FAMILY, entry).with("PER_LANE", lanes),
+        grid1d(n.div_ceil(lanes as usize)),
+    ))
+}
+
+impl OptimOps for GpuStorage {
+    /// One kernel per buffer, all OR-ing into ONE 4-byte flag, read back once.
+    fn finite_check_unscale(bufs: &[&GpuStorage], inv_scale: f32) -> Result<bool> {
+        let c = ctx()?;
+        if bufs.iter().all(|b| b.is_empty()) {
+            return Ok(true);
+        }
+        // A fresh buffer is zero-initialised by wgpu.
+        let flag = c.buffer_with(&[0u8; 4]);
+        for b in bufs.iter().filter(|b| !b.is_empty()) {
+            let (k, grid) = per_lane("finite_check_unscale", b.len())?;
+            let prm = ScaleParams {
+                n: u32_of(b.len(), "length")?,
+                c: inv_scale.to_bits(),
+            };
+            c.dispatch(&k, &prm, &[b.buf(), &flag], grid)?;
+        }
+        let v = c.read(&flag, 4)?;
+        Ok(u32::from_le_bytes([v[0], v[1], v[2], v[3]]) == 0)
+    }
+
+    fn scale_in_place(&self, s: f32) -> Result<()> {
+        let (k, grid) = per_lane("scale_in_place", self.len())?;
+        let prm = ScaleParams {
+            n: u32_of(self.len(), "length")?,
+            c: s.to_bits(),
+        };
+        ctx()?.dispatch(&k, &prm, &[self.buf()], grid)
+    }
+
+    fn adamw_step(&self, g: &GpuStorage, m: &GpuStorage, v: &GpuStorage, k: &AdamWConsts) -> Result<()> {
+        let (kernel, grid) = per_lane("adamw_step", self.len())?;
+        let prm = AdamWParams {
+            n: u32_of(self.len(), "length")?,
+            decay: k.decay.to_bits(),
+            beta1: k.beta1.to_bits(),
+            omb1: k.omb1.to_bits(),
+            beta2: k.beta2.to_bits(),
+            omb2: k.omb2.to_bits(),
+            step_size: k.step_size.to_bits(),
+            bc2_sqrt: k.bc2_sqrt.to_bits(),
+            eps: k.eps.to_bits(),
+        };
+        ctx()?.dispatch(
+            &kernel,
+            &prm,
+            &[self.buf(), g.buf(), m.buf(), v.buf()],
+            grid,
+        )
+    }
+
+    fn sgd_step(
+        &self,
+        g: &GpuStorage,
+        buf: Option<&GpuStorage>,
+        lr: f32,
+        momentum: f32,
+        wd: f32,
+        first: bool,
+    ) -> Result<()> {
+        let c = ctx()?;
+        let prm = SgdParams {
+            n: u32_of(self.len(), "length")?,
+            lr: lr.to_bits(),
+            momentum: momentum.to_bits(),
+            wd: wd.to_bits(),
+            first: first as u32,
+        };
+        let grid = grid1d(self.len());
+        match buf {
+            None => c.dispatch(&SGD, &prm, &[self.buf(), g.buf()], grid),
+            Some(b) => c.dispatch(&SGD_MOMENTUM, &prm, &[self.buf(), g.buf(), b.buf()], grid),
+        }
+    }
+}

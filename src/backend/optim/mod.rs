@@ -1,0 +1,126 @@
+//! In-place updates of the float32 master weights and their gradients: AdamW,
+//! SGD, scaling (clipping) and the loss scaler's fused finite check + unscale.
+//!
+//! ## Contract (per element; every multiply-add an explicit fma)
+//! * AdamW, PyTorch's formula:
+//!   ```text
+//!   p1 = p * decay
+//!   m  = fma(beta1, m, omb1 * g)
+//!   v  = fma(beta2, v, omb2 * (g * g))
+//!   den = div(sqrt(v), bc2_sqrt) + eps
+//!   p  = fma(-step_size, div(m, den), p1)
+//!   ```
+//! * SGD with momentum and (coupled) weight decay: `g' = fma(wd, p, g)`; with
+//!   momentum `buf = fma(momentum, buf, g')` (the first step sets `buf = g'`),
+//!   `g' = buf`; `p = fma(-lr, g', p)`.
+//! * `scale_in_place`: `x = x * c`, exactly rounded.
+//! * `finite_check_unscale`: every gradient multiplied in place by
+//!   `inv_scale` (a power of two: exact), and one flag saying whether every
+//!   value of every buffer was finite *before* the multiply (on the GPU: one
+//!   kernel per buffer into one shared flag, one 4-byte readback).
+
+mod cpu;
+pub(crate) mod gpu;
+
+use super::Storage;
+use super::on_device;
+use crate::{bail, Result};
+
+/// Hyper-parameters of one AdamW update, narrowed to f32 on the host so both
+/// backends use the same constants (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamWConsts {
+    /// `1 - lr * weight_decay`
+    pub decay: f32,
+    pub beta1: f32,
+    /// `1 - beta1`
+    pub omb1: f32,
+    pub beta2: f32,
+    /// `1 - beta2`
+    pub omb2: f32,
+    /// `lr / (1 - beta1^t)`
+    pub step_size: f32,
+    /// `sqrt(1 - beta2^t)`
+    pub bc2_sqrt: f32,
+    pub eps: f32,
+}
+
+/// The two devices' in-place updates (see the module docs for the contract).
+pub trait OptimOps: Sized {
+    /// Unscales every buffer in place; true when all values were finite before.
+    fn finite_check_unscale(bufs: &[&Self], inv_scale: f32) -> Result<bool>;
+    fn scale_in_place(&self, c: f32) -> Result<()>;
+    /// `self` is the parameter.
+    fn adamw_step(&self, g: &Self, m: &Self, v: &Self, c: &AdamWConsts) -> Result<()>;
+    /// `self` is the parameter; `buf` the momentum buffer, if any.
+    #[allow(clippy::too_many_arguments)]
+    fn sgd_step(
+        &self,
+        g: &Self,
+        buf: Option<&Self>,
+        lr: f32,
+        momentum: f32,
+        wd: f32,
+        first: bool,
+    ) -> Result<()>;
+}
+
+fn check_len(what: &str, p: &Storage, others: &[&Storage]) -> Result<()> {
+    if others.iter().any(|o| o.len() != p.len()) {
+        bail!(
+            Shape,
+            "{what}: the parameter and its gradient and state must have the same length"
+        );
+    }
+    Ok(())
+}
+
+impl Storage {
+    /// The loss scaler's fused check and unscale over every gradient buffer.
+    pub fn finite_check_unscale(grads: &[&Storage], inv_scale: f32) -> Result<bool> {
+        let _prof = crate::profile::scope("finite check + unscale");
+        if grads.is_empty() {
+            return Ok(true);
+        }
+        Ok(on_device!(slice grads => |gs| OptimOps::finite_check_unscale(&gs, inv_scale)))
+    }
+
+    /// In place: `self *= c` (clipping).
+    pub fn scale_in_place(&self, c: f32) -> Result<()> {
+        let _prof = crate::profile::scope("scale in place");
+        on_device!([self] => |x| x.scale_in_place(c));
+        Ok(())
+    }
+
+    /// In-place AdamW on the parameter `self`, its gradient and moments.
+    pub fn adamw_step(&self, grad: &Storage, m: &Storage, v: &Storage, c: &AdamWConsts) -> Result<()> {
+        let _prof = crate::profile::scope("adamw");
+        check_len("AdamW", self, &[grad, m, v])?;
+        on_device!([self, grad, m, v] => |p, g, m, v| p.adamw_step(g, m, v, c));
+        Ok(())
+    }
+
+    /// In-place SGD on the parameter `self`.
+    pub fn sgd_step(
+        &self,
+        grad: &Storage,
+        buf: Option<&Storage>,
+        lr: f32,
+        momentum: f32,
+        wd: f32,
+        first: bool,
+    ) -> Result<()> {
+        let _prof = crate::profile::scope("sgd");
+        match buf {
+            None => {
+                check_len("SGD", self, &[grad])?;
+                on_device!([self, grad] => |p, g| p.sgd_step(g, None, lr, momentum, wd, first));
+            }
+            Some(b) => {
+                check_len("SGD", self, &[grad, b])?;
+                on_device!([self, grad, b] => |p, g, b| p.sgd_step(g, Some(b), lr, momentum, wd, first));
+            }
+        }
+        Ok(())
+    }
+}

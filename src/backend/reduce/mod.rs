@@ -1,0 +1,106 @@
+//! Reductions: sum and max over one axis, row softmax and its backward, and
+//! the chunked sums of squares behind gradient clipping.
+//!
+//! ## Contract (every order fixed, the same on both devices)
+//! * `reduce(Sum)` over the middle axis of `(outer, r, inner)`:
+//!   `acc = −0; for k ascending: acc = acc + x` (−0 is the exact identity).
+//! * `reduce(Max)`: `acc = −inf; for k ascending: acc = maximum(acc, x)`
+//!   (NaN propagates, `+0` over `−0`).
+//! * `softmax_rows` over rows of `n`: `m` = the row's max (the Max order),
+//!   `e = exp(x − m)`, `s = Σ e` ascending from −0, `y = div(e, s)`.
+//! * `softmax_rows_backward` from the output `y` and upstream `g`:
+//!   `dot = Σ g·y` ascending from −0 as `fma(g, y, dot)`, `dx = y · (g − dot)`.
+//! * `sum_squares` over buffers: `total = Σ_buffers Σ_chunks (Σ_{i in chunk}
+//!   x_i² by fma, ascending from −0)`, chunks of [`NORM_CHUNK`] elements, the
+//!   chunk partials added in order on the host.
+
+mod cpu;
+pub(crate) mod gpu;
+
+use super::Storage;
+use super::on_device;
+use crate::Result;
+
+/// Number of elements each partial sum of [`Storage::sum_squares`] covers.
+pub const NORM_CHUNK: usize = 1024;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReduceOp {
+    /// `acc = -0.0; for r ascending: acc = acc + x` (−0 is the exact identity)
+    Sum,
+    /// `acc = -inf; for r ascending: acc = maximum(acc, x)` (NaN propagates)
+    Max,
+}
+
+impl ReduceOp {
+    pub const ALL: [ReduceOp; 2] = [ReduceOp::Sum, ReduceOp::Max];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ReduceOp::Sum => "reduce sum",
+            ReduceOp::Max => "reduce max",
+        }
+    }
+    /// The op's code in `reduce.wgsl` (`R_SUM`, `R_MAX`, generated).
+    pub fn code(self) -> u32 {
+        match self {
+            ReduceOp::Sum => 0,
+            ReduceOp::Max => 1,
+        }
+    }
+}
+
+/// The `R_*` constants, prepended to `reduce.wgsl`.
+pub fn wgsl_consts() -> String {
+    ReduceOp::ALL
+        .iter()
+        .map(|op| {
+            let n = op.name().trim_start_matches("reduce ").to_uppercase();
+            format!("const R_{n}: u32 = {}u;\n", op.code())
+        })
+        .collect()
+}
+
+/// The two devices' reductions (see the module docs for the contract).
+pub trait ReduceOps: Sized {
+    /// `(outer, r, inner) -> (outer, inner)`.
+    fn reduce(&self, op: ReduceOp, outer: usize, r: usize, inner: usize) -> Result<Self>;
+    /// Softmax over the rows of `(rows, n)`.
+    fn softmax_rows(&self, rows: usize, n: usize) -> Result<Self>;
+    /// Softmax backward, `self` the forward's output `y`.
+    fn softmax_rows_backward(&self, g: &Self, rows: usize, n: usize) -> Result<Self>;
+    /// Every buffer's chunk partials of the sum of squares, in buffer order.
+    fn chunk_sum_squares(bufs: &[&Self]) -> Result<Vec<f32>>;
+}
+
+impl Storage {
+    /// Reduces the middle axis of an `(outer, r, inner)` view to `(outer, inner)`.
+    pub fn reduce(&self, op: ReduceOp, outer: usize, r: usize, inner: usize) -> Result<Storage> {
+        let _prof = crate::profile::scope(op.name());
+        debug_assert_eq!(outer * r * inner, self.len());
+        Ok(on_device!([self] => |x| x.reduce(op, outer, r, inner)))
+    }
+
+    /// Row softmax over the last axis of `(rows, n)`.
+    pub fn softmax_rows(&self, rows: usize, n: usize) -> Result<Storage> {
+        let _prof = crate::profile::scope("softmax");
+        Ok(on_device!([self] => |x| x.softmax_rows(rows, n)))
+    }
+
+    /// Softmax backward from its output `self` and the upstream gradient.
+    pub fn softmax_rows_backward(&self, grad: &Storage, rows: usize, n: usize) -> Result<Storage> {
+        let _prof = crate::profile::scope("softmax backward");
+        Ok(on_device!([self, grad] => |y, g| y.softmax_rows_backward(g, rows, n)))
+    }
+
+    /// Sum of squares of all elements of all buffers, as f32 (see the
+    /// contract). Used by gradient clipping; the host takes the square root.
+    pub fn sum_squares(bufs: &[&Storage]) -> Result<f32> {
+        let _prof = crate::profile::scope("sum of squares");
+        if bufs.is_empty() {
+            return Ok(0.0);
+        }
+        let partials: Vec<f32> = on_device!(slice bufs => |xs| ReduceOps::chunk_sum_squares(&xs));
+        Ok(partials.into_iter().fold(-0.0f32, |t, p| t + p))
+    }
+}
