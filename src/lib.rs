@@ -49,6 +49,13 @@ pub mod tensor;
 pub mod train;
 
 pub use backend::cpu::set_cpu_threads;
+
+/// The vector instructions the CPU kernels use on this machine, chosen at run
+/// time: `"avx2+fma"` or `"portable"` (the build target's baseline; forced by
+/// `TINYLLM_CPU=portable`). Every path gives the same bits.
+pub fn cpu_kernel_path() -> &'static str {
+    backend::cpu::simd::level().name()
+}
 pub use backend::round::Format;
 pub use backend::{DType, Device};
 pub use error::{Error, Result};

@@ -6,6 +6,8 @@
 //! f64 storage (for gradient checks) uses the same algorithms with platform
 //! f64 math — it has no GPU twin, so it needs none of the contract's care.
 
+pub mod simd;
+
 use super::math::{self, LANES};
 use super::round::{self, Format};
 use super::{BinaryLayout, DType};
@@ -218,6 +220,7 @@ pub fn fold_rows<T: Elem, const R: usize>(rows: [&[T]; R], init: T, f: impl Fn(T
 /// row-major `(lens.len(), n)` buffer, `n > 0`: four rows in lockstep over their
 /// common length, then each row's own rest — every row still folded in
 /// ascending order.
+#[inline(always)]
 pub fn fold_ragged<T: Elem>(
     x: &[T],
     n: usize,
@@ -299,6 +302,7 @@ fn coalesce(layout: &BinaryLayout) -> [Vec<usize>; 3] {
 
 /// Calls `run(lhs_start, rhs_start, len, lhs_stride, rhs_stride)` for every
 /// innermost run of a (non-empty) broadcast layout, in row-major output order.
+#[inline(always)]
 pub fn for_each_run(layout: &BinaryLayout, mut run: impl FnMut(usize, usize, usize, usize, usize)) {
     let [shape, ls, rs] = coalesce(layout);
     let inner = shape.len() - 1;

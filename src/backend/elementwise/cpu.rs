@@ -1,24 +1,25 @@
 //! The CPU reference of the elementwise primitives.
 
 use super::{BinaryOp, ElementwiseOps, UnaryOp};
-use crate::backend::cpu::{both, both2, for_each_run, for_lanes_mut, maximum, CpuStorage, Elem};
+use crate::backend::cpu::{both, both2, for_each_run, for_lanes_mut, maximum, simd, CpuStorage, Elem};
 use crate::backend::math::LANES;
 use crate::backend::BinaryLayout;
 use crate::Result;
 
 impl ElementwiseOps for CpuStorage {
     fn unary(&self, op: UnaryOp) -> Result<CpuStorage> {
-        Ok(both!(self, x => unary_t(x, op)))
+        Ok(both!(self, x => simd::run(|| unary_t(x, op))))
     }
 
     fn binary(&self, rhs: &CpuStorage, op: BinaryOp, layout: &BinaryLayout) -> Result<CpuStorage> {
-        Ok(both2!(self, rhs, a, b => binary_t(a, b, op, layout)))
+        Ok(both2!(self, rhs, a, b => simd::run(|| binary_t(a, b, op, layout))))
     }
 }
 
 /// Every unary op as one loop over the slice: the op is matched once, outside,
 /// so each arm is a straight-line body the compiler vectorises (the f32 math
 /// functions are branch-free for that reason, see [`math`]).
+#[inline(always)]
 fn unary_t<T: Elem>(x: &[T], op: UnaryOp) -> Vec<T> {
     #[inline(always)]
     fn map<T: Copy>(x: &[T], f: impl Fn(T) -> T) -> Vec<T> {
@@ -34,6 +35,7 @@ fn unary_t<T: Elem>(x: &[T], op: UnaryOp) -> Vec<T> {
     }
     /// σ(x) = 1 / (1 + e^-x) in two passes, each a loop the compiler keeps in
     /// vector registers: the exps, then the divisions a group at a time.
+    #[inline(always)]
     fn sigmoid<T: Elem>(x: &[T]) -> Vec<T> {
         let mut s = map(x, |v| T::ONE.add(T::NEG_ZERO.sub(v).exp()));
         for_lanes_mut(&mut s, |d| T::div_lanes([T::ONE; LANES], d));
@@ -130,6 +132,7 @@ fn broadcast_map<T: Elem>(
     out
 }
 
+#[inline(always)]
 fn binary_t<T: Elem>(a: &[T], b: &[T], op: BinaryOp, layout: &BinaryLayout) -> Vec<T> {
     match op {
         BinaryOp::Add => broadcast_map(a, b, layout, |x, y| x.add(y)),

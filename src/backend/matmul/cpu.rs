@@ -3,7 +3,7 @@
 //! `p = 0, 1, ..., k-1` in order), threads over row panels or batches.
 
 use super::{MatmulDims, MatmulOps};
-use crate::backend::cpu::{cpu_threads, CpuStorage, Elem};
+use crate::backend::cpu::{cpu_threads, simd, CpuStorage, Elem};
 use crate::backend::round::{self, Format};
 use crate::Result;
 use rayon::prelude::*;
@@ -14,7 +14,7 @@ impl MatmulOps for CpuStorage {
     fn matmul(&self, rhs: &CpuStorage, d: MatmulDims, round: Option<Format>) -> Result<CpuStorage> {
         Ok(match (self, rhs) {
             (CpuStorage::F32(a), CpuStorage::F32(b)) => {
-                f32::wrap(matmul_f32(&a.get(), &b.get(), d, round))
+                f32::wrap(simd::run(|| matmul_f32(&a.get(), &b.get(), d, round)))
             }
             (CpuStorage::F64(a), CpuStorage::F64(b)) => {
                 f64::wrap(matmul_f64(&a.get(), &b.get(), d, round))
@@ -44,6 +44,7 @@ thread_local! {
 ///
 /// `k_major`: the source's rows run across the lanes, one row per p (Aᵀ, B);
 /// otherwise each lane is a row along k (A, Bᵀ).
+#[inline(always)]
 fn pack<const W: usize>(
     buf: &mut Vec<f32>,
     src: &[f32],
@@ -134,50 +135,35 @@ unsafe fn micro_kernel(
     ldc: usize,
     first: bool,
 ) {
-    #[cfg(all(
-        target_arch = "x86_64",
-        target_feature = "avx2",
-        target_feature = "fma"
-    ))]
-    {
-        // SAFETY: the target features are enabled at compile time (see
-        // .cargo/config.toml); the pointers are valid per this fn's contract.
-        micro_kernel_avx2(ap, bp, kc, c, ldc, first)
+    #[cfg(target_arch = "x86_64")]
+    if simd::level() == simd::Level::Avx2 {
+        // SAFETY: the CPU has AVX2 and FMA (the level says so); the pointers
+        // are valid per this fn's contract.
+        return micro_kernel_avx2(ap, bp, kc, c, ldc, first);
     }
-    #[cfg(not(all(
-        target_arch = "x86_64",
-        target_feature = "avx2",
-        target_feature = "fma"
-    )))]
-    {
-        let mut acc = [[0.0f32; NR]; MR];
-        if !first {
-            for (r, row) in acc.iter_mut().enumerate() {
-                std::ptr::copy_nonoverlapping(c.add(r * ldc), row.as_mut_ptr(), NR);
+    let mut acc = [[0.0f32; NR]; MR];
+    if !first {
+        for (r, row) in acc.iter_mut().enumerate() {
+            std::ptr::copy_nonoverlapping(c.add(r * ldc), row.as_mut_ptr(), NR);
+        }
+    }
+    for p in 0..kc {
+        for (r, row) in acc.iter_mut().enumerate() {
+            let a = *ap.add(p * MR + r);
+            for (j, v) in row.iter_mut().enumerate() {
+                *v = a.mul_add(*bp.add(p * NR + j), *v);
             }
         }
-        for p in 0..kc {
-            for (r, row) in acc.iter_mut().enumerate() {
-                let a = *ap.add(p * MR + r);
-                for (j, v) in row.iter_mut().enumerate() {
-                    *v = a.mul_add(*bp.add(p * NR + j), *v);
-                }
-            }
-        }
-        for (r, row) in acc.iter().enumerate() {
-            std::ptr::copy_nonoverlapping(row.as_ptr(), c.add(r * ldc), NR);
-        }
+    }
+    for (r, row) in acc.iter().enumerate() {
+        std::ptr::copy_nonoverlapping(row.as_ptr(), c.add(r * ldc), NR);
     }
 }
 
 /// The same tile with AVX2: 12 accumulator registers (6 rows × 2 vectors of 8),
 /// `_mm256_fmadd_ps` being a fused multiply-add exactly like `f32::mul_add`.
-#[cfg(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma"
-))]
-#[inline(always)]
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
 unsafe fn micro_kernel_avx2(
     ap: *const f32,
     bp: *const f32,
@@ -228,6 +214,7 @@ struct KBlock {
 /// One tile of C at `c` (row stride `ldc`), of which `rows` × `cols` are real:
 /// full tiles run the kernel on C itself, edge tiles on a padded copy.
 #[allow(clippy::too_many_arguments)]
+#[inline(always)]
 fn tile(
     ap: &[f32],
     bp: &[f32],
@@ -279,6 +266,7 @@ fn tile(
 /// (exactly those rows; uninitialised before the first k-block, which starts
 /// every sum from +0 and writes it), from the block's packed operands (panel
 /// strides `kc * MR` and `kc * NR`). `r0` is a multiple of MR.
+#[inline(always)]
 fn matmul_block(
     ap: &[f32],
     bp: &[f32],
@@ -313,6 +301,7 @@ fn matmul_block(
 /// of one thread, and 512×320×904 products gain ~1.3x from the second core.)
 const THREADED_MACS: usize = 1 << 26;
 
+#[inline(always)]
 fn matmul_f32(a: &[f32], b: &[f32], d: MatmulDims, round: Option<Format>) -> Vec<f32> {
     let MatmulDims { batch, m, k, n, .. } = d;
     let len = batch * m * n;
@@ -353,7 +342,9 @@ fn matmul_f32(a: &[f32], b: &[f32], d: MatmulDims, round: Option<Format>) -> Vec
                     c.par_chunks_mut(rows_per_thread * n)
                         .enumerate()
                         .for_each(|(t, chunk)| {
-                            matmul_block(ap, bp, kc, n, t * rows_per_thread, chunk, blk)
+                            simd::run(|| {
+                                matmul_block(ap, bp, kc, n, t * rows_per_thread, chunk, blk)
+                            })
                         });
                 }
                 kb += KC;
@@ -366,9 +357,11 @@ fn matmul_f32(a: &[f32], b: &[f32], d: MatmulDims, round: Option<Format>) -> Vec
         out.par_chunks_mut(per * m * n)
             .enumerate()
             .for_each(|(t, chunk)| {
-                for (i, c) in chunk.chunks_mut(m * n).enumerate() {
-                    one(t * per + i, c, 1);
-                }
+                simd::run(|| {
+                    for (i, c) in chunk.chunks_mut(m * n).enumerate() {
+                        one(t * per + i, c, 1);
+                    }
+                })
             });
     } else {
         for (bi, c) in out.chunks_mut(m * n).enumerate() {

@@ -1,7 +1,7 @@
 //! The CPU reference of the in-place updates.
 
 use super::{AdamWConsts, OptimOps};
-use crate::backend::cpu::{cpu_threads, CpuStorage};
+use crate::backend::cpu::{cpu_threads, simd, CpuStorage};
 use crate::backend::math::{self, LANES};
 use crate::Result;
 use rayon::prelude::*;
@@ -40,7 +40,7 @@ impl OptimOps for CpuStorage {
             1
         };
         if threads == 1 {
-            adamw_slices(&mut p, &g, &mut m, &mut v, &c);
+            simd::run(|| adamw_slices(&mut p, &g, &mut m, &mut v, &c));
             return Ok(());
         }
         let per = n.div_ceil(threads).next_multiple_of(LANES);
@@ -48,7 +48,7 @@ impl OptimOps for CpuStorage {
             .zip(g.par_chunks(per))
             .zip(m.par_chunks_mut(per))
             .zip(v.par_chunks_mut(per))
-            .for_each(|(((p, g), m), v)| adamw_slices(p, g, m, v, &c));
+            .for_each(|(((p, g), m), v)| simd::run(|| adamw_slices(p, g, m, v, &c)));
         Ok(())
     }
 
@@ -63,18 +63,20 @@ impl OptimOps for CpuStorage {
     ) -> Result<()> {
         let (mut p, g) = (self.f32s_mut(), g.f32s());
         let mut b = buf.map(|b| b.f32s_mut());
-        for i in 0..p.len() {
-            let mut gi = wd.mul_add(p[i], g[i]);
-            if let Some(b) = b.as_mut() {
-                b[i] = if first {
-                    gi
-                } else {
-                    momentum.mul_add(b[i], gi)
-                };
-                gi = b[i];
+        simd::run(|| {
+            for i in 0..p.len() {
+                let mut gi = wd.mul_add(p[i], g[i]);
+                if let Some(b) = b.as_mut() {
+                    b[i] = if first {
+                        gi
+                    } else {
+                        momentum.mul_add(b[i], gi)
+                    };
+                    gi = b[i];
+                }
+                p[i] = (-lr).mul_add(gi, p[i]);
             }
-            p[i] = (-lr).mul_add(gi, p[i]);
-        }
+        });
         Ok(())
     }
 }
@@ -106,6 +108,7 @@ impl CpuStorage {
 /// AdamW over whole slices: groups of LANES elements, so the two divisions per
 /// element are one hardware division of a vector each (`math::div_lanes`, the
 /// soft division's bits); the ragged tail runs as a group padded with zeros.
+#[inline(always)]
 fn adamw_slices(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], c: &AdamWConsts) {
     let n = p.len();
     let whole = n - n % LANES;

@@ -1,36 +1,38 @@
 //! The CPU reference of the reductions.
 
 use super::{ReduceOp, ReduceOps, NORM_CHUNK};
-use crate::backend::cpu::{both, both2, fold_ragged, for_lanes_mut, maximum, CpuStorage, Elem};
+use crate::backend::cpu::{both, both2, fold_ragged, for_lanes_mut, maximum, simd, CpuStorage, Elem};
 use crate::backend::math::LANES;
 use crate::Result;
 
 impl ReduceOps for CpuStorage {
     fn reduce(&self, op: ReduceOp, outer: usize, r: usize, inner: usize) -> Result<CpuStorage> {
-        Ok(both!(self, x => reduce_t(x, op, outer, r, inner)))
+        Ok(both!(self, x => simd::run(|| reduce_t(x, op, outer, r, inner))))
     }
 
     fn softmax_rows(&self, rows: usize, n: usize) -> Result<CpuStorage> {
-        Ok(both!(self, x => softmax_t(x, rows, n)))
+        Ok(both!(self, x => simd::run(|| softmax_t(x, rows, n))))
     }
 
     fn softmax_rows_backward(&self, g: &CpuStorage, rows: usize, n: usize) -> Result<CpuStorage> {
-        Ok(both2!(self, g, y, g => softmax_backward_t(y, g, rows, n)))
+        Ok(both2!(self, g, y, g => simd::run(|| softmax_backward_t(y, g, rows, n))))
     }
 
     fn chunk_sum_squares(bufs: &[&CpuStorage]) -> Result<Vec<f32>> {
-        Ok(bufs
-            .iter()
-            .flat_map(|b| {
-                b.to_vec_f32()
-                    .chunks(NORM_CHUNK)
-                    .map(|c| c.iter().fold(-0.0f32, |a, &v| v.mul_add(v, a)))
-                    .collect::<Vec<f32>>()
-            })
-            .collect())
+        Ok(simd::run(|| {
+            bufs.iter()
+                .flat_map(|b| {
+                    b.to_vec_f32()
+                        .chunks(NORM_CHUNK)
+                        .map(|c| c.iter().fold(-0.0f32, |a, &v| v.mul_add(v, a)))
+                        .collect::<Vec<f32>>()
+                })
+                .collect()
+        }))
     }
 }
 
+#[inline(always)]
 fn reduce_t<T: Elem>(x: &[T], op: ReduceOp, outer: usize, r: usize, inner: usize) -> Vec<T> {
     if inner == 1 && r > 0 {
         // Along contiguous rows: each row folded in order, four rows in flight.
@@ -66,6 +68,7 @@ fn reduce_t<T: Elem>(x: &[T], op: ReduceOp, outer: usize, r: usize, inner: usize
 /// The row without its trailing run of −inf: whole groups of lanes are
 /// skipped with one vector compare each (an element-by-element scan from the
 /// end was half the softmax's time), the rest element by element.
+#[inline(always)]
 fn live_len<T: Elem>(row: &[T]) -> usize {
     let mut end = row.len();
     while end >= LANES
@@ -81,6 +84,7 @@ fn live_len<T: Elem>(row: &[T]) -> usize {
         .map_or(0, |p| p + 1)
 }
 
+#[inline(always)]
 fn softmax_t<T: Elem>(x: &[T], rows: usize, n: usize) -> Vec<T> {
     let x = &x[..rows * n];
     let mut out = Vec::with_capacity(rows * n);
@@ -115,6 +119,7 @@ fn softmax_t<T: Elem>(x: &[T], rows: usize, n: usize) -> Vec<T> {
     out
 }
 
+#[inline(always)]
 fn softmax_backward_t<T: Elem>(y: &[T], g: &[T], rows: usize, n: usize) -> Vec<T> {
     let mut out = Vec::with_capacity(rows * n);
     if n == 0 {

@@ -119,6 +119,7 @@ pub fn round_f32(x: f32, fmt: Format) -> f32 {
 
 /// Rounds every element in place: the format is chosen once, outside the loop,
 /// so each loop is one vectorised body.
+#[inline(always)]
 pub fn round_slice(xs: &mut [f32], fmt: Format) {
     match fmt {
         Format::Bf16 => xs.iter_mut().for_each(|x| *x = bf16_f32(*x)),

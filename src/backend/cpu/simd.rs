@@ -1,0 +1,248 @@
+//! Which vector instructions the CPU kernels use, chosen at run time.
+//!
+//! The kernels are plain Rust written so the compiler vectorises them, plus
+//! one hand-written AVX2 matmul tile. The instructions a build may use by
+//! default are the target's baseline (SSE2 on x86-64), where `f32::mul_add` —
+//! the contract's fma, everywhere — is a library call per element. So every
+//! hot kernel runs inside [`run`], which, on a CPU that has them, calls it
+//! through a copy compiled with AVX2 and FMA enabled (the kernels are
+//! `#[inline(always)]` so their whole body lands in that copy). Nothing is
+//! needed at build time: a crate that depends on tinyllm gets the same speed
+//! as this repository's own binary, and a CPU without AVX2 runs the
+//! portable copy instead of faulting.
+//!
+//! The bits are the same on every path: the kernels' operations and their
+//! order are fixed by the contract, `mul_add` is a fused multiply-add
+//! whichever instruction computes it, and nothing is reassociated. A unit test
+//! runs every primitive on each available path against the portable one.
+//!
+//! `TINYLLM_CPU=portable` forces the portable path (for comparison).
+
+use std::sync::atomic::{AtomicU8, Ordering};
+
+/// A set of instructions the kernels may use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Level {
+    /// The build target's baseline.
+    Portable = 1,
+    /// x86-64 with AVX2 and FMA.
+    Avx2 = 2,
+}
+
+impl Level {
+    /// A short name, as `TINYLLM_CPU` and the reports spell it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Level::Portable => "portable",
+            Level::Avx2 => "avx2+fma",
+        }
+    }
+}
+
+/// 0: not decided yet; else a `Level as u8`.
+static LEVEL: AtomicU8 = AtomicU8::new(0);
+
+fn detect() -> Level {
+    if std::env::var("TINYLLM_CPU").is_ok_and(|v| v == "portable") {
+        return Level::Portable;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+        return Level::Avx2;
+    }
+    Level::Portable
+}
+
+/// The level the kernels run at (detected once).
+#[inline]
+pub fn level() -> Level {
+    match LEVEL.load(Ordering::Relaxed) {
+        2 => Level::Avx2,
+        1 => Level::Portable,
+        _ => {
+            let l = detect();
+            LEVEL.store(l as u8, Ordering::Relaxed);
+            l
+        }
+    }
+}
+
+/// Every level this CPU can run, lowest first.
+#[cfg(any(test, feature = "test-hooks"))]
+pub fn available() -> Vec<Level> {
+    let mut v = vec![Level::Portable];
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+        v.push(Level::Avx2);
+    }
+    v
+}
+
+/// Forces a level (`None`: detect again). For comparing the paths.
+#[cfg(any(test, feature = "test-hooks"))]
+pub fn set_level(l: Option<Level>) {
+    LEVEL.store(l.map_or(0, |l| l as u8), Ordering::Relaxed);
+}
+
+/// Runs `f` compiled for the best level this CPU has. `f` and everything it
+/// calls should be `#[inline(always)]` (or a closure), so that it is compiled
+/// into each level's copy.
+#[inline(always)]
+pub fn run<R>(f: impl FnOnce() -> R) -> R {
+    match level() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the level is Avx2 only where the CPU reported AVX2 and FMA.
+        Level::Avx2 => unsafe { run_avx2(f) },
+        _ => f(),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn run_avx2<R>(f: impl FnOnce() -> R) -> R {
+    f()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::round::Format;
+    use crate::backend::{
+        AdamWConsts, BinaryLayout, BinaryOp, DType, Device, MatmulDims, ReduceOp, Storage, UnaryOp,
+    };
+
+    /// Values with every awkward class in them: ±0, subnormals, ±inf, NaN,
+    /// huge and tiny magnitudes, bf16/fp16 ties, besides plain randoms.
+    fn values(n: usize, seed: u64) -> Vec<f32> {
+        let gen = crate::Generator::new(seed);
+        let specials = [
+            0.0,
+            -0.0,
+            1e-40,
+            -3e-39,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            3.0e38,
+            1.0 + 1.0 / 256.0, // a bf16 tie
+            65520.0,           // the fp16 overflow boundary
+            -88.0,
+            104.0,
+        ];
+        gen.uniform(n)
+            .into_iter()
+            .enumerate()
+            .map(|(i, u)| {
+                if i % 61 == 3 {
+                    specials[i / 61 % specials.len()]
+                } else {
+                    (u - 0.5) * 8.0
+                }
+            })
+            .collect()
+    }
+
+    fn bits(s: &Storage) -> Vec<u32> {
+        s.to_vec_f32()
+            .unwrap()
+            .iter()
+            .map(|x| if x.is_nan() { 0x7fc0_0000 } else { x.to_bits() })
+            .collect()
+    }
+
+    /// Every CPU primitive's output bits, at the current level.
+    fn run_all() -> Vec<Vec<u32>> {
+        let st = |v: Vec<f32>| Storage::from_f32(v, Device::Cpu).unwrap();
+        let x = st(values(1000, 1));
+        let y = st(values(1000, 2));
+        let mut out = Vec::new();
+        for op in UnaryOp::ALL {
+            out.push(bits(&x.unary(op).unwrap()));
+        }
+        // (10, 100) op (1, 100): a broadcast row
+        let layout = BinaryLayout {
+            shape: vec![10, 100],
+            lhs_strides: vec![100, 1],
+            rhs_strides: vec![0, 1],
+        };
+        for op in BinaryOp::ALL {
+            out.push(bits(&x.binary(&y, op, &layout).unwrap()));
+        }
+        for op in ReduceOp::ALL {
+            out.push(bits(&x.reduce(op, 10, 25, 4).unwrap()));
+            out.push(bits(&x.reduce(op, 40, 25, 1).unwrap()));
+        }
+        // causally masked rows, as attention makes them
+        let masked: Vec<f32> = values(1024, 3)
+            .into_iter()
+            .enumerate()
+            .map(|(i, v)| if i % 32 > i / 32 { f32::NEG_INFINITY } else { v.clamp(-30.0, 30.0) })
+            .collect();
+        let sm = st(masked).softmax_rows(32, 32).unwrap();
+        out.push(bits(&sm));
+        out.push(bits(&sm.softmax_rows_backward(&st(values(1024, 4)), 32, 32).unwrap()));
+        out.push(vec![Storage::sum_squares(&[&x, &y]).unwrap().to_bits()]);
+        for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+            for round in [None, Some(Format::Bf16), Some(Format::Fp16)] {
+                let (m, k, n) = (13, 300, 21);
+                // finite operands: one NaN would make a whole row of outputs NaN
+                let finite = |v: Vec<f32>| v.into_iter().map(|x| if x.is_finite() { x } else { 0.5 }).collect();
+                let a = st(finite(values(m * k, 5)));
+                let b = st(finite(values(k * n, 6)));
+                let d = MatmulDims {
+                    batch: 1,
+                    m,
+                    k,
+                    n,
+                    trans_a: ta,
+                    trans_b: tb,
+                    a_batch_stride: 0,
+                    b_batch_stride: 0,
+                };
+                out.push(bits(&a.matmul(&b, d, round).unwrap()));
+            }
+        }
+        let p = st(values(1003, 7));
+        let g = st(values(1003, 8).into_iter().map(|v| v * 1e-3).collect());
+        let m = st(values(1003, 9).into_iter().map(|v| v * 1e-4).collect());
+        let v = st(values(1003, 10).into_iter().map(|v| (v * 1e-6).abs()).collect());
+        let c = AdamWConsts {
+            decay: 0.9999,
+            beta1: 0.9,
+            omb1: 0.1,
+            beta2: 0.999,
+            omb2: 0.001,
+            step_size: 1e-3,
+            bc2_sqrt: 0.3,
+            eps: 1e-8,
+        };
+        p.adamw_step(&g, &m, &v, &c).unwrap();
+        out.extend([bits(&p), bits(&m), bits(&v)]);
+        let buf = Storage::full(1003, 0.0, DType::F32, Device::Cpu).unwrap();
+        p.sgd_step(&g, Some(&buf), 0.1, 0.9, 0.01, false).unwrap();
+        out.extend([bits(&p), bits(&buf)]);
+        let finite = Storage::finite_check_unscale(&[&p, &x], 0.5).unwrap();
+        out.push(vec![finite as u32]);
+        out.push(bits(&x));
+        out
+    }
+
+    #[test]
+    fn every_path_gives_the_portable_bits() {
+        set_level(Some(Level::Portable));
+        let portable = run_all();
+        for l in available() {
+            set_level(Some(l));
+            assert_eq!(level(), l);
+            let got = run_all();
+            for (i, (a, b)) in got.iter().zip(&portable).enumerate() {
+                assert!(a == b, "{l:?}: primitive #{i} differs from the portable path");
+            }
+        }
+        set_level(None);
+        assert!(
+            cfg!(not(target_arch = "x86_64")) || available().contains(&Level::Avx2),
+            "this test should run where AVX2 exists (CI does)"
+        );
+    }
+}
