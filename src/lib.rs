@@ -11,8 +11,9 @@
 //! * [`tensor`] records the graph and runs `backward`, freeing saved values as it goes;
 //! * [`backend`] executes primitives on the CPU reference or the GPU (wgpu, `shaders/`),
 //!   under one numerics contract so both give the same bits;
-//! * [`precision`] adds bf16/fp16 emulation (`cast`, `autocast`), the dynamic loss
-//!   scaler and gradient accumulation; [`recompute`] adds activation checkpointing;
+//! * [`precision`] adds bf16/fp16 emulation (`cast`, `autocast`) and the dynamic loss
+//!   scaler; [`recompute`] adds activation checkpointing; [`train_step_mixed`]
+//!   (in `train::step`) accumulates micro-batches and takes one mixed-precision step;
 //! * [`optim`] updates the float32 master weights (SGD, AdamW, gradient clipping).
 
 pub mod backend;
@@ -36,6 +37,7 @@ pub use backend::{DType, Device};
 pub use error::{Error, Result};
 pub use rng::Generator;
 pub use tensor::{is_grad_enabled, no_grad, set_grad_enabled, Tensor};
+pub use train::step::{grad_accumulate, train_step_mixed, MicroBatch, StepReport};
 
 /// The README's example runs as a doctest, so it cannot rot.
 #[doc = include_str!("../README.md")]

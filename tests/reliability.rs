@@ -20,12 +20,13 @@ use std::time::{Duration, Instant};
 use tinyllm::nn::llama::LlamaConfig;
 use tinyllm::nn::{Layer, Linear, Module};
 use tinyllm::optim::{AdamW, AdamWConfig};
-use tinyllm::precision::{train_step_mixed, DynamicLossScaler, Precision, MIN_SCALE};
+use tinyllm::precision::{DynamicLossScaler, Precision, MIN_SCALE};
 use tinyllm::train::checkpoint::{self, Verified};
 use tinyllm::train::config::{TrainConfig, TrainOptions};
 use tinyllm::train::data::Corpus;
 use tinyllm::train::metrics::{MetricsLog, StepMetrics};
 use tinyllm::train::Trainer;
+use tinyllm::train_step_mixed;
 use tinyllm::{Device, Generator, Tensor};
 
 const BIN: &str = env!("CARGO_BIN_EXE_tinyllm");
@@ -1721,7 +1722,7 @@ fn scaler_skips_backs_off_and_recovers_on_injected_faults() -> tinyllm::Result<(
     let gen = Generator::new(1);
     let model = Linear::new(2, 1, false, &gen, Device::Cpu)?;
     let mut opt = AdamW::new(model.parameters(), AdamWConfig::new(1e-3))?;
-    let mut scaler = DynamicLossScaler::new(f32::MAX / 4.0, 2.0, 0.5, 1)?;
+    let mut scaler = DynamicLossScaler::new(2f32.powi(126), 2.0, 0.5, 1)?;
     let x = Tensor::zeros(&[4, 2], tinyllm::DType::F32, Device::Cpu)?;
     let micro = vec![(x.clone(), x.narrow(1, 0, 1)?)];
     for _ in 0..5 {

@@ -3,9 +3,9 @@
 //! [`Generator`] whose `(seed, offset)` state is the data position a
 //! checkpoint saves.
 
-use crate::precision::MicroBatch;
 use crate::rng::Generator;
 use crate::train::sha256::Sha256;
+use crate::train::step::MicroBatch;
 use crate::{bail, Result};
 use std::path::{Path, PathBuf};
 

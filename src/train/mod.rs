@@ -5,8 +5,9 @@
 //!   [`corpus`] — the embedded default text;
 //! * [`config`] — flags resolved against a preset's recipe and validated;
 //! * [`plan`] — spec M05.1's memory plan;
-//! * [`trainer`] — the loop (one step: scale → backward → accumulate → unscale
-//!   → clip → step, via [`train_step_mixed`](crate::precision::train_step_mixed));
+//! * [`step`] — one optimizer step: scale → backward → accumulate → unscale
+//!   → clip → step ([`train_step_mixed`](step::train_step_mixed));
+//! * [`trainer`] — the loop around it;
 //! * [`checkpoint`] — Hugging Face-named safetensors, atomic writes, a SHA-256
 //!   manifest ([`sha256`]) verified before anything loads;
 //! * [`metrics`], [`plot`] — `metrics.jsonl` and the SVG loss curves;
@@ -22,6 +23,7 @@ pub mod metrics;
 pub mod plan;
 pub mod plot;
 pub mod sha256;
+pub mod step;
 pub mod trainer;
 
 pub use config::{DeviceChoice, TrainConfig, TrainOptions};
