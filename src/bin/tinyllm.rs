@@ -330,8 +330,12 @@ fn cmd_train(a: TrainArgs) -> tinyllm::Result<ExitCode> {
     if a.run.profile {
         tinyllm::profile::start();
     }
-    let summary = tinyllm::train::run(cfg.clone(), start, a.run.progress())?;
-    if let Some(sig) = summary.interrupted {
+    let summary = tinyllm::train::run(cfg.clone(), start, a.run.progress());
+    // The run is saved: from here on a signal (say, during the closing
+    // sample) ends the process at once.
+    interrupt::uninstall();
+    let summary = summary?;
+    if let Some(sig) = summary.interrupted.or(interrupt::requested()) {
         report_interrupted(&cfg, &summary, sig);
         return Ok(ExitCode::from(128 + sig as u8));
     }
@@ -375,18 +379,23 @@ fn cmd_train(a: TrainArgs) -> tinyllm::Result<ExitCode> {
     );
     out!("  loss plot   {}", summary.out.join("loss.svg").display());
     out!("  checkpoint  {}/ (model.safetensors, config.json, optimizer.safetensors, trainer_state.json, manifest.json)", ck.display());
-    out!(
-        "continue with: tinyllm train --resume {} --steps {}",
-        shell_quote(&summary.out.display().to_string()),
-        cfg.steps * 2
-    );
-    out!(
-        "  (steps {}..{} run at the schedule's final learning rate, {:e}: the cosine schedule planned for {} steps is kept, not stretched)",
-        cfg.steps + 1,
-        cfg.steps * 2,
-        cfg.lr_at(cfg.schedule_steps),
-        cfg.schedule_steps
-    );
+    let dir = shell_quote(&summary.out.display().to_string());
+    if cfg.steps < cfg.schedule_steps {
+        out!(
+            "continue with: tinyllm train --resume {dir} --steps {}",
+            cfg.schedule_steps
+        );
+        out!("  (the rest of the planned schedule: the bits of an uninterrupted run)");
+    } else {
+        let more = cfg.steps * 2;
+        out!("continue with: tinyllm train --resume {dir} --steps {more}");
+        out!(
+            "  (steps {}..{more} run at the schedule's final learning rate, {:e}: the cosine schedule planned for {} steps is kept, not stretched)",
+            cfg.steps + 1,
+            cfg.lr_at(cfg.schedule_steps),
+            cfg.schedule_steps
+        );
+    }
     Ok(ExitCode::SUCCESS)
 }
 
@@ -394,6 +403,11 @@ fn cmd_train(a: TrainArgs) -> tinyllm::Result<ExitCode> {
 fn report_interrupted(cfg: &TrainConfig, s: &RunSummary, sig: i32) {
     let name = interrupt::name(sig);
     match &s.checkpoint {
+        Some(ck) if s.checkpoint_step >= cfg.steps => note!(
+            "interrupted by {name} after the run finished: its checkpoint (step {}) is {}",
+            s.checkpoint_step,
+            ck.display()
+        ),
         Some(ck) => {
             note!(
                 "interrupted by {name}: the run is saved at step {} of {} in {}",

@@ -20,7 +20,7 @@
 //! moments that are not finite are never written over a good checkpoint, a
 //! failed save removes its staging directory, and a save holds the output
 //! directory's lock and never deletes a directory that is not tinyllm's
-//! (see [`outdir`](crate::train::outdir)).
+//! (see [`outdir`]).
 //!
 //! **Loading.** The manifest is checked first (every listed file present, of
 //! the recorded size and hash), then every tensor's name, dtype and shape
@@ -216,7 +216,7 @@ pub fn recover(run_dir: &Path) -> Result<()> {
 }
 
 /// The first tensor with a non-finite value, if any.
-fn first_non_finite<'a>(tensors: &'a [(String, F32View)]) -> Option<&'a str> {
+fn first_non_finite(tensors: &[(String, F32View)]) -> Option<&str> {
     tensors.iter().find_map(|(n, v)| {
         v.bytes
             .chunks_exact(4)

@@ -597,6 +597,12 @@ mod tests {
         assert_eq!(c.lr_at(10), 1.0);
         assert!((c.lr_at(100) - 0.1).abs() < 1e-6);
         assert!((1..100).all(|s| s <= 10 || c.lr_at(s + 1) <= c.lr_at(s)));
+        // Extended past its plan, the schedule holds its last rate.
+        let longer = TrainConfig {
+            steps: 200,
+            ..c.clone()
+        };
+        assert!((1..=200).all(|s| longer.lr_at(s) == c.lr_at(s.min(100))));
     }
 
     #[test]

@@ -221,3 +221,34 @@ impl Utf8Stream {
         String::from_utf8_lossy(&self.pending).into_owned()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::Utf8Stream;
+
+    /// Streaming gives exactly `from_utf8_lossy` of all the bytes, whatever
+    /// mix of ASCII, multi-byte characters, stray and cut-off bytes arrives.
+    #[test]
+    fn utf8_stream_equals_lossy_decoding_of_the_whole() {
+        let pieces: [&[u8]; 8] = [
+            b"ab",
+            "é".as_bytes(),
+            "€".as_bytes(),
+            "😀".as_bytes(),
+            &[0xff],
+            &[0xe2, 0x82],
+            &[0xf0, 0x9f],
+            &[0x80],
+        ];
+        let gen = crate::rng::Generator::new(7);
+        for _ in 0..500 {
+            let bytes: Vec<u8> = (0..gen.below(12))
+                .flat_map(|_| pieces[gen.below(pieces.len())].iter().copied())
+                .collect();
+            let mut s = Utf8Stream::default();
+            let mut got: String = bytes.iter().map(|&b| s.push(b)).collect();
+            got.push_str(&s.finish());
+            assert_eq!(got, String::from_utf8_lossy(&bytes), "{bytes:x?}");
+        }
+    }
+}

@@ -62,8 +62,20 @@ pub fn install() -> crate::Result<()> {
     Ok(())
 }
 
+/// Gives SIGINT and SIGTERM their default action back: once a run has
+/// returned (everything saved), a signal ends the process at once.
+#[cfg(unix)]
+pub fn uninstall() {
+    for sig in [libc::SIGINT, libc::SIGTERM] {
+        unsafe { libc::signal(sig, libc::SIG_DFL) };
+    }
+}
+
 /// Elsewhere signals keep their default action (the run is not saved).
 #[cfg(not(unix))]
 pub fn install() -> crate::Result<()> {
     Ok(())
 }
+
+#[cfg(not(unix))]
+pub fn uninstall() {}
