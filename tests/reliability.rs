@@ -1680,6 +1680,23 @@ fn an_overflow_streak_to_min_scale_is_an_error() {
     assert_eq!(st.step, 4);
     assert_eq!(st.scaler.unwrap().scale, 65536.0);
     assert_finite_checkpoint(&out);
+    // Training goes on from it (without the fault).
+    let (ok, _, err) = run_bin(
+        &[
+            "train",
+            "--resume",
+            out.to_str().unwrap(),
+            "--steps",
+            "8",
+            "--sample-len",
+            "0",
+        ],
+        &[],
+    );
+    assert!(ok, "{err}");
+    assert!(metrics(&out)[4..]
+        .iter()
+        .all(|m| !m.skipped && m.loss.is_finite()));
     let _ = std::fs::remove_dir_all(&out);
 }
 

@@ -602,17 +602,16 @@ impl Loop {
         .map_err(|e| self.stopped(step, e))?;
         self.peak = self.peak.max(m.peak_bytes);
         self.skips.update(&m);
-        self.watch(tr, &m)?;
-        if self.eval_due(tr) {
-            let v = tr.evaluate().map_err(|e| self.stopped(step, e))?;
-            if !v.is_finite() {
-                let why = tr.explain_non_finite();
-                return Err(self.stopped(
-                    step,
-                    Error::numerical(format!("the validation loss is {v}: {why}")),
-                ));
+        let watched = self.watch(tr, &m).and_then(|()| {
+            if self.eval_due(tr) {
+                m.val_loss = Some(self.validation_loss(tr)?);
             }
-            m.val_loss = Some(v);
+            Ok(())
+        });
+        if let Err(e) = watched {
+            // The step that stops the run is in the metrics too (best effort).
+            let _ = self.log.append(&m);
+            return Err(e);
         }
         self.record(tr, m)?;
         if self.save_due(tr) {
@@ -623,7 +622,7 @@ impl Loop {
 
     /// Ends an fp16 run whose losses stay non-finite (see
     /// [`MAX_NON_FINITE_LOSSES`]), or that ends on one.
-    fn watch(&mut self, tr: &Trainer, m: &StepMetrics) -> Result<()> {
+    fn watch(&self, tr: &Trainer, m: &StepMetrics) -> Result<()> {
         let n = self.skips.non_finite_losses;
         if n == 0 || (n < MAX_NON_FINITE_LOSSES && tr.step < tr.cfg.steps) {
             return Ok(());
@@ -639,6 +638,17 @@ impl Loop {
         };
         let why = tr.explain_non_finite();
         Err(self.stopped(m.step, Error::numerical(format!("{what}: {why}"))))
+    }
+
+    /// The validation loss, which must be finite.
+    fn validation_loss(&self, tr: &Trainer) -> Result<f32> {
+        let v = tr.evaluate().map_err(|e| self.stopped(tr.step, e))?;
+        if !v.is_finite() {
+            let why = tr.explain_non_finite();
+            let e = Error::numerical(format!("the validation loss is {v}: {why}"));
+            return Err(self.stopped(tr.step, e));
+        }
+        Ok(v)
     }
 
     fn eval_due(&self, tr: &Trainer) -> bool {
