@@ -552,32 +552,32 @@ fn cmd_bench(a: BenchArgs) -> tinyllm::Result<ExitCode> {
 /// Mesa's Vulkan loader (through libwayland) prints `error: XDG_RUNTIME_DIR
 /// is invalid or not set in the environment` at every GPU probe when the
 /// variable is unset, which reads like an error of tinyllm's. Unset, it is
-/// pointed at a directory made for this process alone (mode 0700, so no other
-/// user can place a socket there); the caller removes it at exit.
-fn private_runtime_dir() -> Option<PathBuf> {
+/// pointed at `$TMPDIR/tinyllm-runtime-<uid>`: a directory of this user's
+/// alone (created 0700 and used only when it is still a real directory, ours,
+/// with that mode), kept for the next run, so nothing is left per process.
+#[cfg(unix)]
+fn private_runtime_dir() {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
     if std::env::var_os("XDG_RUNTIME_DIR").is_some() {
-        return None;
+        return;
     }
-    let dir = std::env::temp_dir().join(format!("tinyllm-runtime-{}", std::process::id()));
-    let mut b = std::fs::DirBuilder::new();
-    #[cfg(unix)]
-    std::os::unix::fs::DirBuilderExt::mode(&mut b, 0o700);
-    b.create(&dir).ok()?;
-    // Safe here: main has not started any other thread yet.
-    std::env::set_var("XDG_RUNTIME_DIR", &dir);
-    Some(dir)
+    let uid = unsafe { libc::getuid() };
+    let dir = std::env::temp_dir().join(format!("tinyllm-runtime-{uid}"));
+    let _ = std::fs::DirBuilder::new().mode(0o700).create(&dir);
+    let private = dir
+        .symlink_metadata()
+        .is_ok_and(|m| m.is_dir() && m.uid() == uid && m.mode() & 0o777 == 0o700);
+    if private {
+        // Safe here: main has not started any other thread yet.
+        std::env::set_var("XDG_RUNTIME_DIR", &dir);
+    }
 }
+
+#[cfg(not(unix))]
+fn private_runtime_dir() {}
 
 fn main() -> ExitCode {
-    let runtime_dir = private_runtime_dir();
-    let code = run_cli();
-    if let Some(d) = runtime_dir {
-        let _ = std::fs::remove_dir(d);
-    }
-    code
-}
-
-fn run_cli() -> ExitCode {
+    private_runtime_dir();
     let cli = Cli::parse();
     tinyllm::memory::keep_freed_host_memory();
     // TINYLLM_THREADS=n caps the CPU's threads for large products and AdamW
