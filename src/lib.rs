@@ -12,8 +12,9 @@
 //! * [`tensor`] records the graph and runs `backward`, freeing saved values as it goes;
 //! * a backend executes primitives on the CPU reference or the GPU (wgpu,
 //!   WGSL), under one numerics contract so both give the same bits;
-//! * [`precision`] adds bf16/fp16 emulation (`cast`, `autocast`) and the dynamic
-//!   loss scaler; [`recompute`] adds activation checkpointing;
+//! * [`precision`] adds bf16/fp16 emulation (`cast`, `autocast`) and the dynamic loss
+//!   scaler; [`recompute`] adds activation checkpointing; [`train_step_mixed`]
+//!   (in `train::step`) accumulates micro-batches and takes one mixed-precision step;
 //! * [`optim`] updates the float32 master weights (SGD, AdamW, gradient clipping).
 
 /// The backend's primitives are internal; the `test-hooks` feature (on for
@@ -49,6 +50,12 @@ pub mod tensor;
 pub mod train;
 
 pub use backend::cpu::set_cpu_threads;
+pub use backend::round::Format;
+pub use backend::{DType, Device};
+pub use error::{Error, Result};
+pub use rng::Generator;
+pub use tensor::{is_grad_enabled, no_grad, set_grad_enabled, Tensor};
+pub use train::step::{grad_accumulate, train_step_mixed, MicroBatch, StepReport};
 
 /// The vector instructions the CPU kernels use on this machine, chosen at run
 /// time: `"avx2+fma"` or `"portable"` (the build target's baseline; forced by
@@ -56,11 +63,6 @@ pub use backend::cpu::set_cpu_threads;
 pub fn cpu_kernel_path() -> &'static str {
     backend::cpu::simd::level().name()
 }
-pub use backend::round::Format;
-pub use backend::{DType, Device};
-pub use error::{Error, Result};
-pub use rng::Generator;
-pub use tensor::{is_grad_enabled, no_grad, set_grad_enabled, Tensor};
 
 /// The README's example runs as a doctest, so it cannot rot.
 #[doc = include_str!("../README.md")]

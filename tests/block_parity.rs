@@ -8,7 +8,8 @@ use common::*;
 use tinyllm::nn::{Dropout, Layer, Linear, Module, RmsNorm};
 use tinyllm::ops::mse;
 use tinyllm::optim::{AdamW, AdamWConfig};
-use tinyllm::precision::{train_step_mixed, DynamicLossScaler, Precision};
+use tinyllm::precision::{DynamicLossScaler, Precision};
+use tinyllm::train_step_mixed;
 use tinyllm::Generator;
 
 struct Block {

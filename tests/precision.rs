@@ -13,10 +13,10 @@ use tinyllm::nn::{Layer, Linear, Module, Sequential, Silu};
 use tinyllm::ops::mse;
 use tinyllm::optim::{clip_grad_norm_, AdamW, AdamWConfig, Optimizer, Sgd};
 use tinyllm::precision::{
-    autocast, autocast_bf16, autocast_dtype, autocast_named, cast, grad_accumulate, round_to_bf16,
-    train_step_mixed, DynamicLossScaler, Precision, ScalerState,
+    autocast, autocast_bf16, autocast_dtype, autocast_named, cast, round_to_bf16,
+    DynamicLossScaler, Precision, ScalerState,
 };
-use tinyllm::{DType, Format, Generator};
+use tinyllm::{grad_accumulate, train_step_mixed, DType, Format, Generator};
 
 // ------------------------------------------------------------- helpers ----
 
@@ -874,6 +874,12 @@ device_test!(scaler_state_dict_roundtrip, |dev| {
         (8.0, 2.0, 0.0, 10),
         (8.0, 2.0, 1.5, 10),
         (8.0, 2.0, 0.5, 0),
+        // Not powers of two: the unscale would not be exact.
+        (1000.0, 2.0, 0.5, 10),
+        (3.0, 2.0, 0.5, 10),
+        (1e-40, 2.0, 0.5, 10),
+        (8.0, 3.0, 0.5, 10),
+        (8.0, 2.0, 0.75, 10),
     ] {
         assert!(
             DynamicLossScaler::new(init, growth, backoff, interval).is_err(),
@@ -899,6 +905,11 @@ device_test!(scaler_state_dict_roundtrip, |dev| {
     };
     assert!(b.load_state_dict(&bad).is_err(), "good_steps >= interval");
     assert_eq!((b.get_scale(), b.good_steps()), (16.0, 0));
+    let e = DynamicLossScaler::new(1000.0, 2.0, 0.5, 10).unwrap_err();
+    assert!(
+        e.to_string().contains("must be a power of two") && e.to_string().contains("1024"),
+        "{e}"
+    );
 });
 
 // --------------------------------------------------------- accumulation ----
@@ -1027,6 +1038,33 @@ device_test!(train_step_mixed_rejects_nan_loss, |dev| {
         t(&randv(8, 65, 1.0), &[4, 2], dev),
     );
     let bad = (t(&xv, &[4, 3], dev), t(&randv(8, 63, 1.0), &[4, 2], dev));
+    // A NaN loss whose gradients are all finite (a constant NaN term has
+    // derivative 1): only the loss check can stop this update.
+    // (First, as pitfall 17 must fail here: the update itself, not a message.)
+    let lf_nan = |(x, y): &(Tensor, Tensor)| mse(&lin.forward(x)?, y)?.add_scalar(f64::NAN);
+    let l = lf_nan(&good)?;
+    l.backward()?;
+    assert!(l.item()?.is_nan());
+    assert!(
+        params.iter().all(|p| grad(p).iter().all(|g| g.is_finite())),
+        "the gradients of the NaN loss are finite"
+    );
+    for p in &params {
+        p.zero_grad();
+    }
+    for prec in [Precision::Fp32, Precision::Bf16] {
+        let mut opt = AdamW::new(params.clone(), AdamWConfig::new(1e-2))?;
+        let one = [good.clone()];
+        let r = train_step_mixed(&lin, &one, lf_nan, &mut opt, prec, None, Some(1.0));
+        assert_eq!(
+            params.iter().map(|p| bits(&vals(p))).collect::<Vec<_>>(),
+            before,
+            "{prec:?}: a NaN loss with finite gradients updated the weights"
+        );
+        assert!(opt.state(0).is_none(), "{prec:?}: the optimizer stepped");
+        let e = r.expect_err("a NaN loss with finite gradients is an error");
+        assert!(e.to_string().contains("non-finite loss"), "{prec:?}: {e}");
+    }
     let micro = [good.clone(), bad];
     let lf = |(x, y): &(Tensor, Tensor)| mse(&lin.forward(x)?, y);
     for prec in [Precision::Fp32, Precision::Bf16] {
@@ -1090,6 +1128,43 @@ device_test!(train_step_mixed_rejects_nan_loss, |dev| {
         params.iter().map(|p| bits(&vals(p))).collect::<Vec<_>>(),
         before
     );
+});
+
+device_test!(train_step_mixed_fp32_opens_no_autocast, |dev| {
+    // Spec L11.1: autocast(precision), "none for fp32" — an fp32 step inside
+    // an enclosing autocast keeps it (its matmuls round); bf16/fp16 steps
+    // open their own, and the enclosing state is back after every step.
+    let gen = Generator::new(71);
+    let lin = Linear::new(3, 2, false, &gen, dev)?;
+    let mb = [(
+        t(&randv(12, 72, 1.0), &[4, 3], dev),
+        t(&randv(8, 73, 1.0), &[4, 2], dev),
+    )];
+    let mut opt = sgd(lin.parameters(), 0.0);
+    let (bf, fp) = (Some(Format::Bf16), Some(Format::Fp16));
+    for (outer, prec, inside) in [
+        (None, Precision::Fp32, None),
+        (bf, Precision::Fp32, bf),
+        (fp, Precision::Fp32, fp),
+        (bf, Precision::Fp16, fp),
+        (None, Precision::Bf16, bf),
+    ] {
+        let _ac = outer.map(autocast);
+        let mut seen = vec![];
+        let lf = |(x, y): &(Tensor, Tensor)| {
+            seen.push(autocast_dtype());
+            mse(&lin.forward(x)?, y)
+        };
+        let r = train_step_mixed(&lin, &mb, lf, &mut opt, prec, None, None)?;
+        assert_eq!(seen, vec![inside], "{outer:?} around a {prec:?} step");
+        assert_eq!(autocast_dtype(), outer, "restored after the step");
+        // The loss is the one of the matmuls' format.
+        let want = {
+            let _ac = inside.map(autocast);
+            mse(&lin.forward(&mb[0].0)?, &mb[0].1)?.item()? as f32
+        };
+        assert_eq!(r.loss.to_bits(), want.to_bits(), "{outer:?} {prec:?}");
+    }
 });
 
 device_test!(precision_names_parse_and_print, |_dev| {

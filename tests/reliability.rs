@@ -20,12 +20,13 @@ use std::time::{Duration, Instant};
 use tinyllm::nn::llama::LlamaConfig;
 use tinyllm::nn::{Layer, Linear, Module};
 use tinyllm::optim::{AdamW, AdamWConfig};
-use tinyllm::precision::{train_step_mixed, DynamicLossScaler, Precision, MIN_SCALE};
+use tinyllm::precision::{DynamicLossScaler, Precision, MIN_SCALE};
 use tinyllm::train::checkpoint::{self, Verified};
 use tinyllm::train::config::{TrainConfig, TrainOptions};
 use tinyllm::train::data::Corpus;
 use tinyllm::train::metrics::{MetricsLog, StepMetrics};
-use tinyllm::train::Trainer;
+use tinyllm::train::{Start, Trainer};
+use tinyllm::train_step_mixed;
 use tinyllm::{Device, Generator, Tensor};
 
 const BIN: &str = env!("CARGO_BIN_EXE_tinyllm");
@@ -287,9 +288,24 @@ fn check_recovers(out: &Path, expect: Option<usize>, what: &str) {
                     && err.contains("not a readable tinyllm checkpoint"),
                 "{what}: {err}"
             );
-            // Starting over in the same directory works and gives the same bits.
+            // Starting over in the same directory is refused while it holds
+            // the metrics of the lost run, works with --overwrite, and gives
+            // the same bits.
+            let had_metrics =
+                std::fs::metadata(out.join("metrics.jsonl")).is_ok_and(|m| m.len() > 0);
             let (ok, _, err) = run_bin(&strs(&train_args(out, STEPS)), &[]);
-            assert!(ok, "{what}: {err}");
+            if had_metrics {
+                assert!(
+                    !ok && err.contains("already holds a run") && err.contains("--overwrite"),
+                    "{what}: {err}"
+                );
+                let mut a = train_args(out, STEPS);
+                a.push("--overwrite".into());
+                let (ok, _, err) = run_bin(&strs(&a), &[]);
+                assert!(ok, "{what}: {err}");
+            } else {
+                assert!(ok, "{what}: {err}");
+            }
             assert!(
                 outcome(out) == *reference(),
                 "{what}: a fresh run after the crash differs"
@@ -892,7 +908,7 @@ fn bad_corpora_are_clear_errors_and_write_nothing() {
         (write("utf16.txt", b"\xff\xfeh\x00i\x00"), "not UTF-8"),
         (write("short.txt", b"tiny text"), "too short"),
         (d.join("missing.txt"), "cannot read corpus"),
-        (d.clone(), "cannot read corpus"),
+        (d.clone(), "is not a regular file (a directory)"),
     ];
     for (path, want) in &cases {
         let out = d.join("out");
@@ -1382,6 +1398,10 @@ fn every_flag_is_validated_with_what_is_allowed() {
         (t(&["--batch", "-8"]), "not a whole number"),
         (t(&["--batch", "99999999999"]), "--batch must be 1..=65536"),
         (
+            t(&["--micro-batch", "100000"]),
+            "--micro-batch must be 1..=65536",
+        ),
+        (
             t(&["--micro-batch", "0"]),
             "--micro-batch must be at least 1",
         ),
@@ -1633,28 +1653,120 @@ fn bf16_run_stops_on_non_finite_values_with_the_last_checkpoint_intact() {
     }
 }
 
-/// An overflow on every step drives the scale to its floor: the run stops
-/// with an error (not an endless loop of skips), last checkpoint intact.
+/// Gradients that overflow at every scale from step 5 on drive the scale to
+/// its floor: the run stops with an error (not an endless loop of skips),
+/// and the last good checkpoint is the one from before the skipped steps
+/// (the `--save-every` cadence waits while steps are skipped).
 #[test]
 fn an_overflow_streak_to_min_scale_is_an_error() {
     let out = tmpdir("floor");
     let mut a = train_args(&out, 100);
     let at = a.iter().position(|x| x == "--save-every").unwrap();
-    a[at + 1] = "10".into();
+    a[at + 1] = "2".into();
     a.push("--fp16".into());
     let t0 = Instant::now();
-    let (ok, _, err) = run_bin(&strs(&a), &[("TINYLLM_FAULT", "loss-nan")]);
+    let (ok, _, err) = run_bin(&strs(&a), &[("TINYLLM_FAULT", "grad-inf@5-")]);
+    // 65536 · 2^-41 is the first scale below 2^-24: 41 skips, steps 5..=45.
     assert!(
         !ok && err.contains("loss scale fell")
-            && err.contains("step 41")
-            && err.contains("(step 40), is intact"),
+            && err.contains("training stopped at step 45")
+            && err.contains(
+                "(step 4, from before the skipped steps that began at step 5), is intact"
+            ),
         "{err}"
     );
     assert!(t0.elapsed() < Duration::from_secs(120));
     let st = Verified::open(&out).unwrap().train_state().unwrap();
-    assert_eq!(st.step, 40);
-    assert_eq!(st.scaler.unwrap().scale, 65536.0 / 2f32.powi(40));
+    assert_eq!(st.step, 4);
+    assert_eq!(st.scaler.unwrap().scale, 65536.0);
     assert_finite_checkpoint(&out);
+    // Training goes on from it (without the fault).
+    let (ok, _, err) = run_bin(
+        &[
+            "train",
+            "--resume",
+            out.to_str().unwrap(),
+            "--steps",
+            "8",
+            "--sample-len",
+            "0",
+        ],
+        &[],
+    );
+    assert!(ok, "{err}");
+    assert!(metrics(&out)[4..]
+        .iter()
+        .all(|m| !m.skipped && m.loss.is_finite()));
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+/// fp16: a loss that stays non-finite (a forward pass that overflows on
+/// every batch) ends the run after five such steps with an error that says
+/// so, and the checkpoint it names as the last good one is from before the
+/// trouble and trains on: resumed without the fault, it reaches the
+/// uninterrupted run's bits.
+#[test]
+fn fp16_non_finite_losses_end_the_run_at_a_good_checkpoint() {
+    let reference = tmpdir("fp16-streak-ref");
+    let out = tmpdir("fp16-streak");
+    let args = |out: &Path| {
+        let mut a = train_args(out, 12);
+        let at = a.iter().position(|x| x == "--save-every").unwrap();
+        a[at + 1] = "2".into();
+        a.push("--fp16".into());
+        a
+    };
+    let (ok, _, err) = run_bin(&strs(&args(&reference)), &[]);
+    assert!(ok, "{err}");
+    let (ok, stdout, err) = run_bin(&strs(&args(&out)), &[("TINYLLM_FAULT", "loss-nan@5-")]);
+    assert!(!ok && !stdout.contains("done"), "{err}");
+    assert!(
+        err.contains("training stopped at step 9")
+            && err.contains("non-finite on 5 steps in a row (steps 5-9)")
+            && err.contains("in float32 too")
+            && err.contains(
+                "(step 4, from before the skipped steps that began at step 5), is intact"
+            ),
+        "{err}"
+    );
+    assert_eq!(Verified::open(&out).unwrap().train_state().unwrap().step, 4);
+    let (ok, _, err) = run_bin(&["train", "--resume", out.to_str().unwrap()], &[]);
+    assert!(ok, "the last good checkpoint does not train on: {err}");
+    assert!(outcome(&out) == outcome(&reference));
+    for d in [out, reference] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}
+
+/// fp16 whose forward pass overflows for real (a learning rate of 1e9): not
+/// "done" with NaN losses, but an error that names the overflow.
+#[test]
+fn fp16_divergence_is_an_error_that_names_the_overflow() {
+    let out = tmpdir("fp16-lr");
+    let (ok, stdout, err) = run_bin(
+        &[
+            "train",
+            "--preset",
+            "tiny",
+            "--device",
+            "cpu",
+            "--fp16",
+            "--lr",
+            "1e9",
+            "--steps",
+            "30",
+            "--out",
+            out.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert!(!ok && !stdout.contains("done"), "{stdout}\n{err}");
+    assert!(
+        err.contains("the loss was non-finite on 5 steps in a row")
+            && err.contains("has a finite loss in float32")
+            && err.contains("the fp16 forward pass overflows"),
+        "{err}"
+    );
     let _ = std::fs::remove_dir_all(&out);
 }
 
@@ -1721,7 +1833,7 @@ fn scaler_skips_backs_off_and_recovers_on_injected_faults() -> tinyllm::Result<(
     let gen = Generator::new(1);
     let model = Linear::new(2, 1, false, &gen, Device::Cpu)?;
     let mut opt = AdamW::new(model.parameters(), AdamWConfig::new(1e-3))?;
-    let mut scaler = DynamicLossScaler::new(f32::MAX / 4.0, 2.0, 0.5, 1)?;
+    let mut scaler = DynamicLossScaler::new(2f32.powi(126), 2.0, 0.5, 1)?;
     let x = Tensor::zeros(&[4, 2], tinyllm::DType::F32, Device::Cpu)?;
     let micro = vec![(x.clone(), x.narrow(1, 0, 1)?)];
     for _ in 0..5 {
@@ -1947,4 +2059,856 @@ fn same_bits_on_any_thread_count() {
             );
         }
     }
+}
+
+// ================================================ never lose a run ====
+
+/// A run's arguments for the signal tests: `steps` steps on `device` in
+/// `prec`, no periodic checkpoint (`--save-every 0`: the default, where a
+/// signal used to lose everything), plain lines.
+fn signal_args(out: &Path, steps: usize, prec: &str, device: &str) -> Vec<String> {
+    [
+        "train",
+        "--preset",
+        "tiny",
+        "--device",
+        device,
+        prec,
+        "--plain",
+        "--sample-len",
+        "0",
+        "--eval-every",
+        "0",
+        "--steps",
+        &steps.to_string(),
+        "--out",
+        out.to_str().unwrap(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+/// Spawns the binary with stderr piped; returns the child and its stderr
+/// lines as they come (a reader thread).
+fn spawn_bin(
+    args: &[String],
+    envs: &[(&str, &str)],
+) -> (std::process::Child, std::sync::mpsc::Receiver<String>) {
+    let mut c = Command::new(BIN);
+    c.args(args).stdout(Stdio::null()).stderr(Stdio::piped());
+    for (k, v) in envs {
+        c.env(k, v);
+    }
+    let mut child = c.spawn().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let err = child.stderr.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(err).lines().map_while(|l| l.ok()) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    (child, rx)
+}
+
+/// Reads lines until one starts with `prefix` (or panics after 60 s).
+fn wait_for(rx: &std::sync::mpsc::Receiver<String>, prefix: &str) -> Vec<String> {
+    let mut seen = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while let Some(left) = deadline.checked_duration_since(Instant::now()) {
+        match rx.recv_timeout(left) {
+            Ok(l) if l.starts_with(prefix) => return seen,
+            Ok(l) => seen.push(l),
+            Err(_) => break,
+        }
+    }
+    panic!("never saw {prefix:?}; stderr so far:\n{}", seen.join("\n"));
+}
+
+fn send_signal(child: &std::process::Child, sig: i32) {
+    assert_eq!(unsafe { libc::kill(child.id() as i32, sig) }, 0);
+}
+
+/// Waits at most `secs` for the child; its exit status (panics on a hang).
+fn wait_exit(child: &mut std::process::Child, secs: u64) -> std::process::ExitStatus {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            return st;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the process did not exit within {secs} s");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// SIGINT / SIGTERM in the middle of step `at` of `steps` (the
+/// `await-signal` fault holds the step until the signal arrives): the step
+/// finishes, a checkpoint is written, stderr gives its place and the exact
+/// resume command, the exit status is 128 + the signal; running that command
+/// ends on the bits of the uninterrupted run, for every precision on `device`.
+fn interrupt_resumes_to_the_same_bits(device: &str, precisions: &[&str], steps: usize, at: usize) {
+    for (i, prec) in precisions.iter().enumerate() {
+        let (sig, name) = if i % 2 == 0 {
+            (libc::SIGINT, "SIGINT")
+        } else {
+            (libc::SIGTERM, "SIGTERM")
+        };
+        let what = format!("{device} {prec} {name}");
+        // The uninterrupted run, in this process (one GPU start-up for all).
+        let reference = tmpdir(&format!("sig-ref-{device}{prec}"));
+        let cfg = TrainConfig::resolve(&TrainOptions {
+            preset: Some("tiny".into()),
+            device: Some(device.into()),
+            precision: Some(prec.trim_start_matches("--").into()),
+            eval_every: Some(0),
+            steps: Some(steps),
+            out: Some(reference.clone()),
+            ..Default::default()
+        })
+        .unwrap();
+        tinyllm::train::run(cfg, Start::Fresh, tinyllm::train::Progress::Quiet).unwrap();
+        let out = tmpdir(&format!("sig-{device}{prec}"));
+        let fault = format!("await-signal@{at}");
+        let (mut child, rx) = spawn_bin(
+            &signal_args(&out, steps, prec, device),
+            &[("TINYLLM_FAULT", &fault)],
+        );
+        wait_for(&rx, &format!("TINYLLM_FAULT_PAUSED {fault}"));
+        send_signal(&child, sig);
+        let st = wait_exit(&mut child, 120);
+        let err: Vec<String> = rx.iter().collect();
+        let err = err.join("\n");
+        assert_eq!(st.code(), Some(128 + sig), "{what}: {err}");
+        assert!(!err.contains("panicked"), "{what}: {err}");
+        let o = out.display().to_string();
+        assert!(
+            err.contains(&format!(
+                "interrupted by {name}: the run is saved at step {at} of {steps} in {o}/checkpoint"
+            )),
+            "{what}: {err}"
+        );
+        let cmd = err
+            .lines()
+            .find_map(|l| l.strip_prefix("resume with: "))
+            .unwrap_or_else(|| panic!("{what}: no resume command in\n{err}"));
+        assert_eq!(
+            cmd,
+            format!("tinyllm train --resume {o} --steps {steps}"),
+            "{what}"
+        );
+        assert_eq!(
+            Verified::open(&out).unwrap().train_state().unwrap().step,
+            at
+        );
+        // Exactly that command (on the GPU without its closing text sample:
+        // drawing it byte by byte on a software adapter takes seconds).
+        let mut args: Vec<&str> = cmd.split(' ').skip(1).collect();
+        if device == "gpu" {
+            args.extend(["--sample-len", "0"]);
+        }
+        let (ok, _, err) = run_bin(&args, &[]);
+        assert!(ok, "{what}: the printed resume command failed: {err}");
+        assert!(
+            outcome(&out) == outcome(&reference),
+            "{what}: the resumed run differs from the uninterrupted one"
+        );
+        for d in [out, reference] {
+            let _ = std::fs::remove_dir_all(d);
+        }
+    }
+}
+
+#[test]
+fn a_signal_saves_the_run_and_it_resumes_to_the_same_bits_cpu() {
+    interrupt_resumes_to_the_same_bits("cpu", &["--fp32", "--bf16", "--fp16"], 6, 3);
+}
+
+#[test]
+fn a_signal_saves_the_run_and_it_resumes_to_the_same_bits_gpu() {
+    if tinyllm::testing::gpu_available() {
+        interrupt_resumes_to_the_same_bits("gpu", &["--fp32", "--bf16", "--fp16"], 4, 2);
+    }
+}
+
+/// A second signal exits at once (here while the first checkpoint write is
+/// held at a pause point, which the first signal does not end); what is on
+/// disk still recovers to the uninterrupted run's bits.
+#[test]
+fn a_second_signal_exits_at_once() {
+    let out = tmpdir("sig-twice");
+    let (mut child, rx) = spawn_bin(&train_args(&out, STEPS), &[("TINYLLM_FAULT", "staged@2")]);
+    wait_for(&rx, "TINYLLM_FAULT_PAUSED staged@2");
+    send_signal(&child, libc::SIGINT);
+    wait_for(&rx, "tinyllm: stopping after this step");
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "one signal ended the save"
+    );
+    send_signal(&child, libc::SIGINT);
+    let st = wait_exit(&mut child, 10);
+    assert_eq!(st.code(), Some(130));
+    // The staged step-2 checkpoint never replaced step 1's.
+    check_recovers(&out, Some(1), "a second SIGINT inside the step-2 save");
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+/// SIGTERM during the very first step: that step still finishes and is
+/// saved (exit 143), so even a run stopped at once loses nothing.
+#[test]
+fn a_signal_in_the_first_step_saves_it() {
+    let out = tmpdir("sig-early");
+    let (mut child, rx) = spawn_bin(
+        &signal_args(&out, 3, "--bf16", "cpu"),
+        &[("TINYLLM_FAULT", "await-signal@1")],
+    );
+    wait_for(&rx, "TINYLLM_FAULT_PAUSED await-signal@1");
+    send_signal(&child, libc::SIGTERM);
+    assert_eq!(wait_exit(&mut child, 60).code(), Some(143));
+    let err: Vec<String> = rx.iter().collect();
+    assert!(
+        err.iter()
+            .any(|l| l.contains("interrupted by SIGTERM: the run is saved at step 1 of 3")),
+        "{err:?}"
+    );
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+/// Two trainers on one --out: the second is refused at once with the first
+/// one's pid, and the first finishes (here: saves on SIGINT) unharmed.
+#[test]
+fn a_second_process_on_the_same_out_is_refused_naming_the_first() {
+    let out = tmpdir("lock");
+    let (mut first, rx) = spawn_bin(
+        &signal_args(&out, 4, "--bf16", "cpu"),
+        &[("TINYLLM_FAULT", "await-signal@2")],
+    );
+    wait_for(&rx, "TINYLLM_FAULT_PAUSED await-signal@2");
+    for extra in [vec![], vec!["--overwrite".to_string()]] {
+        let mut a = signal_args(&out, 4, "--bf16", "cpu");
+        a.extend(extra);
+        let (ok, _, err) = run_bin(&strs(&a), &[]);
+        assert!(
+            !ok && err.contains("is in use by another tinyllm process")
+                && err.contains(&format!("pid {}", first.id())),
+            "{err}"
+        );
+    }
+    let (ok, _, err) = run_bin(&["train", "--resume", out.to_str().unwrap()], &[]);
+    assert!(
+        !ok && err.contains("in use by another tinyllm process"),
+        "{err}"
+    );
+    send_signal(&first, libc::SIGINT);
+    assert_eq!(wait_exit(&mut first, 60).code(), Some(130));
+    assert_eq!(Verified::open(&out).unwrap().train_state().unwrap().step, 2);
+    // Released with the process: the run now resumes.
+    let (ok, _, err) = run_bin(&["train", "--resume", out.to_str().unwrap()], &[]);
+    assert!(ok, "{err}");
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+/// A new run into a directory that holds one is refused (nothing changes);
+/// --overwrite replaces tinyllm's files only, and a user's own folders named
+/// like checkpoints are never deleted or replaced.
+#[test]
+fn an_existing_run_and_a_users_folders_are_never_overwritten() {
+    let out = tmpdir("existing");
+    let a = train_args(&out, 2);
+    let (ok, _, err) = run_bin(&strs(&a), &[]);
+    assert!(ok, "{err}");
+    std::fs::write(out.join("notes.txt"), "mine").unwrap();
+    let before = |f: &str| std::fs::read(out.join(f)).unwrap();
+    let (lines, manifest) = (before("metrics.jsonl"), before("checkpoint/manifest.json"));
+    let (ok, _, err) = run_bin(&strs(&train_args(&out, 3)), &[]);
+    assert!(
+        !ok && err.contains("already holds a run")
+            && err.contains("--resume")
+            && err.contains("--overwrite"),
+        "{err}"
+    );
+    assert_eq!(before("metrics.jsonl"), lines);
+    assert_eq!(before("checkpoint/manifest.json"), manifest);
+    let mut o = train_args(&out, 3);
+    o.push("--overwrite".into());
+    let (ok, _, err) = run_bin(&strs(&o), &[]);
+    assert!(ok, "{err}");
+    assert_eq!(metrics(&out).len(), 3);
+    assert_eq!(before("notes.txt"), b"mine");
+    let _ = std::fs::remove_dir_all(&out);
+
+    for name in ["checkpoint", "checkpoint.prev", "checkpoint.next"] {
+        let out = tmpdir(&format!("users-{name}"));
+        std::fs::create_dir(out.join(name)).unwrap();
+        std::fs::write(out.join(name).join("mine.txt"), "keep me").unwrap();
+        for extra in [None, Some("--overwrite")] {
+            let mut a = train_args(&out, 2);
+            a.extend(extra.map(String::from));
+            let (ok, _, err) = run_bin(&strs(&a), &[]);
+            assert!(
+                !ok && err.contains(&format!(
+                    "{}/{name} exists but is not a tinyllm checkpoint",
+                    out.display()
+                )),
+                "{name} {extra:?}: {err}"
+            );
+            assert_eq!(
+                std::fs::read(out.join(name).join("mine.txt")).unwrap(),
+                b"keep me"
+            );
+        }
+        let _ = std::fs::remove_dir_all(&out);
+    }
+}
+
+/// The read ends of stdout and stderr closed (`train ... 2>&1 | head -0`):
+/// no panic, the run finishes and saves; `generate` into a closed pipe stops
+/// at once and exits cleanly.
+#[test]
+fn closed_pipes_neither_panic_nor_lose_the_run() {
+    let out = tmpdir("pipes");
+    let mut child = Command::new(BIN)
+        .args(signal_args(&out, 3, "--bf16", "cpu"))
+        .args(["--save-every", "1"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    drop(child.stderr.take());
+    let st = wait_exit(&mut child, 60);
+    assert!(st.success(), "train with closed pipes: {st:?}");
+    assert_eq!(Verified::open(&out).unwrap().train_state().unwrap().step, 3);
+    assert_eq!(metrics(&out).len(), 3);
+
+    let mut child = Command::new(BIN)
+        .args(["generate", "--len", "1000000", "--checkpoint"])
+        .arg(&out)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let st = wait_exit(&mut child, 30);
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    assert!(
+        st.success() && err.is_empty(),
+        "generate into a closed pipe: {st:?} {err}"
+    );
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+/// `eval` says how far it is (a line at every tenth), and `generate` streams.
+#[test]
+fn eval_reports_progress_and_generate_streams() {
+    let out = tmpdir("progress");
+    let (ok, _, err) = run_bin(&strs(&train_args(&out, 1)), &[]);
+    assert!(ok, "{err}");
+    let text = out.join("text.txt");
+    std::fs::write(&text, "a plain sentence of text. ".repeat(400)).unwrap();
+    let (ok, stdout, err) = run_bin(
+        &[
+            "eval",
+            "--checkpoint",
+            out.to_str().unwrap(),
+            "--data",
+            text.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert!(ok && stdout.contains("mean cross-entropy"), "{err}");
+    let lines: Vec<&str> = err.lines().filter(|l| l.starts_with("eval: ")).collect();
+    // 10400 bytes: 649 windows of 16 tokens, in chunks of 8.
+    assert_eq!(lines.len(), 10, "{err}");
+    assert!(
+        lines[0].starts_with("eval: 10% (") && lines[9] == "eval: 100% (649 of 649 windows)",
+        "{err}"
+    );
+
+    let mut child = Command::new(BIN)
+        .args([
+            "generate",
+            "--len",
+            "1000000",
+            "--prompt",
+            "The ",
+            "--checkpoint",
+        ])
+        .arg(&out)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut first = [0u8; 64];
+    let mut so = child.stdout.take().unwrap();
+    std::io::Read::read_exact(&mut so, &mut first).unwrap();
+    assert!(first.starts_with(b"The "));
+    drop(so);
+    assert!(wait_exit(&mut child, 30).success());
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+/// What resuming promises. A finished run extended with a larger --steps
+/// holds the schedule's final learning rate (the end-of-run hint says so);
+/// flags that resolve to the run's own values are not "differences"; a
+/// corpus is recognised by its content, from any working directory and
+/// however its path is spelled, and a different text is refused.
+#[test]
+fn resume_semantics_are_as_documented() {
+    let d = tmpdir("resume-semantics");
+    let run = d.join("run");
+    std::fs::write(d.join("corpus.txt"), tinyllm::train::corpus::default_text()).unwrap();
+    let mut a: Vec<String> = ["train", "--preset", "tiny", "--device", "cpu", "--plain"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    a.extend(
+        [
+            "--sample-len",
+            "0",
+            "--steps",
+            "4",
+            "--batch",
+            "16",
+            "--micro-batch",
+            "4",
+        ]
+        .iter()
+        .map(|s| s.to_string()),
+    );
+    a.extend([
+        "--data".into(),
+        "corpus.txt".into(),
+        "--out".into(),
+        "run".into(),
+    ]);
+    let o = Command::new(BIN).args(&a).current_dir(&d).output().unwrap();
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        stdout.contains("continue with: tinyllm train --resume run --steps 8")
+            && stdout.contains("steps 5..8 run at the schedule's final learning rate"),
+        "{stdout}"
+    );
+    let cfg = Verified::open(&run).unwrap().train_state().unwrap().config;
+
+    // From another directory, no --data (the saved path is absolute), the
+    // batch flags and the dropout repeated: an extension to 8 steps.
+    let sub = d.join("elsewhere");
+    std::fs::create_dir(&sub).unwrap();
+    let o = Command::new(BIN)
+        .args([
+            "train",
+            "--resume",
+            "../run",
+            "--steps",
+            "8",
+            "--sample-len",
+            "0",
+        ])
+        .args(["--micro-batch", "4", "--dropout", "0.0", "--accum", "4"])
+        .current_dir(&sub)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let m = metrics(&run);
+    assert_eq!(m.len(), 8);
+    let last = cfg.lr_at(4);
+    assert_eq!(last, cfg.lr * cfg.min_lr_frac);
+    for s in &m[4..] {
+        assert_eq!(s.lr, last, "step {} of the extension", s.step);
+    }
+    // The same text by another spelling is accepted; another text is not.
+    let o = Command::new(BIN)
+        .args([
+            "train",
+            "--resume",
+            "run",
+            "--steps",
+            "9",
+            "--sample-len",
+            "0",
+        ])
+        .args(["--data", "./elsewhere/../corpus.txt"])
+        .current_dir(&d)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    std::fs::write(d.join("other.txt"), "another text entirely. ".repeat(2000)).unwrap();
+    let (ok, _, err) = run_bin(
+        &["train", "--resume", run.to_str().unwrap(), "--steps", "10"],
+        &[],
+    );
+    assert!(ok, "{err}");
+    let (ok, _, err) = run_bin(
+        &[
+            "train",
+            "--resume",
+            run.to_str().unwrap(),
+            "--steps",
+            "11",
+            "--data",
+            d.join("other.txt").to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert!(
+        !ok && err.contains("the checkpoint was trained on") && err.contains("SHA-256"),
+        "{err}"
+    );
+    // Into another run's directory: refused, that run is not touched.
+    let other = d.join("other-run");
+    let (ok, _, err) = run_bin(&strs(&train_args(&other, 1)), &[]);
+    assert!(ok, "{err}");
+    let (ok, _, err) = run_bin(
+        &["train", "--resume", run.to_str().unwrap(), "--steps", "11"],
+        &[],
+    );
+    assert!(ok, "{err}");
+    let (ok, _, err) = run_bin(
+        &[
+            "train",
+            "--resume",
+            run.to_str().unwrap(),
+            "--steps",
+            "12",
+            "--out",
+            other.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert!(!ok && err.contains("already holds a run"), "{err}");
+    assert_eq!(metrics(&other).len(), 1);
+    // A real difference names the flag and both values.
+    let (ok, _, err) = run_bin(
+        &[
+            "train",
+            "--resume",
+            run.to_str().unwrap(),
+            "--steps",
+            "11",
+            "--micro-batch",
+            "8",
+        ],
+        &[],
+    );
+    assert!(
+        !ok && err.contains("--batch/--micro-batch/--accum differs")
+            && err.contains("batch 16 in micro-batches of 8 given")
+            && err.contains("the run has batch 16 in micro-batches of 4"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// Memory admission: a run whose planned peak exceeds what the machine has
+/// is a clear error before anything is allocated (not SIGABRT), on the CPU
+/// and, with an adapter, on the GPU.
+#[test]
+fn a_run_that_cannot_fit_in_memory_is_refused_with_the_plan() {
+    let mut devices = vec!["cpu"];
+    if tinyllm::testing::gpu_available() {
+        devices.push("gpu");
+    }
+    for dev in devices {
+        let out = tmpdir(&format!("admission-{dev}"));
+        let (ok, _, err) = run_bin(
+            &[
+                "train",
+                "--preset",
+                "small",
+                "--batch",
+                "65536",
+                "--micro-batch",
+                "65536",
+                "--steps",
+                "1",
+                "--device",
+                dev,
+                "--out",
+                out.to_str().unwrap(),
+            ],
+            &[],
+        );
+        assert!(
+            !ok && err.contains("this run does not fit in memory")
+                && err.contains("try --micro-batch")
+                && err.contains("planned peak"),
+            "{dev}: {err}"
+        );
+        assert!(!out.join("metrics.jsonl").exists());
+        let _ = std::fs::remove_dir_all(&out);
+    }
+}
+
+/// Runs the binary with its address space capped at 2 GiB (so a runaway read
+/// fails instead of filling the machine) and a deadline; (finished in time,
+/// success, stderr, peak RSS in bytes). The peak is the last `VmHWM` read
+/// from /proc while it runs: `getrusage`'s figure would include this test
+/// process's own size, which the child has until it execs.
+fn run_capped(args: &[&str], secs: u64) -> (bool, bool, String, u64) {
+    use std::os::unix::process::CommandExt;
+    let mut c = Command::new(BIN);
+    c.args(args).stdout(Stdio::null()).stderr(Stdio::piped());
+    unsafe {
+        c.pre_exec(|| {
+            let lim = libc::rlimit {
+                rlim_cur: 2 << 30,
+                rlim_max: 2 << 30,
+            };
+            libc::setrlimit(libc::RLIMIT_AS, &lim);
+            Ok(())
+        });
+    }
+    let mut child = c.spawn().unwrap();
+    let pid = child.id();
+    let mut err_pipe = child.stderr.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = std::io::Read::read_to_string(&mut err_pipe, &mut s);
+        s
+    });
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    let mut timed_out = false;
+    let mut peak = 0u64;
+    let status = loop {
+        let hwm = std::fs::read_to_string(format!("/proc/{pid}/status"))
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find_map(|l| l.strip_prefix("VmHWM:"))
+                    .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            });
+        peak = peak.max(hwm.unwrap_or(0) * 1024);
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        if Instant::now() > deadline && !timed_out {
+            timed_out = true;
+            let _ = child.kill();
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    };
+    let err = reader.join().unwrap();
+    let ok = status.success();
+    (!timed_out, ok, err, peak)
+}
+
+/// `--data` that is not a regular file (`/dev/zero` never ends, a FIFO with
+/// no writer never starts) or is larger than the limit is refused before it
+/// is read; a large text costs its size in memory, not ~9 times it.
+#[test]
+fn the_corpus_is_read_with_bounds() {
+    let d = tmpdir("corpus-bounds");
+    let fifo = d.join("fifo");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    let huge = d.join("huge.txt");
+    std::fs::File::create(&huge)
+        .unwrap()
+        .set_len((2 << 30) + 1)
+        .unwrap(); // sparse: nothing is written
+    let out = d.join("out");
+    for (data, want) in [
+        ("/dev/zero", "is not a regular file (a character device)"),
+        (fifo.to_str().unwrap(), "is not a regular file (a FIFO)"),
+        (
+            huge.to_str().unwrap(),
+            "more than tinyllm reads (2048 MiB at most)",
+        ),
+    ] {
+        let (in_time, ok, err, _) = run_capped(
+            &[
+                "train",
+                "--preset",
+                "tiny",
+                "--device",
+                "cpu",
+                "--steps",
+                "1",
+                "--data",
+                data,
+                "--out",
+                out.to_str().unwrap(),
+            ],
+            20,
+        );
+        assert!(
+            in_time && !ok && err.contains(data) && err.contains(want),
+            "{data}: {err}"
+        );
+    }
+    // 64 MiB of text: the process's peak stays near the text's size.
+    let text = d.join("big.txt");
+    let para = tinyllm::train::corpus::default_text().as_bytes();
+    let mut f = std::fs::File::create(&text).unwrap();
+    let mut n = 0;
+    while n < 64 << 20 {
+        std::io::Write::write_all(&mut f, para).unwrap();
+        n += para.len();
+    }
+    drop(f);
+    let (in_time, ok, err, rss) = run_capped(
+        &[
+            "train",
+            "--preset",
+            "tiny",
+            "--device",
+            "cpu",
+            "--steps",
+            "1",
+            "--sample-len",
+            "0",
+            "--data",
+            text.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ],
+        120,
+    );
+    assert!(in_time && ok, "{err}");
+    assert!(
+        rss < n as u64 * 2 + (64 << 20),
+        "peak RSS {} MiB for a text of {} MiB",
+        rss >> 20,
+        n >> 20
+    );
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// A full disk while appending metrics stops the run with the file's path
+/// and where the checkpoint stands; a failed checkpoint write leaves no
+/// `checkpoint.next/` and keeps the last one; a plot that cannot be written
+/// stops nothing.
+#[test]
+fn write_failures_are_reported_and_lose_nothing() {
+    let out = tmpdir("enospc-metrics");
+    let (ok, _, err) = run_bin(
+        &strs(&train_args(&out, STEPS)),
+        &[("TINYLLM_FAULT", "fail:metrics.jsonl@3")],
+    );
+    let o = out.display();
+    assert!(
+        !ok && err.contains("training stopped at step 3")
+            && err.contains(&format!("{o}/checkpoint (step 2), is intact"))
+            && err.contains(&format!("cannot append step 3 to {o}/metrics.jsonl"))
+            && err.contains("No space left on device"),
+        "{err}"
+    );
+    check_recovers(&out, Some(2), "metrics write failed at step 3");
+    let _ = std::fs::remove_dir_all(&out);
+
+    let out = tmpdir("enospc-save");
+    let (ok, _, err) = run_bin(
+        &strs(&train_args(&out, STEPS)),
+        &[("TINYLLM_FAULT", "fail:optimizer.safetensors@3")],
+    );
+    let o = out.display();
+    assert!(
+        !ok && err.contains("the checkpoint of step 3 could not be written")
+            && err.contains(&format!("{o}/checkpoint.next/optimizer.safetensors"))
+            && err.contains("No space left on device")
+            && err.contains("(step 2), is intact"),
+        "{err}"
+    );
+    assert!(
+        !out.join("checkpoint.next").exists(),
+        "a failed save left its staging"
+    );
+    check_recovers(&out, Some(2), "checkpoint write failed at step 3");
+    let _ = std::fs::remove_dir_all(&out);
+
+    let out = tmpdir("plot");
+    std::fs::create_dir_all(out.join("loss.svg")).unwrap(); // renaming onto it fails
+    let mut a = train_args(&out, 4);
+    let at = a.iter().position(|x| x == "--eval-every").unwrap();
+    a[at + 1] = "1".into();
+    let (ok, _, err) = run_bin(&strs(&a), &[]);
+    assert!(ok, "a failed plot stopped the run: {err}");
+    assert_eq!(err.matches("loss.svg").count(), 1, "one warning: {err}");
+    assert!(
+        err.contains("warning:") && err.contains("training goes on without its plot"),
+        "{err}"
+    );
+    assert_eq!(Verified::open(&out).unwrap().train_state().unwrap().step, 4);
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+/// A checkpoint whose config.json has a non-numeric `rope_theta` (or other
+/// optional number), or whose weights or moments are not finite, is refused
+/// on load instead of taking a default or loading NaNs.
+#[test]
+fn non_numeric_config_values_and_non_finite_tensors_are_refused_on_load() {
+    let (dir, cfg) = saved_tiny("bad-values", 2);
+    let pristine: Vec<Vec<u8>> = ["config.json", "model.safetensors", "optimizer.safetensors"]
+        .iter()
+        .map(|f| std::fs::read(dir.join(f)).unwrap())
+        .collect();
+    for (k, v) in [
+        ("rope_theta", serde_json::json!("10000")),
+        ("rope_theta", serde_json::json!(null)),
+        ("rms_norm_eps", serde_json::json!([1e-5])),
+    ] {
+        let mut c: serde_json::Value = serde_json::from_slice(&pristine[0]).unwrap();
+        c[k] = v.clone();
+        std::fs::write(dir.join("config.json"), serde_json::to_vec(&c).unwrap()).unwrap();
+        rehash(&dir);
+        let e = refused(&dir, &cfg, "config.json");
+        assert!(
+            e.contains(&format!("{k:?} must be a number, got {v}")),
+            "{e}"
+        );
+        std::fs::write(dir.join("config.json"), &pristine[0]).unwrap();
+    }
+    for (fi, file) in [(1, "model.safetensors"), (2, "optimizer.safetensors")] {
+        // The last 4 bytes are the last value of the last tensor.
+        let mut b = pristine[fi].clone();
+        let n = b.len();
+        b[n - 4..].copy_from_slice(&f32::NAN.to_le_bytes());
+        std::fs::write(dir.join(file), &b).unwrap();
+        rehash(&dir);
+        let e = refused(&dir, &cfg, file);
+        assert!(e.contains("holds a non-finite value (NaN at index"), "{e}");
+        std::fs::write(dir.join(file), &pristine[fi]).unwrap();
+    }
+    rehash(&dir);
+    Verified::open(&dir).unwrap();
+    let _ = std::fs::remove_dir_all(dir.parent().unwrap());
+}
+
+/// With XDG_RUNTIME_DIR unset, a GPU probe does not print the Vulkan
+/// loader's "XDG_RUNTIME_DIR is invalid" lines (skips without an adapter);
+/// the directory it is pointed at is this user's alone.
+#[test]
+fn no_xdg_runtime_dir_noise_on_a_gpu_probe() {
+    if !tinyllm::testing::gpu_available() {
+        return;
+    }
+    let out = tmpdir("xdg");
+    let (ok, _, err) = run_bin(&strs(&train_args(&out, 1)), &[]);
+    assert!(ok, "{err}");
+    let child = Command::new(BIN)
+        .args(["generate", "--device", "gpu", "--len", "4", "--checkpoint"])
+        .arg(&out)
+        .env_remove("XDG_RUNTIME_DIR")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let o = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success() && err.contains("device: GPU"), "{err}");
+    assert!(!err.contains("XDG_RUNTIME_DIR"), "{err}");
+    use std::os::unix::fs::MetadataExt;
+    let uid = unsafe { libc::getuid() };
+    let dir = std::env::temp_dir().join(format!("tinyllm-runtime-{uid}"));
+    let m = std::fs::symlink_metadata(dir).unwrap();
+    assert!(m.is_dir() && m.uid() == uid && m.mode() & 0o777 == 0o700);
+    let _ = std::fs::remove_dir_all(&out);
 }

@@ -8,7 +8,7 @@ use tinyllm::nn::Module;
 use tinyllm::train::checkpoint::{self, Verified};
 use tinyllm::train::config::{min_ckpt_budget, TrainConfig, TrainOptions};
 use tinyllm::train::data::{ByteTokenizer, Corpus, Dataset};
-use tinyllm::train::{Progress, Trainer};
+use tinyllm::train::{Progress, Start, Trainer};
 use tinyllm::{Device, Generator, Tensor};
 
 fn tmpdir(name: &str) -> PathBuf {
@@ -328,7 +328,7 @@ fn nan_loss_without_scaler_stops_with_last_checkpoint_intact() {
         out: Some(out.clone()),
         ..Default::default()
     });
-    let e = tinyllm::train::run(cfg, None, Progress::Quiet)
+    let e = tinyllm::train::run(cfg, Start::Fresh, Progress::Quiet)
         .expect_err("the run must stop")
         .to_string();
     // The first symptom is either a non-finite loss or (a step earlier, with
@@ -658,7 +658,7 @@ fn a_run_writes_metrics_plot_checkpoint_and_compare_passes() {
         out: Some(out.clone()),
         ..Default::default()
     });
-    let s = tinyllm::train::run(cfg, None, Progress::Quiet).unwrap();
+    let s = tinyllm::train::run(cfg, Start::Fresh, Progress::Quiet).unwrap();
     let lines: Vec<serde_json::Value> = std::fs::read_to_string(out.join("metrics.jsonl"))
         .unwrap()
         .lines()
@@ -724,6 +724,7 @@ fn a_run_writes_metrics_plot_checkpoint_and_compare_passes() {
             out: Some(out.join("cmp")),
             ..Default::default()
         },
+        false,
         Progress::Quiet,
     )
     .unwrap();
@@ -731,4 +732,42 @@ fn a_run_writes_metrics_plot_checkpoint_and_compare_passes() {
     assert!(c.within_2_percent, "{}", c.table());
     assert!(out.join("cmp/compare.svg").exists());
     let _ = std::fs::remove_dir_all(&out);
+}
+
+/// `evaluate`, `eval_text` and `generate` turn dropout off while they run and
+/// put the model back in training mode when they return, also on an error
+/// (a guard, not a call at the end).
+#[test]
+fn evaluation_and_sampling_restore_training_mode() {
+    use tinyllm::train::data::Batch;
+    use tinyllm::train::infer::{evaluate, generate};
+    let mut cfg = LlamaConfig::preset("tiny").unwrap();
+    cfg.dropout = 0.5;
+    let m = Llama::new(&cfg, 0, Device::Cpu).unwrap();
+    let ids: Vec<u32> = (0..16).collect();
+    // In training mode a forward pass draws dropout masks: the stream moves.
+    let training = |m: &Llama| {
+        let before = m.rng.state();
+        m.forward(&ids, 1, 16, None).unwrap();
+        m.rng.state() != before
+    };
+    assert!(training(&m));
+    let gen = Generator::new(0);
+    assert!(
+        generate(&m, &[300], 2, 0.0, 0, &gen).is_err(),
+        "id 300 is out of the vocabulary"
+    );
+    assert!(training(&m), "generate left dropout off after an error");
+    let bad = Batch {
+        ids: vec![300; 16],
+        targets: vec![0; 16],
+        rows: 1,
+        t: 16,
+    };
+    assert!(evaluate(&m, &bad, tinyllm::precision::Precision::Fp32, 8).is_err());
+    assert!(training(&m), "evaluate left dropout off after an error");
+    let before = m.rng.state();
+    generate(&m, &[1, 2], 3, 0.0, 0, &gen).unwrap();
+    assert_eq!(m.rng.state(), before, "generate ran with dropout on");
+    assert!(training(&m));
 }

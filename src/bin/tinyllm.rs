@@ -1,14 +1,23 @@
 //! `tinyllm`: train, compare, evaluate and sample small Llamas. A thin shell:
 //! parse the flags, hand them to `tinyllm::train`, print what comes back.
+//!
+//! Output never panics: a closed stdout or stderr (`tinyllm train | head`)
+//! drops the output and the work goes on (a run still saves its checkpoint);
+//! `generate` stops early when its reader goes away.
 
 use clap::{Args, Parser, Subcommand};
-use std::path::PathBuf;
+use std::io::Write;
+use std::ops::ControlFlow;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use tinyllm::train::checkpoint::{self, Verified};
 use tinyllm::train::config::{DeviceChoice, TrainConfig, TrainOptions};
-use tinyllm::train::data::Corpus;
-use tinyllm::train::trainer::{eval_text, sample_text, select_device};
-use tinyllm::train::{compare, Progress};
+use tinyllm::train::data::{ByteTokenizer, Corpus};
+use tinyllm::train::infer::{eval_text, generate_with, sample_text, Utf8Stream};
+use tinyllm::train::outdir::DirLock;
+use tinyllm::train::trainer::{select_device, shell_quote};
+use tinyllm::train::{compare, interrupt, Progress, RunSummary, Start};
+use tinyllm::Generator;
 
 #[derive(Parser)]
 #[command(
@@ -130,9 +139,16 @@ struct TrainArgs {
     /// Write a checkpoint every N steps (0 = only at the end).
     #[arg(long, value_parser = count, allow_negative_numbers = true)]
     save_every: Option<usize>,
-    /// Continue the run saved in DIR (its checkpoint/ subdirectory or DIR itself).
+    /// Continue the run saved in DIR (its checkpoint/ subdirectory or DIR
+    /// itself) to --steps. Up to the run's planned total it is bit-identical
+    /// to an uninterrupted run; past it, the schedule's final learning rate is
+    /// held (the cosine schedule is not re-stretched).
     #[arg(long)]
     resume: Option<PathBuf>,
+    /// Replace the run --out holds (its checkpoints, metrics and plot; nothing
+    /// else is deleted) instead of refusing to start.
+    #[arg(long, conflicts_with = "resume")]
+    overwrite: bool,
     /// Bytes of text to sample at the end.
     #[arg(long, default_value_t = 160, value_parser = count, allow_negative_numbers = true)]
     sample_len: usize,
@@ -142,6 +158,9 @@ struct TrainArgs {
 struct CompareArgs {
     #[command(flatten)]
     run: RunFlags,
+    /// Replace the runs --out holds from an earlier comparison.
+    #[arg(long)]
+    overwrite: bool,
     /// Print the result as one JSON object.
     #[arg(long)]
     json: bool,
@@ -258,176 +277,215 @@ fn train_options(a: &TrainArgs) -> TrainOptions {
     }
 }
 
-/// For `--resume`: the saved run's config, with the flags a continuation may
-/// change (steps, output, evaluation and save cadence, device) applied; any
-/// other flag that differs from the saved run is an error.
-fn resume_config(a: &TrainArgs, dir: &std::path::Path) -> tinyllm::Result<TrainConfig> {
-    let saved = Verified::open(dir)?.train_state()?.config;
+/// For `--resume`: the saved run's config with the flags a continuation may
+/// change (see [`TrainConfig::resume`]); `--out` defaults to the run's directory.
+/// A run's output directory is locked (when it exists) before its checkpoint
+/// is read, so a second process hears that it is in use, not some symptom of
+/// the first one's half-finished work.
+fn resume_config(a: &TrainArgs, dir: &Path) -> tinyllm::Result<(TrainConfig, Option<DirLock>)> {
     let o = train_options(a);
-    let given = TrainConfig::resolve(&TrainOptions {
-        preset: o.preset.clone().or(Some(saved.preset.clone())),
-        ..o.clone()
-    })?;
-    let mut cfg = saved.clone();
-    let checks: [(&str, bool, bool); 9] = [
-        ("--preset", o.preset.is_some(), given.preset != saved.preset),
-        ("--data", o.data.is_some(), given.data != saved.data),
-        ("--lr", o.lr.is_some(), given.lr != saved.lr),
-        ("--seed", o.seed.is_some(), given.seed != saved.seed),
-        (
-            "--fp32/--bf16/--fp16",
-            o.precision.is_some(),
-            given.precision != saved.precision,
-        ),
-        (
-            "--batch/--micro-batch/--accum",
-            o.batch.is_some() || o.micro_batch.is_some() || o.accum.is_some(),
-            (given.batch, given.micro_batch) != (saved.batch, saved.micro_batch),
-        ),
-        (
-            "--checkpoint-activations/--ckpt-budget",
-            o.checkpoint_activations.is_some() || o.ckpt_budget.is_some(),
-            given.ckpt_budget != saved.ckpt_budget,
-        ),
-        ("--clip", o.clip.is_some(), given.clip != saved.clip),
-        (
-            "--warmup/--dropout",
-            o.warmup.is_some() || o.dropout.is_some(),
-            (given.warmup, given.model.dropout) != (saved.warmup, saved.model.dropout),
-        ),
-    ];
-    for (flag, set, differs) in checks {
-        if set && differs {
-            return Err(tinyllm::Error::config(format!(
-                "{flag} differs from the run being resumed ({}); a resumed run keeps its recipe (only --steps, --out, --eval-every, --save-every and --device may change)",
-                dir.display()
-            )));
-        }
-    }
-    if let Some(s) = o.steps {
-        cfg.steps = s;
-    }
-    if let Some(e) = o.eval_every {
-        cfg.eval_every = e;
-    }
-    if let Some(s) = o.save_every {
-        cfg.save_every = s;
-    }
-    if let Some(d) = &o.device {
-        cfg.device = d
-            .parse::<DeviceChoice>()
-            .map_err(|e| e.context("--device"))?;
-    }
-    cfg.out = o.out.clone().unwrap_or_else(|| {
+    let run_dir = {
         let d = checkpoint::resolve_dir(dir);
-        d.parent().map(|p| p.to_path_buf()).unwrap_or(d)
-    });
-    Ok(cfg)
+        d.parent().map(Path::to_path_buf).unwrap_or(d)
+    };
+    let out = o.out.clone().unwrap_or(run_dir);
+    let lock = out.is_dir().then(|| DirLock::acquire(&out)).transpose()?;
+    let saved = Verified::open(dir)?.train_state()?.config;
+    let cfg = TrainConfig::resume(
+        &saved,
+        &TrainOptions {
+            out: Some(out),
+            ..o
+        },
+    )?;
+    Ok((cfg, lock))
 }
 
-fn cmd_train(a: TrainArgs) -> tinyllm::Result<()> {
+/// A line on stdout; a closed stdout is not an error (the result is saved).
+macro_rules! out {
+    ($($arg:tt)*) => {{
+        let _ = writeln!(std::io::stdout(), $($arg)*);
+    }};
+}
+
+/// A line on stderr; a closed stderr is not an error.
+macro_rules! note {
+    ($($arg:tt)*) => {{
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+
+fn cmd_train(a: TrainArgs) -> tinyllm::Result<ExitCode> {
     check_sample_len("--sample-len", a.sample_len)?;
-    let cfg = match &a.resume {
+    let (cfg, _lock) = match &a.resume {
         Some(dir) => resume_config(&a, dir).map_err(|e| e.context("--resume"))?,
-        None => TrainConfig::resolve(&train_options(&a))?,
+        None => (TrainConfig::resolve(&train_options(&a))?, None),
     };
+    let start = match (&a.resume, a.overwrite) {
+        (Some(dir), _) => Start::Resume(dir),
+        (None, true) => Start::Overwrite,
+        (None, false) => Start::Fresh,
+    };
+    interrupt::install()?;
     if a.run.profile {
         tinyllm::profile::start();
     }
-    let summary = tinyllm::train::run(cfg.clone(), a.resume.as_deref(), a.run.progress())?;
+    let summary = tinyllm::train::run(cfg.clone(), start, a.run.progress());
+    // The run is saved: from here on a signal (say, during the closing
+    // sample) ends the process at once.
+    interrupt::uninstall();
+    let summary = summary?;
+    if let Some(sig) = summary.interrupted.or(interrupt::requested()) {
+        report_interrupted(&cfg, &summary, sig);
+        return Ok(ExitCode::from(128 + sig as u8));
+    }
     if let Some(p) = tinyllm::profile::take() {
-        println!(
+        out!(
             "\nprofile of {} training steps ({} device):\n{p}",
             summary.history.len(),
             summary.device
         );
     }
-    let model = checkpoint::load_model(&summary.checkpoint, summary.device)?;
-    let last = summary.history.last();
-    println!();
-    println!(
+    let ck = summary.out.join("checkpoint");
+    let model = checkpoint::load_model(&ck, summary.device)?;
+    out!();
+    out!(
         "done: {} steps in {:.0} s — final train loss {:.4} (mean of the last steps), validation loss {}",
         cfg.steps,
         summary.seconds,
         summary.final_loss,
         summary.final_val_loss.map(|v| format!("{v:.4}")).unwrap_or("-".into())
     );
-    if let Some(first) = summary.history.first() {
-        println!(
+    if let (Some(first), Some(last)) = (summary.history.first(), summary.history.last()) {
+        out!(
             "loss went from {:.4} at step {} to {:.4} at step {}",
             first.loss,
             first.step,
-            last.unwrap().loss,
-            last.unwrap().step
+            last.loss,
+            last.step
         );
     }
-    println!("sample (temperature 0.8, top-k 40):");
-    println!("----");
-    println!(
+    out!("sample (temperature 0.8, top-k 40):");
+    out!("----");
+    out!(
         "{}",
         sample_text(&model, "The ", a.sample_len, 0.8, 40, cfg.seed)?
     );
-    println!("----");
-    println!("files:");
-    println!(
+    out!("----");
+    out!("files:");
+    out!(
         "  metrics     {}",
         summary.out.join("metrics.jsonl").display()
     );
-    println!("  loss plot   {}", summary.out.join("loss.svg").display());
-    println!("  checkpoint  {}/ (model.safetensors, config.json, optimizer.safetensors, trainer_state.json, manifest.json)", summary.checkpoint.display());
-    println!(
-        "continue with: tinyllm train --resume {} --steps {}",
-        summary.out.display(),
-        cfg.steps * 2
-    );
-    Ok(())
+    out!("  loss plot   {}", summary.out.join("loss.svg").display());
+    out!("  checkpoint  {}/ (model.safetensors, config.json, optimizer.safetensors, trainer_state.json, manifest.json)", ck.display());
+    let dir = shell_quote(&summary.out.display().to_string());
+    if cfg.steps < cfg.schedule_steps {
+        out!(
+            "continue with: tinyllm train --resume {dir} --steps {}",
+            cfg.schedule_steps
+        );
+        out!("  (the rest of the planned schedule: the bits of an uninterrupted run)");
+    } else {
+        let more = cfg.steps * 2;
+        out!("continue with: tinyllm train --resume {dir} --steps {more}");
+        out!(
+            "  (steps {}..{more} run at the schedule's final learning rate, {:e}: the cosine schedule planned for {} steps is kept, not stretched)",
+            cfg.steps + 1,
+            cfg.lr_at(cfg.schedule_steps),
+            cfg.schedule_steps
+        );
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
-fn cmd_compare(a: CompareArgs) -> tinyllm::Result<()> {
+/// Where an interrupted run stands and the command that continues it.
+fn report_interrupted(cfg: &TrainConfig, s: &RunSummary, sig: i32) {
+    let name = interrupt::name(sig);
+    match &s.checkpoint {
+        Some(ck) if s.checkpoint_step >= cfg.steps => note!(
+            "interrupted by {name} after the run finished: its checkpoint (step {}) is {}",
+            s.checkpoint_step,
+            ck.display()
+        ),
+        Some(ck) => {
+            note!(
+                "interrupted by {name}: the run is saved at step {} of {} in {}",
+                s.checkpoint_step,
+                cfg.steps,
+                ck.display()
+            );
+            note!(
+                "resume with: tinyllm train --resume {} --steps {}",
+                shell_quote(&s.out.display().to_string()),
+                cfg.steps
+            );
+        }
+        None => note!("interrupted by {name} before the first step: nothing to save"),
+    }
+}
+
+fn cmd_compare(a: CompareArgs) -> tinyllm::Result<ExitCode> {
     let progress = if a.json {
         Progress::Quiet
     } else {
         a.run.progress()
     };
-    let c = compare::compare(&a.run.options(), progress)?;
+    let c = compare::compare(&a.run.options(), a.overwrite, progress)?;
     if a.json {
-        println!(
+        out!(
             "{}",
             serde_json::to_string(&c).map_err(|e| tinyllm::Error::config(e.to_string()))?
         );
     } else {
-        println!("{}", c.table());
+        out!("{}", c.table());
     }
-    Ok(())
+    Ok(ExitCode::SUCCESS)
 }
 
 fn device_of(s: &str) -> tinyllm::Result<tinyllm::Device> {
-    let (d, note) = select_device(
+    let (d, n) = select_device(
         s.parse::<DeviceChoice>()
             .map_err(|e| e.context("--device"))?,
     )?;
-    if let Some(n) = note {
-        eprintln!("{n}");
+    if let Some(n) = n {
+        note!("{n}");
     }
     Ok(d)
 }
 
-fn cmd_eval(a: EvalArgs) -> tinyllm::Result<()> {
+fn cmd_eval(a: EvalArgs) -> tinyllm::Result<ExitCode> {
     let device = device_of(&a.device)?;
     let model =
         checkpoint::load_model(&a.checkpoint, device).map_err(|e| e.context("--checkpoint"))?;
     let corpus = Corpus::load(a.data.as_ref())?;
-    let (loss, tokens) = eval_text(&model, &corpus, tinyllm::precision::Precision::Fp32)?;
-    println!(
+    // A line at every tenth of the text: a long evaluation shows it is moving.
+    let mut shown = 0;
+    let progress = |done: usize, total: usize| {
+        let tenth = done * 10 / total.max(1);
+        if tenth > shown {
+            shown = tenth;
+            note!("eval: {}% ({done} of {total} windows)", tenth * 10);
+        }
+    };
+    let (loss, tokens) = eval_text(
+        &model,
+        &corpus,
+        tinyllm::precision::Precision::Fp32,
+        progress,
+    )?;
+    out!(
         "{}: mean cross-entropy {loss:.4} nats/byte ({:.3} bits/byte) over {tokens} tokens of {}",
         checkpoint::resolve_dir(&a.checkpoint).display(),
         loss / std::f32::consts::LN_2,
         corpus.name
     );
-    Ok(())
+    Ok(ExitCode::SUCCESS)
 }
 
-fn cmd_generate(a: GenerateArgs) -> tinyllm::Result<()> {
+/// Streams the sample to stdout as it is drawn (the output is the progress).
+/// A reader that goes away (a closed pipe) ends it quietly.
+fn cmd_generate(a: GenerateArgs) -> tinyllm::Result<ExitCode> {
     if !(a.temperature >= 0.0 && a.temperature.is_finite()) {
         return Err(tinyllm::Error::config(format!(
             "--temperature must be 0 (greedy) or positive, got {}",
@@ -438,14 +496,44 @@ fn cmd_generate(a: GenerateArgs) -> tinyllm::Result<()> {
     let device = device_of(&a.device)?;
     let model =
         checkpoint::load_model(&a.checkpoint, device).map_err(|e| e.context("--checkpoint"))?;
-    println!(
-        "{}",
-        sample_text(&model, &a.prompt, a.len, a.temperature, a.top_k, a.seed)?
-    );
-    Ok(())
+    let mut stdout = std::io::stdout().lock();
+    let mut text = Utf8Stream::default();
+    let mut failed = stdout
+        .write_all(a.prompt.as_bytes())
+        .and_then(|()| stdout.flush())
+        .err();
+    if failed.is_none() {
+        generate_with(
+            &model,
+            &ByteTokenizer::encode(&a.prompt),
+            a.len,
+            a.temperature,
+            a.top_k,
+            &Generator::new(a.seed),
+            |id| {
+                let s = text.push(id as u8);
+                match stdout.write_all(s.as_bytes()).and_then(|()| stdout.flush()) {
+                    Ok(()) => ControlFlow::Continue(()),
+                    Err(e) => {
+                        failed = Some(e);
+                        ControlFlow::Break(())
+                    }
+                }
+            },
+        )?;
+    }
+    if failed.is_none() {
+        failed = writeln!(stdout, "{}", text.finish()).err();
+    }
+    match failed {
+        Some(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
+            Err(tinyllm::Error::io("cannot write the sample to stdout", e))
+        }
+        _ => Ok(ExitCode::SUCCESS),
+    }
 }
 
-fn cmd_bench(a: BenchArgs) -> tinyllm::Result<()> {
+fn cmd_bench(a: BenchArgs) -> tinyllm::Result<ExitCode> {
     let defaults = tinyllm::bench::BenchOptions::default();
     let opts = tinyllm::bench::BenchOptions {
         full: a.full || defaults.full,
@@ -454,14 +542,42 @@ fn cmd_bench(a: BenchArgs) -> tinyllm::Result<()> {
     };
     let report = tinyllm::bench::run_gpu(&opts).map_err(|e| e.context("bench"))?;
     if a.json {
-        println!("{}", report.to_json());
+        out!("{}", report.to_json());
     } else {
-        print!("{}", report.table());
+        let _ = write!(std::io::stdout(), "{}", report.table());
     }
-    Ok(())
+    Ok(ExitCode::SUCCESS)
 }
 
+/// Mesa's Vulkan loader (through libwayland) prints `error: XDG_RUNTIME_DIR
+/// is invalid or not set in the environment` at every GPU probe when the
+/// variable is unset, which reads like an error of tinyllm's. Unset, it is
+/// pointed at `$TMPDIR/tinyllm-runtime-<uid>`: a directory of this user's
+/// alone (created 0700 and used only when it is still a real directory, ours,
+/// with that mode), kept for the next run, so nothing is left per process.
+#[cfg(unix)]
+fn private_runtime_dir() {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+    if std::env::var_os("XDG_RUNTIME_DIR").is_some() {
+        return;
+    }
+    let uid = unsafe { libc::getuid() };
+    let dir = std::env::temp_dir().join(format!("tinyllm-runtime-{uid}"));
+    let _ = std::fs::DirBuilder::new().mode(0o700).create(&dir);
+    let private = dir
+        .symlink_metadata()
+        .is_ok_and(|m| m.is_dir() && m.uid() == uid && m.mode() & 0o777 == 0o700);
+    if private {
+        // Safe here: main has not started any other thread yet.
+        std::env::set_var("XDG_RUNTIME_DIR", &dir);
+    }
+}
+
+#[cfg(not(unix))]
+fn private_runtime_dir() {}
+
 fn main() -> ExitCode {
+    private_runtime_dir();
     let cli = Cli::parse();
     tinyllm::memory::keep_freed_host_memory();
     // TINYLLM_THREADS=n caps the CPU's threads for large products and AdamW
@@ -470,7 +586,7 @@ fn main() -> ExitCode {
         match t.trim().parse::<usize>() {
             Ok(n) if n >= 1 => tinyllm::set_cpu_threads(Some(n)),
             _ => {
-                eprintln!("error: TINYLLM_THREADS must be a whole number ≥ 1 (got {t:?})");
+                note!("error: TINYLLM_THREADS must be a whole number ≥ 1 (got {t:?})");
                 return ExitCode::FAILURE;
             }
         }
@@ -483,9 +599,9 @@ fn main() -> ExitCode {
         Cmd::Bench(a) => cmd_bench(a),
     };
     match res {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(code) => code,
         Err(e) => {
-            eprintln!("error: {e}");
+            note!("error: {e}");
             ExitCode::FAILURE
         }
     }

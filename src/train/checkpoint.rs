@@ -17,13 +17,17 @@
 //! `checkpoint.next/` (and the previous one in `checkpoint.prev/`), which
 //! [`resolve_dir`] finds and the next [`save`] first moves back into place
 //! ([`recover`]). The directory is fsynced after the renames. Weights or
-//! moments that are not finite are never written over a good checkpoint.
+//! moments that are not finite are never written over a good checkpoint, a
+//! failed save removes its staging directory, and a save holds the output
+//! directory's lock and never deletes a directory that is not tinyllm's
+//! (see [`outdir`]).
 //!
 //! **Loading.** The manifest is checked first (every listed file present, of
 //! the recorded size and hash), then every tensor's name, dtype and shape
 //! against the model the config describes. Only when all of that passes is
 //! anything copied into a model or optimizer: a bad checkpoint is an error and
-//! nothing is half-loaded.
+//! nothing is half-loaded. Non-finite weights or moments (which a save never
+//! writes) are refused too.
 
 use crate::backend::{Device, Storage};
 use crate::nn::llama::{Llama, LlamaConfig};
@@ -33,6 +37,7 @@ use crate::precision::ScalerState;
 use crate::rng::RngState;
 use crate::train::config::TrainConfig;
 use crate::train::fault;
+use crate::train::outdir::{self, DirLock, STAGING_MARKER};
 use crate::train::sha256::Sha256;
 use crate::{bail, Error, Result, Tensor};
 use safetensors::{Dtype, SafeTensors};
@@ -98,6 +103,7 @@ fn write_atomic_at(dir: &Path, name: &str, bytes: &[u8], step: Option<usize>) ->
     let res = (|| -> std::io::Result<()> {
         let mut f = std::fs::File::create(&tmp)?;
         if let Some(step) = step {
+            fault::io_point(&format!("fail:{name}"), step)?;
             if fault::armed(&format!("write:{name}"), step) {
                 f.write_all(&bytes[..bytes.len() / 2])?;
                 fault::pause_point(&format!("write:{name}"), step);
@@ -175,7 +181,7 @@ pub fn resolve_dir(dir: &Path) -> PathBuf {
         if next.join(MANIFEST_FILE).exists() {
             return next;
         }
-        if prev.is_dir() {
+        if outdir::is_ours(&prev) {
             return prev;
         }
     }
@@ -198,7 +204,7 @@ pub fn recover(run_dir: &Path) -> Result<()> {
     }
     let from = if next.join(MANIFEST_FILE).exists() && Verified::open(&next).is_ok() {
         &next
-    } else if prev.is_dir() {
+    } else if outdir::is_ours(&prev) {
         &prev
     } else {
         return Ok(());
@@ -210,7 +216,7 @@ pub fn recover(run_dir: &Path) -> Result<()> {
 }
 
 /// The first tensor with a non-finite value, if any.
-fn first_non_finite<'a>(tensors: &'a [(String, F32View)]) -> Option<&'a str> {
+fn first_non_finite(tensors: &[(String, F32View)]) -> Option<&str> {
     tensors.iter().find_map(|(n, v)| {
         v.bytes
             .chunks_exact(4)
@@ -220,19 +226,38 @@ fn first_non_finite<'a>(tensors: &'a [(String, F32View)]) -> Option<&'a str> {
 }
 
 /// Writes a complete checkpoint to `run_dir/checkpoint/` (see the module docs)
-/// and returns its path.
+/// and returns its path. On an error the previous checkpoint is as it was and
+/// no staging directory is left behind.
 pub fn save(run_dir: &Path, model: &Llama, opt: &AdamW, state: &TrainState) -> Result<PathBuf> {
-    std::fs::create_dir_all(run_dir).map_err(|e| io_err("cannot create", run_dir, e))?;
+    let _lock = DirLock::acquire(run_dir)?;
+    outdir::check_no_foreign(run_dir)?;
     // A crash inside an earlier swap: put the good checkpoint back before the
     // staging area (which may hold it) is cleared.
     recover(run_dir)?;
     let step = state.step;
+    // Everything is encoded (and checked finite) before the staging area is made.
+    let files = encode(run_dir, model, opt, state)?;
     let staging = run_dir.join("checkpoint.next");
     if staging.exists() {
-        std::fs::remove_dir_all(&staging).map_err(|e| io_err("cannot clear", &staging, e))?;
+        outdir::remove_ours(&staging)?;
     }
     std::fs::create_dir(&staging).map_err(|e| io_err("cannot create", &staging, e))?;
+    if let Err(e) = stage(&staging, &files, step) {
+        let _ = outdir::remove_ours(&staging);
+        sync_dir(run_dir);
+        return Err(e);
+    }
+    swap(run_dir, &staging, step)
+}
 
+/// The checkpoint's files, in the order they are written; refuses non-finite
+/// weights or moments.
+fn encode(
+    run_dir: &Path,
+    model: &Llama,
+    opt: &AdamW,
+    state: &TrainState,
+) -> Result<Vec<(&'static str, Vec<u8>)>> {
     let mut meta = HashMap::new();
     meta.insert("format".to_string(), "pt".to_string());
     let named = model.named_parameters();
@@ -249,9 +274,9 @@ pub fn save(run_dir: &Path, model: &Llama, opt: &AdamW, state: &TrainState) -> R
     }
     for (what, t) in [("weights", &weights), ("optimizer moments", &moments)] {
         if let Some(n) = first_non_finite(t) {
-            let _ = std::fs::remove_dir_all(&staging);
             bail!(Checkpoint,
-                "refusing to write a checkpoint at step {step}: the {what} of {n:?} are not finite (NaN or inf); the previous checkpoint in {} is kept",
+                "refusing to write a checkpoint at step {}: the {what} of {n:?} are not finite (NaN or inf); the previous checkpoint in {} is kept",
+                state.step,
                 run_dir.display()
             );
         }
@@ -259,7 +284,7 @@ pub fn save(run_dir: &Path, model: &Llama, opt: &AdamW, state: &TrainState) -> R
     let json = |v: &serde_json::Value| {
         serde_json::to_vec_pretty(v).map_err(|e| Error::checkpoint(e.to_string()))
     };
-    let files: Vec<(&str, Vec<u8>)> = vec![
+    Ok(vec![
         (MODEL_FILE, serialize(weights, meta.clone())?),
         (CONFIG_FILE, json(&model.cfg.to_hf_json())?),
         (OPTIM_FILE, serialize(moments, meta)?),
@@ -267,13 +292,22 @@ pub fn save(run_dir: &Path, model: &Llama, opt: &AdamW, state: &TrainState) -> R
             STATE_FILE,
             serde_json::to_vec_pretty(state).map_err(|e| Error::checkpoint(e.to_string()))?,
         ),
-    ];
+    ])
+}
+
+/// Writes `files` and then their manifest into the (new, empty) `staging`.
+fn stage(staging: &Path, files: &[(&str, Vec<u8>)], step: usize) -> Result<()> {
+    // First the marker (created in place: until it exists the directory is
+    // empty): a staging directory cut short, without its manifest, is still
+    // recognisably tinyllm's, so the next save may clear it.
+    let marker = staging.join(STAGING_MARKER);
+    std::fs::File::create(&marker).map_err(|e| io_err("cannot write", &marker, e))?;
     let mut manifest = Manifest {
         format: FORMAT.into(),
         files: BTreeMap::new(),
     };
-    for (name, bytes) in &files {
-        write_atomic_at(&staging, name, bytes, Some(step))?;
+    for (name, bytes) in files {
+        write_atomic_at(staging, name, bytes, Some(step))?;
         fault::pause_point(&format!("wrote:{name}"), step);
         manifest.files.insert(
             name.to_string(),
@@ -285,27 +319,33 @@ pub fn save(run_dir: &Path, model: &Llama, opt: &AdamW, state: &TrainState) -> R
     }
     let mbytes =
         serde_json::to_vec_pretty(&manifest).map_err(|e| Error::checkpoint(e.to_string()))?;
-    write_atomic_at(&staging, MANIFEST_FILE, &mbytes, Some(step))?;
+    write_atomic_at(staging, MANIFEST_FILE, &mbytes, Some(step))?;
     fault::pause_point(&format!("wrote:{MANIFEST_FILE}"), step);
-    sync_dir(&staging);
-    sync_dir(run_dir);
+    // The manifest now marks the directory as tinyllm's.
+    std::fs::remove_file(&marker).map_err(|e| io_err("cannot remove", &marker, e))?;
+    sync_dir(staging);
+    sync_dir(staging.parent().unwrap_or(staging));
     fault::pause_point("staged", step);
+    Ok(())
+}
 
-    // Swap: checkpoint -> checkpoint.prev, checkpoint.next -> checkpoint.
+/// checkpoint -> checkpoint.prev, checkpoint.next -> checkpoint, then the
+/// previous one removed.
+fn swap(run_dir: &Path, staging: &Path, step: usize) -> Result<PathBuf> {
     let fin = run_dir.join("checkpoint");
     let prev = run_dir.join("checkpoint.prev");
     if prev.exists() {
-        std::fs::remove_dir_all(&prev).map_err(|e| io_err("cannot clear", &prev, e))?;
+        outdir::remove_ours(&prev)?;
     }
     if fin.exists() {
         std::fs::rename(&fin, &prev).map_err(|e| io_err("cannot move aside", &fin, e))?;
     }
     fault::pause_point("swap", step);
-    std::fs::rename(&staging, &fin).map_err(|e| io_err("cannot move into place", &staging, e))?;
+    std::fs::rename(staging, &fin).map_err(|e| io_err("cannot move into place", staging, e))?;
     sync_dir(run_dir);
     fault::pause_point("swapped", step);
     if prev.exists() {
-        let _ = std::fs::remove_dir_all(&prev);
+        let _ = outdir::remove_ours(&prev);
     }
     Ok(fin)
 }
@@ -414,6 +454,22 @@ impl Verified {
     pub fn config(&self) -> Result<LlamaConfig> {
         let v: serde_json::Value = serde_json::from_slice(self.file(CONFIG_FILE)?)
             .map_err(|e| Error::checkpoint(format!("{}/{CONFIG_FILE}: {e}", self.dir.display())))?;
+        // Optional numbers: absent takes the default, anything but a number
+        // is an error (a typo must not silently become the default).
+        for k in [
+            "rms_norm_eps",
+            "rope_theta",
+            "attention_dropout",
+            "tinyllm_dropout",
+        ] {
+            if let Some(x) = v.get(k).filter(|x| !x.is_number()) {
+                bail!(
+                    Checkpoint,
+                    "{}/{CONFIG_FILE}: {k:?} must be a number, got {x}",
+                    self.dir.display()
+                );
+            }
+        }
         let cfg = LlamaConfig::from_hf_json(&v).map_err(|e| e.context(self.dir.display()))?;
         crate::train::config::check_model_size(&cfg)
             .map_err(|e| e.context(format!("{}/{CONFIG_FILE}", self.dir.display())))?;
@@ -431,7 +487,7 @@ impl Verified {
     }
 
     pub fn train_state(&self) -> Result<TrainState> {
-        let st: TrainState = serde_json::from_slice(self.file(STATE_FILE)?)
+        let mut st: TrainState = serde_json::from_slice(self.file(STATE_FILE)?)
             .map_err(|e| Error::checkpoint(format!("{}/{STATE_FILE}: {e}", self.dir.display())))?;
         if st.format != FORMAT {
             bail!(
@@ -440,6 +496,10 @@ impl Verified {
                 self.dir.display(),
                 st.format
             );
+        }
+        if st.config.schedule_steps == 0 {
+            // Written before the schedule's length was its own field.
+            st.config.schedule_steps = st.config.steps;
         }
         st.config.validate().map_err(|e| {
             e.context(format!(
@@ -484,12 +544,18 @@ impl Verified {
                     t.shape()
                 );
             }
-            out.push(
-                t.data()
-                    .chunks_exact(4)
-                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                    .collect(),
-            );
+            let v: Vec<f32> = t
+                .data()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            if let Some(i) = v.iter().position(|x| !x.is_finite()) {
+                bail!(Checkpoint,
+                    "{where_}: tensor {name:?} holds a non-finite value ({} at index {i}); a tinyllm checkpoint never does (the file was changed or written by another tool); nothing was loaded",
+                    v[i]
+                );
+            }
+            out.push(v);
         }
         Ok(out)
     }

@@ -6,7 +6,7 @@ use crate::precision::Precision;
 use crate::train::config::{TrainConfig, TrainOptions};
 use crate::train::plan::mib;
 use crate::train::plot::{loss_svg, Series};
-use crate::train::trainer::{run, Progress, RunSummary};
+use crate::train::trainer::{run, say, Progress, RunSummary, Start};
 use crate::Result;
 use serde::Serialize;
 
@@ -56,8 +56,14 @@ fn side(label: &str, cfg: &TrainConfig, s: &RunSummary) -> Side {
 }
 
 /// Runs both trainings under `opts.out` (default `runs/compare`): `fp32/` and
-/// `mixed/`, and writes `compare.svg` with both loss curves.
-pub fn compare(opts: &TrainOptions, progress: Progress) -> Result<Comparison> {
+/// `mixed/`, and writes `compare.svg` with both loss curves. Runs already
+/// there are refused unless `overwrite`.
+pub fn compare(opts: &TrainOptions, overwrite: bool, progress: Progress) -> Result<Comparison> {
+    let start = if overwrite {
+        Start::Overwrite
+    } else {
+        Start::Fresh
+    };
     let mut o = opts.clone();
     let out = o.out.take().unwrap_or_else(|| "runs/compare".into());
     if o.precision.as_deref() == Some("fp32") {
@@ -77,18 +83,26 @@ pub fn compare(opts: &TrainOptions, progress: Progress) -> Result<Comparison> {
         ..mixed_cfg.clone()
     };
     if progress != Progress::Quiet {
-        eprintln!("== float32, full batch of {} ==", fp32_cfg.batch);
-    }
-    let a = run(fp32_cfg.clone(), None, progress)?;
-    if progress != Progress::Quiet {
-        eprintln!(
-            "== {}, {} micro-batches of {}, checkpointing ==",
-            mixed_cfg.precision.name(),
-            mixed_cfg.accum,
-            mixed_cfg.micro_batch
+        say(
+            progress,
+            &format!("== float32, full batch of {} ==", fp32_cfg.batch),
         );
     }
-    let b = run(mixed_cfg.clone(), None, progress)?;
+    let a = run(fp32_cfg.clone(), start, progress)?;
+    stop_if_interrupted(&a)?;
+    if progress != Progress::Quiet {
+        say(
+            progress,
+            &format!(
+                "== {}, {} micro-batches of {}, checkpointing ==",
+                mixed_cfg.precision.name(),
+                mixed_cfg.accum,
+                mixed_cfg.micro_batch
+            ),
+        );
+    }
+    let b = run(mixed_cfg.clone(), start, progress)?;
+    stop_if_interrupted(&b)?;
     let rel = ((b.final_loss - a.final_loss) / a.final_loss).abs();
     let series = |name, color, s: &RunSummary| Series {
         name,
@@ -128,6 +142,22 @@ pub fn compare(opts: &TrainOptions, progress: Progress) -> Result<Comparison> {
         pass: within && lower,
         plot: plot.display().to_string(),
     })
+}
+
+/// A run a signal stopped is not a comparison.
+fn stop_if_interrupted(s: &RunSummary) -> Result<()> {
+    match s.interrupted {
+        Some(sig) => Err(crate::Error::io(
+            format!(
+                "compare: interrupted by {} ({} has the checkpoint of step {})",
+                crate::train::interrupt::name(sig),
+                s.out.display(),
+                s.checkpoint_step
+            ),
+            std::io::ErrorKind::Interrupted.into(),
+        )),
+        None => Ok(()),
+    }
 }
 
 impl Comparison {

@@ -18,6 +18,16 @@ pub enum DeviceChoice {
     Gpu,
 }
 
+impl DeviceChoice {
+    pub fn name(self) -> &'static str {
+        match self {
+            DeviceChoice::Auto => "auto",
+            DeviceChoice::Cpu => "cpu",
+            DeviceChoice::Gpu => "gpu",
+        }
+    }
+}
+
 impl std::str::FromStr for DeviceChoice {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
@@ -63,8 +73,17 @@ pub struct TrainOptions {
 pub struct TrainConfig {
     pub preset: String,
     pub model: LlamaConfig,
+    /// The training text (absolute; `None`: the embedded corpus). A resumed
+    /// run checks the text by its SHA-256, not by this path.
     pub data: Option<PathBuf>,
+    /// The optimizer step the run stops at.
     pub steps: usize,
+    /// The step the learning-rate schedule ends at: the first run's planned
+    /// total. A run extended past it (`--resume DIR --steps 2N`) holds the
+    /// schedule's last rate, `lr · min_lr_frac`, instead of re-stretching it.
+    /// (0 in a checkpoint written before this field existed: read as `steps`.)
+    #[serde(default)]
+    pub schedule_steps: usize,
     pub lr: f32,
     /// The cosine schedule decays to `lr · min_lr_frac`.
     pub min_lr_frac: f32,
@@ -177,31 +196,19 @@ pub fn min_ckpt_budget(n: usize) -> usize {
     (1..=n).map(|k| (k - 1) + n.div_ceil(k)).min().unwrap_or(1)
 }
 
-fn at_least_one(name: &str, v: Option<usize>) -> Result<Option<usize>> {
-    match v {
-        Some(0) => bail!(Config, "{name} must be at least 1 (got 0)"),
-        v => Ok(v),
-    }
-}
-
 impl TrainConfig {
-    /// Resolves and validates `o` (the `train` defaults: the `small` preset,
-    /// bf16, micro-batches with accumulation, activation checkpointing).
+    /// Resolves `o` against its preset's recipe (the `train` defaults: the
+    /// `small` preset, bf16, micro-batches with accumulation, activation
+    /// checkpointing), then [`validate`](Self::validate)s the result: every
+    /// check lives there, so a flag's rule is written once.
     pub fn resolve(o: &TrainOptions) -> Result<TrainConfig> {
         let preset = o.preset.clone().unwrap_or_else(|| "small".into());
         let mut model = LlamaConfig::preset(&preset).map_err(|e| e.context("--preset"))?;
         if let Some(p) = o.dropout {
-            if !(0.0..1.0).contains(&p) {
-                bail!(Config, "--dropout must be in [0, 1) (got {p})");
-            }
             model.dropout = p;
         }
         let r = recipe(&preset);
-        let steps = at_least_one("--steps", o.steps)?.unwrap_or(r.steps);
-        let lr = o.lr.unwrap_or(r.lr);
-        if !(lr.is_finite() && lr > 0.0) {
-            bail!(Config, "--lr must be a positive number (got {lr})");
-        }
+        let steps = o.steps.unwrap_or(r.steps);
         let device: DeviceChoice = o
             .device
             .as_deref()
@@ -216,69 +223,49 @@ impl TrainConfig {
             .map_err(|e: Error| e.context("--precision"))?;
 
         // Any two of batch, micro-batch and accum fix the third; the batch is
-        // split into ceil(batch / micro) micro-batches (the last may be smaller).
-        let batch_o = at_least_one("--batch", o.batch)?;
-        let micro_o = at_least_one("--micro-batch", o.micro_batch)?;
-        let accum_o = at_least_one("--accum", o.accum)?;
-        let (batch, micro) = match (batch_o, micro_o, accum_o) {
+        // split into ceil(batch / micro) micro-batches (the last may be
+        // smaller). The arithmetic is total (a 0 stays in its own field for
+        // `validate` to name); a given accum is kept, to be checked.
+        let (batch, micro) = match (o.batch, o.micro_batch, o.accum) {
             (Some(b), Some(m), _) => (b, m),
-            (Some(b), None, Some(k)) => (b, b.div_ceil(k)),
-            (Some(b), None, None) => (b, r.micro.min(b)),
-            (None, Some(m), Some(k)) => (m * k, m),
+            (Some(b), None, Some(k)) => (b, b.div_ceil(k.max(1))),
+            (Some(b), None, None) => (b, r.micro.min(b).max(1)),
+            (None, Some(m), Some(k)) => (m.saturating_mul(k.max(1)), m),
             (None, Some(m), None) => (r.batch.max(m), m),
-            (None, None, Some(k)) => (r.micro * k, r.micro),
+            (None, None, Some(k)) => (r.micro.saturating_mul(k.max(1)), r.micro),
             (None, None, None) => (r.batch, r.micro),
         };
-        if micro > batch {
-            bail!(Config, "--micro-batch {micro} is larger than the batch of {batch} sequences: use a micro-batch of 1..={batch}");
-        }
-        let accum = batch.div_ceil(micro);
-        if let Some(k) = accum_o {
-            if k != accum {
-                bail!(Config, "--accum {k} does not match a batch of {batch} in micro-batches of {micro} (that is {accum} micro-batches); give any two of --batch, --micro-batch, --accum");
-            }
-        }
+        let accum = o.accum.unwrap_or(batch.div_ceil(micro.max(1)));
 
+        // Options that contradict each other (not a config's invariant).
         let ckpt_on = o.checkpoint_activations.unwrap_or(true);
-        let ckpt_budget = match (ckpt_on, o.ckpt_budget) {
-            (false, Some(_)) => {
-                bail!(Config,
+        if !ckpt_on && o.ckpt_budget.is_some() {
+            bail!(
+                Config,
                 "--ckpt-budget needs activation checkpointing (drop --no-checkpoint-activations)"
-            )
-            }
-            (false, None) => None,
-            (true, b) => {
-                let b = b.unwrap_or_else(|| min_ckpt_budget(model.n_layers));
-                checkpoint_schedule(model.n_layers, b).map_err(|e| e.context("--ckpt-budget"))?;
-                Some(b)
-            }
-        };
+            );
+        }
+        let ckpt_budget = ckpt_on.then(|| {
+            o.ckpt_budget
+                .unwrap_or_else(|| min_ckpt_budget(model.n_layers))
+        });
         let clip = match o.clip {
             None => Some(1.0),
             Some(0.0) => None,
-            Some(c) if c.is_finite() && c > 0.0 => Some(c),
-            Some(c) => {
-                bail!(
-                    Config,
-                    "--clip must be a positive number, or 0 to turn clipping off (got {c})"
-                )
-            }
+            c => c,
         };
-        let warmup = o.warmup.unwrap_or((steps / 10).min(100));
-        if warmup >= steps && steps > 1 {
-            bail!(
-                Config,
-                "--warmup {warmup} must be shorter than the run ({steps} steps)"
-            );
-        }
         let cfg = TrainConfig {
             preset,
             model,
-            data: o.data.clone(),
+            data: o
+                .data
+                .as_ref()
+                .map(|p| std::path::absolute(p).unwrap_or_else(|_| p.clone())),
             steps,
-            lr,
+            schedule_steps: steps,
+            lr: o.lr.unwrap_or(r.lr),
             min_lr_frac: 0.1,
-            warmup,
+            warmup: o.warmup.unwrap_or((steps / 10).min(100)),
             weight_decay: 0.01,
             seed: o.seed.unwrap_or(1337),
             device,
@@ -300,11 +287,153 @@ impl TrainConfig {
         Ok(cfg)
     }
 
-    /// Checks every invariant of a resolved run — what [`resolve`](Self::resolve)
-    /// guarantees, re-checked for a config read back from a checkpoint (a
-    /// hand-edited `trainer_state.json`): an error names the field and what is allowed.
+    /// The config that continues `saved` (a checkpoint's run) with the
+    /// options `o`. A continuation may change `--steps` (the schedule stays
+    /// the one planned: see [`schedule_steps`](Self::schedule_steps)),
+    /// `--out`, `--eval-every`, `--save-every`, `--device` and `--data` (the
+    /// same text, wherever it now lies: the trainer checks its SHA-256). Every
+    /// other option given must resolve to the saved value: options left out
+    /// are taken from `saved`, so only a real difference is an error, and it
+    /// names the flag, the saved value and the given one.
+    pub fn resume(saved: &TrainConfig, o: &TrainOptions) -> Result<TrainConfig> {
+        saved.validate()?;
+        let batch_flags = [o.batch, o.micro_batch, o.accum]
+            .iter()
+            .filter(|v| v.is_some())
+            .count();
+        let filled = TrainOptions {
+            preset: Some(o.preset.clone().unwrap_or_else(|| saved.preset.clone())),
+            data: None,
+            // Resolved against the planned schedule (a --warmup check must
+            // not see a shorter continuation); `steps` is set below.
+            steps: Some(saved.schedule_steps),
+            lr: o.lr.or(Some(saved.lr)),
+            seed: o.seed.or(Some(saved.seed)),
+            device: Some(o.device.clone().unwrap_or(saved.device.name().into())),
+            precision: Some(o.precision.clone().unwrap_or(saved.precision.name().into())),
+            batch: match batch_flags {
+                0 => Some(saved.batch),
+                1 => o.batch.or(Some(saved.batch)),
+                _ => o.batch,
+            },
+            micro_batch: match batch_flags {
+                0 => Some(saved.micro_batch),
+                1 if o.batch.is_some() => Some(saved.micro_batch),
+                _ => o.micro_batch,
+            },
+            accum: o.accum,
+            checkpoint_activations: o
+                .checkpoint_activations
+                .or(Some(saved.ckpt_budget.is_some())),
+            ckpt_budget: match o.checkpoint_activations {
+                Some(false) => o.ckpt_budget,
+                _ => o.ckpt_budget.or(saved.ckpt_budget),
+            },
+            clip: o.clip.or(Some(saved.clip.unwrap_or(0.0))),
+            eval_every: o.eval_every.or(Some(saved.eval_every)),
+            save_every: o.save_every.or(Some(saved.save_every)),
+            warmup: o.warmup.or(Some(saved.warmup)),
+            dropout: o.dropout.or(Some(saved.model.dropout)),
+            out: Some(o.out.clone().unwrap_or_else(|| saved.out.clone())),
+        };
+        let given = TrainConfig::resolve(&filled)?;
+        let opt = |v: Option<f32>| v.map_or("off".to_string(), |x| x.to_string());
+        let ckpt = |b: Option<usize>| b.map_or("off".to_string(), |b| format!("budget {b}"));
+        let checks = [
+            (
+                "--preset",
+                o.preset.is_some(),
+                saved.preset.clone(),
+                given.preset.clone(),
+            ),
+            (
+                "--lr",
+                o.lr.is_some(),
+                saved.lr.to_string(),
+                given.lr.to_string(),
+            ),
+            (
+                "--seed",
+                o.seed.is_some(),
+                saved.seed.to_string(),
+                given.seed.to_string(),
+            ),
+            (
+                "--fp32/--bf16/--fp16",
+                o.precision.is_some(),
+                saved.precision.name().into(),
+                given.precision.name().into(),
+            ),
+            (
+                "--batch/--micro-batch/--accum",
+                batch_flags > 0,
+                format!(
+                    "batch {} in micro-batches of {}",
+                    saved.batch, saved.micro_batch
+                ),
+                format!(
+                    "batch {} in micro-batches of {}",
+                    given.batch, given.micro_batch
+                ),
+            ),
+            (
+                "--checkpoint-activations/--ckpt-budget",
+                o.checkpoint_activations.is_some() || o.ckpt_budget.is_some(),
+                ckpt(saved.ckpt_budget),
+                ckpt(given.ckpt_budget),
+            ),
+            ("--clip", o.clip.is_some(), opt(saved.clip), opt(given.clip)),
+            (
+                "--warmup",
+                o.warmup.is_some(),
+                saved.warmup.to_string(),
+                given.warmup.to_string(),
+            ),
+            (
+                "--dropout",
+                o.dropout.is_some(),
+                saved.model.dropout.to_string(),
+                given.model.dropout.to_string(),
+            ),
+        ];
+        for (flag, set, was, now) in checks {
+            if set && was != now {
+                bail!(Config,
+                    "{flag} differs from the run being resumed ({now} given, the run has {was}); a resumed run keeps its recipe (only --steps, --out, --eval-every, --save-every, --device and --data may change)"
+                );
+            }
+        }
+        let cfg = TrainConfig {
+            data: o
+                .data
+                .as_ref()
+                .map(|p| std::path::absolute(p).unwrap_or_else(|_| p.clone()))
+                .or_else(|| saved.data.clone()),
+            steps: o.steps.unwrap_or(saved.steps),
+            schedule_steps: saved.schedule_steps,
+            device: given.device,
+            eval_every: given.eval_every,
+            save_every: given.save_every,
+            out: given.out,
+            ..saved.clone()
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Checks every invariant of a run: what the flags gave
+    /// ([`resolve`](Self::resolve)) and what a checkpoint's `trainer_state.json`
+    /// says (perhaps hand-edited). An error names the flag (or field) and what
+    /// is allowed.
     pub fn validate(&self) -> Result<()> {
         let c = self;
+        if !(0.0..1.0).contains(&c.model.dropout) {
+            bail!(
+                Config,
+                "--dropout must be in [0, 1) (got {})",
+                c.model.dropout
+            );
+        }
         c.model.validate()?;
         if c.model.vocab_size != crate::train::data::ByteTokenizer::VOCAB {
             bail!(
@@ -317,6 +446,9 @@ impl TrainConfig {
         check_model_size(&c.model)?;
         if c.steps == 0 {
             bail!(Config, "--steps must be at least 1 (got 0)");
+        }
+        if c.schedule_steps == 0 {
+            bail!(Config, "schedule_steps must be at least 1 (got 0)");
         }
         if !(c.lr.is_finite() && c.lr > 0.0) {
             bail!(Config, "--lr must be a positive number (got {})", c.lr);
@@ -335,11 +467,30 @@ impl TrainConfig {
                 c.weight_decay
             );
         }
-        if c.batch == 0 || c.batch > MAX_BATCH {
-            bail!(
-                Config,
-                "--batch must be 1..={MAX_BATCH} sequences (got {})",
-                c.batch
+        // The micro-batch first: with only --micro-batch given, the batch is
+        // derived from it, and the error must name the flag that was given.
+        for (flag, v) in [("--micro-batch", c.micro_batch), ("--batch", c.batch)] {
+            if v == 0 {
+                bail!(Config, "{flag} must be at least 1 (got 0)");
+            }
+            if v > MAX_BATCH {
+                bail!(Config, "{flag} must be 1..={MAX_BATCH} sequences (got {v})");
+            }
+        }
+        if c.accum == 0 {
+            bail!(Config, "--accum must be at least 1 (got 0)");
+        }
+        if c.micro_batch > c.batch {
+            bail!(Config,
+                "--micro-batch {} is larger than the batch of {} sequences: use a micro-batch of 1..={}",
+                c.micro_batch, c.batch, c.batch
+            );
+        }
+        let k = c.batch.div_ceil(c.micro_batch);
+        if c.accum != k {
+            bail!(Config,
+                "--accum {} does not match a batch of {} in micro-batches of {} (that is {k} micro-batches); give any two of --batch, --micro-batch, --accum",
+                c.accum, c.batch, c.micro_batch
             );
         }
         if c.batch.saturating_mul(c.model.context) > MAX_TOKENS_PER_STEP {
@@ -349,23 +500,6 @@ impl TrainConfig {
                 c.batch,
                 c.model.context,
                 c.batch.saturating_mul(c.model.context)
-            );
-        }
-        if c.micro_batch == 0 || c.micro_batch > c.batch {
-            bail!(
-                Config,
-                "--micro-batch must be 1..={} (the batch), got {}",
-                c.batch,
-                c.micro_batch
-            );
-        }
-        if c.accum != c.batch.div_ceil(c.micro_batch) {
-            bail!(
-                Config,
-                "--accum {} does not match a batch of {} in micro-batches of {}",
-                c.accum,
-                c.batch,
-                c.micro_batch
             );
         }
         if let Some(b) = c.ckpt_budget {
@@ -379,12 +513,12 @@ impl TrainConfig {
                 );
             }
         }
-        if c.warmup >= c.steps && c.steps > 1 {
+        if c.warmup >= c.schedule_steps && c.schedule_steps > 1 {
             bail!(
                 Config,
                 "--warmup {} must be shorter than the run ({} steps)",
                 c.warmup,
-                c.steps
+                c.schedule_steps
             );
         }
         if c.eval_rows == 0 {
@@ -393,14 +527,15 @@ impl TrainConfig {
         Ok(())
     }
 
-    /// The learning rate of step `step` (1-based): linear warmup, then a cosine
-    /// from `lr` down to `lr · min_lr_frac` at the last step.
+    /// The learning rate of step `step` (1-based): linear warmup, then a
+    /// cosine from `lr` down to `lr · min_lr_frac` at step `schedule_steps`,
+    /// held there by any step after it.
     pub fn lr_at(&self, step: usize) -> f32 {
         let lr = self.lr as f64;
         if step <= self.warmup {
             return (lr * step as f64 / self.warmup.max(1) as f64) as f32;
         }
-        let span = (self.steps - self.warmup).max(1) as f64;
+        let span = self.schedule_steps.saturating_sub(self.warmup).max(1) as f64;
         let progress = ((step - self.warmup) as f64 / span).min(1.0);
         let floor = lr * self.min_lr_frac as f64;
         (floor + (lr - floor) * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos())) as f32
@@ -414,7 +549,7 @@ impl TrainConfig {
     /// One line describing the recipe.
     pub fn describe(&self) -> String {
         format!(
-            "preset {} ({} params: C={} layers={} heads={} hidden={} context={}), {} steps, lr {:e} (warmup {}, cosine to {:e}), batch {} = {} micro-batch(es) of {}, {}, {}, clip {}",
+            "preset {} ({} params: C={} layers={} heads={} hidden={} context={}), {} steps, lr {:e} (warmup {}, cosine to {:e} at step {}{}), batch {} = {} micro-batch(es) of {}, {}, {}, clip {}",
             self.preset,
             self.model.num_params(),
             self.model.d_model,
@@ -426,6 +561,12 @@ impl TrainConfig {
             self.lr,
             self.warmup,
             self.lr * self.min_lr_frac,
+            self.schedule_steps,
+            if self.steps > self.schedule_steps {
+                ", then held"
+            } else {
+                ""
+            },
             self.batch,
             self.accum,
             self.micro_batch,
@@ -456,6 +597,12 @@ mod tests {
         assert_eq!(c.lr_at(10), 1.0);
         assert!((c.lr_at(100) - 0.1).abs() < 1e-6);
         assert!((1..100).all(|s| s <= 10 || c.lr_at(s + 1) <= c.lr_at(s)));
+        // Extended past its plan, the schedule holds its last rate.
+        let longer = TrainConfig {
+            steps: 200,
+            ..c.clone()
+        };
+        assert!((1..=200).all(|s| longer.lr_at(s) == c.lr_at(s.min(100))));
     }
 
     #[test]

@@ -3,11 +3,13 @@
 //! [`Generator`] whose `(seed, offset)` state is the data position a
 //! checkpoint saves.
 
-use crate::precision::MicroBatch;
 use crate::rng::Generator;
 use crate::train::sha256::Sha256;
+use crate::train::step::MicroBatch;
 use crate::{bail, Result};
+use std::io::Read;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// Bytes are tokens: id = byte value, vocabulary 256. Any UTF-8 text encodes;
 /// decoding replaces an incomplete sequence (a sample cut mid-character) with U+FFFD.
@@ -24,21 +26,31 @@ impl ByteTokenizer {
     }
 }
 
+/// The largest training or evaluation text, in bytes (a larger file is
+/// refused before it is read).
+pub const MAX_CORPUS_BYTES: u64 = 2 << 30;
+
 /// A tokenized text and where it came from.
 pub struct Corpus {
     /// `"embedded"` or the file's path.
     pub name: String,
-    pub tokens: Vec<u32>,
+    /// The text's bytes, which are its tokens (one byte each in memory, shared
+    /// with the [`Dataset`] built from it; batches widen them to `u32` ids).
+    pub tokens: Arc<Vec<u8>>,
     /// SHA-256 of the text (hex): a resumed run must see the same data.
     pub fingerprint: String,
 }
 
 impl Corpus {
     pub fn from_text(name: &str, text: &str) -> Corpus {
+        Corpus::from_bytes(name, text.as_bytes().to_vec())
+    }
+
+    fn from_bytes(name: &str, bytes: Vec<u8>) -> Corpus {
         Corpus {
             name: name.to_string(),
-            tokens: ByteTokenizer::encode(text),
-            fingerprint: Sha256::digest_hex(text.as_bytes()),
+            fingerprint: Sha256::digest_hex(&bytes),
+            tokens: Arc::new(bytes),
         }
     }
 
@@ -47,18 +59,44 @@ impl Corpus {
         Corpus::from_text("embedded", super::corpus::default_text())
     }
 
-    /// A UTF-8 text file; every failure names the file.
+    /// A UTF-8 text file of at most [`MAX_CORPUS_BYTES`]; every failure names
+    /// the file. Only a regular file is read (a device such as `/dev/zero`
+    /// never ends, a FIFO without a writer blocks forever), and never more
+    /// than the limit, even if the file grows while it is read.
     pub fn from_file(path: &Path) -> Result<Corpus> {
         let shown = path.display();
-        let bytes = std::fs::read(path)
-            .map_err(|e| crate::Error::io(format!("cannot read corpus {shown}"), e))?;
+        let io = |e| crate::Error::io(format!("cannot read corpus {shown}"), e);
+        let meta = std::fs::metadata(path).map_err(io)?;
+        if !meta.is_file() {
+            bail!(
+                Data,
+                "corpus {shown} is not a regular file ({}): give a UTF-8 text file",
+                file_kind(&meta)
+            );
+        }
+        let too_large = |n: u64| {
+            crate::Error::data(format!(
+                "corpus {shown} is {n} bytes, more than tinyllm reads ({} MiB at most): cut it down or split it",
+                MAX_CORPUS_BYTES >> 20
+            ))
+        };
+        if meta.len() > MAX_CORPUS_BYTES {
+            return Err(too_large(meta.len()));
+        }
+        let mut bytes = Vec::with_capacity(meta.len() as usize);
+        std::fs::File::open(path)
+            .and_then(|f| f.take(MAX_CORPUS_BYTES + 1).read_to_end(&mut bytes))
+            .map_err(io)?;
+        if bytes.len() as u64 > MAX_CORPUS_BYTES {
+            return Err(too_large(bytes.len() as u64));
+        }
         if bytes.is_empty() {
             bail!(
                 Data,
                 "corpus {shown} is empty: give a UTF-8 text file with some text in it"
             );
         }
-        let text = std::str::from_utf8(&bytes).map_err(|e| {
+        std::str::from_utf8(&bytes).map_err(|e| {
             crate::Error::data(format!(
                 "corpus {shown} is not UTF-8 text (invalid byte at offset {}); convert it to UTF-8 first",
                 e.valid_up_to()
@@ -67,7 +105,7 @@ impl Corpus {
         if let Some(at) = bytes.iter().position(|&b| b == 0) {
             bail!(Data, "corpus {shown} looks like a binary file (a NUL byte at offset {at}): give a UTF-8 text file");
         }
-        Ok(Corpus::from_text(&shown.to_string(), text))
+        Ok(Corpus::from_bytes(&shown.to_string(), bytes))
     }
 
     /// `Some(path)` → the file, `None` → the embedded corpus.
@@ -76,6 +114,32 @@ impl Corpus {
             Some(p) => Corpus::from_file(p),
             None => Ok(Corpus::embedded()),
         }
+    }
+}
+
+/// What kind of file system entry `meta` is, in words.
+fn file_kind(meta: &std::fs::Metadata) -> &'static str {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::FileTypeExt;
+        let t = meta.file_type();
+        if t.is_char_device() {
+            return "a character device";
+        }
+        if t.is_block_device() {
+            return "a block device";
+        }
+        if t.is_fifo() {
+            return "a FIFO";
+        }
+        if t.is_socket() {
+            return "a socket";
+        }
+    }
+    if meta.is_dir() {
+        "a directory"
+    } else {
+        "not a regular file"
     }
 }
 
@@ -125,7 +189,8 @@ pub struct Piece {
 /// least one piece) held out for validation. Windows never cross a piece, so
 /// no training window overlaps a validation one.
 pub struct Dataset {
-    pub tokens: Vec<u32>,
+    /// The corpus's bytes (shared, not copied).
+    pub tokens: Arc<Vec<u8>>,
     pub context: usize,
     pub train: Vec<Piece>,
     pub val: Vec<Piece>,
@@ -173,7 +238,7 @@ impl Dataset {
             cum.push(acc);
         }
         Ok(Dataset {
-            tokens: corpus.tokens.clone(),
+            tokens: Arc::clone(&corpus.tokens),
             context,
             train,
             val,
@@ -181,7 +246,7 @@ impl Dataset {
         })
     }
 
-    fn window(&self, s: usize) -> (&[u32], &[u32]) {
+    fn window(&self, s: usize) -> (&[u8], &[u8]) {
         let t = self.context;
         (&self.tokens[s..s + t], &self.tokens[s + 1..s + t + 1])
     }
@@ -198,8 +263,8 @@ impl Dataset {
             let before = if pi == 0 { 0 } else { self.cum[pi - 1] };
             let s = self.train[pi].start + (k - before);
             let (x, y) = self.window(s);
-            ids.extend_from_slice(x);
-            targets.extend_from_slice(y);
+            ids.extend(x.iter().map(|&b| u32::from(b)));
+            targets.extend(y.iter().map(|&b| u32::from(b)));
         }
         Batch {
             ids,
@@ -223,8 +288,8 @@ impl Dataset {
         let mut targets = Vec::with_capacity(take * t);
         for i in 0..take {
             let (x, y) = self.window(starts[i * starts.len() / take]);
-            ids.extend_from_slice(x);
-            targets.extend_from_slice(y);
+            ids.extend(x.iter().map(|&b| u32::from(b)));
+            targets.extend(y.iter().map(|&b| u32::from(b)));
         }
         Batch {
             ids,

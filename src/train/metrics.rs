@@ -63,9 +63,15 @@ impl MetricsLog {
     }
     pub fn append(&mut self, m: &StepMetrics) -> Result<()> {
         let line = serde_json::to_string(m).map_err(|e| crate::Error::data(e.to_string()))?;
-        writeln!(self.file, "{line}")
+        crate::train::fault::io_point("fail:metrics.jsonl", m.step)
+            .and_then(|()| writeln!(self.file, "{line}"))
             .and_then(|()| self.file.flush())
-            .map_err(|e| crate::Error::io(format!("cannot write {}", self.path.display()), e))
+            .map_err(|e| {
+                crate::Error::io(
+                    format!("cannot append step {} to {}", m.step, self.path.display()),
+                    e,
+                )
+            })
     }
     pub fn path(&self) -> &Path {
         &self.path

@@ -5,12 +5,17 @@
 //!   [`corpus`] — the embedded default text;
 //! * [`config`] — flags resolved against a preset's recipe and validated;
 //! * [`plan`] — spec M05.1's memory plan;
-//! * [`trainer`] — the loop (one step: scale → backward → accumulate → unscale
-//!   → clip → step, via [`train_step_mixed`](crate::precision::train_step_mixed));
+//! * [`step`] — one optimizer step: scale → backward → accumulate → unscale
+//!   → clip → step ([`train_step_mixed`](step::train_step_mixed));
+//! * [`trainer`] — the loop around it: reporting, evaluation, saving, and
+//!   stopping cleanly ([`interrupt`]: Ctrl-C / SIGTERM); [`outdir`] — the
+//!   output directory's lock and what may be replaced in it;
+//! * [`infer`] — validation loss, `eval` of a text, `generate`;
 //! * [`checkpoint`] — Hugging Face-named safetensors, atomic writes, a SHA-256
 //!   manifest ([`sha256`]) verified before anything loads;
 //! * [`metrics`], [`plot`] — `metrics.jsonl` and the SVG loss curves;
-//! * [`compare`] — float32 against bf16 + accumulation + checkpointing.
+//! * [`compare`] — float32 against bf16 + accumulation + checkpointing;
+//! * [`fault`] — test-only fault injection (`TINYLLM_FAULT`).
 
 pub mod checkpoint;
 pub mod compare;
@@ -18,11 +23,15 @@ pub mod config;
 pub mod corpus;
 pub mod data;
 pub mod fault;
+pub mod infer;
+pub mod interrupt;
 pub mod metrics;
+pub mod outdir;
 pub mod plan;
 pub mod plot;
 pub mod sha256;
+pub mod step;
 pub mod trainer;
 
 pub use config::{DeviceChoice, TrainConfig, TrainOptions};
-pub use trainer::{run, Progress, RunSummary, Trainer};
+pub use trainer::{run, Progress, RunSummary, Start, Trainer};

@@ -36,6 +36,7 @@
 use crate::nn::llama::LlamaConfig;
 use crate::precision::Precision;
 use crate::recompute::checkpoint_schedule;
+use crate::train::config::TrainConfig;
 use crate::Result;
 
 /// Planned bytes of one training step.
@@ -116,6 +117,156 @@ pub fn memory_plan(
     })
 }
 
+/// Bytes of the largest single tensor one micro-batch of `rows` sequences of
+/// `t` tokens allocates (logits, attention weights, the MLP's hidden
+/// activations, or the embedding table): on a GPU it must fit in one buffer.
+pub fn largest_tensor(cfg: &LlamaConfig, rows: usize, t: usize) -> usize {
+    let per_row = [t * cfg.vocab_size, cfg.n_heads * t * t, t * cfg.hidden];
+    let biggest = per_row.iter().max().copied().unwrap_or(0);
+    4 * (rows.saturating_mul(biggest)).max(cfg.vocab_size * cfg.d_model)
+}
+
+/// Bytes the host can still give this process: `MemAvailable` from
+/// `/proc/meminfo`, lowered to what a cgroup memory limit leaves (v2
+/// `memory.max` − `memory.current`, v1 `memory.limit_in_bytes` −
+/// `memory.usage_in_bytes`). `None` where neither is known.
+pub fn host_available() -> Option<u64> {
+    let read = |p: &str| std::fs::read_to_string(p).ok();
+    let mem = read("/proc/meminfo").and_then(|s| {
+        s.lines()
+            .find_map(|l| l.strip_prefix("MemAvailable:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .map(|kb| kb * 1024)
+    });
+    [mem, cgroup_left()].into_iter().flatten().min()
+}
+
+/// What this process's cgroup memory limit leaves, if it has one.
+fn cgroup_left() -> Option<u64> {
+    let num = |p: String| -> Option<u64> { std::fs::read_to_string(p).ok()?.trim().parse().ok() };
+    let groups = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    for line in groups.lines() {
+        let mut f = line.splitn(3, ':');
+        let (_, ctrl, path) = (f.next()?, f.next()?, f.next()?);
+        // The path as the process sees it, else the namespace's root.
+        let (root, limit, usage) = match ctrl {
+            "" => ("/sys/fs/cgroup", "memory.max", "memory.current"),
+            c if c.split(',').any(|c| c == "memory") => (
+                "/sys/fs/cgroup/memory",
+                "memory.limit_in_bytes",
+                "memory.usage_in_bytes",
+            ),
+            _ => continue,
+        };
+        for dir in [format!("{root}{path}"), root.to_string()] {
+            // "max" (v2) or a huge number (v1) is no limit.
+            if let (Some(l), Some(u)) =
+                (num(format!("{dir}/{limit}")), num(format!("{dir}/{usage}")))
+            {
+                if l < 1 << 60 {
+                    return Some(l.saturating_sub(u));
+                }
+                break;
+            }
+        }
+    }
+    None
+}
+
+/// Where a run's memory comes from, and how much of it there is.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum MemoryLimit {
+    /// The host's RAM (the CPU backend, or a software GPU adapter), bytes available.
+    Host(u64),
+    /// A GPU adapter's largest buffer, in bytes.
+    GpuBuffer(u64),
+}
+
+/// Refuses a run that cannot fit before anything is allocated for it: the
+/// planned peak of micro-batches of `cfg.micro_batch` against host memory, or
+/// its largest tensor against a GPU's buffer limit. The error shows the plan
+/// and what would fit: a smaller `--micro-batch` (the batch is kept, as more
+/// accumulated micro-batches) or `--checkpoint-activations`.
+pub fn admit(cfg: &TrainConfig, limit: MemoryLimit) -> Result<()> {
+    let t = cfg.model.context;
+    let need = |rows: usize, ckpt: Option<usize>| -> Result<usize> {
+        Ok(match limit {
+            MemoryLimit::Host(_) => memory_plan(&cfg.model, rows, t, cfg.precision, ckpt)?.total,
+            MemoryLimit::GpuBuffer(_) => largest_tensor(&cfg.model, rows, t),
+        })
+    };
+    let (have, what) = match limit {
+        MemoryLimit::Host(b) => (
+            b,
+            "available host memory (MemAvailable and any cgroup limit)",
+        ),
+        MemoryLimit::GpuBuffer(b) => (b, "the largest buffer the GPU adapter allows"),
+    };
+    let needed = need(cfg.micro_batch, cfg.ckpt_budget)?;
+    if needed as u64 <= have {
+        return Ok(());
+    }
+    let plan = memory_plan(
+        &cfg.model,
+        cfg.micro_batch,
+        t,
+        cfg.precision,
+        cfg.ckpt_budget,
+    )?;
+    let ckpt = cfg
+        .ckpt_budget
+        .or(Some(crate::train::config::min_ckpt_budget(
+            cfg.model.n_layers,
+        )));
+    let mut fix = Vec::new();
+    if cfg.ckpt_budget.is_none() && need(cfg.micro_batch, ckpt)? as u64 <= have {
+        fix.push(format!(
+            "--checkpoint-activations (plans {})",
+            mib(need(cfg.micro_batch, ckpt)?)
+        ));
+    }
+    let mut m = cfg.micro_batch / 2;
+    while m >= 1 {
+        let n = need(m, ckpt)?;
+        if n as u64 <= have {
+            let with = if cfg.ckpt_budget.is_none() {
+                " --checkpoint-activations"
+            } else {
+                ""
+            };
+            fix.push(format!(
+                "--micro-batch {m}{with} (plans {}; the batch of {} stays, as {} accumulated micro-batches)",
+                mib(n),
+                cfg.batch,
+                cfg.batch.div_ceil(m)
+            ));
+            break;
+        }
+        m /= 2;
+    }
+    let advice = if fix.is_empty() {
+        format!(
+            "even one sequence per micro-batch with activation checkpointing needs {}: use a smaller --preset",
+            mib(need(1, ckpt)?)
+        )
+    } else {
+        format!("try {}", fix.join(", or "))
+    };
+    let what_needs = match limit {
+        MemoryLimit::Host(_) => format!("its planned peak is {}", mib(needed)),
+        MemoryLimit::GpuBuffer(_) => format!("its largest tensor is {}", mib(needed)),
+    };
+    let msg = format!(
+        "this run does not fit in memory: {what_needs}, but {what} is {}; {advice}.\n{}",
+        mib(have as usize),
+        plan.describe(cfg.micro_batch, t, cfg.precision, cfg.ckpt_budget)
+    );
+    Err(match limit {
+        MemoryLimit::Host(_) => crate::Error::config(msg),
+        MemoryLimit::GpuBuffer(_) => crate::Error::device(msg),
+    })
+}
+
 pub fn mib(b: usize) -> String {
     format!("{:.1} MiB", b as f64 / (1024.0 * 1024.0))
 }
@@ -174,6 +325,50 @@ mod tests {
         assert_eq!(mixed.layer_units, 5);
         // One 512-token sequence through the 8 blocks, as this forward pass keeps it.
         assert_eq!(block_values(&cfg, 512) * 8 * 4, 153_649_152);
+    }
+
+    #[test]
+    fn admission_refuses_what_does_not_fit_and_says_what_would() {
+        use crate::train::config::TrainOptions;
+        let cfg = TrainConfig::resolve(&TrainOptions {
+            preset: Some("small".into()),
+            batch: Some(64),
+            micro_batch: Some(64),
+            checkpoint_activations: Some(false),
+            ..Default::default()
+        })
+        .unwrap();
+        let t = cfg.model.context;
+        let full = memory_plan(&cfg.model, 64, t, cfg.precision, None)
+            .unwrap()
+            .total as u64;
+        assert!(admit(&cfg, MemoryLimit::Host(full)).is_ok());
+        let e = admit(&cfg, MemoryLimit::Host(full / 4))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("planned peak is 533.6 MiB")
+                && e.contains("try --micro-batch 16 --checkpoint-activations (plans 94.3 MiB")
+                && e.contains("memory plan ("),
+            "{e}"
+        );
+        let ck = crate::train::config::min_ckpt_budget(cfg.model.n_layers);
+        let with_ck = memory_plan(&cfg.model, 64, t, cfg.precision, Some(ck))
+            .unwrap()
+            .total;
+        let e = admit(&cfg, MemoryLimit::Host(with_ck as u64))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("try --checkpoint-activations (plans"), "{e}");
+        let e = admit(&cfg, MemoryLimit::Host(1 << 20))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("use a smaller --preset"), "{e}");
+        let big = largest_tensor(&cfg.model, 64, t) as u64;
+        assert!(admit(&cfg, MemoryLimit::GpuBuffer(big)).is_ok());
+        let e = admit(&cfg, MemoryLimit::GpuBuffer(big / 2)).unwrap_err();
+        assert!(matches!(e, crate::Error::Device(_)), "{e}");
+        assert!(e.to_string().contains("--micro-batch 32"), "{e}");
     }
 
     /// The plan's activation count is what the forward pass really holds.

@@ -9,6 +9,10 @@
 //!            checkpointed), loss · n_i/N (· S), backward → unscale (fp16) →
 //!            clip → AdamW step (or skip and back off)
 //! ```
+//!
+//! [`run`] wraps it in the loop of a whole run: admit the run (its output
+//! directory, its memory), then per step train, watch for divergence,
+//! evaluate, record and save on their cadences, and stop cleanly on Ctrl-C.
 
 use crate::backend::Device;
 use crate::memory;
@@ -16,16 +20,21 @@ use crate::nn::llama::Llama;
 use crate::nn::Module;
 use crate::ops::cross_entropy;
 use crate::optim::{AdamW, AdamWConfig, Optimizer};
-use crate::precision::{autocast, train_step_mixed, DynamicLossScaler, Precision};
+use crate::precision::{autocast, DynamicLossScaler, Precision};
 use crate::rng::Generator;
 use crate::train::checkpoint::{self, TrainState, Verified};
 use crate::train::config::{DeviceChoice, TrainConfig};
-use crate::train::data::{Batch, ByteTokenizer, Corpus, Dataset};
+use crate::train::data::{Batch, Corpus, Dataset};
+use crate::train::fault::{self, LossHook};
+use crate::train::infer::{self, EvalMode};
+use crate::train::interrupt;
 use crate::train::metrics::{MetricsLog, StepMetrics};
-use crate::train::plan::{memory_plan, mib, MemoryPlan};
+use crate::train::outdir::{self, DirLock};
+use crate::train::plan::{self, memory_plan, mib, MemoryLimit, MemoryPlan};
 use crate::train::plot::{loss_svg, Series};
-use crate::{bail, Result};
-use std::io::IsTerminal;
+use crate::train::step::train_step_mixed;
+use crate::{bail, Error, Result, Tensor};
+use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -59,86 +68,6 @@ fn is_software_adapter() -> bool {
     crate::gpu::adapter().is_ok_and(|a| a.software)
 }
 
-/// Mean cross-entropy of `batch` under `precision`, without a graph, in chunks
-/// of `chunk` rows (weighted by rows). Dropout is off while it runs.
-pub fn evaluate(model: &Llama, batch: &Batch, precision: Precision, chunk: usize) -> Result<f32> {
-    let _ng = crate::no_grad();
-    let _ac = autocast(precision.format());
-    model.set_training(false);
-    let res = (|| {
-        let mut total = 0.0f64;
-        for mb in batch.split(chunk) {
-            let logits = model.forward(&mb.ids, mb.rows, mb.t, None)?;
-            total += cross_entropy(&logits, &mb.targets)?.item()? * mb.rows as f64;
-        }
-        Ok((total / batch.rows as f64) as f32)
-    })();
-    model.set_training(true);
-    res
-}
-
-/// Samples `n` tokens after `prompt`: temperature (0 = greedy), top-k (0 =
-/// all), drawing from `gen`. Each step feeds the last `context` tokens.
-pub fn generate(
-    model: &Llama,
-    prompt: &[u32],
-    n: usize,
-    temperature: f32,
-    top_k: usize,
-    gen: &Generator,
-) -> Result<Vec<u32>> {
-    let _ng = crate::no_grad();
-    model.set_training(false);
-    let mut ids: Vec<u32> = if prompt.is_empty() {
-        vec![b'\n' as u32]
-    } else {
-        prompt.to_vec()
-    };
-    let v = model.cfg.vocab_size;
-    let mut out = Vec::with_capacity(n);
-    for _ in 0..n {
-        let start = ids.len().saturating_sub(model.cfg.context);
-        let window = &ids[start..];
-        let logits = model.forward(window, 1, window.len(), None)?;
-        let last = logits.narrow(0, window.len() - 1, 1)?.to_vec_f32()?;
-        let next = sample_logits(&last[..v], temperature, top_k, gen);
-        ids.push(next);
-        out.push(next);
-    }
-    model.set_training(true);
-    Ok(out)
-}
-
-/// One draw from softmax(logits / temperature) restricted to the top k.
-pub fn sample_logits(logits: &[f32], temperature: f32, top_k: usize, gen: &Generator) -> u32 {
-    let mut order: Vec<usize> = (0..logits.len()).collect();
-    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
-    if temperature <= 0.0 {
-        return order[0] as u32;
-    }
-    let k = if top_k == 0 {
-        logits.len()
-    } else {
-        top_k.min(logits.len())
-    };
-    let top = &order[..k];
-    let m = logits[top[0]] as f64;
-    let w: Vec<f64> = top
-        .iter()
-        .map(|&i| ((logits[i] as f64 - m) / temperature as f64).exp())
-        .collect();
-    let total: f64 = w.iter().sum();
-    let u = gen.uniform(1)[0] as f64 * total;
-    let mut acc = 0.0;
-    for (j, &wi) in w.iter().enumerate() {
-        acc += wi;
-        if u < acc {
-            return top[j] as u32;
-        }
-    }
-    top[k - 1] as u32
-}
-
 /// A run in progress: model, optimizer, scaler, data and their positions.
 pub struct Trainer {
     pub cfg: TrainConfig,
@@ -153,6 +82,11 @@ pub struct Trainer {
     /// Optimizer steps taken so far.
     pub step: usize,
     pub plan: MemoryPlan,
+    /// Applied to the first micro-batch's loss of every step: the test-only
+    /// faults of [`fault`] (`None` unless `TINYLLM_FAULT` arms one).
+    pub loss_hook: Option<LossHook>,
+    /// The last step's batch (to tell why its loss was not finite).
+    last_batch: Option<Batch>,
 }
 
 impl Trainer {
@@ -187,11 +121,14 @@ impl Trainer {
             fingerprint: corpus.fingerprint.clone(),
             step: 0,
             plan,
+            loss_hook: fault::loss_hook(),
+            last_batch: None,
         })
     }
 
     /// Continues the run saved in `dir` with `cfg` (the saved config with the
-    /// overrides a resume allows). The corpus must be the one it was trained on.
+    /// overrides a resume allows). The corpus must be the one it was trained
+    /// on: the same text by its SHA-256, wherever it lies now.
     pub fn resume(
         cfg: TrainConfig,
         device: Device,
@@ -203,7 +140,7 @@ impl Trainer {
         if st.data_fingerprint != corpus.fingerprint {
             bail!(
                 Config,
-                "--resume {}: the checkpoint was trained on {} (SHA-256 {}), not on {} ({})",
+                "--resume {}: the checkpoint was trained on {} (SHA-256 {}), not on {} ({}); give --data the text it was trained on",
                 dir.display(),
                 st.data_name,
                 st.data_fingerprint,
@@ -262,25 +199,22 @@ impl Trainer {
         let micro = batch.split(self.cfg.micro_batch);
         let lr = self.cfg.lr_at(step);
         self.opt.set_lr(lr);
-        let (model, ckpt) = (&self.model, self.cfg.ckpt_budget);
+        let (model, ckpt, hook) = (&self.model, self.cfg.ckpt_budget, self.loss_hook);
         let mut first = true;
         let report = train_step_mixed(
             model,
             &micro,
             |mb: &Batch| {
-                let loss =
-                    cross_entropy(&model.forward(&mb.ids, mb.rows, mb.t, ckpt)?, &mb.targets)?;
-                if std::mem::take(&mut first) {
-                    return inject_fault(model, loss, step);
-                }
-                Ok(loss)
+                let hook = hook.filter(|_| std::mem::take(&mut first));
+                micro_loss(model, mb, ckpt, hook.map(|h| (h, step)))
             },
             &mut self.opt,
             self.cfg.precision,
             self.scaler.as_mut(),
             self.cfg.clip,
-        )
-        .map_err(|e| e.context(format!("step {step}")))?;
+        );
+        self.last_batch = Some(batch);
+        let report = report?;
         self.step = step;
         let secs = t0.elapsed().as_secs_f64().max(1e-9);
         Ok(StepMetrics {
@@ -299,12 +233,42 @@ impl Trainer {
     /// Validation loss on the held-out windows.
     pub fn evaluate(&self) -> Result<f32> {
         let b = self.data.val_batch(self.cfg.eval_rows);
-        evaluate(
+        infer::evaluate(
             &self.model,
             &b,
             self.cfg.precision,
             self.cfg.micro_batch.max(8),
         )
+    }
+
+    /// Why the last step's loss was not finite, from the same batch's first
+    /// micro-batch in float32 (dropout off): finite there, the run's 16-bit
+    /// forward pass overflowed; not finite, the model (or the loss) itself is.
+    pub fn explain_non_finite(&self) -> String {
+        let Some(batch) = &self.last_batch else {
+            return String::new();
+        };
+        let mb = &batch.split(self.cfg.micro_batch)[0];
+        let f32_loss = (|| -> Result<f64> {
+            let _ng = crate::no_grad();
+            let _ac = autocast(None);
+            let _eval = EvalMode::new(&self.model);
+            let hook = self.loss_hook.map(|h| (h, self.step.max(1)));
+            micro_loss(&self.model, mb, self.cfg.ckpt_budget, hook)?.item()
+        })();
+        match (self.cfg.precision, f32_loss) {
+            (_, Err(e)) => format!("(the float32 check failed: {e})"),
+            (Precision::Fp16, Ok(l)) if l.is_finite() => format!(
+                "the same batch has a finite loss in float32 ({l:.4}), so the fp16 forward pass overflows (values beyond fp16's largest, 65504); a loss scale cannot help, it only scales the backward pass: train with --bf16, or a lower --lr"
+            ),
+            (_, Ok(l)) if l.is_finite() => format!(
+                "the same batch has a finite loss in float32 ({l:.4}): the {} forward pass loses it",
+                self.cfg.precision.name()
+            ),
+            (_, Ok(l)) => format!(
+                "the loss of the same batch is {l} in float32 too: the model itself gives a non-finite loss (weights grown too large: a lower --lr), not a rounding or range problem"
+            ),
+        }
     }
 
     /// All parameter and moment values (for bit-for-bit comparisons).
@@ -322,23 +286,19 @@ impl Trainer {
     }
 }
 
-/// The numerical faults of [`fault`](crate::train::fault) armed for `step`
-/// (test-only; a no-op unless `TINYLLM_FAULT` asks for one).
-fn inject_fault(model: &Llama, loss: crate::Tensor, step: usize) -> Result<crate::Tensor> {
-    use crate::train::fault::armed;
-    if armed("loss-inf", step) {
-        return loss.mul_scalar(f64::INFINITY);
+/// One micro-batch's cross-entropy, through `hook` (a test fault, with its
+/// step) when one is given.
+fn micro_loss(
+    model: &Llama,
+    mb: &Batch,
+    ckpt: Option<usize>,
+    hook: Option<(LossHook, usize)>,
+) -> Result<Tensor> {
+    let loss = cross_entropy(&model.forward(&mb.ids, mb.rows, mb.t, ckpt)?, &mb.targets)?;
+    match hook {
+        Some((hook, step)) => hook(model, loss, step),
+        None => Ok(loss),
     }
-    if armed("loss-nan", step) {
-        return loss.mul_scalar(f64::NAN);
-    }
-    if armed("grad-inf", step) {
-        // + Σ √(p − p): adds exactly 0 to the loss, but d√x/dx = 1/(2√x) = inf at 0.
-        let p = &model.parameters()[0];
-        let zero = p.sub(&p.detach())?.sqrt()?.sum(-1, false)?.sum(-1, false)?;
-        return loss.add(&zero);
-    }
-    Ok(loss)
 }
 
 /// How a run reports progress.
@@ -352,11 +312,28 @@ pub enum Progress {
     Quiet,
 }
 
-/// What a finished run reports.
+/// How a run starts in its output directory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Start<'a> {
+    /// A new run; refused when the directory already holds one.
+    Fresh,
+    /// A new run that first deletes the run the directory holds (tinyllm's
+    /// checkpoints, metrics and plot; nothing else).
+    Overwrite,
+    /// Continues the run saved in this directory.
+    Resume(&'a Path),
+}
+
+/// What a run reports when it returns (finished or interrupted).
 #[derive(Clone, Debug)]
 pub struct RunSummary {
     pub out: PathBuf,
-    pub checkpoint: PathBuf,
+    /// The run's last checkpoint (`None`: interrupted before it wrote one).
+    pub checkpoint: Option<PathBuf>,
+    /// The step that checkpoint holds.
+    pub checkpoint_step: usize,
+    /// The signal (SIGINT, SIGTERM) that stopped the run before `cfg.steps`.
+    pub interrupted: Option<i32>,
     pub history: Vec<StepMetrics>,
     /// Mean training loss of the last few steps (min(10, steps/5) but at least 1).
     pub final_loss: f32,
@@ -395,18 +372,55 @@ pub fn write_plot(out: &Path, title: &str, history: &[StepMetrics]) -> Result<()
             .collect(),
         dots: true,
     };
-    checkpoint::write_atomic(out, "loss.svg", loss_svg(title, &[train, val]).as_bytes())
+    checkpoint::write_atomic(
+        out,
+        outdir::PLOT_FILE,
+        loss_svg(title, &[train, val]).as_bytes(),
+    )
 }
 
-fn say(progress: Progress, msg: &str) {
+/// One line on stderr unless quiet. A closed or full stderr is not an error:
+/// the run goes on (its metrics and checkpoints are its record).
+pub fn say(progress: Progress, msg: &str) {
     if progress != Progress::Quiet {
-        eprintln!("{msg}");
+        let _ = writeln!(std::io::stderr(), "{msg}");
     }
 }
 
-/// Runs (or, with `resume`, continues) a training run to `cfg.steps`, writing
-/// metrics, plot and checkpoints under `cfg.out`.
-pub fn run(cfg: TrainConfig, resume: Option<&Path>, progress: Progress) -> Result<RunSummary> {
+/// fp16 steps skipped in a row, and how many of them, in a row at the end,
+/// had a non-finite loss.
+#[derive(Clone, Copy, Debug, Default)]
+struct Skips {
+    /// The first step of the current run of skipped steps.
+    since: Option<usize>,
+    non_finite_losses: usize,
+}
+
+impl Skips {
+    fn update(&mut self, m: &StepMetrics) {
+        if m.skipped {
+            self.since.get_or_insert(m.step);
+            self.non_finite_losses = if m.loss.is_finite() {
+                0
+            } else {
+                self.non_finite_losses + 1
+            };
+        } else {
+            *self = Skips::default();
+        }
+    }
+}
+
+/// Non-finite losses in a row that end an fp16 run. One overflowing batch is
+/// skipped like any overflow; a forward pass that overflows batch after batch
+/// is a diverged model, which no loss scale can bring back.
+pub const MAX_NON_FINITE_LOSSES: usize = 5;
+
+/// Runs (or continues) a training run to `cfg.steps`, writing metrics, plot
+/// and checkpoints under `cfg.out`, which it holds locked for the whole run.
+/// On SIGINT/SIGTERM (once [`interrupt::install`]ed) it finishes the current
+/// step, saves, and returns a summary saying so.
+pub fn run(cfg: TrainConfig, start: Start, progress: Progress) -> Result<RunSummary> {
     let t_start = Instant::now();
     // A profile the caller started (`tinyllm train --profile`) sees the
     // training steps only: everything else here is paused.
@@ -416,13 +430,87 @@ pub fn run(cfg: TrainConfig, resume: Option<&Path>, progress: Progress) -> Resul
         say(progress, &n);
     }
     let corpus = Corpus::load(cfg.data.as_ref())?;
-    let out = cfg.out.clone();
-    std::fs::create_dir_all(&out)
-        .map_err(|e| crate::Error::io(format!("cannot create {}", out.display()), e))?;
-    let mut tr = match resume {
-        Some(dir) => Trainer::resume(cfg.clone(), device, &corpus, dir)?,
-        None => Trainer::new(cfg.clone(), device, &corpus)?,
+    let _lock = DirLock::acquire(&cfg.out)?;
+    prepare_out(&cfg, start)?;
+    for limit in memory_limits(device)? {
+        plan::admit(&cfg, limit)?;
+    }
+    let mut tr = match start {
+        Start::Resume(dir) => Trainer::resume(cfg.clone(), device, &corpus, dir)?,
+        _ => Trainer::new(cfg.clone(), device, &corpus)?,
     };
+    describe_run(&tr, &corpus, start, progress);
+    if tr.step >= cfg.steps {
+        bail!(
+            Config,
+            "the run is already at step {} of {}: give a larger --steps to continue it",
+            tr.step,
+            cfg.steps
+        );
+    }
+    let mut lp = Loop::new(&tr, start, progress)?;
+    let interrupted = loop {
+        if let Some(sig) = interrupt::requested() {
+            break Some(sig);
+        }
+        if tr.step >= cfg.steps {
+            break None;
+        }
+        lp.step(&mut tr)?;
+    };
+    if interrupted.is_some() {
+        lp.save_on_interrupt(&tr)?;
+    }
+    Ok(lp.finish(tr, interrupted, device, t_start))
+}
+
+/// Checks the output directory before anything is written to it: nothing
+/// there that is not tinyllm's under a checkpoint's name, no earlier run
+/// unless resumed or overwritten.
+fn prepare_out(cfg: &TrainConfig, start: Start) -> Result<()> {
+    let out = &cfg.out;
+    outdir::check_no_foreign(out)?;
+    // A resumed run continues its own directory, or starts a new one.
+    let fresh = match start {
+        Start::Fresh => true,
+        Start::Overwrite => return outdir::clear_run(out),
+        Start::Resume(dir) => {
+            let ck = checkpoint::resolve_dir(dir);
+            let own = ck.parent().unwrap_or(&ck);
+            own.canonicalize().ok() != out.canonicalize().ok()
+        }
+    };
+    if let Some(what) = outdir::existing_run(out).filter(|_| fresh) {
+        bail!(Config,
+            "--out {} already holds a run ({what}): continue it with `tinyllm train --resume {} --steps N`, replace it with --overwrite, or give another --out",
+            out.display(),
+            shell_quote(&out.display().to_string())
+        );
+    }
+    Ok(())
+}
+
+/// What the device can give a run: host memory for the CPU; a GPU's buffer
+/// limit, and host memory too for a software adapter (its buffers are host
+/// memory). A hardware GPU's total memory is not known to wgpu.
+fn memory_limits(device: Device) -> Result<Vec<MemoryLimit>> {
+    let host = MemoryLimit::Host(plan::host_available().unwrap_or(u64::MAX));
+    Ok(match device {
+        Device::Cpu => vec![host],
+        Device::Gpu => {
+            let c = crate::backend::gpu::context::ctx()?;
+            let buffer = MemoryLimit::GpuBuffer(c.max_binding());
+            if c.info.device_type == wgpu::DeviceType::Cpu {
+                vec![host, buffer]
+            } else {
+                vec![buffer]
+            }
+        }
+    })
+}
+
+fn describe_run(tr: &Trainer, corpus: &Corpus, start: Start, progress: Progress) {
+    let cfg = &tr.cfg;
     say(progress, &cfg.describe());
     say(
         progress,
@@ -443,74 +531,144 @@ pub fn run(cfg: TrainConfig, resume: Option<&Path>, progress: Progress) -> Resul
             cfg.ckpt_budget,
         ),
     );
-    if tr.step > 0 {
+    if let Start::Resume(dir) = start {
         say(
             progress,
-            &format!(
-                "resumed at step {} from {}",
-                tr.step,
-                resume.unwrap().display()
-            ),
+            &format!("resumed at step {} from {}", tr.step, dir.display()),
         );
     }
-    if tr.step >= cfg.steps {
-        bail!(
-            Config,
-            "the run is already at step {} of {}: give a larger --steps to continue it",
-            tr.step,
-            cfg.steps
-        );
-    }
-    let mut log = MetricsLog::open(&out, tr.step)?;
-    let mut history = if tr.step > 0 {
-        MetricsLog::read(log.path()).unwrap_or_default()
-    } else {
-        vec![]
-    };
-    let mut last_saved: Option<(PathBuf, usize)> =
-        resume.map(|d| (checkpoint::resolve_dir(d), tr.step));
+}
 
-    let bar = (progress == Progress::Auto && std::io::stderr().is_terminal()).then(|| {
-        let b = indicatif::ProgressBar::new(cfg.steps as u64);
-        b.set_style(
-            indicatif::ProgressStyle::with_template(
-                "{bar:30.cyan/blue} {pos}/{len} {msg} [{elapsed_precise}<{eta_precise}]",
-            )
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-        );
-        b.set_position(tr.step as u64);
-        b
-    });
-    let log_every = (cfg.steps / 20).max(1);
-    let mut peak = 0usize;
-    while tr.step < cfg.steps {
-        let step = {
+/// The loop's state beside the trainer: what was reported and saved.
+struct Loop {
+    out: PathBuf,
+    progress: Progress,
+    log: MetricsLog,
+    history: Vec<StepMetrics>,
+    /// The last checkpoint written (or resumed from) and its step.
+    last_saved: Option<(PathBuf, usize)>,
+    skips: Skips,
+    bar: Option<indicatif::ProgressBar>,
+    log_every: usize,
+    peak: usize,
+    plot_failed: bool,
+}
+
+impl Loop {
+    fn new(tr: &Trainer, start: Start, progress: Progress) -> Result<Loop> {
+        let log = MetricsLog::open(&tr.cfg.out, tr.step)?;
+        let history = if tr.step > 0 {
+            MetricsLog::read(log.path()).unwrap_or_default()
+        } else {
+            vec![]
+        };
+        let last_saved = match start {
+            Start::Resume(d) => Some((checkpoint::resolve_dir(d), tr.step)),
+            _ => None,
+        };
+        let steps = tr.cfg.steps;
+        let bar = (progress == Progress::Auto && std::io::stderr().is_terminal()).then(|| {
+            let b = indicatif::ProgressBar::new(steps as u64);
+            b.set_style(
+                indicatif::ProgressStyle::with_template(
+                    "{bar:30.cyan/blue} {pos}/{len} {msg} [{elapsed_precise}<{eta_precise}]",
+                )
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+            );
+            b.set_position(tr.step as u64);
+            b
+        });
+        Ok(Loop {
+            out: tr.cfg.out.clone(),
+            progress,
+            log,
+            history,
+            last_saved,
+            skips: Skips::default(),
+            bar,
+            log_every: (steps / 20).max(1),
+            peak: 0,
+            plot_failed: false,
+        })
+    }
+
+    /// One step of the run: train, watch, evaluate, record, save.
+    fn step(&mut self, tr: &mut Trainer) -> Result<()> {
+        let step = tr.step + 1;
+        let mut m = {
             let _profiled = crate::profile::unpause();
             tr.train_step()
-        };
-        let mut m = match step {
-            Ok(m) => m,
-            Err(e) => {
-                if let Some(b) = &bar {
-                    b.abandon();
-                }
-                let where_ = match last_saved {
-                    Some((dir, s)) => format!(
-                        "the last good checkpoint, {} (step {s}), is intact",
-                        dir.display()
-                    ),
-                    None => "no checkpoint had been written yet".into(),
-                };
-                return Err(e.map_message(|m| format!("training stopped: {m}. {where_}")));
-            }
-        };
-        peak = peak.max(m.peak_bytes);
-        let last = tr.step == cfg.steps;
-        if last || (cfg.eval_every > 0 && tr.step % cfg.eval_every == 0) {
-            m.val_loss = Some(tr.evaluate()?);
         }
-        log.append(&m)?;
-        history.push(m.clone());
+        .map_err(|e| self.stopped(step, e))?;
+        self.peak = self.peak.max(m.peak_bytes);
+        self.skips.update(&m);
+        let watched = self.watch(tr, &m).and_then(|()| {
+            if self.eval_due(tr) {
+                m.val_loss = Some(self.validation_loss(tr)?);
+            }
+            Ok(())
+        });
+        if let Err(e) = watched {
+            // The step that stops the run is in the metrics too (best effort).
+            let _ = self.log.append(&m);
+            return Err(e);
+        }
+        self.record(tr, m)?;
+        if self.save_due(tr) {
+            self.save(tr)?;
+        }
+        Ok(())
+    }
+
+    /// Ends an fp16 run whose losses stay non-finite (see
+    /// [`MAX_NON_FINITE_LOSSES`]), or that ends on one.
+    fn watch(&self, tr: &Trainer, m: &StepMetrics) -> Result<()> {
+        let n = self.skips.non_finite_losses;
+        if n == 0 || (n < MAX_NON_FINITE_LOSSES && tr.step < tr.cfg.steps) {
+            return Ok(());
+        }
+        let first = m.step + 1 - n;
+        let what = if n == 1 {
+            format!("the loss of the last step is {}", m.loss)
+        } else {
+            format!(
+                "the loss was non-finite on {n} steps in a row (steps {first}-{}), each skipped",
+                m.step
+            )
+        };
+        let why = tr.explain_non_finite();
+        Err(self.stopped(m.step, Error::numerical(format!("{what}: {why}"))))
+    }
+
+    /// The validation loss, which must be finite.
+    fn validation_loss(&self, tr: &Trainer) -> Result<f32> {
+        let v = tr.evaluate().map_err(|e| self.stopped(tr.step, e))?;
+        if !v.is_finite() {
+            let why = tr.explain_non_finite();
+            let e = Error::numerical(format!("the validation loss is {v}: {why}"));
+            return Err(self.stopped(tr.step, e));
+        }
+        Ok(v)
+    }
+
+    fn eval_due(&self, tr: &Trainer) -> bool {
+        let e = tr.cfg.eval_every;
+        tr.step == tr.cfg.steps
+            || (e > 0 && tr.step.is_multiple_of(e) && interrupt::requested().is_none())
+    }
+
+    /// A checkpoint is due at the last step and on the `--save-every`
+    /// cadence, which waits while fp16 steps are being skipped: the last
+    /// checkpoint then stays the one from before the trouble began.
+    fn save_due(&self, tr: &Trainer) -> bool {
+        let e = tr.cfg.save_every;
+        tr.step == tr.cfg.steps
+            || (e > 0 && tr.step.is_multiple_of(e) && self.skips.since.is_none())
+    }
+
+    /// The metrics line, the progress line or bar, the plot.
+    fn record(&mut self, tr: &Trainer, m: StepMetrics) -> Result<()> {
+        self.log.append(&m).map_err(|e| self.stopped(m.step, e))?;
         let msg = format!(
             "loss {:.4}{} lr {:.2e} scale {} {:.0} tok/s",
             m.loss,
@@ -521,120 +679,150 @@ pub fn run(cfg: TrainConfig, resume: Option<&Path>, progress: Progress) -> Resul
             m.scale,
             m.tokens_per_s
         );
-        match &bar {
+        let last = tr.step == tr.cfg.steps;
+        match &self.bar {
             Some(b) => {
                 b.set_position(tr.step as u64);
                 b.set_message(msg);
             }
-            None => {
-                if progress != Progress::Quiet
-                    && (tr.step % log_every == 0 || last || m.val_loss.is_some() || tr.step == 1)
-                {
-                    eprintln!(
-                        "step {:>5}/{} {msg}{}",
-                        tr.step,
-                        cfg.steps,
-                        if m.skipped {
-                            " (skipped: overflow)"
-                        } else {
-                            ""
-                        }
+            None if tr.step.is_multiple_of(self.log_every)
+                || last
+                || m.val_loss.is_some()
+                || tr.step == 1 =>
+            {
+                let skipped = if m.skipped {
+                    " (skipped: overflow)"
+                } else {
+                    ""
+                };
+                say(
+                    self.progress,
+                    &format!("step {:>5}/{} {msg}{skipped}", tr.step, tr.cfg.steps),
+                );
+            }
+            None => {}
+        }
+        let has_val = m.val_loss.is_some();
+        self.history.push(m);
+        if has_val {
+            let title = format!("tinyllm {} ({})", tr.cfg.preset, tr.cfg.precision.name());
+            // The plot is a view of metrics.jsonl: failing to draw it stops nothing.
+            if let Err(e) = write_plot(&self.out, &title, &self.history) {
+                if !std::mem::replace(&mut self.plot_failed, true) {
+                    say(
+                        self.progress,
+                        &format!("warning: {e}; training goes on without its plot"),
                     );
                 }
             }
         }
-        if m.val_loss.is_some() {
-            write_plot(
-                &out,
-                &format!("tinyllm {} ({})", cfg.preset, cfg.precision.name()),
-                &history,
-            )?;
-        }
-        if last || (cfg.save_every > 0 && tr.step % cfg.save_every == 0) {
-            match tr.save(&out) {
-                Ok(p) => last_saved = Some((p, tr.step)),
-                Err(e) => {
-                    if let Some(b) = &bar {
-                        b.abandon();
-                    }
-                    let where_ = match &last_saved {
-                        Some((dir, s)) => format!(
-                            "the last good checkpoint, {} (step {s}), is intact",
-                            dir.display()
-                        ),
-                        None => "no checkpoint had been written yet".into(),
-                    };
-                    let step = tr.step;
-                    return Err(e.map_message(|m| format!("training stopped: the checkpoint of step {step} could not be written: {m}. {where_}")));
-                }
+        Ok(())
+    }
+
+    fn save(&mut self, tr: &Trainer) -> Result<()> {
+        match tr.save(&self.out) {
+            Ok(p) => {
+                self.last_saved = Some((p, tr.step));
+                Ok(())
+            }
+            Err(e) => {
+                let step = tr.step;
+                Err(self.stopped(
+                    step,
+                    e.map_message(|m| {
+                        format!("the checkpoint of step {step} could not be written: {m}")
+                    }),
+                ))
             }
         }
     }
-    if let Some(b) = &bar {
-        b.finish();
+
+    /// After a signal: saves the step reached unless it is saved already or
+    /// its loss was not finite (then the last good checkpoint stays).
+    fn save_on_interrupt(&mut self, tr: &Trainer) -> Result<()> {
+        let saved = self.last_saved.as_ref().map(|s| s.1);
+        if saved != Some(tr.step)
+            && self.history.last().is_some_and(|m| m.step == tr.step)
+            && self.skips.non_finite_losses == 0
+        {
+            self.save(tr)?;
+        }
+        if let Some(b) = &self.bar {
+            b.abandon();
+        }
+        Ok(())
     }
-    let losses: Vec<f32> = history.iter().map(|m| m.loss).collect();
-    let summary = RunSummary {
-        checkpoint: out.join("checkpoint"),
-        final_loss: tail_mean(&losses),
-        final_val_loss: history.last().and_then(|m| m.val_loss),
-        plan: tr.plan,
-        peak_bytes: peak,
-        seconds: t_start.elapsed().as_secs_f64(),
-        device,
-        history,
-        out,
-    };
-    say(
-        progress,
-        &format!(
-            "memory: planned peak {} · measured peak {} (tinyllm::memory, largest step)",
-            mib(summary.plan.total),
-            mib(summary.peak_bytes)
-        ),
-    );
-    Ok(summary)
-}
 
-/// A sample from a trained model, as text (the prompt included).
-pub fn sample_text(
-    model: &Llama,
-    prompt: &str,
-    n: usize,
-    temperature: f32,
-    top_k: usize,
-    seed: u64,
-) -> Result<String> {
-    let ids = ByteTokenizer::encode(prompt);
-    let out = generate(model, &ids, n, temperature, top_k, &Generator::new(seed))?;
-    Ok(format!("{prompt}{}", ByteTokenizer::decode(&out)))
-}
+    /// Where the run stands, for an error that stops it.
+    fn status(&self) -> String {
+        match &self.last_saved {
+            Some((dir, s)) => {
+                let before = match self.skips.since {
+                    Some(t) if *s < t => {
+                        format!(", from before the skipped steps that began at step {t}")
+                    }
+                    _ => String::new(),
+                };
+                format!(
+                    "the last good checkpoint, {} (step {s}{before}), is intact",
+                    dir.display()
+                )
+            }
+            None => "no checkpoint had been written yet".into(),
+        }
+    }
 
-/// Mean cross-entropy of `model` over a text (every full window of the model's
-/// context, non-overlapping; a shorter text is one window).
-pub fn eval_text(model: &Llama, corpus: &Corpus, precision: Precision) -> Result<(f32, usize)> {
-    let t = model.cfg.context;
-    let toks = &corpus.tokens;
-    if toks.len() < 2 {
-        bail!(
-            Data,
-            "{}: need at least 2 bytes of text to evaluate",
-            corpus.name
+    /// `e`, as the error that stops the run at `step`, with where it stands.
+    fn stopped(&self, step: usize, e: Error) -> Error {
+        if let Some(b) = &self.bar {
+            b.abandon();
+        }
+        let status = self.status();
+        e.map_message(|m| format!("training stopped at step {step} ({status}): {m}"))
+    }
+
+    fn finish(
+        self,
+        tr: Trainer,
+        interrupted: Option<i32>,
+        device: Device,
+        t_start: Instant,
+    ) -> RunSummary {
+        if let (Some(b), None) = (&self.bar, interrupted) {
+            b.finish();
+        }
+        let losses: Vec<f32> = self.history.iter().map(|m| m.loss).collect();
+        let summary = RunSummary {
+            checkpoint: self.last_saved.as_ref().map(|s| s.0.clone()),
+            checkpoint_step: self.last_saved.as_ref().map_or(0, |s| s.1),
+            interrupted,
+            final_loss: tail_mean(&losses),
+            final_val_loss: self.history.last().and_then(|m| m.val_loss),
+            plan: tr.plan,
+            peak_bytes: self.peak,
+            seconds: t_start.elapsed().as_secs_f64(),
+            device,
+            history: self.history,
+            out: self.out,
+        };
+        say(
+            self.progress,
+            &format!(
+                "memory: planned peak {} · measured peak {} (tinyllm::memory, largest step)",
+                mib(summary.plan.total),
+                mib(summary.peak_bytes)
+            ),
         );
+        summary
     }
-    let t = t.min(toks.len() - 1);
-    let windows = (toks.len() - 1) / t;
-    let mut ids = Vec::with_capacity(windows * t);
-    let mut targets = Vec::with_capacity(windows * t);
-    for w in 0..windows {
-        ids.extend_from_slice(&toks[w * t..w * t + t]);
-        targets.extend_from_slice(&toks[w * t + 1..w * t + t + 1]);
+}
+
+/// `s` as one word for a POSIX shell (quoted only when it needs to be).
+pub fn shell_quote(s: &str) -> String {
+    let plain = |c: char| c.is_ascii_alphanumeric() || "/._-+=:,@%".contains(c);
+    if !s.is_empty() && s.chars().all(plain) {
+        s.to_string()
+    } else {
+        format!("'{}'", s.replace('\'', r"'\''"))
     }
-    let b = Batch {
-        ids,
-        targets,
-        rows: windows,
-        t,
-    };
-    Ok((evaluate(model, &b, precision, 8)?, windows * t))
 }

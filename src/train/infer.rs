@@ -1,0 +1,254 @@
+//! A model without a graph: validation loss, evaluation of a text, sampling.
+//! Each runs with dropout off and puts the model back in training mode when
+//! it is done, also when it fails ([`EvalMode`]).
+
+use crate::module::Module;
+use crate::nn::llama::Llama;
+use crate::ops::cross_entropy;
+use crate::precision::{autocast, Precision};
+use crate::rng::Generator;
+use crate::train::data::{Batch, ByteTokenizer, Corpus};
+use crate::{bail, Result};
+use std::ops::ControlFlow;
+
+/// Dropout off while alive; back to training mode when dropped (on every
+/// path out: a return, an error, a panic).
+pub struct EvalMode<'a>(&'a dyn Module);
+
+impl<'a> EvalMode<'a> {
+    pub fn new(model: &'a dyn Module) -> EvalMode<'a> {
+        model.set_training(false);
+        EvalMode(model)
+    }
+}
+
+impl Drop for EvalMode<'_> {
+    fn drop(&mut self) {
+        self.0.set_training(true);
+    }
+}
+
+/// Mean cross-entropy of `batch` under `precision`, without a graph, in chunks
+/// of `chunk` rows (weighted by rows). Dropout is off while it runs.
+pub fn evaluate(model: &Llama, batch: &Batch, precision: Precision, chunk: usize) -> Result<f32> {
+    let _ng = crate::no_grad();
+    let _ac = autocast(precision.format());
+    let _eval = EvalMode::new(model);
+    let mut total = 0.0f64;
+    for mb in batch.split(chunk) {
+        let logits = model.forward(&mb.ids, mb.rows, mb.t, None)?;
+        total += cross_entropy(&logits, &mb.targets)?.item()? * mb.rows as f64;
+    }
+    Ok((total / batch.rows as f64) as f32)
+}
+
+/// Windows per chunk of [`eval_text`].
+const EVAL_CHUNK: usize = 8;
+
+/// Mean cross-entropy of `model` over a text: every full window of the
+/// model's context, non-overlapping (a shorter text is one window), in chunks
+/// of 8 windows built as they are needed, so memory does not grow with the
+/// text. Calls `progress(windows done, windows)` after each chunk. Returns the
+/// loss and the number of tokens scored.
+pub fn eval_text(
+    model: &Llama,
+    corpus: &Corpus,
+    precision: Precision,
+    mut progress: impl FnMut(usize, usize),
+) -> Result<(f32, usize)> {
+    let toks = &corpus.tokens;
+    if toks.len() < 2 {
+        bail!(
+            Data,
+            "{}: need at least 2 bytes of text to evaluate",
+            corpus.name
+        );
+    }
+    let t = model.cfg.context.min(toks.len() - 1);
+    let windows = (toks.len() - 1) / t;
+    let _ng = crate::no_grad();
+    let _ac = autocast(precision.format());
+    let _eval = EvalMode::new(model);
+    let mut total = 0.0f64;
+    for w0 in (0..windows).step_by(EVAL_CHUNK) {
+        let rows = EVAL_CHUNK.min(windows - w0);
+        let span = &toks[w0 * t..(w0 + rows) * t + 1];
+        let ids: Vec<u32> = span[..rows * t].iter().map(|&b| u32::from(b)).collect();
+        let targets: Vec<u32> = span[1..].iter().map(|&b| u32::from(b)).collect();
+        let logits = model.forward(&ids, rows, t, None)?;
+        total += cross_entropy(&logits, &targets)?.item()? * rows as f64;
+        progress(w0 + rows, windows);
+    }
+    Ok(((total / windows as f64) as f32, windows * t))
+}
+
+/// Samples `n` tokens after `prompt`: temperature (0 = greedy), top-k (0 =
+/// all), drawing from `gen`. Each step feeds the last `context` tokens.
+pub fn generate(
+    model: &Llama,
+    prompt: &[u32],
+    n: usize,
+    temperature: f32,
+    top_k: usize,
+    gen: &Generator,
+) -> Result<Vec<u32>> {
+    let mut out = Vec::with_capacity(n);
+    generate_with(model, prompt, n, temperature, top_k, gen, |id| {
+        out.push(id);
+        ControlFlow::Continue(())
+    })?;
+    Ok(out)
+}
+
+/// [`generate`], handing each token to `each` as soon as it is drawn;
+/// `ControlFlow::Break` stops early (a reader that went away).
+pub fn generate_with(
+    model: &Llama,
+    prompt: &[u32],
+    n: usize,
+    temperature: f32,
+    top_k: usize,
+    gen: &Generator,
+    mut each: impl FnMut(u32) -> ControlFlow<()>,
+) -> Result<()> {
+    let _ng = crate::no_grad();
+    let _eval = EvalMode::new(model);
+    let mut ids: Vec<u32> = if prompt.is_empty() {
+        vec![b'\n' as u32]
+    } else {
+        prompt.to_vec()
+    };
+    let v = model.cfg.vocab_size;
+    for _ in 0..n {
+        let start = ids.len().saturating_sub(model.cfg.context);
+        let window = &ids[start..];
+        let logits = model.forward(window, 1, window.len(), None)?;
+        let last = logits.narrow(0, window.len() - 1, 1)?.to_vec_f32()?;
+        let next = sample_logits(&last[..v], temperature, top_k, gen);
+        ids.push(next);
+        if each(next).is_break() {
+            break;
+        }
+    }
+    Ok(())
+}
+
+/// One draw from softmax(logits / temperature) restricted to the top k.
+pub fn sample_logits(logits: &[f32], temperature: f32, top_k: usize, gen: &Generator) -> u32 {
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+    if temperature <= 0.0 {
+        return order[0] as u32;
+    }
+    let k = if top_k == 0 {
+        logits.len()
+    } else {
+        top_k.min(logits.len())
+    };
+    let top = &order[..k];
+    let m = logits[top[0]] as f64;
+    let w: Vec<f64> = top
+        .iter()
+        .map(|&i| ((logits[i] as f64 - m) / temperature as f64).exp())
+        .collect();
+    let total: f64 = w.iter().sum();
+    let u = gen.uniform(1)[0] as f64 * total;
+    let mut acc = 0.0;
+    for (j, &wi) in w.iter().enumerate() {
+        acc += wi;
+        if u < acc {
+            return top[j] as u32;
+        }
+    }
+    top[k - 1] as u32
+}
+
+/// A sample from a trained model, as text (the prompt included).
+pub fn sample_text(
+    model: &Llama,
+    prompt: &str,
+    n: usize,
+    temperature: f32,
+    top_k: usize,
+    seed: u64,
+) -> Result<String> {
+    let ids = ByteTokenizer::encode(prompt);
+    let out = generate(model, &ids, n, temperature, top_k, &Generator::new(seed))?;
+    Ok(format!("{prompt}{}", ByteTokenizer::decode(&out)))
+}
+
+/// Bytes to text as they arrive: complete UTF-8 sequences come out at once,
+/// an invalid byte as U+FFFD, an incomplete tail waits for the next byte (or
+/// [`finish`](Self::finish)): the same text as decoding all bytes at the end.
+#[derive(Default)]
+pub struct Utf8Stream {
+    pending: Vec<u8>,
+}
+
+impl Utf8Stream {
+    /// The text that byte `b` completes (often empty, in a multi-byte character).
+    pub fn push(&mut self, b: u8) -> String {
+        self.pending.push(b);
+        let mut out = String::new();
+        loop {
+            match std::str::from_utf8(&self.pending) {
+                Ok(s) => {
+                    out.push_str(s);
+                    self.pending.clear();
+                    return out;
+                }
+                Err(e) => {
+                    let ok = e.valid_up_to();
+                    out.push_str(std::str::from_utf8(&self.pending[..ok]).unwrap_or_default());
+                    match e.error_len() {
+                        // An incomplete sequence at the end: wait for more.
+                        None => {
+                            self.pending.drain(..ok);
+                            return out;
+                        }
+                        Some(bad) => {
+                            out.push(char::REPLACEMENT_CHARACTER);
+                            self.pending.drain(..ok + bad);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// What is left: an incomplete sequence, as U+FFFD.
+    pub fn finish(self) -> String {
+        String::from_utf8_lossy(&self.pending).into_owned()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Utf8Stream;
+
+    /// Streaming gives exactly `from_utf8_lossy` of all the bytes, whatever
+    /// mix of ASCII, multi-byte characters, stray and cut-off bytes arrives.
+    #[test]
+    fn utf8_stream_equals_lossy_decoding_of_the_whole() {
+        let pieces: [&[u8]; 8] = [
+            b"ab",
+            "é".as_bytes(),
+            "€".as_bytes(),
+            "😀".as_bytes(),
+            &[0xff],
+            &[0xe2, 0x82],
+            &[0xf0, 0x9f],
+            &[0x80],
+        ];
+        let gen = crate::rng::Generator::new(7);
+        for _ in 0..500 {
+            let bytes: Vec<u8> = (0..gen.below(12))
+                .flat_map(|_| pieces[gen.below(pieces.len())].iter().copied())
+                .collect();
+            let mut s = Utf8Stream::default();
+            let mut got: String = bytes.iter().map(|&b| s.push(b)).collect();
+            got.push_str(&s.finish());
+            assert_eq!(got, String::from_utf8_lossy(&bytes), "{bytes:x?}");
+        }
+    }
+}
