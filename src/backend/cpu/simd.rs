@@ -4,9 +4,9 @@
 //! one hand-written AVX2 matmul tile. The instructions a build may use by
 //! default are the target's baseline (SSE2 on x86-64), where `f32::mul_add` —
 //! the contract's fma, everywhere — is a library call per element. So every
-//! hot kernel runs inside [`run`], which, on a CPU that has them, calls it
-//! through a copy compiled with AVX2 and FMA enabled (the kernels are
-//! `#[inline(always)]` so their whole body lands in that copy). Nothing is
+//! hot kernel is defined through [`multiversion!`], which compiles it twice
+//! and, on a CPU that has them, runs the copy with AVX2 and FMA enabled (the
+//! helpers it calls are `#[inline(always)]` so they land in that copy). Nothing is
 //! needed at build time: a crate that depends on tinyllm gets the same speed
 //! as this repository's own binary, and a CPU without AVX2 runs the
 //! portable copy instead of faulting.
@@ -84,24 +84,32 @@ pub fn set_level(l: Option<Level>) {
     LEVEL.store(l.map_or(0, |l| l as u8), Ordering::Relaxed);
 }
 
-/// Runs `f` compiled for the best level this CPU has. `f` and everything it
-/// calls should be `#[inline(always)]` (or a closure), so that it is compiled
-/// into each level's copy.
-#[inline(always)]
-pub fn run<R>(f: impl FnOnce() -> R) -> R {
-    match level() {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: the level is Avx2 only where the CPU reported AVX2 and FMA.
-        Level::Avx2 => unsafe { run_avx2(f) },
-        _ => f(),
-    }
+/// Defines a kernel compiled twice — for the build target's baseline and with
+/// AVX2 + FMA enabled — that runs the copy for [`level`]. Everything the body
+/// calls should be `#[inline(always)]` so it is compiled into each copy;
+/// closures in the body (rayon's workers included) inherit the copy's
+/// instructions. (A closure handed to a `#[target_feature]` function would
+/// not: it is compiled where it is written, for the baseline.)
+macro_rules! multiversion {
+    ($(#[$m:meta])* $vis:vis fn $name:ident $(<$($g:ident: $b:path),+>)?
+        ($($a:ident: $t:ty),* $(,)?) $(-> $r:ty)? $body:block) => {
+        $(#[$m])*
+        $vis fn $name $(<$($g: $b),+>)? ($($a: $t),*) $(-> $r)? {
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx2,fma")]
+            fn avx2 $(<$($g: $b),+>)? ($($a: $t),*) $(-> $r)? $body
+            #[inline(always)]
+            fn portable $(<$($g: $b),+>)? ($($a: $t),*) $(-> $r)? $body
+            match $crate::backend::cpu::simd::level() {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: the level is Avx2 only where the CPU reported AVX2 and FMA.
+                $crate::backend::cpu::simd::Level::Avx2 => unsafe { avx2($($a),*) },
+                _ => portable($($a),*),
+            }
+        }
+    };
 }
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn run_avx2<R>(f: impl FnOnce() -> R) -> R {
-    f()
-}
+pub(crate) use multiversion;
 
 #[cfg(test)]
 mod tests {

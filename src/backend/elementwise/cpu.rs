@@ -8,93 +8,94 @@ use crate::Result;
 
 impl ElementwiseOps for CpuStorage {
     fn unary(&self, op: UnaryOp) -> Result<CpuStorage> {
-        Ok(both!(self, x => simd::run(|| unary_t(x, op))))
+        Ok(both!(self, x => unary_t(x, op)))
     }
 
     fn binary(&self, rhs: &CpuStorage, op: BinaryOp, layout: &BinaryLayout) -> Result<CpuStorage> {
-        Ok(both2!(self, rhs, a, b => simd::run(|| binary_t(a, b, op, layout))))
+        Ok(both2!(self, rhs, a, b => binary_t(a, b, op, layout)))
     }
 }
 
-/// Every unary op as one loop over the slice: the op is matched once, outside,
-/// so each arm is a straight-line body the compiler vectorises (the f32 math
-/// functions are branch-free for that reason, see [`math`]).
-#[inline(always)]
-fn unary_t<T: Elem>(x: &[T], op: UnaryOp) -> Vec<T> {
-    #[inline(always)]
-    fn map<T: Copy>(x: &[T], f: impl Fn(T) -> T) -> Vec<T> {
-        x.iter().map(|&v| f(v)).collect()
-    }
-    /// The ops that divide: a group of lanes at a time, so the division is one
-    /// vector operation ([`Elem::div_lanes`]).
-    #[inline(always)]
-    fn map_lanes<T: Elem>(x: &[T], f: impl Fn([T; LANES]) -> [T; LANES]) -> Vec<T> {
-        let mut out = x.to_vec();
-        for_lanes_mut(&mut out, f);
-        out
-    }
-    /// σ(x) = 1 / (1 + e^-x) in two passes, each a loop the compiler keeps in
-    /// vector registers: the exps, then the divisions a group at a time.
-    #[inline(always)]
-    fn sigmoid<T: Elem>(x: &[T]) -> Vec<T> {
-        let mut s = map(x, |v| T::ONE.add(T::NEG_ZERO.sub(v).exp()));
-        for_lanes_mut(&mut s, |d| T::div_lanes([T::ONE; LANES], d));
-        s
-    }
-    match op {
-        UnaryOp::Neg => map(x, |v| T::NEG_ZERO.sub(v)),
-        UnaryOp::Exp => map(x, |v| v.exp()),
-        UnaryOp::Log => map(x, |v| v.log()),
-        UnaryOp::Sqrt => map(x, |v| v.sqrt()),
-        UnaryOp::Rsqrt => map_lanes(x, |v| T::div_lanes([T::ONE; LANES], v.map(T::sqrt))),
-        UnaryOp::Recip => map_lanes(x, |v| T::div_lanes([T::ONE; LANES], v)),
-        UnaryOp::Sigmoid => sigmoid(x),
-        UnaryOp::Silu => {
-            let mut s = sigmoid(x);
-            s.iter_mut().zip(x).for_each(|(s, &v)| *s = v.mul(*s));
+simd::multiversion! {
+    /// Every unary op as one loop over the slice: the op is matched once, outside,
+    /// so each arm is a straight-line body the compiler vectorises (the f32 math
+    /// functions are branch-free for that reason, see [`math`]).
+    fn unary_t<T: Elem>(x: &[T], op: UnaryOp) -> Vec<T> {
+        #[inline(always)]
+        fn map<T: Copy>(x: &[T], f: impl Fn(T) -> T) -> Vec<T> {
+            x.iter().map(|&v| f(v)).collect()
+        }
+        /// The ops that divide: a group of lanes at a time, so the division is one
+        /// vector operation ([`Elem::div_lanes`]).
+        #[inline(always)]
+        fn map_lanes<T: Elem>(x: &[T], f: impl Fn([T; LANES]) -> [T; LANES]) -> Vec<T> {
+            let mut out = x.to_vec();
+            for_lanes_mut(&mut out, f);
+            out
+        }
+        // σ(x) = 1 / (1 + e^-x) in two passes, each a loop the compiler keeps in
+        // vector registers: the exps, then the divisions a group at a time. (A
+        // closure, not a nested fn: closures inherit the AVX2 copy's features.)
+        let sigmoid = |x: &[T]| {
+            let mut s = map(x, |v| T::ONE.add(T::NEG_ZERO.sub(v).exp()));
+            for_lanes_mut(&mut s, |d| T::div_lanes([T::ONE; LANES], d));
             s
-        }
-        // s * (1 + x * (1 - s)) = s * fma(x, 1 - s, 1)
-        UnaryOp::SiluGrad => {
-            let mut s = sigmoid(x);
-            s.iter_mut()
-                .zip(x)
-                .for_each(|(s, &v)| *s = s.mul(v.fma(T::ONE.sub(*s), T::ONE)));
-            s
-        }
-        UnaryOp::Abs => map(x, |v| {
-            if v < T::ZERO || (v == T::ZERO && T::ONE.div(v) < T::ZERO) {
-                T::NEG_ZERO.sub(v)
-            } else {
-                v
+        };
+        match op {
+            UnaryOp::Neg => map(x, |v| T::NEG_ZERO.sub(v)),
+            UnaryOp::Exp => map(x, |v| v.exp()),
+            UnaryOp::Log => map(x, |v| v.log()),
+            UnaryOp::Sqrt => map(x, |v| v.sqrt()),
+            UnaryOp::Rsqrt => map_lanes(x, |v| T::div_lanes([T::ONE; LANES], v.map(T::sqrt))),
+            UnaryOp::Recip => map_lanes(x, |v| T::div_lanes([T::ONE; LANES], v)),
+            UnaryOp::Sigmoid => sigmoid(x),
+            UnaryOp::Silu => {
+                let mut s = sigmoid(x);
+                s.iter_mut().zip(x).for_each(|(s, &v)| *s = v.mul(*s));
+                s
             }
-        }),
-        UnaryOp::Relu => map(x, |v| {
-            if v > T::ZERO || v.is_nan() {
-                v
-            } else {
-                T::ZERO
+            // s * (1 + x * (1 - s)) = s * fma(x, 1 - s, 1)
+            UnaryOp::SiluGrad => {
+                let mut s = sigmoid(x);
+                s.iter_mut()
+                    .zip(x)
+                    .for_each(|(s, &v)| *s = s.mul(v.fma(T::ONE.sub(*s), T::ONE)));
+                s
             }
-        }),
-        UnaryOp::Step => map(x, |v| if v > T::ZERO { T::ONE } else { T::ZERO }),
-        UnaryOp::Square => map(x, |v| v.mul(v)),
-        UnaryOp::AddScalar(c) => {
-            let c = T::from_f64(c);
-            map(x, |v| v.add(c))
+            UnaryOp::Abs => map(x, |v| {
+                if v < T::ZERO || (v == T::ZERO && T::ONE.div(v) < T::ZERO) {
+                    T::NEG_ZERO.sub(v)
+                } else {
+                    v
+                }
+            }),
+            UnaryOp::Relu => map(x, |v| {
+                if v > T::ZERO || v.is_nan() {
+                    v
+                } else {
+                    T::ZERO
+                }
+            }),
+            UnaryOp::Step => map(x, |v| if v > T::ZERO { T::ONE } else { T::ZERO }),
+            UnaryOp::Square => map(x, |v| v.mul(v)),
+            UnaryOp::AddScalar(c) => {
+                let c = T::from_f64(c);
+                map(x, |v| v.add(c))
+            }
+            UnaryOp::MulScalar(c) => {
+                let c = T::from_f64(c);
+                map(x, |v| v.mul(c))
+            }
+            UnaryOp::DivScalar(c) => {
+                let c = T::from_f64(c);
+                map_lanes(x, |v| T::div_lanes(v, [c; LANES]))
+            }
+            UnaryOp::RDivScalar(c) => {
+                let c = T::from_f64(c);
+                map(x, |v| c.div(v))
+            }
+            UnaryOp::Round(f) => map(x, |v| v.round_to(f)),
         }
-        UnaryOp::MulScalar(c) => {
-            let c = T::from_f64(c);
-            map(x, |v| v.mul(c))
-        }
-        UnaryOp::DivScalar(c) => {
-            let c = T::from_f64(c);
-            map_lanes(x, |v| T::div_lanes(v, [c; LANES]))
-        }
-        UnaryOp::RDivScalar(c) => {
-            let c = T::from_f64(c);
-            map(x, |v| c.div(v))
-        }
-        UnaryOp::Round(f) => map(x, |v| v.round_to(f)),
     }
 }
 
@@ -132,14 +133,15 @@ fn broadcast_map<T: Elem>(
     out
 }
 
-#[inline(always)]
-fn binary_t<T: Elem>(a: &[T], b: &[T], op: BinaryOp, layout: &BinaryLayout) -> Vec<T> {
-    match op {
-        BinaryOp::Add => broadcast_map(a, b, layout, |x, y| x.add(y)),
-        BinaryOp::Sub => broadcast_map(a, b, layout, |x, y| x.sub(y)),
-        BinaryOp::Mul => broadcast_map(a, b, layout, |x, y| x.mul(y)),
-        BinaryOp::Div => broadcast_map(a, b, layout, |x, y| x.div(y)),
-        BinaryOp::Maximum => broadcast_map(a, b, layout, maximum),
-        BinaryOp::Eq => broadcast_map(a, b, layout, |x, y| if x == y { T::ONE } else { T::ZERO }),
+simd::multiversion! {
+    fn binary_t<T: Elem>(a: &[T], b: &[T], op: BinaryOp, layout: &BinaryLayout) -> Vec<T> {
+        match op {
+            BinaryOp::Add => broadcast_map(a, b, layout, |x, y| x.add(y)),
+            BinaryOp::Sub => broadcast_map(a, b, layout, |x, y| x.sub(y)),
+            BinaryOp::Mul => broadcast_map(a, b, layout, |x, y| x.mul(y)),
+            BinaryOp::Div => broadcast_map(a, b, layout, |x, y| x.div(y)),
+            BinaryOp::Maximum => broadcast_map(a, b, layout, maximum),
+            BinaryOp::Eq => broadcast_map(a, b, layout, |x, y| if x == y { T::ONE } else { T::ZERO }),
+        }
     }
 }

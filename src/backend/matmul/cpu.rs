@@ -14,7 +14,7 @@ impl MatmulOps for CpuStorage {
     fn matmul(&self, rhs: &CpuStorage, d: MatmulDims, round: Option<Format>) -> Result<CpuStorage> {
         Ok(match (self, rhs) {
             (CpuStorage::F32(a), CpuStorage::F32(b)) => {
-                f32::wrap(simd::run(|| matmul_f32(&a.get(), &b.get(), d, round)))
+                f32::wrap(matmul_f32(&a.get(), &b.get(), d, round))
             }
             (CpuStorage::F64(a), CpuStorage::F64(b)) => {
                 f64::wrap(matmul_f64(&a.get(), &b.get(), d, round))
@@ -301,76 +301,73 @@ fn matmul_block(
 /// of one thread, and 512×320×904 products gain ~1.3x from the second core.)
 const THREADED_MACS: usize = 1 << 26;
 
-#[inline(always)]
-fn matmul_f32(a: &[f32], b: &[f32], d: MatmulDims, round: Option<Format>) -> Vec<f32> {
-    let MatmulDims { batch, m, k, n, .. } = d;
-    let len = batch * m * n;
-    if len == 0 || k == 0 {
-        return vec![0.0f32; len]; // empty sums are +0
-    }
-    // No zero fill: every element is written by its first k-block.
-    let mut out_vec = Vec::<f32>::with_capacity(len);
-    let out = &mut out_vec.spare_capacity_mut()[..len];
-    let threads = if batch * m * n * k >= THREADED_MACS {
-        cpu_threads()
-    } else {
-        1
-    };
-    // One batch entry, k-block by k-block: pack the block of both operands
-    // (rounding each element once), then every tile of C over it — the
-    // running sums stay in C between blocks, in the contract's order.
-    let one = |bi: usize, c: &mut [MaybeUninit<f32>], threads: usize| {
-        let (a, b) = (&a[bi * d.a_batch_stride..], &b[bi * d.b_batch_stride..]);
-        PACKED.with_borrow_mut(|(ap, bp)| {
-            let mut kb = 0;
-            while kb < k {
-                let kc = KC.min(k - kb);
-                pack::<MR>(ap, a, m, k, (kb, kc), d.trans_a, round);
-                pack::<NR>(bp, b, n, k, (kb, kc), !d.trans_b, round);
-                let blk = KBlock {
-                    first: kb == 0,
-                    round: if kb + kc == k { round } else { None },
-                };
-                if threads == 1 {
-                    matmul_block(ap, bp, kc, n, 0, c, blk);
-                } else {
-                    // Threads split whole row panels only; each output's
-                    // k-loop is untouched, so results do not depend on the
-                    // thread count.
-                    let rows_per_thread = m.div_ceil(MR).div_ceil(threads) * MR;
-                    let (ap, bp) = (&*ap, &*bp);
-                    c.par_chunks_mut(rows_per_thread * n)
-                        .enumerate()
-                        .for_each(|(t, chunk)| {
-                            simd::run(|| {
-                                matmul_block(ap, bp, kc, n, t * rows_per_thread, chunk, blk)
-                            })
-                        });
-                }
-                kb += KC;
-            }
-        })
-    };
-    if threads > 1 && batch >= threads {
-        // Many small products (attention heads): split the batch instead.
-        let per = batch.div_ceil(threads);
-        out.par_chunks_mut(per * m * n)
-            .enumerate()
-            .for_each(|(t, chunk)| {
-                simd::run(|| {
-                    for (i, c) in chunk.chunks_mut(m * n).enumerate() {
-                        one(t * per + i, c, 1);
-                    }
-                })
-            });
-    } else {
-        for (bi, c) in out.chunks_mut(m * n).enumerate() {
-            one(bi, c, threads);
+simd::multiversion! {
+    fn matmul_f32(a: &[f32], b: &[f32], d: MatmulDims, round: Option<Format>) -> Vec<f32> {
+        let MatmulDims { batch, m, k, n, .. } = d;
+        let len = batch * m * n;
+        if len == 0 || k == 0 {
+            return vec![0.0f32; len]; // empty sums are +0
         }
+        // No zero fill: every element is written by its first k-block.
+        let mut out_vec = Vec::<f32>::with_capacity(len);
+        let out = &mut out_vec.spare_capacity_mut()[..len];
+        let threads = if batch * m * n * k >= THREADED_MACS {
+            cpu_threads()
+        } else {
+            1
+        };
+        // One batch entry, k-block by k-block: pack the block of both operands
+        // (rounding each element once), then every tile of C over it — the
+        // running sums stay in C between blocks, in the contract's order.
+        let one = |bi: usize, c: &mut [MaybeUninit<f32>], threads: usize| {
+            let (a, b) = (&a[bi * d.a_batch_stride..], &b[bi * d.b_batch_stride..]);
+            PACKED.with_borrow_mut(|(ap, bp)| {
+                let mut kb = 0;
+                while kb < k {
+                    let kc = KC.min(k - kb);
+                    pack::<MR>(ap, a, m, k, (kb, kc), d.trans_a, round);
+                    pack::<NR>(bp, b, n, k, (kb, kc), !d.trans_b, round);
+                    let blk = KBlock {
+                        first: kb == 0,
+                        round: if kb + kc == k { round } else { None },
+                    };
+                    if threads == 1 {
+                        matmul_block(ap, bp, kc, n, 0, c, blk);
+                    } else {
+                        // Threads split whole row panels only; each output's
+                        // k-loop is untouched, so results do not depend on the
+                        // thread count.
+                        let rows_per_thread = m.div_ceil(MR).div_ceil(threads) * MR;
+                        let (ap, bp) = (&*ap, &*bp);
+                        c.par_chunks_mut(rows_per_thread * n)
+                            .enumerate()
+                            .for_each(|(t, chunk)| {
+                                matmul_block(ap, bp, kc, n, t * rows_per_thread, chunk, blk)
+                            });
+                    }
+                    kb += KC;
+                }
+            })
+        };
+        if threads > 1 && batch >= threads {
+            // Many small products (attention heads): split the batch instead.
+            let per = batch.div_ceil(threads);
+            out.par_chunks_mut(per * m * n)
+                .enumerate()
+                .for_each(|(t, chunk)| {
+                                            for (i, c) in chunk.chunks_mut(m * n).enumerate() {
+                            one(t * per + i, c, 1);
+                        }
+                });
+        } else {
+            for (bi, c) in out.chunks_mut(m * n).enumerate() {
+                one(bi, c, threads);
+            }
+        }
+        // SAFETY: every batch entry's rows were all written by their first k-block above.
+        unsafe { out_vec.set_len(len) };
+        out_vec
     }
-    // SAFETY: every batch entry's rows were all written by their first k-block above.
-    unsafe { out_vec.set_len(len) };
-    out_vec
 }
 
 fn matmul_f64(a: &[f64], b: &[f64], d: MatmulDims, round: Option<Format>) -> Vec<f64> {

@@ -40,7 +40,7 @@ impl OptimOps for CpuStorage {
             1
         };
         if threads == 1 {
-            simd::run(|| adamw_slices(&mut p, &g, &mut m, &mut v, &c));
+            adamw_slices(&mut p, &g, &mut m, &mut v, &c);
             return Ok(());
         }
         let per = n.div_ceil(threads).next_multiple_of(LANES);
@@ -48,7 +48,7 @@ impl OptimOps for CpuStorage {
             .zip(g.par_chunks(per))
             .zip(m.par_chunks_mut(per))
             .zip(v.par_chunks_mut(per))
-            .for_each(|(((p, g), m), v)| simd::run(|| adamw_slices(p, g, m, v, &c)));
+            .for_each(|(((p, g), m), v)| adamw_slices(p, g, m, v, &c));
         Ok(())
     }
 
@@ -63,20 +63,7 @@ impl OptimOps for CpuStorage {
     ) -> Result<()> {
         let (mut p, g) = (self.f32s_mut(), g.f32s());
         let mut b = buf.map(|b| b.f32s_mut());
-        simd::run(|| {
-            for i in 0..p.len() {
-                let mut gi = wd.mul_add(p[i], g[i]);
-                if let Some(b) = b.as_mut() {
-                    b[i] = if first {
-                        gi
-                    } else {
-                        momentum.mul_add(b[i], gi)
-                    };
-                    gi = b[i];
-                }
-                p[i] = (-lr).mul_add(gi, p[i]);
-            }
-        });
+        sgd_slices(&mut p, &g, b.as_deref_mut().map(|b| b.as_mut_slice()), [lr, momentum, wd], first);
         Ok(())
     }
 }
@@ -105,37 +92,55 @@ impl CpuStorage {
     }
 }
 
-/// AdamW over whole slices: groups of LANES elements, so the two divisions per
-/// element are one hardware division of a vector each (`math::div_lanes`, the
-/// soft division's bits); the ragged tail runs as a group padded with zeros.
-#[inline(always)]
-fn adamw_slices(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], c: &AdamWConsts) {
-    let n = p.len();
-    let whole = n - n % LANES;
-    for i in (0..whole).step_by(LANES) {
-        let r = i..i + LANES;
-        adamw_lanes(
-            &mut p[r.clone()],
-            &g[r.clone()],
-            &mut m[r.clone()],
-            &mut v[r],
-            c,
-        );
-    }
-    if whole < n {
-        let t = n - whole;
-        let mut lanes = [[0.0f32; LANES]; 4];
-        for (l, x) in lanes
-            .iter_mut()
-            .zip([&p[whole..], &g[whole..], &m[whole..], &v[whole..]])
-        {
-            l[..t].copy_from_slice(x);
+simd::multiversion! {
+    /// AdamW over whole slices: groups of LANES elements, so the two divisions per
+    /// element are one hardware division of a vector each (`math::div_lanes`, the
+    /// soft division's bits); the ragged tail runs as a group padded with zeros.
+    /// `gi = fma(wd, p, g)`; with a momentum buffer `b = first ? gi : fma(μ, b, gi)`
+    /// and `gi = b`; then `p = fma(-lr, gi, p)`.
+    fn sgd_slices(p: &mut [f32], g: &[f32], b: Option<&mut [f32]>, lr_mu_wd: [f32; 3], first: bool) {
+        let [lr, momentum, wd] = lr_mu_wd;
+        let mut b = b;
+        for i in 0..p.len() {
+            let mut gi = wd.mul_add(p[i], g[i]);
+            if let Some(b) = b.as_mut() {
+                b[i] = if first { gi } else { momentum.mul_add(b[i], gi) };
+                gi = b[i];
+            }
+            p[i] = (-lr).mul_add(gi, p[i]);
         }
-        let [mut pt, gt, mut mt, mut vt] = lanes;
-        adamw_lanes(&mut pt, &gt, &mut mt, &mut vt, c);
-        p[whole..].copy_from_slice(&pt[..t]);
-        m[whole..].copy_from_slice(&mt[..t]);
-        v[whole..].copy_from_slice(&vt[..t]);
+    }
+}
+
+simd::multiversion! {
+    fn adamw_slices(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], c: &AdamWConsts) {
+        let n = p.len();
+        let whole = n - n % LANES;
+        for i in (0..whole).step_by(LANES) {
+            let r = i..i + LANES;
+            adamw_lanes(
+                &mut p[r.clone()],
+                &g[r.clone()],
+                &mut m[r.clone()],
+                &mut v[r],
+                c,
+            );
+        }
+        if whole < n {
+            let t = n - whole;
+            let mut lanes = [[0.0f32; LANES]; 4];
+            for (l, x) in lanes
+                .iter_mut()
+                .zip([&p[whole..], &g[whole..], &m[whole..], &v[whole..]])
+            {
+                l[..t].copy_from_slice(x);
+            }
+            let [mut pt, gt, mut mt, mut vt] = lanes;
+            adamw_lanes(&mut pt, &gt, &mut mt, &mut vt, c);
+            p[whole..].copy_from_slice(&pt[..t]);
+            m[whole..].copy_from_slice(&mt[..t]);
+            v[whole..].copy_from_slice(&vt[..t]);
+        }
     }
 }
 

@@ -7,62 +7,69 @@ use crate::Result;
 
 impl ReduceOps for CpuStorage {
     fn reduce(&self, op: ReduceOp, outer: usize, r: usize, inner: usize) -> Result<CpuStorage> {
-        Ok(both!(self, x => simd::run(|| reduce_t(x, op, outer, r, inner))))
+        Ok(both!(self, x => reduce_t(x, op, outer, r, inner)))
     }
 
     fn softmax_rows(&self, rows: usize, n: usize) -> Result<CpuStorage> {
-        Ok(both!(self, x => simd::run(|| softmax_t(x, rows, n))))
+        Ok(both!(self, x => softmax_t(x, rows, n)))
     }
 
     fn softmax_rows_backward(&self, g: &CpuStorage, rows: usize, n: usize) -> Result<CpuStorage> {
-        Ok(both2!(self, g, y, g => simd::run(|| softmax_backward_t(y, g, rows, n))))
+        Ok(both2!(self, g, y, g => softmax_backward_t(y, g, rows, n)))
     }
 
     fn chunk_sum_squares(bufs: &[&CpuStorage]) -> Result<Vec<f32>> {
-        Ok(simd::run(|| {
-            bufs.iter()
-                .flat_map(|b| {
-                    b.to_vec_f32()
-                        .chunks(NORM_CHUNK)
-                        .map(|c| c.iter().fold(-0.0f32, |a, &v| v.mul_add(v, a)))
-                        .collect::<Vec<f32>>()
-                })
-                .collect()
-        }))
+        let bufs: Vec<Vec<f32>> = bufs.iter().map(|b| b.to_vec_f32()).collect();
+        Ok(chunk_sums_of_squares(&bufs))
     }
 }
 
-#[inline(always)]
-fn reduce_t<T: Elem>(x: &[T], op: ReduceOp, outer: usize, r: usize, inner: usize) -> Vec<T> {
-    if inner == 1 && r > 0 {
-        // Along contiguous rows: each row folded in order, four rows in flight.
-        let (x, whole) = (&x[..outer * r], vec![r; outer]);
-        return match op {
-            ReduceOp::Sum => fold_ragged(x, r, &whole, T::NEG_ZERO, |a, v| a.add(v)),
-            ReduceOp::Max => fold_ragged(x, r, &whole, T::NEG_INF, maximum),
-        };
+simd::multiversion! {
+    /// Each buffer's chunks of [`NORM_CHUNK`] values, each `fma(v, v, acc)`
+    /// from -0 in order.
+    fn chunk_sums_of_squares(bufs: &[Vec<f32>]) -> Vec<f32> {
+        bufs.iter()
+            .flat_map(|b| {
+                b.chunks(NORM_CHUNK)
+                    .map(|c| c.iter().fold(-0.0f32, |a, &v| v.mul_add(v, a)))
+                    .collect::<Vec<f32>>()
+            })
+            .collect()
     }
-    let mut out = vec![
-        match op {
-            ReduceOp::Sum => T::NEG_ZERO,
-            ReduceOp::Max => T::NEG_INF,
-        };
-        outer * inner
-    ];
-    for o in 0..outer {
-        let acc = &mut out[o * inner..(o + 1) * inner];
-        for k in 0..r {
-            let row = &x[(o * r + k) * inner..(o * r + k + 1) * inner];
+}
+
+simd::multiversion! {
+    fn reduce_t<T: Elem>(x: &[T], op: ReduceOp, outer: usize, r: usize, inner: usize) -> Vec<T> {
+        if inner == 1 && r > 0 {
+            // Along contiguous rows: each row folded in order, four rows in flight.
+            let (x, whole) = (&x[..outer * r], vec![r; outer]);
+            return match op {
+                ReduceOp::Sum => fold_ragged(x, r, &whole, T::NEG_ZERO, |a, v| a.add(v)),
+                ReduceOp::Max => fold_ragged(x, r, &whole, T::NEG_INF, maximum),
+            };
+        }
+        let mut out = vec![
             match op {
-                ReduceOp::Sum => acc.iter_mut().zip(row).for_each(|(a, &v)| *a = a.add(v)),
-                ReduceOp::Max => acc
-                    .iter_mut()
-                    .zip(row)
-                    .for_each(|(a, &v)| *a = maximum(*a, v)),
+                ReduceOp::Sum => T::NEG_ZERO,
+                ReduceOp::Max => T::NEG_INF,
+            };
+            outer * inner
+        ];
+        for o in 0..outer {
+            let acc = &mut out[o * inner..(o + 1) * inner];
+            for k in 0..r {
+                let row = &x[(o * r + k) * inner..(o * r + k + 1) * inner];
+                match op {
+                    ReduceOp::Sum => acc.iter_mut().zip(row).for_each(|(a, &v)| *a = a.add(v)),
+                    ReduceOp::Max => acc
+                        .iter_mut()
+                        .zip(row)
+                        .for_each(|(a, &v)| *a = maximum(*a, v)),
+                }
             }
         }
+        out
     }
-    out
 }
 
 /// The row without its trailing run of −inf: whole groups of lanes are
@@ -84,53 +91,55 @@ fn live_len<T: Elem>(row: &[T]) -> usize {
         .map_or(0, |p| p + 1)
 }
 
-#[inline(always)]
-fn softmax_t<T: Elem>(x: &[T], rows: usize, n: usize) -> Vec<T> {
-    let x = &x[..rows * n];
-    let mut out = Vec::with_capacity(rows * n);
-    if n == 0 {
-        return out;
+simd::multiversion! {
+    fn softmax_t<T: Elem>(x: &[T], rows: usize, n: usize) -> Vec<T> {
+        let x = &x[..rows * n];
+        let mut out = Vec::with_capacity(rows * n);
+        if n == 0 {
+            return out;
+        }
+        // Row maxima and sums are sequential folds (the contract's order); they
+        // run four rows at a time. The exps and the divisions are vectorised loops.
+        //
+        // A causal mask leaves a trailing run of −inf in most rows, which changes
+        // neither fold: maximum(m, −inf) = m for every m, so the max of the row
+        // before the run is the row's max; and with a finite max m each masked
+        // value is exp(−inf − m) = +0, added to a sum that is already ≥ 1 (the
+        // max's own exp(0)), and +0 / s = +0. So with a finite max the run's
+        // outputs are +0 without computing them and neither fold visits it — bit
+        // for bit what the full loops give. `live` is the rest of each row.
+        let unmasked: Vec<usize> = x.chunks_exact(n).map(live_len).collect();
+        let maxes = fold_ragged(x, n, &unmasked, T::NEG_INF, maximum);
+        let live: Vec<usize> = unmasked
+            .iter()
+            .zip(&maxes)
+            .map(|(&l, m)| if m.is_finite() { l } else { n })
+            .collect();
+        for ((row, &m), &l) in x.chunks_exact(n).zip(&maxes).zip(&live) {
+            out.extend(row[..l].iter().map(|&v| v.sub(m).exp()));
+            out.extend(std::iter::repeat_n(T::ZERO, n - l));
+        }
+        let sums = fold_ragged(&out, n, &live, T::NEG_ZERO, |a, y| a.add(y));
+        for ((o, &s), &l) in out.chunks_exact_mut(n).zip(&sums).zip(&live) {
+            for_lanes_mut(&mut o[..l], |y| T::div_lanes(y, [s; LANES]));
+        }
+        out
     }
-    // Row maxima and sums are sequential folds (the contract's order); they
-    // run four rows at a time. The exps and the divisions are vectorised loops.
-    //
-    // A causal mask leaves a trailing run of −inf in most rows, which changes
-    // neither fold: maximum(m, −inf) = m for every m, so the max of the row
-    // before the run is the row's max; and with a finite max m each masked
-    // value is exp(−inf − m) = +0, added to a sum that is already ≥ 1 (the
-    // max's own exp(0)), and +0 / s = +0. So with a finite max the run's
-    // outputs are +0 without computing them and neither fold visits it — bit
-    // for bit what the full loops give. `live` is the rest of each row.
-    let unmasked: Vec<usize> = x.chunks_exact(n).map(live_len).collect();
-    let maxes = fold_ragged(x, n, &unmasked, T::NEG_INF, maximum);
-    let live: Vec<usize> = unmasked
-        .iter()
-        .zip(&maxes)
-        .map(|(&l, m)| if m.is_finite() { l } else { n })
-        .collect();
-    for ((row, &m), &l) in x.chunks_exact(n).zip(&maxes).zip(&live) {
-        out.extend(row[..l].iter().map(|&v| v.sub(m).exp()));
-        out.extend(std::iter::repeat_n(T::ZERO, n - l));
-    }
-    let sums = fold_ragged(&out, n, &live, T::NEG_ZERO, |a, y| a.add(y));
-    for ((o, &s), &l) in out.chunks_exact_mut(n).zip(&sums).zip(&live) {
-        for_lanes_mut(&mut o[..l], |y| T::div_lanes(y, [s; LANES]));
-    }
-    out
 }
 
-#[inline(always)]
-fn softmax_backward_t<T: Elem>(y: &[T], g: &[T], rows: usize, n: usize) -> Vec<T> {
-    let mut out = Vec::with_capacity(rows * n);
-    if n == 0 {
-        return out;
+simd::multiversion! {
+    fn softmax_backward_t<T: Elem>(y: &[T], g: &[T], rows: usize, n: usize) -> Vec<T> {
+        let mut out = Vec::with_capacity(rows * n);
+        if n == 0 {
+            return out;
+        }
+        for (yr, gr) in y[..rows * n].chunks_exact(n).zip(g.chunks_exact(n)) {
+            let dot = yr
+                .iter()
+                .zip(gr)
+                .fold(T::NEG_ZERO, |a, (&yv, &gv)| gv.fma(yv, a));
+            out.extend(yr.iter().zip(gr).map(|(&yv, &gv)| yv.mul(gv.sub(dot))));
+        }
+        out
     }
-    for (yr, gr) in y[..rows * n].chunks_exact(n).zip(g.chunks_exact(n)) {
-        let dot = yr
-            .iter()
-            .zip(gr)
-            .fold(T::NEG_ZERO, |a, (&yv, &gv)| gv.fma(yv, a));
-        out.extend(yr.iter().zip(gr).map(|(&yv, &gv)| yv.mul(gv.sub(dot))));
-    }
-    out
 }
