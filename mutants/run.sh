@@ -1,20 +1,24 @@
 #!/usr/bin/env bash
-# Pitfall mutants: each mutants/sNN.patch is a unified diff (against the
-# current source, `patch -p1` from the repository root) whose FIRST line names
-# the test that must catch it:
+# Pitfall mutants: each mutants/NAME.mutant (sNN: the spec's pitfall NN in the
+# crate; gNN: the same pitfall in its WGSL kernel) is a set of anchored
+# find/replace blocks that mutants/apply.py applies (see its header: blocks
+# are found by their text anywhere in src/, so ordinary edits and moves do not
+# break them). The FIRST line names the test that must catch the mutant:
 #
 #     # test: <test file stem> <test filter> [more filters]
 #     e.g. "# test: precision hand_example_bf16_matmul::cpu"
 #
-# For each patch (all mutants/s*.patch, or the names given: `s03 s07` or paths)
-# this copies the repository (without target/ and .git) into a scratch tree,
-# applies the patch there, builds, and runs
+# For each mutant (all mutants/*.mutant, or the names given: `s03 g01` or
+# paths) this copies the repository (without target/ and .git) into a scratch
+# tree, applies the mutant there, builds, and runs
 #     cargo test --release --test <file> -- <filters>
-# A mutant is "killed" when that run fails (or times out), "SURVIVED" when it
-# passes. A patch that does not apply, a tree that does not build, or a filter
-# that selects no test is reported as an ERROR, never as killed.
+# with TINYLLM_REQUIRE_GPU=1, so a `::gpu` test without an adapter fails the
+# baseline instead of passing vacuously. A mutant is "killed" when that run
+# fails (or times out), "SURVIVED" when it passes. A mutant that does not
+# apply, a tree that does not build, or a filter that selects no test is
+# reported as an ERROR, never as killed.
 #
-# Before the mutants, the unpatched tree runs the same tests once (the
+# Before the mutants, the unmutated tree runs the same tests once (the
 # baseline): a test that already fails cannot kill anything, so the run stops.
 # Skip it with NO_BASELINE=1.
 #
@@ -32,25 +36,26 @@ set -u
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(dirname "$here")
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$repo/target/mutants}
+export TINYLLM_REQUIRE_GPU=1
 timeout_s=${MUTANT_TIMEOUT:-900}
 mkdir -p "$CARGO_TARGET_DIR/logs"
 work="$CARGO_TARGET_DIR/tree"   # one fixed path: rustc's incremental cache is reused
 logs="$CARGO_TARGET_DIR/logs"
 
-# ---- which patches
+# ---- which mutants
 patches=()
 if [ $# -eq 0 ]; then
-    for p in "$here"/s*.patch; do [ -e "$p" ] && patches+=("$p"); done
+    for p in "$here"/*.mutant; do [ -e "$p" ] && patches+=("$p"); done
 else
     for a in "$@"; do
         if [ -f "$a" ]; then patches+=("$(cd "$(dirname "$a")" && pwd)/$(basename "$a")")
-        elif [ -f "$here/$a.patch" ]; then patches+=("$here/$a.patch")
+        elif [ -f "$here/$a.mutant" ]; then patches+=("$here/$a.mutant")
         elif [ -f "$here/$a" ]; then patches+=("$here/$a")
         else echo "no such mutant: $a" >&2; exit 2
         fi
     done
 fi
-[ ${#patches[@]} -gt 0 ] || { echo "no mutants/s*.patch found" >&2; exit 2; }
+[ ${#patches[@]} -gt 0 ] || { echo "no mutants/*.mutant found" >&2; exit 2; }
 
 # ---- header: "# test: <file> <filters...>"
 header() {
@@ -96,34 +101,34 @@ if ! flock -n 9; then
     flock 9
 fi
 
-# ---- baseline: every named test passes on the unpatched tree
+# ---- baseline: every named test passes on the unmutated tree
 if [ "${NO_BASELINE:-0}" != 1 ]; then
     declare -A seen=()
     fresh_tree
     for p in "${patches[@]}"; do
-        h=$(header "$p") || { echo "$(basename "$p" .patch) ERROR (first line is not '# test: <file> <filter>')"; exit 2; }
+        h=$(header "$p") || { echo "$(basename "$p" .mutant) ERROR (first line is not '# test: <file> <filter>')"; exit 2; }
         [ -n "${seen[$h]:-}" ] && continue
         seen[$h]=1
         # shellcheck disable=SC2086
         run_tests "$logs/baseline.log" $h
         rc=$?
         if [ $rc -ne 0 ]; then
-            echo "baseline FAILED for '$h' (rc $rc): the unpatched tree must pass; see $logs/baseline.log"
+            echo "baseline FAILED for '$h' (rc $rc): the unmutated tree must pass; see $logs/baseline.log"
             exit 2
         fi
     done
-    echo "baseline: ${#seen[@]} test selection(s) pass unpatched"
+    echo "baseline: ${#seen[@]} test selection(s) pass unmutated"
 fi
 
 # ---- the mutants
 killed=0; survived=0; errors=0; names_survived=(); names_error=()
 for p in "${patches[@]}"; do
-    name=$(basename "$p" .patch)
+    name=$(basename "$p" .mutant)
     log="$logs/$name.log"
     h=$(header "$p") || { echo "$name ERROR (first line is not '# test: <file> <filter>')"; errors=$((errors+1)); names_error+=("$name"); continue; }
     fresh_tree
-    if ! patch -d "$work" -p1 --batch --forward --silent <"$p" >"$log" 2>&1; then
-        echo "$name ERROR (patch does not apply; see $log)"
+    if ! python3 "$here/apply.py" "$p" "$work" >"$log" 2>&1; then
+        echo "$name ERROR (does not apply; see $log)"
         errors=$((errors+1)); names_error+=("$name"); continue
     fi
     # shellcheck disable=SC2086
