@@ -5,7 +5,7 @@
 //! per thread, like grad mode and autocast: tensors are `Rc`-based and die on the
 //! thread that made them, and parallel tests cannot disturb each other's
 //! figures. Pooled GPU buffers that hold no tensor are not counted as live;
-//! [`gpu_pool_bytes`](crate::backend::gpu_pool_bytes) reports them separately.
+//! [`gpu::pool_bytes`](crate::gpu::pool_bytes) reports them separately.
 
 use std::cell::Cell;
 

@@ -194,7 +194,7 @@ impl DynamicLossScaler {
         })
     }
     /// The current loss scale `S`.
-    pub fn get_scale(&self) -> f32 {
+    pub fn loss_scale(&self) -> f32 {
         self.scale
     }
     /// Consecutive good steps since the last overflow or growth.
@@ -206,7 +206,7 @@ impl DynamicLossScaler {
         self.last_grad_norm
     }
     /// `loss · S`.
-    pub fn scale(&self, loss: &Tensor) -> Result<Tensor> {
+    pub fn scale_loss(&self, loss: &Tensor) -> Result<Tensor> {
         loss.mul_scalar(self.scale as f64)
     }
 

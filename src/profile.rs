@@ -1,6 +1,6 @@
 //! An opt-in wall-clock profile of the backend primitives, per thread.
 //!
-//! Every [`Storage`](crate::backend::Storage) primitive opens a [`scope`] named
+//! Every backend `Storage` primitive opens a `scope` named
 //! after what it computes; while a profile is running ([`start`]) the scope
 //! adds its elapsed time to that name, and [`take`] returns the table. When no
 //! profile runs a scope is one thread-local flag read, nothing else.

@@ -11,6 +11,8 @@
 //! unless `TINYLLM_REQUIRE_GPU=1` is set (as in CI with lavapipe): then they fail.
 //! Shapes are small: lavapipe is a software device.
 
+mod common;
+use common::Rng;
 use tinyllm::backend::round::{self, Format};
 use tinyllm::backend::{
     AdamWConsts, BinaryLayout, BinaryOp, Device, MatmulDims, ReduceOp, Storage, UnaryOp,
@@ -25,33 +27,6 @@ macro_rules! require_gpu {
 }
 
 // ------------------------------------------------------------ helpers ----
-
-/// xorshift64*: deterministic test data without touching the crate's RNG.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-    /// Uniform in [lo, hi).
-    fn unif(&mut self, lo: f32, hi: f32) -> f32 {
-        let u = (self.next() >> 40) as f32 / (1u64 << 24) as f32;
-        lo + (hi - lo) * u
-    }
-    /// A value with full 24-bit mantissa and moderate magnitude (so products
-    /// are inexact: an unfused multiply-add would show).
-    fn moderate(&mut self) -> f32 {
-        let m = (self.next() as u32 & 0x007f_ffff) | 0x3f80_0000; // [1, 2)
-        let e = self.below(9) as i32 - 4;
-        let s = if self.next() & 1 == 0 { 1.0 } else { -1.0 };
-        s * f32::from_bits(m) * 2f32.powi(e)
-    }
-}
 
 /// Values every primitive must survive.
 fn specials() -> Vec<f32> {
@@ -207,20 +182,9 @@ fn unary_every_op() {
         x.push(f32::from_bits(0x0000_1000 + i * 0x0003_0001)); // subnormals
     }
     let (c, g) = pair(&x);
-    let ops = [
-        UnaryOp::Neg,
-        UnaryOp::Exp,
-        UnaryOp::Log,
-        UnaryOp::Sqrt,
-        UnaryOp::Rsqrt,
-        UnaryOp::Recip,
-        UnaryOp::Sigmoid,
-        UnaryOp::Silu,
-        UnaryOp::SiluGrad,
-        UnaryOp::Abs,
-        UnaryOp::Relu,
-        UnaryOp::Step,
-        UnaryOp::Square,
+    // every op (the enum's own list), plus more scalars for the scalar ops
+    let mut ops = UnaryOp::ALL.to_vec();
+    ops.extend([
         UnaryOp::AddScalar(0.1),
         UnaryOp::AddScalar(-1e-40),
         UnaryOp::MulScalar(-3.0),
@@ -230,9 +194,7 @@ fn unary_every_op() {
         UnaryOp::DivScalar(0.0),
         UnaryOp::RDivScalar(1.0),
         UnaryOp::RDivScalar(-3e38),
-        UnaryOp::Round(Format::Bf16),
-        UnaryOp::Round(Format::Fp16),
-    ];
+    ]);
     for op in ops {
         let a = vals(&c.unary(op).unwrap());
         let b = vals(&g.unary(op).unwrap());
@@ -272,14 +234,7 @@ fn binary_every_op_with_broadcasting() {
         (vec![1, 1], vec![3, 7]),
         (vec![0, 3], vec![1, 3]),
     ];
-    let ops = [
-        BinaryOp::Add,
-        BinaryOp::Sub,
-        BinaryOp::Mul,
-        BinaryOp::Div,
-        BinaryOp::Maximum,
-        BinaryOp::Eq,
-    ];
+    let ops = BinaryOp::ALL;
     for (ls, rs) in cases {
         let nd = ls.len().max(rs.len());
         let pad = |s: &[usize]| {
@@ -335,14 +290,7 @@ fn binary_all_special_pairs() {
     };
     let (ac, ag) = pair(&a);
     let (bc, bg) = pair(&b);
-    for op in [
-        BinaryOp::Add,
-        BinaryOp::Sub,
-        BinaryOp::Mul,
-        BinaryOp::Div,
-        BinaryOp::Maximum,
-        BinaryOp::Eq,
-    ] {
+    for op in BinaryOp::ALL {
         let c = vals(&ac.binary(&bc, op, &layout).unwrap());
         let g = vals(&ag.binary(&bg, op, &layout).unwrap());
         assert_bits(&format!("{op:?} special pairs"), &c, &g, &[&a, &b]);
@@ -449,7 +397,7 @@ fn reduce_sum_and_max() {
                 })
                 .collect();
             let (c, g) = pair(&x);
-            for op in [ReduceOp::Sum, ReduceOp::Max] {
+            for op in ReduceOp::ALL {
                 assert_bits(
                     &format!("{op:?} {o}x{r}x{i} mode {mode}"),
                     &vals(&c.reduce(op, o, r, i).unwrap()),
@@ -1100,7 +1048,7 @@ fn loops_longer_than_lavapipes_iteration_cap() {
     let mut rng = Rng(91);
     let x: Vec<f32> = (0..n).map(|_| rng.moderate()).collect();
     let (c, g) = pair(&x);
-    for op in [ReduceOp::Sum, ReduceOp::Max] {
+    for op in ReduceOp::ALL {
         let want = vals(&c.reduce(op, 1, n, 1).unwrap());
         let got = vals(&g.reduce(op, 1, n, 1).unwrap());
         assert_bits(&format!("reduce {op:?} over {n}"), &want, &got, &[&x]);

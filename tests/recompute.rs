@@ -428,12 +428,12 @@ device_test!(checkpoint_grads_bitwise_equal_with_dropout, |dev| {
             let (x, r) = data(5, 6, dtype, dev, true, 37);
             let _ac = autocast(if bf16 { Some(Format::Bf16) } else { None });
             let start = gen.state();
-            let (l0, plain) = train_once(&net, &x, &r, &Mode::Plain, &[gen.clone()]);
+            let (l0, plain) = train_once(&net, &x, &r, &Mode::Plain, std::slice::from_ref(&gen));
             let end = gen.state();
             assert_ne!(start, end, "dropout draws from the generator");
             for mode in seven_layer_modes() {
                 gen.set_state(start);
-                let (l, g) = train_once(&net, &x, &r, &mode, &[gen.clone()]);
+                let (l, g) = train_once(&net, &x, &r, &mode, std::slice::from_ref(&gen));
                 let what = format!("{dtype:?} bf16={bf16} {mode:?}");
                 assert_eq!(l, l0, "{what}: loss");
                 assert_same_grads(&plain, &g, &what);
@@ -548,7 +548,7 @@ device_test!(checkpoint_params_get_grads_from_data_input, |dev| {
         }
         let y = checkpoint(
             move |a: &[Tensor]| b0.forward(&a[0]),
-            &[x.clone()],
+            std::slice::from_ref(&x),
             &params,
             &[],
         )?;
@@ -596,7 +596,7 @@ device_test!(checkpoint_function_and_no_grad, |dev| {
     let y = checkpoint(
         f.clone(),
         &[x.clone(), x.clone(), c.clone()],
-        &[w.clone()],
+        std::slice::from_ref(&w),
         &[],
     )?;
     assert_eq!(calls.get(), 1);
@@ -626,13 +626,18 @@ device_test!(checkpoint_function_and_no_grad, |dev| {
         }
     };
     let s0 = gen.state();
-    let want = fd(&[x.clone()])?;
+    let want = fd(std::slice::from_ref(&x))?;
     let s1 = gen.state();
     gen.set_state(s0);
     calls.set(0);
     {
         let _ng = no_grad();
-        let y = checkpoint(fd.clone(), &[x.clone()], &[w.clone()], &[gen.clone()])?;
+        let y = checkpoint(
+            fd.clone(),
+            std::slice::from_ref(&x),
+            std::slice::from_ref(&w),
+            std::slice::from_ref(&gen),
+        )?;
         assert_eq!(calls.get(), 1);
         assert!(!y.requires_grad(), "no_grad: nothing recorded");
         assert_eq!(bits64(&y), bits64(&want));
@@ -807,7 +812,7 @@ device_test!(checkpoint_lowers_peak_memory, |dev| {
             }
             Ok(h)
         },
-        &[x.clone()],
+        std::slice::from_ref(&x),
         &params,
         &[],
     )?;

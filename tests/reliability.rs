@@ -10,6 +10,7 @@
 //! about 20 s in all); they print how many ran, loaded, were refused, panicked.
 
 mod common;
+use common::{rehash, tmpdir, Rng};
 
 use std::io::{BufRead, BufReader};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -30,31 +31,6 @@ use tinyllm::train_step_mixed;
 use tinyllm::{Device, Generator, Tensor};
 
 const BIN: &str = env!("CARGO_BIN_EXE_tinyllm");
-
-fn tmpdir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("tinyllm-rel-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-/// A small, fast PRNG (splitmix64) for the fuzzers and the kill times.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-    fn chance(&mut self, p: f64) -> bool {
-        ((self.next() >> 11) as f64 / (1u64 << 53) as f64) < p
-    }
-}
 
 fn fuzz_iters(default: usize) -> usize {
     std::env::var("TINYLLM_FUZZ_ITERS")
@@ -489,18 +465,6 @@ fn saved_tiny(name: &str, steps: usize) -> (PathBuf, TrainConfig) {
     let dir = tmpdir(name);
     t.save(&dir).unwrap();
     (dir.join("checkpoint"), cfg)
-}
-
-/// Makes the manifest match the files as they are (to reach the checks behind the checksum).
-fn rehash(dir: &Path) {
-    let mpath = dir.join("manifest.json");
-    let mut m: serde_json::Value = serde_json::from_slice(&std::fs::read(&mpath).unwrap()).unwrap();
-    for (name, entry) in m["files"].as_object_mut().unwrap().iter_mut() {
-        let bytes = std::fs::read(dir.join(name)).unwrap();
-        entry["sha256"] = tinyllm::train::sha256::Sha256::digest_hex(&bytes).into();
-        entry["bytes"] = (bytes.len() as u64).into();
-    }
-    std::fs::write(&mpath, serde_json::to_vec(&m).unwrap()).unwrap();
 }
 
 fn snapshot_bits(t: &Trainer) -> Vec<(String, Vec<u32>)> {
@@ -1798,7 +1762,7 @@ fn scaler_skips_backs_off_and_recovers_on_injected_faults() -> tinyllm::Result<(
             } else {
                 1.0
             };
-            let before = scaler.get_scale();
+            let before = scaler.loss_scale();
             let r = train_step_mixed(
                 &model,
                 &micro,

@@ -1,6 +1,7 @@
 //! The trainer, its checkpoints, data and CLI (all on the `tiny` preset).
 
 mod common;
+use common::{rehash, tmpdir};
 
 use std::path::{Path, PathBuf};
 use tinyllm::nn::llama::{apply_rope, rope_tables, rotate_half, Llama, LlamaConfig};
@@ -10,13 +11,6 @@ use tinyllm::train::config::{min_ckpt_budget, TrainConfig, TrainOptions};
 use tinyllm::train::data::{ByteTokenizer, Corpus, Dataset};
 use tinyllm::train::{Progress, Start, Trainer};
 use tinyllm::{Device, Generator, Tensor};
-
-fn tmpdir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("tinyllm-test-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
 
 fn tiny(extra: TrainOptions) -> TrainConfig {
     TrainConfig::resolve(&TrainOptions {
@@ -144,20 +138,6 @@ fn saved_tiny(name: &str) -> (PathBuf, TrainConfig) {
     let dir = tmpdir(name);
     t.save(&dir).unwrap();
     (dir.join("checkpoint"), cfg)
-}
-
-/// Rewrites the manifest so it matches the files as they are now (to reach
-/// the checks behind the checksum).
-fn rehash(dir: &Path) {
-    let mpath = dir.join("manifest.json");
-    let mut m: serde_json::Value = serde_json::from_slice(&std::fs::read(&mpath).unwrap()).unwrap();
-    let files = m["files"].as_object_mut().unwrap();
-    for (name, entry) in files.iter_mut() {
-        let bytes = std::fs::read(dir.join(name)).unwrap();
-        entry["sha256"] = tinyllm::train::sha256::Sha256::digest_hex(&bytes).into();
-        entry["bytes"] = (bytes.len() as u64).into();
-    }
-    std::fs::write(&mpath, serde_json::to_vec(&m).unwrap()).unwrap();
 }
 
 /// Tries to resume `dir` into a fresh trainer; the error, and a check that

@@ -1,6 +1,6 @@
 //! `Tensor`: a value on a device, a shape, and — when it takes part in
 //! autograd — a graph node. Host-side reverse mode, backend-agnostic: nothing
-//! here looks inside [`Storage`].
+//! here looks inside the backend's `Storage`.
 
 pub mod autocast;
 pub mod autograd;
@@ -109,7 +109,7 @@ impl Tensor {
 
     /// The result of a differentiable op, spec L0.1's `from_op` — the
     /// extension point for ops of your own. `value` is the forward result
-    /// (computed by any ops, typically under [`no_grad`](crate::no_grad)); a
+    /// (computed by any ops, typically under [`no_grad`]); a
     /// graph node with `vjp` is recorded only when grad mode is on and some
     /// parent requires grad, otherwise the result is a constant. `vjp` maps the
     /// upstream gradient to one gradient per parent (`None`: no gradient).

@@ -106,7 +106,7 @@ pub struct TrainConfig {
 }
 
 /// The largest batch, in sequences (a larger one is a typo, not a plan).
-pub const MAX_BATCH: usize = 1 << 16;
+pub const MAX_BATCH_SEQUENCES: usize = 1 << 16;
 
 /// The largest model a config may describe, in bytes of float32 weights
 /// (a corrupt or hand-edited config must not make the loader allocate petabytes).
@@ -473,8 +473,11 @@ impl TrainConfig {
             if v == 0 {
                 bail!(Config, "{flag} must be at least 1 (got 0)");
             }
-            if v > MAX_BATCH {
-                bail!(Config, "{flag} must be 1..={MAX_BATCH} sequences (got {v})");
+            if v > MAX_BATCH_SEQUENCES {
+                bail!(
+                    Config,
+                    "{flag} must be 1..={MAX_BATCH_SEQUENCES} sequences (got {v})"
+                );
             }
         }
         if c.accum == 0 {

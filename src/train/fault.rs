@@ -1,4 +1,5 @@
-//! Test-only fault injection, driven by one environment variable, so the
+//! Test-only fault injection (compiled in, but inert without the `test-hooks`
+//! feature), driven by one environment variable, so the
 //! reliability tests can crash the real binary at exact points, poison chosen
 //! steps and fail chosen writes. Unset (always, outside tests) it costs one
 //! cached lookup.
@@ -48,6 +49,10 @@ fn parse_steps(s: &str) -> Steps {
 }
 
 fn faults() -> &'static [(String, Steps)] {
+    // Outside the crate's own tests the variable is not even read.
+    if cfg!(not(feature = "test-hooks")) {
+        return &[];
+    }
     static F: OnceLock<Vec<(String, Steps)>> = OnceLock::new();
     F.get_or_init(|| {
         std::env::var("TINYLLM_FAULT")

@@ -15,14 +15,15 @@
 //!   manifest ([`sha256`]) verified before anything loads;
 //! * [`metrics`], [`plot`] — `metrics.jsonl` and the SVG loss curves;
 //! * [`compare`] — float32 against bf16 + accumulation + checkpointing;
-//! * [`fault`] — test-only fault injection (`TINYLLM_FAULT`).
+//! * `fault` — test-only fault injection (`TINYLLM_FAULT`, with the
+//!   `test-hooks` feature).
 
 pub mod checkpoint;
 pub mod compare;
 pub mod config;
 pub mod corpus;
 pub mod data;
-pub mod fault;
+pub(crate) mod fault;
 pub mod infer;
 pub mod interrupt;
 pub mod metrics;

@@ -42,7 +42,7 @@ pub fn grad_accumulate<M: ?Sized, B: MicroBatch>(
         let weighted = li.mul_scalar(w)?;
         loss += w * li.item()?;
         match scaler {
-            Some(s) => s.scale(&weighted)?.backward()?,
+            Some(s) => s.scale_loss(&weighted)?.backward()?,
             None => weighted.backward()?,
         }
     }
@@ -90,7 +90,7 @@ pub fn train_step_mixed<M: crate::nn::Module + ?Sized, B: MicroBatch>(
             Ok(StepReport {
                 loss,
                 skipped: !stepped,
-                scale: s.get_scale(),
+                scale: s.loss_scale(),
                 grad_norm: s.last_grad_norm(),
             })
         }

@@ -83,7 +83,7 @@ pub struct Trainer {
     pub step: usize,
     pub plan: MemoryPlan,
     /// Applied to the first micro-batch's loss of every step: the test-only
-    /// faults of [`fault`] (`None` unless `TINYLLM_FAULT` arms one).
+    /// faults of `train::fault` (`None` unless `TINYLLM_FAULT` arms one).
     pub loss_hook: Option<LossHook>,
     /// The last step's batch (to tell why its loss was not finite).
     last_batch: Option<Batch>,

@@ -6,7 +6,7 @@
 //!
 //! ## Batched submission
 //! Dispatches are recorded into one pending `CommandEncoder` and submitted
-//! together, only when needed: before a readback, when [`MAX_BATCH`] dispatches
+//! together, only when needed: before a readback, when [`MAX_PENDING_DISPATCHES`] dispatches
 //! are pending, or on an explicit [`Context::flush`]. Per-dispatch parameters
 //! are packed into one params buffer per batch (a 256-byte slot per dispatch),
 //! written with `queue.write_buffer` just before the submit — wgpu runs queued
@@ -23,7 +23,7 @@ use std::collections::HashMap;
 use std::sync::{mpsc, Arc, Mutex, OnceLock};
 
 /// Dispatches recorded before a submit is forced.
-pub const MAX_BATCH: usize = 64;
+pub const MAX_PENDING_DISPATCHES: usize = 64;
 /// Bytes of a params slot (a multiple of every device's storage offset alignment).
 const SLOT: u64 = 256;
 
@@ -282,7 +282,7 @@ impl Context {
         }
         let pipeline = self.pipeline(k)?;
         let mut pend = self.pending.lock().unwrap();
-        if pend.dispatches >= MAX_BATCH {
+        if pend.dispatches >= MAX_PENDING_DISPATCHES {
             self.submit(&mut pend);
         }
         self.ensure_batch(&mut pend);
@@ -337,7 +337,7 @@ impl Context {
         if pend.params_buf.is_none() {
             pend.params_buf = Some(self.device.create_buffer(&wgpu::BufferDescriptor {
                 label: Some("params"),
-                size: self.slot * MAX_BATCH as u64,
+                size: self.slot * MAX_PENDING_DISPATCHES as u64,
                 usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST,
                 mapped_at_creation: false,
             }));

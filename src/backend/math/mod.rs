@@ -86,7 +86,7 @@ const INF: u32 = 0x7f80_0000;
 ///
 /// Mantissas are divided in `[1, 2)` with a reciprocal from a linear guess and
 /// three Newton steps, then one Markstein correction `q + (a - q b) r`; the
-/// exponent is applied afterwards with [`scale2`]. (Written as
+/// exponent is applied afterwards with `scale2`. (Written as
 /// `Divisor::new(b).div(a)`: the same operations in the same order.)
 #[inline(always)]
 pub fn div(a: f32, b: f32) -> f32 {
@@ -237,14 +237,14 @@ pub fn div_hw(a: f32, b: f32) -> (f32, bool) {
 /// `sqrt(x)` with the contract's bits: the IEEE square root, NaNs made the
 /// canonical quiet NaN.
 ///
-/// The contract's algorithm is [`sqrt_soft`] (the twin of WGSL's `m_sqrt`). It
+/// The contract's algorithm is `sqrt_soft` (the twin of WGSL's `m_sqrt`). It
 /// is correctly rounded for **every** f32 input — `tests/rounding_exhaustive.rs`
 /// checks all 2^32 bit patterns against the platform square root, which Rust
 /// specifies as IEEE (correctly rounded) — so the CPU may use the hardware
 /// instruction and still produce exactly the GPU's bits, at a fraction of the
 /// cost. (Division has no such blanket shortcut: the soft division
 /// double-rounds subnormal results, and its pairs of inputs cannot be checked
-/// exhaustively; [`div_lanes`] takes the hardware's quotient only where it is
+/// exhaustively; `div_lanes` takes the hardware's quotient only where it is
 /// provably the same.)
 #[inline(always)]
 pub fn sqrt(x: f32) -> f32 {
@@ -293,7 +293,7 @@ pub fn rsqrt(x: f32) -> f32 {
 ///
 /// `x = n ln2 + r` with `|r| <= ln2/2` (ln2 split in two for an exact
 /// reduction), a degree-7 Taylor polynomial for `e^r` in Horner form, then
-/// `2^n` applied with [`scale2`].
+/// `2^n` applied with `scale2`.
 #[inline(always)]
 pub fn exp(x: f32) -> f32 {
     const HI: f32 = 88.72284; // above it e^x overflows
