@@ -2821,6 +2821,9 @@ fn non_numeric_config_values_and_non_finite_tensors_are_refused_on_load() {
     ] {
         let mut c: serde_json::Value = serde_json::from_slice(&pristine[0]).unwrap();
         c[k] = v.clone();
+        // the parser itself refuses it, whoever calls it
+        let e = LlamaConfig::from_hf_json(&c).unwrap_err().to_string();
+        assert!(e.contains(&format!("{k:?} must be a number")), "{e}");
         std::fs::write(dir.join("config.json"), serde_json::to_vec(&c).unwrap()).unwrap();
         rehash(&dir);
         let e = refused(&dir, &cfg, "config.json");

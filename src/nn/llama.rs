@@ -153,6 +153,18 @@ impl LlamaConfig {
                     crate::Error::config(format!("config.json: missing or invalid {k:?}"))
                 })
         };
+        // Optional numbers: absent takes the default, anything but a number is
+        // an error (a typo must not silently become the default).
+        for k in [
+            "rms_norm_eps",
+            "rope_theta",
+            "attention_dropout",
+            "tinyllm_dropout",
+        ] {
+            if let Some(x) = v.get(k).filter(|x| !x.is_number()) {
+                bail!(Config, "config.json: {k:?} must be a number, got {x}");
+            }
+        }
         let flt = |k: &str, d: f64| v.get(k).and_then(|x| x.as_f64()).unwrap_or(d);
         if let Some(t) = v.get("model_type").and_then(|x| x.as_str()) {
             if t != "llama" {

@@ -454,22 +454,6 @@ impl Verified {
     pub fn config(&self) -> Result<LlamaConfig> {
         let v: serde_json::Value = serde_json::from_slice(self.file(CONFIG_FILE)?)
             .map_err(|e| Error::checkpoint(format!("{}/{CONFIG_FILE}: {e}", self.dir.display())))?;
-        // Optional numbers: absent takes the default, anything but a number
-        // is an error (a typo must not silently become the default).
-        for k in [
-            "rms_norm_eps",
-            "rope_theta",
-            "attention_dropout",
-            "tinyllm_dropout",
-        ] {
-            if let Some(x) = v.get(k).filter(|x| !x.is_number()) {
-                bail!(
-                    Checkpoint,
-                    "{}/{CONFIG_FILE}: {k:?} must be a number, got {x}",
-                    self.dir.display()
-                );
-            }
-        }
         let cfg = LlamaConfig::from_hf_json(&v).map_err(|e| e.context(self.dir.display()))?;
         crate::train::config::check_model_size(&cfg)
             .map_err(|e| e.context(format!("{}/{CONFIG_FILE}", self.dir.display())))?;

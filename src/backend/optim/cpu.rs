@@ -193,7 +193,17 @@ mod tests {
         let g: Vec<f32> = (0..n).map(|_| next(1e-2)).collect();
         let m: Vec<f32> = (0..n).map(|_| next(1e-3)).collect();
         let v: Vec<f32> = (0..n).map(|_| next(1e-5).abs()).collect();
-        let c = crate::bench::adamw_consts();
+        // step 10 of lr 3e-4, weight decay 0.1, betas (0.9, 0.95)
+        let c = AdamWConsts {
+            decay: 0.99997,
+            beta1: 0.9,
+            omb1: 0.1,
+            beta2: 0.95,
+            omb2: 0.05,
+            step_size: 4.5649e-4,
+            bc2_sqrt: 0.7766,
+            eps: 1e-8,
+        };
         let (mut p1, mut m1, mut v1) = (p.clone(), m.clone(), v.clone());
         adamw_slices(&mut p1, &g, &mut m1, &mut v1, &c);
         let [ps, gs, ms, vs] = [p, g, m, v].map(CpuStorage::from_f32);
