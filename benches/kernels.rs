@@ -496,7 +496,7 @@ fn summary(cases: &[MatmulCase], n: usize) {
 fn main() {
     STARTED.set(std::time::SystemTime::now()).unwrap();
     // As the tinyllm binary does: freed buffers stay with the process.
-    tinyllm::memory::keep_freed_host_memory();
+    let _ = tinyllm::memory::keep_freed_host_memory();
     let full = std::env::var("TINYLLM_BENCH_FULL").is_ok_and(|v| v == "1");
     let mut c = Criterion::default()
         .sample_size(10)

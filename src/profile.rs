@@ -23,6 +23,47 @@ thread_local! {
     /// Wall time inside [`unpause`] guards while a profile runs.
     static WALL: Cell<Duration> = const { Cell::new(Duration::ZERO) };
     static TABLE: RefCell<HashMap<&'static str, (u64, Duration)>> = RefCell::new(HashMap::new());
+    static PRODUCTS: RefCell<HashMap<Product, (u64, Duration)>> = RefCell::new(HashMap::new());
+}
+
+/// A matrix product's shape: `batch` products of (m×k)·(k×n), operands
+/// transposed as stored. The profile times the products per shape too.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Product {
+    pub batch: usize,
+    pub m: usize,
+    pub k: usize,
+    pub n: usize,
+    pub trans_a: bool,
+    pub trans_b: bool,
+}
+
+impl Product {
+    /// Floating-point operations (a multiply-add is two).
+    pub fn flops(&self) -> f64 {
+        2.0 * (self.batch * self.m * self.k * self.n) as f64
+    }
+}
+
+impl std::fmt::Display for Product {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let t = |on: bool| if on { "ᵀ" } else { "" };
+        let b = if self.batch > 1 {
+            format!("{}× ", self.batch)
+        } else {
+            String::new()
+        };
+        write!(
+            f,
+            "{b}({}×{}){} · ({}×{}){}",
+            self.m,
+            self.k,
+            t(self.trans_a),
+            self.k,
+            self.n,
+            t(self.trans_b)
+        )
+    }
 }
 
 /// The scope name of the matrix products, the denominator's other half in
@@ -32,6 +73,7 @@ pub const MATMUL: &str = "matmul";
 /// Starts (or restarts, emptying the table) this thread's profile.
 pub fn start() {
     TABLE.with_borrow_mut(HashMap::clear);
+    PRODUCTS.with_borrow_mut(HashMap::clear);
     WALL.with(|w| w.set(Duration::ZERO));
     ON.with(|on| on.set(true));
 }
@@ -47,9 +89,16 @@ pub fn take() -> Option<Profile> {
             .collect()
     });
     rows.sort_by(|a, b| b.time.cmp(&a.time).then(a.name.cmp(b.name)));
+    let mut products: Vec<ProductRow> = PRODUCTS.with_borrow_mut(|t| {
+        t.drain()
+            .map(|(shape, (calls, time))| ProductRow { shape, calls, time })
+            .collect()
+    });
+    products.sort_by_key(|p| std::cmp::Reverse(p.time));
     let wall = WALL.with(Cell::get);
     Some(Profile {
         rows,
+        products,
         wall: (wall > Duration::ZERO).then_some(wall),
     })
 }
@@ -89,12 +138,22 @@ pub(crate) fn scope(name: &'static str) -> Scope {
     let on = ON.with(Cell::get) && PAUSED.with(Cell::get) <= 0;
     Scope {
         name,
+        product: None,
         t0: on.then(Instant::now),
     }
 }
 
+/// [`scope`] for a matrix product, also timed per shape.
+#[must_use]
+pub(crate) fn product_scope(shape: Product) -> Scope {
+    let mut s = scope(MATMUL);
+    s.product = Some(shape);
+    s
+}
+
 pub(crate) struct Scope {
     name: &'static str,
+    product: Option<Product>,
     t0: Option<Instant>,
 }
 
@@ -107,6 +166,13 @@ impl Drop for Scope {
                 e.0 += 1;
                 e.1 += dt;
             });
+            if let Some(p) = self.product {
+                PRODUCTS.with_borrow_mut(|t| {
+                    let e = t.entry(p).or_default();
+                    e.0 += 1;
+                    e.1 += dt;
+                });
+            }
         }
     }
 }
@@ -119,10 +185,27 @@ pub struct Row {
     pub time: Duration,
 }
 
+/// One product shape's calls and total time.
+#[derive(Clone, Debug)]
+pub struct ProductRow {
+    pub shape: Product,
+    pub calls: u64,
+    pub time: Duration,
+}
+
+impl ProductRow {
+    /// The rate the products of this shape ran at, in GFLOP/s.
+    pub fn gflops(&self) -> f64 {
+        self.shape.flops() * self.calls as f64 / self.time.as_secs_f64().max(1e-12) / 1e9
+    }
+}
+
 /// A finished profile: rows by descending time.
 #[derive(Clone, Debug)]
 pub struct Profile {
     pub rows: Vec<Row>,
+    /// The matrix products by shape, by descending time.
+    pub products: Vec<ProductRow>,
     /// Wall time inside [`unpause`] guards (a trainer's steps), if any.
     pub wall: Option<Duration>,
 }
@@ -170,6 +253,33 @@ impl std::fmt::Display for Profile {
             total * 1e3,
         )?;
         let mm = self.matmul().as_secs_f64();
+        if !self.products.is_empty() {
+            write!(
+                f,
+                "\n{:<40} {:>6} {:>11} {:>8}",
+                "matmul by shape", "calls", "ms", "GFLOP/s"
+            )?;
+            for p in &self.products {
+                write!(
+                    f,
+                    "\n{:<40} {:>6} {:>11.1} {:>8.1}",
+                    p.shape.to_string(),
+                    p.calls,
+                    p.time.as_secs_f64() * 1e3,
+                    p.gflops()
+                )?;
+            }
+            let flops: f64 = self
+                .products
+                .iter()
+                .map(|p| p.shape.flops() * p.calls as f64)
+                .sum();
+            write!(
+                f,
+                "\nall products: {:.1} GFLOP/s",
+                flops / mm.max(1e-12) / 1e9
+            )?;
+        }
         match self.wall {
             Some(w) => {
                 let w = w.as_secs_f64().max(1e-12);

@@ -579,7 +579,7 @@ fn private_runtime_dir() {}
 fn main() -> ExitCode {
     private_runtime_dir();
     let cli = Cli::parse();
-    tinyllm::memory::keep_freed_host_memory();
+    let _ = tinyllm::memory::keep_freed_host_memory();
     // TINYLLM_THREADS=n caps the CPU's threads for large products and AdamW
     // updates (results never depend on it).
     if let Ok(t) = std::env::var("TINYLLM_THREADS") {

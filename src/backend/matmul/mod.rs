@@ -39,7 +39,14 @@ pub trait MatmulOps: Sized {
 impl Storage {
     /// The contract's matmul; `self` is A, `rhs` is B.
     pub fn matmul(&self, rhs: &Storage, dims: MatmulDims, round: Option<Format>) -> Result<Storage> {
-        let _prof = crate::profile::scope(crate::profile::MATMUL);
+        let _prof = crate::profile::product_scope(crate::profile::Product {
+            batch: dims.batch,
+            m: dims.m,
+            k: dims.k,
+            n: dims.n,
+            trans_a: dims.trans_a,
+            trans_b: dims.trans_b,
+        });
         Ok(on_device!([self, rhs] => |a, b| a.matmul(b, dims, round)))
     }
 }
