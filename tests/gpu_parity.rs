@@ -429,22 +429,22 @@ fn softmax_forward_and_backward() {
             }
         }
         let (c, g) = pair(&x);
-        let yc = c.softmax_rows(rows, n).unwrap();
-        let yg = g.softmax_rows(rows, n).unwrap();
-        assert_bits(
-            &format!("softmax {rows}x{n}"),
-            &vals(&yc),
-            &vals(&yg),
-            &[&x],
-        );
         let gr: Vec<f32> = (0..rows * n).map(|_| rng.moderate()).collect();
         let (gc, gg) = pair(&gr);
-        assert_bits(
-            &format!("softmax backward {rows}x{n}"),
-            &vals(&yc.softmax_rows_backward(&gc, rows, n).unwrap()),
-            &vals(&yg.softmax_rows_backward(&gg, rows, n).unwrap()),
-            &[],
-        );
+        // plain, scaled, and attention's scaled + causal (masked keys are −inf
+        // whatever they hold, so the NaN and −inf rows also meet the mask)
+        for (scale, causal) in [(1.0, false), (0.125, false), (0.125, true), (0.3, true)] {
+            let what = format!("softmax {rows}x{n} scale {scale} causal {causal}");
+            let yc = c.softmax_rows(rows, n, scale, causal).unwrap();
+            let yg = g.softmax_rows(rows, n, scale, causal).unwrap();
+            assert_bits(&what, &vals(&yc), &vals(&yg), &[&x]);
+            assert_bits(
+                &format!("{what}: backward"),
+                &vals(&yc.softmax_rows_backward(&gc, rows, n, scale).unwrap()),
+                &vals(&yg.softmax_rows_backward(&gg, rows, n, scale).unwrap()),
+                &[],
+            );
+        }
     }
 }
 
@@ -480,11 +480,11 @@ fn softmax_of_causally_masked_rows() {
     extra(nan);
     let rows = x.len() / n;
     let (c, g) = pair(&x);
-    let yc = c.softmax_rows(rows, n).unwrap();
+    let yc = c.softmax_rows(rows, n, 1.0, false).unwrap();
     assert_bits(
         "masked softmax",
         &vals(&yc),
-        &vals(&g.softmax_rows(rows, n).unwrap()),
+        &vals(&g.softmax_rows(rows, n, 1.0, false).unwrap()),
         &[&x],
     );
     // and the CPU's shortcut is the full computation: the tails are +0
@@ -1062,7 +1062,7 @@ fn loops_longer_than_lavapipes_iteration_cap() {
     // Softmax rows run as one fused loop nest per row: on lavapipe a row this
     // long is refused with a clear error (never a silently truncated result);
     // elsewhere it matches.
-    let sm = g.softmax_rows(1, n);
+    let sm = g.softmax_rows(1, n, 1.0, false);
     if tinyllm::backend::gpu::adapter_name()
         .unwrap()
         .contains("llvmpipe")
@@ -1070,7 +1070,7 @@ fn loops_longer_than_lavapipes_iteration_cap() {
         let e = sm.unwrap_err().to_string();
         assert!(e.contains("loop limit"), "{e}");
     } else {
-        let want = vals(&c.softmax_rows(1, n).unwrap());
+        let want = vals(&c.softmax_rows(1, n, 1.0, false).unwrap());
         assert_bits("softmax row of 70001", &want, &vals(&sm.unwrap()), &[&x]);
     }
     // (1, k) @ (k, 2) with k past the cap

@@ -202,3 +202,34 @@ device_test!(gradients_of_shared_buffers_are_private, |dev| {
     clip_grad_norm_(std::slice::from_ref(&a), 0.5)?;
     assert_eq!(grad(&b), vec![1.0]);
 });
+
+// Attention's fused softmax is, bit for bit, the composition it replaces:
+// scale, causal mask, softmax — forward and backward.
+device_test!(causal_softmax_is_the_scaled_masked_softmax, |dev| {
+    for (shape, scale) in [
+        (vec![2, 3, 7, 7], 0.125),
+        (vec![5, 5], 1.0 / 5f64.sqrt()),
+        (vec![1, 1], 1.0),
+    ] {
+        let n: usize = shape.iter().product();
+        let x = t(&randv(n, 3, 12.0), &shape, dev);
+        let g = t(&randv(n, 4, 1.0), &shape, dev);
+        let fused = x.detach().requires_grad_(true);
+        let y = fused.causal_softmax(scale)?;
+        y.backward_with(&g)?;
+        let composed = x.detach().requires_grad_(true);
+        let z = composed.mul_scalar(scale)?.causal_mask()?.softmax()?;
+        z.backward_with(&g)?;
+        assert_eq!(bits(&vals(&y)), bits(&vals(&z)), "{shape:?} forward");
+        assert_eq!(
+            bits(&grad(&fused)),
+            bits(&grad(&composed)),
+            "{shape:?} backward"
+        );
+    }
+    assert!(x_err(&t(&[1.0; 6], &[2, 3], dev)).contains("square"));
+});
+
+fn x_err(x: &Tensor) -> String {
+    x.causal_softmax(0.5).unwrap_err().to_string()
+}

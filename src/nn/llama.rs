@@ -302,13 +302,10 @@ impl Attention {
         let q = apply_rope(&heads(&self.q_proj)?, &cos, &sin)?;
         let k = apply_rope(&heads(&self.k_proj)?, &cos, &sin)?;
         let v = heads(&self.v_proj)?;
-        // scores: (B,H,T,T) = q kᵀ / √D, future positions masked to −inf
-        let scores = q
-            .matmul_t(&k)?
-            .mul_scalar(1.0 / (d as f64).sqrt())?
-            .causal_mask()?;
+        // p: (B,H,T,T) = softmax(q kᵀ / √D), future positions masked
+        let scores = q.matmul_t(&k)?;
         let p = dropout(
-            &scores.softmax()?,
+            &scores.causal_softmax(1.0 / (d as f64).sqrt())?,
             self.dropout,
             &self.rng,
             self.training.get(),

@@ -10,20 +10,50 @@ impl Tensor {
     /// Softmax over the last axis: `x: (.., n) -> (.., n)`, one fused primitive
     /// each way (backward `y (g − Σ g y)`).
     pub fn softmax(&self) -> Result<Tensor> {
+        self.softmax_with(1.0, false)
+    }
+
+    /// Attention's softmax over scores `x: (.., t, t)`: `softmax(x · scale +
+    /// causal mask)` as one primitive each way — bit for bit the composition
+    /// `x.mul_scalar(scale)?.causal_mask()?.softmax()` for finite scores
+    /// (masked keys are −inf whatever they hold), without its two extra
+    /// passes over the scores forward and two backward. `scale > 0`.
+    pub fn causal_softmax(&self, scale: f64) -> Result<Tensor> {
+        let r = self.dims();
+        if r < 2 || self.shape()[r - 1] != self.shape()[r - 2] {
+            bail!(
+                Shape,
+                "causal_softmax needs square trailing axes, got {:?}",
+                self.shape()
+            );
+        }
+        let s = scale as f32;
+        if !(s > 0.0 && s.is_finite()) {
+            bail!(
+                Numerical,
+                "causal_softmax: the scale must be positive and finite (got {scale})"
+            );
+        }
+        self.softmax_with(s, true)
+    }
+
+    fn softmax_with(&self, scale: f32, causal: bool) -> Result<Tensor> {
         let n = *self
             .shape()
             .last()
             .ok_or_else(|| crate::Error::shape("softmax of a 0-d tensor"))?;
         let rows = numel(self.shape()) / n.max(1);
-        let s = self.storage().softmax_rows(rows, n)?;
+        let s = self.storage().softmax_rows(rows, n, scale, causal)?;
         let y = Tensor::from_storage(s.clone(), self.shape())?;
         Ok(Tensor::record(
             s,
             self.shape().to_vec(),
-            "softmax",
+            if causal { "causal_softmax" } else { "softmax" },
             &[self],
             move |g| {
-                let gs = y.storage().softmax_rows_backward(&g.storage(), rows, n)?;
+                let gs = y
+                    .storage()
+                    .softmax_rows_backward(&g.storage(), rows, n, scale)?;
                 Ok(vec![Some(Tensor::from_storage(gs, y.shape())?)])
             },
         ))

@@ -186,9 +186,12 @@ mod tests {
             .enumerate()
             .map(|(i, v)| if i % 32 > i / 32 { f32::NEG_INFINITY } else { v.clamp(-30.0, 30.0) })
             .collect();
-        let sm = st(masked).softmax_rows(32, 32).unwrap();
-        out.push(bits(&sm));
-        out.push(bits(&sm.softmax_rows_backward(&st(values(1024, 4)), 32, 32).unwrap()));
+        let masked = st(masked);
+        for (scale, causal) in [(1.0, false), (0.125, true)] {
+            let sm = masked.softmax_rows(32, 32, scale, causal).unwrap();
+            out.push(bits(&sm));
+            out.push(bits(&sm.softmax_rows_backward(&st(values(1024, 4)), 32, 32, scale).unwrap()));
+        }
         out.push(vec![Storage::sum_squares(&[&x, &y]).unwrap().to_bits()]);
         for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
             for round in [None, Some(Format::Bf16), Some(Format::Fp16)] {

@@ -10,12 +10,18 @@ impl ReduceOps for CpuStorage {
         Ok(both!(self, x => reduce_t(x, op, outer, r, inner)))
     }
 
-    fn softmax_rows(&self, rows: usize, n: usize) -> Result<CpuStorage> {
-        Ok(both!(self, x => softmax_t(x, rows, n)))
+    fn softmax_rows(&self, rows: usize, n: usize, scale: f32, causal: bool) -> Result<CpuStorage> {
+        Ok(both!(self, x => softmax_t(x, rows, n, scale, causal)))
     }
 
-    fn softmax_rows_backward(&self, g: &CpuStorage, rows: usize, n: usize) -> Result<CpuStorage> {
-        Ok(both2!(self, g, y, g => softmax_backward_t(y, g, rows, n)))
+    fn softmax_rows_backward(
+        &self,
+        g: &CpuStorage,
+        rows: usize,
+        n: usize,
+        scale: f32,
+    ) -> Result<CpuStorage> {
+        Ok(both2!(self, g, y, g => softmax_backward_t(y, g, rows, n, scale)))
     }
 
     fn chunk_sum_squares(bufs: &[&CpuStorage]) -> Result<Vec<f32>> {
@@ -92,8 +98,13 @@ fn live_len<T: Elem>(row: &[T]) -> usize {
 }
 
 simd::multiversion! {
-    fn softmax_t<T: Elem>(x: &[T], rows: usize, n: usize) -> Vec<T> {
+    fn softmax_t<T: Elem>(x: &[T], rows: usize, n: usize, scale: f32, causal: bool) -> Vec<T> {
         let x = &x[..rows * n];
+        let s = T::from_f64(scale as f64);
+        let scaled = |v: T| if scale == 1.0 { v } else { v.mul(s) };
+        // With `causal` row r may use its first `i + 1 = r mod n + 1` keys; the
+        // rest are −inf (`lim`).
+        let lim = |r: usize| if causal { r % n + 1 } else { n };
         let mut out = Vec::with_capacity(rows * n);
         if n == 0 {
             return out;
@@ -108,15 +119,29 @@ simd::multiversion! {
         // max's own exp(0)), and +0 / s = +0. So with a finite max the run's
         // outputs are +0 without computing them and neither fold visits it — bit
         // for bit what the full loops give. `live` is the rest of each row.
-        let unmasked: Vec<usize> = x.chunks_exact(n).map(live_len).collect();
-        let maxes = fold_ragged(x, n, &unmasked, T::NEG_INF, maximum);
+        //
+        // The max of the scaled values is the scaled max of the raw ones:
+        // multiplying by a positive scale and rounding is monotone, so it
+        // keeps the order (and maps −inf and NaN to themselves).
+        let unmasked: Vec<usize> = x
+            .chunks_exact(n)
+            .enumerate()
+            .map(|(r, row)| live_len(&row[..lim(r)]))
+            .collect();
+        let maxes: Vec<T> = fold_ragged(x, n, &unmasked, T::NEG_INF, maximum)
+            .into_iter()
+            .map(scaled)
+            .collect();
         let live: Vec<usize> = unmasked
             .iter()
             .zip(&maxes)
             .map(|(&l, m)| if m.is_finite() { l } else { n })
             .collect();
-        for ((row, &m), &l) in x.chunks_exact(n).zip(&maxes).zip(&live) {
-            out.extend(row[..l].iter().map(|&v| v.sub(m).exp()));
+        for (r, ((row, &m), &l)) in x.chunks_exact(n).zip(&maxes).zip(&live).enumerate() {
+            // a non-finite max computes the whole row: the masked keys as −inf
+            let k = l.min(lim(r));
+            out.extend(row[..k].iter().map(|&v| scaled(v).sub(m).exp()));
+            out.extend(std::iter::repeat_n(T::NEG_INF.sub(m).exp(), l - k));
             out.extend(std::iter::repeat_n(T::ZERO, n - l));
         }
         let sums = fold_ragged(&out, n, &live, T::NEG_ZERO, |a, y| a.add(y));
@@ -128,7 +153,8 @@ simd::multiversion! {
 }
 
 simd::multiversion! {
-    fn softmax_backward_t<T: Elem>(y: &[T], g: &[T], rows: usize, n: usize) -> Vec<T> {
+    fn softmax_backward_t<T: Elem>(y: &[T], g: &[T], rows: usize, n: usize, scale: f32) -> Vec<T> {
+        let s = T::from_f64(scale as f64);
         let mut out = Vec::with_capacity(rows * n);
         if n == 0 {
             return out;
@@ -138,7 +164,11 @@ simd::multiversion! {
                 .iter()
                 .zip(gr)
                 .fold(T::NEG_ZERO, |a, (&yv, &gv)| gv.fma(yv, a));
-            out.extend(yr.iter().zip(gr).map(|(&yv, &gv)| yv.mul(gv.sub(dot))));
+            if scale == 1.0 {
+                out.extend(yr.iter().zip(gr).map(|(&yv, &gv)| yv.mul(gv.sub(dot))));
+            } else {
+                out.extend(yr.iter().zip(gr).map(|(&yv, &gv)| yv.mul(gv.sub(dot)).mul(s)));
+            }
         }
         out
     }

@@ -13,8 +13,9 @@ gpu_params! {
 }
 
 gpu_params! {
-    /// `reduce.wgsl` `RowsParams`: softmax over `rows` rows of `n`.
-    pub struct RowsParams { rows: u32, n: u32 }
+    /// `reduce.wgsl` `RowsParams`: softmax over `rows` rows of `n`, of the
+    /// values times `scale` (f32 bits), causally masked when `causal` is 1.
+    pub struct RowsParams { rows: u32, n: u32, scale: u32, causal: u32 }
 }
 
 gpu_params! {
@@ -87,7 +88,7 @@ impl ReduceOps for GpuStorage {
     }
 
     /// One invocation per row.
-    fn softmax_rows(&self, rows: usize, n: usize) -> Result<GpuStorage> {
+    fn softmax_rows(&self, rows: usize, n: usize, scale: f32, causal: bool) -> Result<GpuStorage> {
         let c = ctx()?;
         check_row_loops(c, "softmax", 3 * n)?;
         let out = GpuStorage::alloc(c, rows * n)?;
@@ -97,12 +98,20 @@ impl ReduceOps for GpuStorage {
         let prm = RowsParams {
             rows: u32_of(rows, "rows")?,
             n: u32_of(n, "n")?,
+            scale: scale.to_bits(),
+            causal: causal as u32,
         };
         c.dispatch(&SOFTMAX, &prm, &[self.buf(), out.buf()], grid1d(rows))?;
         Ok(out)
     }
 
-    fn softmax_rows_backward(&self, g: &GpuStorage, rows: usize, n: usize) -> Result<GpuStorage> {
+    fn softmax_rows_backward(
+        &self,
+        g: &GpuStorage,
+        rows: usize,
+        n: usize,
+        scale: f32,
+    ) -> Result<GpuStorage> {
         let c = ctx()?;
         check_row_loops(c, "softmax backward", 2 * n)?;
         let out = GpuStorage::alloc(c, rows * n)?;
@@ -112,6 +121,8 @@ impl ReduceOps for GpuStorage {
         let prm = RowsParams {
             rows: u32_of(rows, "rows")?,
             n: u32_of(n, "n")?,
+            scale: scale.to_bits(),
+            causal: 0,
         };
         c.dispatch(
             &SOFTMAX_BACKWARD,

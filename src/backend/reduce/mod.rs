@@ -6,10 +6,17 @@
 //!   `acc = −0; for k ascending: acc = acc + x` (−0 is the exact identity).
 //! * `reduce(Max)`: `acc = −inf; for k ascending: acc = maximum(acc, x)`
 //!   (NaN propagates, `+0` over `−0`).
-//! * `softmax_rows` over rows of `n`: `m` = the row's max (the Max order),
-//!   `e = exp(x − m)`, `s = Σ e` ascending from −0, `y = div(e, s)`.
-//! * `softmax_rows_backward` from the output `y` and upstream `g`:
-//!   `dot = Σ g·y` ascending from −0 as `fma(g, y, dot)`, `dx = y · (g − dot)`.
+//! * `softmax_rows` over rows of `n`, with a `scale > 0` and a `causal` flag:
+//!   the row's values are `v_j = x_j · scale` (`x_j` itself when `scale` is 1),
+//!   and with `causal` row `r` is query position `i = r mod n`, whose keys
+//!   `j > i` are `v_j = −inf` whatever `x_j` holds; then `m` = the max of the
+//!   `v` (the Max order), `e = exp(v − m)`, `s = Σ e` ascending from −0,
+//!   `y = div(e, s)`. For finite `x` this is bit for bit the composition
+//!   `softmax(x · scale + mask)` of the separate ops (`x·s + 0 = x·s` up to the
+//!   sign of a zero, which `v − m` does not see), without its two passes.
+//! * `softmax_rows_backward` from the output `y`, upstream `g` and the same
+//!   `scale`: `dot = Σ g·y` ascending from −0 as `fma(g, y, dot)` over the
+//!   whole row, `dx = y · (g − dot)`, then `dx · scale` (unless `scale` is 1).
 //! * `sum_squares` over buffers: `total = Σ_buffers Σ_chunks (Σ_{i in chunk}
 //!   x_i² by fma, ascending from −0)`, chunks of [`NORM_CHUNK`] elements, the
 //!   chunk partials added in order on the host.
@@ -65,10 +72,11 @@ pub fn wgsl_consts() -> String {
 pub trait ReduceOps: Sized {
     /// `(outer, r, inner) -> (outer, inner)`.
     fn reduce(&self, op: ReduceOp, outer: usize, r: usize, inner: usize) -> Result<Self>;
-    /// Softmax over the rows of `(rows, n)`.
-    fn softmax_rows(&self, rows: usize, n: usize) -> Result<Self>;
-    /// Softmax backward, `self` the forward's output `y`.
-    fn softmax_rows_backward(&self, g: &Self, rows: usize, n: usize) -> Result<Self>;
+    /// Softmax over the rows of `(rows, n)` of `x · scale`, causally masked
+    /// when `causal`.
+    fn softmax_rows(&self, rows: usize, n: usize, scale: f32, causal: bool) -> Result<Self>;
+    /// Softmax backward, `self` the forward's output `y`, times `scale`.
+    fn softmax_rows_backward(&self, g: &Self, rows: usize, n: usize, scale: f32) -> Result<Self>;
     /// Every buffer's chunk partials of the sum of squares, in buffer order.
     fn chunk_sum_squares(bufs: &[&Self]) -> Result<Vec<f32>>;
 }
@@ -81,16 +89,26 @@ impl Storage {
         Ok(on_device!([self] => |x| x.reduce(op, outer, r, inner)))
     }
 
-    /// Row softmax over the last axis of `(rows, n)`.
-    pub fn softmax_rows(&self, rows: usize, n: usize) -> Result<Storage> {
+    /// Row softmax over the last axis of `(rows, n)` of `x · scale` (`scale >
+    /// 0`), with keys after the query position masked when `causal` (see the
+    /// contract).
+    pub fn softmax_rows(&self, rows: usize, n: usize, scale: f32, causal: bool) -> Result<Storage> {
         let _prof = crate::profile::scope("softmax");
-        Ok(on_device!([self] => |x| x.softmax_rows(rows, n)))
+        debug_assert!(scale > 0.0 && scale.is_finite());
+        Ok(on_device!([self] => |x| x.softmax_rows(rows, n, scale, causal)))
     }
 
-    /// Softmax backward from its output `self` and the upstream gradient.
-    pub fn softmax_rows_backward(&self, grad: &Storage, rows: usize, n: usize) -> Result<Storage> {
+    /// Softmax backward from its output `self` and the upstream gradient,
+    /// times the forward's `scale`.
+    pub fn softmax_rows_backward(
+        &self,
+        grad: &Storage,
+        rows: usize,
+        n: usize,
+        scale: f32,
+    ) -> Result<Storage> {
         let _prof = crate::profile::scope("softmax backward");
-        Ok(on_device!([self, grad] => |y, g| y.softmax_rows_backward(g, rows, n)))
+        Ok(on_device!([self, grad] => |y, g| y.softmax_rows_backward(g, rows, n, scale)))
     }
 
     /// Sum of squares of all elements of all buffers, as f32 (see the

@@ -57,11 +57,25 @@ fn reduce(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups:
 }
 
 // ---- softmax over rows: x: (rows, n) -> y: (rows, n) ----
-// m = max (the Max order), e = exp(x - m), s = Σ e ascending from -0, y = div(e, s).
+// v = x * scale (x when scale is 1); causal: v = -inf for keys j > i = row mod n.
+// m = max of v (the Max order), e = exp(v - m), s = Σ e ascending from -0, y = div(e, s).
 
 struct RowsParams {
     rows: u32,
     n: u32,
+    scale: u32,  // f32 bits; the backward multiplies dx by it
+    causal: u32, // 1: mask the keys after the query position (forward only)
+}
+
+fn sm_value(x: f32, j: u32, i: u32) -> f32 {
+    if s_prm.causal != 0u && j > i {
+        return bitcast<f32>(0xff800000u);
+    }
+    let scale = bitcast<f32>(s_prm.scale);
+    if scale != 1.0 {
+        return x * scale;
+    }
+    return x;
 }
 
 @group(0) @binding(0) var<storage, read> s_prm: RowsParams;
@@ -77,13 +91,14 @@ fn softmax_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) g
     }
     let n = s_prm.n;
     let base = row * n;
+    let i = row % n;
     var m = bitcast<f32>(0xff800000u);
     for (var j = 0u; j < n; j++) {
-        m = maximum_c(m, s_x[base + j]);
+        m = maximum_c(m, sm_value(s_x[base + j], j, i));
     }
     var s = -0.0;
     for (var j = 0u; j < n; j++) {
-        let e = m_exp(s_x[base + j] - m);
+        let e = m_exp(sm_value(s_x[base + j], j, i) - m);
         s_y[base + j] = e;
         s = s + e;
     }
@@ -113,8 +128,13 @@ fn softmax_rows_backward(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_work
     for (var j = 0u; j < n; j++) {
         dot = fma_c(sb_g[base + j], sb_y[base + j], dot);
     }
+    let scale = bitcast<f32>(sb_prm.scale);
     for (var j = 0u; j < n; j++) {
-        sb_dx[base + j] = sb_y[base + j] * (sb_g[base + j] - dot);
+        var dx = sb_y[base + j] * (sb_g[base + j] - dot);
+        if scale != 1.0 {
+            dx = dx * scale;
+        }
+        sb_dx[base + j] = dx;
     }
 }
 
