@@ -1,9 +1,12 @@
 //! The CPU reference of the reductions.
 
 use super::{ReduceOp, ReduceOps, NORM_CHUNK};
-use crate::backend::cpu::{both, both2, fold_ragged, for_lanes_mut, maximum, simd, CpuStorage, Elem};
+use crate::backend::cpu::{
+    both, both2, cpu_threads, fold_ragged, for_lanes_mut, maximum, simd, CpuStorage, Elem,
+};
 use crate::backend::math::LANES;
 use crate::Result;
+use rayon::prelude::*;
 
 impl ReduceOps for CpuStorage {
     fn reduce(&self, op: ReduceOp, outer: usize, r: usize, inner: usize) -> Result<CpuStorage> {
@@ -11,7 +14,9 @@ impl ReduceOps for CpuStorage {
     }
 
     fn softmax_rows(&self, rows: usize, n: usize, scale: f32, causal: bool) -> Result<CpuStorage> {
-        Ok(both!(self, x => softmax_t(x, rows, n, scale, causal)))
+        Ok(both!(self, x => by_row_blocks(rows, n, |r0, k| {
+            softmax_t(&x[r0 * n..(r0 + k) * n], r0, k, n, scale, causal)
+        })))
     }
 
     fn softmax_rows_backward(
@@ -21,7 +26,10 @@ impl ReduceOps for CpuStorage {
         n: usize,
         scale: f32,
     ) -> Result<CpuStorage> {
-        Ok(both2!(self, g, y, g => softmax_backward_t(y, g, rows, n, scale)))
+        Ok(both2!(self, g, y, g => by_row_blocks(rows, n, |r0, k| {
+            let span = r0 * n..(r0 + k) * n;
+            softmax_backward_t(&y[span.clone()], &g[span], k, n, scale)
+        })))
     }
 
     fn chunk_sum_squares(bufs: &[&CpuStorage]) -> Result<Vec<f32>> {
@@ -42,6 +50,29 @@ simd::multiversion! {
             })
             .collect()
     }
+}
+
+/// Rows from this many values are split over the threads: each row's
+/// softmax is independent of the others, so the bits do not depend on it.
+const THREADED_ROW_ELEMS: usize = 1 << 20;
+
+/// `f(first_row, rows)` over one block of whole rows per thread (from
+/// [`THREADED_ROW_ELEMS`] values), the blocks' outputs joined in order.
+fn by_row_blocks<T: Elem>(
+    rows: usize,
+    n: usize,
+    f: impl Fn(usize, usize) -> Vec<T> + Sync,
+) -> Vec<T> {
+    let threads = cpu_threads();
+    if rows * n < THREADED_ROW_ELEMS || rows < 2 || threads == 1 {
+        return f(0, rows);
+    }
+    let per = rows.div_ceil(threads);
+    let blocks: Vec<Vec<T>> = (0..rows.div_ceil(per))
+        .into_par_iter()
+        .map(|b| f(b * per, per.min(rows - b * per)))
+        .collect();
+    blocks.concat()
 }
 
 simd::multiversion! {
@@ -98,13 +129,21 @@ fn live_len<T: Elem>(row: &[T]) -> usize {
 }
 
 simd::multiversion! {
-    fn softmax_t<T: Elem>(x: &[T], rows: usize, n: usize, scale: f32, causal: bool) -> Vec<T> {
+    /// Rows `first_row ..` of a softmax (`first_row` places the causal mask).
+    fn softmax_t<T: Elem>(
+        x: &[T],
+        first_row: usize,
+        rows: usize,
+        n: usize,
+        scale: f32,
+        causal: bool,
+    ) -> Vec<T> {
         let x = &x[..rows * n];
         let s = T::from_f64(scale as f64);
         let scaled = |v: T| if scale == 1.0 { v } else { v.mul(s) };
         // With `causal` row r may use its first `i + 1 = r mod n + 1` keys; the
         // rest are −inf (`lim`).
-        let lim = |r: usize| if causal { r % n + 1 } else { n };
+        let lim = |r: usize| if causal { (first_row + r) % n + 1 } else { n };
         let mut out = Vec::with_capacity(rows * n);
         if n == 0 {
             return out;
@@ -140,7 +179,12 @@ simd::multiversion! {
         for (r, ((row, &m), &l)) in x.chunks_exact(n).zip(&maxes).zip(&live).enumerate() {
             // a non-finite max computes the whole row: the masked keys as −inf
             let k = l.min(lim(r));
-            out.extend(row[..k].iter().map(|&v| scaled(v).sub(m).exp()));
+            // two loops, not a branch in one: each stays a vectorised exp
+            if scale == 1.0 {
+                out.extend(row[..k].iter().map(|&v| v.sub(m).exp()));
+            } else {
+                out.extend(row[..k].iter().map(|&v| v.mul(s).sub(m).exp()));
+            }
             out.extend(std::iter::repeat_n(T::NEG_INF.sub(m).exp(), l - k));
             out.extend(std::iter::repeat_n(T::ZERO, n - l));
         }
@@ -171,5 +215,37 @@ simd::multiversion! {
             }
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::backend::cpu::set_cpu_threads;
+    use crate::backend::{Device, Storage};
+
+    /// Softmax rows split over threads give the one-thread bits: the causal
+    /// mask follows each block's first row, the last block is ragged.
+    #[test]
+    fn threaded_softmax_gives_the_one_thread_bits() {
+        let (rows, n) = (2 * 1025 + 3, 512); // above THREADED_ROW_ELEMS
+        let gen = crate::Generator::new(5);
+        let st = |v: Vec<f32>| Storage::from_f32(v, Device::Cpu).unwrap();
+        let x = st(gen.uniform(rows * n).iter().map(|u| (u - 0.5) * 40.0).collect());
+        let g = st(gen.uniform(rows * n));
+        let bits = |s: Storage| -> Vec<u32> {
+            s.to_vec_f32().unwrap().iter().map(|v| v.to_bits()).collect()
+        };
+        let run = || {
+            let y = x.softmax_rows(rows, n, 0.125, true).unwrap();
+            let dx = y.softmax_rows_backward(&g, rows, n, 0.125).unwrap();
+            (bits(y), bits(dx))
+        };
+        set_cpu_threads(Some(1));
+        let one = run();
+        set_cpu_threads(Some(3));
+        let three = run();
+        set_cpu_threads(None);
+        assert!(one.0 == three.0, "forward differs with threads");
+        assert!(one.1 == three.1, "backward differs with threads");
     }
 }
