@@ -12,6 +12,7 @@
 //! `tinyllm train --profile` prints it for the training steps; it is how the
 //! share of the step spent outside matrix products is measured (BENCHMARKS.md).
 
+use crate::gpu::GpuCounters;
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -22,6 +23,8 @@ thread_local! {
     static PAUSED: Cell<i32> = const { Cell::new(0) };
     /// Wall time inside [`unpause`] guards while a profile runs.
     static WALL: Cell<Duration> = const { Cell::new(Duration::ZERO) };
+    /// GPU work recorded inside [`unpause`] guards while a profile runs.
+    static GPU: Cell<GpuCounters> = Cell::new(GpuCounters::default());
     static TABLE: RefCell<HashMap<&'static str, (u64, Duration)>> = RefCell::new(HashMap::new());
     static PRODUCTS: RefCell<HashMap<Product, (u64, Duration)>> = RefCell::new(HashMap::new());
 }
@@ -75,6 +78,7 @@ pub fn start() {
     TABLE.with_borrow_mut(HashMap::clear);
     PRODUCTS.with_borrow_mut(HashMap::clear);
     WALL.with(|w| w.set(Duration::ZERO));
+    GPU.with(|g| g.set(GpuCounters::default()));
     ON.with(|on| on.set(true));
 }
 
@@ -96,9 +100,11 @@ pub fn take() -> Option<Profile> {
     });
     products.sort_by_key(|p| std::cmp::Reverse(p.time));
     let wall = WALL.with(Cell::get);
+    let gpu = GPU.with(Cell::get);
     Some(Profile {
         rows,
         products,
+        gpu: (gpu.dispatches > 0).then_some(gpu),
         wall: (wall > Duration::ZERO).then_some(wall),
     })
 }
@@ -116,18 +122,31 @@ pub fn pause() -> Pause {
 /// everything between the primitives: graph bookkeeping, allocation).
 pub fn unpause() -> Pause {
     PAUSED.with(|p| p.set(p.get() - 1));
-    Pause(-1, ON.with(Cell::get).then(Instant::now))
+    Pause(
+        -1,
+        ON.with(Cell::get)
+            .then(|| (Instant::now(), GpuCounters::now())),
+    )
 }
 
 /// Restores the pause state when dropped.
 #[must_use]
-pub struct Pause(i32, Option<Instant>);
+pub struct Pause(i32, Option<(Instant, GpuCounters)>);
 
 impl Drop for Pause {
     fn drop(&mut self) {
         PAUSED.with(|p| p.set(p.get() - self.0));
-        if let Some(t0) = self.1 {
+        if let Some((t0, g0)) = self.1 {
             WALL.with(|w| w.set(w.get() + t0.elapsed()));
+            let d = GpuCounters::now().since(g0);
+            GPU.with(|g| {
+                let s = g.get();
+                g.set(GpuCounters {
+                    dispatches: s.dispatches + d.dispatches,
+                    submits: s.submits + d.submits,
+                    readbacks: s.readbacks + d.readbacks,
+                })
+            });
         }
     }
 }
@@ -208,6 +227,9 @@ pub struct Profile {
     pub products: Vec<ProductRow>,
     /// Wall time inside [`unpause`] guards (a trainer's steps), if any.
     pub wall: Option<Duration>,
+    /// GPU dispatches, submits and readbacks inside those guards, if any
+    /// (counted across threads: run one profile at a time).
+    pub gpu: Option<GpuCounters>,
 }
 
 impl Profile {
@@ -253,6 +275,13 @@ impl std::fmt::Display for Profile {
             total * 1e3,
         )?;
         let mm = self.matmul().as_secs_f64();
+        if let Some(g) = self.gpu {
+            write!(
+                f,
+                "\nGPU work: {} dispatches, {} queue submits, {} readbacks",
+                g.dispatches, g.submits, g.readbacks
+            )?;
+        }
         if !self.products.is_empty() {
             write!(
                 f,

@@ -340,11 +340,20 @@ fn cmd_train(a: TrainArgs) -> tinyllm::Result<ExitCode> {
         return Ok(ExitCode::from(128 + sig as u8));
     }
     if let Some(p) = tinyllm::profile::take() {
+        let steps = summary.history.len();
         out!(
-            "\nprofile of {} training steps ({} device):\n{p}",
-            summary.history.len(),
+            "\nprofile of {steps} training steps ({} device):\n{p}",
             summary.device
         );
+        if let (Some(g), true) = (p.gpu, steps > 0) {
+            let per = |x: u64| x as f64 / steps as f64;
+            out!(
+                "per optimizer step: {:.1} dispatches, {:.1} queue submits, {:.1} readbacks",
+                per(g.dispatches),
+                per(g.submits),
+                per(g.readbacks)
+            );
+        }
     }
     let ck = summary.out.join("checkpoint");
     let model = checkpoint::load_model(&ck, summary.device)?;

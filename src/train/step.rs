@@ -35,17 +35,22 @@ pub fn grad_accumulate<M: ?Sized, B: MicroBatch>(
     if total == 0 {
         bail!(Shape, "grad_accumulate: no rows in the micro-batches");
     }
-    let mut loss = 0.0f64;
+    // The losses stay on the device until every micro-batch has run: one
+    // readback for the step, not one per micro-batch (each is a GPU sync).
+    let mut losses = Vec::with_capacity(micro_batches.len());
     for mb in micro_batches {
         let w = mb.rows() as f64 / total as f64;
         let li = loss_fn(mb)?;
         let weighted = li.mul_scalar(w)?;
-        loss += w * li.item()?;
+        losses.push((w, li.detach().reshape(&[1])?));
         match scaler {
             Some(s) => s.scale_loss(&weighted)?.backward()?,
             None => weighted.backward()?,
         }
     }
+    let parts: Vec<&Tensor> = losses.iter().map(|(_, l)| l).collect();
+    let values = Tensor::cat(&parts, 0)?.to_vec_f64()?;
+    let loss = (losses.iter().zip(values)).fold(0.0f64, |acc, ((w, _), v)| acc + w * v);
     Ok(loss as f32)
 }
 
