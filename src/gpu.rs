@@ -2,7 +2,7 @@
 //! synchronisation for timing. Tensors go to the GPU with
 //! [`Device::Gpu`](crate::Device); the device is created on first use.
 
-pub use crate::backend::gpu::context::GpuCounters;
 pub use crate::backend::gpu::{
     adapter, adapter_name, flush, gpu_pool_bytes as pool_bytes, sync, AdapterInfo,
 };
+pub use crate::profile::GpuCounters;

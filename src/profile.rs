@@ -12,9 +12,9 @@
 //! `tinyllm train --profile` prints it for the training steps; it is how the
 //! share of the step spent outside matrix products is measured (BENCHMARKS.md).
 
-use crate::gpu::GpuCounters;
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 thread_local! {
@@ -66,6 +66,57 @@ impl std::fmt::Display for Product {
             self.n,
             t(self.trans_b)
         )
+    }
+}
+
+/// Kernel dispatches recorded, queue submits and host readbacks, since the
+/// process started (all threads): what `--profile` reports per step.
+static DISPATCHES: AtomicU64 = AtomicU64::new(0);
+static SUBMITS: AtomicU64 = AtomicU64::new(0);
+static READBACKS: AtomicU64 = AtomicU64::new(0);
+
+/// What the GPU context reports to [`note_gpu`].
+pub(crate) enum GpuEvent {
+    Dispatch,
+    Submit,
+    Readback,
+}
+
+/// Counts one GPU event (the GPU context calls it; always on: one atomic add).
+pub(crate) fn note_gpu(e: GpuEvent) {
+    match e {
+        GpuEvent::Dispatch => &DISPATCHES,
+        GpuEvent::Submit => &SUBMITS,
+        GpuEvent::Readback => &READBACKS,
+    }
+    .fetch_add(1, Ordering::Relaxed);
+}
+
+/// The GPU work counters so far.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GpuCounters {
+    pub dispatches: u64,
+    pub submits: u64,
+    pub readbacks: u64,
+}
+
+impl GpuCounters {
+    /// The counts so far.
+    pub fn now() -> GpuCounters {
+        GpuCounters {
+            dispatches: DISPATCHES.load(Ordering::Relaxed),
+            submits: SUBMITS.load(Ordering::Relaxed),
+            readbacks: READBACKS.load(Ordering::Relaxed),
+        }
+    }
+
+    /// The work done since `earlier`.
+    pub fn since(self, earlier: GpuCounters) -> GpuCounters {
+        GpuCounters {
+            dispatches: self.dispatches - earlier.dispatches,
+            submits: self.submits - earlier.submits,
+            readbacks: self.readbacks - earlier.readbacks,
+        }
     }
 }
 

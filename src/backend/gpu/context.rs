@@ -20,41 +20,7 @@ use super::pipelines::{self, Kernel};
 use bytemuck::Pod;
 use crate::{Error, Result};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex, OnceLock};
-
-/// Kernel dispatches recorded, queue submits and host readbacks, since the
-/// process started (all threads): what `--profile` reports per step.
-static DISPATCHES: AtomicU64 = AtomicU64::new(0);
-static SUBMITS: AtomicU64 = AtomicU64::new(0);
-static READBACKS: AtomicU64 = AtomicU64::new(0);
-
-/// The GPU work counters so far.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct GpuCounters {
-    pub dispatches: u64,
-    pub submits: u64,
-    pub readbacks: u64,
-}
-
-impl GpuCounters {
-    pub fn now() -> GpuCounters {
-        GpuCounters {
-            dispatches: DISPATCHES.load(Ordering::Relaxed),
-            submits: SUBMITS.load(Ordering::Relaxed),
-            readbacks: READBACKS.load(Ordering::Relaxed),
-        }
-    }
-
-    /// The work done since `earlier`.
-    pub fn since(self, earlier: GpuCounters) -> GpuCounters {
-        GpuCounters {
-            dispatches: self.dispatches - earlier.dispatches,
-            submits: self.submits - earlier.submits,
-            readbacks: self.readbacks - earlier.readbacks,
-        }
-    }
-}
 
 /// Dispatches recorded before a submit is forced.
 pub const MAX_PENDING_DISPATCHES: usize = 64;
@@ -322,7 +288,7 @@ impl Context {
         self.ensure_batch(&mut pend);
         let slot = pend.dispatches as u64;
         pend.dispatches += 1;
-        DISPATCHES.fetch_add(1, Ordering::Relaxed);
+        crate::profile::note_gpu(crate::profile::GpuEvent::Dispatch);
         let off = (slot * self.slot) as usize;
         let bytes: &[u8] = bytemuck::bytes_of(params);
         assert!(
@@ -389,7 +355,7 @@ impl Context {
                 }
             }
             self.queue.submit([enc.finish()]);
-            SUBMITS.fetch_add(1, Ordering::Relaxed);
+            crate::profile::note_gpu(crate::profile::GpuEvent::Submit);
         }
         pend.params.clear();
         pend.dispatches = 0;
@@ -485,7 +451,7 @@ impl Context {
         if bytes == 0 {
             return Ok(Vec::new());
         }
-        READBACKS.fetch_add(1, Ordering::Relaxed);
+        crate::profile::note_gpu(crate::profile::GpuEvent::Readback);
         let size = bytes.next_multiple_of(4);
         let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("readback"),
