@@ -15,7 +15,9 @@ Each find block must occur exactly once in the whole crate (src/**/*.rs and
 *.wgsl), compared line by line with leading and trailing whitespace ignored:
 no file name and no line number, so moving code between files, reformatting
 it or editing elsewhere does not break a mutant. A block found nowhere or
-more than once is an error (exit 2), never a silent no-op.
+more than once is an error (exit 2), never a silent no-op; the test suite
+(tests/mutants_anchor.rs) checks that every find block still occurs exactly
+once, so an edit that moves a mutant's code fails CI, not the next mutant run.
 
 usage: apply.py MUTANT TREE
 """
