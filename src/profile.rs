@@ -112,10 +112,19 @@ impl GpuCounters {
 
     /// The work done since `earlier`.
     pub fn since(self, earlier: GpuCounters) -> GpuCounters {
+        self.zip(earlier, |a, b| a - b)
+    }
+
+    /// Both counts together.
+    pub fn plus(self, other: GpuCounters) -> GpuCounters {
+        self.zip(other, |a, b| a + b)
+    }
+
+    fn zip(self, o: GpuCounters, f: impl Fn(u64, u64) -> u64) -> GpuCounters {
         GpuCounters {
-            dispatches: self.dispatches - earlier.dispatches,
-            submits: self.submits - earlier.submits,
-            readbacks: self.readbacks - earlier.readbacks,
+            dispatches: f(self.dispatches, o.dispatches),
+            submits: f(self.submits, o.submits),
+            readbacks: f(self.readbacks, o.readbacks),
         }
     }
 }
@@ -190,14 +199,7 @@ impl Drop for Pause {
         if let Some((t0, g0)) = self.1 {
             WALL.with(|w| w.set(w.get() + t0.elapsed()));
             let d = GpuCounters::now().since(g0);
-            GPU.with(|g| {
-                let s = g.get();
-                g.set(GpuCounters {
-                    dispatches: s.dispatches + d.dispatches,
-                    submits: s.submits + d.submits,
-                    readbacks: s.readbacks + d.readbacks,
-                })
-            });
+            GPU.with(|g| g.set(g.get().plus(d)));
         }
     }
 }

@@ -33,21 +33,23 @@ impl ReduceOps for CpuStorage {
     }
 
     fn chunk_sum_squares(bufs: &[&CpuStorage]) -> Result<Vec<f32>> {
-        let bufs: Vec<Vec<f32>> = bufs.iter().map(|b| b.to_vec_f32()).collect();
-        Ok(chunk_sums_of_squares(&bufs))
+        // one buffer at a time, f32 buffers read in place (no copy of every gradient)
+        Ok(bufs
+            .iter()
+            .flat_map(|b| match b {
+                CpuStorage::F32(v) => chunk_sums_of_squares(&v.get()),
+                other => chunk_sums_of_squares(&other.to_vec_f32()),
+            })
+            .collect())
     }
 }
 
 simd::multiversion! {
-    /// Each buffer's chunks of [`NORM_CHUNK`] values, each `fma(v, v, acc)`
+    /// One buffer's chunks of [`NORM_CHUNK`] values, each `fma(v, v, acc)`
     /// from -0 in order.
-    fn chunk_sums_of_squares(bufs: &[Vec<f32>]) -> Vec<f32> {
-        bufs.iter()
-            .flat_map(|b| {
-                b.chunks(NORM_CHUNK)
-                    .map(|c| c.iter().fold(-0.0f32, |a, &v| v.mul_add(v, a)))
-                    .collect::<Vec<f32>>()
-            })
+    fn chunk_sums_of_squares(b: &[f32]) -> Vec<f32> {
+        b.chunks(NORM_CHUNK)
+            .map(|c| c.iter().fold(-0.0f32, |a, &v| v.mul_add(v, a)))
             .collect()
     }
 }
