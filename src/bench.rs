@@ -136,6 +136,7 @@ impl MatmulCase {
                 trans_b: tb,
                 a_batch_stride: m * k,
                 b_batch_stride: k * n,
+                causal: Default::default(),
             },
         }
     }

@@ -39,12 +39,15 @@ pub struct Product {
     pub n: usize,
     pub trans_a: bool,
     pub trans_b: bool,
+    /// The multiply-adds of one batch entry actually done: `m·k·n`, or about
+    /// half of it for a causal product.
+    pub macs: usize,
 }
 
 impl Product {
-    /// Floating-point operations (a multiply-add is two).
+    /// Floating-point operations done (a multiply-add is two).
     pub fn flops(&self) -> f64 {
-        2.0 * (self.batch * self.m * self.k * self.n) as f64
+        2.0 * (self.batch * self.macs) as f64
     }
 }
 
@@ -58,13 +61,18 @@ impl std::fmt::Display for Product {
         };
         write!(
             f,
-            "{b}({}×{}){} · ({}×{}){}",
+            "{b}({}×{}){} · ({}×{}){}{}",
             self.m,
             self.k,
             t(self.trans_a),
             self.k,
             self.n,
-            t(self.trans_b)
+            t(self.trans_b),
+            if self.macs < self.m * self.k * self.n {
+                " causal"
+            } else {
+                ""
+            }
         )
     }
 }

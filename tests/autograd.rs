@@ -146,6 +146,18 @@ fn finite_differences_nn_functions() {
     gradcheck(&[3, 5], |x| x.softmax(), 51);
     gradcheck(&[3, 5], |x| x.log_softmax(), 52);
     gradcheck(&[2, 4, 4], |x| x.causal_mask()?.softmax(), 53);
+    // causal attention in q, in k and in v
+    let other = |seed| {
+        let v: Vec<f64> = randv(2 * 5 * 4, seed, 1.0)
+            .iter()
+            .map(|&x| x as f64)
+            .collect();
+        c64(&v, &[2, 5, 4])
+    };
+    let (k, v) = (other(61), other(62));
+    gradcheck(&[2, 5, 4], |q| q.causal_attention(&k, &v, 0.5), 58);
+    gradcheck(&[2, 5, 4], |k| v.causal_attention(k, &v, 0.5), 59);
+    gradcheck(&[2, 5, 4], |v| k.causal_attention(&k, v, 0.5), 60);
     gradcheck(&[4, 6], |x| cross_entropy(x, &[0, 5, 2, 2]), 54);
     let target = c64(&[0.1, 0.2, 0.3, 0.4, 0.5, 0.6], &[2, 3]);
     gradcheck(&[2, 3], |x| mse(x, &target), 55);

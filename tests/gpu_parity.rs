@@ -15,7 +15,7 @@ mod common;
 use common::Rng;
 use tinyllm::backend::round::{self, Format};
 use tinyllm::backend::{
-    AdamWConsts, BinaryLayout, BinaryOp, Device, MatmulDims, ReduceOp, Storage, UnaryOp,
+    AdamWConsts, BinaryLayout, BinaryOp, Causal, Device, MatmulDims, ReduceOp, Storage, UnaryOp,
 };
 
 macro_rules! require_gpu {
@@ -557,6 +557,61 @@ fn matmul_all_layouts_and_rounding() {
                         trans_b: tb,
                         a_batch_stride: if bca { 0 } else { m * k },
                         b_batch_stride: if bcb { 0 } else { k * n },
+                        causal: Default::default(),
+                    };
+                    let (ac, ag) = pair(&a);
+                    let (bc, bg) = pair(&b);
+                    let c = vals(&ac.matmul(&bc, dims, round).unwrap());
+                    let g = vals(&ag.matmul(&bg, dims, round).unwrap());
+                    assert_bits(&format!("matmul {dims:?} {round:?}"), &c, &g, &[]);
+                }
+            }
+        }
+    }
+}
+
+/// Causal products (attention's) on both devices: outputs past the diagonal
+/// +0, each row's terms cut at the diagonal — skipped, not added as zeros, so
+/// the inf and NaN planted in the skipped part do not reach the result — over
+/// sizes that cross both devices' tiles raggedly and the CPU's k-blocks, in
+/// the layouts attention uses and one more. (Planted values are inf, NaN,
+/// zeros and subnormals, not huge finite ones: a bf16 product that overflows
+/// is exact under a fused fma only, see `matmul_fma_is_fused`.)
+#[test]
+fn matmul_causal_parts() {
+    require_gpu!();
+    let mut rng = Rng(0xca5a1);
+    for (batch, t, w) in [(1, 1, 1), (2, 7, 5), (1, 70, 9), (2, 300, 4)] {
+        for (causal, layout) in [
+            (Causal::Outputs, (false, true)),
+            (Causal::TermsUpToRow, (false, false)),
+            (Causal::TermsFromRow, (true, false)),
+        ] {
+            let (m, k, n) = if causal == Causal::Outputs {
+                (t, w, t)
+            } else {
+                (t, t, w)
+            };
+            for (ta, tb) in [layout, (true, true)] {
+                for round in [None, Some(Format::Bf16)] {
+                    let mut a: Vec<f32> = (0..batch * m * k).map(|_| rng.moderate()).collect();
+                    let mut b: Vec<f32> = (0..batch * k * n).map(|_| rng.moderate()).collect();
+                    let planted = [f32::INFINITY, f32::NEG_INFINITY, f32::NAN, 0.0, -0.0, 1e-40];
+                    for (i, v) in a.iter_mut().chain(b.iter_mut()).enumerate() {
+                        if i % 13 == 5 {
+                            *v = planted[i % planted.len()];
+                        }
+                    }
+                    let dims = MatmulDims {
+                        batch,
+                        m,
+                        k,
+                        n,
+                        trans_a: ta,
+                        trans_b: tb,
+                        a_batch_stride: m * k,
+                        b_batch_stride: k * n,
+                        causal,
                     };
                     let (ac, ag) = pair(&a);
                     let (bc, bg) = pair(&b);
@@ -608,6 +663,7 @@ fn matmul_specialisations_ragged_tiles_long_k() {
                         trans_b: tb,
                         a_batch_stride: if bca { 0 } else { m * k },
                         b_batch_stride: if bcb { 0 } else { k * n },
+                        causal: Default::default(),
                     };
                     let (ac, ag) = pair(&a);
                     let (bc, bg) = pair(&b);
@@ -638,6 +694,7 @@ fn matmul_fma_is_fused() {
         trans_b: false,
         a_batch_stride: 0,
         b_batch_stride: 0,
+        causal: Default::default(),
     };
     let (ac, ag) = pair(&a);
     let (bc, bg) = pair(&b);
@@ -687,6 +744,7 @@ fn matmul_random_bits_short_k() {
             trans_b: false,
             a_batch_stride: 0,
             b_batch_stride: 0,
+            causal: Default::default(),
         };
         let (ac, ag) = pair(&a);
         let (bc, bg) = pair(&b);
@@ -743,6 +801,7 @@ fn fused_multiply_add_sweep() {
         trans_b: false,
         a_batch_stride: 2,
         b_batch_stride: 2,
+        causal: Default::default(),
     };
     let (ac, ag) = pair(&a);
     let (bc, bg) = pair(&b);
@@ -1086,6 +1145,7 @@ fn loops_longer_than_lavapipes_iteration_cap() {
             trans_b: false,
             a_batch_stride: 0,
             b_batch_stride: 0,
+            causal: Default::default(),
         };
         let want = vals(&c.matmul(&cb, d, round).unwrap());
         let got = vals(&g.matmul(&gb, d, round).unwrap());

@@ -1,11 +1,69 @@
 //! Layers and optimizers (spec L0.4, M10.2–M10.4), on every device.
 
 mod common;
+use common::t as t_;
 use common::*;
 use std::rc::Rc;
 use tinyllm::nn::{Dropout, Embedding, Layer, Linear, Module, RmsNorm, Sequential, Silu};
 use tinyllm::optim::{clip_grad_norm_, AdamW, AdamWConfig, Optimizer, Sgd};
 use tinyllm::Generator;
+
+// The fused causal attention against the composition it replaces, forward
+// and every gradient, bit for bit — in float32 and under bf16 autocast, over
+// sequence lengths that cross both devices' tiles raggedly (and, on the CPU,
+// two k-blocks of its products).
+device_test!(causal_attention_is_its_composition_bit_for_bit, |dev| {
+    let lengths: &[usize] = if dev == Device::Cpu {
+        &[1, 13, 40, 300]
+    } else {
+        &[1, 13, 40]
+    };
+    for &t in lengths {
+        for bf16 in [false, true] {
+            let shape = [2, 3, t, 8];
+            let n = 2 * 3 * t * 8;
+            let (q0, k0, v0, w) = (
+                randv(n, 1, 2.0),
+                randv(n, 2, 2.0),
+                randv(n, 3, 1.0),
+                randv(n, 4, 1.0),
+            );
+            let run = |fused: bool| -> Result<Vec<Vec<u32>>> {
+                let _ac = bf16.then(tinyllm::precision::autocast_bf16);
+                let (q, k, v) = (
+                    param(&q0, &shape, dev),
+                    param(&k0, &shape, dev),
+                    param(&v0, &shape, dev),
+                );
+                let y = if fused {
+                    q.causal_attention(&k, &v, 0.35)?
+                } else {
+                    q.matmul_t(&k)?.causal_softmax(0.35)?.matmul(&v)?
+                };
+                y.mul(&t_(&w, &shape, dev))?.sum_all()?.backward()?;
+                Ok(vec![
+                    bits(&vals(&y)),
+                    bits(&grad(&q)),
+                    bits(&grad(&k)),
+                    bits(&grad(&v)),
+                ])
+            };
+            let (fused, composed) = (run(true)?, run(false)?);
+            for (what, (f, c)) in ["y", "dq", "dk", "dv"]
+                .iter()
+                .zip(fused.iter().zip(&composed))
+            {
+                let diff = f.iter().zip(c).filter(|(a, b)| a != b).count();
+                assert_eq!(
+                    diff,
+                    0,
+                    "{what}: {diff} of {} values differ (T {t}, bf16 {bf16})",
+                    f.len()
+                );
+            }
+        }
+    }
+});
 
 device_test!(linear_is_x_w_transposed_plus_b, |dev| {
     let gen = Generator::new(0);

@@ -44,7 +44,7 @@ pub mod optim;
 pub mod reduce;
 
 pub use elementwise::{BinaryOp, UnaryOp};
-pub use matmul::MatmulDims;
+pub use matmul::{Causal, MatmulDims};
 pub use optim::AdamWConsts;
 pub use reduce::ReduceOp;
 

@@ -302,16 +302,17 @@ impl Attention {
         let q = apply_rope(&heads(&self.q_proj)?, &cos, &sin)?;
         let k = apply_rope(&heads(&self.k_proj)?, &cos, &sin)?;
         let v = heads(&self.v_proj)?;
-        // p: (B,H,T,T) = softmax(q kᵀ / √D), future positions masked
-        let scores = q.matmul_t(&k)?;
-        let p = dropout(
-            &scores.causal_softmax(1.0 / (d as f64).sqrt())?,
-            self.dropout,
-            &self.rng,
-            self.training.get(),
-        )?;
+        // (B,H,T,D) = softmax(q kᵀ / √D, future positions masked) v
+        let scale = 1.0 / (d as f64).sqrt();
+        let y = if self.dropout > 0.0 && self.training.get() {
+            // dropout acts on the probabilities themselves: the composition
+            let scores = q.matmul_t(&k)?.causal_softmax(scale)?;
+            dropout(&scores, self.dropout, &self.rng, true)?.matmul(&v)?
+        } else {
+            q.causal_attention(&k, &v, scale)?
+        };
         // (B,H,T,D) -> (B,T,H,D) -> (B,T,C)
-        let y = p.matmul(&v)?.permute(&[0, 2, 1, 3])?.reshape(&[b, t, c])?;
+        let y = y.permute(&[0, 2, 1, 3])?.reshape(&[b, t, c])?;
         self.o_proj.forward(&y)
     }
 }

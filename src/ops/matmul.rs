@@ -68,6 +68,7 @@ pub fn matmul_with(
         trans_b: tb,
         a_batch_stride: m * k,
         b_batch_stride: b_stride,
+        causal: Default::default(),
     };
     let s = a.storage().matmul(&b.storage(), dims, round)?;
     let mut shape = lead;

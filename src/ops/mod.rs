@@ -1,6 +1,7 @@
 //! User-facing ops. Each file holds a family; each op's backward sits right
 //! beside its forward, in the closure each op records with its result.
 
+pub mod attention;
 pub mod elementwise;
 pub mod index;
 pub mod matmul;

@@ -209,6 +209,7 @@ mod tests {
                     trans_b: tb,
                     a_batch_stride: 0,
                     b_batch_stride: 0,
+                    causal: Default::default(),
                 };
                 out.push(bits(&a.matmul(&b, d, round).unwrap()));
             }

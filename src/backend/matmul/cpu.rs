@@ -2,7 +2,7 @@
 //! k-blocks that carry the running sums in C (so every output still adds
 //! `p = 0, 1, ..., k-1` in order), threads over row panels or batches.
 
-use super::{MatmulDims, MatmulOps};
+use super::{Causal, MatmulDims, MatmulOps};
 use crate::backend::cpu::{cpu_threads, simd, CpuStorage, Elem};
 use crate::backend::round::{self, Format};
 use crate::Result;
@@ -35,30 +35,28 @@ thread_local! {
     static PACKED: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
-/// The k-range `[kb, kb + kc)` of one operand of one batch, packed into
-/// panels of `W` lanes — A into row panels (`W` = MR, `lanes` = m), B into
-/// column panels (`W` = NR, `lanes` = n): `buf[panel][p][lane]` (panel stride
-/// `kc * W`), lanes past `lanes` zero; then rounded once when `round` is set
-/// (one vectorised pass; the zero padding stays zero). One k-block at a time,
-/// so the packed block is still in cache when the tiles read it.
+/// The k-range `[kb, kb + kc)` of `lanes` lanes of one operand of one
+/// batch, packed into panels of `W` lanes — A into row panels (`W` = MR), B
+/// into column panels (`W` = NR): `buf[panel][p][lane]` (panel stride
+/// `kc * W`; `buf` holds exactly the panels), lanes past `lanes` zero; then
+/// rounded once when `round` is set (one vectorised pass; the zero padding
+/// stays zero). One k-block at a time, so the packed block is still in cache
+/// when the tiles read it.
 ///
-/// `k_major`: the source's rows run across the lanes, one row per p (Aᵀ, B);
-/// otherwise each lane is a row along k (A, Bᵀ).
+/// `k_major`: the source's rows (stride `ld`) run across the lanes, one row
+/// per p (Aᵀ, B); otherwise each lane is a row (stride `ld`) along k (A, Bᵀ).
 #[inline(always)]
 fn pack<const W: usize>(
-    buf: &mut Vec<f32>,
+    buf: &mut [f32],
     src: &[f32],
     lanes: usize,
-    k: usize,
+    ld: usize,
     (kb, kc): (usize, usize),
     k_major: bool,
     round: Option<Format>,
 ) {
-    // Reused buffer: `resize` fills only growth (and truncates otherwise);
-    // every value is overwritten below, so the only zero fill needed is the
-    // ragged last panel's padding.
     let panels = lanes.div_ceil(W);
-    buf.resize(panels * kc * W, 0.0);
+    debug_assert_eq!(buf.len(), panels * kc * W);
     if k_major {
         // Row p holds the p-th value of every panel, and the block's rows are
         // one contiguous stretch of the source: walk it in order (a sequential
@@ -67,7 +65,7 @@ fn pack<const W: usize>(
         // Panel by panel instead strided through the source once per panel:
         // 0.93x of ndarray on the weight gradient 320x4096x904, now ~1.05x.
         for p in 0..kc {
-            let row = &src[(kb + p) * lanes..(kb + p + 1) * lanes];
+            let row = &src[(kb + p) * ld..][..lanes];
             for pi in 0..panels {
                 let l0 = pi * W;
                 let dst: &mut [f32; W] = (&mut buf[(pi * kc + p) * W..][..W]).try_into().unwrap();
@@ -84,7 +82,7 @@ fn pack<const W: usize>(
             let l0 = pi * W;
             let real = W.min(lanes - l0);
             // Lane r's row, its stretch [kb, kb + kc).
-            let row = |r: usize| &src[(l0 + r) * k + kb..(l0 + r) * k + kb + kc];
+            let row = |r: usize| &src[(l0 + r) * ld + kb..][..kc];
             if real == W {
                 // Gather the W rows' p-th values into one panel row, reading
                 // W streams forward, writing one (vectorised as a transpose).
@@ -109,9 +107,43 @@ fn pack<const W: usize>(
     }
 }
 
+/// [`pack`] of all `lanes` lanes (`ld` as there) into the reused `buf`,
+/// whole panels split over `threads`: packing is a fixed share of every
+/// product, and on one core it left the other idle.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn pack_all<const W: usize>(
+    buf: &mut Vec<f32>,
+    src: &[f32],
+    lanes: usize,
+    ld: usize,
+    (kb, kc): (usize, usize),
+    k_major: bool,
+    round: Option<Format>,
+    threads: usize,
+) {
+    // Reused buffer: `resize` fills only growth (and truncates otherwise);
+    // `pack` overwrites every value.
+    let panels = lanes.div_ceil(W);
+    buf.resize(panels * kc * W, 0.0);
+    let per = panels.div_ceil(threads.max(1));
+    if threads <= 1 || per == panels {
+        return pack::<W>(buf, src, lanes, ld, (kb, kc), k_major, round);
+    }
+    buf.par_chunks_mut(per * kc * W)
+        .enumerate()
+        .for_each(|(t, part)| {
+            let l0 = t * per * W;
+            let src = if k_major { &src[l0..] } else { &src[l0 * ld..] };
+            pack::<W>(part, src, (per * W).min(lanes - l0), ld, (kb, kc), k_major, round)
+        });
+}
+
 /// Depth of one k-block: an MR×KC slice of A (6 KiB) and a KC×NR slice of B
-/// (16 KiB) stay in L1 while a tile is computed.
-const KC: usize = 256;
+/// (16 KiB) stay in L1 while a tile is computed. A multiple of MR, so the
+/// ragged terms of a causal tile (positions `i0 .. i0 + MR`, `i0` a multiple
+/// of MR) never straddle two k-blocks.
+const KC: usize = 42 * MR;
 
 /// Row panels per L2 block of A (MC = 72 rows).
 const MC_PANELS: usize = 12;
@@ -134,12 +166,13 @@ unsafe fn micro_kernel(
     c: *mut f32,
     ldc: usize,
     first: bool,
+    ragged: Ragged,
 ) {
     #[cfg(target_arch = "x86_64")]
     if simd::level() == simd::Level::Avx2 {
         // SAFETY: the CPU has AVX2 and FMA (the level says so); the pointers
         // are valid per this fn's contract.
-        return micro_kernel_avx2(ap, bp, kc, c, ldc, first);
+        return micro_kernel_avx2(ap, bp, kc, c, ldc, first, ragged);
     }
     let mut acc = [[0.0f32; NR]; MR];
     if !first {
@@ -149,6 +182,9 @@ unsafe fn micro_kernel(
     }
     for p in 0..kc {
         for (r, row) in acc.iter_mut().enumerate() {
+            if !ragged.keeps(r, p, kc) {
+                continue;
+            }
             let a = *ap.add(p * MR + r);
             for (j, v) in row.iter_mut().enumerate() {
                 *v = a.mul_add(*bp.add(p * NR + j), *v);
@@ -171,6 +207,7 @@ unsafe fn micro_kernel_avx2(
     c: *mut f32,
     ldc: usize,
     first: bool,
+    ragged: Ragged,
 ) {
     use std::arch::x86_64::*;
     let mut acc = [[_mm256_setzero_ps(); 2]; MR];
@@ -187,7 +224,26 @@ unsafe fn micro_kernel_avx2(
         _mm_prefetch::<_MM_HINT_T0>(c.wrapping_add(r * ldc) as *const i8);
         _mm_prefetch::<_MM_HINT_T0>(c.wrapping_add(r * ldc + NR - 1) as *const i8);
     }
-    for p in 0..kc {
+    // A ragged head or tail of at most MR terms is summed by the rows that
+    // keep each term; its loops have constant bounds, so they unroll, the
+    // row tests fold away and the accumulators stay in registers.
+    let (lo, hi) = ragged.full_terms(kc);
+    if let Ragged::Head(len) = ragged {
+        for q in 0..MR {
+            if q < len {
+                let b0 = _mm256_loadu_ps(bp.add(q * NR));
+                let b1 = _mm256_loadu_ps(bp.add(q * NR + 8));
+                for (r, row) in acc.iter_mut().enumerate() {
+                    if r <= q {
+                        let a = _mm256_broadcast_ss(&*ap.add(q * MR + r));
+                        row[0] = _mm256_fmadd_ps(a, b0, row[0]);
+                        row[1] = _mm256_fmadd_ps(a, b1, row[1]);
+                    }
+                }
+            }
+        }
+    }
+    for p in lo..hi {
         let b0 = _mm256_loadu_ps(bp.add(p * NR));
         let b1 = _mm256_loadu_ps(bp.add(p * NR + 8));
         for (r, row) in acc.iter_mut().enumerate() {
@@ -196,19 +252,72 @@ unsafe fn micro_kernel_avx2(
             row[1] = _mm256_fmadd_ps(a, b1, row[1]);
         }
     }
+    if let Ragged::Tail(len) = ragged {
+        for q in 0..MR {
+            if q < len {
+                let p = hi + q;
+                let b0 = _mm256_loadu_ps(bp.add(p * NR));
+                let b1 = _mm256_loadu_ps(bp.add(p * NR + 8));
+                for (r, row) in acc.iter_mut().enumerate() {
+                    if r >= q {
+                        let a = _mm256_broadcast_ss(&*ap.add(p * MR + r));
+                        row[0] = _mm256_fmadd_ps(a, b0, row[0]);
+                        row[1] = _mm256_fmadd_ps(a, b1, row[1]);
+                    }
+                }
+            }
+        }
+    }
     for (r, row) in acc.iter().enumerate() {
         _mm256_storeu_ps(c.add(r * ldc), row[0]);
         _mm256_storeu_ps(c.add(r * ldc + 8), row[1]);
     }
 }
 
-/// Which k-block a [`tile`] call computes: the first starts every sum from
-/// +0; the last (`round` set when the product is rounded) rounds the finished
-/// sums while the tile is still in L1, instead of a separate pass over C.
+/// The terms of one tile on the diagonal of a [`Causal`] product that only
+/// some of its rows sum: local row `r` of the tile is position `i0 + r`, and
+/// the tile's ragged terms are positions `i0 ..`, so ragged term `q` is kept
+/// by rows `r ≥ q` (`Tail`: terms up to the row) or `r ≤ q` (`Head`: terms
+/// from the row). The count is below MR only where the matrix ends.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Ragged {
+    None,
+    /// The first `len` terms of the kernel's `kc` are ragged.
+    Head(usize),
+    /// The last `len` terms are ragged.
+    Tail(usize),
+}
+
+impl Ragged {
+    /// The terms `[lo, hi)` of `kc` that every row sums.
+    #[inline(always)]
+    fn full_terms(self, kc: usize) -> (usize, usize) {
+        match self {
+            Ragged::None => (0, kc),
+            Ragged::Head(len) => (len, kc),
+            Ragged::Tail(len) => (0, kc - len),
+        }
+    }
+    /// Whether local row `r` sums term `p` of `kc`.
+    #[inline(always)]
+    fn keeps(self, r: usize, p: usize, kc: usize) -> bool {
+        match self {
+            Ragged::None => true,
+            Ragged::Head(len) => p >= len || r <= p,
+            Ragged::Tail(len) => p < kc - len || r >= p - (kc - len),
+        }
+    }
+}
+
+/// What a [`tile`] call computes over its k-range: the first starts every
+/// sum from +0; the last (`round` set when the product is rounded) rounds the
+/// finished sums while the tile is still in L1, instead of a separate pass
+/// over C; `ragged` terms are summed only by the rows that keep them.
 #[derive(Clone, Copy)]
 struct KBlock {
     first: bool,
     round: Option<Format>,
+    ragged: Ragged,
 }
 
 /// One tile of C at `c` (row stride `ldc`), of which `rows` × `cols` are real:
@@ -230,7 +339,7 @@ fn tile(
     let cp = c.as_mut_ptr() as *mut f32;
     if rows == MR && cols == NR {
         // SAFETY: lengths checked above; C is read only after the first k-block wrote it.
-        unsafe { micro_kernel(ap.as_ptr(), bp.as_ptr(), kc, cp, ldc, blk.first) };
+        unsafe { micro_kernel(ap.as_ptr(), bp.as_ptr(), kc, cp, ldc, blk.first, blk.ragged) };
         if let Some(f) = blk.round {
             for r in 0..MR {
                 // SAFETY: inside `c` (checked above), just written by the kernel.
@@ -252,7 +361,7 @@ fn tile(
         }
     }
     // SAFETY: `t` is exactly one MR×NR tile; lengths of ap/bp checked above.
-    unsafe { micro_kernel(ap.as_ptr(), bp.as_ptr(), kc, t.as_mut_ptr(), NR, blk.first) };
+    unsafe { micro_kernel(ap.as_ptr(), bp.as_ptr(), kc, t.as_mut_ptr(), NR, blk.first, blk.ragged) };
     if let Some(f) = blk.round {
         round::round_slice(&mut t, f);
     }
@@ -262,33 +371,97 @@ fn tile(
     }
 }
 
-/// One k-block of rows `[r0, r0 + rows)` of one batch's `C`, in `out`
-/// (exactly those rows; uninitialised before the first k-block, which starts
-/// every sum from +0 and writes it), from the block's packed operands (panel
-/// strides `kc * MR` and `kc * NR`). `r0` is a multiple of MR.
-#[inline(always)]
-fn matmul_block(
-    ap: &[f32],
-    bp: &[f32],
+/// One k-block of a product: terms `[kb, kb + kc)` of `k`.
+#[derive(Clone, Copy)]
+struct Block {
+    kb: usize,
     kc: usize,
-    n: usize,
-    r0: usize,
-    out: &mut [MaybeUninit<f32>],
-    blk: KBlock,
+    k: usize,
+    round: Option<Format>,
+    causal: Causal,
+}
+
+impl Block {
+    /// For the tile of rows `[i0, i0 + MR)`: the terms `[lo, hi)` of this
+    /// block it sums, and how; `None` when it sums none here.
+    #[inline(always)]
+    fn tile_terms(&self, i0: usize) -> Option<(usize, usize, KBlock)> {
+        let (tlo, thi) = self.causal.terms(i0, i0 + MR, self.k);
+        let (lo, hi) = (tlo.max(self.kb), thi.min(self.kb + self.kc));
+        if lo >= hi {
+            return None;
+        }
+        // KC and i0 are multiples of MR: the ragged terms [i0, i0 + MR) ∩ [0, k)
+        // lie wholly inside the block that holds i0.
+        let ragged = match self.causal {
+            Causal::TermsUpToRow if i0 >= lo && i0 < hi => Ragged::Tail(hi - i0),
+            Causal::TermsFromRow if i0 == lo => Ragged::Head((i0 + MR).min(hi) - i0),
+            _ => Ragged::None,
+        };
+        let last = hi == thi;
+        Some((
+            lo,
+            hi,
+            KBlock {
+                first: lo == tlo,
+                round: if last { self.round } else { None },
+                ragged,
+            },
+        ))
+    }
+}
+
+/// Writes +0 to columns `[from(r), cols)` of each of the `rows` rows of a
+/// tile of C (row stride `ldc`).
+#[inline(always)]
+fn zero_from(
+    c: &mut [MaybeUninit<f32>],
+    ldc: usize,
+    rows: usize,
+    cols: usize,
+    from: impl Fn(usize) -> usize,
 ) {
+    for r in 0..rows {
+        let j = from(r).min(cols);
+        c[r * ldc + j..r * ldc + cols].fill(MaybeUninit::new(0.0));
+    }
+}
+
+/// One k-block of rows `[r0, r0 + rows)` of one batch's `C`, in `out`
+/// (exactly those rows; uninitialised before each tile's first terms, which
+/// start its sums from +0 and write them), from the block's packed operands
+/// (panel strides `kc * MR` and `kc * NR`). `r0` is a multiple of MR.
+#[inline(always)]
+fn matmul_block(ap: &[f32], bp: &[f32], n: usize, r0: usize, out: &mut [MaybeUninit<f32>], blk: Block) {
     let rows = out.len() / n;
     let (panel0, row_panels) = (r0 / MR, rows.div_ceil(MR));
     let col_panels = n.div_ceil(NR);
+    let kc = blk.kc;
     // Row panels in groups of MC_PANELS: that slice of A (about 72 KiB)
     // stays in L2 while every column panel of B streams past it.
     for ib in (0..row_panels).step_by(MC_PANELS) {
         for pj in 0..col_panels {
-            let b_blk = &bp[pj * kc * NR..];
-            let cols = NR.min(n - pj * NR);
+            let (j0, cols) = (pj * NR, NR.min(n - pj * NR));
             for pi in ib..(ib + MC_PANELS).min(row_panels) {
-                let a_blk = &ap[(panel0 + pi) * kc * MR..];
-                let c = &mut out[pi * MR * n + pj * NR..];
-                tile(a_blk, b_blk, kc, c, n, MR.min(rows - pi * MR), cols, blk);
+                let (i0, tile_rows) = (r0 + pi * MR, MR.min(rows - pi * MR));
+                let c = &mut out[pi * MR * n + j0..];
+                let above = blk.causal == Causal::Outputs && j0 > i0 + tile_rows - 1;
+                let Some((lo, hi, kblk)) = blk.tile_terms(i0).filter(|_| !above) else {
+                    // No terms in this block: a tile with none at all (wholly
+                    // above the diagonal, or no rows keeping a term) is +0.
+                    let (tlo, thi) = blk.causal.terms(i0, i0 + MR, blk.k);
+                    if blk.kb == 0 && (above || tlo >= thi) {
+                        zero_from(c, n, tile_rows, cols, |_| 0);
+                    }
+                    continue;
+                };
+                let a_blk = &ap[((panel0 + pi) * kc + lo - blk.kb) * MR..];
+                let b_blk = &bp[(pj * kc + lo - blk.kb) * NR..];
+                tile(a_blk, b_blk, hi - lo, c, n, tile_rows, cols, kblk);
+                if blk.causal == Causal::Outputs && hi == blk.k && j0 + cols - 1 > i0 {
+                    // row i0 + r keeps the columns j0 + j <= i0 + r
+                    zero_from(c, n, tile_rows, cols, |r| (i0 + r + 1).saturating_sub(j0));
+                }
             }
         }
     }
@@ -325,14 +498,13 @@ simd::multiversion! {
                 let mut kb = 0;
                 while kb < k {
                     let kc = KC.min(k - kb);
-                    pack::<MR>(ap, a, m, k, (kb, kc), d.trans_a, round);
-                    pack::<NR>(bp, b, n, k, (kb, kc), !d.trans_b, round);
-                    let blk = KBlock {
-                        first: kb == 0,
-                        round: if kb + kc == k { round } else { None },
-                    };
+                    // Aᵀ's rows run over m, A's over k; B's over n, Bᵀ's over k
+                    let (lda, ldb) = (if d.trans_a { m } else { k }, if d.trans_b { k } else { n });
+                    pack_all::<MR>(ap, a, m, lda, (kb, kc), d.trans_a, round, threads);
+                    pack_all::<NR>(bp, b, n, ldb, (kb, kc), !d.trans_b, round, threads);
+                    let blk = Block { kb, kc, k, round, causal: d.causal };
                     if threads == 1 {
-                        matmul_block(ap, bp, kc, n, 0, c, blk);
+                        matmul_block(ap, bp, n, 0, c, blk);
                     } else {
                         // Threads split whole row panels only; each output's
                         // k-loop is untouched, so results do not depend on the
@@ -342,7 +514,7 @@ simd::multiversion! {
                         c.par_chunks_mut(rows_per_thread * n)
                             .enumerate()
                             .for_each(|(t, chunk)| {
-                                matmul_block(ap, bp, kc, n, t * rows_per_thread, chunk, blk)
+                                matmul_block(ap, bp, n, t * rows_per_thread, chunk, blk)
                             });
                     }
                     kb += KC;
@@ -382,7 +554,7 @@ fn matmul_f64(a: &[f64], b: &[f64], d: MatmulDims, round: Option<Format>) -> Vec
         for i in 0..m {
             for j in 0..n {
                 let mut acc = 0.0f64;
-                for p in 0..k {
+                for p in (0..k).filter(|&p| d.causal.includes(i, j, p)) {
                     let x = if d.trans_a {
                         ab[p * m + i]
                     } else {
@@ -414,7 +586,7 @@ mod tests {
             for i in 0..d.m {
                 for j in 0..d.n {
                     let mut acc = 0.0f32;
-                    for p in 0..d.k {
+                    for p in (0..d.k).filter(|&p| d.causal.includes(i, j, p)) {
                         let x = if d.trans_a {
                             a[bi * d.a_batch_stride + p * d.m + i]
                         } else {
@@ -476,6 +648,7 @@ mod tests {
                         trans_b: tb,
                         a_batch_stride: m * k,
                         b_batch_stride: bstride,
+                        causal: Default::default(),
                     };
                     let got = matmul_f32(&a, &b, d, round);
                     let want = naive(&a, &b, d, round);
@@ -485,6 +658,64 @@ mod tests {
                             .all(|(x, y)| x.to_bits() == y.to_bits()),
                         "{d:?} {round:?}"
                     );
+                }
+            }
+        }
+    }
+
+    /// Causal products skip exactly the terms and outputs they leave out:
+    /// the plain loop with the same predicate, bit for bit, also where the
+    /// skipped part of an operand holds inf or NaN (so nothing is added as a
+    /// zero), over ragged sizes, several k-blocks, row-split and batch-split
+    /// threading and every layout.
+    #[test]
+    fn causal_products_skip_exactly_what_they_leave_out() {
+        let mut seed = 7u64;
+        let mut next = || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (seed >> 33) as u32
+        };
+        const { assert!(1200 * 1200 * 64 >= THREADED_MACS && 48 * 300 * 300 * 20 >= THREADED_MACS) };
+        for &(batch, t, n, rounds) in &[
+            (1, 1, 1, true),
+            (2, 7, 5, true),
+            (3, 13, 17, true),
+            (1, 40, 33, true),
+            (2, 300, 20, true), // two k-blocks (KC = 252)
+            (1, 1200, 64, false), // rows split over threads
+            (48, 300, 20, false), // batch split over threads
+        ] {
+            for causal in [Causal::Outputs, Causal::TermsUpToRow, Causal::TermsFromRow] {
+                // Outputs: (t × n) · (n × t); the others (t × t) · (t × n).
+                let (m, k, n) = if causal == Causal::Outputs { (t, n, t) } else { (t, t, n) };
+                for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+                    let fmts: &[Option<Format>] = if rounds { &[None, Some(Format::Bf16)] } else { &[None] };
+                    for &round in fmts {
+                        let mut val = |_| match next() % 97 {
+                            0 => f32::INFINITY,
+                            1 => f32::NAN,
+                            _ => (next() as f32 / 4e9) - 0.5,
+                        };
+                        let a: Vec<f32> = (0..batch * m * k).map(&mut val).collect();
+                        let b: Vec<f32> = (0..batch * k * n).map(&mut val).collect();
+                        let d = MatmulDims {
+                            batch,
+                            m,
+                            k,
+                            n,
+                            trans_a: ta,
+                            trans_b: tb,
+                            a_batch_stride: m * k,
+                            b_batch_stride: k * n,
+                            causal,
+                        };
+                        let got = matmul_f32(&a, &b, d, round);
+                        let want = naive(&a, &b, d, round);
+                        let same = |x: &f32, y: &f32| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan());
+                        assert!(got.iter().zip(&want).all(|(x, y)| same(x, y)), "{d:?} {round:?}");
+                    }
                 }
             }
         }

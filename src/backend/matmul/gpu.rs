@@ -63,7 +63,8 @@ impl MatmulOps for GpuStorage {
         let kernel = Kernel::new(&FAMILY, "matmul")
             .with("FMT", fmt_code(round))
             .with("TRANS_A", d.trans_a as u32)
-            .with("TRANS_B", d.trans_b as u32);
+            .with("TRANS_B", d.trans_b as u32)
+            .with("CAUSAL", d.causal.code());
         let mut b0 = 0usize;
         while b0 < d.batch {
             let nb = (d.batch - b0).min(65535);

@@ -49,6 +49,21 @@ struct MatmulParams {
 override FMT: u32 = 0u;
 override TRANS_A: bool = false;
 override TRANS_B: bool = false;
+// CAUSAL is the Causal code (backend/matmul/mod.rs): 0 the whole product;
+// 1 outputs (i, j > i) are +0; 2 row i sums terms p <= i; 3 terms p >= i.
+// Left-out terms are skipped (selected away), never added as zeros, and the
+// p loop covers only the terms some row of the tile sums.
+override CAUSAL: u32 = 0u;
+
+fn kept(i: u32, p: u32) -> bool {
+    if CAUSAL == 2u {
+        return p <= i;
+    }
+    if CAUSAL == 3u {
+        return p >= i;
+    }
+    return true;
+}
 
 // With rounded operands (FMT != none) the product of two bf16 values (8+8
 // significant bits) or two fp16 values (11+11 bits, exponents >= 2^-48) is
@@ -70,21 +85,26 @@ fn fma4(x: f32, y: vec4<f32>, acc: vec4<f32>) -> vec4<f32> {
                      fma_c(x, y.z, acc.z), fma_c(x, y.w, acc.w));
 }
 
-// Stores the columns j.. j+3 of one output row that lie inside the matrix,
-// rounded on the last pass, raw running sums before it.
-fn store4(row: u32, j: u32, v: vec4<f32>) {
+// Stores the columns j.. j+3 of output row i (at offset `row`) that lie
+// inside the matrix, rounded on the last pass, raw running sums before it;
+// with CAUSAL 1 the columns past the diagonal are +0.
+fn store4(row: u32, i: u32, j: u32, v: vec4<f32>) {
     let n = prm.n;
+    var w = v;
+    if CAUSAL == 1u {
+        w = select(v, vec4<f32>(0.0), vec4<u32>(j, j + 1u, j + 2u, j + 3u) > vec4<u32>(i));
+    }
     if j < n {
-        c[row + j] = fin(v.x);
+        c[row + j] = fin(w.x);
     }
     if j + 1u < n {
-        c[row + j + 1u] = fin(v.y);
+        c[row + j + 1u] = fin(w.y);
     }
     if j + 2u < n {
-        c[row + j + 2u] = fin(v.z);
+        c[row + j + 2u] = fin(w.z);
     }
     if j + 3u < n {
-        c[row + j + 3u] = fin(v.w);
+        c[row + j + 3u] = fin(w.w);
     }
 }
 
@@ -189,9 +209,22 @@ fn matmul(@builtin(global_invocation_id) gid: vec3<u32>) {
     var acc6_1 = load4(out + min(i0 + 6u, m - 1u) * n, j0 + 4u);
     var acc7_0 = load4(out + min(i0 + 7u, m - 1u) * n, j0 + 0u);
     var acc7_1 = load4(out + min(i0 + 7u, m - 1u) * n, j0 + 4u);
-    var pa_off = prm.p0 * pa;
-    var pb_off = prm.p0 * pb;
-    for (var p = prm.p0; p < prm.p1; p++) {
+    // The terms some row of the tile sums (CAUSAL 1 tiles wholly past the
+    // diagonal sum none: all +0).
+    var p_lo = prm.p0;
+    var p_hi = prm.p1;
+    if CAUSAL == 1u && j0 > i0 + ROWS - 1u {
+        p_hi = p_lo;
+    }
+    if CAUSAL == 2u {
+        p_hi = min(p_hi, i0 + ROWS);
+    }
+    if CAUSAL == 3u {
+        p_lo = max(p_lo, i0);
+    }
+    var pa_off = p_lo * pa;
+    var pb_off = p_lo * pb;
+    for (var p = p_lo; p < p_hi; p++) {
         {
             let b0 = vec4<f32>(rnd(b[bc0 + pb_off]), rnd(b[bc1 + pb_off]), rnd(b[bc2 + pb_off]), rnd(b[bc3 + pb_off]));
             let b1 = vec4<f32>(rnd(b[bc4 + pb_off]), rnd(b[bc5 + pb_off]), rnd(b[bc6 + pb_off]), rnd(b[bc7 + pb_off]));
@@ -203,56 +236,56 @@ fn matmul(@builtin(global_invocation_id) gid: vec3<u32>) {
             let a5 = rnd(a[ar5 + pa_off]);
             let a6 = rnd(a[ar6 + pa_off]);
             let a7 = rnd(a[ar7 + pa_off]);
-            acc0_0 = fma4(a0, b0, acc0_0);
-            acc0_1 = fma4(a0, b1, acc0_1);
-            acc1_0 = fma4(a1, b0, acc1_0);
-            acc1_1 = fma4(a1, b1, acc1_1);
-            acc2_0 = fma4(a2, b0, acc2_0);
-            acc2_1 = fma4(a2, b1, acc2_1);
-            acc3_0 = fma4(a3, b0, acc3_0);
-            acc3_1 = fma4(a3, b1, acc3_1);
-            acc4_0 = fma4(a4, b0, acc4_0);
-            acc4_1 = fma4(a4, b1, acc4_1);
-            acc5_0 = fma4(a5, b0, acc5_0);
-            acc5_1 = fma4(a5, b1, acc5_1);
-            acc6_0 = fma4(a6, b0, acc6_0);
-            acc6_1 = fma4(a6, b1, acc6_1);
-            acc7_0 = fma4(a7, b0, acc7_0);
-            acc7_1 = fma4(a7, b1, acc7_1);
+            acc0_0 = select(acc0_0, fma4(a0, b0, acc0_0), kept(i0 + 0u, p));
+            acc0_1 = select(acc0_1, fma4(a0, b1, acc0_1), kept(i0 + 0u, p));
+            acc1_0 = select(acc1_0, fma4(a1, b0, acc1_0), kept(i0 + 1u, p));
+            acc1_1 = select(acc1_1, fma4(a1, b1, acc1_1), kept(i0 + 1u, p));
+            acc2_0 = select(acc2_0, fma4(a2, b0, acc2_0), kept(i0 + 2u, p));
+            acc2_1 = select(acc2_1, fma4(a2, b1, acc2_1), kept(i0 + 2u, p));
+            acc3_0 = select(acc3_0, fma4(a3, b0, acc3_0), kept(i0 + 3u, p));
+            acc3_1 = select(acc3_1, fma4(a3, b1, acc3_1), kept(i0 + 3u, p));
+            acc4_0 = select(acc4_0, fma4(a4, b0, acc4_0), kept(i0 + 4u, p));
+            acc4_1 = select(acc4_1, fma4(a4, b1, acc4_1), kept(i0 + 4u, p));
+            acc5_0 = select(acc5_0, fma4(a5, b0, acc5_0), kept(i0 + 5u, p));
+            acc5_1 = select(acc5_1, fma4(a5, b1, acc5_1), kept(i0 + 5u, p));
+            acc6_0 = select(acc6_0, fma4(a6, b0, acc6_0), kept(i0 + 6u, p));
+            acc6_1 = select(acc6_1, fma4(a6, b1, acc6_1), kept(i0 + 6u, p));
+            acc7_0 = select(acc7_0, fma4(a7, b0, acc7_0), kept(i0 + 7u, p));
+            acc7_1 = select(acc7_1, fma4(a7, b1, acc7_1), kept(i0 + 7u, p));
             pa_off += pa;
             pb_off += pb;
         }
     }
     if i0 + 0u < m {
-        store4(out + (i0 + 0u) * n, j0 + 0u, acc0_0);
-        store4(out + (i0 + 0u) * n, j0 + 4u, acc0_1);
+        store4(out + (i0 + 0u) * n, i0 + 0u, j0 + 0u, acc0_0);
+        store4(out + (i0 + 0u) * n, i0 + 0u, j0 + 4u, acc0_1);
     }
     if i0 + 1u < m {
-        store4(out + (i0 + 1u) * n, j0 + 0u, acc1_0);
-        store4(out + (i0 + 1u) * n, j0 + 4u, acc1_1);
+        store4(out + (i0 + 1u) * n, i0 + 1u, j0 + 0u, acc1_0);
+        store4(out + (i0 + 1u) * n, i0 + 1u, j0 + 4u, acc1_1);
     }
     if i0 + 2u < m {
-        store4(out + (i0 + 2u) * n, j0 + 0u, acc2_0);
-        store4(out + (i0 + 2u) * n, j0 + 4u, acc2_1);
+        store4(out + (i0 + 2u) * n, i0 + 2u, j0 + 0u, acc2_0);
+        store4(out + (i0 + 2u) * n, i0 + 2u, j0 + 4u, acc2_1);
     }
     if i0 + 3u < m {
-        store4(out + (i0 + 3u) * n, j0 + 0u, acc3_0);
-        store4(out + (i0 + 3u) * n, j0 + 4u, acc3_1);
+        store4(out + (i0 + 3u) * n, i0 + 3u, j0 + 0u, acc3_0);
+        store4(out + (i0 + 3u) * n, i0 + 3u, j0 + 4u, acc3_1);
     }
     if i0 + 4u < m {
-        store4(out + (i0 + 4u) * n, j0 + 0u, acc4_0);
-        store4(out + (i0 + 4u) * n, j0 + 4u, acc4_1);
+        store4(out + (i0 + 4u) * n, i0 + 4u, j0 + 0u, acc4_0);
+        store4(out + (i0 + 4u) * n, i0 + 4u, j0 + 4u, acc4_1);
     }
     if i0 + 5u < m {
-        store4(out + (i0 + 5u) * n, j0 + 0u, acc5_0);
-        store4(out + (i0 + 5u) * n, j0 + 4u, acc5_1);
+        store4(out + (i0 + 5u) * n, i0 + 5u, j0 + 0u, acc5_0);
+        store4(out + (i0 + 5u) * n, i0 + 5u, j0 + 4u, acc5_1);
     }
     if i0 + 6u < m {
-        store4(out + (i0 + 6u) * n, j0 + 0u, acc6_0);
-        store4(out + (i0 + 6u) * n, j0 + 4u, acc6_1);
+        store4(out + (i0 + 6u) * n, i0 + 6u, j0 + 0u, acc6_0);
+        store4(out + (i0 + 6u) * n, i0 + 6u, j0 + 4u, acc6_1);
     }
     if i0 + 7u < m {
-        store4(out + (i0 + 7u) * n, j0 + 0u, acc7_0);
-        store4(out + (i0 + 7u) * n, j0 + 4u, acc7_1);
+        store4(out + (i0 + 7u) * n, i0 + 7u, j0 + 0u, acc7_0);
+        store4(out + (i0 + 7u) * n, i0 + 7u, j0 + 4u, acc7_1);
     }
 }

@@ -7,6 +7,14 @@
 //! as they are read and the output is rounded once. Tiling and threading may
 //! split rows, columns and batches, never `k`; rounding is idempotent, so a
 //! kernel may round an operand once when it loads (or packs) a tile.
+//!
+//! A [`Causal`] mask (attention's products, where `m` and the masked axis
+//! index the same positions) leaves part of the work out, exactly:
+//! `Outputs` writes `+0` for `c[i,j]` with `j > i` without computing it;
+//! `TermsUpToRow` gives output row `i` only the terms `p ≤ i`, and
+//! `TermsFromRow` only `p ≥ i`, each still ascending from `+0` — the terms
+//! left out are not added at all (not added as zeros), so the result does not
+//! depend on what the operands hold there.
 
 mod cpu;
 pub(crate) mod gpu;
@@ -29,6 +37,61 @@ pub struct MatmulDims {
     pub trans_b: bool,
     pub a_batch_stride: usize,
     pub b_batch_stride: usize,
+    pub causal: Causal,
+}
+
+/// Which part of a causal attention product is computed (see the contract).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Causal {
+    /// The whole product.
+    #[default]
+    No,
+    /// `c[i,j]` for `j ≤ i`; `+0` above the diagonal (scores `q kᵀ`, `dP = dY vᵀ`).
+    Outputs,
+    /// Row `i` sums the terms `p ≤ i` (`P v`, `dS k`: the operand's row is
+    /// causally masked past the diagonal).
+    TermsUpToRow,
+    /// Row `i` sums the terms `p ≥ i` (`Pᵀ dY`, `dSᵀ q`).
+    TermsFromRow,
+}
+
+impl Causal {
+    /// The terms `[lo, hi)` that some row of `[i0, i1)` sums, out of `k`.
+    pub fn terms(self, i0: usize, i1: usize, k: usize) -> (usize, usize) {
+        match self {
+            Causal::No | Causal::Outputs => (0, k),
+            Causal::TermsUpToRow => (0, i1.min(k)),
+            Causal::TermsFromRow => (i0.min(k), k),
+        }
+    }
+    /// Whether output `(i, j)` sums term `p` (a masked output sums none: +0).
+    pub fn includes(self, i: usize, j: usize, p: usize) -> bool {
+        match self {
+            Causal::No => true,
+            Causal::Outputs => j <= i,
+            Causal::TermsUpToRow => p <= i,
+            Causal::TermsFromRow => p >= i,
+        }
+    }
+    /// The multiply-adds of one `(m×k)·(k×n)` product with this mask.
+    pub fn macs(self, m: usize, k: usize, n: usize) -> usize {
+        if self == Causal::No {
+            return m * k * n;
+        }
+        // row i's outputs × terms
+        (0..m)
+            .map(|i| match self {
+                Causal::No => k * n,
+                Causal::Outputs => (i + 1).min(n) * k,
+                Causal::TermsUpToRow => (i + 1).min(k) * n,
+                Causal::TermsFromRow => (k - i.min(k)) * n,
+            })
+            .sum()
+    }
+    /// The code of `matmul.wgsl`'s `CAUSAL` pipeline constant.
+    pub fn code(self) -> u32 {
+        self as u32
+    }
 }
 
 /// The two devices' products (see the module docs for the contract).
@@ -46,6 +109,7 @@ impl Storage {
             n: dims.n,
             trans_a: dims.trans_a,
             trans_b: dims.trans_b,
+            macs: dims.causal.macs(dims.m, dims.k, dims.n),
         });
         Ok(on_device!([self, rhs] => |a, b| a.matmul(b, dims, round)))
     }

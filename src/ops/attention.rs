@@ -1,0 +1,131 @@
+//! Causal self-attention as one op: `y = softmax(q kᵀ · scale + mask) v`,
+//! forward and backward side by side, with every product leaving out the
+//! masked half ([`Causal`] matmuls) — about half of attention's arithmetic.
+//!
+//! It runs the composition `q.matmul_t(k)?.causal_softmax(scale)?.matmul(v)`
+//! primitive for primitive: the same products over the same terms in the same
+//! order (rounded alike under autocast), the same fused softmax and softmax
+//! backward. What it leaves out are products by the probabilities' masked
+//! entries, which are exactly +0, and the scores and `dP` entries past the
+//! diagonal, which the softmax and its backward never use; so for finite
+//! inputs its values and gradients are the composition's bit for bit — the one
+//! exception being a zero's sign where a sum underflows to −0 before a masked
+//! term (the composition then adds a ±0 the fused op skips). It keeps what the
+//! composition keeps for backward: q, k, v and the probabilities.
+
+use crate::backend::{Causal, MatmulDims, Storage};
+use crate::tensor::autocast::autocast_dtype;
+use crate::tensor::shape::numel;
+use crate::{bail, Result, Tensor};
+
+/// The batched products of attention over `batch` heads.
+struct Heads {
+    batch: usize,
+}
+
+impl Heads {
+    /// `op(A) @ op(B)` per head, `op(A): (m, k)`, `op(B): (k, n)`.
+    fn dims(
+        &self,
+        (m, k, n): (usize, usize, usize),
+        ta: bool,
+        tb: bool,
+        causal: Causal,
+    ) -> MatmulDims {
+        MatmulDims {
+            batch: self.batch,
+            m,
+            k,
+            n,
+            trans_a: ta,
+            trans_b: tb,
+            a_batch_stride: m * k,
+            b_batch_stride: k * n,
+            causal,
+        }
+    }
+}
+
+impl Tensor {
+    /// Causal self-attention `softmax(q kᵀ · scale + mask) v` for
+    /// `q = self, k, v: (.., T, D) -> (.., T, D)`: position `i` attends to
+    /// keys `j ≤ i`. Follows the thread's autocast state like the matmuls it
+    /// replaces. `scale > 0` (usually `1/√D`).
+    pub fn causal_attention(&self, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
+        let q = self;
+        let r = q.dims();
+        if r < 2 || k.shape() != q.shape() || v.shape() != q.shape() {
+            bail!(
+                Shape,
+                "causal_attention needs q, k, v of one shape (.., T, D), got {:?}, {:?}, {:?}",
+                q.shape(),
+                k.shape(),
+                v.shape()
+            );
+        }
+        let s = scale as f32;
+        if !(s > 0.0 && s.is_finite()) {
+            bail!(
+                Numerical,
+                "causal_attention: the scale must be positive and finite (got {scale})"
+            );
+        }
+        let (t, d) = (q.shape()[r - 2], q.shape()[r - 1]);
+        let h = Heads {
+            batch: numel(&q.shape()[..r - 2]),
+        };
+        let round = autocast_dtype();
+        // scores (.., T, T) = q kᵀ on and below the diagonal; p = their causal softmax
+        let scores = q.storage().matmul(
+            &k.storage(),
+            h.dims((t, d, t), false, true, Causal::Outputs),
+            round,
+        )?;
+        let p = scores.softmax_rows(h.batch * t, t, s, true)?;
+        drop(scores);
+        // y (.., T, D) = p v, row i summing keys j ≤ i
+        let y = p.matmul(
+            &v.storage(),
+            h.dims((t, t, d), false, false, Causal::TermsUpToRow),
+            round,
+        )?;
+        let (qk, kk, vk) = (q.detach(), k.detach(), v.detach());
+        let shape = q.shape().to_vec();
+        Ok(Tensor::record(
+            y,
+            shape.clone(),
+            "causal_attention",
+            &[q, k, v],
+            move |g| {
+                let g = g.storage();
+                let wrap = |st: Storage| Tensor::from_storage(st, &shape);
+                // dv = pᵀ dy: key row j sums queries i ≥ j
+                let dv = p.matmul(
+                    &g,
+                    h.dims((t, t, d), true, false, Causal::TermsFromRow),
+                    round,
+                )?;
+                // dp = dy vᵀ on and below the diagonal; ds = softmax backward · scale
+                let dp = g.matmul(
+                    &vk.storage(),
+                    h.dims((t, d, t), false, true, Causal::Outputs),
+                    round,
+                )?;
+                let ds = p.softmax_rows_backward(&dp, h.batch * t, t, s)?;
+                drop(dp);
+                // dq = ds k: row i sums keys j ≤ i; dk = dsᵀ q: key row j sums queries i ≥ j
+                let dq = ds.matmul(
+                    &kk.storage(),
+                    h.dims((t, t, d), false, false, Causal::TermsUpToRow),
+                    round,
+                )?;
+                let dk = ds.matmul(
+                    &qk.storage(),
+                    h.dims((t, t, d), true, false, Causal::TermsFromRow),
+                    round,
+                )?;
+                Ok(vec![Some(wrap(dq)?), Some(wrap(dk)?), Some(wrap(dv)?)])
+            },
+        ))
+    }
+}
