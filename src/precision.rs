@@ -219,11 +219,23 @@ impl DynamicLossScaler {
         params: &[Tensor],
         clip: Option<f32>,
     ) -> Result<bool> {
+        Ok(self.step_reading(opt, params, clip, None)?.0)
+    }
+
+    /// [`step`](Self::step), reading `also`'s values back with the finite
+    /// check (one GPU sync for both: the training step's losses ride along).
+    pub(crate) fn step_reading(
+        &mut self,
+        opt: &mut dyn Optimizer,
+        params: &[Tensor],
+        clip: Option<f32>,
+        also: Option<&Storage>,
+    ) -> Result<(bool, Vec<f64>)> {
         self.last_grad_norm = None;
         let grads = grad_storages(params);
         let refs: Vec<&Storage> = grads.iter().collect();
         let inv = crate::backend::math::div(1.0, self.scale);
-        let finite = Storage::finite_check_unscale(&refs, inv)?;
+        let (finite, values) = Storage::finite_check_unscale_reading(&refs, inv, also)?;
         if !finite {
             // Skip: drop the poisoned gradients so nothing adds onto them, back off.
             for p in params {
@@ -234,7 +246,7 @@ impl DynamicLossScaler {
             if self.scale < MIN_SCALE {
                 bail!(Numerical, "loss scale fell to {:e} after repeated overflows: the gradients are non-finite at any scale (a NaN in the model or the data?)", self.scale);
             }
-            return Ok(false);
+            return Ok((false, values));
         }
         if let Some(c) = clip {
             self.last_grad_norm = Some(clip_grad_norm_(params, c)?);
@@ -250,7 +262,7 @@ impl DynamicLossScaler {
             }
             self.good_steps = 0;
         }
-        Ok(true)
+        Ok((true, values))
     }
 
     pub fn state_dict(&self) -> ScalerState {

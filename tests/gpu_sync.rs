@@ -1,15 +1,19 @@
 //! How often a training step waits for the GPU. Alone in its own test binary:
-//! the GPU work counters are process-wide, so no other test may run beside it.
+//! the GPU work counters are process-wide, so no other test may run beside
+//! these, and these take turns (`ONE_AT_A_TIME`).
 
 use tinyllm::gpu::GpuCounters;
 use tinyllm::nn::{Layer, Linear};
 use tinyllm::ops::mse;
 use tinyllm::{grad_accumulate, Device, Generator, Tensor};
 
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// Accumulating k micro-batches reads their losses back once, not k times
 /// (each readback is a full GPU sync), and the loss is their weighted sum.
 #[test]
 fn grad_accumulate_reads_the_losses_back_once() {
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     if !tinyllm::testing::gpu_available() {
         return;
     }
@@ -33,4 +37,49 @@ fn grad_accumulate_reads_the_losses_back_once() {
     assert_eq!(work.readbacks, 1, "{work:?}");
     assert!(work.dispatches > 0, "{work:?}");
     assert_eq!(loss, expected as f32);
+}
+
+/// A whole mixed-precision step with clipping waits for the GPU twice: once
+/// for the losses together with the gradients' finite check, once for the
+/// clipping norm — with the loss scaler and without it. The reported loss is
+/// the one `grad_accumulate` computes from the same state.
+#[test]
+fn a_training_step_reads_back_twice() {
+    use tinyllm::nn::Module;
+    use tinyllm::optim::{AdamW, AdamWConfig};
+    use tinyllm::precision::{DynamicLossScaler, Precision};
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    if !tinyllm::testing::gpu_available() {
+        return;
+    }
+    let dev = Device::Gpu;
+    for scaled in [false, true] {
+        let gen = Generator::new(1);
+        let model = Linear::new(4, 1, true, &gen, dev).unwrap();
+        let x = Tensor::randn(&[12, 4], 1.0, &gen, dev).unwrap();
+        let y = x.sum(-1, true).unwrap();
+        let micro: Vec<(Tensor, Tensor)> = [(0, 4), (4, 8)]
+            .iter()
+            .map(|&(at, len)| (x.narrow(0, at, len).unwrap(), y.narrow(0, at, len).unwrap()))
+            .collect();
+        let loss_fn = |(x, y): &(Tensor, Tensor)| mse(&model.forward(x)?, y);
+        let expected = grad_accumulate(&model, &micro, loss_fn, None).unwrap();
+        let mut opt = AdamW::new(model.parameters(), AdamWConfig::new(1e-3)).unwrap();
+        let mut scaler = DynamicLossScaler::new(1.0, 2.0, 0.5, 10).unwrap();
+        let before = GpuCounters::now();
+        let report = tinyllm::train_step_mixed(
+            &model,
+            &micro,
+            loss_fn,
+            &mut opt,
+            Precision::Fp32,
+            scaled.then_some(&mut scaler),
+            Some(1.0),
+        )
+        .unwrap();
+        let work = GpuCounters::now().since(before);
+        assert_eq!(work.readbacks, 2, "scaler {scaled}: {work:?}");
+        assert_eq!(report.loss, expected, "scaler {scaled}");
+        assert!(report.grad_norm.is_some());
+    }
 }

@@ -141,7 +141,7 @@ impl Lift for GpuStorage {
 macro_rules! lift_as_is {
     ($($t:ty),*) => { $(impl Lift for $t { type Out = $t; fn lift(self) -> $t { self } })* };
 }
-lift_as_is!((), bool, Vec<f32>);
+lift_as_is!((), bool, Vec<f32>, (bool, Vec<f64>));
 
 /// The one place where a primitive goes to a device. Three forms:
 ///

@@ -28,30 +28,69 @@ impl MicroBatch for (Tensor, Tensor) {
 pub fn grad_accumulate<M: ?Sized, B: MicroBatch>(
     _model: &M,
     micro_batches: &[B],
-    mut loss_fn: impl FnMut(&B) -> Result<Tensor>,
+    loss_fn: impl FnMut(&B) -> Result<Tensor>,
     scaler: Option<&DynamicLossScaler>,
 ) -> Result<f32> {
+    let losses = backward_all(micro_batches, loss_fn, scaler)?;
+    losses.total(&losses.values.to_vec_f64()?)
+}
+
+/// The micro-batches' losses, still on the device, and their weights.
+struct Losses {
+    weights: Vec<f64>,
+    /// `(micro-batches,)`: each micro-batch's unweighted, unscaled loss.
+    values: Tensor,
+}
+
+impl Losses {
+    /// `Σ (n_i / N) L_i` from the values read back, in f64.
+    fn total(&self, values: &[f64]) -> Result<f32> {
+        if values.len() != self.weights.len() {
+            bail!(
+                Device,
+                "read back {} losses for {} micro-batches",
+                values.len(),
+                self.weights.len()
+            );
+        }
+        let sum = self
+            .weights
+            .iter()
+            .zip(values)
+            .fold(0.0f64, |acc, (w, &v)| acc + w * v);
+        Ok(sum as f32)
+    }
+}
+
+/// [`grad_accumulate`]'s backward passes; the losses stay on the device, to
+/// come back in the step's one readback, not one per micro-batch (each is a
+/// GPU sync).
+fn backward_all<B: MicroBatch>(
+    micro_batches: &[B],
+    mut loss_fn: impl FnMut(&B) -> Result<Tensor>,
+    scaler: Option<&DynamicLossScaler>,
+) -> Result<Losses> {
     let total: usize = micro_batches.iter().map(|b| b.rows()).sum();
     if total == 0 {
         bail!(Shape, "grad_accumulate: no rows in the micro-batches");
     }
-    // The losses stay on the device until every micro-batch has run: one
-    // readback for the step, not one per micro-batch (each is a GPU sync).
-    let mut losses = Vec::with_capacity(micro_batches.len());
+    let (mut weights, mut values) = (Vec::new(), Vec::new());
     for mb in micro_batches {
         let w = mb.rows() as f64 / total as f64;
         let li = loss_fn(mb)?;
         let weighted = li.mul_scalar(w)?;
-        losses.push((w, li.detach().reshape(&[1])?));
+        weights.push(w);
+        values.push(li.detach().reshape(&[1])?);
         match scaler {
             Some(s) => s.scale_loss(&weighted)?.backward()?,
             None => weighted.backward()?,
         }
     }
-    let parts: Vec<&Tensor> = losses.iter().map(|(_, l)| l).collect();
-    let values = Tensor::cat(&parts, 0)?.to_vec_f64()?;
-    let loss = (losses.iter().zip(values)).fold(0.0f64, |acc, ((w, _), v)| acc + w * v);
-    Ok(loss as f32)
+    let parts: Vec<&Tensor> = values.iter().collect();
+    Ok(Losses {
+        weights,
+        values: Tensor::cat(&parts, 0)?,
+    })
 }
 
 /// What one mixed-precision step did.
@@ -85,43 +124,44 @@ pub fn train_step_mixed<M: crate::nn::Module + ?Sized, B: MicroBatch>(
     for p in &params {
         p.zero_grad();
     }
-    let loss = {
+    let losses = {
         let _ac = precision.format().map(autocast);
-        grad_accumulate(model, micro_batches, loss_fn, scaler.as_deref())?
+        backward_all(micro_batches, loss_fn, scaler.as_deref())?
     };
+    // The losses come back with the gradients' finite check: one readback.
+    let loss_values = losses.values.storage();
     match scaler {
         Some(s) => {
-            let stepped = s.step(opt, &params, clip)?;
+            let (stepped, values) = s.step_reading(opt, &params, clip, Some(&loss_values))?;
             Ok(StepReport {
-                loss,
+                loss: losses.total(&values)?,
                 skipped: !stepped,
                 scale: s.loss_scale(),
                 grad_norm: s.last_grad_norm(),
             })
         }
         None => {
-            if !loss.is_finite() {
-                for p in &params {
-                    p.zero_grad();
-                }
-                bail!(
-                    Numerical,
-                    "non-finite loss ({loss}) without a loss scaler: no update was made"
-                );
-            }
             // A finite loss can still have non-finite gradients (an op whose
             // derivative blows up); clipping or AdamW would spread them into
             // every weight. The scaler's fused check with a scale of 1 (an
             // exact no-op multiply) finds them in one pass.
             let grads = grad_storages(&params);
             let refs: Vec<&Storage> = grads.iter().collect();
-            if !Storage::finite_check_unscale(&refs, 1.0)? {
+            let (finite, values) =
+                Storage::finite_check_unscale_reading(&refs, 1.0, Some(&loss_values))?;
+            let loss = losses.total(&values)?;
+            if !loss.is_finite() || !finite {
                 for p in &params {
                     p.zero_grad();
                 }
+                let what = if loss.is_finite() {
+                    "gradients"
+                } else {
+                    "loss"
+                };
                 bail!(
                     Numerical,
-                    "non-finite gradients (loss {loss}) without a loss scaler: no update was made"
+                    "non-finite {what} (loss {loss}) without a loss scaler: no update was made"
                 );
             }
             let grad_norm = match clip {

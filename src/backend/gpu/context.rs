@@ -448,11 +448,19 @@ impl Context {
     /// Copies the first `bytes` of `src` to the host: submits everything
     /// pending plus the copy, then maps a staging buffer and waits.
     pub fn read(&self, src: &wgpu::Buffer, bytes: u64) -> Result<Vec<u8>> {
-        if bytes == 0 {
-            return Ok(Vec::new());
+        Ok(self.read_many(&[(src, bytes)])?.remove(0))
+    }
+
+    /// The first `bytes` of each buffer, copied into one staging buffer and
+    /// mapped once: one GPU sync for all of them.
+    pub fn read_many(&self, parts: &[(&wgpu::Buffer, u64)]) -> Result<Vec<Vec<u8>>> {
+        // each part at a 4-byte aligned offset (wgpu's copy alignment)
+        let sizes: Vec<u64> = parts.iter().map(|&(_, b)| b.next_multiple_of(4)).collect();
+        let size: u64 = sizes.iter().sum();
+        if size == 0 {
+            return Ok(vec![Vec::new(); parts.len()]);
         }
         crate::profile::note_gpu(crate::profile::GpuEvent::Readback);
-        let size = bytes.next_multiple_of(4);
         let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("readback"),
             size,
@@ -462,10 +470,14 @@ impl Context {
         {
             let mut pend = self.pending.lock().unwrap();
             self.ensure_batch(&mut pend);
-            pend.encoder
-                .as_mut()
-                .unwrap()
-                .copy_buffer_to_buffer(src, 0, &staging, 0, size);
+            let enc = pend.encoder.as_mut().unwrap();
+            let mut at = 0;
+            for (&(src, _), &n) in parts.iter().zip(&sizes) {
+                if n > 0 {
+                    enc.copy_buffer_to_buffer(src, 0, &staging, at, n);
+                }
+                at += n;
+            }
             self.submit(&mut pend);
         }
         self.check()?;
@@ -486,10 +498,21 @@ impl Context {
                 ))
             }
         }
-        let out = staging
-            .get_mapped_range(..)
-            .map_err(|e| Error::device(format!("GPU readback failed: {e}")))?[..bytes as usize]
-            .to_vec();
+        let out = {
+            let all = staging
+                .get_mapped_range(..)
+                .map_err(|e| Error::device(format!("GPU readback failed: {e}")))?;
+            let mut at = 0;
+            parts
+                .iter()
+                .zip(&sizes)
+                .map(|(&(_, b), &n)| {
+                    let v = all[at as usize..(at + b) as usize].to_vec();
+                    at += n;
+                    v
+                })
+                .collect()
+        };
         staging.unmap();
         Ok(out)
     }

@@ -11,12 +11,12 @@ use rayon::prelude::*;
 const THREADED_ELEMS: usize = 1 << 18;
 
 impl OptimOps for CpuStorage {
-    fn finite_check_unscale(bufs: &[&CpuStorage], inv_scale: f32) -> Result<bool> {
+    fn finite_check_unscale(bufs: &[&CpuStorage], inv_scale: f32, also: Option<&CpuStorage>) -> Result<(bool, Vec<f64>)> {
         let mut finite = true;
         for b in bufs {
             finite &= b.unscale_in_place(inv_scale);
         }
-        Ok(finite)
+        Ok((finite, also.map_or_else(Vec::new, |a| a.to_vec_f64())))
     }
 
     fn scale_in_place(&self, c: f32) -> Result<()> {

@@ -66,10 +66,11 @@ fn per_lane(entry: &'static str, n: usize) -> Result<(Kernel, (u32, u32, u32))> 
 
 impl OptimOps for GpuStorage {
     /// One kernel per buffer, all OR-ing into ONE 4-byte flag, read back once.
-    fn finite_check_unscale(bufs: &[&GpuStorage], inv_scale: f32) -> Result<bool> {
+    fn finite_check_unscale(bufs: &[&GpuStorage], inv_scale: f32, also: Option<&GpuStorage>) -> Result<(bool, Vec<f64>)> {
         let c = ctx()?;
         if bufs.iter().all(|b| b.is_empty()) {
-            return Ok(true);
+            let values = also.map(|a| a.download()).transpose()?.unwrap_or_default();
+            return Ok((true, values.into_iter().map(f64::from).collect()));
         }
         // A fresh buffer is zero-initialised by wgpu.
         let flag = c.buffer_with(&[0u8; 4]);
@@ -81,8 +82,15 @@ impl OptimOps for GpuStorage {
             };
             c.dispatch(&k, &prm, &[b.buf(), &flag], grid)?;
         }
-        let v = c.read(&flag, 4)?;
-        Ok(u32::from_le_bytes([v[0], v[1], v[2], v[3]]) == 0)
+        let mut parts = vec![(&flag, 4)];
+        parts.extend(also.map(|a| (a.buf(), 4 * a.len() as u64)));
+        let mut got = c.read_many(&parts)?.into_iter();
+        let v = got.next().unwrap_or_default();
+        let finite = u32::from_le_bytes([v[0], v[1], v[2], v[3]]) == 0;
+        let values = got.next().map_or_else(Vec::new, |b| {
+            b.chunks_exact(4).map(|w| f32::from_le_bytes([w[0], w[1], w[2], w[3]]) as f64).collect()
+        });
+        Ok((finite, values))
     }
 
     fn scale_in_place(&self, s: f32) -> Result<()> {

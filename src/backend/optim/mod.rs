@@ -47,8 +47,10 @@ pub struct AdamWConsts {
 
 /// The two devices' in-place updates (see the module docs for the contract).
 pub trait OptimOps: Sized {
-    /// Unscales every buffer in place; true when all values were finite before.
-    fn finite_check_unscale(bufs: &[&Self], inv_scale: f32) -> Result<bool>;
+    /// Unscales every buffer in place; true when all values were finite
+    /// before. `also`'s values come back with the verdict (on a GPU in the
+    /// same readback: the step's loss rides along with its finite flag).
+    fn finite_check_unscale(bufs: &[&Self], inv_scale: f32, also: Option<&Self>) -> Result<(bool, Vec<f64>)>;
     fn scale_in_place(&self, c: f32) -> Result<()>;
     /// `self` is the parameter.
     fn adamw_step(&self, g: &Self, m: &Self, v: &Self, c: &AdamWConsts) -> Result<()>;
@@ -78,11 +80,26 @@ fn check_len(what: &str, p: &Storage, others: &[&Storage]) -> Result<()> {
 impl Storage {
     /// The loss scaler's fused check and unscale over every gradient buffer.
     pub fn finite_check_unscale(grads: &[&Storage], inv_scale: f32) -> Result<bool> {
+        Ok(Storage::finite_check_unscale_reading(grads, inv_scale, None)?.0)
+    }
+
+    /// [`finite_check_unscale`](Self::finite_check_unscale), reading `also`'s
+    /// values back with the verdict: one GPU sync for both.
+    pub fn finite_check_unscale_reading(
+        grads: &[&Storage],
+        inv_scale: f32,
+        also: Option<&Storage>,
+    ) -> Result<(bool, Vec<f64>)> {
         let _prof = crate::profile::scope("finite check + unscale");
-        if grads.is_empty() {
-            return Ok(true);
+        let n = grads.len();
+        let parts: Vec<&Storage> = grads.iter().copied().chain(also).collect();
+        if parts.is_empty() {
+            return Ok((true, Vec::new()));
         }
-        Ok(on_device!(slice grads => |gs| OptimOps::finite_check_unscale(&gs, inv_scale)))
+        Ok(on_device!(slice &parts => |xs| {
+            let (gs, rest) = xs.split_at(n);
+            OptimOps::finite_check_unscale(gs, inv_scale, rest.first().copied())
+        }))
     }
 
     /// In place: `self *= c` (clipping).
