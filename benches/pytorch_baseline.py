@@ -81,7 +81,7 @@ def main():
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=1, help="tinyllm/PyTorch pairs, alternating")
     ap.add_argument("--recipe", choices=["fp32", "c1"], default="fp32",
-                    help="tinyllm's recipe: fp32 (--fp32 --accum 1) or c1 (--bf16 --accum 4 "
+                    help="tinyllm's recipe: fp32 (--fp32 --no-checkpoint-activations --accum 1) or c1 (--bf16 --accum 4 "
                          "--checkpoint-activations, same tokens per micro-batch)")
     ap.add_argument("--binary", default=str(REPO / "target" / "release" / "tinyllm"))
     a = ap.parse_args()
@@ -90,7 +90,10 @@ def main():
 
     print(f"torch {torch.__version__} (threads {torch.get_num_threads()}), "
           f"transformers {transformers.__version__}, {os.cpu_count()} CPUs")
-    extra, accum = (["--fp32"], 1) if a.recipe == "fp32" else (["--bf16", "--checkpoint-activations"], 4)
+    # fp32 is like for like with PyTorch's run (no activation checkpointing,
+    # which tinyllm turns on by default); c1 is the spec's recipe as trained.
+    fp32 = ["--fp32", "--no-checkpoint-activations"]
+    extra, accum = (fp32, 1) if a.recipe == "fp32" else (["--bf16", "--checkpoint-activations"], 4)
     with tempfile.TemporaryDirectory(prefix="tinyllm-vs-torch-") as tmp:
         for r in range(a.rounds):
             ours, config = tinyllm_run(a.binary, a.preset, a.micro_batch, accum, a.steps, extra,
