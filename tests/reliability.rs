@@ -2879,3 +2879,39 @@ fn no_xdg_runtime_dir_noise_on_a_gpu_probe() {
     assert!(m.is_dir() && m.uid() == uid && m.mode() & 0o777 == 0o700);
     let _ = std::fs::remove_dir_all(&out);
 }
+
+/// A missing --data file is reported before any device is probed: no
+/// adapter note (nor the loader's noise) ahead of the one error that matters.
+#[test]
+fn a_missing_data_file_is_reported_before_probing_devices() {
+    let d = tmpdir("missing_data_first");
+    let missing = d.join("nope.txt");
+    let ckpt = d.join("no-checkpoint");
+    for args in [
+        vec![
+            "train",
+            "--device",
+            "auto",
+            "--data",
+            missing.to_str().unwrap(),
+            "--out",
+            d.join("out").to_str().unwrap(),
+        ],
+        vec![
+            "eval",
+            "--device",
+            "auto",
+            "--data",
+            missing.to_str().unwrap(),
+            "--checkpoint",
+            ckpt.to_str().unwrap(),
+        ],
+    ] {
+        let (ok, _, err) = run_bin(&args, &[]);
+        assert!(!ok && err.contains("cannot read corpus"), "{args:?}: {err}");
+        assert!(
+            !err.contains("device:"),
+            "{args:?} probed a device first: {err}"
+        );
+    }
+}

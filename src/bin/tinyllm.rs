@@ -73,6 +73,7 @@ struct RunFlags {
     /// Peak learning rate (AdamW; linear warmup, cosine decay to a tenth).
     #[arg(long, allow_negative_numbers = true)]
     lr: Option<f32>,
+    /// Seed of the initial weights, the data order and dropout (default 1337).
     #[arg(long, value_parser = count_u64, allow_negative_numbers = true)]
     seed: Option<u64>,
     /// auto (GPU if an adapter exists), cpu or gpu.
@@ -168,19 +169,23 @@ struct CompareArgs {
 
 #[derive(Args)]
 struct EvalArgs {
+    /// A run directory or its checkpoint/ subdirectory.
     #[arg(long)]
     checkpoint: PathBuf,
     /// Text to evaluate on (default: the embedded corpus).
     #[arg(long)]
     data: Option<PathBuf>,
+    /// cpu, gpu or auto (GPU if an adapter exists).
     #[arg(long, default_value = "cpu")]
     device: String,
 }
 
 #[derive(Args)]
 struct GenerateArgs {
+    /// A run directory or its checkpoint/ subdirectory.
     #[arg(long)]
     checkpoint: PathBuf,
+    /// Text the sample continues (bytes; empty starts from nothing).
     #[arg(long, default_value = "")]
     prompt: String,
     /// Bytes to generate.
@@ -192,8 +197,10 @@ struct GenerateArgs {
     /// Sample among the k most likely bytes (0 = all).
     #[arg(long, default_value_t = 40, value_parser = count, allow_negative_numbers = true)]
     top_k: usize,
+    /// Seed of the sampler (the same seed draws the same text).
     #[arg(long, default_value_t = 0, value_parser = count_u64, allow_negative_numbers = true)]
     seed: u64,
+    /// cpu, gpu or auto (GPU if an adapter exists).
     #[arg(long, default_value = "cpu")]
     device: String,
 }
@@ -464,10 +471,11 @@ fn device_of(s: &str) -> tinyllm::Result<tinyllm::Device> {
 }
 
 fn cmd_eval(a: EvalArgs) -> tinyllm::Result<ExitCode> {
+    // The files first: a missing --data is reported before any device probe.
+    let corpus = Corpus::load(a.data.as_ref())?;
     let device = device_of(&a.device)?;
     let model =
         checkpoint::load_model(&a.checkpoint, device).map_err(|e| e.context("--checkpoint"))?;
-    let corpus = Corpus::load(a.data.as_ref())?;
     // A line at every tenth of the text: a long evaluation shows it is moving.
     let mut shown = 0;
     let progress = |done: usize, total: usize| {

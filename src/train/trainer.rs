@@ -425,11 +425,12 @@ pub fn run(cfg: TrainConfig, start: Start, progress: Progress) -> Result<RunSumm
     // A profile the caller started (`tinyllm train --profile`) sees the
     // training steps only: everything else here is paused.
     let _not_profiled = crate::profile::pause();
+    // The files first: a missing --data is reported before any device probe.
+    let corpus = Corpus::load(cfg.data.as_ref())?;
     let (device, note) = select_device(cfg.device)?;
     if let Some(n) = note {
         say(progress, &n);
     }
-    let corpus = Corpus::load(cfg.data.as_ref())?;
     let _lock = DirLock::acquire(&cfg.out)?;
     prepare_out(&cfg, start)?;
     for limit in memory_limits(device)? {
