@@ -101,8 +101,57 @@ pub fn keep_freed_host_memory() -> bool {
     false
 }
 
+/// The process's resident-memory high-water mark in bytes (Linux `VmHWM`):
+/// everything the machine saw this process hold — tensors, the allocator's
+/// slack and caches, packing buffers, the GPU driver's host memory. `None`
+/// where the platform does not say.
+pub fn process_peak_rss() -> Option<usize> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// Hands the allocator's free memory back to the system and restarts the
+/// process's resident high-water mark from what it holds now, so that
+/// [`process_peak_rss`] afterwards measures what follows (one side of a
+/// comparison, not the run before it). Returns whether the restart took
+/// (Linux only).
+pub fn restart_process_peak() -> bool {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        extern "C" {
+            fn malloc_trim(pad: usize) -> i32;
+        }
+        // SAFETY: malloc_trim only returns free heap pages to the kernel.
+        unsafe { malloc_trim(0) };
+    }
+    // "5" resets the peak resident size (Linux 4.0+, documented in proc(5)).
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
 #[cfg(test)]
 mod tests {
+    /// A fresh high-water mark sees a large allocation made after it, and
+    /// not one freed before it.
+    #[test]
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    fn the_process_peak_restarts_and_sees_what_follows() {
+        let big = vec![1u8; 256 << 20];
+        std::hint::black_box(&big);
+        drop(big);
+        assert!(super::restart_process_peak());
+        let before = super::process_peak_rss().unwrap();
+        let touched = vec![1u8; 64 << 20];
+        std::hint::black_box(&touched);
+        let after = super::process_peak_rss().unwrap();
+        assert!(after >= before + (60 << 20), "{before} -> {after}");
+        assert!(
+            before < 200 << 20,
+            "the freed 256 MiB still counts: {before}"
+        );
+    }
+
     /// mallopt reports a setting it refuses only through its return value:
     /// the call must say that both took.
     #[test]

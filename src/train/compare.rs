@@ -1,9 +1,17 @@
 //! Milestone MS-L11: the same preset, data and seed trained twice — float32
 //! with the whole batch at once, and bf16 with micro-batches, accumulation and
-//! activation checkpointing — then final losses and peak memories side by side.
+//! activation checkpointing — then both final models evaluated the same way
+//! (float32, the same held-out windows) and both peak memories side by side.
+//!
+//! The verdict reads the held-out losses, not the training losses (each side
+//! computes those in its own precision, on its own batches), and the memory
+//! the machine saw — the process's resident peak where the platform reports
+//! it — next to the tensor bytes the crate counts.
 
+use crate::memory;
 use crate::precision::Precision;
 use crate::train::config::{TrainConfig, TrainOptions};
+use crate::train::data::{Corpus, Dataset};
 use crate::train::plan::mib;
 use crate::train::plot::{loss_svg, Series};
 use crate::train::trainer::{run, say, Progress, RunSummary, Start};
@@ -18,9 +26,15 @@ pub struct Side {
     pub micro_batch: usize,
     pub accum: usize,
     pub ckpt_budget: Option<usize>,
+    /// Mean of the last training losses, in the side's own precision.
     pub final_loss: f32,
+    /// The final model's loss on the held-out windows, evaluated in float32.
+    pub heldout_loss: f32,
     pub planned_peak_bytes: usize,
+    /// Peak tensor bytes ([`crate::memory`]).
     pub measured_peak_bytes: usize,
+    /// The process's resident peak during this side alone, where known.
+    pub process_peak_bytes: Option<usize>,
     pub seconds: f64,
 }
 
@@ -33,7 +47,7 @@ pub struct Comparison {
     pub seed: u64,
     pub fp32: Side,
     pub mixed: Side,
-    /// |mixed − fp32| / fp32 of the final losses.
+    /// |mixed − fp32| / fp32 of the float32 held-out losses.
     pub rel_diff: f32,
     pub within_2_percent: bool,
     pub lower_peak: bool,
@@ -41,7 +55,7 @@ pub struct Comparison {
     pub plot: String,
 }
 
-fn side(label: &str, cfg: &TrainConfig, s: &RunSummary) -> Side {
+fn side(label: &str, cfg: &TrainConfig, s: &RunSummary, heldout_loss: f32) -> Side {
     Side {
         label: label.into(),
         precision: cfg.precision.name().into(),
@@ -49,10 +63,26 @@ fn side(label: &str, cfg: &TrainConfig, s: &RunSummary) -> Side {
         accum: cfg.accum,
         ckpt_budget: cfg.ckpt_budget,
         final_loss: s.final_loss,
+        heldout_loss,
         planned_peak_bytes: s.plan.total,
         measured_peak_bytes: s.peak_bytes,
+        process_peak_bytes: s.process_peak_bytes,
         seconds: s.seconds,
     }
+}
+
+/// The run's final model (its last checkpoint) on the held-out windows of
+/// the run's corpus, in float32: the same windows for both sides (same
+/// corpus, context and seed).
+fn heldout_loss(cfg: &TrainConfig, s: &RunSummary) -> Result<f32> {
+    let dir = s.checkpoint.as_ref().ok_or_else(|| {
+        crate::Error::checkpoint(format!("compare: {} saved no checkpoint", s.out.display()))
+    })?;
+    let model = crate::train::checkpoint::load_model(dir, s.device)?;
+    let corpus = Corpus::load(cfg.data.as_ref())?;
+    let data = Dataset::new(&corpus, model.cfg.context, cfg.seed)?;
+    let batch = data.val_batch(cfg.eval_rows);
+    crate::train::infer::evaluate(&model, &batch, Precision::Fp32, cfg.micro_batch.max(8))
 }
 
 /// Runs both trainings under `opts.out` (default `runs/compare`): `fp32/` and
@@ -88,6 +118,8 @@ pub fn compare(opts: &TrainOptions, overwrite: bool, progress: Progress) -> Resu
             &format!("== float32, full batch of {} ==", fp32_cfg.batch),
         );
     }
+    // Each side's process peak starts from what the process holds before it.
+    memory::restart_process_peak();
     let a = run(fp32_cfg.clone(), start, progress)?;
     stop_if_interrupted(&a)?;
     if progress != Progress::Quiet {
@@ -101,9 +133,19 @@ pub fn compare(opts: &TrainOptions, overwrite: bool, progress: Progress) -> Resu
             ),
         );
     }
+    memory::restart_process_peak();
     let b = run(mixed_cfg.clone(), start, progress)?;
     stop_if_interrupted(&b)?;
-    let rel = ((b.final_loss - a.final_loss) / a.final_loss).abs();
+    let (ha, hb) = (heldout_loss(&fp32_cfg, &a)?, heldout_loss(&mixed_cfg, &b)?);
+    let rel = ((hb - ha) / ha).abs();
+    let peaks = |s: &RunSummary| match s.process_peak_bytes {
+        Some(p) => format!("peak {} process, {} tensors", mib(p), mib(s.peak_bytes)),
+        None => format!("peak {} tensors", mib(s.peak_bytes)),
+    };
+    let names = [
+        format!("float32, full batch ({})", peaks(&a)),
+        format!("mixed precision ({})", peaks(&b)),
+    ];
     let series = |name, color, s: &RunSummary| Series {
         name,
         color,
@@ -122,20 +164,24 @@ pub fn compare(opts: &TrainOptions, overwrite: bool, progress: Progress) -> Resu
             mixed_cfg.precision.name()
         ),
         &[
-            series("float32, full batch", "#1f77b4", &a),
-            series("mixed precision", "#ff7f0e", &b),
+            series(&names[0], "#1f77b4", &a),
+            series(&names[1], "#ff7f0e", &b),
         ],
     );
     crate::train::checkpoint::write_atomic(&out, "compare.svg", svg.as_bytes())?;
     let within = rel <= 0.02;
-    let lower = b.peak_bytes < a.peak_bytes;
+    // what the machine saw where it says, the crate's tensor bytes otherwise
+    let lower = match (a.process_peak_bytes, b.process_peak_bytes) {
+        (Some(pa), Some(pb)) => pb < pa,
+        _ => b.peak_bytes < a.peak_bytes,
+    };
     Ok(Comparison {
         preset: mixed_cfg.preset.clone(),
         steps: mixed_cfg.steps,
         batch: mixed_cfg.batch,
         seed: mixed_cfg.seed,
-        fp32: side("float32", &fp32_cfg, &a),
-        mixed: side("mixed", &mixed_cfg, &b),
+        fp32: side("float32", &fp32_cfg, &a, ha),
+        mixed: side("mixed", &mixed_cfg, &b, hb),
         rel_diff: rel,
         within_2_percent: within,
         lower_peak: lower,
@@ -163,6 +209,7 @@ fn stop_if_interrupted(s: &RunSummary) -> Result<()> {
 impl Comparison {
     /// The MS-L11 table as text.
     pub fn table(&self) -> String {
+        let opt_mib = |b: Option<usize>| b.map_or("n/a".to_string(), mib);
         let row = |s: &Side| {
             let how = format!(
                 "{}, {}×{}{}",
@@ -174,27 +221,41 @@ impl Comparison {
                     .unwrap_or_default()
             );
             format!(
-                "| {:<24} | {:>10.4} | {:>12} | {:>13} |\n",
+                "| {:<24} | {:>10.4} | {:>13.4} | {:>12} | {:>12} | {:>12} |\n",
                 how,
                 s.final_loss,
+                s.heldout_loss,
                 mib(s.planned_peak_bytes),
-                mib(s.measured_peak_bytes)
+                mib(s.measured_peak_bytes),
+                opt_mib(s.process_peak_bytes)
             )
         };
         let mut t = format!(
             "MS-L11 — preset {}, {} steps, batch {}, seed {}\n\n",
             self.preset, self.steps, self.batch, self.seed
         );
-        t += "| run                      | final loss | planned peak | measured peak |\n";
-        t += "|--------------------------|-----------:|-------------:|--------------:|\n";
+        t += "| run                      | train loss | held-out loss | planned peak | tensor peak  | process peak |\n";
+        t += "|--------------------------|-----------:|--------------:|-------------:|-------------:|-------------:|\n";
         t += &row(&self.fp32);
         t += &row(&self.mixed);
-        t += &format!(
-            "\nrelative difference of final losses: {:.2}% ({} 2%)\npeak memory: {} → {} ({})\nverdict: {}\nplot: {}\n",
+        let (pa, pb, which) = match (self.fp32.process_peak_bytes, self.mixed.process_peak_bytes) {
+            (Some(a), Some(b)) => (a, b, "process"),
+            _ => (
+                self.fp32.measured_peak_bytes,
+                self.mixed.measured_peak_bytes,
+                "tensor",
+            ),
+        };
+        t +=
+            &format!(
+            "\n(train loss: mean of the last steps in each run's own precision; held-out loss: \
+             both final models in float32 on the same held-out windows)\n\
+             relative difference of held-out losses: {:.2}% ({} 2%)\n\
+             {which} peak memory: {} → {} ({})\nverdict: {}\nplot: {}\n",
             100.0 * self.rel_diff,
             if self.within_2_percent { "within" } else { "NOT within" },
-            mib(self.fp32.measured_peak_bytes),
-            mib(self.mixed.measured_peak_bytes),
+            mib(pa),
+            mib(pb),
             if self.lower_peak { "lower" } else { "NOT lower" },
             if self.pass { "PASS" } else { "FAIL" },
             self.plot

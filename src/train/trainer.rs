@@ -339,8 +339,12 @@ pub struct RunSummary {
     pub final_loss: f32,
     pub final_val_loss: Option<f32>,
     pub plan: MemoryPlan,
-    /// The highest measured peak of any step.
+    /// The highest measured peak of any step (tensor bytes, [`crate::memory`]).
     pub peak_bytes: usize,
+    /// The process's resident high-water mark at the end of the run (since
+    /// the process started, or since [`memory::restart_process_peak`]);
+    /// `None` where the platform does not say.
+    pub process_peak_bytes: Option<usize>,
     pub seconds: f64,
     pub device: Device,
 }
@@ -801,6 +805,7 @@ impl Loop {
             final_val_loss: self.history.last().and_then(|m| m.val_loss),
             plan: tr.plan,
             peak_bytes: self.peak,
+            process_peak_bytes: memory::process_peak_rss(),
             seconds: t_start.elapsed().as_secs_f64(),
             device,
             history: self.history,
