@@ -191,7 +191,7 @@ struct GenerateArgs {
     /// Bytes to generate.
     #[arg(long, default_value_t = 300, value_parser = count, allow_negative_numbers = true)]
     len: usize,
-    /// Softmax temperature (0 = greedy).
+    /// Softmax temperature (0 = greedy, never repeating a run of 8 bytes already in the context).
     #[arg(long, default_value_t = 0.8, allow_negative_numbers = true)]
     temperature: f32,
     /// Sample among the k most likely bytes (0 = all).

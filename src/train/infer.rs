@@ -84,6 +84,9 @@ pub fn eval_text(
 
 /// Samples `n` tokens after `prompt`: temperature (0 = greedy), top-k (0 =
 /// all), drawing from `gen`. Each step feeds the last `context` tokens.
+/// Greedy decoding never repeats a run of [`NO_REPEAT`] tokens already in
+/// the context (it takes the best token that does not): plain argmax on a
+/// small model falls into a loop ("the the the …") it can never leave.
 pub fn generate(
     model: &Llama,
     prompt: &[u32],
@@ -124,13 +127,44 @@ pub fn generate_with(
         let window = &ids[start..];
         let logits = model.forward(window, 1, window.len(), None)?;
         let last = logits.narrow(0, window.len() - 1, 1)?.to_vec_f32()?;
-        let next = sample_logits(&last[..v], temperature, top_k, gen);
+        let next = if temperature <= 0.0 {
+            greedy_without_repeats(&last[..v], window, NO_REPEAT)
+        } else {
+            sample_logits(&last[..v], temperature, top_k, gen)
+        };
         ids.push(next);
         if each(next).is_break() {
             break;
         }
     }
     Ok(())
+}
+
+/// Greedy decoding's repetition guard: the length of a token run that may
+/// not occur twice in the context.
+pub const NO_REPEAT: usize = 8;
+
+/// The most likely token that does not complete a run of `n` tokens already
+/// in `history` (its last `n − 1` tokens followed by the token); the plain
+/// argmax when every token would (or `n < 2`).
+pub fn greedy_without_repeats(logits: &[f32], history: &[u32], n: usize) -> u32 {
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+    if n < 2 || history.len() < n - 1 {
+        return order[0] as u32;
+    }
+    let tail = &history[history.len() - (n - 1)..];
+    // the tokens that followed an earlier occurrence of `tail`
+    let banned: Vec<u32> = history
+        .windows(n)
+        .filter(|w| &w[..n - 1] == tail)
+        .map(|w| w[n - 1])
+        .collect();
+    order
+        .iter()
+        .map(|&i| i as u32)
+        .find(|t| !banned.contains(t))
+        .unwrap_or(order[0] as u32)
 }
 
 /// One draw from softmax(logits / temperature) restricted to the top k.
@@ -224,6 +258,21 @@ impl Utf8Stream {
 
 #[cfg(test)]
 mod tests {
+    use super::greedy_without_repeats;
+
+    #[test]
+    fn greedy_skips_the_token_that_would_repeat_a_run() {
+        let logits = [0.0, 3.0, 2.0, 1.0]; // argmax 1, then 2
+                                           // "1 2 3 1 2" + 3 would repeat the run "1 2 3" (n = 3): 3 is banned, but
+                                           // 1 (the argmax) is not
+        assert_eq!(greedy_without_repeats(&logits, &[1, 2, 3, 1, 2], 3), 1);
+        // "3 1 1 3 1" + 1 would repeat "3 1 1": the argmax 1 is banned, 2 next
+        assert_eq!(greedy_without_repeats(&logits, &[3, 1, 1, 3, 1], 3), 2);
+        // short history or n < 2: the plain argmax
+        assert_eq!(greedy_without_repeats(&logits, &[1], 3), 1);
+        assert_eq!(greedy_without_repeats(&logits, &[1, 1, 1], 1), 1);
+    }
+
     use super::Utf8Stream;
 
     /// Streaming gives exactly `from_utf8_lossy` of all the bytes, whatever
