@@ -629,6 +629,33 @@ fn flags_are_validated_with_what_is_allowed() {
 
 // ------------------------------------------------- run, compare, eval ----
 
+/// metrics.jsonl counts the tokens seen and the run's wall seconds, both
+/// carried across a resume (the seconds keep rising, not restart at 0).
+#[test]
+fn metrics_count_tokens_and_seconds_across_a_resume() {
+    let out = tmpdir("metrics_clock");
+    let opts = |steps| TrainOptions {
+        steps: Some(steps),
+        out: Some(out.clone()),
+        ..Default::default()
+    };
+    let cfg = tiny(opts(3));
+    let per_step = cfg.tokens_per_step();
+    tinyllm::train::run(cfg, Start::Fresh, Progress::Quiet).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    tinyllm::train::run(tiny(opts(5)), Start::Resume(&out), Progress::Quiet).unwrap();
+    let rows = tinyllm::train::metrics::MetricsLog::read(&out.join("metrics.jsonl")).unwrap();
+    assert_eq!(rows.len(), 5);
+    for (i, m) in rows.iter().enumerate() {
+        assert_eq!(m.tokens, (i + 1) * per_step);
+        assert!(m.elapsed_s > 0.0);
+        if i > 0 {
+            assert!(m.elapsed_s > rows[i - 1].elapsed_s, "{rows:?}");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&out);
+}
+
 #[test]
 fn a_run_writes_metrics_plot_checkpoint_and_compare_passes() {
     let out = tmpdir("run");
@@ -654,6 +681,8 @@ fn a_run_writes_metrics_plot_checkpoint_and_compare_passes() {
         "grad_norm",
         "tokens_per_s",
         "peak_bytes",
+        "tokens",
+        "elapsed_s",
     ] {
         assert!(lines[0].get(k).is_some(), "metrics lack {k}");
     }

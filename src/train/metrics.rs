@@ -23,6 +23,13 @@ pub struct StepMetrics {
     pub grad_norm: Option<f32>,
     pub tokens_per_s: f64,
     pub peak_bytes: usize,
+    /// Training tokens seen through this step (steps × tokens per step).
+    #[serde(default)]
+    pub tokens: usize,
+    /// Wall seconds of the run through this step, summed over resumes (the
+    /// time between an interruption and its resume not counted).
+    #[serde(default)]
+    pub elapsed_s: f64,
 }
 
 fn f32_or_nan<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<f32, D::Error> {

@@ -227,6 +227,8 @@ impl Trainer {
             grad_norm: report.grad_norm,
             tokens_per_s: self.cfg.tokens_per_step() as f64 / secs,
             peak_bytes: memory::peak_bytes(),
+            tokens: step * self.cfg.tokens_per_step(),
+            elapsed_s: 0.0, // the run loop knows the run's clock
         })
     }
 
@@ -546,6 +548,9 @@ fn describe_run(tr: &Trainer, corpus: &Corpus, start: Start, progress: Progress)
 
 /// The loop's state beside the trainer: what was reported and saved.
 struct Loop {
+    /// When this process's part of the run began, and the run's seconds
+    /// before it (from the metrics of the run it resumes).
+    clock: (Instant, f64),
     out: PathBuf,
     progress: Progress,
     log: MetricsLog,
@@ -583,7 +588,9 @@ impl Loop {
             b.set_position(tr.step as u64);
             b
         });
+        let elapsed_before = history.last().map_or(0.0, |m: &StepMetrics| m.elapsed_s);
         Ok(Loop {
+            clock: (Instant::now(), elapsed_before),
             out: tr.cfg.out.clone(),
             progress,
             log,
@@ -605,6 +612,7 @@ impl Loop {
             tr.train_step()
         }
         .map_err(|e| self.stopped(step, e))?;
+        m.elapsed_s = self.clock.1 + self.clock.0.elapsed().as_secs_f64();
         self.peak = self.peak.max(m.peak_bytes);
         self.skips.update(&m);
         let watched = self.watch(tr, &m).and_then(|()| {
