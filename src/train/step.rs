@@ -89,6 +89,7 @@ pub fn train_step_mixed<M: crate::nn::Module + ?Sized, B: MicroBatch>(
         let _ac = precision.format().map(autocast);
         grad_accumulate(model, micro_batches, loss_fn, scaler.as_deref())?
     };
+    let _traced = crate::crosscheck::trace::phase("optimizer");
     match scaler {
         Some(s) => {
             let stepped = s.step(opt, &params, clip)?;

@@ -294,7 +294,11 @@ fn micro_loss(
     ckpt: Option<usize>,
     hook: Option<(LossHook, usize)>,
 ) -> Result<Tensor> {
-    let loss = cross_entropy(&model.forward(&mb.ids, mb.rows, mb.t, ckpt)?, &mb.targets)?;
+    let logits = model.forward(&mb.ids, mb.rows, mb.t, ckpt)?;
+    let loss = {
+        let _traced = crate::crosscheck::trace::path("loss");
+        cross_entropy(&logits, &mb.targets)?
+    };
     match hook {
         Some((hook, step)) => hook(model, loss, step),
         None => Ok(loss),
