@@ -216,8 +216,9 @@ pub(crate) use on_device;
 
 /// Every family's shaders (for validation and the parameter-layout check).
 #[cfg(any(test, feature = "test-hooks"))]
-pub fn gpu_families() -> [&'static gpu::pipelines::Family; 6] {
+pub fn gpu_families() -> [&'static gpu::pipelines::Family; 7] {
     [
+        &gpu::probe::FAMILY,
         &elementwise::gpu::FAMILY,
         &reduce::gpu::FAMILY,
         &matmul::gpu::FAMILY,
