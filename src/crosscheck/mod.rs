@@ -2,12 +2,13 @@
 //!
 //! * [`probe`] — the adapter, its limits, and what the numerics contract
 //!   assumes of a device, measured on it (fused `fma`, subnormals, contraction, …);
-//! * [`cases`] — the hard cases every primitive must survive, and a small
-//!   generator that mixes them with random values;
+//! * [`sweep`] — every backend primitive on both devices over random inputs
+//!   and the hard cases of [`cases`], compared bit for bit;
 //! * [`trace`] — every backend primitive call in order, with the model path
 //!   that issued it and a hash of its output; off by default (one
 //!   thread-local read per primitive then).
 
 pub mod cases;
 pub mod probe;
+pub mod sweep;
 pub mod trace;
