@@ -16,8 +16,8 @@
 //!   scaler; [`recompute`] adds activation checkpointing; [`train_step_mixed`]
 //!   (in `train::step`) accumulates micro-batches and takes one mixed-precision step;
 //! * [`optim`] updates the float32 master weights (SGD, AdamW, gradient clipping);
-//! * [`crosscheck`] asks whether the GPU gives the reference's bits (so far:
-//!   the primitive trace).
+//! * [`crosscheck`] asks whether the GPU gives the reference's bits: a device
+//!   probe, a sweep of every primitive, a training lockstep, a primitive trace.
 
 /// The backend's primitives are internal; the `test-hooks` feature (on for
 /// the crate's own tests and benches) makes them reachable.

@@ -420,11 +420,33 @@ impl Skips {
 /// is a diverged model, which no loss scale can bring back.
 pub const MAX_NON_FINITE_LOSSES: usize = 5;
 
+/// Work done around chosen steps of a run, outside the step itself (and its
+/// timing and profile): the cross-check's CPU replay of a GPU step
+/// (`crosscheck::lockstep::Replay`, `tinyllm train --crosscheck-every K`).
+pub trait StepCheck {
+    /// Whether optimizer step `step` (1-based) is checked.
+    fn wants(&self, step: usize) -> bool;
+    /// Before a checked step, with the trainer in the state it starts from.
+    fn before(&mut self, tr: &Trainer) -> Result<()>;
+    /// After it; an error stops the run (the step's metrics are still logged).
+    fn after(&mut self, tr: &Trainer, m: &StepMetrics) -> Result<()>;
+}
+
 /// Runs (or continues) a training run to `cfg.steps`, writing metrics, plot
 /// and checkpoints under `cfg.out`, which it holds locked for the whole run.
 /// On SIGINT/SIGTERM (once [`interrupt::install`]ed) it finishes the current
 /// step, saves, and returns a summary saying so.
 pub fn run(cfg: TrainConfig, start: Start, progress: Progress) -> Result<RunSummary> {
+    run_checked(cfg, start, progress, None)
+}
+
+/// [`run`] with a [`StepCheck`] around the steps it wants.
+pub fn run_checked(
+    cfg: TrainConfig,
+    start: Start,
+    progress: Progress,
+    mut check: Option<&mut dyn StepCheck>,
+) -> Result<RunSummary> {
     let t_start = Instant::now();
     // A profile the caller started (`tinyllm train --profile`) sees the
     // training steps only: everything else here is paused.
@@ -460,7 +482,7 @@ pub fn run(cfg: TrainConfig, start: Start, progress: Progress) -> Result<RunSumm
         if tr.step >= cfg.steps {
             break None;
         }
-        lp.step(&mut tr)?;
+        lp.step(&mut tr, check.as_deref_mut())?;
     };
     if interrupted.is_some() {
         lp.save_on_interrupt(&tr)?;
@@ -596,14 +618,29 @@ impl Loop {
         })
     }
 
-    /// One step of the run: train, watch, evaluate, record, save.
-    fn step(&mut self, tr: &mut Trainer) -> Result<()> {
+    /// One step of the run: train (checked, when asked), watch, evaluate,
+    /// record, save.
+    fn step<'c>(
+        &mut self,
+        tr: &mut Trainer,
+        check: Option<&mut (dyn StepCheck + 'c)>,
+    ) -> Result<()> {
         let step = tr.step + 1;
+        let mut check = check.filter(|c| c.wants(step));
+        if let Some(c) = check.as_deref_mut() {
+            c.before(tr).map_err(|e| self.stopped(step, e))?;
+        }
         let mut m = {
             let _profiled = crate::profile::unpause();
             tr.train_step()
         }
         .map_err(|e| self.stopped(step, e))?;
+        if let Some(c) = check {
+            if let Err(e) = c.after(tr, &m) {
+                let _ = self.log.append(&m);
+                return Err(self.stopped(step, e));
+            }
+        }
         self.peak = self.peak.max(m.peak_bytes);
         self.skips.update(&m);
         let watched = self.watch(tr, &m).and_then(|()| {
