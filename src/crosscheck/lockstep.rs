@@ -1,8 +1,8 @@
 //! Training lockstep: the same run on the CPU reference and on the GPU from
 //! the same seed, compared after every optimizer step — the loss bits and
 //! every parameter and AdamW moment buffer. At the first divergence the step
-//! is replayed from the state before it on both devices with the primitive
-//! [trace](super::trace) on, and the first call whose output differs is named
+//! is replayed from the state before it on both devices with the
+//! [primitive trace](super::trace) on, and the first call whose output differs is named
 //! with its model path, shapes, position and both values.
 //!
 //! The same replay serves a training run (`tinyllm train --device gpu

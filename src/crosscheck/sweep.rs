@@ -1,5 +1,5 @@
 //! The primitive sweep: every backend primitive run on the CPU reference and
-//! on the GPU over random inputs and the hard cases ([`cases`]), outputs
+//! on the GPU over random inputs and the hard cases ([`cases`](super::cases)), outputs
 //! compared bit for bit (a NaN equals a NaN of any payload). What the parity
 //! suite checks in CI, shipped in the library so it runs on the user's adapter
 //! (the parity tests run these very families).
