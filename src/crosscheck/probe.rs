@@ -16,6 +16,7 @@ use crate::backend::gpu::probe::{self as device, ProbeOp};
 use crate::crosscheck::cases::same;
 use crate::Result;
 use serde::Serialize;
+use std::collections::BTreeMap;
 
 /// What a finding means for the contract on this device.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -85,7 +86,7 @@ pub struct Probe {
     /// `soft` (the integer emulation).
     pub fma_path: &'static str,
     /// The limits the backend depends on, by wgpu's names.
-    pub limits: Vec<(&'static str, u64)>,
+    pub limits: BTreeMap<&'static str, u64>,
     pub findings: Vec<Finding>,
 }
 
@@ -439,7 +440,7 @@ pub fn run() -> Result<Probe> {
         driver: info.driver,
         driver_info: info.driver_info,
         fma_path: info.fma,
-        limits: vec![
+        limits: BTreeMap::from([
             (
                 "max_storage_buffer_binding_size",
                 l.max_storage_buffer_binding_size as u64,
@@ -465,7 +466,7 @@ pub fn run() -> Result<Probe> {
                 "min_storage_buffer_offset_alignment",
                 l.min_storage_buffer_offset_alignment as u64,
             ),
-        ],
+        ]),
         findings,
     })
 }
