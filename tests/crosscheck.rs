@@ -504,6 +504,21 @@ fn training_with_crosscheck_every_stops_at_the_divergence() {
         assert!(err.contains(s), "{s:?} missing:\n{err}");
     }
     let kept = out.join("crosscheck-step-2");
+    // on the CPU there is nothing to compare: refused before the first step
+    let mut a = train_args(&dir.join("cpu"), "2", "1");
+    let at = a.iter().position(|s| s == "gpu").unwrap();
+    a[at] = "cpu".into();
+    let a: Vec<&str> = a.iter().map(String::as_str).collect();
+    let (code, _, err) = run_bin(&a, &[]);
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("this run is on the cpu: train with --device gpu"),
+        "{err}"
+    );
+    assert!(
+        !err.contains("step     1"),
+        "refused before training: {err}"
+    );
     let state: serde_json::Value =
         serde_json::from_slice(&std::fs::read(kept.join("checkpoint/trainer_state.json")).unwrap())
             .unwrap();

@@ -546,7 +546,9 @@ impl Replay {
     /// A check every `every` steps of the run `cfg` (its corpus is loaded here).
     pub fn new(every: usize, cfg: &TrainConfig) -> Result<Replay> {
         if every == 0 {
-            return Err(Error::config("--crosscheck-every must be at least 1"));
+            return Err(Error::config(
+                "the replay interval must be 1 or more (every K-th step is replayed)",
+            ));
         }
         Ok(Replay {
             every,
@@ -558,16 +560,21 @@ impl Replay {
 }
 
 impl StepCheck for Replay {
+    fn begin(&mut self, tr: &Trainer) -> Result<()> {
+        if tr.device != Device::Gpu {
+            return Err(Error::config(format!(
+                "--crosscheck-every compares the GPU with the CPU reference, and this run is on the {}: train with --device gpu",
+                tr.device
+            )));
+        }
+        Ok(())
+    }
+
     fn wants(&self, step: usize) -> bool {
         step.is_multiple_of(self.every)
     }
 
     fn before(&mut self, tr: &Trainer) -> Result<()> {
-        if tr.device != Device::Gpu {
-            return Err(Error::config(
-                "--crosscheck-every compares the GPU with the CPU reference: train with --device gpu",
-            ));
-        }
         self.pre = Some(Snapshot::take(tr)?);
         Ok(())
     }

@@ -424,6 +424,11 @@ pub const MAX_NON_FINITE_LOSSES: usize = 5;
 /// timing and profile): the cross-check's CPU replay of a GPU step
 /// (`crosscheck::lockstep::Replay`, `tinyllm train --crosscheck-every K`).
 pub trait StepCheck {
+    /// Once, before the first step, with the run's trainer: a check that
+    /// cannot work on this run says so here, not steps later.
+    fn begin(&mut self, _tr: &Trainer) -> Result<()> {
+        Ok(())
+    }
     /// Whether optimizer step `step` (1-based) is checked.
     fn wants(&self, step: usize) -> bool;
     /// Before a checked step, with the trainer in the state it starts from.
@@ -473,6 +478,9 @@ pub fn run_checked(
             tr.step,
             cfg.steps
         );
+    }
+    if let Some(c) = check.as_deref_mut() {
+        c.begin(&tr)?;
     }
     let mut lp = Loop::new(&tr, start, progress)?;
     let interrupted = loop {
