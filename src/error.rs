@@ -26,6 +26,9 @@ pub enum Error {
     Data(String),
     /// Non-finite losses or gradients, a collapsed loss scale.
     Numerical(String),
+    /// The GPU's results differ from the CPU reference's (found by a
+    /// cross-check); the message is the report.
+    Divergence(String),
 }
 
 impl Error {
@@ -76,6 +79,7 @@ impl Error {
             Error::Config(m) => Error::Config(pre(m)),
             Error::Data(m) => Error::Data(pre(m)),
             Error::Numerical(m) => Error::Numerical(pre(m)),
+            Error::Divergence(m) => Error::Divergence(pre(m)),
         }
     }
 
@@ -93,7 +97,8 @@ impl fmt::Display for Error {
             | Error::Checkpoint(m)
             | Error::Config(m)
             | Error::Data(m)
-            | Error::Numerical(m) => f.write_str(m),
+            | Error::Numerical(m)
+            | Error::Divergence(m) => f.write_str(m),
             Error::Io { context, source } => write!(f, "{context}: {source}"),
         }
     }

@@ -15,7 +15,9 @@
 //! * [`precision`] adds bf16/fp16 emulation (`cast`, `autocast`) and the dynamic loss
 //!   scaler; [`recompute`] adds activation checkpointing; [`train_step_mixed`]
 //!   (in `train::step`) accumulates micro-batches and takes one mixed-precision step;
-//! * [`optim`] updates the float32 master weights (SGD, AdamW, gradient clipping).
+//! * [`optim`] updates the float32 master weights (SGD, AdamW, gradient clipping);
+//! * [`crosscheck`] asks whether the GPU gives the reference's bits: a device
+//!   probe, a sweep of every primitive, a training lockstep, a primitive trace.
 
 /// The backend's primitives are internal; the `test-hooks` feature (on for
 /// the crate's own tests and benches) makes them reachable.
@@ -34,6 +36,7 @@ internal!(backend);
 pub mod testing;
 
 pub mod bench;
+pub mod crosscheck;
 pub mod error;
 pub mod gpu;
 pub mod math;

@@ -14,3 +14,13 @@ pub fn gpu_available() -> bool {
         }
     }
 }
+
+/// Arms the test-only GPU fault on this thread until the guard drops: every
+/// GPU call of `primitive` (as the profile names it) gets the lowest bit of
+/// output element `element` flipped, one ulp (see `backend::fault`).
+pub fn gpu_fault(primitive: &str, element: usize) -> crate::backend::fault::Armed {
+    crate::backend::fault::arm(Some(crate::backend::fault::Fault {
+        primitive: primitive.to_string(),
+        element,
+    }))
+}

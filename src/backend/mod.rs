@@ -27,6 +27,10 @@
 //! [`gpu`] (device context, buffer pool, pipeline cache), [`math`] (the math
 //! library, Rust and WGSL twins) and [`round`] (bf16/fp16 rounding, twins).
 //!
+//! Every primitive's output passes through `observed` before it is returned:
+//! a running primitive trace (the cross-check's) records it, and in the
+//! crate's own tests the `fault` hook may perturb it.
+//!
 //! [`Storage`] is an enum dispatched in one place, the [`on_device!`] macro:
 //! autograd sits above it and never looks inside. f64 storage exists on the
 //! CPU only (for finite-difference gradient checks).
@@ -38,6 +42,8 @@ pub mod round;
 
 pub mod copy;
 pub mod dropout;
+#[cfg(feature = "test-hooks")]
+pub mod fault;
 pub mod elementwise;
 pub mod matmul;
 pub mod optim;
@@ -93,6 +99,16 @@ pub struct BinaryLayout {
     pub shape: Vec<usize>,
     pub lhs_strides: Vec<usize>,
     pub rhs_strides: Vec<usize>,
+}
+
+impl std::fmt::Display for BinaryLayout {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "shape {:?} strides {:?} and {:?}",
+            self.shape, self.lhs_strides, self.rhs_strides
+        )
+    }
 }
 
 /// The most dimensions a broadcast or strided view may have.
@@ -200,8 +216,9 @@ pub(crate) use on_device;
 
 /// Every family's shaders (for validation and the parameter-layout check).
 #[cfg(any(test, feature = "test-hooks"))]
-pub fn gpu_families() -> [&'static gpu::pipelines::Family; 6] {
+pub fn gpu_families() -> [&'static gpu::pipelines::Family; 7] {
     [
+        &gpu::probe::FAMILY,
         &elementwise::gpu::FAMILY,
         &reduce::gpu::FAMILY,
         &matmul::gpu::FAMILY,
@@ -209,6 +226,51 @@ pub fn gpu_families() -> [&'static gpu::pipelines::Family; 6] {
         &optim::gpu::FAMILY,
         &dropout::gpu::FAMILY,
     ]
+}
+
+/// What every primitive does with its output before returning it: the
+/// test-only [`fault`] hook may perturb it, and a running
+/// [trace](crate::crosscheck::trace) records it (read back and hashed).
+/// Neither is on outside a cross-check: then this is one thread-local read
+/// (the hook is not even compiled into a build without `test-hooks`).
+pub(crate) fn observed(
+    name: &'static str,
+    args: impl FnOnce() -> String,
+    outs: &[&Storage],
+) -> Result<()> {
+    #[cfg(feature = "test-hooks")]
+    fault::perturb(name, outs)?;
+    if crate::crosscheck::trace::on() {
+        let mut values = Vec::new();
+        for o in outs {
+            values.extend(o.to_vec_f32()?);
+        }
+        crate::crosscheck::trace::record(name, args(), values);
+    }
+    Ok(())
+}
+
+/// [`observed`] for a primitive whose result is a host value (a flag, a
+/// sum) beside any buffers it updated in place (`outs`).
+pub(crate) fn observed_value(
+    name: &'static str,
+    args: impl FnOnce() -> String,
+    outs: &[&Storage],
+    on_gpu: bool,
+    value: f32,
+) -> Result<f32> {
+    #[cfg(feature = "test-hooks")]
+    let value = fault::perturb_value(name, outs, on_gpu, value)?;
+    let _ = on_gpu;
+    if crate::crosscheck::trace::on() {
+        let mut values = Vec::new();
+        for o in outs {
+            values.extend(o.to_vec_f32()?);
+        }
+        values.push(value);
+        crate::crosscheck::trace::record(name, args(), values);
+    }
+    Ok(value)
 }
 
 /// Every buffer on one device with one dtype (and at least one buffer).

@@ -10,13 +10,14 @@ use std::io::Write;
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use tinyllm::crosscheck::lockstep::Replay;
 use tinyllm::train::checkpoint::{self, Verified};
 use tinyllm::train::config::{DeviceChoice, TrainConfig, TrainOptions};
 use tinyllm::train::data::{ByteTokenizer, Corpus};
 use tinyllm::train::infer::{eval_text, generate_with, sample_text, Utf8Stream};
 use tinyllm::train::outdir::DirLock;
 use tinyllm::train::trainer::{select_device, shell_quote};
-use tinyllm::train::{compare, interrupt, Progress, RunSummary, Start};
+use tinyllm::train::{compare, interrupt, Progress, RunSummary, Start, StepCheck};
 use tinyllm::Generator;
 
 #[derive(Parser)]
@@ -44,6 +45,29 @@ enum Cmd {
     /// GPU kernel throughput on this machine's adapter (matmul, fused finite
     /// check + unscale, fused AdamW) against the device's own baselines.
     Bench(BenchArgs),
+    /// Is this GPU bit-exact with the CPU reference? A device probe, every
+    /// primitive on both devices, and training in lockstep. Exit status 0:
+    /// bit-identical; 1: something differs (the report says what); 2: an error.
+    Crosscheck(CrosscheckArgs),
+}
+
+#[derive(Args)]
+struct CrosscheckArgs {
+    /// The lockstep's model and recipe: tiny, small or capstone.
+    #[arg(long, default_value = "tiny")]
+    preset: String,
+    /// Optimizer steps of the lockstep, per precision.
+    #[arg(long, default_value_t = 5, value_parser = count, allow_negative_numbers = true)]
+    steps: usize,
+    /// One precision recipe (fp32, bf16 or fp16) instead of all three.
+    #[arg(long)]
+    precision: Option<String>,
+    /// Leave out the primitive sweep (probe and lockstep only).
+    #[arg(long)]
+    skip_sweep: bool,
+    /// Print one JSON object instead of the report.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args)]
@@ -153,6 +177,11 @@ struct TrainArgs {
     /// Bytes of text to sample at the end.
     #[arg(long, default_value_t = 160, value_parser = count, allow_negative_numbers = true)]
     sample_len: usize,
+    /// Replay every K-th step on the CPU reference from the same state (with
+    /// --device gpu) and stop at the first divergence with a trace report,
+    /// keeping the state before that step in OUT/crosscheck-step-N/.
+    #[arg(long, value_name = "K", value_parser = count, allow_negative_numbers = true)]
+    crosscheck_every: Option<usize>,
 }
 
 #[derive(Args)]
@@ -333,11 +362,16 @@ fn cmd_train(a: TrainArgs) -> tinyllm::Result<ExitCode> {
         (None, true) => Start::Overwrite,
         (None, false) => Start::Fresh,
     };
+    let mut replay = match a.crosscheck_every {
+        Some(k) => Some(Replay::new(k, &cfg).map_err(|e| e.context("--crosscheck-every"))?),
+        None => None,
+    };
     interrupt::install()?;
     if a.run.profile {
         tinyllm::profile::start();
     }
-    let summary = tinyllm::train::run(cfg.clone(), start, a.run.progress());
+    let check = replay.as_mut().map(|r| r as &mut dyn StepCheck);
+    let summary = tinyllm::train::run_checked(cfg.clone(), start, a.run.progress(), check);
     // The run is saved: from here on a signal (say, during the closing
     // sample) ends the process at once.
     interrupt::uninstall();
@@ -361,6 +395,12 @@ fn cmd_train(a: TrainArgs) -> tinyllm::Result<ExitCode> {
                 per(g.readbacks)
             );
         }
+    }
+    if let Some(r) = &replay {
+        note!(
+            "crosscheck: {} replayed step(s) on the CPU reference, all bit-identical",
+            r.checked
+        );
     }
     let ck = summary.out.join("checkpoint");
     let model = checkpoint::load_model(&ck, summary.device)?;
@@ -566,6 +606,52 @@ fn cmd_bench(a: BenchArgs) -> tinyllm::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// `tinyllm crosscheck`: the report on stdout (or one JSON object), progress
+/// on stderr. Errors exit with status 2, not 1, so "differs" is unambiguous.
+fn cmd_crosscheck(a: CrosscheckArgs) -> ExitCode {
+    let opts = (|| -> tinyllm::Result<tinyllm::crosscheck::Options> {
+        let precisions = match &a.precision {
+            Some(p) => vec![p
+                .parse()
+                .map_err(|e: tinyllm::Error| e.context("--precision"))?],
+            None => tinyllm::crosscheck::Options::default().precisions,
+        };
+        tinyllm::nn::llama::LlamaConfig::preset(&a.preset).map_err(|e| e.context("--preset"))?;
+        Ok(tinyllm::crosscheck::Options {
+            preset: a.preset.clone(),
+            steps: a.steps.max(1),
+            precisions,
+            sweep: !a.skip_sweep,
+            seed: None,
+        })
+    })();
+    let report =
+        opts.and_then(|o| tinyllm::crosscheck::run(&o, &mut |msg| note!("crosscheck: {msg}")));
+    match report {
+        Ok(r) => {
+            if a.json {
+                out!("{}", r.json());
+            } else {
+                let _ = write!(std::io::stdout(), "{}", r.text());
+            }
+            ExitCode::from(r.exit_code())
+        }
+        Err(e) => {
+            let msg = match e {
+                tinyllm::Error::Device(_) => {
+                    format!("crosscheck needs a GPU to compare with the CPU reference: {e}")
+                }
+                _ => e.to_string(),
+            };
+            note!("error: {msg}");
+            if a.json {
+                out!("{}", serde_json::json!({ "error": msg, "exit_code": 2 }));
+            }
+            ExitCode::from(2)
+        }
+    }
+}
+
 /// Mesa's Vulkan loader (through libwayland) prints `error: XDG_RUNTIME_DIR
 /// is invalid or not set in the environment` at every GPU probe when the
 /// variable is unset, which reads like an error of tinyllm's. Unset, it is
@@ -614,6 +700,7 @@ fn main() -> ExitCode {
         Cmd::Eval(a) => cmd_eval(a),
         Cmd::Generate(a) => cmd_generate(a),
         Cmd::Bench(a) => cmd_bench(a),
+        Cmd::Crosscheck(a) => return cmd_crosscheck(a),
     };
     match res {
         Ok(code) => code,

@@ -7,6 +7,7 @@
 //! through [`checkpoint_sequential`] with a memory budget in layer units.
 
 use crate::backend::Device;
+use crate::crosscheck::trace;
 use crate::nn::{Embedding, Layer, Linear, Module, RmsNorm};
 use crate::ops::dropout;
 use crate::recompute::checkpoint_sequential;
@@ -297,11 +298,18 @@ impl Attention {
         let (b, t, c) = (x.shape()[0], x.shape()[1], x.shape()[2]);
         let (h, d) = (self.n_heads, c / self.n_heads);
         // (B,T,C) -> (B,T,H,D) -> (B,H,T,D)
-        let heads = |l: &Linear| l.forward(x)?.reshape(&[b, t, h, d])?.permute(&[0, 2, 1, 3]);
+        let heads = |name: &str, l: &Linear| {
+            let _traced = trace::path(name);
+            l.forward(x)?.reshape(&[b, t, h, d])?.permute(&[0, 2, 1, 3])
+        };
         let (cos, sin) = self.rope.first(t)?;
-        let q = apply_rope(&heads(&self.q_proj)?, &cos, &sin)?;
-        let k = apply_rope(&heads(&self.k_proj)?, &cos, &sin)?;
-        let v = heads(&self.v_proj)?;
+        let rope = |x: &Tensor| {
+            let _traced = trace::path("rope");
+            apply_rope(x, &cos, &sin)
+        };
+        let q = rope(&heads("q_proj", &self.q_proj)?)?;
+        let k = rope(&heads("k_proj", &self.k_proj)?)?;
+        let v = heads("v_proj", &self.v_proj)?;
         // (B,H,T,D) = softmax(q kᵀ / √D, future positions masked) v
         let scale = 1.0 / (d as f64).sqrt();
         let y = if self.dropout > 0.0 && self.training.get() {
@@ -313,6 +321,7 @@ impl Attention {
         };
         // (B,H,T,D) -> (B,T,H,D) -> (B,T,C)
         let y = y.permute(&[0, 2, 1, 3])?.reshape(&[b, t, c])?;
+        let _traced = trace::path("o_proj");
         self.o_proj.forward(&y)
     }
 }
@@ -327,8 +336,18 @@ pub struct Mlp {
 impl Mlp {
     /// `x: (B,T,C) -> (B,T,C)`
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let g = self.gate_proj.forward(x)?.silu()?;
-        self.down_proj.forward(&g.mul(&self.up_proj.forward(x)?)?)
+        let g = {
+            let _traced = trace::path("gate_proj");
+            self.gate_proj.forward(x)?
+        }
+        .silu()?;
+        let u = {
+            let _traced = trace::path("up_proj");
+            self.up_proj.forward(x)?
+        };
+        let gu = g.mul(&u)?;
+        let _traced = trace::path("down_proj");
+        self.down_proj.forward(&gu)
     }
 }
 
@@ -338,6 +357,8 @@ pub struct Block {
     pub self_attn: Attention,
     pub post_attention_layernorm: RmsNorm,
     pub mlp: Mlp,
+    /// The block's place in the stack (`layers.{index}` in a trace's paths).
+    index: usize,
 }
 
 impl Block {
@@ -382,13 +403,21 @@ impl Layer for Block {
         if x.dims() != 3 {
             bail!(Shape, "a Llama block takes (B,T,C), got {:?}", x.shape());
         }
+        let _traced = trace::path_with(|| format!("layers.{}", self.index));
+        // each sub-layer under its Hugging Face name, in a trace
+        let part = |name: &str, f: &dyn Fn() -> Result<Tensor>| {
+            let _traced = trace::path(name);
+            f()
+        };
         let a = &self.self_attn;
         let train = a.training.get();
-        let att = a.forward(&self.input_layernorm.forward(x)?)?;
+        let n1 = part("input_layernorm", &|| self.input_layernorm.forward(x))?;
+        let att = part("self_attn", &|| a.forward(&n1))?;
         let h = x.add(&dropout(&att, a.dropout, &a.rng, train)?)?;
-        let m = self
-            .mlp
-            .forward(&self.post_attention_layernorm.forward(&h)?)?;
+        let n2 = part("post_attention_layernorm", &|| {
+            self.post_attention_layernorm.forward(&h)
+        })?;
+        let m = part("mlp", &|| self.mlp.forward(&n2))?;
         h.add(&dropout(&m, a.dropout, &a.rng, train)?)
     }
 }
@@ -420,7 +449,7 @@ impl Llama {
         let rope = Rc::new(Rope::new(cfg, device)?);
         let embed_tokens = Embedding::new(cfg.vocab_size, c, std, &gen, device)?;
         let mut layers = Vec::with_capacity(cfg.n_layers);
-        for _ in 0..cfg.n_layers {
+        for index in 0..cfg.n_layers {
             let input_layernorm = RmsNorm::new(c, cfg.rms_eps, device)?;
             let self_attn = Attention {
                 q_proj: Linear::normal(c, c, std, &gen, device)?,
@@ -444,6 +473,7 @@ impl Llama {
                 self_attn,
                 post_attention_layernorm,
                 mlp,
+                index,
             }));
         }
         let norm = RmsNorm::new(c, cfg.rms_eps, device)?;
@@ -520,7 +550,10 @@ impl Llama {
             );
         }
         let c = self.cfg.d_model;
-        let x = self.embed_tokens.forward(ids)?.reshape(&[b, t, c])?;
+        let x = {
+            let _traced = trace::path("embed_tokens");
+            self.embed_tokens.forward(ids)?.reshape(&[b, t, c])?
+        };
         let x = match ckpt_budget {
             Some(budget) => {
                 let layers: Vec<Rc<dyn Layer>> = self
@@ -538,7 +571,11 @@ impl Llama {
                 h
             }
         };
-        let x = self.norm.forward(&x)?;
+        let x = {
+            let _traced = trace::path("norm");
+            self.norm.forward(&x)?
+        };
+        let _traced = trace::path("lm_head");
         self.lm_head.forward(&x.reshape(&[b * t, c])?)
     }
 }

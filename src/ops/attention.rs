@@ -1,6 +1,6 @@
 //! Causal self-attention as one op: `y = softmax(q kᵀ · scale + mask) v`,
 //! forward and backward side by side, with every product leaving out the
-//! masked half ([`Causal`] matmuls) — about half of attention's arithmetic.
+//! masked half (`Causal` matmuls) — about half of attention's arithmetic.
 //!
 //! It runs the composition `q.matmul_t(k)?.causal_softmax(scale)?.matmul(v)`
 //! primitive for primitive: the same products over the same terms in the same

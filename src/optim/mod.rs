@@ -179,8 +179,9 @@ impl AdamW {
 impl Optimizer for AdamW {
     fn step(&mut self) -> Result<()> {
         let c = self.cfg;
-        for (p, st) in self.params.iter().zip(self.state.iter_mut()) {
+        for (i, (p, st)) in self.params.iter().zip(self.state.iter_mut()).enumerate() {
             let Some(g) = p.grad() else { continue };
+            let _traced = crate::crosscheck::trace::path_with(|| format!("params.{i}"));
             check_master(p)?;
             if st.is_none() {
                 *st = Some((p.zeros_like()?, p.zeros_like()?, 0));

@@ -56,6 +56,9 @@ pub(crate) struct Node {
     /// Graph links only: a parent's values stay alive only if `vjp` saved them.
     pub(crate) parents: Vec<Rc<Meta>>,
     pub(crate) vjp: Vjp,
+    /// The model path that recorded the node, while a primitive trace runs
+    /// (`None` otherwise): its backward is traced at the same path.
+    pub(crate) site: Option<crate::crosscheck::trace::Site>,
 }
 
 /// Reverse topological order of the graph under `root` (root first), iterative
@@ -109,6 +112,8 @@ pub(crate) fn backward(root: &Tensor, seed: Tensor) -> Result<()> {
     }
     // The backward pass itself builds no graph.
     let _g = no_grad();
+    // In a primitive trace, the gradient sums between nodes are backward work.
+    let _traced = crate::crosscheck::trace::phase("backward");
     let mut order = topo_order(&root.0.meta);
     let mut grads: HashMap<usize, Tensor> = HashMap::new();
     grads.insert(root.id(), seed);
@@ -128,8 +133,16 @@ pub(crate) fn backward(root: &Tensor, seed: Tensor) -> Result<()> {
         let Some(node) = node else {
             bail!(Shape, "backward through a graph that was already freed (a second backward over the same forward pass)");
         };
-        let Node { name, parents, vjp } = node;
-        let pgrads = vjp(&g).map_err(|e| e.context(format!("backward of {name}")))?;
+        let Node {
+            name,
+            parents,
+            vjp,
+            site,
+        } = node;
+        let pgrads = {
+            let _at = crate::crosscheck::trace::backward_at(site.as_ref());
+            vjp(&g).map_err(|e| e.context(format!("backward of {name}")))?
+        };
         drop(g);
         for (p, pg) in parents.iter().zip(pgrads) {
             if let (true, Some(pg)) = (p.requires_grad.get(), pg) {

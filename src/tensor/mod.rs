@@ -148,6 +148,7 @@ impl Tensor {
                 name,
                 parents: parents.iter().map(|&p| p.0.meta.clone()).collect(),
                 vjp: Box::new(vjp) as Vjp,
+                site: crate::crosscheck::trace::site(),
             };
             Tensor::make(storage, shape, true, Some(node))
         } else {

@@ -35,4 +35,4 @@ pub mod step;
 pub mod trainer;
 
 pub use config::{DeviceChoice, TrainConfig, TrainOptions};
-pub use trainer::{run, Progress, RunSummary, Start, Trainer};
+pub use trainer::{run, run_checked, Progress, RunSummary, Start, StepCheck, Trainer};

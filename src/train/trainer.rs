@@ -296,7 +296,11 @@ fn micro_loss(
     ckpt: Option<usize>,
     hook: Option<(LossHook, usize)>,
 ) -> Result<Tensor> {
-    let loss = cross_entropy(&model.forward(&mb.ids, mb.rows, mb.t, ckpt)?, &mb.targets)?;
+    let logits = model.forward(&mb.ids, mb.rows, mb.t, ckpt)?;
+    let loss = {
+        let _traced = crate::crosscheck::trace::path("loss");
+        cross_entropy(&logits, &mb.targets)?
+    };
     match hook {
         Some((hook, step)) => hook(model, loss, step),
         None => Ok(loss),
@@ -422,11 +426,38 @@ impl Skips {
 /// is a diverged model, which no loss scale can bring back.
 pub const MAX_NON_FINITE_LOSSES: usize = 5;
 
+/// Work done around chosen steps of a run, outside the step itself (and its
+/// timing and profile): the cross-check's CPU replay of a GPU step
+/// (`crosscheck::lockstep::Replay`, `tinyllm train --crosscheck-every K`).
+pub trait StepCheck {
+    /// Once, before the first step, with the run's trainer: a check that
+    /// cannot work on this run says so here, not steps later.
+    fn begin(&mut self, _tr: &Trainer) -> Result<()> {
+        Ok(())
+    }
+    /// Whether optimizer step `step` (1-based) is checked.
+    fn wants(&self, step: usize) -> bool;
+    /// Before a checked step, with the trainer in the state it starts from.
+    fn before(&mut self, tr: &Trainer) -> Result<()>;
+    /// After it; an error stops the run (the step's metrics are still logged).
+    fn after(&mut self, tr: &Trainer, m: &StepMetrics) -> Result<()>;
+}
+
 /// Runs (or continues) a training run to `cfg.steps`, writing metrics, plot
 /// and checkpoints under `cfg.out`, which it holds locked for the whole run.
 /// On SIGINT/SIGTERM (once [`interrupt::install`]ed) it finishes the current
 /// step, saves, and returns a summary saying so.
 pub fn run(cfg: TrainConfig, start: Start, progress: Progress) -> Result<RunSummary> {
+    run_checked(cfg, start, progress, None)
+}
+
+/// [`run`] with a [`StepCheck`] around the steps it wants.
+pub fn run_checked(
+    cfg: TrainConfig,
+    start: Start,
+    progress: Progress,
+    mut check: Option<&mut dyn StepCheck>,
+) -> Result<RunSummary> {
     let t_start = Instant::now();
     // A profile the caller started (`tinyllm train --profile`) sees the
     // training steps only: everything else here is paused.
@@ -455,6 +486,9 @@ pub fn run(cfg: TrainConfig, start: Start, progress: Progress) -> Result<RunSumm
             cfg.steps
         );
     }
+    if let Some(c) = check.as_deref_mut() {
+        c.begin(&tr)?;
+    }
     let mut lp = Loop::new(&tr, start, progress)?;
     let interrupted = loop {
         if let Some(sig) = interrupt::requested() {
@@ -463,7 +497,7 @@ pub fn run(cfg: TrainConfig, start: Start, progress: Progress) -> Result<RunSumm
         if tr.step >= cfg.steps {
             break None;
         }
-        lp.step(&mut tr)?;
+        lp.step(&mut tr, check.as_deref_mut())?;
     };
     if interrupted.is_some() {
         lp.save_on_interrupt(&tr)?;
@@ -604,15 +638,30 @@ impl Loop {
         })
     }
 
-    /// One step of the run: train, watch, evaluate, record, save.
-    fn step(&mut self, tr: &mut Trainer) -> Result<()> {
+    /// One step of the run: train (checked, when asked), watch, evaluate,
+    /// record, save.
+    fn step<'c>(
+        &mut self,
+        tr: &mut Trainer,
+        check: Option<&mut (dyn StepCheck + 'c)>,
+    ) -> Result<()> {
         let step = tr.step + 1;
+        let mut check = check.filter(|c| c.wants(step));
+        if let Some(c) = check.as_deref_mut() {
+            c.before(tr).map_err(|e| self.stopped(step, e))?;
+        }
         let mut m = {
             let _profiled = crate::profile::unpause();
             tr.train_step()
         }
         .map_err(|e| self.stopped(step, e))?;
         m.elapsed_s = self.clock.1 + self.clock.0.elapsed().as_secs_f64();
+        if let Some(c) = check {
+            if let Err(e) = c.after(tr, &m) {
+                let _ = self.log.append(&m);
+                return Err(self.stopped(step, e));
+            }
+        }
         self.peak = self.peak.max(m.peak_bytes);
         self.skips.update(&m);
         let watched = self.watch(tr, &m).and_then(|()| {

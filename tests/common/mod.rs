@@ -31,6 +31,17 @@ macro_rules! device_test {
     };
 }
 
+/// In a `#[test]` that needs the GPU: returns early (skips, with a message)
+/// without an adapter, fails instead when `TINYLLM_REQUIRE_GPU=1` (CI).
+#[macro_export]
+macro_rules! require_gpu {
+    () => {
+        if !tinyllm::testing::gpu_available() {
+            return;
+        }
+    };
+}
+
 /// Bit patterns, so comparisons are exact (NaN payloads are canonicalised).
 pub fn bits(v: &[f32]) -> Vec<u32> {
     v.iter()
@@ -64,38 +75,8 @@ pub fn randv(n: usize, seed: u64, scale: f32) -> Vec<f32> {
 }
 
 /// The tests' one small PRNG (splitmix64), for test data, fuzzers and kill
-/// times, independent of the crate's own `Generator`.
-pub struct Rng(pub u64);
-impl Rng {
-    pub fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    /// Uniform in `0..n` (`0` when `n` is 0).
-    pub fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-    /// True with probability `p`.
-    pub fn chance(&mut self, p: f64) -> bool {
-        ((self.next() >> 11) as f64 / (1u64 << 53) as f64) < p
-    }
-    /// Uniform in `[lo, hi)`.
-    pub fn unif(&mut self, lo: f32, hi: f32) -> f32 {
-        let u = (self.next() >> 40) as f32 / (1u64 << 24) as f32;
-        lo + (hi - lo) * u
-    }
-    /// A value with a full 24-bit mantissa and moderate magnitude (so products
-    /// are inexact: an unfused multiply-add would show).
-    pub fn moderate(&mut self) -> f32 {
-        let m = (self.next() as u32 & 0x007f_ffff) | 0x3f80_0000; // [1, 2)
-        let e = self.below(9) as i32 - 4;
-        let s = if self.next() & 1 == 0 { 1.0 } else { -1.0 };
-        s * f32::from_bits(m) * 2f32.powi(e)
-    }
-}
+/// times: the library's, which the cross-check sweep uses too.
+pub use tinyllm::crosscheck::cases::Rng;
 
 /// A fresh, empty directory for one test: named after the test binary, the
 /// process and `name`, so parallel tests and concurrent runs never share one.

@@ -15,8 +15,8 @@
 mod cpu;
 pub(crate) mod gpu;
 
+use super::{observed, on_device};
 use super::{Storage, MAX_DIMS};
-use super::on_device;
 use crate::{bail, Result};
 
 /// The two devices' data movement (see the module docs for the contract).
@@ -47,7 +47,13 @@ impl Storage {
                 shape.len()
             );
         }
-        Ok(on_device!([self] => |x| x.strided_copy(shape, strides, offset)))
+        let y = on_device!([self] => |x| x.strided_copy(shape, strides, offset));
+        observed(
+            "strided copy",
+            || format!("shape {shape:?} strides {strides:?} offset {offset}"),
+            &[&y],
+        )?;
+        Ok(y)
     }
 
     /// Concatenates `(outer, sizes[i], inner)` views along the middle axis.
@@ -56,14 +62,18 @@ impl Storage {
         if parts.is_empty() {
             bail!(Shape, "concat of no tensors");
         }
-        Ok(on_device!(slice parts => |xs| CopyOps::concat(&xs, outer, sizes, inner)))
+        let y = on_device!(slice parts => |xs| CopyOps::concat(&xs, outer, sizes, inner));
+        observed("concat", || format!("({outer}, {sizes:?}, {inner})"), &[&y])?;
+        Ok(y)
     }
 
     /// Embedding lookup: `self` is a table `(v, d)`; returns `(ids.len(), d)`.
     pub fn gather_rows(&self, ids: &[u32], d: usize) -> Result<Storage> {
         let _prof = crate::profile::scope("gather rows");
         check_ids(ids, self.len() / d.max(1))?;
-        Ok(on_device!([self] => |x| x.gather_rows(ids, d)))
+        let y = on_device!([self] => |x| x.gather_rows(ids, d));
+        observed("gather rows", || format!("{} ids, rows of {d}", ids.len()), &[&y])?;
+        Ok(y)
     }
 
     /// The backward of [`gather_rows`](Self::gather_rows): `self` is
@@ -71,6 +81,12 @@ impl Storage {
     pub fn scatter_add_rows(&self, ids: &[u32], v: usize, d: usize) -> Result<Storage> {
         let _prof = crate::profile::scope("scatter-add rows");
         check_ids(ids, v)?;
-        Ok(on_device!([self] => |g| g.scatter_add_rows(ids, v, d)))
+        let y = on_device!([self] => |g| g.scatter_add_rows(ids, v, d));
+        observed(
+            "scatter-add rows",
+            || format!("{} ids into ({v}, {d})", ids.len()),
+            &[&y],
+        )?;
+        Ok(y)
     }
 }

@@ -9,8 +9,8 @@
 mod cpu;
 pub(crate) mod gpu;
 
+use super::{observed, on_device};
 use super::{Device, Storage};
-use super::on_device;
 use crate::Result;
 
 /// The two devices' mask generators.
@@ -29,6 +29,12 @@ impl Storage {
         device: Device,
     ) -> Result<Storage> {
         let _prof = crate::profile::scope("dropout mask");
-        Ok(on_device!(device device => |S| S::dropout_mask(n, p, scale, seed, offset)))
+        let mask = on_device!(device device => |S| S::dropout_mask(n, p, scale, seed, offset));
+        observed(
+            "dropout mask",
+            || format!("n {n} p {p:e} scale {scale:e} seed {seed:#x} offset {offset:#x}"),
+            &[&mask],
+        )?;
+        Ok(mask)
     }
 }

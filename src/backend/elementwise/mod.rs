@@ -21,8 +21,8 @@ mod cpu;
 pub(crate) mod gpu;
 
 use super::round::Format;
+use super::{observed, on_device};
 use super::{BinaryLayout, Storage, MAX_DIMS};
-use super::on_device;
 use crate::{bail, Result};
 
 /// Elementwise functions of one input.
@@ -210,7 +210,9 @@ impl Storage {
     /// `y = f(x)` elementwise; see [`UnaryOp`] and the module's contract.
     pub fn unary(&self, op: UnaryOp) -> Result<Storage> {
         let _prof = crate::profile::scope(op.name());
-        Ok(on_device!([self] => |x| x.unary(op)))
+        let y = on_device!([self] => |x| x.unary(op));
+        observed(op.name(), || format!("{op:?} n {}", self.len()), &[&y])?;
+        Ok(y)
     }
 
     /// `y[i] = lhs[li] op rhs[ri]` over a broadcast layout.
@@ -223,7 +225,9 @@ impl Storage {
                 layout.shape.len()
             );
         }
-        Ok(on_device!([self, rhs] => |a, b| a.binary(b, op, layout)))
+        let y = on_device!([self, rhs] => |a, b| a.binary(b, op, layout));
+        observed(op.name(), || format!("{op:?} {layout}"), &[&y])?;
+        Ok(y)
     }
 }
 

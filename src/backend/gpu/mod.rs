@@ -1,8 +1,9 @@
 //! The GPU side's shared ground: tensor buffers on the device ([`GpuStorage`],
 //! recycled by size class in the [`pool`]), the process-wide [`context`]
 //! (device, batched submission, readback, errors), the [`pipelines`]
-//! description (families, composition, kernels), and grid helpers. Each
-//! primitive's launcher lives in its family's `gpu.rs`, beside its `.wgsl`.
+//! description (families, composition, kernels), the cross-check's device
+//! [`probe`] kernel, and grid helpers. Each primitive's launcher lives in its
+//! family's `gpu.rs`, beside its `.wgsl`.
 //!
 //! Tensors stay on the device; the host reads back only what it must (a
 //! download, the loss scaler's finite flag, norm partials).
@@ -16,6 +17,7 @@
 pub mod context;
 pub mod pipelines;
 pub mod pool;
+pub mod probe;
 
 use super::MAX_DIMS;
 use crate::memory::Ticket;

@@ -20,8 +20,8 @@ mod cpu;
 pub(crate) mod gpu;
 
 use super::round::Format;
+use super::{observed, on_device};
 use super::Storage;
-use super::on_device;
 use crate::Result;
 
 /// A batched matmul `C[b] = op(A[b]) @ op(B[b])`, `op(A)` of shape (m, k),
@@ -38,6 +38,31 @@ pub struct MatmulDims {
     pub a_batch_stride: usize,
     pub b_batch_stride: usize,
     pub causal: Causal,
+}
+
+impl MatmulDims {
+    /// A short description, e.g. `2× (33×17)ᵀ·(17×35) bf16 causal Outputs
+    /// (batch strides 561, 595)`: what a report or a trace shows.
+    pub fn describe(&self, round: Option<Format>) -> String {
+        let t = |on: bool| if on { "ᵀ" } else { "" };
+        let causal = match self.causal {
+            Causal::No => String::new(),
+            c => format!(" causal {c:?}"),
+        };
+        format!(
+            "{}× ({}×{}){}·({}×{}){} {}{causal} (batch strides {}, {})",
+            self.batch,
+            self.m,
+            self.k,
+            t(self.trans_a),
+            self.k,
+            self.n,
+            t(self.trans_b),
+            round.map_or("f32", Format::name),
+            self.a_batch_stride,
+            self.b_batch_stride
+        )
+    }
 }
 
 /// Which part of a causal attention product is computed (see the contract).
@@ -111,6 +136,8 @@ impl Storage {
             trans_b: dims.trans_b,
             macs: dims.causal.macs(dims.m, dims.k, dims.n),
         });
-        Ok(on_device!([self, rhs] => |a, b| a.matmul(b, dims, round)))
+        let c = on_device!([self, rhs] => |a, b| a.matmul(b, dims, round));
+        observed("matmul", || dims.describe(round), &[&c])?;
+        Ok(c)
     }
 }

@@ -22,8 +22,8 @@
 mod cpu;
 pub(crate) mod gpu;
 
-use super::Storage;
-use super::on_device;
+use super::{observed, observed_value, on_device};
+use super::{Device, Storage};
 use crate::{bail, Result};
 
 /// Hyper-parameters of one AdamW update, narrowed to f32 on the host so both
@@ -96,17 +96,24 @@ impl Storage {
         if parts.is_empty() {
             return Ok((true, Vec::new()));
         }
-        Ok(on_device!(slice &parts => |xs| {
+        let (finite, values): (bool, Vec<f64>) = on_device!(slice &parts => |xs| {
             let (gs, rest) = xs.split_at(n);
             OptimOps::finite_check_unscale(gs, inv_scale, rest.first().copied())
-        }))
+        });
+        let lens = || {
+            let l: Vec<usize> = grads.iter().map(|g| g.len()).collect();
+            format!("buffers {l:?} times {inv_scale:e}")
+        };
+        let on_gpu = parts[0].device() == Device::Gpu;
+        let flag = observed_value("finite check + unscale", lens, grads, on_gpu, finite as u8 as f32)?;
+        Ok((flag == 1.0, values))
     }
 
     /// In place: `self *= c` (clipping).
     pub fn scale_in_place(&self, c: f32) -> Result<()> {
         let _prof = crate::profile::scope("scale in place");
         on_device!([self] => |x| x.scale_in_place(c));
-        Ok(())
+        observed("scale in place", || format!("n {} times {c:e}", self.len()), &[self])
     }
 
     /// In-place AdamW on the parameter `self`, its gradient and moments.
@@ -114,7 +121,7 @@ impl Storage {
         let _prof = crate::profile::scope("adamw");
         check_len("AdamW", self, &[grad, m, v])?;
         on_device!([self, grad, m, v] => |p, g, m, v| p.adamw_step(g, m, v, c));
-        Ok(())
+        observed("adamw", || format!("n {} {c:?}", self.len()), &[self, m, v])
     }
 
     /// In-place SGD on the parameter `self`.
@@ -132,10 +139,16 @@ impl Storage {
             None => {
                 check_len("SGD", self, &[grad])?;
                 on_device!([self, grad] => |p, g| p.sgd_step(g, None, lr, momentum, wd, first));
+                observed("sgd", || format!("n {} lr {lr:e} wd {wd:e}", self.len()), &[self])?;
             }
             Some(b) => {
                 check_len("SGD", self, &[grad, b])?;
                 on_device!([self, grad, b] => |p, g, b| p.sgd_step(g, Some(b), lr, momentum, wd, first));
+                let args = || {
+                    let n = self.len();
+                    format!("n {n} lr {lr:e} momentum {momentum:e} wd {wd:e} first {first}")
+                };
+                observed("sgd", args, &[self, b])?;
             }
         }
         Ok(())

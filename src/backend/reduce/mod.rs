@@ -24,8 +24,8 @@
 mod cpu;
 pub(crate) mod gpu;
 
-use super::Storage;
-use super::on_device;
+use super::{observed, observed_value, on_device};
+use super::{Device, Storage};
 use crate::Result;
 
 /// Number of elements each partial sum of [`Storage::sum_squares`] covers.
@@ -86,7 +86,9 @@ impl Storage {
     pub fn reduce(&self, op: ReduceOp, outer: usize, r: usize, inner: usize) -> Result<Storage> {
         let _prof = crate::profile::scope(op.name());
         debug_assert_eq!(outer * r * inner, self.len());
-        Ok(on_device!([self] => |x| x.reduce(op, outer, r, inner)))
+        let y = on_device!([self] => |x| x.reduce(op, outer, r, inner));
+        observed(op.name(), || format!("({outer}, {r}, {inner}) -> ({outer}, {inner})"), &[&y])?;
+        Ok(y)
     }
 
     /// Row softmax over the last axis of `(rows, n)` of `x · scale` (`scale >
@@ -95,7 +97,13 @@ impl Storage {
     pub fn softmax_rows(&self, rows: usize, n: usize, scale: f32, causal: bool) -> Result<Storage> {
         let _prof = crate::profile::scope("softmax");
         debug_assert!(scale > 0.0 && scale.is_finite());
-        Ok(on_device!([self] => |x| x.softmax_rows(rows, n, scale, causal)))
+        let y = on_device!([self] => |x| x.softmax_rows(rows, n, scale, causal));
+        observed(
+            "softmax",
+            || format!("rows {rows} n {n} scale {scale:e} causal {causal}"),
+            &[&y],
+        )?;
+        Ok(y)
     }
 
     /// Softmax backward from its output `self` and the upstream gradient,
@@ -108,7 +116,13 @@ impl Storage {
         scale: f32,
     ) -> Result<Storage> {
         let _prof = crate::profile::scope("softmax backward");
-        Ok(on_device!([self, grad] => |y, g| y.softmax_rows_backward(g, rows, n, scale)))
+        let dx = on_device!([self, grad] => |y, g| y.softmax_rows_backward(g, rows, n, scale));
+        observed(
+            "softmax backward",
+            || format!("rows {rows} n {n} scale {scale:e}"),
+            &[&dx],
+        )?;
+        Ok(dx)
     }
 
     /// Sum of squares of all elements of all buffers, as f32 (see the
@@ -119,6 +133,11 @@ impl Storage {
             return Ok(0.0);
         }
         let partials: Vec<f32> = on_device!(slice bufs => |xs| ReduceOps::chunk_sum_squares(&xs));
-        Ok(partials.into_iter().fold(-0.0f32, |t, p| t + p))
+        let total = partials.into_iter().fold(-0.0f32, |t, p| t + p);
+        let lens = || {
+            let l: Vec<usize> = bufs.iter().map(|b| b.len()).collect();
+            format!("buffers {l:?}")
+        };
+        observed_value("sum of squares", lens, &[], bufs[0].device() == Device::Gpu, total)
     }
 }

@@ -1,0 +1,1174 @@
+//! The primitive sweep: every backend primitive run on the CPU reference and
+//! on the GPU over random inputs and the hard cases ([`cases`](super::cases)), outputs
+//! compared bit for bit (a NaN equals a NaN of any payload). What the parity
+//! suite checks in CI, shipped in the library so it runs on the user's adapter
+//! (the parity tests run these very families).
+//!
+//! A [`Row`] per primitive and variant (a matmul's format and layout, a causal
+//! mask, a rounding format): cases run, cases whose every output was
+//! identical, values compared and differing, the largest difference in ulps,
+//! and the first differing case (its shapes and parameters, the position,
+//! both values in hex, and the inputs there when they line up with the output).
+//!
+//! Shapes are small (a software adapter is slow) but cross every kernel's
+//! workgroup and tile sizes raggedly, and the loops that a device may cap
+//! (lavapipe stops a shader loop after 65,535 iterations) run past the cap.
+
+use crate::backend::round::Format;
+use crate::backend::{
+    AdamWConsts, BinaryLayout, BinaryOp, Causal, Device, MatmulDims, ReduceOp, Storage, UnaryOp,
+};
+use crate::crosscheck::cases::{adversarial, same, specials, ulps, Rng};
+use crate::Result;
+use serde::Serialize;
+
+/// The sweep's parts, one per primitive family (and the long loops).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Family {
+    Elementwise,
+    Reduce,
+    Softmax,
+    Matmul,
+    Copy,
+    Dropout,
+    Optim,
+}
+
+impl Family {
+    pub const ALL: [Family; 7] = [
+        Family::Elementwise,
+        Family::Reduce,
+        Family::Softmax,
+        Family::Matmul,
+        Family::Copy,
+        Family::Dropout,
+        Family::Optim,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Family::Elementwise => "elementwise and rounding",
+            Family::Reduce => "reductions",
+            Family::Softmax => "softmax",
+            Family::Matmul => "matmul",
+            Family::Copy => "copies, gather and scatter",
+            Family::Dropout => "dropout masks",
+            Family::Optim => "optimizer kernels and the finite check",
+        }
+    }
+}
+
+/// The first output that differed in a row.
+#[derive(Clone, Debug, Serialize)]
+pub struct Mismatch {
+    /// The case: shapes and parameters.
+    pub case: String,
+    /// Position in the case's output (outputs concatenated in order).
+    pub position: usize,
+    /// Both values as f32 bit patterns (`-` where one output was shorter).
+    pub cpu: String,
+    pub gpu: String,
+    /// The inputs at that position, where they line up with the output.
+    pub inputs: Vec<String>,
+}
+
+/// One primitive (and variant) over all its cases.
+#[derive(Clone, Debug, Serialize)]
+pub struct Row {
+    /// The primitive, as the profile and the trace name it.
+    pub primitive: &'static str,
+    /// The variant (format, layout, mask); empty for none.
+    pub variant: String,
+    pub cases: usize,
+    /// Cases whose every output value was identical.
+    pub identical: usize,
+    pub values: usize,
+    pub differing: usize,
+    /// The largest difference between two numbers, in ulps.
+    pub max_ulps: u64,
+    /// Whether a NaN stood against a number (no ulp distance).
+    pub nan_vs_number: bool,
+    pub first: Option<Mismatch>,
+    /// Set when this row's differences are a known device difference that the
+    /// probe reported (why), not a failure of the contract.
+    pub known: Option<String>,
+}
+
+impl Row {
+    /// `matmul [bf16 Aᵀ·B]`.
+    pub fn label(&self) -> String {
+        if self.variant.is_empty() {
+            self.primitive.to_string()
+        } else {
+            format!("{} [{}]", self.primitive, self.variant)
+        }
+    }
+    pub fn bit_identical(&self) -> bool {
+        self.differing == 0
+    }
+}
+
+/// The rows, filled case by case.
+struct Sweep {
+    rows: Vec<Row>,
+    /// Why the rounded-matmul overflow row may differ here (an unfused fma).
+    unfused: Option<String>,
+}
+
+fn hex(x: f32) -> String {
+    format!("{:#010x}", x.to_bits())
+}
+
+fn up(data: &[f32], d: Device) -> Result<Storage> {
+    Storage::from_f32(data.to_vec(), d)
+}
+
+impl Sweep {
+    fn row(&mut self, primitive: &'static str, variant: &str) -> &mut Row {
+        let at = self
+            .rows
+            .iter()
+            .position(|r| r.primitive == primitive && r.variant == variant);
+        let i = at.unwrap_or_else(|| {
+            self.rows.push(Row {
+                primitive,
+                variant: variant.to_string(),
+                cases: 0,
+                identical: 0,
+                values: 0,
+                differing: 0,
+                max_ulps: 0,
+                nan_vs_number: false,
+                first: None,
+                known: None,
+            });
+            self.rows.len() - 1
+        });
+        &mut self.rows[i]
+    }
+
+    /// Runs one case on both devices and records it in its row. `inputs` are
+    /// shown beside a mismatch when they have the output's length.
+    fn check(
+        &mut self,
+        primitive: &'static str,
+        variant: &str,
+        case: String,
+        inputs: &[&[f32]],
+        run: impl Fn(Device) -> Result<Vec<f32>>,
+    ) -> Result<()> {
+        let cpu = run(Device::Cpu)?;
+        let gpu = run(Device::Gpu)?;
+        let row = self.row(primitive, variant);
+        row.cases += 1;
+        row.values += cpu.len().max(gpu.len());
+        let n = cpu.len().min(gpu.len());
+        let mut first = None;
+        let mut differing = cpu.len().abs_diff(gpu.len());
+        for i in 0..n {
+            if !same(cpu[i], gpu[i]) {
+                differing += 1;
+                first.get_or_insert(i);
+                match ulps(cpu[i], gpu[i]) {
+                    Some(u) => row.max_ulps = row.max_ulps.max(u),
+                    None => row.nan_vs_number = true,
+                }
+            }
+        }
+        if differing == 0 {
+            row.identical += 1;
+            return Ok(());
+        }
+        row.differing += differing;
+        if row.first.is_none() {
+            let at = first.unwrap_or(n);
+            let val = |v: &[f32]| v.get(at).map_or("-".to_string(), |&x| hex(x));
+            row.first = Some(Mismatch {
+                case,
+                position: at,
+                cpu: val(&cpu),
+                gpu: val(&gpu),
+                inputs: inputs
+                    .iter()
+                    .filter(|x| x.len() == cpu.len())
+                    .map(|x| hex(x[at]))
+                    .collect(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Runs the sweep's `families` (all of [`Family::ALL`] for the command),
+/// telling `progress` as each begins. Needs a GPU adapter.
+pub fn run(families: &[Family], progress: &mut dyn FnMut(Family)) -> Result<Vec<Row>> {
+    let unfused = (crate::backend::gpu::fma_mode()? == "soft").then(|| {
+        "this device's fma is not fused (the probe's fma_fused): rounded matmuls use it, \
+         exact only for products inside f32's normal range"
+            .to_string()
+    });
+    let mut sw = Sweep {
+        rows: Vec::new(),
+        unfused,
+    };
+    for &f in families {
+        progress(f);
+        match f {
+            Family::Elementwise => {
+                unary(&mut sw)?;
+                binary(&mut sw)?;
+                rounding(&mut sw)?;
+            }
+            Family::Reduce => reduce(&mut sw)?,
+            Family::Softmax => softmax(&mut sw)?,
+            Family::Matmul => matmul(&mut sw)?,
+            Family::Copy => copy(&mut sw)?,
+            Family::Dropout => dropout(&mut sw)?,
+            Family::Optim => optim(&mut sw)?,
+        }
+    }
+    Ok(sw.rows)
+}
+
+// ------------------------------------------------------- elementwise ----
+
+fn unary_variant(op: UnaryOp) -> &'static str {
+    match op {
+        UnaryOp::Round(f) => f.name(),
+        _ => "",
+    }
+}
+
+fn unary(sw: &mut Sweep) -> Result<()> {
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let mut x = adversarial(&mut rng, 1500);
+    x.extend(specials());
+    // exp/log/sigmoid territory: dense sweeps around the interesting ranges
+    for i in 0..200u32 {
+        x.push(-110.0 + i as f32 * 1.0037);
+        x.push(f32::from_bits(0x0000_1000 + i * 0x0003_0001)); // subnormals
+    }
+    // every op (the enum's own list), plus more scalars for the scalar ops
+    let mut ops = UnaryOp::ALL.to_vec();
+    ops.extend([
+        UnaryOp::AddScalar(0.1),
+        UnaryOp::AddScalar(-1e-40),
+        UnaryOp::MulScalar(-3.0),
+        UnaryOp::MulScalar(1e-30),
+        UnaryOp::DivScalar(7.0),
+        UnaryOp::DivScalar(1e-39),
+        UnaryOp::DivScalar(0.0),
+        UnaryOp::RDivScalar(1.0),
+        UnaryOp::RDivScalar(-3e38),
+    ]);
+    for op in ops {
+        let case = format!("{op:?} on {} values", x.len());
+        sw.check(op.name(), unary_variant(op), case, &[&x], |d| {
+            up(&x, d)?.unary(op)?.to_vec_f32()
+        })?;
+    }
+    // the empty tensor and a single element
+    for data in [vec![], vec![-0.0f32]] {
+        for op in [UnaryOp::Neg, UnaryOp::Exp, UnaryOp::Round(Format::Fp16)] {
+            let case = format!("{op:?} on {data:?}");
+            sw.check(op.name(), unary_variant(op), case, &[&data], |d| {
+                up(&data, d)?.unary(op)?.to_vec_f32()
+            })?;
+        }
+    }
+    Ok(())
+}
+
+fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
+    let mut st = vec![0; shape.len()];
+    let mut acc = 1;
+    for d in (0..shape.len()).rev() {
+        st[d] = acc;
+        acc *= shape[d];
+    }
+    st
+}
+
+/// Strides of `part` within a tensor of `full` shape (0 where broadcast).
+fn broadcast_strides(part: &[usize], full: &[usize]) -> Vec<usize> {
+    let pad = full.len() - part.len();
+    let own = contiguous_strides(part);
+    (0..full.len())
+        .map(|d| {
+            if d < pad || part[d - pad] == 1 {
+                0
+            } else {
+                own[d - pad]
+            }
+        })
+        .collect()
+}
+
+fn binary_case(
+    sw: &mut Sweep,
+    a: &[f32],
+    b: &[f32],
+    op: BinaryOp,
+    layout: &BinaryLayout,
+    what: &str,
+) -> Result<()> {
+    let case = format!("{op:?} {what}: {layout}");
+    sw.check(op.name(), "", case, &[a, b], |d| {
+        up(a, d)?.binary(&up(b, d)?, op, layout)?.to_vec_f32()
+    })
+}
+
+fn flat(n: usize) -> BinaryLayout {
+    BinaryLayout {
+        shape: vec![n],
+        lhs_strides: vec![1],
+        rhs_strides: vec![1],
+    }
+}
+
+fn binary(sw: &mut Sweep) -> Result<()> {
+    // every op with broadcasting: (lhs shape, rhs shape) -> the elementwise max
+    let mut rng = Rng(42);
+    let cases: Vec<(Vec<usize>, Vec<usize>)> = vec![
+        (vec![257], vec![257]),
+        (vec![3, 1, 5], vec![1, 4, 5]),
+        (vec![4, 6], vec![6]),
+        (vec![4, 6], vec![4, 1]),
+        (vec![5], vec![1]),
+        (vec![], vec![]),
+        (vec![2, 1, 3, 1, 2, 3], vec![1, 2, 1, 2, 2, 1]),
+        (vec![1, 1], vec![3, 7]),
+        (vec![0, 3], vec![1, 3]),
+    ];
+    for (ls, rs) in cases {
+        let nd = ls.len().max(rs.len());
+        let pad = |s: &[usize]| {
+            let mut v = vec![1; nd - s.len()];
+            v.extend_from_slice(s);
+            v
+        };
+        let (lp, rp) = (pad(&ls), pad(&rs));
+        // numpy broadcasting: a size-1 dimension takes the other's size (even 0)
+        let shape: Vec<usize> = (0..nd)
+            .map(|d| if lp[d] == 1 { rp[d] } else { lp[d] })
+            .collect();
+        let layout = BinaryLayout {
+            shape: shape.clone(),
+            lhs_strides: broadcast_strides(&lp, &shape),
+            rhs_strides: broadcast_strides(&rp, &shape),
+        };
+        let a = adversarial(&mut rng, ls.iter().product());
+        let mut b = adversarial(&mut rng, rs.iter().product());
+        // equal pairs matter for Eq, Maximum(±0) and x - x
+        for (i, v) in b.iter_mut().enumerate() {
+            if i % 5 == 0 && i < a.len() {
+                *v = if i % 10 == 0 { a[i] } else { -a[i] };
+            }
+        }
+        for op in BinaryOp::ALL {
+            binary_case(sw, &a, &b, op, &layout, &format!("{ls:?} with {rs:?}"))?;
+        }
+    }
+    // every (special, special) pair, contiguous
+    let sp = specials();
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    for &x in &sp {
+        for &y in &sp {
+            a.push(x);
+            b.push(y);
+        }
+    }
+    for op in BinaryOp::ALL {
+        binary_case(sw, &a, &b, op, &flat(a.len()), "special pairs")?;
+    }
+    // random operands of every exponent: the crate's division, not the device's
+    let mut rng = Rng(7);
+    let a: Vec<f32> = (0..4000).map(|_| rng.bits()).collect();
+    let b: Vec<f32> = (0..4000)
+        .map(|i| {
+            if i % 3 == 0 {
+                rng.moderate()
+            } else {
+                rng.bits()
+            }
+        })
+        .collect();
+    binary_case(sw, &a, &b, BinaryOp::Div, &flat(a.len()), "random bits")
+}
+
+/// The rounding sweep's inputs: every f32 exponent with mantissas at and
+/// around both formats' ties, the fp16 overflow boundary bit by bit, and the
+/// fp16 subnormal range (`k · 2^-25`: odd `k` are ties) with neighbours.
+pub fn rounding_inputs() -> Vec<f32> {
+    let mut x = Vec::new();
+    let mantissas: [u32; 16] = [
+        0, 1, 0x7fff, 0x8000, 0x8001, 0x1_8000, 0x1_7fff, 0x0fff, 0x1000, 0x1001, 0x3000, 0x2fff,
+        0x7f_ffff, 0x7f_8000, 0x7f_f000, 0x40_0000,
+    ];
+    for e in 0..=255u32 {
+        for &m in &mantissas {
+            for s in [0u32, 0x8000_0000] {
+                x.push(f32::from_bits(s | (e << 23) | m));
+            }
+        }
+    }
+    // around 65504 / 65520 (fp16 overflow) bit by bit
+    for b in 0x477f_e000u32..0x4780_0010 {
+        if b % 7 == 0 || (0x477f_efe0..0x477f_f020).contains(&b) {
+            x.push(f32::from_bits(b));
+            x.push(-f32::from_bits(b));
+        }
+    }
+    for k in 0..2100u32 {
+        let v = k as f32 * 2f32.powi(-25);
+        x.push(v);
+        x.push(f32::from_bits(v.to_bits() + 1));
+        x.push(-v);
+    }
+    x
+}
+
+fn rounding(sw: &mut Sweep) -> Result<()> {
+    let x = rounding_inputs();
+    for f in [Format::Bf16, Format::Fp16] {
+        let op = UnaryOp::Round(f);
+        let case = format!(
+            "stratified: {} values around every tie and boundary",
+            x.len()
+        );
+        sw.check(op.name(), f.name(), case, &[&x], |d| {
+            up(&x, d)?.unary(op)?.to_vec_f32()
+        })?;
+    }
+    Ok(())
+}
+
+// ----------------------------------------------------------- reduction ----
+
+fn reduce(sw: &mut Sweep) -> Result<()> {
+    let mut rng = Rng(3);
+    let shapes = [
+        (1, 1, 1),
+        (1, 37, 1),
+        (3, 5, 7),
+        (2, 1, 9),
+        (4, 0, 3),
+        (1, 300, 2),
+        (7, 3, 1),
+        (0, 4, 4),
+    ];
+    for (o, r, i) in shapes {
+        for mode in 0..3 {
+            let x: Vec<f32> = (0..o * r * i)
+                .map(|_| match mode {
+                    0 => rng.moderate(),
+                    1 => [0.0, -0.0, 1e-45, -1e-45][rng.below(4)], // signed zeros, subnormals
+                    _ => adversarial(&mut rng, 1)[0],
+                })
+                .collect();
+            for op in ReduceOp::ALL {
+                let case = format!("({o}, {r}, {i}) values of kind {mode}");
+                sw.check(op.name(), "", case, &[], |d| {
+                    up(&x, d)?.reduce(op, o, r, i)?.to_vec_f32()
+                })?;
+            }
+        }
+    }
+    // a reduction longer than lavapipe's 65,535 loop iterations (run in passes)
+    let n = 70_001;
+    let mut rng = Rng(91);
+    let x: Vec<f32> = (0..n).map(|_| rng.moderate()).collect();
+    for op in ReduceOp::ALL {
+        sw.check(
+            op.name(),
+            "",
+            format!("(1, {n}, 1): past a 65,535-iteration loop cap"),
+            &[],
+            |d| up(&x, d)?.reduce(op, 1, n, 1)?.to_vec_f32(),
+        )?;
+    }
+    // sums of squares in chunks: tiny squares underflow, big ones do not,
+    // subnormal squares, an empty buffer
+    let mut rng = Rng(5);
+    let a: Vec<f32> = (0..3000).map(|_| rng.moderate()).collect();
+    let b: Vec<f32> = vec![1e-30, 3.0e19];
+    let e: Vec<f32> = vec![];
+    let dd: Vec<f32> = (0..1025).map(|_| rng.unif(-1e-20, 1e-20)).collect();
+    for (what, bufs) in [
+        ("4 buffers", vec![&a, &b, &e, &dd]),
+        ("subnormal squares", vec![&dd]),
+    ] {
+        let lens: Vec<usize> = bufs.iter().map(|b| b.len()).collect();
+        sw.check(
+            "sum of squares",
+            "",
+            format!("{what} of lengths {lens:?}"),
+            &[],
+            |d| {
+                let st: Vec<Storage> = bufs.iter().map(|b| up(b, d)).collect::<Result<_>>()?;
+                let refs: Vec<&Storage> = st.iter().collect();
+                Ok(vec![Storage::sum_squares(&refs)?])
+            },
+        )?;
+    }
+    Ok(())
+}
+
+// ------------------------------------------------------------- softmax ----
+
+/// Softmax over `(rows, n)` of `x` with `(scale, causal)`, and its backward
+/// with upstream `gr` when given.
+fn softmax_case(
+    sw: &mut Sweep,
+    what: &str,
+    x: &[f32],
+    gr: Option<&[f32]>,
+    (rows, n): (usize, usize),
+    (scale, causal): (f32, bool),
+) -> Result<()> {
+    let case = format!("{what}: rows {rows} n {n} scale {scale} causal {causal}");
+    sw.check("softmax", "", case.clone(), &[x], |d| {
+        up(x, d)?.softmax_rows(rows, n, scale, causal)?.to_vec_f32()
+    })?;
+    let Some(gr) = gr else { return Ok(()) };
+    // backward from each device's own forward (identical, or the row above says so)
+    sw.check("softmax backward", "", case, &[], |d| {
+        let y = up(x, d)?.softmax_rows(rows, n, scale, causal)?;
+        y.softmax_rows_backward(&up(gr, d)?, rows, n, scale)?
+            .to_vec_f32()
+    })
+}
+
+/// Rows with trailing −inf (a causal mask's shape) of every tail length, −inf
+/// in the middle, a whole −inf row, +inf and NaN maxima with −inf tails:
+/// `(values, rows, n)`.
+pub fn masked_softmax_rows() -> (Vec<f32>, usize, usize) {
+    let mut rng = Rng(13);
+    let n = 11;
+    let mut x = Vec::new();
+    for i in 0..n {
+        // row i: the causal mask of query i (entries past i are −inf)
+        x.extend((0..n).map(|j| {
+            if j > i {
+                f32::NEG_INFINITY
+            } else {
+                rng.unif(-30.0, 30.0)
+            }
+        }));
+    }
+    let mut mid = vec![f32::NEG_INFINITY; n];
+    (mid[0], mid[3], mid[5]) = (-1.0, 2.0, -0.0);
+    x.extend(mid);
+    x.extend(vec![f32::NEG_INFINITY; n]);
+    let mut inf = vec![f32::NEG_INFINITY; n];
+    (inf[0], inf[1]) = (f32::INFINITY, 3.0);
+    x.extend(inf);
+    let mut nan = vec![f32::NEG_INFINITY; n];
+    (nan[0], nan[2]) = (1.0, f32::NAN);
+    x.extend(nan);
+    let rows = x.len() / n;
+    (x, rows, n)
+}
+
+fn softmax(sw: &mut Sweep) -> Result<()> {
+    let mut rng = Rng(11);
+    for (rows, n) in [(1, 1), (5, 13), (3, 64), (2, 257), (4, 2)] {
+        let mut x: Vec<f32> = (0..rows * n).map(|_| rng.unif(-20.0, 20.0)).collect();
+        // rows with tiny exponentials (subnormal e^x), -inf, NaN, ±0, all-equal
+        if rows >= 3 {
+            for j in 0..n {
+                x[j] = -90.0 - 0.37 * j as f32;
+                x[n + j] = if j % 3 == 0 { f32::NEG_INFINITY } else { -0.0 };
+            }
+            x[2 * n] = f32::NAN;
+        }
+        if rows >= 4 {
+            for j in 0..n {
+                x[3 * n + j] = 1.5;
+            }
+        }
+        let gr: Vec<f32> = (0..rows * n).map(|_| rng.moderate()).collect();
+        // plain, scaled, and attention's scaled + causal (masked keys are −inf
+        // whatever they hold, so the NaN and −inf rows also meet the mask)
+        for (scale, causal) in [(1.0, false), (0.125, false), (0.125, true), (0.3, true)] {
+            let what = "random, tiny, −inf, NaN, equal rows";
+            softmax_case(sw, what, &x, Some(&gr), (rows, n), (scale, causal))?;
+        }
+    }
+    let (x, rows, n) = masked_softmax_rows();
+    softmax_case(
+        sw,
+        "causally masked rows",
+        &x,
+        None,
+        (rows, n),
+        (1.0, false),
+    )
+}
+
+// ---------------------------------------------------------------- matmul ----
+
+fn layout_name(ta: bool, tb: bool) -> &'static str {
+    match (ta, tb) {
+        (false, false) => "A·B",
+        (true, false) => "Aᵀ·B",
+        (false, true) => "A·Bᵀ",
+        (true, true) => "Aᵀ·Bᵀ",
+    }
+}
+
+/// A matmul's row: its format and layout, or its causal mask.
+fn matmul_variant(d: &MatmulDims, round: Option<Format>) -> String {
+    let fmt = round.map_or("f32", Format::name);
+    match d.causal {
+        Causal::No => format!("{fmt} {}", layout_name(d.trans_a, d.trans_b)),
+        Causal::Outputs => format!("{fmt} causal: outputs j ≤ i"),
+        Causal::TermsUpToRow => format!("{fmt} causal: terms p ≤ i"),
+        Causal::TermsFromRow => format!("{fmt} causal: terms p ≥ i"),
+    }
+}
+
+fn matmul_case(
+    sw: &mut Sweep,
+    variant: Option<&str>,
+    a: &[f32],
+    b: &[f32],
+    dims: MatmulDims,
+    round: Option<Format>,
+    what: &str,
+) -> Result<()> {
+    let v = variant.map_or_else(|| matmul_variant(&dims, round), str::to_string);
+    let case = format!("{what}{}", dims.describe(round));
+    sw.check("matmul", &v, case, &[], |d| {
+        up(a, d)?.matmul(&up(b, d)?, dims, round)?.to_vec_f32()
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn dims(
+    batch: usize,
+    m: usize,
+    k: usize,
+    n: usize,
+    ta: bool,
+    tb: bool,
+    a_bs: usize,
+    b_bs: usize,
+    causal: Causal,
+) -> MatmulDims {
+    MatmulDims {
+        batch,
+        m,
+        k,
+        n,
+        trans_a: ta,
+        trans_b: tb,
+        a_batch_stride: a_bs,
+        b_batch_stride: b_bs,
+        causal,
+    }
+}
+
+/// Every format and layout over `shapes` (batch, m, k, n, A broadcast, B
+/// broadcast), moderate operands with a special planted every `every`-th of A.
+fn matmul_layouts(
+    sw: &mut Sweep,
+    rng: &mut Rng,
+    shapes: &[(usize, usize, usize, usize, bool, bool)],
+    every: (usize, usize),
+    what: &str,
+) -> Result<()> {
+    let sp = specials();
+    for &(batch, m, k, n, bca, bcb) in shapes {
+        for ta in [false, true] {
+            for tb in [false, true] {
+                for round in [None, Some(Format::Bf16), Some(Format::Fp16)] {
+                    let na = if bca { 1 } else { batch };
+                    let nb = if bcb { 1 } else { batch };
+                    let mut a: Vec<f32> = (0..na * m * k).map(|_| rng.moderate()).collect();
+                    let b: Vec<f32> = (0..nb * k * n).map(|_| rng.moderate()).collect();
+                    for (i, v) in a.iter_mut().enumerate() {
+                        if i % every.0 == every.1 {
+                            *v = sp[i % sp.len()];
+                        }
+                    }
+                    let d = dims(
+                        batch,
+                        m,
+                        k,
+                        n,
+                        ta,
+                        tb,
+                        if bca { 0 } else { m * k },
+                        if bcb { 0 } else { k * n },
+                        Causal::No,
+                    );
+                    matmul_case(sw, None, &a, &b, d, round, what)?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn matmul(sw: &mut Sweep) -> Result<()> {
+    // every layout and format on small shapes (empty, single, broadcast)
+    let mut rng = Rng(0xfeed);
+    let shapes = [
+        (1, 1, 1, 1, false, false),
+        (1, 5, 7, 3, false, false),
+        (2, 33, 17, 35, false, false),
+        (3, 4, 9, 1, true, false),
+        (2, 1, 9, 6, false, true),
+        (1, 6, 0, 5, false, false),
+        (2, 8, 64, 8, false, false),
+        (1, 37, 3, 1, false, false),
+        (1, 0, 4, 3, false, false),
+    ];
+    matmul_layouts(sw, &mut rng, &shapes, (11, 3), "small: ")?;
+    // the kernel's tiles crossed raggedly, a long k, broadcasting
+    let mut rng = Rng(0x7a11);
+    let shapes = [
+        (1, 65, 300, 71, false, false),
+        (2, 9, 1031, 130, false, true),
+        (1, 130, 5, 7, true, false),
+        (3, 64, 64, 64, false, false),
+        (1, 1, 777, 129, false, false),
+        (1, 127, 2, 1, false, false),
+    ];
+    matmul_layouts(sw, &mut rng, &shapes, (97, 5), "ragged tiles: ")?;
+    matmul_causal(sw)?;
+    matmul_bits(sw)?;
+    matmul_known(sw)
+}
+
+/// Causal products (attention's): outputs past the diagonal +0, each row's
+/// terms cut at the diagonal — skipped, not added as zeros, so the inf and
+/// NaN planted in the skipped part must not reach the result.
+fn matmul_causal(sw: &mut Sweep) -> Result<()> {
+    let mut rng = Rng(0xca5a1);
+    for (batch, t, w) in [(1, 1, 1), (2, 7, 5), (1, 70, 9), (2, 300, 4)] {
+        for (causal, layout) in [
+            (Causal::Outputs, (false, true)),
+            (Causal::TermsUpToRow, (false, false)),
+            (Causal::TermsFromRow, (true, false)),
+        ] {
+            let (m, k, n) = if causal == Causal::Outputs {
+                (t, w, t)
+            } else {
+                (t, t, w)
+            };
+            for (ta, tb) in [layout, (true, true)] {
+                for round in [None, Some(Format::Bf16)] {
+                    let mut a: Vec<f32> = (0..batch * m * k).map(|_| rng.moderate()).collect();
+                    let mut b: Vec<f32> = (0..batch * k * n).map(|_| rng.moderate()).collect();
+                    let planted = [f32::INFINITY, f32::NEG_INFINITY, f32::NAN, 0.0, -0.0, 1e-40];
+                    for (i, v) in a.iter_mut().chain(b.iter_mut()).enumerate() {
+                        if i % 13 == 5 {
+                            *v = planted[i % planted.len()];
+                        }
+                    }
+                    let d = dims(batch, m, k, n, ta, tb, m * k, k * n, causal);
+                    matmul_case(sw, None, &a, &b, d, round, "")?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `fma(a, b, c)` alone, as a batched `(1, 2) @ (2, 1)` with A = [c, a] and
+/// B = [1, b] (`fma(a, b, fma(c, 1, +0))`): `(A, B)` for triples built to
+/// stress the single rounding (near-total cancellation, ties, subnormal
+/// results, overflow, specials), and `f32::mul_add`'s answers.
+pub fn fma_triples(n: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let mut rng = Rng(0x5eed);
+    let sp = specials();
+    let (mut a, mut b, mut want) = (Vec::new(), Vec::new(), Vec::new());
+    for i in 0..n {
+        let x = if i % 7 == 0 {
+            sp[rng.below(sp.len())]
+        } else {
+            rng.moderate()
+        };
+        let y = match i % 5 {
+            0 => f32::from_bits(rng.next() as u32 & 0xbfff_ffff), // any small-ish exponent
+            1 => sp[rng.below(sp.len())],
+            _ => rng.moderate(),
+        };
+        let c = match i % 6 {
+            // cancel the rounded product: only the product's rounding error survives
+            0 | 1 => -(x * y),
+            2 => -(x * y) * (1.0 + 2f32.powi(-20)),
+            3 => rng.bits(),
+            4 => sp[rng.below(sp.len())],
+            _ => rng.moderate() * 2f32.powi(rng.below(60) as i32 - 30),
+        };
+        let c = if c == 0.0 { 0.0 } else { c }; // -0 would become +0 in the first step
+        a.extend_from_slice(&[c, x]);
+        b.extend_from_slice(&[1.0, y]);
+        want.push(x.mul_add(y, c));
+    }
+    (a, b, want)
+}
+
+fn matmul_bits(sw: &mut Sweep) -> Result<()> {
+    let n = 20_000;
+    let (a, b, _) = fma_triples(n);
+    let d = dims(n, 1, 2, 1, false, false, 2, 2, Causal::No);
+    matmul_case(
+        sw,
+        Some("f32 fma triples"),
+        &a,
+        &b,
+        d,
+        None,
+        "(c, a)·(1, b) = fma(a, b, c): ",
+    )?;
+    // short k with operands of every bit pattern: one or two general fmas
+    // each, on specials, subnormals, overflow and ties
+    let mut rng = Rng(0xabcdef);
+    let sp = specials();
+    for k in [1usize, 2, 3] {
+        let (m, n) = (40, 40);
+        let mut pick = |i: usize| match i % 3 {
+            0 => rng.bits(),
+            1 => sp[rng.below(sp.len())],
+            _ => {
+                // exponents near the subnormal and overflow edges
+                let e = [0u32, 1, 2, 60, 63, 64, 65, 190, 191, 192, 253, 254][rng.below(12)];
+                f32::from_bits((rng.next() as u32 & 0x807f_ffff) | (e << 23))
+            }
+        };
+        let a: Vec<f32> = (0..m * k).map(&mut pick).collect();
+        let b: Vec<f32> = (0..k * n).map(&mut pick).collect();
+        let d = dims(1, m, k, n, false, false, 0, 0, Causal::No);
+        matmul_case(sw, None, &a, &b, d, None, "random bits: ")?;
+    }
+    // k longer than lavapipe's 65,535 loop iterations (run in passes)
+    let k = 70_001;
+    let mut rng = Rng(91);
+    let a: Vec<f32> = (0..k).map(|_| rng.moderate()).collect();
+    let b: Vec<f32> = (0..2 * k).map(|_| rng.moderate()).collect();
+    for round in [None, Some(Format::Bf16)] {
+        let d = dims(1, 1, k, 2, false, false, 0, 0, Causal::No);
+        matmul_case(
+            sw,
+            None,
+            &a,
+            &b,
+            d,
+            round,
+            "past a 65,535-iteration loop cap: ",
+        )?;
+    }
+    Ok(())
+}
+
+/// bf16 products outside f32's normal range: exact in f32 only under a fused
+/// fma. Where the device's fma is not fused (the probe says so) this row's
+/// differences are a known device difference, not a failure.
+fn matmul_known(sw: &mut Sweep) -> Result<()> {
+    use crate::backend::round::round_f64;
+    let p2 = |k: i32| 2f32.powi(k);
+    let variant = "bf16, products outside f32's normal range";
+    // (c, x, y): the output is bf16(fma(x, y, c)); an unfused fma rounds x·y
+    // to inf first
+    let mut triples = vec![
+        (-1.5 * p2(127), p2(64), p2(64)), // x·y = 2^128 overflows; the sum is 2^126
+        (-1.5 * p2(127), 1.5 * p2(63), p2(64)), // 1.5·2^127 − 1.5·2^127 = 0 exactly
+        (-p2(127), 1.25 * p2(64), 1.25 * p2(63)),
+    ];
+    // random bf16 products just past f32's largest, brought back by c
+    let mut rng = Rng(0xb16);
+    while triples.len() < 64 {
+        let bf =
+            |rng: &mut Rng, e: u32| f32::from_bits(((rng.next() as u32) & 0x807f_0000) | (e << 23));
+        let ex = 190 + rng.below(64) as u32;
+        let (x, y) = (bf(&mut rng, ex), bf(&mut rng, 382 - ex));
+        let u = 0.5 + 0.25 * rng.unif(0.0, 1.0) as f64;
+        let c = round_f64(-(x as f64) * (y as f64) * u, Format::Bf16) as f32;
+        if c.is_finite() && x.is_finite() && y.is_finite() {
+            triples.push((c, x, y));
+        }
+    }
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    for &(c, x, y) in &triples {
+        a.extend_from_slice(&[c, x]);
+        b.extend_from_slice(&[1.0, y]);
+    }
+    let n = triples.len();
+    let d = dims(n, 1, 2, 1, false, false, 2, 2, Causal::No);
+    matmul_case(
+        sw,
+        Some(variant),
+        &a,
+        &b,
+        d,
+        Some(Format::Bf16),
+        "(c, a)·(1, b) = fma(a, b, c): ",
+    )?;
+    // a product below f32's normal range at a bf16 tie: 2^-125 + 2^-133 is
+    // halfway between two bf16 values, and x·y = 2^-149 + 2^-156 decides the
+    // side only if it is not rounded to 2^-149 first
+    let (a, b) = (
+        [p2(-125), p2(-133), 1.0078125 * p2(-75)],
+        [1.0, 1.0, p2(-74)],
+    );
+    let d = dims(1, 1, 3, 1, false, false, 3, 3, Causal::No);
+    matmul_case(
+        sw,
+        Some(variant),
+        &a,
+        &b,
+        d,
+        Some(Format::Bf16),
+        "(c, t, x)·(1, 1, y) = fma(x, y, c + t): ",
+    )?;
+    let known = sw.unfused.clone();
+    sw.row("matmul", variant).known = known;
+    Ok(())
+}
+
+// ----------------------------------------------------------- data moves ----
+
+fn copy(sw: &mut Sweep) -> Result<()> {
+    let mut rng = Rng(17);
+    let x = adversarial(&mut rng, 720);
+    // (shape, strides, offset): whole, transpose, slices, permute, expand
+    let cases: Vec<(Vec<usize>, Vec<usize>, usize)> = vec![
+        (vec![720], vec![1], 0),
+        (vec![6, 120], vec![120, 1], 0),
+        (vec![120, 6], vec![1, 120], 0),
+        (vec![3, 4], vec![20, 2], 7),
+        (vec![2, 3, 4, 5], vec![1, 2, 6, 24], 0),
+        (vec![4, 5], vec![0, 1], 100),
+        (vec![2, 2, 2, 2, 2, 2], vec![1, 2, 4, 8, 16, 32], 5),
+        (vec![1, 1, 1], vec![0, 0, 0], 719),
+        (vec![0, 5], vec![5, 1], 0),
+        (vec![], vec![], 3),
+    ];
+    for (shape, strides, off) in cases {
+        let case = format!("shape {shape:?} strides {strides:?} offset {off}");
+        sw.check("strided copy", "", case, &[], |d| {
+            up(&x, d)?.strided_copy(&shape, &strides, off)?.to_vec_f32()
+        })?;
+    }
+    let mut rng = Rng(23);
+    for (outer, sizes, inner) in [
+        (3usize, vec![2usize, 0, 5, 1], 4usize),
+        (1, vec![7], 1),
+        (5, vec![1, 1], 3),
+    ] {
+        let parts: Vec<Vec<f32>> = sizes
+            .iter()
+            .map(|&s| adversarial(&mut rng, outer * s * inner))
+            .collect();
+        let case = format!("({outer}, {sizes:?}, {inner})");
+        sw.check("concat", "", case, &[], |d| {
+            let st: Vec<Storage> = parts.iter().map(|p| up(p, d)).collect::<Result<_>>()?;
+            let refs: Vec<&Storage> = st.iter().collect();
+            Storage::concat(&refs, outer, &sizes, inner)?.to_vec_f32()
+        })?;
+    }
+    // repeated ids, unused rows, out of order
+    let mut rng = Rng(29);
+    let (v, dd) = (11, 6);
+    let table = adversarial(&mut rng, v * dd);
+    let ids: Vec<u32> = vec![3, 0, 3, 10, 7, 3, 0, 5, 5, 5, 1, 3];
+    sw.check(
+        "gather rows",
+        "",
+        format!("{} ids from ({v}, {dd})", ids.len()),
+        &[],
+        |d| up(&table, d)?.gather_rows(&ids, dd)?.to_vec_f32(),
+    )?;
+    // gradients whose sums depend on order (cancellation, mixed magnitudes)
+    let mut grad = Vec::new();
+    for i in 0..ids.len() * dd {
+        grad.push(match i % 4 {
+            0 => rng.moderate() * 1e8,
+            1 => rng.moderate(),
+            2 => [-0.0, 1e-45, f32::INFINITY, -1e-40][rng.below(4)],
+            _ => rng.moderate() * 1e-8,
+        });
+    }
+    sw.check(
+        "scatter-add rows",
+        "",
+        format!("{} ids into ({v}, {dd})", ids.len()),
+        &[],
+        |d| up(&grad, d)?.scatter_add_rows(&ids, v, dd)?.to_vec_f32(),
+    )?;
+    sw.check(
+        "scatter-add rows",
+        "",
+        "no ids into (3, 2)".into(),
+        &[],
+        |d| up(&[], d)?.scatter_add_rows(&[], 3, 2)?.to_vec_f32(),
+    )?;
+    // one row gathered 70,001 times: its gradient sums every one, past a loop cap
+    let n = 70_001;
+    let mut rng = Rng(91);
+    let x: Vec<f32> = (0..n).map(|_| rng.moderate()).collect();
+    let ids = vec![1u32; n];
+    sw.check(
+        "scatter-add rows",
+        "",
+        format!("{n} ids all into row 1 of (3, 1)"),
+        &[],
+        |d| up(&x, d)?.scatter_add_rows(&ids, 3, 1)?.to_vec_f32(),
+    )
+}
+
+// ------------------------------------------------------------ randomness ----
+
+fn dropout(sw: &mut Sweep) -> Result<()> {
+    for (n, p, scale, seed, offset) in [
+        (1001usize, 0.1f32, 1.0 / 0.9f32, 0u64, 0u64),
+        (7, 0.5, 2.0, 0xdead_beef_1234_5678, 0xffff_fffe), // the 64-bit counter carries
+        (4096, 0.0, 1.0, 1, 0xffff_ffff_ffff_fff0),        // and wraps
+        (33, 1.0, 3.0, u64::MAX, 12345),
+        (0, 0.3, 1.0, 5, 5),
+    ] {
+        let case = format!("n {n} p {p} scale {scale} seed {seed:#x} offset {offset:#x}");
+        sw.check("dropout mask", "", case, &[], |d| {
+            Storage::dropout_mask(n, p, scale, seed, offset, d)?.to_vec_f32()
+        })?;
+    }
+    Ok(())
+}
+
+// ----------------------------------------------------- optimizer & scaler ----
+
+/// Length of the optimizer kernels' buffers: two full workgroups and a ragged
+/// third at lavapipe's 256 elements per lane (many on a real GPU).
+pub const N_OPTIM: usize = 2 * 64 * 256 + 77;
+
+fn optim(sw: &mut Sweep) -> Result<()> {
+    let mut rng = Rng(31);
+    let inv = 2f32.powi(-16);
+    // the flag and the unscaled values: finite buffers, then an inf, a NaN in
+    // the last element of the last (partial) workgroup, an inf past the first
+    // workgroup, an inf only in the last buffer
+    let finite: Vec<Vec<f32>> = vec![
+        (0..N_OPTIM).map(|_| rng.moderate() * 1e4).collect(),
+        vec![f32::MAX, -f32::MAX, 1e-45, -0.0, 3e-39],
+        vec![],
+    ];
+    let mut with_inf = finite.clone();
+    with_inf[1][2] = f32::NEG_INFINITY;
+    let mut with_nan = finite.clone();
+    with_nan[0][N_OPTIM - 1] = f32::NAN;
+    let mut mid_inf = finite.clone();
+    mid_inf[0][16384 + 64 * 7 + 5] = f32::INFINITY;
+    let mut only_last = finite.clone();
+    only_last.push(vec![1.0, 2.0, f32::INFINITY]);
+    for (what, bufs) in [
+        ("finite", finite),
+        ("an inf", with_inf),
+        ("a NaN at the end", with_nan),
+        ("an inf past the first workgroup", mid_inf),
+        ("an inf in the last buffer", only_last),
+    ] {
+        let lens: Vec<usize> = bufs.iter().map(Vec::len).collect();
+        let case =
+            format!("{what}: buffers {lens:?} times 2^-16 (output: the flag, then the values)");
+        sw.check("finite check + unscale", "", case, &[], |d| {
+            let st: Vec<Storage> = bufs.iter().map(|b| up(b, d)).collect::<Result<_>>()?;
+            let refs: Vec<&Storage> = st.iter().collect();
+            let flag = Storage::finite_check_unscale(&refs, inv)?;
+            let mut out = vec![flag as u8 as f32];
+            for s in &st {
+                out.extend(s.to_vec_f32()?);
+            }
+            Ok(out)
+        })?;
+    }
+    let mut rng = Rng(37);
+    let x = adversarial(&mut rng, N_OPTIM);
+    for c in [0.5f32, 0.3, 1e-30, -7.0] {
+        sw.check(
+            "scale in place",
+            "",
+            format!("n {N_OPTIM} times {c:e}"),
+            &[&x],
+            |d| {
+                let s = up(&x, d)?;
+                s.scale_in_place(c)?;
+                s.to_vec_f32()
+            },
+        )?;
+    }
+    adamw(sw)?;
+    sgd(sw)
+}
+
+fn adamw(sw: &mut Sweep) -> Result<()> {
+    let mut rng = Rng(41);
+    let n = N_OPTIM;
+    let p: Vec<f32> = (0..n).map(|_| rng.moderate()).collect();
+    let (lr, b1, b2, eps, wd) = (1e-3f64, 0.9f64, 0.999f64, 1e-8f64, 0.01f64);
+    let steps: Vec<(Vec<f32>, AdamWConsts)> = (1..=4)
+        .map(|t| {
+            let mut g: Vec<f32> = (0..n).map(|_| rng.moderate() * 1e-3).collect();
+            g[0] = 0.0;
+            g[1] = 1e-42;
+            g[2] = 1e10;
+            let c = AdamWConsts {
+                decay: (1.0 - lr * wd) as f32,
+                beta1: b1 as f32,
+                omb1: (1.0 - b1) as f32,
+                beta2: b2 as f32,
+                omb2: (1.0 - b2) as f32,
+                step_size: (lr / (1.0 - b1.powi(t))) as f32,
+                bc2_sqrt: (1.0 - b2.powi(t)).sqrt() as f32,
+                eps: eps as f32,
+            };
+            (g, c)
+        })
+        .collect();
+    let case = format!("4 steps on n {n} (output: p, m, v after each step)");
+    sw.check("adamw", "", case, &[], |d| {
+        let (ps, m, v) = (up(&p, d)?, up(&vec![0.0; n], d)?, up(&vec![0.0; n], d)?);
+        let mut out = Vec::new();
+        for (g, c) in &steps {
+            ps.adamw_step(&up(g, d)?, &m, &v, c)?;
+            for s in [&ps, &m, &v] {
+                out.extend(s.to_vec_f32()?);
+            }
+        }
+        Ok(out)
+    })
+}
+
+fn sgd(sw: &mut Sweep) -> Result<()> {
+    let mut rng = Rng(43);
+    let n = 513;
+    for momentum in [None, Some(0.9f32)] {
+        let p: Vec<f32> = (0..n).map(|_| rng.moderate()).collect();
+        let grads: Vec<Vec<f32>> = (0..3)
+            .map(|_| (0..n).map(|_| rng.moderate()).collect())
+            .collect();
+        let case = format!(
+            "3 steps on n {n}, momentum {momentum:?} (output: p and the buffer after each)"
+        );
+        sw.check("sgd", "", case, &[], |d| {
+            let (ps, buf) = (up(&p, d)?, up(&vec![0.0; n], d)?);
+            let mut out = Vec::new();
+            for (step, g) in grads.iter().enumerate() {
+                let g = up(g, d)?;
+                let first = step == 0;
+                match momentum {
+                    None => ps.sgd_step(&g, None, 0.1, 0.0, 1e-4, first)?,
+                    Some(mu) => ps.sgd_step(&g, Some(&buf), 0.1, mu, 1e-4, first)?,
+                }
+                out.extend(ps.to_vec_f32()?);
+                out.extend(buf.to_vec_f32()?);
+            }
+            Ok(out)
+        })?;
+    }
+    Ok(())
+}

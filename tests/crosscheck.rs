@@ -1,0 +1,561 @@
+//! The cross-check: the primitive trace and its paths, the snapshot a replay
+//! starts from, the device probe, and — with the test-only fault hook, which
+//! flips one bit (one ulp) of one GPU primitive's output — proof that the
+//! sweep, the lockstep trace, the command and a training run's
+//! `--crosscheck-every` find a real difference and name the primitive and
+//! the call. Shapes are the `tiny` preset's (lavapipe is slow).
+
+mod common;
+use common::tmpdir;
+
+use std::process::Command;
+use tinyllm::crosscheck::lockstep::{self, LockstepOptions, Snapshot};
+use tinyllm::crosscheck::probe::{self, Status};
+use tinyllm::crosscheck::sweep::{self, Family};
+use tinyllm::crosscheck::trace;
+use tinyllm::precision::Precision;
+use tinyllm::train::data::Corpus;
+use tinyllm::train::{TrainConfig, TrainOptions, Trainer};
+use tinyllm::Device;
+
+const BIN: &str = env!("CARGO_BIN_EXE_tinyllm");
+
+fn tiny(precision: &str) -> TrainConfig {
+    TrainConfig::resolve(&TrainOptions {
+        preset: Some("tiny".into()),
+        device: Some("cpu".into()),
+        precision: Some(precision.into()),
+        ..Default::default()
+    })
+    .unwrap()
+}
+
+fn bits(snap: &[(String, Vec<f32>)]) -> Vec<(String, Vec<u32>)> {
+    snap.iter()
+        .map(|(n, v)| (n.clone(), v.iter().map(|x| x.to_bits()).collect()))
+        .collect()
+}
+
+// ------------------------------------------------ trace and snapshot ----
+
+/// A step replayed from a snapshot in a fresh trainer gives the bits of the
+/// step the original trainer takes from there; tracing it changes nothing.
+#[test]
+fn a_snapshot_replays_the_next_step_and_tracing_changes_nothing() {
+    let corpus = Corpus::embedded();
+    let cfg = tiny("fp16");
+    let mut a = Trainer::new(cfg.clone(), Device::Cpu, &corpus).unwrap();
+    a.train_step().unwrap();
+    a.train_step().unwrap();
+    let snap = Snapshot::take(&a).unwrap();
+    assert_eq!(snap.step(), 2);
+    let la = a.train_step().unwrap().loss;
+    assert!(!trace::on(), "the trace is off unless started");
+
+    let mut b = snap.trainer(&cfg, Device::Cpu, &corpus).unwrap();
+    trace::start(None);
+    let lb = b.train_step();
+    let t = trace::finish();
+    assert_eq!(la.to_bits(), lb.unwrap().loss.to_bits());
+    assert_eq!(bits(&a.snapshot().unwrap()), bits(&b.snapshot().unwrap()));
+    assert_eq!(a.model.rng.state(), b.model.rng.state());
+    assert_eq!(a.data_rng.state(), b.data_rng.state());
+    assert_eq!(b.step, 3);
+    assert!(t.calls.len() > 500, "{} calls", t.calls.len());
+}
+
+/// Every primitive call of a step is attributed to the layer that issued it,
+/// in its phase: the forward pass, the backward pass (at the path of the
+/// forward op that recorded the node), the recomputation of checkpointed
+/// blocks, and the optimizer.
+#[test]
+fn the_trace_names_each_call_by_model_path_and_phase() {
+    let corpus = Corpus::embedded();
+    let cfg = tiny("bf16");
+    let mut t = Trainer::new(cfg, Device::Cpu, &corpus).unwrap();
+    trace::start(None);
+    let r = t.train_step();
+    let tr = trace::finish();
+    r.unwrap();
+    let has = |phase: &str, site: &str| {
+        tr.calls
+            .iter()
+            .any(|c| c.phase == phase && c.site() == site)
+    };
+    for (phase, site) in [
+        ("forward", "embed_tokens.gather rows"),
+        ("forward", "layers.0.input_layernorm.unary rsqrt"),
+        ("forward", "layers.0.self_attn.q_proj.matmul"),
+        ("forward", "layers.0.self_attn.softmax"),
+        ("forward", "layers.3.mlp.unary silu"),
+        ("forward", "lm_head.matmul"),
+        ("forward", "loss.unary exp"),
+        // layers 0 and 1 are checkpointed (tiny's budget): rerun in backward
+        ("recompute", "layers.1.self_attn.softmax"),
+        ("backward", "layers.1.self_attn.softmax backward"),
+        ("backward", "layers.3.self_attn.softmax backward"),
+        ("backward", "embed_tokens.scatter-add rows"),
+        ("optimizer", "sum of squares"),
+        ("optimizer", "params.0.adamw"),
+    ] {
+        assert!(has(phase, site), "no {phase} call at {site}");
+    }
+    // no recompute of the last segment (layers 2 and 3 keep their activations)
+    assert!(!tr
+        .calls
+        .iter()
+        .any(|c| c.phase == "recompute" && c.path.starts_with("layers.3")));
+    // in order: all of the forward before the optimizer
+    let first_opt = tr
+        .calls
+        .iter()
+        .position(|c| c.phase == "optimizer")
+        .unwrap();
+    assert!(tr.calls[first_opt..].iter().all(|c| c.phase == "optimizer"));
+}
+
+// ---------------------------------------------------------- the probe ----
+
+/// The probe answers every question on this adapter, agrees with the fma
+/// path the backend chose, and finds nothing here that makes results differ.
+/// On lavapipe it finds what DEVICES.md records.
+#[test]
+fn the_probe_on_this_adapter() {
+    require_gpu!();
+    let p = probe::run().unwrap();
+    let keys: Vec<&str> = p.findings.iter().map(|f| f.check).collect();
+    for k in [
+        "fma_fused",
+        "fma_contract",
+        "subnormal_load_store",
+        "subnormal_add",
+        "subnormal_mul",
+        "subnormal_fma",
+        "subnormal_div",
+        "subnormal_rounding",
+        "no_contraction",
+        "round_to_nearest_even",
+        "signed_zero",
+        "inf_nan",
+        "no_reassociation",
+        "native_math",
+    ] {
+        assert!(keys.contains(&k), "no finding {k}");
+    }
+    let differs: Vec<_> = p.differing().collect();
+    assert!(differs.is_empty(), "{differs:#?}");
+    if std::env::var("TINYLLM_GPU_FMA").is_err() {
+        assert_eq!(p.fma_fused(), p.fma_path == "native");
+    }
+    if p.adapter.contains("llvmpipe") {
+        let holds = |k: &str| p.findings.iter().find(|f| f.check == k).unwrap().holds;
+        assert!(!holds("fma_fused"), "lavapipe's fma is not fused");
+        assert!(
+            !holds("no_reassociation"),
+            "llvmpipe regroups float constants"
+        );
+        for k in [
+            "fma_contract",
+            "subnormal_add",
+            "subnormal_mul",
+            "subnormal_fma",
+            "subnormal_div",
+            "no_contraction",
+        ] {
+            assert!(holds(k), "{k} on lavapipe");
+        }
+        let fma = p.findings.iter().find(|f| f.check == "fma_fused").unwrap();
+        assert_eq!(fma.status, Status::Handled);
+        assert!(fma.known_difference.is_some());
+    }
+}
+
+// ------------------------------------------------- the fault hook ----
+
+/// One flipped bit in one GPU primitive's output: the sweep finds it in that
+/// primitive's row alone, one ulp, at that position. An in-place optimizer
+/// kernel too.
+#[test]
+fn the_sweep_names_a_one_ulp_fault() {
+    require_gpu!();
+    for (primitive, element, family) in [
+        ("unary silu", 7, Family::Elementwise),
+        ("adamw", 0, Family::Optim),
+    ] {
+        let _fault = tinyllm::testing::gpu_fault(primitive, element);
+        let rows = sweep::run(&[family], &mut |_| {}).unwrap();
+        let bad: Vec<_> = rows.iter().filter(|r| !r.bit_identical()).collect();
+        assert_eq!(bad.len(), 1, "{primitive}: {bad:#?}");
+        let r = bad[0];
+        assert_eq!(r.primitive, primitive);
+        let m = r.first.as_ref().unwrap();
+        assert_eq!(m.position, element, "{r:?}");
+        assert!(!r.nan_vs_number);
+        if primitive == "unary silu" {
+            assert_eq!((r.differing, r.max_ulps), (1, 1), "{r:?}");
+            assert_eq!(m.inputs.len(), 1, "the input at that position is shown");
+        }
+    }
+    // disarmed: the same family is identical again
+    let rows = sweep::run(&[Family::Elementwise], &mut |_| {}).unwrap();
+    assert!(rows.iter().all(|r| r.bit_identical()));
+}
+
+fn faulty_lockstep(primitive: &str, element: usize) -> lockstep::Divergence {
+    let _fault = tinyllm::testing::gpu_fault(primitive, element);
+    let l = lockstep::run(
+        &LockstepOptions {
+            preset: "tiny".into(),
+            steps: 2,
+            precision: Precision::Fp32,
+            seed: None,
+        },
+        &mut |_| {},
+    )
+    .unwrap();
+    assert_eq!(l.identical_steps, 0);
+    l.divergence.expect("the fault makes step 1 differ")
+}
+
+/// The lockstep finds the perturbed step, and the traced replay names the
+/// first call whose output differs: the perturbed primitive at the first
+/// place the model calls it, with the position and both values.
+#[test]
+fn the_lockstep_trace_names_the_perturbed_call() {
+    require_gpu!();
+    let d = faulty_lockstep("unary silu", 3);
+    assert_eq!(d.step, 1);
+    assert!(d.buffers_differing > 0, "{d}");
+    let c = d.first_call.as_ref().expect("a traced first call");
+    assert_eq!(c.site, "layers.0.mlp.unary silu", "{d}");
+    assert_eq!(c.phase, "forward");
+    assert_eq!(
+        (c.differing, c.max_ulps, c.position),
+        (1, 1, Some(3)),
+        "{d}"
+    );
+    assert!(c.gpu_call.is_none(), "the same call on both devices");
+    assert!(c.previous.is_some() && c.index > 0);
+    let text = d.to_string();
+    assert!(text.contains("layers.0.mlp.unary silu"), "{text}");
+}
+
+/// A fault in a backward primitive is attributed to the layer whose forward
+/// op recorded the node: softmax's backward of the last block runs first.
+#[test]
+fn the_lockstep_trace_attributes_backward_calls_to_their_layer() {
+    require_gpu!();
+    // element 17: row 1 of the first head (row 0's gradient is exactly 0,
+    // and a subnormal there is lost downstream: no divergence to find)
+    let d = faulty_lockstep("softmax backward", 17);
+    let c = d.first_call.as_ref().expect("a traced first call");
+    assert_eq!(c.site, "layers.3.self_attn.softmax backward", "{d}");
+    assert_eq!(c.phase, "backward");
+    assert_eq!(c.position, Some(17));
+}
+
+// ------------------------------------------------------- the binary ----
+
+fn run_bin(args: &[&str], envs: &[(&str, &str)]) -> (i32, String, String) {
+    let mut c = Command::new(BIN);
+    c.args(args);
+    for (k, v) in envs {
+        c.env(k, v);
+    }
+    let o = c.output().unwrap();
+    let (out, err) = (
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    );
+    assert!(
+        !err.contains("panicked"),
+        "the binary panicked on {args:?}:\n{err}"
+    );
+    (o.status.code().unwrap_or(-1), out, err)
+}
+
+/// Every primitive the backend has, as the profile and the trace name them.
+const PRIMITIVES: [&str; 35] = [
+    "unary neg",
+    "unary exp",
+    "unary log",
+    "unary sqrt",
+    "unary rsqrt",
+    "unary recip",
+    "unary sigmoid",
+    "unary silu",
+    "unary silu grad",
+    "unary abs",
+    "unary relu",
+    "unary step",
+    "unary square",
+    "unary add scalar",
+    "unary mul scalar",
+    "unary div scalar",
+    "unary scalar div",
+    "unary round",
+    "binary add",
+    "binary sub",
+    "binary mul",
+    "binary div",
+    "binary maximum",
+    "binary eq",
+    "reduce sum",
+    "reduce max",
+    "softmax",
+    "softmax backward",
+    "sum of squares",
+    "matmul",
+    "strided copy",
+    "concat",
+    "gather rows",
+    "scatter-add rows",
+    "dropout mask",
+];
+
+/// `tinyllm crosscheck` on this adapter: every primitive swept, a 5-step
+/// `tiny` lockstep in each precision, all bit-identical, exit status 0; the
+/// JSON carries the facts the report prints.
+#[test]
+fn the_command_reports_bit_identical_here() {
+    require_gpu!();
+    let (code, out, err) = run_bin(&["crosscheck", "--json"], &[]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let j: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(j["exit_code"], 0);
+    assert_eq!(j["verdict"]["bit_identical"], true, "{:#}", j["verdict"]);
+    let rows = j["sweep"].as_array().unwrap();
+    let names: Vec<&str> = rows
+        .iter()
+        .map(|r| r["primitive"].as_str().unwrap())
+        .collect();
+    let optim = ["finite check + unscale", "scale in place", "adamw", "sgd"];
+    for p in PRIMITIVES.iter().chain(&optim) {
+        assert!(names.contains(p), "the sweep has no row for {p}");
+    }
+    for r in rows {
+        let ok = r["differing"] == 0 || !r["known"].is_null();
+        assert!(ok, "{r:#}");
+        assert!(r["cases"].as_u64().unwrap() > 0);
+    }
+    // every transpose and format of the matmul, and every causal mask
+    let variants: Vec<&str> = rows
+        .iter()
+        .filter(|r| r["primitive"] == "matmul")
+        .map(|r| r["variant"].as_str().unwrap())
+        .collect();
+    for f in ["f32", "bf16", "fp16"] {
+        for l in ["A·B", "Aᵀ·B", "A·Bᵀ", "Aᵀ·Bᵀ"] {
+            assert!(variants.contains(&format!("{f} {l}").as_str()), "{f} {l}");
+        }
+    }
+    for m in ["outputs j ≤ i", "terms p ≤ i", "terms p ≥ i"] {
+        assert!(
+            variants.contains(&format!("bf16 causal: {m}").as_str()),
+            "{m}"
+        );
+    }
+    let ls = j["lockstep"].as_array().unwrap();
+    let precisions: Vec<&str> = ls
+        .iter()
+        .map(|l| l["precision"].as_str().unwrap())
+        .collect();
+    assert_eq!(precisions, ["fp32", "bf16", "fp16"]);
+    for l in ls {
+        assert_eq!(
+            (
+                l["preset"].as_str(),
+                l["steps"].as_u64(),
+                l["identical_steps"].as_u64()
+            ),
+            (Some("tiny"), Some(5), Some(5))
+        );
+        assert!(l["divergence"].is_null());
+    }
+    // the readable report says the same (probe and lockstep, without the sweep)
+    let (code, text, _) = run_bin(
+        &[
+            "crosscheck",
+            "--skip-sweep",
+            "--precision",
+            "fp32",
+            "--steps",
+            "1",
+        ],
+        &[],
+    );
+    assert_eq!(code, 0, "{text}");
+    let adapter = j["probe"]["adapter"].as_str().unwrap();
+    for s in [
+        "== device probe",
+        adapter,
+        "fma path",
+        "primitive sweep: skipped",
+        "fp32  1/1 steps bit-identical",
+        "verdict: BIT-IDENTICAL",
+    ] {
+        assert!(text.contains(s), "the report lacks {s:?}:\n{text}");
+    }
+    for f in j["probe"]["findings"].as_array().unwrap() {
+        assert!(text.contains(f["assumption"].as_str().unwrap()), "{f:#}");
+    }
+}
+
+/// With the fault hook armed through the environment, the command exits 1
+/// and names the perturbed primitive (its sweep row) and the first differing
+/// call of the lockstep's replay, in the report and in the JSON.
+#[test]
+fn the_command_exits_1_and_names_the_fault() {
+    require_gpu!();
+    let fault = [("TINYLLM_GPU_FAULT", "unary silu#3")];
+    let (code, out, err) = run_bin(
+        &["crosscheck", "--precision", "fp32", "--steps", "2"],
+        &fault,
+    );
+    assert_eq!(code, 1, "{out}\n{err}");
+    for s in [
+        "verdict: DIFFERS",
+        "sweep unary silu: 1 of 2006 values differ",
+        "first divergence at step 1",
+        "call #",
+        "(forward): layers.0.mlp.unary silu",
+        "first at [3]",
+    ] {
+        assert!(out.contains(s), "the report lacks {s:?}:\n{out}");
+    }
+    // An optimizer kernel in bf16 training (a perturbed silu output would be
+    // rounded away by bf16 autocast: no divergence to find): the JSON names
+    // the first parameter's AdamW update, in the optimizer phase.
+    let (code, out, _) = run_bin(
+        &[
+            "crosscheck",
+            "--skip-sweep",
+            "--precision",
+            "bf16",
+            "--steps",
+            "1",
+            "--json",
+        ],
+        &[("TINYLLM_GPU_FAULT", "adamw#5")],
+    );
+    assert_eq!(code, 1);
+    let j: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let c = &j["lockstep"][0]["divergence"]["first_call"];
+    assert_eq!(c["site"], "params.0.adamw", "{j:#}");
+    assert_eq!(c["phase"], "optimizer");
+    assert_eq!(c["position"], 5);
+    assert_eq!(j["verdict"]["bit_identical"], false);
+}
+
+fn train_args(out: &std::path::Path, steps: &str, every: &str) -> Vec<String> {
+    [
+        "train",
+        "--precision",
+        "fp32",
+        "--preset",
+        "tiny",
+        "--device",
+        "gpu",
+        "--plain",
+        "--sample-len",
+        "0",
+        "--eval-every",
+        "0",
+        "--steps",
+        steps,
+        "--crosscheck-every",
+        every,
+        "--out",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .chain([out.display().to_string()])
+    .collect()
+}
+
+/// `train --device gpu --crosscheck-every K`: every K-th step is replayed on
+/// the CPU; with a fault the run stops at the first checked step that
+/// differs, prints the trace report and keeps the state before that step as
+/// a checkpoint (with the report beside it); without one it finishes.
+#[test]
+fn training_with_crosscheck_every_stops_at_the_divergence() {
+    require_gpu!();
+    let dir = tmpdir("train-crosscheck");
+    let a = train_args(&dir.join("good"), "2", "1");
+    let a: Vec<&str> = a.iter().map(String::as_str).collect();
+    let (code, _, err) = run_bin(&a, &[]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        err.contains("crosscheck: 2 replayed step(s) on the CPU reference, all bit-identical"),
+        "{err}"
+    );
+
+    // step 1 runs unchecked (its perturbed result carries on), step 2 is checked
+    let out = dir.join("bad");
+    let a = train_args(&out, "4", "2");
+    let a: Vec<&str> = a.iter().map(String::as_str).collect();
+    let (code, _, err) = run_bin(&a, &[("TINYLLM_GPU_FAULT", "unary silu#3")]);
+    assert_eq!(code, 1, "{err}");
+    for s in [
+        "training stopped at step 2",
+        "the GPU's step 2 differs from the CPU reference's",
+        "layers.0.mlp.unary silu",
+    ] {
+        assert!(err.contains(s), "{s:?} missing:\n{err}");
+    }
+    let kept = out.join("crosscheck-step-2");
+    // on the CPU there is nothing to compare: refused before the first step
+    let mut a = train_args(&dir.join("cpu"), "2", "1");
+    let at = a.iter().position(|s| s == "gpu").unwrap();
+    a[at] = "cpu".into();
+    let a: Vec<&str> = a.iter().map(String::as_str).collect();
+    let (code, _, err) = run_bin(&a, &[]);
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("this run is on the cpu: train with --device gpu"),
+        "{err}"
+    );
+    assert!(
+        !err.contains("step     1"),
+        "refused before training: {err}"
+    );
+    let state: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(kept.join("checkpoint/trainer_state.json")).unwrap())
+            .unwrap();
+    assert_eq!(state["step"], 1, "the state before the diverging step");
+    let report = std::fs::read_to_string(kept.join("crosscheck.txt")).unwrap();
+    assert!(report.contains("layers.0.mlp.unary silu"), "{report}");
+    assert!(kept.join("crosscheck.json").is_file());
+    // the kept state replays the step: resumed on the CPU it trains on
+    let r = [
+        "train",
+        "--resume",
+        kept.to_str().unwrap(),
+        "--steps",
+        "2",
+        "--device",
+        "cpu",
+        "--plain",
+        "--sample-len",
+        "0",
+    ];
+    let (code, _, err) = run_bin(&r, &[]);
+    assert_eq!(code, 0, "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Without an adapter the command is an error (exit status 2) with a clear
+/// message, not a panic.
+#[test]
+fn the_command_without_an_adapter_exits_2() {
+    // Metal does not exist on Linux (nor GL where no display or EGL is):
+    // wgpu finds no adapter at all
+    if !cfg!(target_os = "linux") {
+        return;
+    }
+    let (code, out, err) = run_bin(&["crosscheck", "--json"], &[("WGPU_BACKEND", "metal")]);
+    assert_eq!(code, 2, "{out}\n{err}");
+    assert!(err.contains("crosscheck needs a GPU"), "{err}");
+    let j: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(j["exit_code"], 2);
+}
