@@ -2,10 +2,12 @@
 //! beside its forward, in the closure each op records with its result.
 
 pub mod elementwise;
+pub mod fused;
 pub mod index;
 pub mod matmul;
 pub mod nn;
 pub mod reduce;
 pub mod view;
 
-pub use nn::{cross_entropy, dropout, mse};
+pub use fused::cross_entropy;
+pub use nn::{dropout, mse};
