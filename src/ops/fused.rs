@@ -5,10 +5,24 @@
 //! Each gives bit for bit the values *and the gradients* of the composition
 //! of single ops it replaces — kept below in [`reference`], the definition
 //! the fused primitives are tested against. Gradients include the order in
-//! which autograd adds a tensor's contributions: RMSNorm's input feeds both
-//! `x²` and `x·r`, so the fused op hands autograd the two contributions
-//! apart (its input is listed twice among its parents) and autograd adds
-//! them exactly where it added the composition's.
+//! which autograd adds a tensor's contributions (float addition does not
+//! associate), and that is where the fused ops differ in shape:
+//!
+//! * SwiGLU and cross-entropy: the composition hands each input one
+//!   gradient, and so does the fused op — equal in any graph.
+//! * RMSNorm: the composition's input feeds `x·r` and `x²`, whose gradients
+//!   autograd adds in that order, each onto whatever `x` had gathered before.
+//!   The fused op lists `x` twice among its parents and returns the two apart
+//!   (`dx1`, `dx2`), so autograd adds them exactly where it added the
+//!   composition's — provided nothing else consuming `x` runs *between* the
+//!   two (it cannot in the Llama: the residual branch that also reads `x`
+//!   consumes the norm's output and runs before both).
+//! * RoPE: the composition gives `x` three contributions (`x·cos` and one
+//!   per half of `rotate_half`); the fused op gives their sum, formed in the
+//!   same order, so it is exact where `x` has nothing else gathered before —
+//!   as in the Llama, where `x` is a fresh view of the projected heads that
+//!   only RoPE reads. (Splitting it like RMSNorm would cost two more passes
+//!   over `x` for a graph the model never builds.)
 
 use crate::tensor::shape::numel;
 use crate::{bail, Result, Tensor};

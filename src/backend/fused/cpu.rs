@@ -4,10 +4,27 @@
 //! lockstep, the divisions of an elementwise loop a group of lanes at a time.
 
 use super::FusedOps;
-use crate::backend::cpu::{fold_ragged, for_lanes_mut, maximum, simd, CpuStorage, Elem};
+use crate::backend::cpu::{cpu_threads, fold_ragged, for_lanes_mut, maximum, simd, CpuStorage, Elem};
 use crate::backend::math::LANES;
 use crate::backend::DType;
 use crate::Result;
+use rayon::prelude::*;
+
+/// From this many values a primitive splits its rows (or elements) over the
+/// threads (~0.5 ms of one core's SwiGLU). Rows and elements are independent
+/// of each other, so the bits do not depend on the split.
+const THREADED_ELEMS: usize = 1 << 18;
+
+/// Rows (or elements) per thread for `items` of `len` values each: all of
+/// them below [`THREADED_ELEMS`] values or with one thread, else an even share
+/// in whole groups of lanes.
+fn per_thread(items: usize, len: usize) -> usize {
+    let threads = cpu_threads();
+    if items * len < THREADED_ELEMS || threads == 1 || items < 2 {
+        return items.max(1);
+    }
+    items.div_ceil(threads).next_multiple_of(LANES)
+}
 
 /// `by_dtype!(storage, T => expr)`: `expr` with `T` the storage's element
 /// type (every buffer of a call shares it: the dispatch checked).
@@ -69,13 +86,13 @@ impl FusedOps for CpuStorage {
 
     fn rope(&self, cos: &CpuStorage, sin: &CpuStorage, t: usize, d: usize) -> Result<CpuStorage> {
         Ok(by_dtype!(self, T => {
-            T::wrap(rope_t::<T>(&T::view(self), &T::view(cos), &T::view(sin), t, d))
+            T::wrap(rope_t::<T>(&T::view(self), &T::view(cos), &T::view(sin), t, d, false))
         }))
     }
 
     fn rope_backward(&self, cos: &CpuStorage, sin: &CpuStorage, t: usize, d: usize) -> Result<CpuStorage> {
         Ok(by_dtype!(self, T => {
-            T::wrap(rope_backward_t::<T>(&T::view(self), &T::view(cos), &T::view(sin), t, d))
+            T::wrap(rope_t::<T>(&T::view(self), &T::view(cos), &T::view(sin), t, d, true))
         }))
     }
 
@@ -100,57 +117,104 @@ impl FusedOps for CpuStorage {
     }
 }
 
+// The hot loops below are `for` loops over preallocated outputs, not
+// `collect`/`extend` over closures: a kernel's loop must be compiled inside its
+// AVX2 copy, and a std iterator function the compiler leaves out of line is
+// compiled for the baseline (SSE2, `mul_add` a library call): SwiGLU ran 14x
+// slower that way.
+
 // ---------------------------------------------------------------- RMSNorm ----
 
+/// x: (rows, d), w: (d) -> y: (rows, d), rstd: (rows)
+fn rms_norm_t<T: Elem>(x: &[T], w: &[T], rows: usize, d: usize, eps: T) -> (Vec<T>, Vec<T>) {
+    let (mut y, mut rstd) = (vec![T::ZERO; rows * d], vec![T::ZERO; rows]);
+    if d == 0 {
+        rms_norm_rows(&mut y, &mut rstd, &[], w, 0, eps);
+        return (y, rstd);
+    }
+    let per = per_thread(rows, d);
+    y.par_chunks_mut(per * d)
+        .zip(rstd.par_chunks_mut(per))
+        .zip(x[..rows * d].par_chunks(per * d))
+        .for_each(|((y, r), x)| rms_norm_rows(y, r, x, w, d, eps));
+    (y, rstd)
+}
+
 simd::multiversion! {
-    /// x: (rows, d), w: (d) -> y: (rows, d), rstd: (rows)
-    fn rms_norm_t<T: Elem>(x: &[T], w: &[T], rows: usize, d: usize, eps: T) -> (Vec<T>, Vec<T>) {
+    /// A block of whole rows: x, y: (rows, d), rstd: (rows).
+    fn rms_norm_rows<T: Elem>(y: &mut [T], rstd: &mut [T], x: &[T], w: &[T], d: usize, eps: T) {
         let dn = T::from_f64(d as f64);
         // Each row's sum of squares is the reduction's sequential fold (of
         // rounded squares: `square` then `sum`), four rows in lockstep.
         let ss = if d == 0 {
-            vec![T::NEG_ZERO; rows]
+            vec![T::NEG_ZERO; rstd.len()]
         } else {
-            fold_ragged(&x[..rows * d], d, &vec![d; rows], T::NEG_ZERO, |a, v| a.add(v.mul(v)))
+            fold_ragged(x, d, &vec![d; rstd.len()], T::NEG_ZERO, |a, v| a.add(v.mul(v)))
         };
         // mean, + eps, rsqrt = div(1, sqrt(·)): one of each per row
-        let rstd: Vec<T> = ss.iter().map(|&s| T::ONE.div(s.div(dn).add(eps).sqrt())).collect();
-        let mut y = Vec::with_capacity(rows * d);
-        for (row, &r) in x.chunks_exact(d.max(1)).zip(&rstd) {
-            y.extend(row.iter().zip(w).map(|(&v, &wj)| v.mul(r).mul(wj)));
+        for (r, s) in rstd.iter_mut().zip(ss) {
+            *r = T::ONE.div(s.div(dn).add(eps).sqrt());
         }
-        (y, rstd)
+        if d == 0 {
+            return;
+        }
+        for ((yr, xr), &r) in y.chunks_exact_mut(d).zip(x.chunks_exact(d)).zip(rstd.iter()) {
+            for ((o, &v), &wj) in yr.iter_mut().zip(xr).zip(w) {
+                *o = v.mul(r).mul(wj);
+            }
+        }
     }
 }
 
+/// x, g: (rows, d), w: (d), rstd: (rows) -> dx1, dx2: (rows, d)
+fn rms_norm_dx_t<T: Elem>(x: &[T], w: &[T], rstd: &[T], g: &[T], d: usize) -> (Vec<T>, Vec<T>) {
+    let rows = rstd.len();
+    let (mut dx1, mut dx2) = (vec![T::ZERO; rows * d], vec![T::ZERO; rows * d]);
+    if d == 0 {
+        return (dx1, dx2);
+    }
+    let per = per_thread(rows, d);
+    dx1.par_chunks_mut(per * d)
+        .zip(dx2.par_chunks_mut(per * d))
+        .zip(x[..rows * d].par_chunks(per * d))
+        .zip(g[..rows * d].par_chunks(per * d))
+        .zip(rstd.par_chunks(per))
+        .for_each(|((((dx1, dx2), x), g), r)| rms_norm_dx_rows(dx1, dx2, x, w, r, g, d));
+    (dx1, dx2)
+}
+
 simd::multiversion! {
-    /// x, g: (rows, d), w: (d), rstd: (rows) -> dx1, dx2: (rows, d)
-    fn rms_norm_dx_t<T: Elem>(x: &[T], w: &[T], rstd: &[T], g: &[T], d: usize) -> (Vec<T>, Vec<T>) {
-        let rows = rstd.len();
+    /// A block of whole rows (`d > 0`): x, g, dx1, dx2: (rows, d), rstd: (rows).
+    fn rms_norm_dx_rows<T: Elem>(dx1: &mut [T], dx2: &mut [T], x: &[T], w: &[T], rstd: &[T], g: &[T], d: usize) {
         let (dn, minus_half, two) = (T::from_f64(d as f64), T::from_f64(-0.5), T::from_f64(2.0));
-        let (mut dx1, mut dx2) = (Vec::with_capacity(rows * d), Vec::with_capacity(rows * d));
-        if d == 0 {
-            return (dx1, dx2);
-        }
-        // gw = g·w for a block of rows, then each row's Σ gw·x as a sequential
-        // fold (the reduction of `x·r`'s broadcast gradient), four in lockstep.
-        const BLOCK: usize = 64;
-        let mut gw = Vec::with_capacity(BLOCK * d);
-        for ((xb, gb), rb) in x.chunks(BLOCK * d).zip(g.chunks(BLOCK * d)).zip(rstd.chunks(BLOCK)) {
-            gw.clear();
-            for grow in gb.chunks_exact(d) {
-                gw.extend(grow.iter().zip(w).map(|(&gv, &wv)| gv.mul(wv)));
-            }
-            let prods: Vec<T> = gw.iter().zip(xb).map(|(&p, &v)| p.mul(v)).collect();
-            let grs = fold_ragged(&prods, d, &vec![d; rb.len()], T::NEG_ZERO, |a, p| a.add(p));
-            for (((gwr, xr), &gr), &r) in gw.chunks_exact(d).zip(xb.chunks_exact(d)).zip(&grs).zip(rb) {
-                // rsqrt's backward (g·y·y·y·(−0.5)), add_scalar's (g), mean's (div by d)
-                let gs = gr.mul(r).mul(r).mul(r).mul(minus_half).div(dn);
-                dx1.extend(gwr.iter().map(|&p| p.mul(r)));
-                dx2.extend(xr.iter().map(|&v| gs.mul(v).mul(two)));
+        // dx1 first holds g·w, dx2 first holds g·w·x (then the outputs)
+        for (((o1, o2), gr), xr) in dx1
+            .chunks_exact_mut(d)
+            .zip(dx2.chunks_exact_mut(d))
+            .zip(g.chunks_exact(d))
+            .zip(x.chunks_exact(d))
+        {
+            for ((((a, b), &gv), &wv), &xv) in o1.iter_mut().zip(o2.iter_mut()).zip(gr).zip(w).zip(xr) {
+                *a = gv.mul(wv);
+                *b = a.mul(xv);
             }
         }
-        (dx1, dx2)
+        // each row's Σ g·w·x: the sequential fold of the reduction that sums
+        // x·r's broadcast gradient, four rows in lockstep
+        let grs = fold_ragged(dx2, d, &vec![d; rstd.len()], T::NEG_ZERO, |a, p| a.add(p));
+        for (((o1, o2), xr), (&gr, &r)) in dx1
+            .chunks_exact_mut(d)
+            .zip(dx2.chunks_exact_mut(d))
+            .zip(x.chunks_exact(d))
+            .zip(grs.iter().zip(rstd))
+        {
+            // rsqrt's backward (g·y·y·y·(−0.5)), add_scalar's (g), mean's (div by d)
+            let gs = gr.mul(r).mul(r).mul(r).mul(minus_half).div(dn);
+            for ((a, b), &xv) in o1.iter_mut().zip(o2.iter_mut()).zip(xr) {
+                *a = a.mul(r);
+                *b = gs.mul(xv).mul(two);
+            }
+        }
     }
 }
 
@@ -185,85 +249,139 @@ simd::multiversion! {
 
 // ----------------------------------------------------------------- SwiGLU ----
 
-/// σ(x) = div(1, 1 + exp(−0 − x)) as the unary op computes it: the exps, then
-/// the divisions a group of lanes at a time.
+/// σ(x) = div(1, 1 + exp(−0 − x)) into `s`, as the unary op computes it:
+/// the exps, then the divisions a group of lanes at a time.
 #[inline(always)]
-fn sigmoid_all<T: Elem>(x: &[T]) -> Vec<T> {
-    let mut s: Vec<T> = x.iter().map(|&v| T::ONE.add(T::NEG_ZERO.sub(v).exp())).collect();
-    for_lanes_mut(&mut s, |d| T::div_lanes([T::ONE; LANES], d));
-    s
+fn sigmoid_into<T: Elem>(s: &mut [T], x: &[T]) {
+    for (o, &v) in s.iter_mut().zip(x) {
+        *o = T::ONE.add(T::NEG_ZERO.sub(v).exp());
+    }
+    for_lanes_mut(s, |d| T::div_lanes([T::ONE; LANES], d));
+}
+
+/// gate, up: (n) -> y: (n)
+fn swiglu_t<T: Elem>(gate: &[T], up: &[T]) -> Vec<T> {
+    let mut y = vec![T::ZERO; gate.len()];
+    let per = per_thread(gate.len(), 1);
+    y.par_chunks_mut(per)
+        .zip(gate.par_chunks(per))
+        .zip(up.par_chunks(per))
+        .for_each(|((y, gate), up)| swiglu_slices(y, gate, up));
+    y
 }
 
 simd::multiversion! {
-    /// gate, up: (n) -> y: (n)
-    fn swiglu_t<T: Elem>(gate: &[T], up: &[T]) -> Vec<T> {
-        let mut s = sigmoid_all(gate);
+    fn swiglu_slices<T: Elem>(y: &mut [T], gate: &[T], up: &[T]) {
+        sigmoid_into(y, gate);
         // silu = gate·σ, then · up
-        for ((s, &x), &u) in s.iter_mut().zip(gate).zip(up) {
+        for ((s, &x), &u) in y.iter_mut().zip(gate).zip(up) {
             *s = x.mul(*s).mul(u);
         }
-        s
     }
 }
 
+/// gate, up, g: (n) -> d_gate, d_up: (n)
+fn swiglu_backward_t<T: Elem>(gate: &[T], up: &[T], g: &[T]) -> (Vec<T>, Vec<T>) {
+    let n = gate.len();
+    let (mut dg, mut du) = (vec![T::ZERO; n], vec![T::ZERO; n]);
+    let per = per_thread(n, 1);
+    dg.par_chunks_mut(per)
+        .zip(du.par_chunks_mut(per))
+        .zip(gate.par_chunks(per))
+        .zip(up.par_chunks(per))
+        .zip(g.par_chunks(per))
+        .for_each(|((((dg, du), gate), up), g)| swiglu_backward_slices(dg, du, gate, up, g));
+    (dg, du)
+}
+
 simd::multiversion! {
-    /// gate, up, g: (n) -> d_gate, d_up: (n)
-    fn swiglu_backward_t<T: Elem>(gate: &[T], up: &[T], g: &[T]) -> (Vec<T>, Vec<T>) {
-        let mut dg = sigmoid_all(gate);
-        let mut du = Vec::with_capacity(gate.len());
-        for (((s, &x), &u), &gv) in dg.iter_mut().zip(gate).zip(up).zip(g) {
+    fn swiglu_backward_slices<T: Elem>(dg: &mut [T], du: &mut [T], gate: &[T], up: &[T], g: &[T]) {
+        sigmoid_into(dg, gate);
+        for ((((s, o), &x), &u), &gv) in dg.iter_mut().zip(du.iter_mut()).zip(gate).zip(up).zip(g) {
             let sv = *s;
-            du.push(gv.mul(x.mul(sv)));
+            *o = gv.mul(x.mul(sv));
             // the product's gradient g·up, through silu's: σ·fma(x, 1 − σ, 1)
             *s = gv.mul(u).mul(sv.mul(x.fma(T::ONE.sub(sv), T::ONE)));
         }
-        (dg, du)
     }
 }
 
 // ------------------------------------------------------------------- RoPE ----
 
+/// x: (rows, d), cos, sin: (t, d), row i at position i mod t -> y: (rows, d);
+/// `backward`: x is the upstream gradient, y the input's.
+fn rope_t<T: Elem>(x: &[T], cos: &[T], sin: &[T], t: usize, d: usize, backward: bool) -> Vec<T> {
+    let mut y = vec![T::ZERO; x.len()];
+    if d == 0 {
+        return y;
+    }
+    let rows = x.len() / d;
+    let per = per_thread(rows, d);
+    y.par_chunks_mut(per * d)
+        .zip(x.par_chunks(per * d))
+        .enumerate()
+        .for_each(|(b, (y, x))| {
+            let first = b * per;
+            if backward {
+                rope_backward_rows(y, x, cos, sin, first, t, d)
+            } else {
+                rope_rows(y, x, cos, sin, first, t, d)
+            }
+        });
+    y
+}
+
 simd::multiversion! {
-    /// x: (rows, d), cos, sin: (t, d), row i at position i mod t -> y: (rows, d)
-    fn rope_t<T: Elem>(x: &[T], cos: &[T], sin: &[T], t: usize, d: usize) -> Vec<T> {
+    /// Rows `first ..` (`d > 0`): row i at position i mod t.
+    fn rope_rows<T: Elem>(y: &mut [T], x: &[T], cos: &[T], sin: &[T], first: usize, t: usize, d: usize) {
         let h = d / 2;
-        let mut y = Vec::with_capacity(x.len());
-        if d == 0 {
-            return y;
-        }
-        for (i, row) in x.chunks_exact(d).enumerate() {
-            let p = (i % t) * d;
-            let (c, s) = (&cos[p..p + d], &sin[p..p + d]);
-            let (x1, x2) = row.split_at(h);
+        for (i, (yr, xr)) in y.chunks_exact_mut(d).zip(x.chunks_exact(d)).enumerate() {
+            let p = ((first + i) % t) * d;
+            let (c1, c2) = cos[p..p + d].split_at(h);
+            let (s1, s2) = sin[p..p + d].split_at(h);
+            let (x1, x2) = xr.split_at(h);
+            let (y1, y2) = yr.split_at_mut(h);
             // x·cos + rotate_half(x)·sin, rotate_half(x) = (−0 − x2, x1)
-            y.extend((0..h).map(|j| x1[j].mul(c[j]).add(T::NEG_ZERO.sub(x2[j]).mul(s[j]))));
-            y.extend((0..h).map(|j| x2[j].mul(c[h + j]).add(x1[j].mul(s[h + j]))));
+            for (((((o, &a), &b), &c), &s), (o2, (&c2, &s2))) in y1
+                .iter_mut()
+                .zip(x1)
+                .zip(x2)
+                .zip(c1)
+                .zip(s1)
+                .zip(y2.iter_mut().zip(c2.iter().zip(s2)))
+            {
+                *o = a.mul(c).add(T::NEG_ZERO.sub(b).mul(s));
+                *o2 = b.mul(c2).add(a.mul(s2));
+            }
         }
-        y
     }
 }
 
 simd::multiversion! {
-    /// g: (rows, d), cos, sin: (t, d) -> dx: (rows, d)
-    fn rope_backward_t<T: Elem>(g: &[T], cos: &[T], sin: &[T], t: usize, d: usize) -> Vec<T> {
+    /// The backward of rows `first ..` (`d > 0`): g, dx: (rows, d).
+    fn rope_backward_rows<T: Elem>(dx: &mut [T], g: &[T], cos: &[T], sin: &[T], first: usize, t: usize, d: usize) {
         let h = d / 2;
-        let mut dx = Vec::with_capacity(g.len());
-        if d == 0 {
-            return dx;
-        }
-        for (i, row) in g.chunks_exact(d).enumerate() {
-            let p = (i % t) * d;
-            let (c, s) = (&cos[p..p + d], &sin[p..p + d]);
-            let (g1, g2) = row.split_at(h);
+        for (i, (or, gr)) in dx.chunks_exact_mut(d).zip(g.chunks_exact(d)).enumerate() {
+            let p = ((first + i) % t) * d;
+            let (c1, c2) = cos[p..p + d].split_at(h);
+            let (s1, s2) = sin[p..p + d].split_at(h);
+            let (g1, g2) = gr.split_at(h);
+            let (o1, o2) = or.split_at_mut(h);
             // x's contributions in autograd's order: g·cos, the second half's
             // narrow (+0 pad in front, then −0 − g1·s1 from the neg), the
             // first half's (g2·s2, +0 pad behind)
-            dx.extend((0..h).map(|j| g1[j].mul(c[j]).add(T::ZERO).add(g2[j].mul(s[h + j]))));
-            dx.extend((0..h).map(|j| {
-                g2[j].mul(c[h + j]).add(T::NEG_ZERO.sub(g1[j].mul(s[j]))).add(T::ZERO)
-            }));
+            for (((((o, &a), &b), &c), &s), (o2, (&c2, &s2))) in o1
+                .iter_mut()
+                .zip(g1)
+                .zip(g2)
+                .zip(c1)
+                .zip(s1)
+                .zip(o2.iter_mut().zip(c2.iter().zip(s2)))
+            {
+                *o = a.mul(c).add(T::ZERO).add(b.mul(s2));
+                *o2 = b.mul(c2).add(T::NEG_ZERO.sub(a.mul(s))).add(T::ZERO);
+            }
         }
-        dx
     }
 }
 
@@ -276,24 +394,26 @@ simd::multiversion! {
     /// x: (rows, v), targets: (rows) -> loss, stats: (rows, 2) = (max, Σ exp) per row
     fn cross_entropy_t<T: Elem>(x: &[T], targets: &[u32], v: usize) -> (T, Vec<T>) {
         let rows = targets.len();
-        let mut stats = Vec::with_capacity(2 * rows);
+        let mut stats = vec![T::ZERO; 2 * rows];
         let mut total = T::NEG_ZERO;
         if v > 0 {
-            let mut e = Vec::with_capacity(CE_BLOCK * v);
+            let mut e = vec![T::ZERO; CE_BLOCK * v];
+            let lens = vec![v; CE_BLOCK];
             for (b, (xb, tb)) in x[..rows * v].chunks(CE_BLOCK * v).zip(targets.chunks(CE_BLOCK)).enumerate() {
-                let lens = vec![v; tb.len()];
-                let maxes = fold_ragged(xb, v, &lens, T::NEG_INF, maximum);
-                e.clear();
-                for (row, &m) in xb.chunks_exact(v).zip(&maxes) {
-                    e.extend(row.iter().map(|&xv| xv.sub(m).exp()));
+                let k = tb.len();
+                let maxes = fold_ragged(xb, v, &lens[..k], T::NEG_INF, maximum);
+                for ((er, xr), &m) in e.chunks_exact_mut(v).zip(xb.chunks_exact(v)).zip(&maxes) {
+                    for (o, &xv) in er.iter_mut().zip(xr) {
+                        *o = xv.sub(m).exp();
+                    }
                 }
-                let sums = fold_ragged(&e, v, &lens, T::NEG_ZERO, |a, y| a.add(y));
-                for (k, (&m, &s)) in maxes.iter().zip(&sums).enumerate() {
-                    let xt = x[(b * CE_BLOCK + k) * v + tb[k] as usize];
+                let sums = fold_ragged(&e[..k * v], v, &lens[..k], T::NEG_ZERO, |a, y| a.add(y));
+                for (r, ((&m, &s), &t)) in maxes.iter().zip(&sums).zip(tb).enumerate() {
+                    let row = b * CE_BLOCK + r;
                     // log_softmax at the target, then the sum over rows, in order
-                    total = total.add(xt.sub(m).sub(s.log()));
-                    stats.push(m);
-                    stats.push(s);
+                    total = total.add(x[row * v + t as usize].sub(m).sub(s.log()));
+                    stats[2 * row] = m;
+                    stats[2 * row + 1] = s;
                 }
             }
         }
@@ -310,19 +430,62 @@ simd::multiversion! {
         // then the log-sum-exp's share: the sum of −0 − (that row's gradient)
         let a = T::ZERO.add(T::NEG_ZERO.sub(g).div(T::from_f64(rows as f64)));
         let gl = T::NEG_ZERO.sub(a);
-        let mut dx = Vec::with_capacity(rows * v);
+        let mut dx = vec![T::ZERO; rows * v];
         if v == 0 {
             return dx;
         }
-        for ((row, st), &t) in x[..rows * v].chunks_exact(v).zip(stats.chunks_exact(2)).zip(targets) {
+        for ((or, xr), (st, &t)) in dx.chunks_exact_mut(v).zip(x.chunks_exact(v)).zip(stats.chunks_exact(2).zip(targets)) {
             let (m, s) = (st[0], st[1]);
             let gs = gl.div(s);
-            let start = dx.len();
             // +0 (the gathered entries' gradient elsewhere) + exp's backward
-            dx.extend(row.iter().map(|&xv| T::ZERO.add(gs.mul(xv.sub(m).exp()))));
+            for (o, &xv) in or.iter_mut().zip(xr) {
+                *o = T::ZERO.add(gs.mul(xv.sub(m).exp()));
+            }
             let t = t as usize;
-            dx[start + t] = a.add(gs.mul(row[t].sub(m).exp()));
+            or[t] = a.add(gs.mul(xr[t].sub(m).exp()));
         }
         dx
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::backend::cpu::set_cpu_threads;
+    use crate::backend::{Device, Storage};
+
+    /// Rows and elements split over threads give the one-thread bits: blocks
+    /// end mid-way through RoPE's positions and off a group of lanes.
+    #[test]
+    fn threaded_fused_primitives_give_the_one_thread_bits() {
+        let (rows, d, t) = (7 * 443, 100, 7); // above THREADED_ELEMS; 3 blocks of 1040 rows
+        let gen = crate::Generator::new(9);
+        let st = |v: Vec<f32>| Storage::from_f32(v, Device::Cpu).unwrap();
+        let x = st(gen.uniform(rows * d).iter().map(|u| (u - 0.5) * 20.0).collect());
+        let g = st(gen.uniform(rows * d));
+        let w = st(gen.uniform(d));
+        let (cos, sin) = (st(gen.uniform(t * d)), st(gen.uniform(t * d)));
+        let bits = |s: &Storage| -> Vec<u32> {
+            s.to_vec_f32().unwrap().iter().map(|v| v.to_bits()).collect()
+        };
+        let run = || {
+            let (y, r) = x.rms_norm(&w, rows, d, 1e-5).unwrap();
+            let (a, b, c) = x
+                .rms_norm_backward(&w, &r, &g, &[rows], d, true, true)
+                .unwrap();
+            let (dg, du) = x.swiglu_backward(&g, &x).unwrap();
+            let mut out = vec![bits(&y), bits(&r), bits(&a.unwrap()), bits(&b.unwrap()), bits(&c.unwrap())];
+            out.extend([bits(&x.swiglu(&g).unwrap()), bits(&dg), bits(&du)]);
+            out.push(bits(&x.rope(&cos, &sin, t, d).unwrap()));
+            out.push(bits(&g.rope_backward(&cos, &sin, t, d).unwrap()));
+            out
+        };
+        set_cpu_threads(Some(1));
+        let one = run();
+        set_cpu_threads(Some(3));
+        let three = run();
+        set_cpu_threads(None);
+        for (i, (a, b)) in one.iter().zip(&three).enumerate() {
+            assert!(a == b, "output {i} differs with threads");
+        }
     }
 }

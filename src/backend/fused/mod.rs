@@ -249,7 +249,7 @@ fn check_rope(x: &Storage, cos: &Storage, sin: &Storage, t: usize, d: usize) -> 
     if !d.is_multiple_of(2) {
         bail!(Shape, "rope needs an even last axis (pairs (j, j + d/2)), got {d}");
     }
-    if t == 0 || !x.len().is_multiple_of((t * d).max(1)) {
+    if (t == 0 && !x.is_empty()) || !x.len().is_multiple_of((t * d).max(1)) {
         bail!(
             Shape,
             "rope: {} values are not whole blocks of {t} positions of {d}",
