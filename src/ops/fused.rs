@@ -3,7 +3,7 @@
 //! the Llama's building blocks.
 //!
 //! Each gives bit for bit the values *and the gradients* of the composition
-//! of single ops it replaces — kept below in [`reference`], the definition
+//! of single ops it replaces — kept below in [`reference`](mod@reference), the definition
 //! the fused primitives are tested against. Gradients include the order in
 //! which autograd adds a tensor's contributions (float addition does not
 //! associate), and that is where the fused ops differ in shape:
