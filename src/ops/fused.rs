@@ -3,10 +3,11 @@
 //! the Llama's building blocks.
 //!
 //! Each gives bit for bit the values *and the gradients* of the composition
-//! of single ops it replaces — kept below in [`reference`](mod@reference), the definition
-//! the fused primitives are tested against. Gradients include the order in
-//! which autograd adds a tensor's contributions (float addition does not
-//! associate), and that is where the fused ops differ in shape:
+//! of single ops it replaces — kept below in [`reference`](mod@reference),
+//! the definition the fused primitives are tested against. Gradients
+//! include the order in which autograd adds a tensor's contributions (float
+//! addition does not associate), and that is where the fused ops differ in
+//! shape:
 //!
 //! * SwiGLU and cross-entropy: the composition hands each input one
 //!   gradient, and so does the fused op — equal in any graph.
