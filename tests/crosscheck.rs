@@ -84,12 +84,12 @@ fn the_trace_names_each_call_by_model_path_and_phase() {
     };
     for (phase, site) in [
         ("forward", "embed_tokens.gather rows"),
-        ("forward", "layers.0.input_layernorm.unary rsqrt"),
+        ("forward", "layers.0.input_layernorm.rms norm"),
         ("forward", "layers.0.self_attn.q_proj.matmul"),
         ("forward", "layers.0.self_attn.softmax"),
-        ("forward", "layers.3.mlp.unary silu"),
+        ("forward", "layers.3.mlp.swiglu"),
         ("forward", "lm_head.matmul"),
-        ("forward", "loss.unary exp"),
+        ("forward", "loss.cross-entropy"),
         // layers 0 and 1 are checkpointed (tiny's budget): rerun in backward
         ("recompute", "layers.1.self_attn.softmax"),
         ("backward", "layers.1.self_attn.softmax backward"),
@@ -223,11 +223,11 @@ fn faulty_lockstep(primitive: &str, element: usize) -> lockstep::Divergence {
 #[test]
 fn the_lockstep_trace_names_the_perturbed_call() {
     require_gpu!();
-    let d = faulty_lockstep("unary silu", 3);
+    let d = faulty_lockstep("swiglu", 3);
     assert_eq!(d.step, 1);
     assert!(d.buffers_differing > 0, "{d}");
     let c = d.first_call.as_ref().expect("a traced first call");
-    assert_eq!(c.site, "layers.0.mlp.unary silu", "{d}");
+    assert_eq!(c.site, "layers.0.mlp.swiglu", "{d}");
     assert_eq!(c.phase, "forward");
     assert_eq!(
         (c.differing, c.max_ulps, c.position),
@@ -237,7 +237,7 @@ fn the_lockstep_trace_names_the_perturbed_call() {
     assert!(c.gpu_call.is_none(), "the same call on both devices");
     assert!(c.previous.is_some() && c.index > 0);
     let text = d.to_string();
-    assert!(text.contains("layers.0.mlp.unary silu"), "{text}");
+    assert!(text.contains("layers.0.mlp.swiglu"), "{text}");
 }
 
 /// A fault in a backward primitive is attributed to the layer whose forward
@@ -275,7 +275,7 @@ fn run_bin(args: &[&str], envs: &[(&str, &str)]) -> (i32, String, String) {
 }
 
 /// Every primitive the backend has, as the profile and the trace name them.
-const PRIMITIVES: [&str; 35] = [
+const PRIMITIVES: [&str; 43] = [
     "unary neg",
     "unary exp",
     "unary log",
@@ -310,6 +310,14 @@ const PRIMITIVES: [&str; 35] = [
     "concat",
     "gather rows",
     "scatter-add rows",
+    "rms norm",
+    "rms norm backward",
+    "swiglu",
+    "swiglu backward",
+    "rope",
+    "rope backward",
+    "cross-entropy",
+    "cross-entropy backward",
     "dropout mask",
 ];
 
@@ -407,7 +415,7 @@ fn the_command_reports_bit_identical_here() {
 #[test]
 fn the_command_exits_1_and_names_the_fault() {
     require_gpu!();
-    let fault = [("TINYLLM_GPU_FAULT", "unary silu#3")];
+    let fault = [("TINYLLM_GPU_FAULT", "swiglu#3")];
     let (code, out, err) = run_bin(
         &["crosscheck", "--precision", "fp32", "--steps", "2"],
         &fault,
@@ -415,10 +423,10 @@ fn the_command_exits_1_and_names_the_fault() {
     assert_eq!(code, 1, "{out}\n{err}");
     for s in [
         "verdict: DIFFERS",
-        "sweep unary silu: 1 of 2006 values differ",
+        "sweep swiglu: 4 of 1168 values differ",
         "first divergence at step 1",
         "call #",
-        "(forward): layers.0.mlp.unary silu",
+        "(forward): layers.0.mlp.swiglu",
         "first at [3]",
     ] {
         assert!(out.contains(s), "the report lacks {s:?}:\n{out}");
@@ -494,12 +502,12 @@ fn training_with_crosscheck_every_stops_at_the_divergence() {
     let out = dir.join("bad");
     let a = train_args(&out, "4", "2");
     let a: Vec<&str> = a.iter().map(String::as_str).collect();
-    let (code, _, err) = run_bin(&a, &[("TINYLLM_GPU_FAULT", "unary silu#3")]);
+    let (code, _, err) = run_bin(&a, &[("TINYLLM_GPU_FAULT", "swiglu#3")]);
     assert_eq!(code, 1, "{err}");
     for s in [
         "training stopped at step 2",
         "the GPU's step 2 differs from the CPU reference's",
-        "layers.0.mlp.unary silu",
+        "layers.0.mlp.swiglu",
     ] {
         assert!(err.contains(s), "{s:?} missing:\n{err}");
     }
@@ -524,7 +532,7 @@ fn training_with_crosscheck_every_stops_at_the_divergence() {
             .unwrap();
     assert_eq!(state["step"], 1, "the state before the diverging step");
     let report = std::fs::read_to_string(kept.join("crosscheck.txt")).unwrap();
-    assert!(report.contains("layers.0.mlp.unary silu"), "{report}");
+    assert!(report.contains("layers.0.mlp.swiglu"), "{report}");
     assert!(kept.join("crosscheck.json").is_file());
     // the kept state replays the step: resumed on the CPU it trains on
     let r = [

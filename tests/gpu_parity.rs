@@ -20,7 +20,7 @@ mod common;
 use common::Rng;
 use tinyllm::backend::round::{self, Format};
 use tinyllm::backend::{Device, MatmulDims, ReduceOp, Storage, UnaryOp};
-use tinyllm::crosscheck::cases::same;
+use tinyllm::crosscheck::cases::{adversarial, same};
 use tinyllm::crosscheck::sweep::{self, Family};
 
 // ------------------------------------------------------------ helpers ----
@@ -260,6 +260,196 @@ fn finite_check_flags() {
     }
 }
 
+// ------------------------------------------------ fused transformer ops ----
+
+/// `rows` rows of `d`: every third row adversarial (specials, any bit
+/// pattern: ±0, subnormals, ±inf, NaN), the rest moderate values, one row of
+/// ±0 and one of subnormals (their sums of squares underflow).
+fn rows_of(rng: &mut Rng, rows: usize, d: usize) -> Vec<f32> {
+    let mut x = Vec::with_capacity(rows * d);
+    for r in 0..rows {
+        match r % 5 {
+            0 => x.extend(adversarial(rng, d)),
+            3 => x.extend((0..d).map(|j| if j % 2 == 0 { 0.0 } else { -0.0 })),
+            4 if r > 5 => {
+                x.extend((0..d).map(|j| {
+                    f32::from_bits(1 + 977 * j as u32) * if j % 3 == 0 { -1.0 } else { 1.0 }
+                }))
+            }
+            _ => x.extend((0..d).map(|_| rng.moderate())),
+        }
+    }
+    x
+}
+
+#[test]
+fn rms_norm_forward_and_backward() {
+    require_gpu!();
+    let mut rng = Rng(41);
+    // row lengths off the 64-wide workgroup (1, 13, 67, 130) and on it (64);
+    // odd row counts; one to three leading axes (dw's nested sums)
+    for (lead, d) in [
+        (vec![1], 1),
+        (vec![3], 67),
+        (vec![5, 3], 64),
+        (vec![2, 3, 5], 13),
+        (vec![11], 130),
+        (vec![2, 1, 7], 5),
+    ] {
+        let rows: usize = lead.iter().product();
+        let x = rows_of(&mut rng, rows, d);
+        let mut w: Vec<f32> = (0..d).map(|_| rng.moderate()).collect();
+        if d > 2 {
+            w[1] = -0.0;
+            w[2] = f32::from_bits(5);
+        }
+        let g = rows_of(&mut rng, rows, d);
+        let ((xc, xg), (wc, wg), (gc, gg)) = (pair(&x), pair(&w), pair(&g));
+        for eps in [1e-5, 0.0, 1e-38] {
+            let what = format!("rms_norm {lead:?} x {d} eps {eps}");
+            let (yc, rc) = xc.rms_norm(&wc, rows, d, eps).unwrap();
+            let (yg, rg) = xg.rms_norm(&wg, rows, d, eps).unwrap();
+            assert_bits(&what, &vals(&yc), &vals(&yg), &[&x]);
+            assert_bits(&format!("{what}: rstd"), &vals(&rc), &vals(&rg), &[]);
+            let bc = xc
+                .rms_norm_backward(&wc, &rc, &gc, &lead, d, true, true)
+                .unwrap();
+            let bg = xg
+                .rms_norm_backward(&wg, &rg, &gg, &lead, d, true, true)
+                .unwrap();
+            for (k, (c, g)) in [(bc.0, bg.0), (bc.1, bg.1), (bc.2, bg.2)]
+                .into_iter()
+                .enumerate()
+            {
+                let (c, g) = (c.unwrap(), g.unwrap());
+                assert_bits(
+                    &format!("{what}: backward output {k}"),
+                    &vals(&c),
+                    &vals(&g),
+                    &[&x],
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn swiglu_forward_and_backward() {
+    require_gpu!();
+    let mut rng = Rng(43);
+    for n in [1, 63, 1000] {
+        let mut gate = adversarial(&mut rng, n);
+        // σ's interesting range: exp over- and underflow, ±0
+        for (i, v) in gate.iter_mut().enumerate().filter(|(i, _)| i % 5 == 1) {
+            *v = -110.0 + (i % 220) as f32;
+        }
+        let up = adversarial(&mut rng, n);
+        let g = adversarial(&mut rng, n);
+        let ((ac, ag), (uc, ug), (gc, gg)) = (pair(&gate), pair(&up), pair(&g));
+        assert_bits(
+            &format!("swiglu {n}"),
+            &vals(&ac.swiglu(&uc).unwrap()),
+            &vals(&ag.swiglu(&ug).unwrap()),
+            &[&gate, &up],
+        );
+        let (dc, ec) = ac.swiglu_backward(&uc, &gc).unwrap();
+        let (dg, eg) = ag.swiglu_backward(&ug, &gg).unwrap();
+        assert_bits(
+            &format!("swiglu {n}: d gate"),
+            &vals(&dc),
+            &vals(&dg),
+            &[&gate, &up, &g],
+        );
+        assert_bits(
+            &format!("swiglu {n}: d up"),
+            &vals(&ec),
+            &vals(&eg),
+            &[&gate, &up, &g],
+        );
+    }
+}
+
+#[test]
+fn rope_forward_and_backward() {
+    require_gpu!();
+    let mut rng = Rng(47);
+    // (rows = blocks · t, d): odd t, d = 2 (one pair), 130 (off the workgroup)
+    for (blocks, t, d, real) in [
+        (3, 5, 8, true),
+        (1, 7, 2, false),
+        (2, 3, 130, true),
+        (3, 1, 6, false),
+    ] {
+        let rows = blocks * t;
+        let (cos, sin) = if real {
+            tinyllm::nn::llama::rope_tables(t, d, 10000.0)
+        } else {
+            (adversarial(&mut rng, t * d), adversarial(&mut rng, t * d))
+        };
+        let x = rows_of(&mut rng, rows, d);
+        let g = rows_of(&mut rng, rows, d);
+        let ((xc, xg), (cc, cg), (sc, sg), (gc, gg)) = (pair(&x), pair(&cos), pair(&sin), pair(&g));
+        let what = format!("rope {rows}x{d} t {t}");
+        assert_bits(
+            &what,
+            &vals(&xc.rope(&cc, &sc, t, d).unwrap()),
+            &vals(&xg.rope(&cg, &sg, t, d).unwrap()),
+            &[&x],
+        );
+        assert_bits(
+            &format!("{what}: backward"),
+            &vals(&gc.rope_backward(&cc, &sc, t, d).unwrap()),
+            &vals(&gg.rope_backward(&cg, &sg, t, d).unwrap()),
+            &[&g],
+        );
+    }
+}
+
+#[test]
+fn cross_entropy_forward_and_backward() {
+    require_gpu!();
+    let mut rng = Rng(53);
+    for (rows, v) in [(7, 67), (5, 256), (1, 1), (9, 130), (3, 2), (45, 33)] {
+        let mut x: Vec<f32> = (0..rows * v).map(|_| rng.unif(-30.0, 30.0)).collect();
+        if rows >= 5 {
+            for j in 0..v {
+                x[j] = if j % 3 == 0 { f32::NEG_INFINITY } else { -0.0 }; // masked logits
+                x[v + j] = -90.0 - 0.37 * j as f32; // tiny exps (subnormal)
+                x[2 * v + j] = 1e30 * if j % 2 == 0 { 1.0 } else { -1.0 }; // huge
+                x[3 * v + j] = f32::from_bits(1 + j as u32); // subnormal logits
+            }
+            x[4 * v] = f32::NAN;
+        }
+        let targets: Vec<u32> = (0..rows).map(|_| rng.below(v) as u32).collect();
+        // in the random rows (from the sixth) the target holds much of the
+        // mass without being the max (only there is its gradient a + gS·e
+        // far from a, with an inexact product)
+        for r in (5..rows).filter(|_| v > 1) {
+            let row = &mut x[r * v..(r + 1) * v];
+            let m = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max) + (v as f32).ln();
+            let t = targets[r] as usize;
+            row[t] = m;
+            row[(t + 1) % v] = m + rng.unif(0.05, 1.0);
+        }
+        let (xc, xg) = pair(&x);
+        let what = format!("cross_entropy {rows}x{v}");
+        let (lc, sc) = xc.cross_entropy(&targets, v).unwrap();
+        let (lg, sg) = xg.cross_entropy(&targets, v).unwrap();
+        assert_bits(&what, &vals(&lc), &vals(&lg), &[]);
+        assert_bits(&format!("{what}: stats"), &vals(&sc), &vals(&sg), &[]);
+        // the loss's upstream gradient: 1, a loss scale, ±0, subnormal, inf, NaN
+        for seed in [1.0, 1024.0, 0.0, -0.0, 3e-42, f32::INFINITY, f32::NAN] {
+            let (gc, gg) = pair(&[seed]);
+            assert_bits(
+                &format!("{what}: backward, seed {seed}"),
+                &vals(&xc.cross_entropy_backward(&targets, &sc, &gc, v).unwrap()),
+                &vals(&xg.cross_entropy_backward(&targets, &sg, &gg, v).unwrap()),
+                &[&x],
+            );
+        }
+    }
+}
+
 // ------------------------------------------------------------ plumbing ----
 
 #[test]
@@ -325,5 +515,53 @@ fn loops_longer_than_lavapipes_iteration_cap() {
     } else {
         let want = vals(&c.softmax_rows(1, n, 1.0, false).unwrap());
         assert_bits("softmax row of 70001", &want, &vals(&sm.unwrap()), &[&x]);
+    }
+    // RMSNorm's weight gradient sums 70001 / 2 rows per column in passes that
+    // carry two levels of nested sums: (7, 5000, 2), a level ending mid-pass
+    let (lead, d) = ([7usize, 5000], 2usize);
+    let xs = &x[..70_000];
+    let (cx, gx) = pair(xs);
+    let w = [1.5f32, -0.75];
+    let (cw, gw) = pair(&w);
+    let (_, cr) = cx.rms_norm(&cw, 35_000, d, 1e-5).unwrap();
+    let (_, gr) = gx.rms_norm(&gw, 35_000, d, 1e-5).unwrap();
+    let want = cx
+        .rms_norm_backward(&cw, &cr, &cx, &lead, d, false, true)
+        .unwrap()
+        .2
+        .unwrap();
+    let got = gx
+        .rms_norm_backward(&gw, &gr, &gx, &lead, d, false, true)
+        .unwrap()
+        .2
+        .unwrap();
+    assert_bits(
+        "rms_norm dw over 35000 rows",
+        &vals(&want),
+        &vals(&got),
+        &[],
+    );
+    // cross-entropy's mean folds 35000 row losses in passes
+    let targets: Vec<u32> = (0..35_000).map(|i| (i % 2) as u32).collect();
+    let (lc, _) = cx.cross_entropy(&targets, 2).unwrap();
+    let (lg, _) = gx.cross_entropy(&targets, 2).unwrap();
+    assert_bits("cross_entropy over 35000 rows", &vals(&lc), &vals(&lg), &[]);
+    // a vocabulary row that long is refused on lavapipe, like softmax's
+    let one: Vec<u32> = vec![5];
+    let ce = g.cross_entropy(&one, n);
+    if tinyllm::backend::gpu::adapter_name()
+        .unwrap()
+        .contains("llvmpipe")
+    {
+        let e = ce.unwrap_err().to_string();
+        assert!(e.contains("loop limit"), "{e}");
+    } else {
+        let want = vals(&c.cross_entropy(&one, n).unwrap().0);
+        assert_bits(
+            "cross_entropy row of 70001",
+            &want,
+            &vals(&ce.unwrap().0),
+            &[],
+        );
     }
 }

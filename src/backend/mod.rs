@@ -22,6 +22,7 @@
 //! | [`copy`] | strided copies (views), concatenation, row gather and scatter-add |
 //! | [`optim`] | in-place AdamW, SGD, scaling, the loss scaler's finite check |
 //! | [`dropout`] | Philox dropout masks |
+//! | [`fused`] | RMSNorm, SwiGLU, RoPE, softmax cross-entropy, each way: the compositions' bits |
 //!
 //! Shared ground below the families: [`cpu`] (host buffers, lanes, threads),
 //! [`gpu`] (device context, buffer pool, pipeline cache), [`math`] (the math
@@ -45,6 +46,7 @@ pub mod dropout;
 #[cfg(feature = "test-hooks")]
 pub mod fault;
 pub mod elementwise;
+pub mod fused;
 pub mod matmul;
 pub mod optim;
 pub mod reduce;
@@ -159,6 +161,28 @@ macro_rules! lift_as_is {
 }
 lift_as_is!((), bool, Vec<f32>, (bool, Vec<f64>));
 
+/// Primitives with several outputs (some optional) lift each one.
+impl<A: Lift> Lift for Option<A> {
+    type Out = Option<A::Out>;
+    fn lift(self) -> Self::Out {
+        self.map(Lift::lift)
+    }
+}
+
+impl<A: Lift, B: Lift> Lift for (A, B) {
+    type Out = (A::Out, B::Out);
+    fn lift(self) -> Self::Out {
+        (self.0.lift(), self.1.lift())
+    }
+}
+
+impl<A: Lift, B: Lift, C: Lift> Lift for (A, B, C) {
+    type Out = (A::Out, B::Out, C::Out);
+    fn lift(self) -> Self::Out {
+        (self.0.lift(), self.1.lift(), self.2.lift())
+    }
+}
+
 /// The one place where a primitive goes to a device. Three forms:
 ///
 /// * `on_device!([a, b] => |x, y| x.prim(y, ..))` — every argument is a
@@ -216,7 +240,7 @@ pub(crate) use on_device;
 
 /// Every family's shaders (for validation and the parameter-layout check).
 #[cfg(any(test, feature = "test-hooks"))]
-pub fn gpu_families() -> [&'static gpu::pipelines::Family; 7] {
+pub fn gpu_families() -> [&'static gpu::pipelines::Family; 8] {
     [
         &gpu::probe::FAMILY,
         &elementwise::gpu::FAMILY,
@@ -225,6 +249,7 @@ pub fn gpu_families() -> [&'static gpu::pipelines::Family; 7] {
         &copy::gpu::FAMILY,
         &optim::gpu::FAMILY,
         &dropout::gpu::FAMILY,
+        &fused::gpu::FAMILY,
     ]
 }
 

@@ -33,10 +33,11 @@ pub enum Family {
     Copy,
     Dropout,
     Optim,
+    Fused,
 }
 
 impl Family {
-    pub const ALL: [Family; 7] = [
+    pub const ALL: [Family; 8] = [
         Family::Elementwise,
         Family::Reduce,
         Family::Softmax,
@@ -44,6 +45,7 @@ impl Family {
         Family::Copy,
         Family::Dropout,
         Family::Optim,
+        Family::Fused,
     ];
 
     pub fn name(self) -> &'static str {
@@ -55,6 +57,7 @@ impl Family {
             Family::Copy => "copies, gather and scatter",
             Family::Dropout => "dropout masks",
             Family::Optim => "optimizer kernels and the finite check",
+            Family::Fused => "fused transformer primitives",
         }
     }
 }
@@ -226,6 +229,7 @@ pub fn run(families: &[Family], progress: &mut dyn FnMut(Family)) -> Result<Vec<
             Family::Copy => copy(&mut sw)?,
             Family::Dropout => dropout(&mut sw)?,
             Family::Optim => optim(&mut sw)?,
+            Family::Fused => fused(&mut sw)?,
         }
     }
     Ok(sw.rows)
@@ -1168,6 +1172,89 @@ fn sgd(sw: &mut Sweep) -> Result<()> {
                 out.extend(buf.to_vec_f32()?);
             }
             Ok(out)
+        })?;
+    }
+    Ok(())
+}
+
+// ------------------------------------------------- fused transformer ops ----
+
+/// `rows × d` values: every third row adversarial (±0, subnormals, ±inf,
+/// NaN, any bit pattern), the rest moderate.
+fn fused_rows(rng: &mut Rng, rows: usize, d: usize) -> Vec<f32> {
+    (0..rows)
+        .flat_map(|r| {
+            if r % 3 == 1 {
+                adversarial(rng, d)
+            } else {
+                (0..d).map(|_| rng.moderate()).collect()
+            }
+        })
+        .collect()
+}
+
+/// RMSNorm, SwiGLU, RoPE and softmax cross-entropy, forward and backward,
+/// over row lengths off and on the 64-wide workgroup and odd row counts.
+fn fused(sw: &mut Sweep) -> Result<()> {
+    let mut rng = Rng(43);
+    let cat = |parts: Vec<Storage>| -> Result<Vec<f32>> {
+        let mut v = Vec::new();
+        for p in parts {
+            v.extend(p.to_vec_f32()?);
+        }
+        Ok(v)
+    };
+    for (rows, d) in [(1, 1), (5, 13), (3, 64), (7, 130)] {
+        let case = format!("rows {rows} d {d}");
+        let x = fused_rows(&mut rng, rows, d);
+        let w: Vec<f32> = (0..d).map(|_| rng.moderate()).collect();
+        let g: Vec<f32> = (0..rows * d).map(|_| rng.moderate()).collect();
+        sw.check("rms norm", "", case.clone(), &[&x], |dev| {
+            let (y, r) = up(&x, dev)?.rms_norm(&up(&w, dev)?, rows, d, 1e-5)?;
+            cat(vec![y, r])
+        })?;
+        sw.check("rms norm backward", "", case.clone(), &[&x], |dev| {
+            let xs = up(&x, dev)?;
+            let ws = up(&w, dev)?;
+            let (_, r) = xs.rms_norm(&ws, rows, d, 1e-5)?;
+            let (a, b, c) = xs.rms_norm_backward(&ws, &r, &up(&g, dev)?, &[rows], d, true, true)?;
+            cat([a, b, c].into_iter().flatten().collect())
+        })?;
+        let gate = fused_rows(&mut rng, rows, d);
+        sw.check("swiglu", "", case.clone(), &[&gate, &x], |dev| {
+            up(&gate, dev)?.swiglu(&up(&x, dev)?)?.to_vec_f32()
+        })?;
+        sw.check("swiglu backward", "", case.clone(), &[&gate, &x], |dev| {
+            let (a, b) = up(&gate, dev)?.swiglu_backward(&up(&x, dev)?, &up(&g, dev)?)?;
+            cat(vec![a, b])
+        })?;
+        if d % 2 == 0 {
+            let t = if rows % 3 == 0 { 3 } else { 1 }; // rows are whole blocks of t positions
+            let (cos, sin): (Vec<f32>, Vec<f32>) = (0..t * d)
+                .map(|i| ((i as f32 * 0.37).cos(), (i as f32 * 0.37).sin()))
+                .unzip();
+            sw.check("rope", "", case.clone(), &[&x], |dev| {
+                up(&x, dev)?
+                    .rope(&up(&cos, dev)?, &up(&sin, dev)?, t, d)?
+                    .to_vec_f32()
+            })?;
+            sw.check("rope backward", "", case.clone(), &[&g], |dev| {
+                up(&g, dev)?
+                    .rope_backward(&up(&cos, dev)?, &up(&sin, dev)?, t, d)?
+                    .to_vec_f32()
+            })?;
+        }
+        let targets: Vec<u32> = (0..rows).map(|r| ((r * 7) % d) as u32).collect();
+        let logits: Vec<f32> = (0..rows * d).map(|_| rng.unif(-20.0, 20.0)).collect();
+        sw.check("cross-entropy", "", case.clone(), &[], |dev| {
+            let (l, s) = up(&logits, dev)?.cross_entropy(&targets, d)?;
+            cat(vec![l, s])
+        })?;
+        sw.check("cross-entropy backward", "", case, &[&logits], |dev| {
+            let xs = up(&logits, dev)?;
+            let (_, s) = xs.cross_entropy(&targets, d)?;
+            xs.cross_entropy_backward(&targets, &s, &up(&[0.75], dev)?, d)?
+                .to_vec_f32()
         })?;
     }
     Ok(())

@@ -232,25 +232,13 @@ pub fn rope_tables(context: usize, head_dim: usize, theta: f64) -> (Vec<f32>, Ve
     (cos, sin)
 }
 
-/// `rotate_half(x) = cat(−x₂, x₁)` over the last axis, `x₁`/`x₂` its halves
-/// (Hugging Face's convention: pairs are `(i, i + D/2)`, not adjacent).
-pub fn rotate_half(x: &Tensor) -> Result<Tensor> {
-    let d = *x.shape().last().unwrap_or(&0);
-    if !d.is_multiple_of(2) {
-        bail!(
-            Shape,
-            "rotate_half needs an even last axis, got {:?}",
-            x.shape()
-        );
-    }
-    let x1 = x.narrow(-1, 0, d / 2)?;
-    let x2 = x.narrow(-1, d / 2, d / 2)?;
-    Tensor::cat(&[&x2.neg()?, &x1], -1)
-}
+pub use crate::ops::fused::reference::rotate_half;
 
-/// `x · cos + rotate_half(x) · sin`: `x: (.., T, D)`, `cos, sin: (T, D)`.
+/// `x · cos + rotate_half(x) · sin`: `x: (.., T, D)`, `cos, sin: (T, D)` —
+/// one fused primitive each way (`Tensor::rope`), the composition's bits
+/// ([`reference::rope`](crate::ops::fused::reference::rope)).
 pub fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    x.mul(cos)?.add(&rotate_half(x)?.mul(sin)?)
+    x.rope(cos, sin)
 }
 
 /// The rotary tables on a device, shared by every block.
@@ -326,7 +314,8 @@ impl Attention {
     }
 }
 
-/// SwiGLU: `down(silu(gate(x)) · up(x))`.
+/// SwiGLU: `down(silu(gate(x)) · up(x))`, the product one fused primitive
+/// each way (`Tensor::swiglu`).
 pub struct Mlp {
     pub gate_proj: Linear,
     pub up_proj: Linear,
@@ -339,13 +328,12 @@ impl Mlp {
         let g = {
             let _traced = trace::path("gate_proj");
             self.gate_proj.forward(x)?
-        }
-        .silu()?;
+        };
         let u = {
             let _traced = trace::path("up_proj");
             self.up_proj.forward(x)?
         };
-        let gu = g.mul(&u)?;
+        let gu = g.swiglu(&u)?;
         let _traced = trace::path("down_proj");
         self.down_proj.forward(&gu)
     }

@@ -143,8 +143,9 @@ impl Layer for RmsNorm {
         } else {
             self.weight.to_dtype(x.dtype())?
         };
-        let r = x.square()?.mean(-1, true)?.add_scalar(self.eps)?.rsqrt()?;
-        x.mul(&r)?.mul(&w)
+        // one fused primitive each way, the composition's bits
+        // (ops::fused::reference::rms_norm)
+        x.rms_norm(&w, self.eps)
     }
 }
 

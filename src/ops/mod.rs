@@ -3,10 +3,12 @@
 
 pub mod attention;
 pub mod elementwise;
+pub mod fused;
 pub mod index;
 pub mod matmul;
 pub mod nn;
 pub mod reduce;
 pub mod view;
 
-pub use nn::{cross_entropy, dropout, mse};
+pub use fused::cross_entropy;
+pub use nn::{dropout, mse};

@@ -13,19 +13,18 @@
 //! Counting what this crate's Llama forward pass keeps, per sequence of `T`
 //! tokens (`C` width, `F` MLP width, `H` heads, `V` vocabulary), in float32 values:
 //!
-//! * one block: `10·T·C + 4·T·F + H·T² + 2·T` — the block input (kept by the
-//!   first norm), each RMSNorm's `1/rms` (T) and normalised `x·r` (T·C) and its
-//!   output (T·C, read by the projections), q and k after RoPE and v (3·T·C), the
-//!   softmax output (H·T²), the attention output before `o_proj` (T·C), the
-//!   mid-block residual (T·C, kept by the second norm), and the SwiGLU's gate
-//!   pre-activation, SiLU output, up projection and product (4·T·F). Dropout
-//!   adds its masks: 2·H·T² (attention: the mask and the dropped weights) and
-//!   2·T·C (the two residual branches);
-//! * the final norm, LM head and loss: `3·T·C + T·V + 2·T` (the last block's
-//!   output, the norm's `1/rms`, `x·r` and output, and the loss's `exp` of the
-//!   shifted logits with its row sums).
+//! * one block: `8·T·C + 3·T·F + H·T² + 2·T` — the block input (kept by the
+//!   first norm), each RMSNorm's `1/rms` (T) and its output (T·C, read by the
+//!   projections), q and k after RoPE and v (3·T·C), the softmax output (H·T²),
+//!   the attention output before `o_proj` (T·C), the mid-block residual (T·C,
+//!   kept by the second norm), and the SwiGLU's gate and up projections and
+//!   its product (3·T·F). Dropout adds its masks: 2·H·T² (attention: the mask
+//!   and the dropped weights) and 2·T·C (the two residual branches);
+//! * the final norm, LM head and loss: `2·T·C + T·V + 3·T` (the last block's
+//!   output, the norm's `1/rms` and output, and the logits with each row's max
+//!   and sum of exps, which the fused cross-entropy keeps for its backward).
 //!
-//! For the capstone (`T` = 512) that is 148.9 MiB of float32 activations for
+//! For the capstone (`T` = 512) that is 124.2 MiB of float32 activations for
 //! one sequence, beside the chapter's 161 MiB figure for its own forward pass.
 //!
 //! With checkpointing on a schedule of `k` segments (spec M08.4) the forward
@@ -58,7 +57,7 @@ pub struct MemoryPlan {
 /// Float32 values one block keeps for one sequence (see the module docs).
 pub fn block_values(cfg: &LlamaConfig, t: usize) -> usize {
     let (c, f, h) = (cfg.d_model, cfg.hidden, cfg.n_heads);
-    let mut v = 10 * t * c + 4 * t * f + h * t * t + 2 * t;
+    let mut v = 8 * t * c + 3 * t * f + h * t * t + 2 * t;
     if cfg.dropout > 0.0 {
         v += 2 * h * t * t + 2 * t * c;
     }
@@ -67,7 +66,7 @@ pub fn block_values(cfg: &LlamaConfig, t: usize) -> usize {
 
 /// Float32 values the embedding, final norm, head and loss keep for one sequence.
 pub fn head_values(cfg: &LlamaConfig, t: usize) -> usize {
-    3 * t * cfg.d_model + t * cfg.vocab_size + 2 * t
+    2 * t * cfg.d_model + t * cfg.vocab_size + 3 * t
 }
 
 /// Spec M05.1's `memory_plan(config, batch, precision, checkpointing)`: `rows`
@@ -324,7 +323,7 @@ mod tests {
         assert!(mixed.activations * 4 < full.activations);
         assert_eq!(mixed.layer_units, 5);
         // One 512-token sequence through the 8 blocks, as this forward pass keeps it.
-        assert_eq!(block_values(&cfg, 512) * 8 * 4, 153_649_152);
+        assert_eq!(block_values(&cfg, 512) * 8 * 4, 128_352_256);
     }
 
     #[test]
@@ -347,8 +346,8 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(
-            e.contains("planned peak is 533.6 MiB")
-                && e.contains("try --micro-batch 16 --checkpoint-activations (plans 94.3 MiB")
+            e.contains("planned peak is 434.7 MiB")
+                && e.contains("try --micro-batch 16 --checkpoint-activations (plans 79.1 MiB")
                 && e.contains("memory plan ("),
             "{e}"
         );

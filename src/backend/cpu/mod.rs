@@ -71,6 +71,8 @@ pub trait Elem: Copy + PartialOrd + std::fmt::Debug + Send + Sync + 'static {
     fn is_finite(self) -> bool;
     fn round_to(self, f: Format) -> Self;
     fn wrap(v: Vec<Self>) -> CpuStorage;
+    /// The values of a storage of this type (the dispatch has checked the dtype).
+    fn view(s: &CpuStorage) -> Ref<'_, Vec<Self>>;
 }
 
 impl Elem for f32 {
@@ -132,6 +134,9 @@ impl Elem for f32 {
     fn wrap(v: Vec<f32>) -> CpuStorage {
         CpuStorage::F32(Buf::new(v))
     }
+    fn view(s: &CpuStorage) -> Ref<'_, Vec<f32>> {
+        s.f32s()
+    }
 }
 
 impl Elem for f64 {
@@ -177,6 +182,12 @@ impl Elem for f64 {
     }
     fn wrap(v: Vec<f64>) -> CpuStorage {
         CpuStorage::F64(Buf::new(v))
+    }
+    fn view(s: &CpuStorage) -> Ref<'_, Vec<f64>> {
+        match s {
+            CpuStorage::F64(b) => b.get(),
+            CpuStorage::F32(_) => panic!("expected f64 storage"),
+        }
     }
 }
 

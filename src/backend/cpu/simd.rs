@@ -193,6 +193,24 @@ mod tests {
             out.push(bits(&sm.softmax_rows_backward(&st(values(1024, 4)), 32, 32, scale).unwrap()));
         }
         out.push(vec![Storage::sum_squares(&[&x, &y]).unwrap().to_bits()]);
+        // the fused primitives: RMSNorm over (4, 5, 50) rows, SwiGLU, RoPE
+        // over (20, 50) at 10 positions, cross-entropy over (10, 100)
+        let w = st(values(50, 11));
+        let (yn, rstd) = x.rms_norm(&w, 20, 50, 1e-5).unwrap();
+        out.extend([bits(&yn), bits(&rstd)]);
+        let (dx1, dx2, dw) = x.rms_norm_backward(&w, &rstd, &y, &[4, 5], 50, true, true).unwrap();
+        out.extend([dx1, dx2, dw].iter().map(|s| bits(s.as_ref().unwrap())));
+        out.push(bits(&x.swiglu(&y).unwrap()));
+        let (dg, du) = x.swiglu_backward(&y, &st(values(1000, 14))).unwrap();
+        out.extend([bits(&dg), bits(&du)]);
+        let (cos, sin) = (st(values(500, 12)), st(values(500, 13)));
+        out.push(bits(&x.rope(&cos, &sin, 10, 50).unwrap()));
+        out.push(bits(&x.rope_backward(&cos, &sin, 10, 50).unwrap()));
+        let targets: Vec<u32> = (0..10).map(|i| (i * 37 % 100) as u32).collect();
+        let (loss, stats) = x.cross_entropy(&targets, 100).unwrap();
+        out.extend([bits(&loss), bits(&stats)]);
+        let seed = st(vec![0.75]);
+        out.push(bits(&x.cross_entropy_backward(&targets, &stats, &seed, 100).unwrap()));
         for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
             for round in [None, Some(Format::Bf16), Some(Format::Fp16)] {
                 let (m, k, n) = (13, 300, 21);

@@ -1,0 +1,491 @@
+//! The CPU reference of the fused primitives: each the composition's
+//! operations in the composition's order (see the contract in `mod.rs`),
+//! arranged so the loops vectorise — the sequential folds run four rows in
+//! lockstep, the divisions of an elementwise loop a group of lanes at a time.
+
+use super::FusedOps;
+use crate::backend::cpu::{cpu_threads, fold_ragged, for_lanes_mut, maximum, simd, CpuStorage, Elem};
+use crate::backend::math::LANES;
+use crate::backend::DType;
+use crate::Result;
+use rayon::prelude::*;
+
+/// From this many values a primitive splits its rows (or elements) over the
+/// threads (~0.5 ms of one core's SwiGLU). Rows and elements are independent
+/// of each other, so the bits do not depend on the split.
+const THREADED_ELEMS: usize = 1 << 18;
+
+/// Rows (or elements) per thread for `items` of `len` values each: all of
+/// them below [`THREADED_ELEMS`] values or with one thread, else an even share
+/// in whole groups of lanes.
+fn per_thread(items: usize, len: usize) -> usize {
+    let threads = cpu_threads();
+    if items * len < THREADED_ELEMS || threads == 1 || items < 2 {
+        return items.max(1);
+    }
+    items.div_ceil(threads).next_multiple_of(LANES)
+}
+
+/// `by_dtype!(storage, T => expr)`: `expr` with `T` the storage's element
+/// type (every buffer of a call shares it: the dispatch checked).
+macro_rules! by_dtype {
+    ($s:expr, $T:ident => $e:expr) => {
+        match $s.dtype() {
+            DType::F32 => {
+                type $T = f32;
+                $e
+            }
+            DType::F64 => {
+                type $T = f64;
+                $e
+            }
+        }
+    };
+}
+
+impl FusedOps for CpuStorage {
+    fn rms_norm(&self, w: &CpuStorage, rows: usize, d: usize, eps: f64) -> Result<(CpuStorage, CpuStorage)> {
+        Ok(by_dtype!(self, T => {
+            let (y, r) = rms_norm_t::<T>(&T::view(self), &T::view(w), rows, d, T::from_f64(eps));
+            (T::wrap(y), T::wrap(r))
+        }))
+    }
+
+    fn rms_norm_backward(
+        &self,
+        w: &CpuStorage,
+        rstd: &CpuStorage,
+        g: &CpuStorage,
+        spans: &[usize],
+        d: usize,
+        want_dx: bool,
+        want_dw: bool,
+    ) -> Result<(Option<CpuStorage>, Option<CpuStorage>, Option<CpuStorage>)> {
+        Ok(by_dtype!(self, T => {
+            let (x, w, r, g) = (T::view(self), T::view(w), T::view(rstd), T::view(g));
+            let dx = want_dx.then(|| rms_norm_dx_t::<T>(&x, &w, &r, &g, d));
+            let dw = want_dw.then(|| rms_norm_dw_t::<T>(&x, &r, &g, spans, d));
+            let (dx1, dx2) = match dx {
+                Some((a, b)) => (Some(T::wrap(a)), Some(T::wrap(b))),
+                None => (None, None),
+            };
+            (dx1, dx2, dw.map(T::wrap))
+        }))
+    }
+
+    fn swiglu(&self, up: &CpuStorage) -> Result<CpuStorage> {
+        Ok(by_dtype!(self, T => T::wrap(swiglu_t::<T>(&T::view(self), &T::view(up)))))
+    }
+
+    fn swiglu_backward(&self, up: &CpuStorage, g: &CpuStorage) -> Result<(CpuStorage, CpuStorage)> {
+        Ok(by_dtype!(self, T => {
+            let (dg, du) = swiglu_backward_t::<T>(&T::view(self), &T::view(up), &T::view(g));
+            (T::wrap(dg), T::wrap(du))
+        }))
+    }
+
+    fn rope(&self, cos: &CpuStorage, sin: &CpuStorage, t: usize, d: usize) -> Result<CpuStorage> {
+        Ok(by_dtype!(self, T => {
+            T::wrap(rope_t::<T>(&T::view(self), &T::view(cos), &T::view(sin), t, d, false))
+        }))
+    }
+
+    fn rope_backward(&self, cos: &CpuStorage, sin: &CpuStorage, t: usize, d: usize) -> Result<CpuStorage> {
+        Ok(by_dtype!(self, T => {
+            T::wrap(rope_t::<T>(&T::view(self), &T::view(cos), &T::view(sin), t, d, true))
+        }))
+    }
+
+    fn cross_entropy(&self, targets: &[u32], v: usize) -> Result<(CpuStorage, CpuStorage)> {
+        Ok(by_dtype!(self, T => {
+            let (loss, stats) = cross_entropy_t::<T>(&T::view(self), targets, v);
+            (T::wrap(vec![loss]), T::wrap(stats))
+        }))
+    }
+
+    fn cross_entropy_backward(
+        &self,
+        targets: &[u32],
+        stats: &CpuStorage,
+        g: &CpuStorage,
+        v: usize,
+    ) -> Result<CpuStorage> {
+        Ok(by_dtype!(self, T => {
+            let g = T::view(g)[0];
+            T::wrap(cross_entropy_backward_t::<T>(&T::view(self), targets, &T::view(stats), g, v))
+        }))
+    }
+}
+
+// The hot loops below are `for` loops over preallocated outputs, not
+// `collect`/`extend` over closures: a kernel's loop must be compiled inside its
+// AVX2 copy, and a std iterator function the compiler leaves out of line is
+// compiled for the baseline (SSE2, `mul_add` a library call): SwiGLU ran 14x
+// slower that way.
+
+// ---------------------------------------------------------------- RMSNorm ----
+
+/// x: (rows, d), w: (d) -> y: (rows, d), rstd: (rows)
+fn rms_norm_t<T: Elem>(x: &[T], w: &[T], rows: usize, d: usize, eps: T) -> (Vec<T>, Vec<T>) {
+    let (mut y, mut rstd) = (vec![T::ZERO; rows * d], vec![T::ZERO; rows]);
+    if d == 0 {
+        rms_norm_rows(&mut y, &mut rstd, &[], w, 0, eps);
+        return (y, rstd);
+    }
+    let per = per_thread(rows, d);
+    y.par_chunks_mut(per * d)
+        .zip(rstd.par_chunks_mut(per))
+        .zip(x[..rows * d].par_chunks(per * d))
+        .for_each(|((y, r), x)| rms_norm_rows(y, r, x, w, d, eps));
+    (y, rstd)
+}
+
+simd::multiversion! {
+    /// A block of whole rows: x, y: (rows, d), rstd: (rows).
+    fn rms_norm_rows<T: Elem>(y: &mut [T], rstd: &mut [T], x: &[T], w: &[T], d: usize, eps: T) {
+        let dn = T::from_f64(d as f64);
+        // Each row's sum of squares is the reduction's sequential fold (of
+        // rounded squares: `square` then `sum`), four rows in lockstep.
+        let ss = if d == 0 {
+            vec![T::NEG_ZERO; rstd.len()]
+        } else {
+            fold_ragged(x, d, &vec![d; rstd.len()], T::NEG_ZERO, |a, v| a.add(v.mul(v)))
+        };
+        // mean, + eps, rsqrt = div(1, sqrt(·)): one of each per row
+        for (r, s) in rstd.iter_mut().zip(ss) {
+            *r = T::ONE.div(s.div(dn).add(eps).sqrt());
+        }
+        if d == 0 {
+            return;
+        }
+        for ((yr, xr), &r) in y.chunks_exact_mut(d).zip(x.chunks_exact(d)).zip(rstd.iter()) {
+            for ((o, &v), &wj) in yr.iter_mut().zip(xr).zip(w) {
+                *o = v.mul(r).mul(wj);
+            }
+        }
+    }
+}
+
+/// x, g: (rows, d), w: (d), rstd: (rows) -> dx1, dx2: (rows, d)
+fn rms_norm_dx_t<T: Elem>(x: &[T], w: &[T], rstd: &[T], g: &[T], d: usize) -> (Vec<T>, Vec<T>) {
+    let rows = rstd.len();
+    let (mut dx1, mut dx2) = (vec![T::ZERO; rows * d], vec![T::ZERO; rows * d]);
+    if d == 0 {
+        return (dx1, dx2);
+    }
+    let per = per_thread(rows, d);
+    dx1.par_chunks_mut(per * d)
+        .zip(dx2.par_chunks_mut(per * d))
+        .zip(x[..rows * d].par_chunks(per * d))
+        .zip(g[..rows * d].par_chunks(per * d))
+        .zip(rstd.par_chunks(per))
+        .for_each(|((((dx1, dx2), x), g), r)| rms_norm_dx_rows(dx1, dx2, x, w, r, g, d));
+    (dx1, dx2)
+}
+
+simd::multiversion! {
+    /// A block of whole rows (`d > 0`): x, g, dx1, dx2: (rows, d), rstd: (rows).
+    fn rms_norm_dx_rows<T: Elem>(dx1: &mut [T], dx2: &mut [T], x: &[T], w: &[T], rstd: &[T], g: &[T], d: usize) {
+        let (dn, minus_half, two) = (T::from_f64(d as f64), T::from_f64(-0.5), T::from_f64(2.0));
+        // dx1 first holds g·w, dx2 first holds g·w·x (then the outputs)
+        for (((o1, o2), gr), xr) in dx1
+            .chunks_exact_mut(d)
+            .zip(dx2.chunks_exact_mut(d))
+            .zip(g.chunks_exact(d))
+            .zip(x.chunks_exact(d))
+        {
+            for ((((a, b), &gv), &wv), &xv) in o1.iter_mut().zip(o2.iter_mut()).zip(gr).zip(w).zip(xr) {
+                *a = gv.mul(wv);
+                *b = a.mul(xv);
+            }
+        }
+        // each row's Σ g·w·x: the sequential fold of the reduction that sums
+        // x·r's broadcast gradient, four rows in lockstep
+        let grs = fold_ragged(dx2, d, &vec![d; rstd.len()], T::NEG_ZERO, |a, p| a.add(p));
+        for (((o1, o2), xr), (&gr, &r)) in dx1
+            .chunks_exact_mut(d)
+            .zip(dx2.chunks_exact_mut(d))
+            .zip(x.chunks_exact(d))
+            .zip(grs.iter().zip(rstd))
+        {
+            // rsqrt's backward (g·y·y·y·(−0.5)), add_scalar's (g), mean's (div by d)
+            let gs = gr.mul(r).mul(r).mul(r).mul(minus_half).div(dn);
+            for ((a, b), &xv) in o1.iter_mut().zip(o2.iter_mut()).zip(xr) {
+                *a = a.mul(r);
+                *b = gs.mul(xv).mul(two);
+            }
+        }
+    }
+}
+
+simd::multiversion! {
+    /// x, g: (rows, d), rstd: (rows) -> dw: (d), the nested sums of
+    /// g·(x·r) over the levels `spans` (see `dw_spans`): one accumulator row
+    /// per level; a level's fold, complete, is added into the level outside it.
+    fn rms_norm_dw_t<T: Elem>(x: &[T], rstd: &[T], g: &[T], spans: &[usize], d: usize) -> Vec<T> {
+        let levels = spans.len();
+        let mut acc = vec![vec![T::NEG_ZERO; d]; levels];
+        if d == 0 {
+            return acc.swap_remove(0);
+        }
+        for (i, ((xr, gr), &r)) in x.chunks_exact(d).zip(g.chunks_exact(d)).zip(rstd).enumerate() {
+            let inner = &mut acc[levels - 1];
+            for ((a, &xv), &gv) in inner.iter_mut().zip(xr).zip(gr) {
+                *a = a.add(gv.mul(xv.mul(r)));
+            }
+            let mut l = levels - 1;
+            while l >= 1 && (i + 1) % spans[l] == 0 {
+                let (outer, rest) = acc.split_at_mut(l);
+                for (o, a) in outer[l - 1].iter_mut().zip(rest[0].iter_mut()) {
+                    *o = o.add(*a);
+                    *a = T::NEG_ZERO;
+                }
+                l -= 1;
+            }
+        }
+        acc.swap_remove(0)
+    }
+}
+
+// ----------------------------------------------------------------- SwiGLU ----
+
+/// σ(x) = div(1, 1 + exp(−0 − x)) into `s`, as the unary op computes it:
+/// the exps, then the divisions a group of lanes at a time.
+#[inline(always)]
+fn sigmoid_into<T: Elem>(s: &mut [T], x: &[T]) {
+    for (o, &v) in s.iter_mut().zip(x) {
+        *o = T::ONE.add(T::NEG_ZERO.sub(v).exp());
+    }
+    for_lanes_mut(s, |d| T::div_lanes([T::ONE; LANES], d));
+}
+
+/// gate, up: (n) -> y: (n)
+fn swiglu_t<T: Elem>(gate: &[T], up: &[T]) -> Vec<T> {
+    let mut y = vec![T::ZERO; gate.len()];
+    let per = per_thread(gate.len(), 1);
+    y.par_chunks_mut(per)
+        .zip(gate.par_chunks(per))
+        .zip(up.par_chunks(per))
+        .for_each(|((y, gate), up)| swiglu_slices(y, gate, up));
+    y
+}
+
+simd::multiversion! {
+    fn swiglu_slices<T: Elem>(y: &mut [T], gate: &[T], up: &[T]) {
+        sigmoid_into(y, gate);
+        // silu = gate·σ, then · up
+        for ((s, &x), &u) in y.iter_mut().zip(gate).zip(up) {
+            *s = x.mul(*s).mul(u);
+        }
+    }
+}
+
+/// gate, up, g: (n) -> d_gate, d_up: (n)
+fn swiglu_backward_t<T: Elem>(gate: &[T], up: &[T], g: &[T]) -> (Vec<T>, Vec<T>) {
+    let n = gate.len();
+    let (mut dg, mut du) = (vec![T::ZERO; n], vec![T::ZERO; n]);
+    let per = per_thread(n, 1);
+    dg.par_chunks_mut(per)
+        .zip(du.par_chunks_mut(per))
+        .zip(gate.par_chunks(per))
+        .zip(up.par_chunks(per))
+        .zip(g.par_chunks(per))
+        .for_each(|((((dg, du), gate), up), g)| swiglu_backward_slices(dg, du, gate, up, g));
+    (dg, du)
+}
+
+simd::multiversion! {
+    fn swiglu_backward_slices<T: Elem>(dg: &mut [T], du: &mut [T], gate: &[T], up: &[T], g: &[T]) {
+        sigmoid_into(dg, gate);
+        for ((((s, o), &x), &u), &gv) in dg.iter_mut().zip(du.iter_mut()).zip(gate).zip(up).zip(g) {
+            let sv = *s;
+            *o = gv.mul(x.mul(sv));
+            // the product's gradient g·up, through silu's: σ·fma(x, 1 − σ, 1)
+            *s = gv.mul(u).mul(sv.mul(x.fma(T::ONE.sub(sv), T::ONE)));
+        }
+    }
+}
+
+// ------------------------------------------------------------------- RoPE ----
+
+/// x: (rows, d), cos, sin: (t, d), row i at position i mod t -> y: (rows, d);
+/// `backward`: x is the upstream gradient, y the input's.
+fn rope_t<T: Elem>(x: &[T], cos: &[T], sin: &[T], t: usize, d: usize, backward: bool) -> Vec<T> {
+    let mut y = vec![T::ZERO; x.len()];
+    if d == 0 {
+        return y;
+    }
+    let rows = x.len() / d;
+    let per = per_thread(rows, d);
+    y.par_chunks_mut(per * d)
+        .zip(x.par_chunks(per * d))
+        .enumerate()
+        .for_each(|(b, (y, x))| {
+            let first = b * per;
+            if backward {
+                rope_backward_rows(y, x, cos, sin, first, t, d)
+            } else {
+                rope_rows(y, x, cos, sin, first, t, d)
+            }
+        });
+    y
+}
+
+simd::multiversion! {
+    /// Rows `first ..` (`d > 0`): row i at position i mod t.
+    fn rope_rows<T: Elem>(y: &mut [T], x: &[T], cos: &[T], sin: &[T], first: usize, t: usize, d: usize) {
+        let h = d / 2;
+        for (i, (yr, xr)) in y.chunks_exact_mut(d).zip(x.chunks_exact(d)).enumerate() {
+            let p = ((first + i) % t) * d;
+            let (c1, c2) = cos[p..p + d].split_at(h);
+            let (s1, s2) = sin[p..p + d].split_at(h);
+            let (x1, x2) = xr.split_at(h);
+            let (y1, y2) = yr.split_at_mut(h);
+            // x·cos + rotate_half(x)·sin, rotate_half(x) = (−0 − x2, x1)
+            for (((((o, &a), &b), &c), &s), (o2, (&c2, &s2))) in y1
+                .iter_mut()
+                .zip(x1)
+                .zip(x2)
+                .zip(c1)
+                .zip(s1)
+                .zip(y2.iter_mut().zip(c2.iter().zip(s2)))
+            {
+                *o = a.mul(c).add(T::NEG_ZERO.sub(b).mul(s));
+                *o2 = b.mul(c2).add(a.mul(s2));
+            }
+        }
+    }
+}
+
+simd::multiversion! {
+    /// The backward of rows `first ..` (`d > 0`): g, dx: (rows, d).
+    fn rope_backward_rows<T: Elem>(dx: &mut [T], g: &[T], cos: &[T], sin: &[T], first: usize, t: usize, d: usize) {
+        let h = d / 2;
+        for (i, (or, gr)) in dx.chunks_exact_mut(d).zip(g.chunks_exact(d)).enumerate() {
+            let p = ((first + i) % t) * d;
+            let (c1, c2) = cos[p..p + d].split_at(h);
+            let (s1, s2) = sin[p..p + d].split_at(h);
+            let (g1, g2) = gr.split_at(h);
+            let (o1, o2) = or.split_at_mut(h);
+            // x's contributions in autograd's order: g·cos, the second half's
+            // narrow (+0 pad in front, then −0 − g1·s1 from the neg), the
+            // first half's (g2·s2, +0 pad behind)
+            for (((((o, &a), &b), &c), &s), (o2, (&c2, &s2))) in o1
+                .iter_mut()
+                .zip(g1)
+                .zip(g2)
+                .zip(c1)
+                .zip(s1)
+                .zip(o2.iter_mut().zip(c2.iter().zip(s2)))
+            {
+                *o = a.mul(c).add(T::ZERO).add(b.mul(s2));
+                *o2 = b.mul(c2).add(T::NEG_ZERO.sub(a.mul(s))).add(T::ZERO);
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------- cross-entropy ----
+
+/// Rows per block of the cross-entropy's exps (the folds then run four rows in lockstep).
+const CE_BLOCK: usize = 32;
+
+simd::multiversion! {
+    /// x: (rows, v), targets: (rows) -> loss, stats: (rows, 2) = (max, Σ exp) per row
+    fn cross_entropy_t<T: Elem>(x: &[T], targets: &[u32], v: usize) -> (T, Vec<T>) {
+        let rows = targets.len();
+        let mut stats = vec![T::ZERO; 2 * rows];
+        let mut total = T::NEG_ZERO;
+        if v > 0 {
+            let mut e = vec![T::ZERO; CE_BLOCK * v];
+            let lens = vec![v; CE_BLOCK];
+            for (b, (xb, tb)) in x[..rows * v].chunks(CE_BLOCK * v).zip(targets.chunks(CE_BLOCK)).enumerate() {
+                let k = tb.len();
+                let maxes = fold_ragged(xb, v, &lens[..k], T::NEG_INF, maximum);
+                for ((er, xr), &m) in e.chunks_exact_mut(v).zip(xb.chunks_exact(v)).zip(&maxes) {
+                    for (o, &xv) in er.iter_mut().zip(xr) {
+                        *o = xv.sub(m).exp();
+                    }
+                }
+                let sums = fold_ragged(&e[..k * v], v, &lens[..k], T::NEG_ZERO, |a, y| a.add(y));
+                for (r, ((&m, &s), &t)) in maxes.iter().zip(&sums).zip(tb).enumerate() {
+                    let row = b * CE_BLOCK + r;
+                    // log_softmax at the target, then the sum over rows, in order
+                    total = total.add(x[row * v + t as usize].sub(m).sub(s.log()));
+                    stats[2 * row] = m;
+                    stats[2 * row + 1] = s;
+                }
+            }
+        }
+        let loss = T::NEG_ZERO.sub(total.div(T::from_f64(rows as f64)));
+        (loss, stats)
+    }
+}
+
+simd::multiversion! {
+    /// x: (rows, v), stats: (rows, 2), the loss's upstream gradient g -> dx: (rows, v)
+    fn cross_entropy_backward_t<T: Elem>(x: &[T], targets: &[u32], stats: &[T], g: T, v: usize) -> Vec<T> {
+        let rows = targets.len();
+        // neg's, div_scalar's and the gather's (scatter-add from +0) backward,
+        // then the log-sum-exp's share: the sum of −0 − (that row's gradient)
+        let a = T::ZERO.add(T::NEG_ZERO.sub(g).div(T::from_f64(rows as f64)));
+        let gl = T::NEG_ZERO.sub(a);
+        let mut dx = vec![T::ZERO; rows * v];
+        if v == 0 {
+            return dx;
+        }
+        for ((or, xr), (st, &t)) in dx.chunks_exact_mut(v).zip(x.chunks_exact(v)).zip(stats.chunks_exact(2).zip(targets)) {
+            let (m, s) = (st[0], st[1]);
+            let gs = gl.div(s);
+            // +0 (the gathered entries' gradient elsewhere) + exp's backward
+            for (o, &xv) in or.iter_mut().zip(xr) {
+                *o = T::ZERO.add(gs.mul(xv.sub(m).exp()));
+            }
+            let t = t as usize;
+            or[t] = a.add(gs.mul(xr[t].sub(m).exp()));
+        }
+        dx
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::backend::cpu::set_cpu_threads;
+    use crate::backend::{Device, Storage};
+
+    /// Rows and elements split over threads give the one-thread bits: blocks
+    /// end mid-way through RoPE's positions and off a group of lanes.
+    #[test]
+    fn threaded_fused_primitives_give_the_one_thread_bits() {
+        let (rows, d, t) = (7 * 443, 100, 7); // above THREADED_ELEMS; 3 blocks of 1040 rows
+        let gen = crate::Generator::new(9);
+        let st = |v: Vec<f32>| Storage::from_f32(v, Device::Cpu).unwrap();
+        let x = st(gen.uniform(rows * d).iter().map(|u| (u - 0.5) * 20.0).collect());
+        let g = st(gen.uniform(rows * d));
+        let w = st(gen.uniform(d));
+        let (cos, sin) = (st(gen.uniform(t * d)), st(gen.uniform(t * d)));
+        let bits = |s: &Storage| -> Vec<u32> {
+            s.to_vec_f32().unwrap().iter().map(|v| v.to_bits()).collect()
+        };
+        let run = || {
+            let (y, r) = x.rms_norm(&w, rows, d, 1e-5).unwrap();
+            let (a, b, c) = x
+                .rms_norm_backward(&w, &r, &g, &[rows], d, true, true)
+                .unwrap();
+            let (dg, du) = x.swiglu_backward(&g, &x).unwrap();
+            let mut out = vec![bits(&y), bits(&r), bits(&a.unwrap()), bits(&b.unwrap()), bits(&c.unwrap())];
+            out.extend([bits(&x.swiglu(&g).unwrap()), bits(&dg), bits(&du)]);
+            out.push(bits(&x.rope(&cos, &sin, t, d).unwrap()));
+            out.push(bits(&g.rope_backward(&cos, &sin, t, d).unwrap()));
+            out
+        };
+        set_cpu_threads(Some(1));
+        let one = run();
+        set_cpu_threads(Some(3));
+        let three = run();
+        set_cpu_threads(None);
+        for (i, (a, b)) in one.iter().zip(&three).enumerate() {
+            assert!(a == b, "output {i} differs with threads");
+        }
+    }
+}

@@ -1,0 +1,381 @@
+// fused.wgsl — RMSNorm, SwiGLU, RoPE and softmax cross-entropy, each direction
+// the CPU reference's (fused/cpu.rs) operations in the same order (needs mathlib).
+// The contract is in fused/mod.rs: every formula is that of the composition of
+// single ops the primitive replaces, so every product is rounded on its own.
+// Row kernels give one invocation a whole row (its folds serial, ascending);
+// elementwise kernels one element. 1-D grids: i = (wg.y * groups.x + wg.x) * 64 + lane.
+//
+// Two guards against what a WGSL compiler may do to float code:
+// * `sep(p, zero)` passes a product on through its bits ORed with `zero`, a
+//   params field the host sets to 0: no compiler can see the multiply behind
+//   it, so none can contract it with the add it feeds into one fma (legal in
+//   WGSL, and one rounding instead of the composition's two);
+// * `+ 0` adds `bitcast<f32>(zero)`, a runtime +0, never a literal: `x + 0.0`
+//   may be folded to `x`, but it turns −0 into +0, which the composition does.
+
+fn sep(p: f32, zero: u32) -> f32 {
+    return bitcast<f32>(bitcast<u32>(p) | zero);
+}
+
+fn f_neg_inf() -> f32 {
+    return bitcast<f32>(0xff800000u);
+}
+
+// ---- RMSNorm: x: (rows, d), w: (d) -> y: (rows, d), rstd: (rows) ----
+// ss = Σ x·x (ascending from -0), r = div(1, sqrt(div(ss, d) + eps)), y = (x·r)·w.
+
+struct NormParams {
+    rows: u32,
+    d: u32,
+    d_f: u32, // f32(d) as the host rounds it, bits
+    eps: u32, // f32 bits (narrowed once on the host)
+    zero: u32,
+}
+
+@group(0) @binding(0) var<storage, read> rn_prm: NormParams;
+@group(0) @binding(1) var<storage, read> rn_x: array<f32>;
+@group(0) @binding(2) var<storage, read> rn_w: array<f32>;
+@group(0) @binding(3) var<storage, read_write> rn_y: array<f32>;
+@group(0) @binding(4) var<storage, read_write> rn_rstd: array<f32>;
+
+@compute @workgroup_size(64)
+fn rms_norm(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
+            @builtin(local_invocation_index) lane: u32) {
+    let row = (wg.y * groups.x + wg.x) * 64u + lane;
+    if row >= rn_prm.rows {
+        return;
+    }
+    let d = rn_prm.d;
+    let z = rn_prm.zero;
+    let base = row * d;
+    var ss = -0.0;
+    for (var j = 0u; j < d; j++) {
+        let v = rn_x[base + j];
+        ss = ss + sep(v * v, z);
+    }
+    let r = m_div(1.0, m_sqrt(m_div(ss, bitcast<f32>(rn_prm.d_f)) + bitcast<f32>(rn_prm.eps)));
+    rn_rstd[row] = r;
+    for (var j = 0u; j < d; j++) {
+        rn_y[base + j] = (rn_x[base + j] * r) * rn_w[j];
+    }
+}
+
+// ---- RMSNorm backward, per row: x, g: (rows, d), w: (d), rstd: (rows) -> dx1, dx2: (rows, d) ----
+// gw = g·w, gr = Σ gw·x, gs = div((((gr·r)·r)·r)·(-0.5), d); dx1 = gw·r, dx2 = (gs·x)·2.
+
+@group(0) @binding(0) var<storage, read> rb_prm: NormParams;
+@group(0) @binding(1) var<storage, read> rb_x: array<f32>;
+@group(0) @binding(2) var<storage, read> rb_w: array<f32>;
+@group(0) @binding(3) var<storage, read> rb_rstd: array<f32>;
+@group(0) @binding(4) var<storage, read> rb_g: array<f32>;
+@group(0) @binding(5) var<storage, read_write> rb_dx1: array<f32>;
+@group(0) @binding(6) var<storage, read_write> rb_dx2: array<f32>;
+
+@compute @workgroup_size(64)
+fn rms_norm_backward_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
+                          @builtin(local_invocation_index) lane: u32) {
+    let row = (wg.y * groups.x + wg.x) * 64u + lane;
+    if row >= rb_prm.rows {
+        return;
+    }
+    let d = rb_prm.d;
+    let z = rb_prm.zero;
+    let base = row * d;
+    var gr = -0.0;
+    for (var j = 0u; j < d; j++) {
+        let gw = rb_g[base + j] * rb_w[j];
+        gr = gr + sep(gw * rb_x[base + j], z);
+    }
+    let r = rb_rstd[row];
+    // each product its own rounding, before the constant factor
+    let gs = m_div(sep(((gr * r) * r) * r, z) * -0.5, bitcast<f32>(rb_prm.d_f));
+    for (var j = 0u; j < d; j++) {
+        let gw = rb_g[base + j] * rb_w[j];
+        rb_dx1[base + j] = gw * r;
+        rb_dx2[base + j] = sep(gs * rb_x[base + j], z) * 2.0;
+    }
+}
+
+// ---- RMSNorm backward, the weight's gradient: x, g: (rows, d), rstd: (rows) -> dw: (d) ----
+// One invocation per column j sums g·(x·r) over the rows in order, nested like
+// broadcasting's backward: acc[L-1] folds each block of spans[L-1] rows from
+// -0; a finished block's sum is added into the level outside it (acc[l-1]),
+// which folds blocks of spans[l-1] rows, ... up to acc[0] over every row.
+// One dispatch covers rows [r0, r1): lavapipe stops a shader after 65,535
+// loop iterations, so the host splits long runs into passes that carry the
+// accumulators through `state` ((6, d)); the order of the additions is unchanged.
+
+struct DwParams {
+    rows: u32,
+    d: u32,
+    levels: u32, // 1 ..= 6
+    r0: u32,
+    r1: u32,
+    zero: u32,
+    _pad0: u32,
+    _pad1: u32,
+    spans: array<u32, 6>, // rows per fold of each level, outermost first (spans[0] = rows)
+}
+
+@group(0) @binding(0) var<storage, read> dw_prm: DwParams;
+@group(0) @binding(1) var<storage, read> dw_x: array<f32>;
+@group(0) @binding(2) var<storage, read> dw_rstd: array<f32>;
+@group(0) @binding(3) var<storage, read> dw_g: array<f32>;
+@group(0) @binding(4) var<storage, read_write> dw_state: array<f32>;
+@group(0) @binding(5) var<storage, read_write> dw_out: array<f32>;
+
+@compute @workgroup_size(64)
+fn rms_norm_backward_dw(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
+                        @builtin(local_invocation_index) lane: u32) {
+    let j = (wg.y * groups.x + wg.x) * 64u + lane;
+    let d = dw_prm.d;
+    if j >= d {
+        return;
+    }
+    let z = dw_prm.zero;
+    let levels = dw_prm.levels;
+    var acc: array<f32, 6>;
+    for (var l = 0u; l < 6u; l++) {
+        if dw_prm.r0 == 0u {
+            acc[l] = -0.0;
+        } else {
+            acc[l] = dw_state[l * d + j];
+        }
+    }
+    for (var row = dw_prm.r0; row < dw_prm.r1; row++) {
+        let xr = dw_x[row * d + j] * dw_rstd[row];
+        acc[levels - 1u] = acc[levels - 1u] + sep(dw_g[row * d + j] * xr, z);
+        // close every level whose block ends at this row, innermost first
+        for (var l = levels - 1u; l >= 1u; l--) {
+            if (row + 1u) % dw_prm.spans[l] != 0u {
+                break;
+            }
+            acc[l - 1u] = acc[l - 1u] + acc[l];
+            acc[l] = -0.0;
+        }
+    }
+    if dw_prm.r1 == dw_prm.rows {
+        dw_out[j] = acc[0];
+    } else {
+        for (var l = 0u; l < 6u; l++) {
+            dw_state[l * d + j] = acc[l];
+        }
+    }
+}
+
+// ---- SwiGLU: gate, up: (n) -> y: (n) ----
+// s = σ(gate) = div(1, 1 + exp(-0 - gate)); y = (gate·s)·up.
+
+struct EltParams {
+    n: u32,
+    zero: u32,
+}
+
+@group(0) @binding(0) var<storage, read> sw_prm: EltParams;
+@group(0) @binding(1) var<storage, read> sw_gate: array<f32>;
+@group(0) @binding(2) var<storage, read> sw_up: array<f32>;
+@group(0) @binding(3) var<storage, read_write> sw_y: array<f32>;
+
+@compute @workgroup_size(64)
+fn swiglu(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
+          @builtin(local_invocation_index) lane: u32) {
+    let i = (wg.y * groups.x + wg.x) * 64u + lane;
+    if i >= sw_prm.n {
+        return;
+    }
+    let x = sw_gate[i];
+    sw_y[i] = (x * m_sigmoid(x)) * sw_up[i];
+}
+
+// ---- SwiGLU backward: gate, up, g: (n) -> d_gate, d_up: (n) ----
+// s = σ(gate); d_gate = (g·up)·(s·fma(gate, 1 - s, 1)); d_up = g·(gate·s).
+
+@group(0) @binding(0) var<storage, read> sb_prm: EltParams;
+@group(0) @binding(1) var<storage, read> sb_gate: array<f32>;
+@group(0) @binding(2) var<storage, read> sb_up: array<f32>;
+@group(0) @binding(3) var<storage, read> sb_g: array<f32>;
+@group(0) @binding(4) var<storage, read_write> sb_dgate: array<f32>;
+@group(0) @binding(5) var<storage, read_write> sb_dup: array<f32>;
+
+@compute @workgroup_size(64)
+fn swiglu_backward(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
+                   @builtin(local_invocation_index) lane: u32) {
+    let i = (wg.y * groups.x + wg.x) * 64u + lane;
+    if i >= sb_prm.n {
+        return;
+    }
+    let x = sb_gate[i];
+    let g = sb_g[i];
+    let s = m_sigmoid(x);
+    sb_dgate[i] = (g * sb_up[i]) * (s * fma_c(x, 1.0 - s, 1.0));
+    sb_dup[i] = g * (x * s);
+}
+
+// ---- RoPE: x: (rows, d), cos, sin: (t, d) -> y: (rows, d), row i at position i mod t ----
+// h = d/2; j < h: y = x_j·c_j + (-0 - x_{j+h})·s_j; j >= h: y = x_j·c_j + x_{j-h}·s_j.
+
+struct RopeParams {
+    n: u32, // rows * d
+    t: u32,
+    d: u32,
+    zero: u32,
+}
+
+@group(0) @binding(0) var<storage, read> ro_prm: RopeParams;
+@group(0) @binding(1) var<storage, read> ro_x: array<f32>;
+@group(0) @binding(2) var<storage, read> ro_cos: array<f32>;
+@group(0) @binding(3) var<storage, read> ro_sin: array<f32>;
+@group(0) @binding(4) var<storage, read_write> ro_y: array<f32>;
+
+@compute @workgroup_size(64)
+fn rope(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
+        @builtin(local_invocation_index) lane: u32) {
+    let i = (wg.y * groups.x + wg.x) * 64u + lane;
+    if i >= ro_prm.n {
+        return;
+    }
+    let d = ro_prm.d;
+    let h = d / 2u;
+    let z = ro_prm.zero;
+    let j = i % d;
+    let p = (i / d) % ro_prm.t * d + j; // this element's entry of the tables
+    let xc = sep(ro_x[i] * ro_cos[p], z);
+    if j < h {
+        ro_y[i] = xc + sep((-0.0 - ro_x[i + h]) * ro_sin[p], z);
+    } else {
+        ro_y[i] = xc + sep(ro_x[i - h] * ro_sin[p], z);
+    }
+}
+
+// ---- RoPE backward: g: (rows, d), cos, sin: (t, d) -> dx: (rows, d) ----
+// j < h: dx = ((g_j·c_j) + 0) + g_{j+h}·s_{j+h}; j >= h: dx = ((g_j·c_j) + (-0 - g_{j-h}·s_{j-h})) + 0.
+
+@group(0) @binding(0) var<storage, read> rg_prm: RopeParams;
+@group(0) @binding(1) var<storage, read> rg_g: array<f32>;
+@group(0) @binding(2) var<storage, read> rg_cos: array<f32>;
+@group(0) @binding(3) var<storage, read> rg_sin: array<f32>;
+@group(0) @binding(4) var<storage, read_write> rg_dx: array<f32>;
+
+@compute @workgroup_size(64)
+fn rope_backward(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
+                 @builtin(local_invocation_index) lane: u32) {
+    let i = (wg.y * groups.x + wg.x) * 64u + lane;
+    if i >= rg_prm.n {
+        return;
+    }
+    let d = rg_prm.d;
+    let h = d / 2u;
+    let z = rg_prm.zero;
+    let pz = bitcast<f32>(z); // +0, the narrows' zero padding
+    let j = i % d;
+    let p = (i / d) % rg_prm.t * d + j;
+    let gc = sep(rg_g[i] * rg_cos[p], z);
+    if j < h {
+        rg_dx[i] = (gc + pz) + sep(rg_g[i + h] * rg_sin[p + h], z);
+    } else {
+        rg_dx[i] = (gc + (-0.0 - sep(rg_g[i - h] * rg_sin[p - h], z))) + pz;
+    }
+}
+
+// ---- cross-entropy, per row: x: (rows, v), targets: (rows) u32 -> stats: (rows, 2), row losses: (rows) ----
+// m = max of the row (from -inf, maximum_c, ascending), S = Σ exp(x - m), p = (x_t - m) - log(S).
+
+struct CeParams {
+    rows: u32,
+    v: u32,
+    rows_f: u32, // f32(rows) as the host rounds it, bits
+    zero: u32,
+}
+
+@group(0) @binding(0) var<storage, read> ce_prm: CeParams;
+@group(0) @binding(1) var<storage, read> ce_x: array<f32>;
+@group(0) @binding(2) var<storage, read> ce_targets: array<u32>;
+@group(0) @binding(3) var<storage, read_write> ce_stats: array<f32>;
+@group(0) @binding(4) var<storage, read_write> ce_rowloss: array<f32>;
+
+@compute @workgroup_size(64)
+fn cross_entropy_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
+                      @builtin(local_invocation_index) lane: u32) {
+    let row = (wg.y * groups.x + wg.x) * 64u + lane;
+    if row >= ce_prm.rows {
+        return;
+    }
+    let v = ce_prm.v;
+    let z = ce_prm.zero;
+    let base = row * v;
+    var m = f_neg_inf();
+    for (var j = 0u; j < v; j++) {
+        m = maximum_c(m, ce_x[base + j]);
+    }
+    var s = -0.0;
+    for (var j = 0u; j < v; j++) {
+        s = s + sep(m_exp(ce_x[base + j] - m), z);
+    }
+    ce_stats[2u * row] = m;
+    ce_stats[2u * row + 1u] = s;
+    ce_rowloss[row] = (ce_x[base + ce_targets[row]] - m) - m_log(s);
+}
+
+// ---- cross-entropy, the mean: row losses: (rows) -> loss: (1) ----
+// One invocation folds rows [k0, k1) in order onto the running sum in loss[0]
+// (-0 first); the last pass writes loss = -0 - div(Σ, rows). Long folds run
+// as several passes (lavapipe's loop cap), in the same order.
+
+struct CeSumParams {
+    rows: u32,
+    k0: u32,
+    k1: u32,
+    rows_f: u32,
+}
+
+@group(0) @binding(0) var<storage, read> cs_prm: CeSumParams;
+@group(0) @binding(1) var<storage, read> cs_rowloss: array<f32>;
+@group(0) @binding(2) var<storage, read_write> cs_loss: array<f32>;
+
+@compute @workgroup_size(1)
+fn cross_entropy_mean() {
+    var acc = -0.0;
+    if cs_prm.k0 > 0u {
+        acc = cs_loss[0];
+    }
+    for (var k = cs_prm.k0; k < cs_prm.k1; k++) {
+        acc = acc + cs_rowloss[k];
+    }
+    if cs_prm.k1 == cs_prm.rows {
+        cs_loss[0] = -0.0 - m_div(acc, bitcast<f32>(cs_prm.rows_f));
+    } else {
+        cs_loss[0] = acc;
+    }
+}
+
+// ---- cross-entropy backward, per row: x: (rows, v), targets, stats, G: (1) -> dx: (rows, v) ----
+// a = +0 + div(-0 - G, rows), gS = div(-0 - a, S), dx_j = b_j + gS·exp(x_j - m),
+// b_j = a at the target, +0 elsewhere.
+
+@group(0) @binding(0) var<storage, read> cb_prm: CeParams;
+@group(0) @binding(1) var<storage, read> cb_x: array<f32>;
+@group(0) @binding(2) var<storage, read> cb_targets: array<u32>;
+@group(0) @binding(3) var<storage, read> cb_stats: array<f32>;
+@group(0) @binding(4) var<storage, read> cb_g: array<f32>;
+@group(0) @binding(5) var<storage, read_write> cb_dx: array<f32>;
+
+@compute @workgroup_size(64)
+fn cross_entropy_backward(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
+                          @builtin(local_invocation_index) lane: u32) {
+    let row = (wg.y * groups.x + wg.x) * 64u + lane;
+    if row >= cb_prm.rows {
+        return;
+    }
+    let v = cb_prm.v;
+    let z = cb_prm.zero;
+    let pz = bitcast<f32>(z);
+    let a = pz + m_div(-0.0 - cb_g[0], bitcast<f32>(cb_prm.rows_f));
+    let m = cb_stats[2u * row];
+    let gs = m_div(-0.0 - a, cb_stats[2u * row + 1u]);
+    let t = cb_targets[row];
+    let base = row * v;
+    for (var j = 0u; j < v; j++) {
+        let b = select(pz, a, j == t);
+        cb_dx[base + j] = b + sep(gs * m_exp(cb_x[base + j] - m), z);
+    }
+}

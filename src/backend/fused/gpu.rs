@@ -1,0 +1,334 @@
+//! The GPU launchers of the fused primitives (`fused.wgsl`).
+
+use super::FusedOps;
+use crate::backend::gpu::context::{ctx, Context};
+use crate::backend::gpu::pipelines::{gpu_params, no_consts, Family, Kernel};
+use crate::backend::gpu::{grid1d, u32_of, GpuStorage, LOOP_PASS};
+use crate::backend::MAX_DIMS;
+use crate::{bail, Result};
+
+gpu_params! {
+    /// `fused.wgsl` `NormParams`: RMSNorm over `rows` rows of `d`; `d_f` and
+    /// `eps` are f32 bits; `zero` is 0 (the kernels' opaque zero, see `sep`).
+    pub struct NormParams { rows: u32, d: u32, d_f: u32, eps: u32, zero: u32 }
+}
+
+gpu_params! {
+    /// `fused.wgsl` `DwParams`: RMSNorm's weight gradient over rows `[r0, r1)`
+    /// of `rows`, nested over `levels` folds of `spans` rows each.
+    pub struct DwParams {
+        rows: u32,
+        d: u32,
+        levels: u32,
+        r0: u32,
+        r1: u32,
+        zero: u32,
+        _pad0: u32,
+        _pad1: u32,
+        spans: [u32; MAX_DIMS],
+    }
+}
+
+gpu_params! {
+    /// `fused.wgsl` `EltParams`: `n` elements.
+    pub struct EltParams { n: u32, zero: u32 }
+}
+
+gpu_params! {
+    /// `fused.wgsl` `RopeParams`: `n = rows·d` elements, tables of `t` positions.
+    pub struct RopeParams { n: u32, t: u32, d: u32, zero: u32 }
+}
+
+gpu_params! {
+    /// `fused.wgsl` `CeParams`: `rows` rows of `v` logits; `rows_f` f32 bits.
+    pub struct CeParams { rows: u32, v: u32, rows_f: u32, zero: u32 }
+}
+
+gpu_params! {
+    /// `fused.wgsl` `CeSumParams`: this pass folds row losses `[k0, k1)`.
+    pub struct CeSumParams { rows: u32, k0: u32, k1: u32, rows_f: u32 }
+}
+
+pub const FAMILY: Family = Family {
+    name: "fused",
+    sources: &[include_str!("fused.wgsl")],
+    needs_math: true,
+    consts: no_consts,
+    entries: &[
+        "rms_norm",
+        "rms_norm_backward_rows",
+        "rms_norm_backward_dw",
+        "swiglu",
+        "swiglu_backward",
+        "rope",
+        "rope_backward",
+        "cross_entropy_rows",
+        "cross_entropy_mean",
+        "cross_entropy_backward",
+    ],
+    params: &[
+        NormParams::LAYOUT,
+        DwParams::LAYOUT,
+        EltParams::LAYOUT,
+        RopeParams::LAYOUT,
+        CeParams::LAYOUT,
+        CeSumParams::LAYOUT,
+    ],
+};
+
+const RMS_NORM: Kernel = Kernel::new(&FAMILY, "rms_norm");
+const RMS_NORM_BACKWARD_ROWS: Kernel = Kernel::new(&FAMILY, "rms_norm_backward_rows");
+const RMS_NORM_BACKWARD_DW: Kernel = Kernel::new(&FAMILY, "rms_norm_backward_dw");
+const SWIGLU: Kernel = Kernel::new(&FAMILY, "swiglu");
+const SWIGLU_BACKWARD: Kernel = Kernel::new(&FAMILY, "swiglu_backward");
+const ROPE: Kernel = Kernel::new(&FAMILY, "rope");
+const ROPE_BACKWARD: Kernel = Kernel::new(&FAMILY, "rope_backward");
+const CE_ROWS: Kernel = Kernel::new(&FAMILY, "cross_entropy_rows");
+const CE_MEAN: Kernel = Kernel::new(&FAMILY, "cross_entropy_mean");
+const CE_BACKWARD: Kernel = Kernel::new(&FAMILY, "cross_entropy_backward");
+
+/// The row kernels run each row as one invocation's loops; on a device that
+/// caps shader loops (lavapipe) a row that long would be cut short silently,
+/// so it is refused instead.
+fn check_row_loops(c: &Context, what: &str, n: usize, loops: usize) -> Result<()> {
+    if c.info.name.contains("llvmpipe") && n * loops > 60_000 {
+        bail!(
+            Device,
+            "{what} over rows of {n} elements exceeds the loop limit of this software device ({}: 65,535 shader loop iterations)",
+            c.info.name
+        );
+    }
+    Ok(())
+}
+
+/// `n` as the f32 the CPU's `T::from_f64(n as f64)` gives, as bits.
+fn f32_bits_of(n: usize) -> u32 {
+    (n as f64 as f32).to_bits()
+}
+
+impl FusedOps for GpuStorage {
+    /// One invocation per row.
+    fn rms_norm(&self, w: &GpuStorage, rows: usize, d: usize, eps: f64) -> Result<(GpuStorage, GpuStorage)> {
+        let c = ctx()?;
+        check_row_loops(c, "rms_norm", d, 2)?;
+        let (y, rstd) = (GpuStorage::alloc(c, rows * d)?, GpuStorage::alloc(c, rows)?);
+        let prm = NormParams {
+            rows: u32_of(rows, "rows")?,
+            d: u32_of(d, "d")?,
+            d_f: f32_bits_of(d),
+            eps: (eps as f32).to_bits(),
+            zero: 0,
+        };
+        c.dispatch(
+            &RMS_NORM,
+            &prm,
+            &[self.buf(), w.buf(), y.buf(), rstd.buf()],
+            grid1d(rows),
+        )?;
+        Ok((y, rstd))
+    }
+
+    /// `dx1, dx2`: one invocation per row; `dw`: one per column, in passes.
+    fn rms_norm_backward(
+        &self,
+        w: &GpuStorage,
+        rstd: &GpuStorage,
+        g: &GpuStorage,
+        spans: &[usize],
+        d: usize,
+        want_dx: bool,
+        want_dw: bool,
+    ) -> Result<(Option<GpuStorage>, Option<GpuStorage>, Option<GpuStorage>)> {
+        let c = ctx()?;
+        let rows = rstd.len();
+        let (mut dx1, mut dx2, mut dw) = (None, None, None);
+        if want_dx {
+            check_row_loops(c, "rms_norm backward", d, 2)?;
+            let (a, b) = (GpuStorage::alloc(c, rows * d)?, GpuStorage::alloc(c, rows * d)?);
+            let prm = NormParams {
+                rows: u32_of(rows, "rows")?,
+                d: u32_of(d, "d")?,
+                d_f: f32_bits_of(d),
+                eps: 0,
+                zero: 0,
+            };
+            c.dispatch(
+                &RMS_NORM_BACKWARD_ROWS,
+                &prm,
+                &[self.buf(), w.buf(), rstd.buf(), g.buf(), a.buf(), b.buf()],
+                grid1d(rows),
+            )?;
+            (dx1, dx2) = (Some(a), Some(b));
+        }
+        if want_dw {
+            if spans.len() > MAX_DIMS {
+                bail!(Shape, "rms_norm backward: at most {MAX_DIMS} leading axes");
+            }
+            let out = GpuStorage::alloc(c, d)?;
+            let state = GpuStorage::alloc(c, MAX_DIMS * d)?;
+            let mut sp = [1u32; MAX_DIMS];
+            for (s, &v) in sp.iter_mut().zip(spans) {
+                *s = u32_of(v, "rows")?;
+            }
+            // Passes of at most LOOP_PASS rows, at least one (no rows: dw = −0).
+            let mut r0 = 0;
+            loop {
+                let r1 = (r0 + LOOP_PASS).min(rows);
+                let prm = DwParams {
+                    rows: u32_of(rows, "rows")?,
+                    d: u32_of(d, "d")?,
+                    levels: spans.len() as u32,
+                    r0: r0 as u32,
+                    r1: r1 as u32,
+                    zero: 0,
+                    _pad0: 0,
+                    _pad1: 0,
+                    spans: sp,
+                };
+                c.dispatch(
+                    &RMS_NORM_BACKWARD_DW,
+                    &prm,
+                    &[self.buf(), rstd.buf(), g.buf(), state.buf(), out.buf()],
+                    grid1d(d),
+                )?;
+                r0 = r1;
+                if r0 >= rows {
+                    break;
+                }
+            }
+            dw = Some(out);
+        }
+        Ok((dx1, dx2, dw))
+    }
+
+    fn swiglu(&self, up: &GpuStorage) -> Result<GpuStorage> {
+        let c = ctx()?;
+        let n = self.len();
+        let y = GpuStorage::alloc(c, n)?;
+        let prm = EltParams {
+            n: u32_of(n, "length")?,
+            zero: 0,
+        };
+        c.dispatch(&SWIGLU, &prm, &[self.buf(), up.buf(), y.buf()], grid1d(n))?;
+        Ok(y)
+    }
+
+    fn swiglu_backward(&self, up: &GpuStorage, g: &GpuStorage) -> Result<(GpuStorage, GpuStorage)> {
+        let c = ctx()?;
+        let n = self.len();
+        let (dg, du) = (GpuStorage::alloc(c, n)?, GpuStorage::alloc(c, n)?);
+        let prm = EltParams {
+            n: u32_of(n, "length")?,
+            zero: 0,
+        };
+        c.dispatch(
+            &SWIGLU_BACKWARD,
+            &prm,
+            &[self.buf(), up.buf(), g.buf(), dg.buf(), du.buf()],
+            grid1d(n),
+        )?;
+        Ok((dg, du))
+    }
+
+    fn rope(&self, cos: &GpuStorage, sin: &GpuStorage, t: usize, d: usize) -> Result<GpuStorage> {
+        rope_launch(&ROPE, self, cos, sin, t, d)
+    }
+
+    fn rope_backward(&self, cos: &GpuStorage, sin: &GpuStorage, t: usize, d: usize) -> Result<GpuStorage> {
+        rope_launch(&ROPE_BACKWARD, self, cos, sin, t, d)
+    }
+
+    /// One invocation per row, then one that folds the row losses in order.
+    fn cross_entropy(&self, targets: &[u32], v: usize) -> Result<(GpuStorage, GpuStorage)> {
+        let c = ctx()?;
+        check_row_loops(c, "cross_entropy", v, 2)?;
+        let rows = targets.len();
+        let (loss, stats) = (GpuStorage::alloc(c, 1)?, GpuStorage::alloc(c, 2 * rows)?);
+        let rowloss = GpuStorage::alloc(c, rows)?;
+        let prm = CeParams {
+            rows: u32_of(rows, "rows")?,
+            v: u32_of(v, "v")?,
+            rows_f: f32_bits_of(rows),
+            zero: 0,
+        };
+        if rows > 0 {
+            let ids = c.buffer_with(bytemuck::cast_slice(targets));
+            c.dispatch(
+                &CE_ROWS,
+                &prm,
+                &[self.buf(), &ids, stats.buf(), rowloss.buf()],
+                grid1d(rows),
+            )?;
+        }
+        // Passes of at most LOOP_PASS rows, at least one (no rows: the mean of nothing).
+        let mut k0 = 0;
+        loop {
+            let k1 = (k0 + LOOP_PASS).min(rows);
+            let sp = CeSumParams {
+                rows: prm.rows,
+                k0: k0 as u32,
+                k1: k1 as u32,
+                rows_f: prm.rows_f,
+            };
+            c.dispatch(&CE_MEAN, &sp, &[rowloss.buf(), loss.buf()], (1, 1, 1))?;
+            k0 = k1;
+            if k0 >= rows {
+                break;
+            }
+        }
+        Ok((loss, stats))
+    }
+
+    /// One invocation per row.
+    fn cross_entropy_backward(
+        &self,
+        targets: &[u32],
+        stats: &GpuStorage,
+        g: &GpuStorage,
+        v: usize,
+    ) -> Result<GpuStorage> {
+        let c = ctx()?;
+        check_row_loops(c, "cross_entropy backward", v, 1)?;
+        let rows = targets.len();
+        let dx = GpuStorage::alloc(c, rows * v)?;
+        if rows * v == 0 {
+            return Ok(dx);
+        }
+        let prm = CeParams {
+            rows: u32_of(rows, "rows")?,
+            v: u32_of(v, "v")?,
+            rows_f: f32_bits_of(rows),
+            zero: 0,
+        };
+        let ids = c.buffer_with(bytemuck::cast_slice(targets));
+        c.dispatch(
+            &CE_BACKWARD,
+            &prm,
+            &[self.buf(), &ids, stats.buf(), g.buf(), dx.buf()],
+            grid1d(rows),
+        )?;
+        Ok(dx)
+    }
+}
+
+/// RoPE either way: one invocation per element.
+fn rope_launch(
+    k: &Kernel,
+    x: &GpuStorage,
+    cos: &GpuStorage,
+    sin: &GpuStorage,
+    t: usize,
+    d: usize,
+) -> Result<GpuStorage> {
+    let c = ctx()?;
+    let n = x.len();
+    let y = GpuStorage::alloc(c, n)?;
+    let prm = RopeParams {
+        n: u32_of(n, "length")?,
+        t: u32_of(t, "t")?,
+        d: u32_of(d, "d")?,
+        zero: 0,
+    };
+    c.dispatch(k, &prm, &[x.buf(), cos.buf(), sin.buf(), y.buf()], grid1d(n))?;
+    Ok(y)
+}

@@ -1,0 +1,295 @@
+//! Fused transformer primitives: RMSNorm, SwiGLU, rotary position embedding
+//! (RoPE) and softmax cross-entropy, each one primitive per direction.
+//!
+//! Each replaces a composition of the crate's elementwise, reduction and copy
+//! ops (kept as the reference in `ops::fused::reference`) and gives **the
+//! composition's bits**: its forward values and the gradients autograd
+//! computes through it. So every formula below is the composition's, operation
+//! for operation, in its order: each product rounded on its own (never an fma
+//! unless written `fma`), each sum a fold from −0 in ascending order, scalars
+//! narrowed to the storage type once on the host, division, square root,
+//! `exp`, `log` and sigmoid the crate's own ([`math`](super::math)), and
+//! `−x` written `−0 − x` like the `neg` op. Where autograd adds several
+//! gradient contributions, the order it adds them in is part of the formula.
+//!
+//! ## Contract
+//! Notation: `a·b` is a rounded product, `a + b` a rounded sum; `div`, `sqrt`,
+//! `exp`, `log`, `σ(x) = div(1, 1 + exp(−0 − x))` the math library's;
+//! `Σ` a fold from −0 in ascending index order.
+//!
+//! * **`rms_norm`** `x: (rows, d), w: (d) -> y: (rows, d), rstd: (rows)`, per row:
+//!   `ss = Σ_j x_j·x_j`, `r = div(1, sqrt(div(ss, d) + eps))`,
+//!   `y_j = (x_j·r)·w_j` — the composition
+//!   `x.square().mean(-1).add_scalar(eps).rsqrt()`, then `x.mul(r).mul(w)`.
+//!   `rstd` is `r`, kept for the backward.
+//! * **`rms_norm_backward`** from `x`, `w`, `r` and the upstream `g`, per row:
+//!   `gw_j = g_j·w_j`, `gr = Σ_j gw_j·x_j`,
+//!   `gs = div((((gr·r)·r)·r)·(−0.5), d)`, then
+//!   `dx1_j = gw_j·r` (the gradient through `x·r`) and
+//!   `dx2_j = (gs·x_j)·2` (through `x²`), returned apart: `x` feeds both, and
+//!   autograd adds them as two contributions, `(earlier + dx1) + dx2`, which is
+//!   the order it adds the composition's (`x·r`'s node runs before `x²`'s, and
+//!   whatever consumes the norm's output — a residual branch — before both).
+//!   `dw_j` is `g_j·(x_j·r)` summed over the leading axes of `x` the way
+//!   broadcasting's backward (`sum_to`) sums them: the innermost leading axis
+//!   first, each axis a fold from −0, nested (`(B,T,d)`: `Σ_b Σ_t`). Axes of
+//!   size 1 change nothing (`−0 + v = v`) and are dropped.
+//! * **`swiglu`** `gate, up: (n) -> y: (n)`: `y = (gate·σ(gate))·up` — the
+//!   composition `gate.silu().mul(up)`.
+//! * **`swiglu_backward`** from `gate`, `up`, `g`: with `s = σ(gate)`,
+//!   `d_gate = (g·up)·(s·fma(gate, 1 − s, 1))`, `d_up = g·(gate·s)`.
+//! * **`rope`** `x: (rows, d)` (row `i` at position `p = i mod t`),
+//!   `cos, sin: (t, d)`, `d` even, `h = d/2` (Hugging Face's rotate-half
+//!   pairs `(j, j + h)`), with `c, s` row `p` of the tables:
+//!   `y_j = x_j·c_j + (−0 − x_{j+h})·s_j` for `j < h`,
+//!   `y_j = x_j·c_j + x_{j−h}·s_j` for `j ≥ h` — the composition
+//!   `x.mul(cos).add(rotate_half(x).mul(sin))`.
+//! * **`rope_backward`** from `g` (the tables get no gradient):
+//!   `dx_j = ((g_j·c_j) + 0) + g_{j+h}·s_{j+h}` for `j < h`,
+//!   `dx_j = ((g_j·c_j) + (−0 − g_{j−h}·s_{j−h})) + 0` for `j ≥ h`: autograd
+//!   adds `x`'s three contributions in the order `x·cos`, the second half's
+//!   `narrow` (its gradient padded with `+0` in front), the first half's
+//!   (padded behind) — and adding a `+0` pad turns a −0 into +0.
+//! * **`cross_entropy`** `x: (rows, v)`, `targets: (rows)` ids `< v` ->
+//!   `loss: (1)`, `stats: (rows, 2)`, per row: `m = max_j x_j` (from −inf,
+//!   `maximum`, ascending), `S = Σ_j exp(x_j − m)`,
+//!   `p = (x_t − m) − log(S)`; then `loss = −0 − div(Σ_i p_i, rows)`.
+//!   `stats` row `i` is `(m, S)`, kept for the backward. This is the
+//!   composition `log_softmax`, gather of the targets, `sum`, `div_scalar`,
+//!   `neg`, without the `(rows·v)` index table the gather's backward needs.
+//! * **`cross_entropy_backward`** from `x`, `stats` and the loss's upstream
+//!   gradient `G` (one element): `G2 = div(−0 − G, rows)`, `a = +0 + G2` (the
+//!   gather's scatter-add), `gl = −0 − a`, and per row `gS = div(gl, S)`,
+//!   `dx_j = b_j + gS·exp(x_j − m)` with `b_j = a` at the target and `+0`
+//!   elsewhere.
+//!
+//! The GPU twin is `fused.wgsl`. There every product that feeds a sum goes
+//! through `sep` (its bits ORed with a runtime zero) and every `+ 0` adds a
+//! runtime `+0`, so no shader compiler can contract the product into an fma
+//! or fold the `+ 0` away (both legal for WGSL compilers, and both would
+//! change bits).
+
+mod cpu;
+pub(crate) mod gpu;
+
+use super::{observed, on_device};
+use super::Storage;
+use crate::{bail, Result};
+
+/// The two devices' fused primitives (see the module docs for the contract).
+/// Lengths are checked by the [`Storage`] methods before these run.
+pub trait FusedOps: Sized {
+    /// `self` is `x: (rows, d)`; returns `(y, rstd)`.
+    fn rms_norm(&self, w: &Self, rows: usize, d: usize, eps: f64) -> Result<(Self, Self)>;
+    /// `self` is `x`; returns `(dx1, dx2, dw)`, the first two when `want_dx`,
+    /// the last when `want_dw`. `spans` are the levels of `dw`'s nested sum
+    /// (see [`dw_spans`]).
+    #[allow(clippy::too_many_arguments)]
+    fn rms_norm_backward(
+        &self,
+        w: &Self,
+        rstd: &Self,
+        g: &Self,
+        spans: &[usize],
+        d: usize,
+        want_dx: bool,
+        want_dw: bool,
+    ) -> Result<(Option<Self>, Option<Self>, Option<Self>)>;
+    /// `self` is the gate.
+    fn swiglu(&self, up: &Self) -> Result<Self>;
+    /// `self` is the gate; returns `(d_gate, d_up)`.
+    fn swiglu_backward(&self, up: &Self, g: &Self) -> Result<(Self, Self)>;
+    /// `self` is `x: (rows, d)`, the tables `(t, d)`.
+    fn rope(&self, cos: &Self, sin: &Self, t: usize, d: usize) -> Result<Self>;
+    /// `self` is the upstream gradient `(rows, d)`.
+    fn rope_backward(&self, cos: &Self, sin: &Self, t: usize, d: usize) -> Result<Self>;
+    /// `self` is `x: (rows, v)`; returns `(loss, stats)`.
+    fn cross_entropy(&self, targets: &[u32], v: usize) -> Result<(Self, Self)>;
+    /// `self` is `x: (rows, v)`; `g` the loss's upstream gradient (one element).
+    fn cross_entropy_backward(&self, targets: &[u32], stats: &Self, g: &Self, v: usize) -> Result<Self>;
+}
+
+/// The rows each level of `dw`'s nested sum folds, outermost first: level
+/// `l` sums over leading axis `l`, one fold covering `a_l·…·a_{L−1}` rows
+/// (axes of size 1 dropped; at least one level, the whole set of rows). For
+/// `(B,T,d)`: `[B·T, T]` — the fold over `t` within each `b`, then over `b`,
+/// the order `sum_to` reduces the leading axes in.
+pub fn dw_spans(lead: &[usize]) -> Vec<usize> {
+    let mut spans = vec![lead.iter().product::<usize>()];
+    let mut inner = spans[0];
+    if inner == 0 {
+        return spans; // no rows: dw is −0 whatever the levels
+    }
+    for &a in lead.iter().filter(|&&a| a != 1) {
+        inner /= a;
+        if inner > 1 {
+            spans.push(inner);
+        }
+    }
+    spans
+}
+
+fn check_len(what: &str, s: &Storage, want: usize, name: &str) -> Result<()> {
+    if s.len() != want {
+        bail!(
+            Shape,
+            "{what}: {name} holds {} values, expected {want}",
+            s.len()
+        );
+    }
+    Ok(())
+}
+
+/// Every target id is a class (`< v`).
+fn check_targets(targets: &[u32], v: usize) -> Result<()> {
+    if let Some(&t) = targets.iter().find(|&&t| t as usize >= v) {
+        bail!(
+            Shape,
+            "cross_entropy: target {t} out of range for {v} classes"
+        );
+    }
+    Ok(())
+}
+
+impl Storage {
+    /// RMSNorm over the rows of `self: (rows, d)` with weight `w: (d)`;
+    /// returns `(y, rstd)` (see the contract).
+    pub fn rms_norm(&self, w: &Storage, rows: usize, d: usize, eps: f64) -> Result<(Storage, Storage)> {
+        let _prof = crate::profile::scope("rms norm");
+        check_len("rms_norm", self, rows * d, "x")?;
+        check_len("rms_norm", w, d, "the weight")?;
+        let (y, r) = on_device!([self, w] => |x, w| x.rms_norm(w, rows, d, eps));
+        observed("rms norm", || format!("rows {rows} d {d} eps {eps:e}"), &[&y, &r])?;
+        Ok((y, r))
+    }
+
+    /// RMSNorm's backward: `self` is `x: (rows, d)` with leading axes `lead`
+    /// (their product is `rows`). Returns `(dx1, dx2, dw)` (see the contract;
+    /// `None` where not wanted).
+    #[allow(clippy::too_many_arguments)]
+    pub fn rms_norm_backward(
+        &self,
+        w: &Storage,
+        rstd: &Storage,
+        g: &Storage,
+        lead: &[usize],
+        d: usize,
+        want_dx: bool,
+        want_dw: bool,
+    ) -> Result<(Option<Storage>, Option<Storage>, Option<Storage>)> {
+        let _prof = crate::profile::scope("rms norm backward");
+        let rows: usize = lead.iter().product();
+        check_len("rms_norm backward", self, rows * d, "x")?;
+        check_len("rms_norm backward", g, rows * d, "the gradient")?;
+        check_len("rms_norm backward", w, d, "the weight")?;
+        check_len("rms_norm backward", rstd, rows, "rstd")?;
+        let spans = dw_spans(lead);
+        let (dx1, dx2, dw) = on_device!([self, w, rstd, g] => |x, w, r, g| {
+            x.rms_norm_backward(w, r, g, &spans, d, want_dx, want_dw)
+        });
+        let outs: Vec<&Storage> = [&dx1, &dx2, &dw].into_iter().flatten().collect();
+        observed("rms norm backward", || format!("lead {lead:?} d {d}"), &outs)?;
+        Ok((dx1, dx2, dw))
+    }
+
+    /// SwiGLU `silu(self) · up` elementwise (`self` is the gate).
+    pub fn swiglu(&self, up: &Storage) -> Result<Storage> {
+        let _prof = crate::profile::scope("swiglu");
+        check_len("swiglu", up, self.len(), "up")?;
+        let y = on_device!([self, up] => |a, b| a.swiglu(b));
+        observed("swiglu", || format!("n {}", self.len()), &[&y])?;
+        Ok(y)
+    }
+
+    /// SwiGLU's backward: `(d_gate, d_up)` from the gate `self`, `up` and the
+    /// upstream gradient.
+    pub fn swiglu_backward(&self, up: &Storage, g: &Storage) -> Result<(Storage, Storage)> {
+        let _prof = crate::profile::scope("swiglu backward");
+        check_len("swiglu backward", up, self.len(), "up")?;
+        check_len("swiglu backward", g, self.len(), "the gradient")?;
+        let (da, db) = on_device!([self, up, g] => |a, b, g| a.swiglu_backward(b, g));
+        observed("swiglu backward", || format!("n {}", self.len()), &[&da, &db])?;
+        Ok((da, db))
+    }
+
+    /// RoPE on the rows of `self: (rows, d)`, row `i` at position `i mod t`,
+    /// with the tables `cos, sin: (t, d)`.
+    pub fn rope(&self, cos: &Storage, sin: &Storage, t: usize, d: usize) -> Result<Storage> {
+        let _prof = crate::profile::scope("rope");
+        check_rope(self, cos, sin, t, d)?;
+        let y = on_device!([self, cos, sin] => |x, c, s| x.rope(c, s, t, d));
+        observed("rope", || format!("rows {} t {t} d {d}", self.len() / d.max(1)), &[&y])?;
+        Ok(y)
+    }
+
+    /// RoPE's backward from the upstream gradient `self: (rows, d)`.
+    pub fn rope_backward(&self, cos: &Storage, sin: &Storage, t: usize, d: usize) -> Result<Storage> {
+        let _prof = crate::profile::scope("rope backward");
+        check_rope(self, cos, sin, t, d)?;
+        let dx = on_device!([self, cos, sin] => |g, c, s| g.rope_backward(c, s, t, d));
+        observed("rope backward", || format!("rows {} t {t} d {d}", self.len() / d.max(1)), &[&dx])?;
+        Ok(dx)
+    }
+
+    /// Softmax cross-entropy of the rows of `self: (rows, v)` against
+    /// `targets` (one id `< v` per row); returns `(loss (1), stats (rows, 2))`.
+    pub fn cross_entropy(&self, targets: &[u32], v: usize) -> Result<(Storage, Storage)> {
+        let _prof = crate::profile::scope("cross-entropy");
+        check_len("cross_entropy", self, targets.len() * v, "the logits")?;
+        check_targets(targets, v)?;
+        let (loss, stats) = on_device!([self] => |x| x.cross_entropy(targets, v));
+        observed("cross-entropy", || format!("rows {} v {v}", targets.len()), &[&loss, &stats])?;
+        Ok((loss, stats))
+    }
+
+    /// Cross-entropy's backward: the logits' gradient `(rows, v)` from the
+    /// logits `self`, the forward's `stats` and the loss's upstream gradient `g`.
+    pub fn cross_entropy_backward(
+        &self,
+        targets: &[u32],
+        stats: &Storage,
+        g: &Storage,
+        v: usize,
+    ) -> Result<Storage> {
+        let _prof = crate::profile::scope("cross-entropy backward");
+        check_len("cross_entropy backward", self, targets.len() * v, "the logits")?;
+        check_len("cross_entropy backward", stats, 2 * targets.len(), "stats")?;
+        check_len("cross_entropy backward", g, 1, "the upstream gradient")?;
+        check_targets(targets, v)?;
+        let dx = on_device!([self, stats, g] => |x, s, g| x.cross_entropy_backward(targets, s, g, v));
+        observed("cross-entropy backward", || format!("rows {} v {v}", targets.len()), &[&dx])?;
+        Ok(dx)
+    }
+}
+
+fn check_rope(x: &Storage, cos: &Storage, sin: &Storage, t: usize, d: usize) -> Result<()> {
+    if !d.is_multiple_of(2) {
+        bail!(Shape, "rope needs an even last axis (pairs (j, j + d/2)), got {d}");
+    }
+    if (t == 0 && !x.is_empty()) || !x.len().is_multiple_of((t * d).max(1)) {
+        bail!(
+            Shape,
+            "rope: {} values are not whole blocks of {t} positions of {d}",
+            x.len()
+        );
+    }
+    check_len("rope", cos, t * d, "the cos table")?;
+    check_len("rope", sin, t * d, "the sin table")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::dw_spans;
+
+    #[test]
+    fn spans_follow_the_leading_axes_innermost_last() {
+        assert_eq!(dw_spans(&[]), vec![1]);
+        assert_eq!(dw_spans(&[7]), vec![7]);
+        assert_eq!(dw_spans(&[2, 5]), vec![10, 5]);
+        assert_eq!(dw_spans(&[2, 1, 5]), vec![10, 5]);
+        assert_eq!(dw_spans(&[1, 5]), vec![5]);
+        assert_eq!(dw_spans(&[3, 4, 5]), vec![60, 20, 5]);
+        assert_eq!(dw_spans(&[5, 1]), vec![5]);
+        assert_eq!(dw_spans(&[0, 3]), vec![0]);
+    }
+}

@@ -1,0 +1,243 @@
+//! Fused transformer ops: RMSNorm, SwiGLU, RoPE and softmax cross-entropy,
+//! each one backend primitive forward and one backward (`backend::fused`),
+//! the Llama's building blocks.
+//!
+//! Each gives bit for bit the values *and the gradients* of the composition
+//! of single ops it replaces — kept below in [`reference`](mod@reference),
+//! the definition the fused primitives are tested against. Gradients
+//! include the order in which autograd adds a tensor's contributions (float
+//! addition does not associate), and that is where the fused ops differ in
+//! shape:
+//!
+//! * SwiGLU and cross-entropy: the composition hands each input one
+//!   gradient, and so does the fused op — equal in any graph.
+//! * RMSNorm: the composition's input feeds `x·r` and `x²`, whose gradients
+//!   autograd adds in that order, each onto whatever `x` had gathered before.
+//!   The fused op lists `x` twice among its parents and returns the two apart
+//!   (`dx1`, `dx2`), so autograd adds them exactly where it added the
+//!   composition's — provided nothing else consuming `x` runs *between* the
+//!   two (it cannot in the Llama: the residual branch that also reads `x`
+//!   consumes the norm's output and runs before both).
+//! * RoPE: the composition gives `x` three contributions (`x·cos` and one
+//!   per half of `rotate_half`); the fused op gives their sum, formed in the
+//!   same order, so it is exact where `x` has nothing else gathered before —
+//!   as in the Llama, where `x` is a fresh view of the projected heads that
+//!   only RoPE reads. (Splitting it like RMSNorm would cost two more passes
+//!   over `x` for a graph the model never builds.)
+
+use crate::tensor::shape::numel;
+use crate::{bail, Result, Tensor};
+
+impl Tensor {
+    /// RMSNorm over the last axis: `x: (.., d)`, `w: (d)` -> `(.., d)`,
+    /// `y = x · rsqrt(mean(x²) + eps) · w` (`eps` narrowed to the dtype once).
+    /// The composition's bits: [`reference::rms_norm`].
+    pub fn rms_norm(&self, w: &Tensor, eps: f64) -> Result<Tensor> {
+        let d = match self.shape().last() {
+            Some(&d) if w.shape() == [d] => d,
+            _ => bail!(
+                Shape,
+                "rms_norm: input {:?} and weight {:?}: the weight must be (d,) for an input (.., d)",
+                self.shape(),
+                w.shape()
+            ),
+        };
+        let lead = self.shape()[..self.dims() - 1].to_vec();
+        let rows = numel(&lead);
+        let (y, rstd) = self.storage().rms_norm(&w.storage(), rows, d, eps)?;
+        let (want_dx, want_dw) = (self.requires_grad(), w.requires_grad());
+        let (x, wk) = (self.detach(), w.detach());
+        // x twice: the gradients through x·r and through x² (see the module docs)
+        Ok(Tensor::record(
+            y,
+            self.shape().to_vec(),
+            "rms_norm",
+            &[self, self, w],
+            move |g| {
+                let (dx1, dx2, dw) = x.storage().rms_norm_backward(
+                    &wk.storage(),
+                    &rstd,
+                    &g.storage(),
+                    &lead,
+                    d,
+                    want_dx,
+                    want_dw,
+                )?;
+                let t = |s: Option<crate::backend::Storage>, shape: &[usize]| {
+                    s.map(|s| Tensor::from_storage(s, shape)).transpose()
+                };
+                Ok(vec![t(dx1, x.shape())?, t(dx2, x.shape())?, t(dw, &[d])?])
+            },
+        ))
+    }
+
+    /// SwiGLU `silu(self) · up` (`self` the gate), elementwise over equal
+    /// shapes. The composition's bits: [`reference::swiglu`].
+    pub fn swiglu(&self, up: &Tensor) -> Result<Tensor> {
+        if self.shape() != up.shape() {
+            bail!(
+                Shape,
+                "swiglu: gate {:?} and up {:?} differ in shape",
+                self.shape(),
+                up.shape()
+            );
+        }
+        let y = self.storage().swiglu(&up.storage())?;
+        let (gate, upk) = (self.detach(), up.detach());
+        Ok(Tensor::record(
+            y,
+            self.shape().to_vec(),
+            "swiglu",
+            &[self, up],
+            move |g| {
+                let (dg, du) = gate
+                    .storage()
+                    .swiglu_backward(&upk.storage(), &g.storage())?;
+                Ok(vec![
+                    Some(Tensor::from_storage(dg, gate.shape())?),
+                    Some(Tensor::from_storage(du, gate.shape())?),
+                ])
+            },
+        ))
+    }
+
+    /// Rotary position embedding (rotate-half, Hugging Face's pairs
+    /// `(i, i + D/2)`): `x: (.., T, D)`, `cos, sin: (T, D)` ->
+    /// `x·cos + rotate_half(x)·sin`. The tables are constants: they get no
+    /// gradient. The composition's bits: [`reference::rope`].
+    pub fn rope(&self, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        let r = self.dims();
+        if r < 2 || cos.shape() != &self.shape()[r - 2..] || sin.shape() != cos.shape() {
+            bail!(
+                Shape,
+                "rope: input {:?} needs tables of its last two axes, got cos {:?} and sin {:?}",
+                self.shape(),
+                cos.shape(),
+                sin.shape()
+            );
+        }
+        let (t, d) = (self.shape()[r - 2], self.shape()[r - 1]);
+        if !d.is_multiple_of(2) {
+            bail!(
+                Shape,
+                "rope needs an even head dimension (it rotates pairs (i, i + D/2)), got {:?}",
+                self.shape()
+            );
+        }
+        if cos.requires_grad() || sin.requires_grad() {
+            bail!(
+                Shape,
+                "rope: the cos/sin tables are constants here (no gradient flows to them); use reference::rope to differentiate them"
+            );
+        }
+        let y = self.storage().rope(&cos.storage(), &sin.storage(), t, d)?;
+        let (c, s) = (cos.storage(), sin.storage());
+        let shape = self.shape().to_vec();
+        Ok(Tensor::record(
+            y,
+            shape.clone(),
+            "rope",
+            &[self],
+            move |g| {
+                let dx = g.storage().rope_backward(&c, &s, t, d)?;
+                Ok(vec![Some(Tensor::from_storage(dx, &shape)?)])
+            },
+        ))
+    }
+}
+
+/// Softmax cross-entropy `mean_r (logsumexp(row r) − row r[target r])` (spec
+/// L0.3): `logits: (n, v)`, `targets: n ids < v` -> a 0-d tensor. One primitive
+/// each way, taking the ids as they are; the composition's bits:
+/// [`reference::cross_entropy`].
+pub fn cross_entropy(logits: &Tensor, targets: &[u32]) -> Result<Tensor> {
+    check_cross_entropy(logits, targets)?;
+    let v = logits.shape()[1];
+    let (loss, stats) = logits.storage().cross_entropy(targets, v)?;
+    let x = logits.detach();
+    let ids = targets.to_vec();
+    Ok(Tensor::record(
+        loss,
+        vec![],
+        "cross_entropy",
+        &[logits],
+        move |g| {
+            let dx = x
+                .storage()
+                .cross_entropy_backward(&ids, &stats, &g.storage(), v)?;
+            Ok(vec![Some(Tensor::from_storage(dx, x.shape())?)])
+        },
+    ))
+}
+
+fn check_cross_entropy(logits: &Tensor, targets: &[u32]) -> Result<()> {
+    if logits.dims() != 2 || logits.shape()[0] != targets.len() {
+        bail!(
+            Shape,
+            "cross_entropy: logits {:?} need shape (n, v) with n = {} targets",
+            logits.shape(),
+            targets.len()
+        );
+    }
+    let v = logits.shape()[1];
+    if let Some(&t) = targets.iter().find(|&&t| t as usize >= v) {
+        bail!(
+            Shape,
+            "cross_entropy: target {t} out of range for {v} classes"
+        );
+    }
+    Ok(())
+}
+
+/// The compositions of single ops the fused ops replace: the definition of
+/// their values and gradients, bit for bit (`tests/fused.rs` holds them to it).
+pub mod reference {
+    use super::check_cross_entropy;
+    use crate::{bail, Result, Tensor};
+
+    /// `x / √(mean(x²) + eps) · w` over the last axis.
+    pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+        let r = x.square()?.mean(-1, true)?.add_scalar(eps)?.rsqrt()?;
+        x.mul(&r)?.mul(w)
+    }
+
+    /// `silu(gate) · up`.
+    pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+        gate.silu()?.mul(up)
+    }
+
+    /// `rotate_half(x) = cat(−x₂, x₁)` over the last axis, `x₁`/`x₂` its halves
+    /// (Hugging Face's convention: pairs are `(i, i + D/2)`, not adjacent).
+    pub fn rotate_half(x: &Tensor) -> Result<Tensor> {
+        let d = *x.shape().last().unwrap_or(&0);
+        if !d.is_multiple_of(2) {
+            bail!(
+                Shape,
+                "rotate_half needs an even last axis, got {:?}",
+                x.shape()
+            );
+        }
+        let x1 = x.narrow(-1, 0, d / 2)?;
+        let x2 = x.narrow(-1, d / 2, d / 2)?;
+        Tensor::cat(&[&x2.neg()?, &x1], -1)
+    }
+
+    /// `x · cos + rotate_half(x) · sin`: `x: (.., T, D)`, `cos, sin: (T, D)`.
+    pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        x.mul(cos)?.add(&rotate_half(x)?.mul(sin)?)
+    }
+
+    /// `log_softmax`, the target entries picked with the embedding gather
+    /// (rows of width 1), summed, divided by `n`, negated.
+    pub fn cross_entropy(logits: &Tensor, targets: &[u32]) -> Result<Tensor> {
+        check_cross_entropy(logits, targets)?;
+        let (n, v) = (logits.shape()[0], logits.shape()[1]);
+        let lsm = logits.log_softmax()?.reshape(&[n * v, 1])?;
+        let ids: Vec<u32> = targets
+            .iter()
+            .enumerate()
+            .map(|(r, &t)| (r * v) as u32 + t)
+            .collect();
+        lsm.embedding(&ids)?.sum_all()?.div_scalar(n as f64)?.neg()
+    }
+}
