@@ -236,3 +236,52 @@ impl Tensor {
         )
     }
 }
+
+/// Arithmetic operators on references: `&a + &b`, `&a * 2.0`, `-&a`. Each is
+/// the named op ([`Tensor::add`], [`Tensor::mul_scalar`], …) with its
+/// broadcasting, autograd and autocast, and like it returns a `Result` (a
+/// shape mismatch is an error, not a panic), so chains read
+/// `(&(&a * &b)? + &c)?`.
+///
+/// ```
+/// use tinyllm::{Device, Tensor};
+/// let a = Tensor::from_vec(vec![1.0, 2.0], &[2], Device::Cpu)?;
+/// let b = Tensor::from_vec(vec![10.0, 20.0], &[2], Device::Cpu)?;
+/// let y = (&(&a * &b)? - &a)?;
+/// assert_eq!(y.to_vec_f32()?, vec![9.0, 38.0]);
+/// assert_eq!((-&(&a * 0.5)?)?.to_vec_f32()?, vec![-0.5, -1.0]);
+/// assert!((&a + &Tensor::zeros(&[3], tinyllm::DType::F32, Device::Cpu)?).is_err());
+/// # Ok::<(), tinyllm::Error>(())
+/// ```
+mod operators {
+    use crate::{Result, Tensor};
+    use std::ops::{Add, Div, Mul, Neg, Sub};
+
+    macro_rules! tensor_op {
+        ($trait:ident, $method:ident, $op:ident, $scalar:expr) => {
+            impl $trait<&Tensor> for &Tensor {
+                type Output = Result<Tensor>;
+                fn $method(self, rhs: &Tensor) -> Result<Tensor> {
+                    self.$op(rhs)
+                }
+            }
+            impl $trait<f64> for &Tensor {
+                type Output = Result<Tensor>;
+                fn $method(self, c: f64) -> Result<Tensor> {
+                    $scalar(self, c)
+                }
+            }
+        };
+    }
+    tensor_op!(Add, add, add, |t: &Tensor, c| t.add_scalar(c));
+    tensor_op!(Sub, sub, sub, |t: &Tensor, c: f64| t.add_scalar(-c));
+    tensor_op!(Mul, mul, mul, |t: &Tensor, c| t.mul_scalar(c));
+    tensor_op!(Div, div, div, |t: &Tensor, c| t.div_scalar(c));
+
+    impl Neg for &Tensor {
+        type Output = Result<Tensor>;
+        fn neg(self) -> Result<Tensor> {
+            Tensor::neg(self)
+        }
+    }
+}

@@ -53,6 +53,21 @@ pub(crate) struct Inner {
 }
 
 /// A shared handle: clones refer to the same tensor (and the same `.grad`).
+///
+/// Arithmetic works on references and, like every op, returns a `Result` (a
+/// shape mismatch is an error, not a panic):
+///
+/// ```
+/// use tinyllm::{Device, Tensor};
+/// let a = Tensor::from_vec(vec![1.0, 2.0], &[2], Device::Cpu)?;
+/// let y = (&(&a * &a)? + 1.0)?; // a² + 1, through the same ops as a.mul(&a)?.add_scalar(1.0)?
+/// assert_eq!(y.to_vec_f32()?, vec![2.0, 5.0]);
+/// # Ok::<(), tinyllm::Error>(())
+/// ```
+///
+/// Handles are `Rc`-based, so a tensor stays on the thread that made it
+/// (`!Send`); threads each build their own (grad mode, autocast and memory
+/// counters are per thread too).
 #[derive(Clone)]
 pub struct Tensor(pub(crate) Rc<Inner>);
 
