@@ -2915,3 +2915,88 @@ fn a_missing_data_file_is_reported_before_probing_devices() {
         );
     }
 }
+
+/// A long comparison run in pieces ends where the one-shot comparison ends:
+/// one side alone (`--side fp32`), the other interrupted by a signal in the
+/// middle of a step, then `--resume`, which keeps the finished side and
+/// continues the interrupted one. The held-out losses (JSON keeps every bit
+/// of an f32) are those of `compare` run once.
+#[test]
+fn a_comparison_runs_one_side_at_a_time_and_resumes_to_the_same_bits() {
+    let args = |out: &Path| -> Vec<String> {
+        [
+            "compare", "--preset", "tiny", "--steps", "8", "--device", "cpu", "--plain", "--out",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .chain([out.display().to_string()])
+        .collect()
+    };
+    let with = |out: &Path, extra: &[&str]| -> Vec<String> {
+        let mut a = args(out);
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    };
+    let heldout = |json: &str| -> (u32, u32) {
+        let v: serde_json::Value = serde_json::from_str(json.trim()).unwrap();
+        let l = |s: &str| (v[s]["heldout_loss"].as_f64().unwrap() as f32).to_bits();
+        (l("fp32"), l("mixed"))
+    };
+    let once = tmpdir("cmp-once");
+    let (ok, json, err) = run_bin(&strs(&with(&once, &["--json"])), &[]);
+    assert!(ok, "{err}");
+    let want = heldout(&json);
+
+    let out = tmpdir("cmp-pieces");
+    let (ok, _, err) = run_bin(&strs(&with(&out, &["--side", "fp32"])), &[]);
+    assert!(ok, "{err}");
+    assert!(
+        err.contains("the fp32 side has finished") && err.contains("--side mixed --resume"),
+        "{err}"
+    );
+    // plain progress lines say how long the run has left
+    assert!(
+        err.lines()
+            .any(|l| l.starts_with("step") && l.contains(" eta ")),
+        "{err}"
+    );
+    // a second start without --resume is refused, naming the way on
+    let (ok, _, err) = run_bin(&strs(&with(&out, &["--side", "mixed"])), &[]);
+    assert!(!ok && err.contains("--resume"), "{err}");
+
+    let fault = "await-signal@3";
+    let (mut child, rx) = spawn_bin(
+        &with(&out, &["--side", "mixed", "--resume"]),
+        &[("TINYLLM_FAULT", fault)],
+    );
+    wait_for(&rx, &format!("TINYLLM_FAULT_PAUSED {fault}"));
+    send_signal(&child, libc::SIGINT);
+    let st = wait_exit(&mut child, 120);
+    let err = rx.iter().collect::<Vec<String>>().join("\n");
+    assert!(!st.success(), "{err}");
+    assert!(
+        err.contains("interrupted by SIGINT") && err.contains("--resume"),
+        "{err}"
+    );
+    assert_eq!(
+        Verified::open(&out.join("mixed"))
+            .unwrap()
+            .train_state()
+            .unwrap()
+            .step,
+        3
+    );
+
+    let (ok, json, err) = run_bin(&strs(&with(&out, &["--resume", "--json"])), &[]);
+    assert!(ok, "{err}");
+    assert_eq!(heldout(&json), want, "the comparison in pieces differs");
+    let metrics = metrics(&out.join("mixed"));
+    assert_eq!(
+        metrics.iter().map(|m| m.step).collect::<Vec<_>>(),
+        (1..=8).collect::<Vec<_>>()
+    );
+    assert!(metrics.iter().all(|m| m.process_peak_bytes.is_some()));
+    for d in [once, out] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}

@@ -733,10 +733,14 @@ fn a_run_writes_metrics_plot_checkpoint_and_compare_passes() {
             out: Some(out.join("cmp")),
             ..Default::default()
         },
-        false,
+        tinyllm::train::compare::Existing::Refuse,
+        tinyllm::train::compare::Sides::Both,
         Progress::Quiet,
     )
     .unwrap();
+    let tinyllm::train::compare::Outcome::Compared(c) = c else {
+        panic!("both sides ran")
+    };
     // (the process peaks are not compared here: other tests share this process)
     assert!(
         c.mixed.measured_peak_bytes < c.fp32.measured_peak_bytes,

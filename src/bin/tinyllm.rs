@@ -189,8 +189,16 @@ struct CompareArgs {
     #[command(flatten)]
     run: RunFlags,
     /// Replace the runs --out holds from an earlier comparison.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "resume")]
     overwrite: bool,
+    /// Keep a side that has finished in --out and continue one that was
+    /// interrupted (give the same flags as the first time).
+    #[arg(long)]
+    resume: bool,
+    /// Train only this side now (fp32 or mixed); the comparison is printed
+    /// once both have finished in --out.
+    #[arg(long, value_name = "SIDE", value_parser = ["both", "fp32", "mixed"], default_value = "both")]
+    side: String,
     /// Print the result as one JSON object.
     #[arg(long)]
     json: bool,
@@ -487,7 +495,28 @@ fn cmd_compare(a: CompareArgs) -> tinyllm::Result<ExitCode> {
     } else {
         a.run.progress()
     };
-    let c = compare::compare(&a.run.options(), a.overwrite, progress)?;
+    let existing = match (a.overwrite, a.resume) {
+        (true, _) => compare::Existing::Overwrite,
+        (_, true) => compare::Existing::Resume,
+        _ => compare::Existing::Refuse,
+    };
+    let sides = match a.side.as_str() {
+        "fp32" => compare::Sides::Fp32,
+        "mixed" => compare::Sides::Mixed,
+        _ => compare::Sides::Both,
+    };
+    // a signal finishes the current step and saves it, for --resume
+    interrupt::install()?;
+    let c = match compare::compare(&a.run.options(), existing, sides, progress)? {
+        compare::Outcome::Compared(c) => c,
+        compare::Outcome::OneSide { done, missing, out } => {
+            note!(
+                "the {done} side has finished in {}; the comparison needs the {missing} side: run the same command with --side {missing} --resume",
+                out.display()
+            );
+            return Ok(ExitCode::SUCCESS);
+        }
+    };
     if a.json {
         out!(
             "{}",

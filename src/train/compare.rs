@@ -14,7 +14,7 @@ use crate::train::config::{TrainConfig, TrainOptions};
 use crate::train::data::{Corpus, Dataset};
 use crate::train::plan::mib;
 use crate::train::plot::{loss_svg, Series};
-use crate::train::trainer::{run, say, Progress, RunSummary, Start};
+use crate::train::trainer::{finished_run, run, say, Progress, RunSummary, Start};
 use crate::Result;
 use serde::Serialize;
 
@@ -85,15 +85,48 @@ fn heldout_loss(cfg: &TrainConfig, s: &RunSummary) -> Result<f32> {
     crate::train::infer::evaluate(&model, &batch, Precision::Fp32, cfg.micro_batch.max(8))
 }
 
-/// Runs both trainings under `opts.out` (default `runs/compare`): `fp32/` and
-/// `mixed/`, and writes `compare.svg` with both loss curves. Runs already
-/// there are refused unless `overwrite`.
-pub fn compare(opts: &TrainOptions, overwrite: bool, progress: Progress) -> Result<Comparison> {
-    let start = if overwrite {
-        Start::Overwrite
-    } else {
-        Start::Fresh
-    };
+/// Which side(s) of the comparison this call trains.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Sides {
+    Both,
+    Fp32,
+    Mixed,
+}
+
+/// How [`compare`] treats the runs `--out` already holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Existing {
+    /// Refuse them.
+    Refuse,
+    /// Delete them and start again.
+    Overwrite,
+    /// Keep a finished side, continue an unfinished one.
+    Resume,
+}
+
+/// What a call to [`compare`] ends with.
+#[derive(Clone, Debug)]
+pub enum Outcome {
+    /// Both sides are finished: the comparison.
+    Compared(Box<Comparison>),
+    /// Only `done` is finished; the other side is still to run.
+    OneSide {
+        done: &'static str,
+        missing: &'static str,
+        out: std::path::PathBuf,
+    },
+}
+
+/// Trains the sides asked for under `opts.out` (default `runs/compare`):
+/// `fp32/` and `mixed/`, one after the other, and, once both are finished,
+/// compares them and writes `compare.svg`. A long comparison can run one side
+/// per call (`sides`) and continue an interrupted side (`Existing::Resume`).
+pub fn compare(
+    opts: &TrainOptions,
+    existing: Existing,
+    sides: Sides,
+    progress: Progress,
+) -> Result<Outcome> {
     let mut o = opts.clone();
     let out = o.out.take().unwrap_or_else(|| "runs/compare".into());
     if o.precision.as_deref() == Some("fp32") {
@@ -112,30 +145,59 @@ pub fn compare(opts: &TrainOptions, overwrite: bool, progress: Progress) -> Resu
         out: out.join("fp32"),
         ..mixed_cfg.clone()
     };
-    if progress != Progress::Quiet {
-        say(
-            progress,
-            &format!("== float32, full batch of {} ==", fp32_cfg.batch),
-        );
+    if existing == Existing::Refuse {
+        for cfg in [&fp32_cfg, &mixed_cfg] {
+            if let Some(what) = crate::train::outdir::existing_run(&cfg.out) {
+                crate::bail!(Config,
+                    "{} already holds a comparison's run ({what}): continue it with --resume, replace it with --overwrite, or give another --out",
+                    out.display()
+                );
+            }
+        }
     }
-    // Each side's process peak starts from what the process holds before it.
-    memory::restart_process_peak();
-    let a = run(fp32_cfg.clone(), start, progress)?;
-    stop_if_interrupted(&a)?;
-    if progress != Progress::Quiet {
-        say(
-            progress,
-            &format!(
-                "== {}, {} micro-batches of {}, checkpointing ==",
-                mixed_cfg.precision.name(),
-                mixed_cfg.accum,
-                mixed_cfg.micro_batch
-            ),
-        );
-    }
-    memory::restart_process_peak();
-    let b = run(mixed_cfg.clone(), start, progress)?;
-    stop_if_interrupted(&b)?;
+    let fp32_title = format!("float32, full batch of {}", fp32_cfg.batch);
+    let mixed_title = format!(
+        "{}, {} micro-batches of {}, checkpointing",
+        mixed_cfg.precision.name(),
+        mixed_cfg.accum,
+        mixed_cfg.micro_batch
+    );
+    let a = one_side(
+        &fp32_cfg,
+        &fp32_title,
+        existing,
+        sides != Sides::Mixed,
+        progress,
+    )?;
+    let b = one_side(
+        &mixed_cfg,
+        &mixed_title,
+        existing,
+        sides != Sides::Fp32,
+        progress,
+    )?;
+    let (a, b) = match (a, b) {
+        (Some(a), Some(b)) => (a, b),
+        (Some(_), None) => {
+            return Ok(Outcome::OneSide {
+                done: "fp32",
+                missing: "mixed",
+                out,
+            })
+        }
+        (None, Some(_)) => {
+            return Ok(Outcome::OneSide {
+                done: "mixed",
+                missing: "fp32",
+                out,
+            })
+        }
+        (None, None) => crate::bail!(
+            Config,
+            "compare: neither side has finished in {}",
+            out.display()
+        ),
+    };
     let (ha, hb) = (heldout_loss(&fp32_cfg, &a)?, heldout_loss(&mixed_cfg, &b)?);
     let rel = ((hb - ha) / ha).abs();
     let peaks = |s: &RunSummary| match s.process_peak_bytes {
@@ -175,7 +237,7 @@ pub fn compare(opts: &TrainOptions, overwrite: bool, progress: Progress) -> Resu
         (Some(pa), Some(pb)) => pb < pa,
         _ => b.peak_bytes < a.peak_bytes,
     };
-    Ok(Comparison {
+    Ok(Outcome::Compared(Box::new(Comparison {
         preset: mixed_cfg.preset.clone(),
         steps: mixed_cfg.steps,
         batch: mixed_cfg.batch,
@@ -187,7 +249,46 @@ pub fn compare(opts: &TrainOptions, overwrite: bool, progress: Progress) -> Resu
         lower_peak: lower,
         pass: within && lower,
         plot: plot.display().to_string(),
-    })
+    })))
+}
+
+/// One side: trained here when `train` (fresh, or continued when resuming),
+/// else only read back if it has finished. `None`: not finished.
+fn one_side(
+    cfg: &TrainConfig,
+    title: &str,
+    existing: Existing,
+    train: bool,
+    progress: Progress,
+) -> Result<Option<RunSummary>> {
+    let resume = existing == Existing::Resume;
+    if !train || resume {
+        if let Some(done) = finished_run(cfg)? {
+            if train {
+                say(
+                    progress,
+                    &format!("== {title}: finished in {} ==", cfg.out.display()),
+                );
+            }
+            return Ok(Some(done));
+        }
+    }
+    if !train {
+        return Ok(None);
+    }
+    say(progress, &format!("== {title} =="));
+    let start = match existing {
+        Existing::Resume if crate::train::outdir::existing_run(&cfg.out).is_some() => {
+            Start::Resume(&cfg.out)
+        }
+        Existing::Overwrite => Start::Overwrite,
+        _ => Start::Fresh,
+    };
+    // Each side's process peak starts from what the process holds before it.
+    memory::restart_process_peak();
+    let s = run(cfg.clone(), start, progress)?;
+    stop_if_interrupted(&s)?;
+    Ok(Some(s))
 }
 
 /// A run a signal stopped is not a comparison.
@@ -195,7 +296,7 @@ fn stop_if_interrupted(s: &RunSummary) -> Result<()> {
     match s.interrupted {
         Some(sig) => Err(crate::Error::io(
             format!(
-                "compare: interrupted by {} ({} has the checkpoint of step {})",
+                "compare: interrupted by {} ({} has the checkpoint of step {}; continue with the same command and --resume)",
                 crate::train::interrupt::name(sig),
                 s.out.display(),
                 s.checkpoint_step

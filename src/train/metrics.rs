@@ -30,6 +30,10 @@ pub struct StepMetrics {
     /// time between an interruption and its resume not counted).
     #[serde(default)]
     pub elapsed_s: f64,
+    /// The process's resident high-water mark after this step (bytes), where
+    /// the platform reports it; a resumed run's peak is the largest of these.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub process_peak_bytes: Option<usize>,
 }
 
 fn f32_or_nan<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<f32, D::Error> {

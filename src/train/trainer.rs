@@ -229,6 +229,7 @@ impl Trainer {
             peak_bytes: memory::peak_bytes(),
             tokens: step * self.cfg.tokens_per_step(),
             elapsed_s: 0.0, // the run loop knows the run's clock
+            process_peak_bytes: memory::process_peak_rss(),
         })
     }
 
@@ -505,6 +506,50 @@ pub fn run_checked(
     Ok(lp.finish(tr, interrupted, device, t_start))
 }
 
+/// The summary of the finished run in `cfg.out` (its checkpoint holds step
+/// `cfg.steps` or later), rebuilt from that checkpoint and `metrics.jsonl`;
+/// `None` when the directory holds no run or one that has not finished.
+/// The process peak is the largest any of the run's processes reported.
+pub fn finished_run(cfg: &TrainConfig) -> Result<Option<RunSummary>> {
+    if outdir::existing_run(&cfg.out).is_none() {
+        return Ok(None);
+    }
+    let dir = checkpoint::resolve_dir(&cfg.out);
+    let Ok(ck) = Verified::open(&dir) else {
+        return Ok(None);
+    };
+    let step = ck.train_state()?.step;
+    if step < cfg.steps {
+        return Ok(None);
+    }
+    let history: Vec<StepMetrics> = MetricsLog::read(&cfg.out.join("metrics.jsonl"))?
+        .into_iter()
+        .filter(|m| m.step <= step)
+        .collect();
+    let losses: Vec<f32> = history.iter().map(|m| m.loss).collect();
+    let (device, _) = select_device(cfg.device)?;
+    Ok(Some(RunSummary {
+        out: cfg.out.clone(),
+        checkpoint: Some(dir),
+        checkpoint_step: step,
+        interrupted: None,
+        final_loss: tail_mean(&losses),
+        final_val_loss: history.last().and_then(|m| m.val_loss),
+        plan: memory_plan(
+            &cfg.model,
+            cfg.micro_batch,
+            cfg.model.context,
+            cfg.precision,
+            cfg.ckpt_budget,
+        )?,
+        peak_bytes: history.iter().map(|m| m.peak_bytes).max().unwrap_or(0),
+        process_peak_bytes: history.iter().filter_map(|m| m.process_peak_bytes).max(),
+        seconds: history.last().map_or(0.0, |m| m.elapsed_s),
+        device,
+        history,
+    }))
+}
+
 /// Checks the output directory before anything is written to it: nothing
 /// there that is not tinyllm's under a checkpoint's name, no earlier run
 /// unless resumed or overwritten.
@@ -585,6 +630,8 @@ struct Loop {
     /// When this process's part of the run began, and the run's seconds
     /// before it (from the metrics of the run it resumes).
     clock: (Instant, f64),
+    /// The step this process started from (the ETA counts its own steps).
+    first_step: usize,
     out: PathBuf,
     progress: Progress,
     log: MetricsLog,
@@ -625,6 +672,7 @@ impl Loop {
         let elapsed_before = history.last().map_or(0.0, |m: &StepMetrics| m.elapsed_s);
         Ok(Loop {
             clock: (Instant::now(), elapsed_before),
+            first_step: tr.step,
             out: tr.cfg.out.clone(),
             progress,
             log,
@@ -757,9 +805,19 @@ impl Loop {
                 } else {
                     ""
                 };
+                let eta = if last {
+                    String::new()
+                } else {
+                    let per_step = self.clock.0.elapsed().as_secs_f64()
+                        / (tr.step - self.first_step).max(1) as f64;
+                    format!(
+                        " eta {}",
+                        duration((tr.cfg.steps - tr.step) as f64 * per_step)
+                    )
+                };
                 say(
                     self.progress,
-                    &format!("step {:>5}/{} {msg}{skipped}", tr.step, tr.cfg.steps),
+                    &format!("step {:>5}/{} {msg}{skipped}{eta}", tr.step, tr.cfg.steps),
                 );
             }
             None => {}
@@ -862,7 +920,13 @@ impl Loop {
             final_val_loss: self.history.last().and_then(|m| m.val_loss),
             plan: tr.plan,
             peak_bytes: self.peak,
-            process_peak_bytes: memory::process_peak_rss(),
+            // a resumed run's earlier processes reported theirs per step
+            process_peak_bytes: self
+                .history
+                .iter()
+                .filter_map(|m| m.process_peak_bytes)
+                .chain(memory::process_peak_rss())
+                .max(),
             seconds: t_start.elapsed().as_secs_f64(),
             device,
             history: self.history,
@@ -880,6 +944,16 @@ impl Loop {
     }
 }
 
+/// Seconds as `42s`, `12m05s` or `3h07m`.
+pub fn duration(secs: f64) -> String {
+    let s = secs.max(0.0).round() as u64;
+    match s {
+        0..60 => format!("{s}s"),
+        60..3600 => format!("{}m{:02}s", s / 60, s % 60),
+        _ => format!("{}h{:02}m", s / 3600, s % 3600 / 60),
+    }
+}
+
 /// `s` as one word for a POSIX shell (quoted only when it needs to be).
 pub fn shell_quote(s: &str) -> String {
     let plain = |c: char| c.is_ascii_alphanumeric() || "/._-+=:,@%".contains(c);
@@ -887,5 +961,17 @@ pub fn shell_quote(s: &str) -> String {
         s.to_string()
     } else {
         format!("'{}'", s.replace('\'', r"'\''"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn durations_read_as_a_person_would_say_them() {
+        let d = super::duration;
+        assert_eq!(
+            [d(0.4), d(59.4), d(60.0), d(725.0), d(3599.0), d(11_220.0)],
+            ["0s", "59s", "1m00s", "12m05s", "59m59s", "3h07m"]
+        );
     }
 }
