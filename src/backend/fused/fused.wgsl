@@ -87,8 +87,9 @@ fn rms_norm_backward_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_wor
         gr = gr + sep(gw * rb_x[base + j], z);
     }
     let r = rb_rstd[row];
-    // each product its own rounding, before the constant factor
-    let gs = m_div(sep(((gr * r) * r) * r, z) * -0.5, bitcast<f32>(rb_prm.d_f));
+    // each product its own rounding, before the constant factor: a chain of
+    // products by the same r is reassociated otherwise (lavapipe does)
+    let gs = m_div(sep(sep(sep(gr * r, z) * r, z) * r, z) * -0.5, bitcast<f32>(rb_prm.d_f));
     for (var j = 0u; j < d; j++) {
         let gw = rb_g[base + j] * rb_w[j];
         rb_dx1[base + j] = gw * r;
