@@ -2,7 +2,7 @@
 //!
 //! An `n`-layer stack of Linear(width → width) + SiLU blocks on the CPU, trained
 //! one step for every memory budget from `n` (no checkpointing) down to the
-//! smallest feasible one. For each budget it prints M08.4's schedule, its
+//! smallest feasible one. For each budget it prints the checkpoint schedule, its
 //! planned peak `P = (k − 1) + max_j s_j` in layer units and in bytes (`P` ×
 //! one layer's activation bytes, measured), the bytes the graph actually holds
 //! between forward and backward, the measured overall peak (forward and

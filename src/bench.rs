@@ -75,6 +75,7 @@ pub struct BenchReport {
     pub fma: String,
     /// The device buffer copy, GB/s (read + write counted).
     pub copy_gbps: f64,
+    /// The measured cases: the buffer copy, the matmuls, then the optimizer kernels.
     pub rows: Vec<BenchRow>,
 }
 
@@ -105,6 +106,7 @@ impl BenchReport {
         s
     }
 
+    /// The report as pretty-printed JSON (the fields above, `rows` as an array).
     pub fn to_json(&self) -> String {
         serde_json::to_string_pretty(self).expect("a report serialises")
     }
@@ -119,7 +121,9 @@ impl std::fmt::Display for BenchReport {
 /// A matmul shape to benchmark.
 #[derive(Clone, Debug)]
 pub struct MatmulCase {
+    /// A label such as `square 512` or `mlp dW 320x512x904 tA`.
     pub name: String,
+    /// The product's batch, `m`, `k`, `n`, transposes and batch strides.
     pub dims: MatmulDims,
 }
 
@@ -140,10 +144,13 @@ impl MatmulCase {
             },
         }
     }
+    /// Floating-point operations per call: `2·batch·m·k·n`.
     pub fn flops(&self) -> f64 {
         let d = &self.dims;
         2.0 * (d.batch * d.m * d.n * d.k) as f64
     }
+    /// Bytes moved per call: both operands read once and the output written
+    /// once, 4 bytes an element.
     pub fn bytes(&self) -> f64 {
         let d = &self.dims;
         4.0 * (d.batch * (d.m * d.k + d.k * d.n + d.m * d.n)) as f64
@@ -163,8 +170,9 @@ impl MatmulCase {
     }
 }
 
-/// The capstone model's shapes (`LlamaConfig::preset("capstone")`: C = 320,
-/// 5 heads of 64, MLP hidden 904, context 512) for a batch of `seqs` sequences.
+/// The capstone model's shapes as `(C, heads, hidden, context)`:
+/// `LlamaConfig::preset("capstone")`'s C = 320, 5 heads of 64, MLP hidden 904,
+/// context 512.
 pub const CAPSTONE: (usize, usize, usize, usize) = (320, 5, 904, 512);
 
 /// The benchmark's matmul shapes. `full` adds 1024³ and the capstone products
@@ -293,7 +301,8 @@ fn gpu_buf(s: &Storage) -> &gpu::GpuStorage {
     }
 }
 
-/// Elements of each buffer in the bandwidth cases (16 MiB of f32).
+/// Elements of each buffer in the bandwidth cases: 4M (16 MiB of f32), or
+/// 16M (64 MiB) with `full`.
 pub fn bandwidth_elems(full: bool) -> usize {
     if full {
         16 << 20

@@ -15,7 +15,9 @@ pub enum Error {
     Device(String),
     /// A file or stream operation failed; `source` is the operating system's error.
     Io {
+        /// What was being done, to which path (e.g. `cannot read x.txt`).
         context: String,
+        /// The operating system's error.
         source: std::io::Error,
     },
     /// A checkpoint that is missing, corrupt, tampered with or does not match the run.
@@ -32,21 +34,27 @@ pub enum Error {
 }
 
 impl Error {
+    /// An [`Error::Shape`] (operands that do not fit an operation) with message `msg`.
     pub fn shape(msg: impl Into<String>) -> Self {
         Error::Shape(msg.into())
     }
+    /// An [`Error::Device`] (a GPU failure) carrying the message `msg`.
     pub fn device(msg: impl Into<String>) -> Self {
         Error::Device(msg.into())
     }
+    /// An [`Error::Checkpoint`] (an unusable checkpoint) carrying the message `msg`.
     pub fn checkpoint(msg: impl Into<String>) -> Self {
         Error::Checkpoint(msg.into())
     }
+    /// An [`Error::Config`] (invalid configuration) carrying the message `msg`.
     pub fn config(msg: impl Into<String>) -> Self {
         Error::Config(msg.into())
     }
+    /// An [`Error::Data`] (unusable training text) carrying the message `msg`.
     pub fn data(msg: impl Into<String>) -> Self {
         Error::Data(msg.into())
     }
+    /// An [`Error::Numerical`] (non-finite values, a collapsed loss scale) with message `msg`.
     pub fn numerical(msg: impl Into<String>) -> Self {
         Error::Numerical(msg.into())
     }
@@ -113,6 +121,7 @@ impl std::error::Error for Error {
     }
 }
 
+/// The crate's result type: `std::result::Result` with [`Error`] as its error.
 pub type Result<T> = std::result::Result<T, Error>;
 
 /// `bail!(Kind, "...", args)`: return an [`Error::Kind`](Error) built with `format!`.

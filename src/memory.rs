@@ -5,7 +5,7 @@
 //! per thread, like grad mode and autocast: tensors are `Rc`-based and die on the
 //! thread that made them, and parallel tests cannot disturb each other's
 //! figures. Pooled GPU buffers that hold no tensor are not counted as live;
-//! [`gpu::pool_bytes`](crate::gpu::pool_bytes) reports them separately.
+//! `gpu::pool_bytes` (in builds with the `gpu` feature) reports them separately.
 
 use std::cell::Cell;
 
@@ -17,10 +17,13 @@ thread_local! {
 /// A snapshot of this thread's storage bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MemStats {
+    /// Bytes held by tensor storage at the snapshot ([`live_bytes`]).
     pub live: usize,
+    /// The highest live count since the last [`reset_peak`] ([`peak_bytes`]).
     pub peak: usize,
 }
 
+/// This thread's live and peak storage bytes, read together.
 pub fn stats() -> MemStats {
     MemStats {
         live: LIVE.with(Cell::get),
@@ -50,6 +53,8 @@ pub struct Ticket {
 }
 
 impl Ticket {
+    /// Counts `bytes` as live on this thread (raising the peak if need be)
+    /// until the ticket is dropped.
     pub fn new(bytes: usize) -> Ticket {
         LIVE.with(|l| {
             let now = l.get() + bytes;
@@ -58,6 +63,7 @@ impl Ticket {
         });
         Ticket { bytes }
     }
+    /// The bytes this ticket counts.
     pub fn bytes(&self) -> usize {
         self.bytes
     }

@@ -7,6 +7,9 @@
 use crate::{Result, Tensor};
 use std::rc::Rc;
 
+/// A model or a part of one: something with trainable tensors (and, for
+/// dropout, a training switch). Optimizers and checkpoints work on
+/// [`parameters`](Module::parameters).
 pub trait Module {
     /// Trainable tensors, in a stable order (checkpoints rely on it).
     fn parameters(&self) -> Vec<Tensor>;
@@ -16,6 +19,8 @@ pub trait Module {
 
 /// One tensor in, one tensor out.
 pub trait Layer: Module {
+    /// Applies the layer to `x`, recording the graph when grad mode is on;
+    /// errors if `x` does not have the shape the layer takes.
     fn forward(&self, x: &Tensor) -> Result<Tensor>;
 }
 

@@ -1,4 +1,4 @@
-//! Mixed precision (spec L11.1, first half): emulated bf16/fp16 rounding,
+//! Mixed precision: emulated bf16/fp16 rounding,
 //! `cast`, the `autocast` scope and `DynamicLossScaler`. The training step
 //! built on them (`grad_accumulate`, `train_step_mixed`) lives with the
 //! trainer, in [`train::step`](crate::train::step).
@@ -28,6 +28,9 @@ pub fn round_to_fp16(x: &Tensor) -> Result<Tensor> {
     round_to(x, Format::Fp16)
 }
 
+/// Every entry rounded to the nearest `fmt` value (ties to even), dtype
+/// kept: [`round_to_bf16`] or [`round_to_fp16`] by format. Not
+/// differentiable: a constant. For the differentiable conversion use [`cast`].
 pub fn round_to(x: &Tensor, fmt: Format) -> Result<Tensor> {
     Tensor::from_storage(x.storage().unary(UnaryOp::Round(fmt))?, x.shape())
 }
@@ -64,12 +67,18 @@ pub fn autocast_named(name: &str) -> Result<AutocastGuard> {
 /// The precision of a training step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Precision {
+    /// Plain float32: no autocast, no loss scaling.
     Fp32,
+    /// Matmuls under bf16 autocast; bf16 has float32's range, so no loss
+    /// scaling is needed.
     Bf16,
+    /// Matmuls under fp16 autocast, with a [`DynamicLossScaler`] against
+    /// gradient underflow and overflow.
     Fp16,
 }
 
 impl Precision {
+    /// The format matmuls round to under this precision (`None` for `Fp32`).
     pub fn format(self) -> Option<Format> {
         match self {
             Precision::Fp32 => None,
@@ -77,6 +86,8 @@ impl Precision {
             Precision::Fp16 => Some(Format::Fp16),
         }
     }
+    /// The short name, `"fp32"`, `"bf16"` or `"fp16"` (which `FromStr` accepts,
+    /// as it does `"float32"`, `"bfloat16"` and `"float16"`).
     pub fn name(self) -> &'static str {
         match self {
             Precision::Fp32 => "fp32",
@@ -112,6 +123,33 @@ impl std::str::FromStr for Precision {
 /// gradients are unscaled, clipped (in true units), the optimizer steps, and
 /// after `interval` consecutive good steps `S` grows by `growth`. The count of
 /// good steps restarts after every overflow and every growth.
+///
+/// ```
+/// use tinyllm::optim::Sgd;
+/// use tinyllm::precision::DynamicLossScaler;
+/// use tinyllm::{Device, Tensor};
+/// let w = Tensor::from_vec(vec![1.0, 2.0], &[2], Device::Cpu)?.requires_grad_(true);
+/// let mut opt = Sgd::new(vec![w.clone()], 0.1, 0.0, 0.0)?;
+/// let mut scaler = DynamicLossScaler::new(1024.0, 2.0, 0.5, 2000)?;
+///
+/// // A good step: the scaled loss gives gradients times S, unscaled before the update.
+/// scaler.scale_loss(&w.sum_all()?)?.backward()?;
+/// assert_eq!(w.grad().unwrap().to_vec_f32()?, vec![1024.0, 1024.0]);
+/// assert!(scaler.step(&mut opt, &[w.clone()], None)?);
+/// assert_eq!(w.grad().unwrap().to_vec_f32()?, vec![1.0, 1.0]);
+/// assert_eq!(scaler.good_steps(), 1);
+///
+/// // A step whose scaled gradients overflow to inf: skipped, S halved.
+/// w.zero_grad();
+/// let before = w.to_vec_f32()?;
+/// scaler.scale_loss(&w.mul_scalar(1e38)?.sum_all()?)?.backward()?;
+/// assert!(!scaler.step(&mut opt, &[w.clone()], None)?);
+/// assert_eq!(scaler.loss_scale(), 512.0);
+/// assert_eq!(scaler.good_steps(), 0);
+/// assert!(w.grad().is_none()); // the poisoned gradients are dropped
+/// assert_eq!(w.to_vec_f32()?, before); // and the weights untouched
+/// # Ok::<(), tinyllm::Error>(())
+/// ```
 #[derive(Clone, Debug, PartialEq)]
 pub struct DynamicLossScaler {
     scale: f32,
@@ -122,13 +160,19 @@ pub struct DynamicLossScaler {
     last_grad_norm: Option<f32>,
 }
 
-/// What `state_dict` saves: enough to resume with the same scale and count.
+/// What [`DynamicLossScaler::state_dict`] saves: enough to resume with the
+/// same scale and count.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ScalerState {
+    /// The current loss scale `S` (a power of two).
     pub scale: f32,
+    /// The factor `S` grows by after `interval` good steps (a power of two above 1).
     pub growth: f32,
+    /// The factor `S` is multiplied by after an overflow (a power of two in (0, 1)).
     pub backoff: f32,
+    /// The number of consecutive good steps before `S` grows (at least 1).
     pub interval: u64,
+    /// Consecutive good steps since the last overflow or growth (below `interval`).
     pub good_steps: u64,
 }
 
@@ -148,8 +192,8 @@ fn is_power_of_two(x: f32) -> bool {
 }
 
 /// The scale, growth and backoff must be powers of two: then `loss · S` and
-/// the unscale `g · (1/S)` only change exponents, so they are exact (spec
-/// L11.1), and every scale the scaler reaches is a power of two too.
+/// the unscale `g · (1/S)` only change exponents, so they are exact, and every
+/// scale the scaler reaches is a power of two too.
 fn validate(scale: f32, growth: f32, backoff: f32, interval: u64) -> Result<()> {
     if !(scale.is_finite() && scale > 0.0) {
         bail!(
@@ -182,6 +226,13 @@ fn validate(scale: f32, growth: f32, backoff: f32, interval: u64) -> Result<()> 
 }
 
 impl DynamicLossScaler {
+    /// A scaler starting at scale `init`, multiplying it by `growth` after
+    /// `interval` consecutive good steps and by `backoff` after an overflow. The
+    /// [`Default`] is `new(65536.0, 2.0, 0.5, 2000)` (PyTorch's `GradScaler`).
+    ///
+    /// Errors ([`Error::Config`]) unless `init` is a positive finite power of two,
+    /// `growth` a power of two above 1, `backoff` a power of two in (0, 1), and
+    /// `interval` at least 1: only powers of two make scaling and unscaling exact.
     pub fn new(init: f32, growth: f32, backoff: f32, interval: u64) -> Result<Self> {
         validate(init, growth, backoff, interval)?;
         Ok(DynamicLossScaler {
@@ -201,18 +252,24 @@ impl DynamicLossScaler {
     pub fn good_steps(&self) -> u64 {
         self.good_steps
     }
-    /// The gradient norm the last successful `step` clipped with, if it clipped.
+    /// The gradient norm (before clipping, in true units) the last `step`
+    /// measured: `None` if it skipped or was not asked to clip.
     pub fn last_grad_norm(&self) -> Option<f32> {
         self.last_grad_norm
     }
-    /// `loss · S`.
+    /// `loss · S`, differentiable: call `backward` on this rather than on `loss`.
     pub fn scale_loss(&self, loss: &Tensor) -> Result<Tensor> {
         loss.mul_scalar(self.scale as f64)
     }
 
     /// Checks, unscales, clips, steps and updates `S`; returns whether the
-    /// optimizer stepped. The check and the unscale are one fused primitive
-    /// (on the GPU: one kernel per gradient buffer, one 4-byte readback).
+    /// optimizer stepped. `params` are the parameters whose gradients are
+    /// checked (those `opt` updates); `clip` is a maximum global gradient norm
+    /// in true units (see [`clip_grad_norm_`]). On an overflow the gradients of
+    /// `params` are cleared and `S` backs off; errors
+    /// ([`Error::Numerical`]) once `S` falls below [`MIN_SCALE`]. The check and
+    /// the unscale are one fused primitive (on the GPU: one kernel per gradient
+    /// buffer, one 4-byte readback).
     pub fn step(
         &mut self,
         opt: &mut dyn Optimizer,
@@ -265,6 +322,7 @@ impl DynamicLossScaler {
         Ok((true, values))
     }
 
+    /// The scale, factors and good-step count, for a checkpoint.
     pub fn state_dict(&self) -> ScalerState {
         ScalerState {
             scale: self.scale,

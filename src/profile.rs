@@ -33,11 +33,17 @@ thread_local! {
 /// transposed as stored. The profile times the products per shape too.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Product {
+    /// The number of products (1 for a plain matrix product).
     pub batch: usize,
+    /// Rows of the output (and of the first operand as used).
     pub m: usize,
+    /// The inner (summed) dimension.
     pub k: usize,
+    /// Columns of the output (and of the second operand as used).
     pub n: usize,
+    /// Whether the first operand is stored `(k×m)` and read transposed.
     pub trans_a: bool,
+    /// Whether the second operand is stored `(n×k)` and read transposed.
     pub trans_b: bool,
     /// The multiply-adds of one batch entry actually done: `m·k·n`, or about
     /// half of it for a causal product.
@@ -103,8 +109,11 @@ pub(crate) fn note_gpu(e: GpuEvent) {
 /// The GPU work counters so far.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct GpuCounters {
+    /// Compute-kernel dispatches recorded.
     pub dispatches: u64,
+    /// Command buffers submitted to the device queue.
     pub submits: u64,
+    /// Reads of device memory back to the host (each waits for the device).
     pub readbacks: u64,
 }
 
@@ -197,7 +206,8 @@ pub fn unpause() -> Pause {
     )
 }
 
-/// Restores the pause state when dropped.
+/// A guard from [`pause`] or [`unpause`]: dropping it undoes that call
+/// (guards nest).
 #[must_use]
 pub struct Pause(i32, Option<(Instant, GpuCounters)>);
 
@@ -260,16 +270,22 @@ impl Drop for Scope {
 /// One primitive's calls and total time.
 #[derive(Clone, Debug)]
 pub struct Row {
+    /// The primitive's scope name (e.g. `"matmul"`, `"adamw"`).
     pub name: &'static str,
+    /// How many times it ran while the profile counted.
     pub calls: u64,
+    /// The total wall time of those calls.
     pub time: Duration,
 }
 
 /// One product shape's calls and total time.
 #[derive(Clone, Debug)]
 pub struct ProductRow {
+    /// The products' shape.
     pub shape: Product,
+    /// How many products of this shape ran while the profile counted.
     pub calls: u64,
+    /// Their total wall time.
     pub time: Duration,
 }
 
@@ -283,6 +299,7 @@ impl ProductRow {
 /// A finished profile: rows by descending time.
 #[derive(Clone, Debug)]
 pub struct Profile {
+    /// One row per primitive, by descending time.
     pub rows: Vec<Row>,
     /// The matrix products by shape, by descending time.
     pub products: Vec<ProductRow>,

@@ -1,4 +1,6 @@
-//! Activation checkpointing (spec L11.1, second half; schedule from M08.4).
+//! Activation checkpointing: trading compute for memory by recomputing
+//! segments of the forward pass during backward, and the schedule that picks
+//! the segments for a memory budget.
 //!
 //! A checkpointed segment runs under `no_grad` — none of its intermediate values
 //! are recorded — and becomes ONE graph node whose parents are its tensor
@@ -18,7 +20,9 @@ use crate::{bail, Result, Tensor};
 use std::rc::Rc;
 
 /// Peak activation memory of a schedule over `n` layers, in layer units:
-/// `P = (k − 1) + max_j s_j` (spec M08.4).
+/// `P = (k − 1) + max_j s_j`, where `schedule` holds the `k` segments' start
+/// indices (ascending, the first 0) and `s_j` is segment `j`'s length — one
+/// stored input per segment boundary plus the longest segment rerun at once.
 pub fn schedule_peak(schedule: &[usize], n: usize) -> usize {
     let k = schedule.len();
     let max_seg = (0..k)
@@ -55,8 +59,36 @@ pub fn checkpoint_schedule(n_layers: usize, budget: usize) -> Result<Vec<usize>>
 
 /// Runs `f(args)` without recording its inside, as one node that recomputes
 /// it during backward (see the module docs). `params` are the trainable
-/// tensors `f` reads; `rngs` the generators it draws from. Non-tensor
-/// arguments are captured by the closure. Under `no_grad` it simply runs `f`.
+/// tensors `f` reads (leaves: their gradients accumulate directly during the
+/// rerun); `rngs` the generators it draws from, replayed so the rerun draws
+/// the same values. Non-tensor arguments are captured by the closure. Under
+/// `no_grad` it simply runs `f`. Returns `f`'s output; errors are `f`'s
+/// (during backward, the rerun's).
+///
+/// The gradients are the same bits as without checkpointing:
+///
+/// ```
+/// use tinyllm::recompute::checkpoint;
+/// use tinyllm::{Device, Tensor};
+/// let w = Tensor::from_vec(vec![0.5, -1.0, 2.0, 0.25], &[2, 2], Device::Cpu)?.requires_grad_(true);
+/// let x = Tensor::from_vec(vec![1.0, 2.0, 3.0, 4.0], &[2, 2], Device::Cpu)?.requires_grad_(true);
+/// let f = {
+///     let w = w.clone();
+///     move |a: &[Tensor]| a[0].matmul(&w)?.silu()?.matmul(&w)
+/// };
+///
+/// // plain: every intermediate value is kept for backward
+/// f(&[x.clone()])?.sum_all()?.backward()?;
+/// let (gw, gx) = (w.grad().unwrap().to_vec_f32()?, x.grad().unwrap().to_vec_f32()?);
+/// w.zero_grad();
+/// x.zero_grad();
+///
+/// // checkpointed: only `x` is kept; `f` runs again during backward
+/// checkpoint(f, &[x.clone()], &[w.clone()], &[])?.sum_all()?.backward()?;
+/// assert_eq!(w.grad().unwrap().to_vec_f32()?, gw);
+/// assert_eq!(x.grad().unwrap().to_vec_f32()?, gx);
+/// # Ok::<(), tinyllm::Error>(())
+/// ```
 pub fn checkpoint<F>(f: F, args: &[Tensor], params: &[Tensor], rngs: &[Generator]) -> Result<Tensor>
 where
     F: Fn(&[Tensor]) -> Result<Tensor> + 'static,
@@ -121,7 +153,10 @@ fn params_of(layers: &[Rc<dyn Layer>]) -> Vec<Tensor> {
 
 /// Runs `layers` on `x`, checkpointing every segment of
 /// `checkpoint_schedule(layers.len(), mem_budget_layers)` but the last, which
-/// runs normally (checkpointing it would only run it twice).
+/// runs normally (checkpointing it would only run it twice). `rngs` are the
+/// generators the layers draw from (dropout), replayed on recompute. Errors
+/// if there are no layers or the budget is below the smallest achievable peak
+/// (see [`checkpoint_schedule`]), or if a layer errors.
 pub fn checkpoint_sequential(
     layers: &[Rc<dyn Layer>],
     x: &Tensor,

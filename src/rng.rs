@@ -53,7 +53,9 @@ pub fn uniform01(u: u32) -> f32 {
 /// The state of a generator: where its stream is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RngState {
+    /// The Philox key: which stream.
     pub seed: u64,
+    /// The next unused counter block (each block gives four 32-bit draws).
     pub offset: u64,
 }
 
@@ -65,14 +67,17 @@ pub struct Generator {
 }
 
 impl Generator {
+    /// A new stream for `seed`, at its start (offset 0).
     pub fn new(seed: u64) -> Generator {
         Generator {
             state: Rc::new(Cell::new(RngState { seed, offset: 0 })),
         }
     }
+    /// Where the stream is now (save it to replay the draws that follow).
     pub fn state(&self) -> RngState {
         self.state.get()
     }
+    /// Moves the stream to `s`, for every handle sharing it.
     pub fn set_state(&self, s: RngState) {
         self.state.set(s)
     }
@@ -103,7 +108,8 @@ impl Generator {
             .map(|c| c.iter().fold(-6.0f32, |a, &x| a + x))
             .collect()
     }
-    /// A uniform integer in `0..n` (sampling, data order).
+    /// A uniform integer in `0..n` (sampling, data order), from a 64-bit draw
+    /// reduced modulo `n`. Panics if `n` is 0.
     pub fn below(&self, n: usize) -> usize {
         let s = self.reserve(2);
         let hi = draw_u32(s.seed, s.offset, 0) as u64;

@@ -2182,6 +2182,18 @@ fn interrupt_resumes_to_the_same_bits(device: &str, precisions: &[&str], steps: 
             outcome(&out) == outcome(&reference),
             "{what}: the resumed run differs from the uninterrupted one"
         );
+        // the metrics say where the run was resumed, and so does its plot
+        let resumed: Vec<usize> = metrics(&out)
+            .iter()
+            .filter(|m| m.resumed)
+            .map(|m| m.step)
+            .collect();
+        assert_eq!(resumed, [at + 1], "{what}");
+        let svg = std::fs::read_to_string(out.join("loss.svg")).unwrap();
+        assert!(svg.contains(&format!(">resumed at {at}<")), "{what}");
+        assert!(!std::fs::read_to_string(reference.join("loss.svg"))
+            .unwrap()
+            .contains("resumed"));
         for d in [out, reference] {
             let _ = std::fs::remove_dir_all(d);
         }

@@ -37,6 +37,7 @@
 //! CPU only (for finite-difference gradient checks).
 
 pub mod cpu;
+#[cfg(feature = "gpu")]
 pub mod gpu;
 pub mod math;
 pub mod round;
@@ -58,17 +59,21 @@ pub use reduce::ReduceOp;
 
 use crate::{bail, Result};
 use cpu::CpuStorage;
+#[cfg(feature = "gpu")]
 use gpu::GpuStorage;
 use std::rc::Rc;
 
 /// Element type of a storage buffer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum DType {
+    /// 32-bit IEEE float: every tensor on the GPU, and the default on the CPU.
     F32,
+    /// 64-bit IEEE float, CPU only (for finite-difference gradient checks).
     F64,
 }
 
 impl DType {
+    /// Bytes per element: 4 for `F32`, 8 for `F64`.
     pub fn size(self) -> usize {
         match self {
             DType::F32 => 4,
@@ -80,7 +85,10 @@ impl DType {
 /// Where a tensor lives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Device {
+    /// The CPU reference backend (host memory).
     Cpu,
+    /// The wgpu backend (the device is created on first use). In a build
+    /// without the `gpu` feature, asking for it is an error.
     Gpu,
 }
 
@@ -98,8 +106,11 @@ impl std::fmt::Display for Device {
 /// dimension. At most [`MAX_DIMS`] dimensions.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BinaryLayout {
+    /// The output's shape.
     pub shape: Vec<usize>,
+    /// The left input's element stride per output dimension (0: broadcast).
     pub lhs_strides: Vec<usize>,
+    /// The right input's element stride per output dimension (0: broadcast).
     pub rhs_strides: Vec<usize>,
 }
 
@@ -120,6 +131,7 @@ pub const MAX_DIMS: usize = 6;
 #[derive(Clone)]
 pub enum Storage {
     Cpu(Rc<CpuStorage>),
+    #[cfg(feature = "gpu")]
     Gpu(Rc<GpuStorage>),
 }
 
@@ -149,6 +161,7 @@ impl Lift for CpuStorage {
     }
 }
 
+#[cfg(feature = "gpu")]
 impl Lift for GpuStorage {
     type Out = Storage;
     fn lift(self) -> Storage {
@@ -203,6 +216,7 @@ macro_rules! on_device {
                 let [$($x),+] = [$($arg),+].map(|s: &$crate::backend::Storage| s.cpu());
                 $crate::backend::Lift::lift($body?)
             }
+            #[cfg(feature = "gpu")]
             $crate::backend::Storage::Gpu(_) => {
                 let [$($x),+] = [$($arg),+].map(|s: &$crate::backend::Storage| s.gpu());
                 $crate::backend::Lift::lift($body?)
@@ -217,6 +231,7 @@ macro_rules! on_device {
                 let $xs: Vec<_> = parts.iter().map(|s| s.cpu()).collect();
                 $crate::backend::Lift::lift($body?)
             }
+            #[cfg(feature = "gpu")]
             $crate::backend::Storage::Gpu(_) => {
                 let $xs: Vec<_> = parts.iter().map(|s| s.gpu()).collect();
                 $crate::backend::Lift::lift($body?)
@@ -229,14 +244,33 @@ macro_rules! on_device {
                 type $s = $crate::backend::cpu::CpuStorage;
                 $crate::backend::Lift::lift($body?)
             }
+            #[cfg(feature = "gpu")]
             $crate::backend::Device::Gpu => {
                 type $s = $crate::backend::gpu::GpuStorage;
                 $crate::backend::Lift::lift($body?)
             }
+            #[cfg(not(feature = "gpu"))]
+            $crate::backend::Device::Gpu => return Err($crate::backend::no_gpu()),
         }
     }};
 }
 pub(crate) use on_device;
+
+/// The error of a build without the GPU backend asked for the GPU.
+#[cfg(not(feature = "gpu"))]
+pub(crate) fn no_gpu() -> crate::Error {
+    crate::Error::device(
+        "this build of tinyllm has no GPU backend (the `gpu` feature is off): use the CPU",
+    )
+}
+
+/// The adapter's name and API, e.g. `llvmpipe (LLVM 19.1.7, 256 bits) (Vulkan)`.
+pub(crate) fn adapter_name() -> Result<String> {
+    #[cfg(feature = "gpu")]
+    return gpu::adapter_name();
+    #[cfg(not(feature = "gpu"))]
+    Err(no_gpu())
+}
 
 /// Every family's shaders (for validation and the parameter-layout check).
 #[cfg(any(test, feature = "test-hooks"))]
@@ -328,7 +362,10 @@ impl Storage {
     pub fn from_f32(data: Vec<f32>, device: Device) -> Result<Storage> {
         Ok(match device {
             Device::Cpu => CpuStorage::from_f32(data).lift(),
+            #[cfg(feature = "gpu")]
             Device::Gpu => GpuStorage::upload(&data)?.lift(),
+            #[cfg(not(feature = "gpu"))]
+            Device::Gpu => return Err(no_gpu()),
         })
     }
     pub fn from_f64(data: Vec<f64>, device: Device) -> Result<Storage> {
@@ -344,25 +381,31 @@ impl Storage {
         match (device, dtype) {
             (Device::Cpu, DType::F32) => Self::from_f32(vec![value as f32; n], device),
             (Device::Cpu, DType::F64) => Self::from_f64(vec![value; n], device),
+            #[cfg(feature = "gpu")]
             (Device::Gpu, DType::F32) => Ok(GpuStorage::full(n, value as f32)?.lift()),
+            #[cfg(not(feature = "gpu"))]
+            (Device::Gpu, DType::F32) => Err(no_gpu()),
             (Device::Gpu, DType::F64) => bail!(Shape, "f64 tensors live on the CPU only"),
         }
     }
     pub fn device(&self) -> Device {
         match self {
             Storage::Cpu(_) => Device::Cpu,
+            #[cfg(feature = "gpu")]
             Storage::Gpu(_) => Device::Gpu,
         }
     }
     pub fn dtype(&self) -> DType {
         match self {
             Storage::Cpu(s) => s.dtype(),
+            #[cfg(feature = "gpu")]
             Storage::Gpu(_) => DType::F32,
         }
     }
     pub fn len(&self) -> usize {
         match self {
             Storage::Cpu(s) => s.len(),
+            #[cfg(feature = "gpu")]
             Storage::Gpu(g) => g.len(),
         }
     }
@@ -373,10 +416,12 @@ impl Storage {
     pub fn cpu(&self) -> &CpuStorage {
         match self {
             Storage::Cpu(s) => s,
+            #[cfg(feature = "gpu")]
             Storage::Gpu(_) => unreachable!("a GPU buffer where the CPU was checked"),
         }
     }
     /// The GPU buffer (the caller has checked the device).
+    #[cfg(feature = "gpu")]
     pub fn gpu(&self) -> &GpuStorage {
         match self {
             Storage::Gpu(g) => g,
@@ -388,6 +433,7 @@ impl Storage {
     pub fn is_shared(&self) -> bool {
         match self {
             Storage::Cpu(c) => Rc::strong_count(c) > 1,
+            #[cfg(feature = "gpu")]
             Storage::Gpu(g) => Rc::strong_count(g) > 1,
         }
     }
@@ -395,6 +441,7 @@ impl Storage {
     pub fn to_vec_f32(&self) -> Result<Vec<f32>> {
         match self {
             Storage::Cpu(s) => Ok(s.to_vec_f32()),
+            #[cfg(feature = "gpu")]
             Storage::Gpu(g) => g.download(),
         }
     }
@@ -402,6 +449,7 @@ impl Storage {
     pub fn to_vec_f64(&self) -> Result<Vec<f64>> {
         match self {
             Storage::Cpu(s) => Ok(s.to_vec_f64()),
+            #[cfg(feature = "gpu")]
             Storage::Gpu(g) => Ok(g.download()?.into_iter().map(f64::from).collect()),
         }
     }

@@ -36,7 +36,7 @@ enum Cmd {
     /// Train a model (defaults: the `small` preset on the embedded corpus, bf16,
     /// micro-batches with accumulation, activation checkpointing).
     Train(TrainArgs),
-    /// MS-L11: float32 full batch vs bf16 + micro-batches + accumulation + checkpointing.
+    /// Mixed precision against float32: bf16 + micro-batches + accumulation + checkpointing vs a float32 full batch, both evaluated on held-out text.
     Compare(CompareArgs),
     /// Mean cross-entropy of a checkpoint on a text.
     Eval(EvalArgs),

@@ -112,13 +112,25 @@ fn hex(x: f32) -> String {
 /// One buffer (or the loss, or a step count) that differs after a step.
 #[derive(Clone, Debug, Serialize)]
 pub struct BufferDiff {
+    /// The value's name: `loss`, `loss scale`, `skipped`, `grad norm`, a
+    /// parameter's name, or a parameter's `.exp_avg`, `.exp_avg_sq` or `.step`.
     pub name: String,
+    /// Values in the CPU's buffer (for the list of buffers itself: buffers
+    /// in the CPU's list).
     pub len: usize,
+    /// Values that differ (a difference in length counts each missing value).
     pub differing: usize,
+    /// The largest difference between two numbers, in ulps (units in the
+    /// last place: how many floats lie between them).
     pub max_ulps: u64,
+    /// Whether a NaN stood against a number somewhere (no ulp distance).
     pub nan_vs_number: bool,
+    /// The index of the first differing value.
     pub position: usize,
+    /// The CPU's value there, as an f32 bit pattern in hex (`-` when only the
+    /// lengths differ; for the list of buffers itself, its length).
     pub cpu: String,
+    /// The GPU's value there, as for `cpu`.
     pub gpu: String,
 }
 
@@ -191,24 +203,34 @@ fn step_values(t: &Trainer, m: &StepMetrics) -> Result<Vec<(String, Vec<f32>)>> 
 pub struct FirstCall {
     /// Calls in the CPU's and the GPU's trace of the step.
     pub calls: (usize, usize),
-    /// The call, as the CPU made it.
+    /// The call's 0-based position in the trace (the call as the CPU made it).
     pub index: usize,
+    /// `forward`, `backward`, `recompute` or `optimizer`.
     pub phase: &'static str,
     /// `layers.3.self_attn.softmax`: the model path and the primitive.
     pub site: String,
+    /// The call's shapes and parameters.
     pub args: String,
     /// Set when the GPU made a different call at this position (not just a
     /// different output): the runs had already parted.
     pub gpu_call: Option<String>,
     /// The call before it (identical on both), for orientation.
     pub previous: Option<String>,
+    /// Output values of the call (0 when the CPU's step had already ended).
     pub values: usize,
+    /// Output values that differ (0 when the outputs were not compared:
+    /// the calls themselves differ).
     pub differing: usize,
+    /// The largest difference between two output numbers, in ulps.
     pub max_ulps: u64,
+    /// Whether a NaN stood against a number in the outputs.
     pub nan_vs_number: bool,
-    /// The first differing output position and both values there.
+    /// The first differing output position (`None` when the calls themselves
+    /// differ, or the outputs were not captured).
     pub position: Option<usize>,
+    /// The CPU's output there, as an f32 bit pattern in hex.
     pub cpu: Option<String>,
+    /// The GPU's output there, as an f32 bit pattern in hex.
     pub gpu: Option<String>,
 }
 
@@ -331,10 +353,13 @@ pub fn first_differing_call(
 pub struct Divergence {
     /// The optimizer step (0: the initial weights already differ).
     pub step: usize,
+    /// The step's loss on the CPU (NaN at step 0).
     pub loss_cpu: f32,
+    /// The step's loss on the GPU (NaN at step 0).
     pub loss_gpu: f32,
-    /// How many named values (loss, scale, buffers) differ, and the first few.
+    /// How many named values (loss, scale, buffers) differ.
     pub buffers_differing: usize,
+    /// The first few of them (at most six), in order.
     pub buffers: Vec<BufferDiff>,
     /// From the traced replay.
     pub first_call: Option<FirstCall>,
@@ -436,17 +461,22 @@ fn check_step(
 /// A lockstep run's result.
 #[derive(Clone, Debug, Serialize)]
 pub struct Lockstep {
+    /// The preset trained (`tiny`, `small` or `capstone`).
     pub preset: String,
+    /// The precision recipe: `fp32`, `bf16` or `fp16`.
     pub precision: &'static str,
-    /// Steps asked for, and steps whose every value was identical.
+    /// Optimizer steps asked for.
     pub steps: usize,
+    /// Steps whose every value was identical, before any divergence.
     pub identical_steps: usize,
     /// Values lists compared after each step (loss, scale, flags, buffers).
     pub compared: usize,
+    /// The first step that differed; `None` when every step agreed.
     pub divergence: Option<Divergence>,
 }
 
 impl Lockstep {
+    /// Whether every step gave the same bits on both devices.
     pub fn bit_identical(&self) -> bool {
         self.divergence.is_none()
     }
@@ -455,8 +485,11 @@ impl Lockstep {
 /// What to run in lockstep.
 #[derive(Clone, Debug)]
 pub struct LockstepOptions {
+    /// The preset to train (`tiny`, `small` or `capstone`), with its recipe.
     pub preset: String,
+    /// Optimizer steps to take and compare.
     pub steps: usize,
+    /// The precision recipe of both runs.
     pub precision: Precision,
     /// `None`: the trainer's default seed.
     pub seed: Option<u64>,

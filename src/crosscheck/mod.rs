@@ -18,22 +18,35 @@
 //! Nothing here runs unless asked for: the trace is off by default and costs
 //! one thread-local read per primitive then.
 
+#[cfg(feature = "gpu")]
 pub mod cases;
+#[cfg(feature = "gpu")]
 pub mod lockstep;
+#[cfg(feature = "gpu")]
 pub mod probe;
+#[cfg(feature = "gpu")]
 pub mod sweep;
 pub mod trace;
 
+#[cfg(feature = "gpu")]
 use crate::precision::Precision;
+#[cfg(feature = "gpu")]
 use crate::Result;
+#[cfg(feature = "gpu")]
 use lockstep::{Lockstep, LockstepOptions};
+#[cfg(feature = "gpu")]
 use probe::{Probe, Status};
+#[cfg(feature = "gpu")]
 use serde::Serialize;
+#[cfg(feature = "gpu")]
 use std::fmt::Write as _;
+#[cfg(feature = "gpu")]
 use std::time::Instant;
+#[cfg(feature = "gpu")]
 use sweep::{Family, Row};
 
 /// What `tinyllm crosscheck` runs.
+#[cfg(feature = "gpu")]
 #[derive(Clone, Debug)]
 pub struct Options {
     /// The lockstep's preset (`tiny`, `small` or `capstone`).
@@ -48,6 +61,7 @@ pub struct Options {
     pub seed: Option<u64>,
 }
 
+#[cfg(feature = "gpu")]
 impl Default for Options {
     fn default() -> Self {
         Options {
@@ -62,8 +76,12 @@ impl Default for Options {
 
 /// The conclusion: everything the contract promises on this device gave the
 /// reference's bits, or what did not.
+#[cfg(feature = "gpu")]
 #[derive(Clone, Debug, Serialize)]
 pub struct Verdict {
+    /// True when nothing differs: no probe finding with status
+    /// [`Differs`](probe::Status::Differs), no sweep row with differing values
+    /// (other than known device differences) and no lockstep divergence.
     pub bit_identical: bool,
     /// What differs (each line names the part, the primitive or step, and how).
     pub differences: Vec<String>,
@@ -72,21 +90,29 @@ pub struct Verdict {
 }
 
 /// Everything the command found.
+#[cfg(feature = "gpu")]
 #[derive(Clone, Debug, Serialize)]
 pub struct Report {
+    /// The version of tinyllm that made the report.
     pub tinyllm: &'static str,
+    /// The adapter, its limits and what was measured on it.
     pub probe: Probe,
-    /// `None` when skipped.
+    /// One row per primitive and variant; `None` when the sweep was skipped.
     pub sweep: Option<Vec<Row>>,
+    /// Wall-clock seconds the sweep took (about 0 when skipped).
     pub sweep_seconds: f64,
+    /// One lockstep run per precision asked for, in the order asked.
     pub lockstep: Vec<Lockstep>,
+    /// Wall-clock seconds all the lockstep runs took together.
     pub lockstep_seconds: f64,
+    /// The conclusion drawn from all of the above.
     pub verdict: Verdict,
 }
 
 /// Runs the probe, the sweep (unless skipped) and a lockstep per precision,
 /// telling `progress` what it is doing. An error (no adapter, a device
 /// failure) is returned as such: a report is only made of results.
+#[cfg(feature = "gpu")]
 pub fn run(o: &Options, progress: &mut dyn FnMut(&str)) -> Result<Report> {
     progress("probe: the adapter and what the contract assumes of it");
     let probe = probe::run()?;
@@ -122,6 +148,7 @@ pub fn run(o: &Options, progress: &mut dyn FnMut(&str)) -> Result<Report> {
     })
 }
 
+#[cfg(feature = "gpu")]
 fn verdict(probe: &Probe, sweep: Option<&[Row]>, steps: &[Lockstep]) -> Verdict {
     let mut differences = Vec::new();
     let mut known = Vec::new();
@@ -181,6 +208,7 @@ fn verdict(probe: &Probe, sweep: Option<&[Row]>, steps: &[Lockstep]) -> Verdict 
     }
 }
 
+#[cfg(feature = "gpu")]
 impl Report {
     /// 0 when everything is bit-identical, 1 when something differs.
     pub fn exit_code(&self) -> u8 {

@@ -33,6 +33,8 @@ pub enum Status {
 }
 
 impl Status {
+    /// The status as the report prints it: `holds`, `handled`, `DIFFERS` or
+    /// `info`.
     pub fn name(self) -> &'static str {
         match self {
             Status::Holds => "holds",
@@ -46,10 +48,14 @@ impl Status {
 /// One operation on the device whose result was not the contract's.
 #[derive(Clone, Debug, Serialize)]
 pub struct ProbeCase {
+    /// The operation as the kernels write it, e.g. `fma(a, b, c)` or `a * b`.
     pub op: &'static str,
     /// The operands as f32 bit patterns (hex).
     pub operands: Vec<String>,
+    /// The contract's result (IEEE single precision, computed on the CPU), as
+    /// an f32 bit pattern in hex.
     pub want: String,
+    /// The device's result, as an f32 bit pattern in hex.
     pub got: String,
 }
 
@@ -62,9 +68,13 @@ pub struct Finding {
     pub assumption: &'static str,
     /// Whether every case held.
     pub holds: bool,
+    /// Operations run on the device for this check.
     pub cases: usize,
+    /// Cases whose result was not the contract's.
     pub failed: usize,
+    /// The first such case (`None` when every case held).
     pub first_failure: Option<ProbeCase>,
+    /// What the result means for the contract on this device.
     pub status: Status,
     /// What follows on this device.
     pub consequence: String,
@@ -76,17 +86,23 @@ pub struct Finding {
 /// The adapter, its limits and the findings.
 #[derive(Clone, Debug, Serialize)]
 pub struct Probe {
+    /// The adapter's name, as the driver reports it.
     pub adapter: String,
     /// Vulkan, Metal, Dx12 or Gl.
     pub backend: String,
+    /// wgpu's device type: `DiscreteGpu`, `IntegratedGpu`, `VirtualGpu`,
+    /// `Cpu` (a software adapter) or `Other`.
     pub device_type: String,
+    /// The driver's name.
     pub driver: String,
+    /// The driver's version or other details, as the driver reports them.
     pub driver_info: String,
     /// The multiply-add the kernels use: `native` (the device's, fused) or
     /// `soft` (the integer emulation).
     pub fma_path: &'static str,
     /// The limits the backend depends on, by wgpu's names.
     pub limits: BTreeMap<&'static str, u64>,
+    /// One finding per checked assumption, in a fixed order (`fma_fused` first).
     pub findings: Vec<Finding>,
 }
 

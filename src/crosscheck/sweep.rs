@@ -26,17 +26,31 @@ use serde::Serialize;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Family {
+    /// Unary and binary elementwise operations (broadcasting included) and
+    /// rounding to bf16 and fp16.
     Elementwise,
+    /// Reductions along an axis, including one longer than a device's loop
+    /// cap, and the chunked sum of squares.
     Reduce,
+    /// Softmax and its backward: plain, scaled, and causally masked.
     Softmax,
+    /// Matrix products in every layout and format, with and without a causal
+    /// mask.
     Matmul,
+    /// Strided copies, concatenation, row gathers and scatter-adds.
     Copy,
+    /// Dropout masks from the counter-based generator.
     Dropout,
+    /// The optimizer kernels (AdamW, SGD) and the loss scaler's finite check,
+    /// unscaling and scaling in place.
     Optim,
+    /// The fused transformer primitives: RMSNorm, SwiGLU, RoPE and the
+    /// softmax cross-entropy, forward and backward.
     Fused,
 }
 
 impl Family {
+    /// Every family, in the order the command runs them.
     pub const ALL: [Family; 8] = [
         Family::Elementwise,
         Family::Reduce,
@@ -48,6 +62,7 @@ impl Family {
         Family::Fused,
     ];
 
+    /// The family in words, for progress lines (`reductions`, `dropout masks`, …).
     pub fn name(self) -> &'static str {
         match self {
             Family::Elementwise => "elementwise and rounding",
@@ -69,8 +84,11 @@ pub struct Mismatch {
     pub case: String,
     /// Position in the case's output (outputs concatenated in order).
     pub position: usize,
-    /// Both values as f32 bit patterns (`-` where one output was shorter).
+    /// The CPU's value, as an f32 bit pattern in hex (`-` where its output
+    /// was shorter).
     pub cpu: String,
+    /// The GPU's value, as an f32 bit pattern in hex (`-` where its output
+    /// was shorter).
     pub gpu: String,
     /// The inputs at that position, where they line up with the output.
     pub inputs: Vec<String>,
@@ -83,15 +101,20 @@ pub struct Row {
     pub primitive: &'static str,
     /// The variant (format, layout, mask); empty for none.
     pub variant: String,
+    /// Cases run.
     pub cases: usize,
     /// Cases whose every output value was identical.
     pub identical: usize,
+    /// Output values compared, over all cases (the longer output's length
+    /// where the two differ).
     pub values: usize,
+    /// Output values that differed, over all cases (a missing value counts).
     pub differing: usize,
     /// The largest difference between two numbers, in ulps.
     pub max_ulps: u64,
     /// Whether a NaN stood against a number (no ulp distance).
     pub nan_vs_number: bool,
+    /// The first differing output of the first case that differed.
     pub first: Option<Mismatch>,
     /// Set when this row's differences are a known device difference that the
     /// probe reported (why), not a failure of the contract.
@@ -107,6 +130,7 @@ impl Row {
             format!("{} [{}]", self.primitive, self.variant)
         }
     }
+    /// Whether every value of every case was identical.
     pub fn bit_identical(&self) -> bool {
         self.differing == 0
     }

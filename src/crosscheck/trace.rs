@@ -68,7 +68,10 @@ impl std::fmt::Display for Call {
 /// asked to be captured (see [`start`]).
 #[derive(Clone, Debug, Default)]
 pub struct Trace {
+    /// Every primitive call recorded, in order.
     pub calls: Vec<Call>,
+    /// The output values of the call [`start`] was asked to capture (`None`
+    /// when none was asked for, or the trace had fewer calls).
     pub captured: Option<Vec<f32>>,
 }
 

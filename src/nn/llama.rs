@@ -19,16 +19,22 @@ use std::rc::Rc;
 /// The architecture (everything a checkpoint's `config.json` must agree on).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct LlamaConfig {
+    /// `V`, the number of token ids (256 for the byte-level presets).
     pub vocab_size: usize,
     /// `C`, the residual width.
     pub d_model: usize,
+    /// The number of decoder blocks.
     pub n_layers: usize,
+    /// Attention heads per block; `d_model / n_heads` is the head width, which
+    /// must be even.
     pub n_heads: usize,
     /// The SwiGLU MLP's inner width.
     pub hidden: usize,
     /// The longest sequence (RoPE tables are built for it).
     pub context: usize,
+    /// Every RMSNorm's `eps` (`1e-5` in the presets).
     pub rms_eps: f64,
+    /// RoPE's base `theta` (`10000` in the presets).
     pub rope_theta: f64,
     /// Residual and attention dropout probability (0 = off).
     pub dropout: f32,
@@ -43,8 +49,10 @@ impl LlamaConfig {
     /// | `small`    | 128 | 4      | 4     | 352    | 128     |    869,504 |
     /// | `tiny`     | 32  | 4      | 2     | 64     | 16      |     57,632 |
     ///
-    /// All are byte-level (vocabulary 256). `capstone` is spec C1's model; its
-    /// hidden width 904 (a multiple of 8 near 2.8·C) lands the count at 10.4M.
+    /// All are byte-level (vocabulary 256), with `rms_eps` 1e-5, `rope_theta`
+    /// 10000 and no dropout. `capstone` is the largest; its hidden width 904 (a
+    /// multiple of 8 near 2.8·C) lands the count at 10.4M. Any other name is an
+    /// [`Error::Config`](crate::Error::Config).
     pub fn preset(name: &str) -> Result<LlamaConfig> {
         let base = |d, l, h, f, t| LlamaConfig {
             vocab_size: 256,
@@ -68,10 +76,15 @@ impl LlamaConfig {
         })
     }
 
+    /// `D = d_model / n_heads`, the width of one attention head.
     pub fn head_dim(&self) -> usize {
         self.d_model / self.n_heads
     }
 
+    /// Checks that the architecture can be built: every size at least 1,
+    /// `d_model` split into `n_heads` heads of an even width, `dropout` in `[0, 1)`,
+    /// `rms_eps` and `rope_theta` positive. Errors with
+    /// [`Error::Config`](crate::Error::Config) naming the first problem.
     pub fn validate(&self) -> Result<()> {
         let c = self;
         if c.vocab_size == 0
@@ -145,6 +158,11 @@ impl LlamaConfig {
 
     /// Reads a Hugging Face `config.json` written by [`to_hf_json`](Self::to_hf_json)
     /// (or any plain Llama config without grouped-query attention).
+    /// `rms_norm_eps`, `rope_theta` and the dropout default to `1e-5`, `10000`
+    /// and 0 when absent. Errors ([`Error::Config`](crate::Error::Config)) on a
+    /// missing or non-numeric size, another `model_type`, grouped-query
+    /// attention, tied embeddings, an inconsistent `head_dim`, or a config
+    /// [`validate`](Self::validate) rejects.
     pub fn from_hf_json(v: &serde_json::Value) -> Result<LlamaConfig> {
         let num = |k: &str| -> Result<usize> {
             v.get(k)
@@ -248,6 +266,8 @@ pub struct Rope {
 }
 
 impl Rope {
+    /// The tables of [`rope_tables`] for `cfg`'s context, head width and theta,
+    /// on `device`.
     pub fn new(cfg: &LlamaConfig, device: Device) -> Result<Rope> {
         let (c, s) = rope_tables(cfg.context, cfg.head_dim(), cfg.rope_theta);
         let shape = [cfg.context, cfg.head_dim()];
@@ -269,9 +289,13 @@ impl Rope {
 
 /// Causal multi-head self-attention with RoPE on queries and keys.
 pub struct Attention {
+    /// The query projection, weight `(C, C)`.
     pub q_proj: Linear,
+    /// The key projection, weight `(C, C)`.
     pub k_proj: Linear,
+    /// The value projection, weight `(C, C)`.
     pub v_proj: Linear,
+    /// The output projection, weight `(C, C)`.
     pub o_proj: Linear,
     n_heads: usize,
     rope: Rc<Rope>,
@@ -317,8 +341,11 @@ impl Attention {
 /// SwiGLU: `down(silu(gate(x)) · up(x))`, the product one fused primitive
 /// each way (`Tensor::swiglu`).
 pub struct Mlp {
+    /// The gate projection (through SiLU), weight `(hidden, C)`.
     pub gate_proj: Linear,
+    /// The up projection, weight `(hidden, C)`.
     pub up_proj: Linear,
+    /// The down projection back to the residual width, weight `(C, hidden)`.
     pub down_proj: Linear,
 }
 
@@ -341,9 +368,13 @@ impl Mlp {
 
 /// One pre-norm decoder block: `x + attn(norm(x))`, then `h + mlp(norm(h))`.
 pub struct Block {
+    /// The norm before attention.
     pub input_layernorm: RmsNorm,
+    /// Causal self-attention.
     pub self_attn: Attention,
+    /// The norm before the MLP.
     pub post_attention_layernorm: RmsNorm,
+    /// The SwiGLU MLP.
     pub mlp: Mlp,
     /// The block's place in the stack (`layers.{index}` in a trace's paths).
     index: usize,
@@ -414,10 +445,15 @@ impl Layer for Block {
 
 /// The whole model. Parameters are float32 masters on `device`.
 pub struct Llama {
+    /// The architecture the model was built from.
     pub cfg: LlamaConfig,
+    /// The token embedding, `(V, C)`.
     pub embed_tokens: Embedding,
+    /// The `n_layers` decoder blocks, first applied first.
     pub layers: Vec<Rc<Block>>,
+    /// The final RMSNorm, before the LM head.
     pub norm: RmsNorm,
+    /// The LM head, weight `(V, C)` (not tied to the embedding).
     pub lm_head: Linear,
     /// The dropout stream (shared by every block; replayed by checkpointing).
     pub rng: Generator,
@@ -425,9 +461,27 @@ pub struct Llama {
 }
 
 impl Llama {
-    /// Hugging Face's init: every matrix Normal(0, 0.02²), norms at 1. All
-    /// draws come from `Generator::new(seed)` in parameter order, so the same
-    /// seed gives the same bits on every device.
+    /// Builds the model `cfg` describes, in training mode, its parameters on
+    /// `device`. Hugging Face's init: every matrix Normal(0, 0.02²), norms at 1.
+    /// All draws come from `Generator::new(seed)` in parameter order, so the same
+    /// seed gives the same bits on every device. The dropout stream
+    /// [`rng`](Self::rng) is seeded from `seed` too.
+    ///
+    /// Errors if [`LlamaConfig::validate`] rejects `cfg`, or if `device`
+    /// cannot be reached.
+    ///
+    /// ```
+    /// use tinyllm::nn::llama::{Llama, LlamaConfig};
+    /// use tinyllm::Device;
+    /// let cfg = LlamaConfig::preset("tiny")?;
+    /// let model = Llama::new(&cfg, 0, Device::Cpu)?;
+    /// // 2 sequences of 8 byte tokens -> one row of 256 logits per token
+    /// let ids: Vec<u32> = b"hello, world! hi".iter().map(|&b| b as u32).collect();
+    /// let logits = model.forward(&ids, 2, 8, None)?;
+    /// assert_eq!(logits.shape(), &[16, 256]);
+    /// assert!(logits.to_vec_f32()?.iter().all(|x| x.is_finite()));
+    /// # Ok::<(), tinyllm::Error>(())
+    /// ```
     pub fn new(cfg: &LlamaConfig, seed: u64, device: Device) -> Result<Llama> {
         cfg.validate()?;
         let gen = Generator::new(seed);
@@ -477,6 +531,7 @@ impl Llama {
         })
     }
 
+    /// Where the parameters live.
     pub fn device(&self) -> Device {
         self.device
     }
@@ -509,6 +564,8 @@ impl Llama {
     /// Logits for `ids`, `b` sequences of `t` tokens each (row-major):
     /// `ids: (B·T) -> logits (B·T, V)`. With `ckpt_budget`, the blocks run
     /// through [`checkpoint_sequential`] with that many layers of activations.
+    /// Errors if `ids.len() != b·t`, `b` or `t` is 0, `t` exceeds the context,
+    /// or an id is not below `vocab_size`.
     pub fn forward(
         &self,
         ids: &[u32],

@@ -1,5 +1,5 @@
-//! Layers (spec L0.4). A [`Module`] lists its trainable tensors in a stable
-//! order; a [`Layer`] maps one tensor to one tensor, which is what
+//! Layers. A [`Module`] lists its trainable tensors in a stable order; a
+//! [`Layer`] maps one tensor to one tensor, which is what
 //! [`Sequential`] and `checkpoint_sequential` chain.
 
 pub mod llama;
@@ -15,12 +15,16 @@ pub use crate::module::{Layer, Module};
 
 /// `y = x Wᵀ (+ b)`, weight `(out, in)` — the PyTorch / Hugging Face layout.
 pub struct Linear {
+    /// The weight, `(out, in)`; trainable.
     pub weight: Tensor,
+    /// The bias, `(out,)`, if the layer has one; trainable.
     pub bias: Option<Tensor>,
 }
 
 impl Linear {
-    /// PyTorch's default init: uniform in `±1/√in` for weight and bias.
+    /// A layer from `inp` to `out` features, with a bias if `bias`. PyTorch's
+    /// default init: uniform in `±1/√in` for weight and bias, drawn from `gen`
+    /// (weight first). Errors only if `device` cannot be reached.
     pub fn new(
         inp: usize,
         out: usize,
@@ -87,10 +91,13 @@ impl Layer for Linear {
 
 /// A table of `(num, dim)` vectors looked up by id.
 pub struct Embedding {
+    /// The table, `(num, dim)`: row `i` is id `i`'s vector; trainable.
     pub weight: Tensor,
 }
 
 impl Embedding {
+    /// A table of `num` vectors of width `dim`, entries Normal(0, std²) drawn
+    /// from `gen`. Errors only if `device` cannot be reached.
     pub fn new(
         num: usize,
         dim: usize,
@@ -102,7 +109,8 @@ impl Embedding {
             weight: Tensor::randn(&[num, dim], std, gen, device)?.requires_grad_(true),
         })
     }
-    /// `ids: (n,) -> (n, dim)`
+    /// The rows for `ids`: `ids: (n,) -> (n, dim)`. Backward scatter-adds into
+    /// the table's gradient. Errors if an id is `>= num`.
     pub fn forward(&self, ids: &[u32]) -> Result<Tensor> {
         self.weight.embedding(ids)
     }
@@ -116,11 +124,15 @@ impl Module for Embedding {
 
 /// `y = x / √(mean(x²) + eps) · w` over the last axis.
 pub struct RmsNorm {
+    /// The per-feature gain `w`, `(dim,)`, initialised to ones; trainable.
     pub weight: Tensor,
+    /// Added to the mean square before the square root (e.g. `1e-5`).
     pub eps: f64,
 }
 
 impl RmsNorm {
+    /// A norm over a last axis of width `dim`, with gain ones. Errors only if
+    /// `device` cannot be reached.
     pub fn new(dim: usize, eps: f64, device: Device) -> Result<RmsNorm> {
         Ok(RmsNorm {
             weight: Tensor::ones(&[dim], crate::DType::F32, device)?.requires_grad_(true),
@@ -152,12 +164,16 @@ impl Layer for RmsNorm {
 /// Zeroes entries with probability `p` while training; draws its masks from a
 /// shared [`Generator`] so checkpointing can replay them.
 pub struct Dropout {
+    /// The probability of zeroing an entry, in `[0, 1)`.
     pub p: f32,
+    /// The generator the masks are drawn from (a handle shared with the caller's).
     pub gen: Generator,
     training: Cell<bool>,
 }
 
 impl Dropout {
+    /// A dropout layer in training mode, drawing from (a shared handle to)
+    /// `gen`. Errors ([`Error::Config`](crate::Error::Config)) unless `0 <= p < 1`.
     pub fn new(p: f32, gen: &Generator) -> Result<Dropout> {
         if !(0.0..1.0).contains(&p) {
             bail!(Config, "dropout probability must be in [0, 1), got {p}");
@@ -203,13 +219,16 @@ impl Layer for Silu {
 /// Layers applied in order.
 #[derive(Default)]
 pub struct Sequential {
+    /// The layers, first applied first.
     pub layers: Vec<Rc<dyn Layer>>,
 }
 
 impl Sequential {
+    /// The layers `layers`, applied first to last.
     pub fn new(layers: Vec<Rc<dyn Layer>>) -> Sequential {
         Sequential { layers }
     }
+    /// Appends `l`, to run after the layers already there.
     pub fn push(&mut self, l: impl Layer + 'static) {
         self.layers.push(Rc::new(l));
     }

@@ -177,6 +177,9 @@ impl Tensor {
         }))
     }
 
+    /// `a + b`, broadcasting; backward passes `g` to both (summed back to each
+    /// shape). Errors if the shapes do not broadcast or the tensors are on
+    /// different devices or have different dtypes.
     pub fn add(&self, rhs: &Tensor) -> Result<Tensor> {
         self.binary_op(
             rhs,
@@ -186,6 +189,7 @@ impl Tensor {
             |_, _, _, g| Ok((Some(g.clone()), Some(g.clone()))),
         )
     }
+    /// `a − b`, broadcasting; backward `g`, `−g`. Errors as [`add`](Self::add).
     pub fn sub(&self, rhs: &Tensor) -> Result<Tensor> {
         self.binary_op(
             rhs,

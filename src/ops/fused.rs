@@ -146,10 +146,12 @@ impl Tensor {
     }
 }
 
-/// Softmax cross-entropy `mean_r (logsumexp(row r) − row r[target r])` (spec
-/// L0.3): `logits: (n, v)`, `targets: n ids < v` -> a 0-d tensor. One primitive
-/// each way, taking the ids as they are; the composition's bits:
-/// [`reference::cross_entropy`].
+/// Softmax cross-entropy averaged over rows,
+/// `mean_r (logsumexp(row r) − row r[target r])`: `logits: (n, v)`,
+/// `targets: n ids < v` -> a 0-d tensor. One primitive each way, taking the
+/// ids as they are; the composition's bits: [`reference::cross_entropy`].
+/// Errors if `logits` is not `(n, v)` with `n = targets.len()`, or a target
+/// is `>= v`.
 pub fn cross_entropy(logits: &Tensor, targets: &[u32]) -> Result<Tensor> {
     check_cross_entropy(logits, targets)?;
     let v = logits.shape()[1];

@@ -1,6 +1,5 @@
 //! Neural-network functions: softmax, log-softmax, the causal mask, dropout,
-//! and the mean squared error of spec L0.3 (cross-entropy is a fused op,
-//! `ops::fused`).
+//! and the mean squared error (cross-entropy is a fused op, `ops::fused`).
 
 use crate::backend::{Device, Storage};
 use crate::rng::Generator;
@@ -98,7 +97,8 @@ impl Tensor {
     }
 }
 
-/// Mean squared error `mean((pred − target)²)` over all elements (spec L0.3).
+/// Mean squared error `mean((pred − target)²)` over all elements, as a 0-d
+/// tensor. Errors if the shapes differ.
 pub fn mse(pred: &Tensor, target: &Tensor) -> Result<Tensor> {
     if pred.shape() != target.shape() {
         bail!(

@@ -48,8 +48,10 @@ impl Tensor {
 
     /// Mean over one axis: the sum divided by the count (the crate's division).
     pub fn mean(&self, ax: isize, keepdim: bool) -> Result<Tensor> {
+        // the sum checks the axis (a 0-d tensor has none)
+        let total = self.sum(ax, keepdim)?;
         let n = self.shape()[axis(ax, self.dims())?];
-        self.sum(ax, keepdim)?.div_scalar(n as f64)
+        total.div_scalar(n as f64)
     }
 
     /// Mean of every element, as a 0-d tensor.

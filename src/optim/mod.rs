@@ -1,5 +1,6 @@
-//! Optimizers over float32 master weights (spec M10.2–M10.4). Each update is
-//! one fused in-place primitive per parameter, on the parameter's device.
+//! Optimizers over float32 master weights: SGD, AdamW and gradient clipping.
+//! Each update is one fused in-place primitive per parameter, on the
+//! parameter's device.
 //! Parameters whose gradient is absent are skipped.
 
 use crate::backend::{AdamWConsts, DType, Storage};
@@ -8,10 +9,16 @@ use serde::{Deserialize, Serialize};
 
 /// An optimizer owns the list of parameters it updates.
 pub trait Optimizer {
-    /// Applies one update from the current gradients.
+    /// Applies one update from the current gradients, in place. Parameters
+    /// with no gradient are skipped; errors if a parameter that has one is
+    /// not float32.
     fn step(&mut self) -> Result<()>;
+    /// The parameters it updates, in the order it was given them.
     fn params(&self) -> &[Tensor];
+    /// The current learning rate.
     fn lr(&self) -> f32;
+    /// Sets the learning rate for the following steps (a schedule calls this
+    /// before each step).
     fn set_lr(&mut self, lr: f32);
     /// Clears every parameter's gradient.
     fn zero_grad(&self) {
@@ -35,13 +42,21 @@ fn check_master(p: &Tensor) -> Result<()> {
 /// SGD with optional momentum and (coupled) weight decay, PyTorch's formula.
 pub struct Sgd {
     params: Vec<Tensor>,
+    /// The learning rate.
     pub lr: f32,
+    /// The momentum factor (0: plain SGD, no momentum buffer).
     pub momentum: f32,
+    /// The L2 penalty added to the gradient (`g + weight_decay · p`) before
+    /// momentum.
     pub weight_decay: f32,
     bufs: Vec<Option<Tensor>>,
 }
 
 impl Sgd {
+    /// An SGD optimizer over `params`. The momentum buffer of a parameter is
+    /// its first gradient, then `momentum · buf + g`. Errors
+    /// ([`Error::Config`](crate::Error::Config)) if `lr`, `momentum` or
+    /// `weight_decay` is negative or NaN.
     pub fn new(params: Vec<Tensor>, lr: f32, momentum: f32, weight_decay: f32) -> Result<Sgd> {
         if !(lr >= 0.0) || !(momentum >= 0.0) || !(weight_decay >= 0.0) {
             bail!(
@@ -100,14 +115,22 @@ impl Optimizer for Sgd {
 /// AdamW hyper-parameters (PyTorch's defaults but the learning rate).
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct AdamWConfig {
+    /// The learning rate.
     pub lr: f32,
+    /// The first moment's decay rate, in `[0, 1)` (default 0.9).
     pub beta1: f32,
+    /// The second moment's decay rate, in `[0, 1)` (default 0.999).
     pub beta2: f32,
+    /// Added to `√v̂` in the denominator, `> 0` (default 1e-8).
     pub eps: f32,
+    /// Decoupled weight decay: each step first multiplies the parameter by
+    /// `1 − lr · weight_decay` (default 0.01).
     pub weight_decay: f32,
 }
 
 impl AdamWConfig {
+    /// The defaults with learning rate `lr`: betas (0.9, 0.999), eps 1e-8,
+    /// weight decay 0.01.
     pub fn new(lr: f32) -> Self {
         AdamWConfig {
             lr,
@@ -123,12 +146,17 @@ impl AdamWConfig {
 /// Moments are float32 tensors on the parameter's device.
 pub struct AdamW {
     params: Vec<Tensor>,
+    /// The hyper-parameters; changes apply from the next step.
     pub cfg: AdamWConfig,
     /// Per parameter: (m, v, step count), created at its first update.
     state: Vec<Option<(Tensor, Tensor, u64)>>,
 }
 
 impl AdamW {
+    /// An AdamW optimizer over `params`, its moments created at each
+    /// parameter's first update. Errors ([`Error::Config`](crate::Error::Config))
+    /// unless `lr >= 0`, both betas are in `[0, 1)`, `eps > 0` and
+    /// `weight_decay >= 0`.
     pub fn new(params: Vec<Tensor>, cfg: AdamWConfig) -> Result<AdamW> {
         if !(cfg.lr >= 0.0)
             || !(0.0..1.0).contains(&cfg.beta1)
@@ -149,12 +177,15 @@ impl AdamW {
         })
     }
 
-    /// The moments and step count of parameter `i`, if it has been updated.
+    /// The moments `(m, v)` and step count of parameter `i`, if it has been
+    /// updated (`None` also for an `i` out of range).
     pub fn state(&self, i: usize) -> Option<&(Tensor, Tensor, u64)> {
         self.state.get(i).and_then(|s| s.as_ref())
     }
 
-    /// Replaces the state of parameter `i` (resuming from a checkpoint).
+    /// Replaces the state of parameter `i` (resuming from a checkpoint);
+    /// `None` makes its next update the first. Errors if there is no parameter
+    /// `i` or the moments' shapes differ from the parameter's.
     pub fn set_state(&mut self, i: usize, st: Option<(Tensor, Tensor, u64)>) -> Result<()> {
         let p = self
             .params
@@ -228,8 +259,10 @@ pub fn grad_storages(params: &[Tensor]) -> Vec<Storage> {
 }
 
 /// Clips the global L2 norm of all gradients to `max_norm` in place and
-/// returns the norm before clipping (spec M10.4): when it exceeds `max_norm`
-/// every gradient is multiplied by `max_norm / (norm + 1e-6)`.
+/// returns the norm before clipping: when it exceeds `max_norm` every gradient
+/// is multiplied by `max_norm / (norm + 1e-6)`. Parameters without a gradient
+/// are left out (none at all gives a norm of 0). Errors if `max_norm` is not
+/// positive.
 pub fn clip_grad_norm_(params: &[Tensor], max_norm: f32) -> Result<f32> {
     if !(max_norm > 0.0) {
         bail!(Config, "clip: max_norm must be positive, got {max_norm}");

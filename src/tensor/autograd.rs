@@ -1,7 +1,7 @@
 //! Grad mode, graph nodes and `backward`.
 //!
 //! A node is created only by [`Tensor::from_op`], and only when grad mode is on
-//! and some parent requires grad (spec L0.1). `backward` walks the graph once in
+//! and some parent requires grad. `backward` walks the graph once in
 //! reverse topological order and *consumes* it: each node's vector-Jacobian
 //! closure (and every value it saved) and its parent links are dropped the
 //! moment the node has run, so an activation's memory is released as soon as the

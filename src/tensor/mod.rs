@@ -31,7 +31,7 @@ pub(crate) struct Meta {
 }
 
 impl Meta {
-    /// Adds `g` into `.grad` (never overwrites, spec L0.1). The first
+    /// Adds `g` into `.grad` (never overwrites). The first
     /// contribution is stored as is, unless its buffer is shared: `.grad` is
     /// updated in place later (unscaling, clipping), so it must own its buffer.
     pub(crate) fn accumulate_grad(&self, g: Tensor) -> Result<()> {
@@ -122,8 +122,8 @@ impl Tensor {
         Ok(Tensor::make(storage, shape.to_vec(), false, None))
     }
 
-    /// The result of a differentiable op, spec L0.1's `from_op` — the
-    /// extension point for ops of your own. `value` is the forward result
+    /// The result of a differentiable op — the extension point for ops of
+    /// your own. `value` is the forward result
     /// (computed by any ops, typically under [`no_grad`]); a
     /// graph node with `vjp` is recorded only when grad mode is on and some
     /// parent requires grad, otherwise the result is a constant. `vjp` maps the
@@ -171,6 +171,11 @@ impl Tensor {
         }
     }
 
+    /// A constant f32 tensor (a leaf that does not require grad) of `shape`
+    /// from row-major `data`, uploaded to `device`.
+    ///
+    /// Errors if `data.len()` is not the product of `shape`, or if the GPU
+    /// cannot be reached for [`Device::Gpu`].
     pub fn from_vec(data: Vec<f32>, shape: &[usize], device: Device) -> Result<Tensor> {
         if data.len() != shape::numel(shape) {
             bail!(
@@ -182,6 +187,9 @@ impl Tensor {
         Tensor::from_storage(Storage::from_f32(data, device)?, shape)
     }
 
+    /// A constant f64 tensor of `shape` from row-major `data`. f64 tensors live on
+    /// the CPU only: [`Device::Gpu`] is an error, as is a length that does not
+    /// fill `shape`.
     pub fn from_vec_f64(data: Vec<f64>, shape: &[usize], device: Device) -> Result<Tensor> {
         if data.len() != shape::numel(shape) {
             bail!(
@@ -194,26 +202,32 @@ impl Tensor {
     }
 
     /// From an ndarray array (f32, any dimension) onto `device`.
+    #[cfg(feature = "ndarray")]
     pub fn from_ndarray(a: &ndarray::ArrayD<f32>, device: Device) -> Result<Tensor> {
         let shape = a.shape().to_vec();
         Tensor::from_vec(a.iter().copied().collect(), &shape, device)
     }
 
     /// The values as an ndarray array (f32).
+    #[cfg(feature = "ndarray")]
     pub fn to_ndarray(&self) -> Result<ndarray::ArrayD<f32>> {
         ndarray::ArrayD::from_shape_vec(self.shape().to_vec(), self.to_vec_f32()?)
             .map_err(|e| crate::Error::shape(e.to_string()))
     }
 
+    /// A constant tensor of `shape` with every element `value` (rounded to f32
+    /// for [`DType::F32`]). Errors for an f64 tensor on the GPU.
     pub fn full(shape: &[usize], value: f64, dtype: DType, device: Device) -> Result<Tensor> {
         Tensor::from_storage(
             Storage::full(shape::numel(shape), value, dtype, device)?,
             shape,
         )
     }
+    /// A constant tensor of zeros; see [`full`](Self::full).
     pub fn zeros(shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
         Tensor::full(shape, 0.0, dtype, device)
     }
+    /// A constant tensor of ones; see [`full`](Self::full).
     pub fn ones(shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
         Tensor::full(shape, 1.0, dtype, device)
     }
@@ -243,28 +257,37 @@ impl Tensor {
     pub fn full_like(&self, value: f64) -> Result<Tensor> {
         Tensor::full(self.shape(), value, self.dtype(), self.device())
     }
+    /// A tensor of zeros with `self`'s shape, dtype and device.
     pub fn zeros_like(&self) -> Result<Tensor> {
         self.full_like(0.0)
     }
+    /// A tensor of ones with `self`'s shape, dtype and device.
     pub fn ones_like(&self) -> Result<Tensor> {
         self.full_like(1.0)
     }
 
+    /// A process-wide unique id, assigned at creation (clones share it; every
+    /// op result gets a new one).
     pub fn id(&self) -> usize {
         self.0.meta.id
     }
+    /// The size of each dimension, outermost first (empty for a 0-d tensor).
     pub fn shape(&self) -> &[usize] {
         &self.0.meta.shape
     }
+    /// The number of dimensions (0 for a scalar).
     pub fn dims(&self) -> usize {
         self.0.meta.shape.len()
     }
+    /// The number of elements (the product of the shape; 1 for a scalar).
     pub fn numel(&self) -> usize {
         shape::numel(&self.0.meta.shape)
     }
+    /// Where the values live.
     pub fn device(&self) -> Device {
         self.0.storage.borrow().device()
     }
+    /// The element type: always [`DType::F32`] on the GPU.
     pub fn dtype(&self) -> DType {
         self.0.storage.borrow().dtype()
     }
@@ -306,9 +329,13 @@ impl Tensor {
         *self.0.storage.borrow_mut() = s;
         Ok(())
     }
+    /// The values in row-major order as f32 (f64 values are rounded). Reads a
+    /// GPU tensor back to the host, waiting for pending work.
     pub fn to_vec_f32(&self) -> Result<Vec<f32>> {
         self.storage().to_vec_f32()
     }
+    /// The values in row-major order as f64 (f32 values are widened exactly).
+    /// Reads a GPU tensor back to the host, waiting for pending work.
     pub fn to_vec_f64(&self) -> Result<Vec<f64>> {
         self.storage().to_vec_f64()
     }
@@ -358,6 +385,7 @@ impl Tensor {
         Rc::strong_count(&self.0) > 1
             || match &*s {
                 Storage::Cpu(c) => Rc::strong_count(c) > 1,
+                #[cfg(feature = "gpu")]
                 Storage::Gpu(g) => Rc::strong_count(g) > 1,
             }
     }
@@ -380,15 +408,24 @@ impl Tensor {
         Tensor::from_storage(copy, self.shape())
     }
 
+    /// Whether gradients flow to this tensor: a leaf marked with
+    /// [`requires_grad_`](Self::requires_grad_), or an op result recorded in the graph.
     pub fn requires_grad(&self) -> bool {
         self.0.meta.requires_grad.get()
     }
     /// Marks a leaf as trainable (builder style).
+    ///
+    /// # Panics
+    ///
+    /// If `self` is not a leaf (an op's recorded result).
     pub fn requires_grad_(self, on: bool) -> Tensor {
         assert!(self.0.meta.is_leaf, "requires_grad_ on a non-leaf tensor");
         self.0.meta.requires_grad.set(on);
         self
     }
+    /// Whether the tensor was created directly (from data, or by an op with no
+    /// graph recorded) rather than recorded as an op's result; only leaves keep a
+    /// `.grad`.
     pub fn is_leaf(&self) -> bool {
         self.0.meta.is_leaf
     }
@@ -396,13 +433,32 @@ impl Tensor {
     pub fn grad(&self) -> Option<Tensor> {
         self.0.meta.grad.borrow().clone()
     }
+    /// Replaces the accumulated gradient (`None` clears it).
     pub fn set_grad(&self, g: Option<Tensor>) {
         *self.0.meta.grad.borrow_mut() = g;
     }
+    /// Clears the accumulated gradient (sets it to `None`); the next backward
+    /// starts afresh.
     pub fn zero_grad(&self) {
         self.set_grad(None);
     }
-    /// Backpropagates from a one-element tensor (seed 1).
+    /// Backpropagates from a one-element tensor (seed 1): every leaf that
+    /// requires grad and was reached gets `d self / d leaf` *added* to its
+    /// [`grad`](Self::grad). The graph is consumed as it goes (saved values are
+    /// freed), so a second backward over the same forward pass is an error.
+    ///
+    /// Errors if `self` has more than one element (use
+    /// [`backward_with`](Self::backward_with)) or does not require grad.
+    ///
+    /// ```
+    /// use tinyllm::{Device, Tensor};
+    /// // y = sum(x * x + 2x), so dy/dx = 2x + 2
+    /// let x = Tensor::from_vec(vec![1.0, -3.0], &[2], Device::Cpu)?.requires_grad_(true);
+    /// let y = x.mul(&x)?.add(&x.mul_scalar(2.0)?)?.sum_all()?;
+    /// y.backward()?;
+    /// assert_eq!(x.grad().unwrap().to_vec_f32()?, vec![4.0, -4.0]);
+    /// # Ok::<(), tinyllm::Error>(())
+    /// ```
     pub fn backward(&self) -> Result<()> {
         if self.numel() != 1 {
             bail!(
@@ -414,7 +470,9 @@ impl Tensor {
         let seed = self.ones_like()?;
         autograd::backward(self, seed)
     }
-    /// Backpropagates with an explicit seed gradient of this tensor's shape.
+    /// Backpropagates with an explicit seed gradient of this tensor's shape
+    /// (the vector in the vector-Jacobian product). Errors if the seed's shape
+    /// differs or `self` does not require grad.
     pub fn backward_with(&self, seed: &Tensor) -> Result<()> {
         autograd::backward(self, seed.detach())
     }

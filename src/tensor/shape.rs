@@ -2,6 +2,7 @@
 
 use crate::{bail, Result};
 
+/// The number of elements of a tensor of `shape` (1 for the empty shape).
 pub fn numel(shape: &[usize]) -> usize {
     shape.iter().product()
 }

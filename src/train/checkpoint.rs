@@ -46,20 +46,30 @@ use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
+/// The weights, float32, under Hugging Face names.
 pub const MODEL_FILE: &str = "model.safetensors";
+/// The model's Hugging Face `LlamaConfig`.
 pub const CONFIG_FILE: &str = "config.json";
+/// AdamW's moments.
 pub const OPTIM_FILE: &str = "optimizer.safetensors";
+/// The [`TrainState`], as JSON.
 pub const STATE_FILE: &str = "trainer_state.json";
+/// The SHA-256 and size of every other file, written last.
 pub const MANIFEST_FILE: &str = "manifest.json";
+/// The checkpoint format this version writes and reads, recorded in the
+/// manifest and the trainer state; any other is refused.
 pub const FORMAT: &str = "tinyllm-checkpoint-1";
 
 /// Everything but tensors that a resumed run needs to continue bit for bit.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TrainState {
+    /// The checkpoint format, [`FORMAT`].
     pub format: String,
     /// Optimizer steps taken (skipped fp16 steps included).
     pub step: usize,
+    /// The run's resolved config.
     pub config: TrainConfig,
+    /// The fp16 loss scaler's state (`None` for fp32 and bf16 runs).
     pub scaler: Option<ScalerState>,
     /// The dropout stream's state.
     pub model_rng: RngState,
@@ -67,7 +77,10 @@ pub struct TrainState {
     pub data_rng: RngState,
     /// AdamW's step count per parameter (`None`: never updated).
     pub adam_steps: Vec<Option<u64>>,
+    /// The training text's name: `embedded` or its path.
     pub data_name: String,
+    /// The SHA-256 of the training text (hex); a resumed run must see the
+    /// same text.
     pub data_fingerprint: String,
 }
 
@@ -352,6 +365,7 @@ fn swap(run_dir: &Path, staging: &Path, step: usize) -> Result<PathBuf> {
 
 /// A checkpoint's files, read and verified against its manifest.
 pub struct Verified {
+    /// The checkpoint directory itself (after [`resolve_dir`]).
     pub dir: PathBuf,
     files: HashMap<String, Vec<u8>>,
 }
@@ -470,6 +484,10 @@ impl Verified {
         Ok(cfg)
     }
 
+    /// The [`TrainState`] from `trainer_state.json`, its run config
+    /// validated. An error when the file does not parse, its format is not
+    /// [`FORMAT`], or the config is invalid. (A checkpoint written before the
+    /// schedule's length was recorded reads it as the run's `steps`.)
     pub fn train_state(&self) -> Result<TrainState> {
         let mut st: TrainState = serde_json::from_slice(self.file(STATE_FILE)?)
             .map_err(|e| Error::checkpoint(format!("{}/{STATE_FILE}: {e}", self.dir.display())))?;

@@ -14,11 +14,15 @@ use std::path::PathBuf;
 pub enum DeviceChoice {
     /// The GPU when an adapter exists, else the CPU (with a one-line note).
     Auto,
+    /// The CPU reference backend.
     Cpu,
+    /// The GPU backend; a run fails when no adapter exists.
     Gpu,
 }
 
 impl DeviceChoice {
+    /// The choice as the `--device` flag spells it: `auto`, `cpu` or `gpu`
+    /// (what [`str::parse`] reads back).
     pub fn name(self) -> &'static str {
         match self {
             DeviceChoice::Auto => "auto",
@@ -43,35 +47,61 @@ impl std::str::FromStr for DeviceChoice {
 /// What the user asked for; `None` takes the preset's default.
 #[derive(Clone, Debug, Default)]
 pub struct TrainOptions {
+    /// The model and recipe: `tiny`, `small` or `capstone` (default `small`).
     pub preset: Option<String>,
+    /// A UTF-8 text file to train on (default: the embedded corpus).
     pub data: Option<PathBuf>,
+    /// The optimizer step to stop at (the preset's default: 30 for `tiny`,
+    /// 100 for `small`, 2000 for `capstone`).
     pub steps: Option<usize>,
+    /// The peak learning rate, reached after warmup (the preset's default:
+    /// 1e-2, 3e-3 or 1e-3).
     pub lr: Option<f32>,
+    /// Seeds the initial weights, dropout, the train/validation split and
+    /// the batch order (default 1337).
     pub seed: Option<u64>,
+    /// `auto`, `cpu` or `gpu` (default `auto`; see [`DeviceChoice`]).
     pub device: Option<String>,
+    /// `fp32`, `bf16` or `fp16` (also `float32`, `bfloat16`, `float16`;
+    /// default `bf16`).
     pub precision: Option<String>,
     /// Sequences per optimizer step.
     pub batch: Option<usize>,
+    /// Sequences per forward and backward pass. Any two of `batch`,
+    /// `micro_batch` and `accum` fix the third; given none, the preset's
+    /// batch (8, 16 or 32) in micro-batches of 4, 4 or 8.
     pub micro_batch: Option<usize>,
+    /// Micro-batches accumulated per optimizer step; it must equal
+    /// `batch / micro_batch` rounded up.
     pub accum: Option<usize>,
     /// `Some(false)` turns the default checkpointing off.
     pub checkpoint_activations: Option<bool>,
+    /// The activation-checkpointing budget, in layers of activations held at
+    /// the peak (default: the smallest the model allows, see
+    /// [`min_ckpt_budget`]). Needs checkpointing on.
     pub ckpt_budget: Option<usize>,
-    /// Gradient-norm clip; 0 turns clipping off.
+    /// Gradient-norm clip (default 1.0); 0 turns clipping off.
     pub clip: Option<f32>,
     /// Validation every N steps; 0 = only at the end.
     pub eval_every: Option<usize>,
     /// Checkpoint every N steps; 0 = only at the end.
     pub save_every: Option<usize>,
+    /// Steps of linear learning-rate warmup (default a tenth of `steps`, at
+    /// most 100).
     pub warmup: Option<usize>,
+    /// The dropout probability, in `[0, 1)` (the presets have none).
     pub dropout: Option<f32>,
+    /// The output directory for checkpoints, metrics and plot (default
+    /// `runs/latest`).
     pub out: Option<PathBuf>,
 }
 
 /// A fully resolved, validated run (saved in every checkpoint).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TrainConfig {
+    /// The preset the run was resolved from.
     pub preset: String,
+    /// The model's architecture (the preset's, with the run's dropout).
     pub model: LlamaConfig,
     /// The training text (absolute; `None`: the embedded corpus). A resumed
     /// run checks the text by its SHA-256, not by this path.
@@ -84,24 +114,40 @@ pub struct TrainConfig {
     /// (0 in a checkpoint written before this field existed: read as `steps`.)
     #[serde(default)]
     pub schedule_steps: usize,
+    /// The peak learning rate, reached at the end of warmup.
     pub lr: f32,
-    /// The cosine schedule decays to `lr · min_lr_frac`.
+    /// The cosine schedule decays to `lr · min_lr_frac` (0.1 from
+    /// [`resolve`](Self::resolve)).
     pub min_lr_frac: f32,
+    /// Steps of linear learning-rate warmup.
     pub warmup: usize,
+    /// AdamW's decoupled weight decay (0.01 from [`resolve`](Self::resolve)).
     pub weight_decay: f32,
+    /// Seeds the initial weights, dropout, the split and the batch order.
     pub seed: u64,
+    /// Where to run (resolved to a device when the run starts).
     pub device: DeviceChoice,
+    /// The precision recipe of every step.
     pub precision: Precision,
+    /// Sequences per optimizer step.
     pub batch: usize,
+    /// Sequences per forward and backward pass.
     pub micro_batch: usize,
+    /// Micro-batches per optimizer step: `batch / micro_batch` rounded up
+    /// (the last may be smaller).
     pub accum: usize,
-    /// Layer units of activations kept, when checkpointing.
+    /// Layer units of activations kept, when checkpointing (`None`:
+    /// activation checkpointing off).
     pub ckpt_budget: Option<usize>,
+    /// The gradient-norm clip (`None`: no clipping).
     pub clip: Option<f32>,
+    /// Validation every N steps; 0 = only at the end.
     pub eval_every: usize,
     /// Validation windows per evaluation.
     pub eval_rows: usize,
+    /// Checkpoint every N steps; 0 = only at the end.
     pub save_every: usize,
+    /// The output directory.
     pub out: PathBuf,
 }
 
@@ -190,8 +236,11 @@ fn recipe(preset: &str) -> Recipe {
     }
 }
 
-/// The smallest checkpoint budget `n` layers can have (M08.4's smallest `P`):
-/// the default of `--checkpoint-activations`, the most memory it can save.
+/// The smallest checkpoint budget `n` layers can have: the lowest peak of
+/// activation memory any checkpoint schedule reaches, in layer units (the
+/// saved inputs of all segments but one, plus the layers of the largest
+/// segment). It is the default of `--checkpoint-activations`, the most memory
+/// checkpointing can save.
 pub fn min_ckpt_budget(n: usize) -> usize {
     (1..=n).map(|k| (k - 1) + n.div_ceil(k)).min().unwrap_or(1)
 }

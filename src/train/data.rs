@@ -16,10 +16,14 @@ use std::sync::Arc;
 pub struct ByteTokenizer;
 
 impl ByteTokenizer {
+    /// The vocabulary size: one id per byte value.
     pub const VOCAB: usize = 256;
+    /// The ids of `text`'s UTF-8 bytes, one per byte.
     pub fn encode(text: &str) -> Vec<u32> {
         text.bytes().map(u32::from).collect()
     }
+    /// The text of `ids`, one byte each (an id above 255 is read as 255);
+    /// bytes that are not valid UTF-8 become U+FFFD.
     pub fn decode(ids: &[u32]) -> String {
         let bytes: Vec<u8> = ids.iter().map(|&i| i.min(255) as u8).collect();
         String::from_utf8_lossy(&bytes).into_owned()
@@ -42,6 +46,8 @@ pub struct Corpus {
 }
 
 impl Corpus {
+    /// A corpus of `text` under `name`, fingerprinted by its SHA-256. Nothing
+    /// is checked (an empty or short text fails later, in [`Dataset::new`]).
     pub fn from_text(name: &str, text: &str) -> Corpus {
         Corpus::from_bytes(name, text.as_bytes().to_vec())
     }
@@ -146,9 +152,13 @@ fn file_kind(meta: &std::fs::Metadata) -> &'static str {
 /// `rows` sequences of `t` tokens and their next-token targets (row-major).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Batch {
+    /// The input token ids, `rows × t`, row-major.
     pub ids: Vec<u32>,
+    /// The next token after each input, `rows × t`, row-major.
     pub targets: Vec<u32>,
+    /// Sequences in the batch.
     pub rows: usize,
+    /// Tokens per sequence (the model's context).
     pub t: usize,
 }
 
@@ -181,7 +191,9 @@ impl Batch {
 /// A contiguous run of tokens `[start, start + len)`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Piece {
+    /// The index of the piece's first token in the corpus.
     pub start: usize,
+    /// Tokens in the piece.
     pub len: usize,
 }
 
@@ -191,14 +203,21 @@ pub struct Piece {
 pub struct Dataset {
     /// The corpus's bytes (shared, not copied).
     pub tokens: Arc<Vec<u8>>,
+    /// Tokens per window (the model's context).
     pub context: usize,
+    /// The training pieces, in corpus order.
     pub train: Vec<Piece>,
+    /// The held-out validation pieces, in corpus order.
     pub val: Vec<Piece>,
     /// Cumulative count of training windows per piece (for uniform sampling).
     cum: Vec<usize>,
 }
 
 impl Dataset {
+    /// Cuts `corpus` into pieces (a twentieth of the text each, capped at
+    /// 4096 tokens but never shorter than one window of `context + 1`; the
+    /// last takes the remainder) and splits them with `seed`. An error when `context` is 0 or the corpus holds fewer than two
+    /// pieces (it needs at least `2 · (context + 1)` bytes).
     pub fn new(corpus: &Corpus, context: usize, seed: u64) -> Result<Dataset> {
         if context == 0 {
             bail!(Data, "context must be at least 1 token");

@@ -16,6 +16,7 @@ use std::ops::ControlFlow;
 pub struct EvalMode<'a>(&'a dyn Module);
 
 impl<'a> EvalMode<'a> {
+    /// Turns `model`'s dropout off until the guard is dropped.
     pub fn new(model: &'a dyn Module) -> EvalMode<'a> {
         model.set_training(false);
         EvalMode(model)

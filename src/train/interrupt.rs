@@ -77,5 +77,6 @@ pub fn install() -> crate::Result<()> {
     Ok(())
 }
 
+/// Elsewhere there is no handler to take back.
 #[cfg(not(unix))]
 pub fn uninstall() {}

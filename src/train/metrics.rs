@@ -8,20 +8,30 @@ use std::path::{Path, PathBuf};
 /// One step's record.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct StepMetrics {
+    /// The optimizer step (1-based).
     pub step: usize,
     /// NaN or ±inf on a skipped fp16 step: written as `null` (JSON has no
     /// NaN), read back as NaN.
     #[serde(deserialize_with = "f32_or_nan")]
     pub loss: f32,
+    /// The validation loss, on the steps that evaluated (left out of the
+    /// line otherwise).
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub val_loss: Option<f32>,
+    /// The learning rate of this step.
     #[serde(deserialize_with = "f32_or_nan")]
     pub lr: f32,
+    /// The loss scale after the step (1 without a loss scaler, i.e. except
+    /// in fp16).
     #[serde(deserialize_with = "f32_or_nan")]
     pub scale: f32,
+    /// True when the loss scaler skipped the update (non-finite gradients).
     pub skipped: bool,
+    /// The global gradient norm before clipping, when clipping is on.
     pub grad_norm: Option<f32>,
+    /// Training tokens per second of this step alone.
     pub tokens_per_s: f64,
+    /// The step's peak of tensor bytes (see [`crate::memory`]).
     pub peak_bytes: usize,
     /// Training tokens seen through this step (steps × tokens per step).
     #[serde(default)]
@@ -34,6 +44,9 @@ pub struct StepMetrics {
     /// the platform reports it; a resumed run's peak is the largest of these.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub process_peak_bytes: Option<usize>,
+    /// The first step of a process that resumed the run from a checkpoint.
+    #[serde(skip_serializing_if = "std::ops::Not::not", default)]
+    pub resumed: bool,
 }
 
 fn f32_or_nan<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<f32, D::Error> {
@@ -72,6 +85,8 @@ impl MetricsLog {
             .map_err(|e| crate::Error::io(format!("cannot write {}", path.display()), e))?;
         Ok(MetricsLog { path, file })
     }
+    /// Appends `m` as one line and flushes it. An I/O error names the step
+    /// and the file.
     pub fn append(&mut self, m: &StepMetrics) -> Result<()> {
         let line = serde_json::to_string(m).map_err(|e| crate::Error::data(e.to_string()))?;
         crate::train::fault::io_point("fail:metrics.jsonl", m.step)
@@ -84,10 +99,12 @@ impl MetricsLog {
                 )
             })
     }
+    /// The log file, `DIR/metrics.jsonl`.
     pub fn path(&self) -> &Path {
         &self.path
     }
-    /// Every record in a log file.
+    /// Every record in a log file, in order (blank lines skipped). An error
+    /// when the file cannot be read or a line is not a record.
     pub fn read(path: &Path) -> Result<Vec<StepMetrics>> {
         std::fs::read_to_string(path)
             .map_err(|e| crate::Error::io(format!("cannot read {}", path.display()), e))?

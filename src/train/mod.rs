@@ -1,10 +1,11 @@
 //! The trainer: text → batches → mixed-precision steps → metrics, plots and
-//! checkpoints; plus `compare` (spec MS-L11), `eval` and `generate`.
+//! checkpoints; plus `compare` (float32 against mixed precision), `eval` and
+//! `generate`.
 //!
 //! * [`data`] — byte tokenizer, corpus loading, seeded split and batch order;
 //!   [`corpus`] — the embedded default text;
 //! * [`config`] — flags resolved against a preset's recipe and validated;
-//! * [`plan`] — spec M05.1's memory plan;
+//! * [`plan`] — the memory plan: the bytes a step needs, checked before a run;
 //! * [`step`] — one optimizer step: scale → backward → accumulate → unscale
 //!   → clip → step ([`train_step_mixed`](step::train_step_mixed));
 //! * [`trainer`] — the loop around it: reporting, evaluation, saving, and
@@ -18,6 +19,7 @@
 //! * `fault` — test-only fault injection (`TINYLLM_FAULT`, with the
 //!   `test-hooks` feature).
 
+mod bar;
 pub mod checkpoint;
 pub mod compare;
 pub mod config;

@@ -25,13 +25,16 @@ use std::io::{Read, Seek, Write};
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock};
 
+/// The lock file in a run's output directory; it holds the holder's pid.
 pub const LOCK_FILE: &str = ".tinyllm.lock";
 /// The first file of every staging directory: it marks a partial
 /// `checkpoint.next/` as tinyllm's (its manifest is written last).
 pub const STAGING_MARKER: &str = ".tinyllm-staging";
 /// The names a run's checkpoints use (see [`checkpoint`]).
 pub const CHECKPOINT_DIRS: [&str; 3] = ["checkpoint", "checkpoint.prev", "checkpoint.next"];
+/// A run's metrics, one JSON line per step (see [`metrics`](super::metrics)).
 pub const METRICS_FILE: &str = "metrics.jsonl";
+/// A run's loss curves, redrawn at every evaluation.
 pub const PLOT_FILE: &str = "loss.svg";
 
 /// Directories this process holds the lock of (the lock is re-entrant within

@@ -1,4 +1,4 @@
-//! The memory plan (spec M05.1): bytes for weights, gradients, optimizer state
+//! The memory plan: bytes for weights, gradients, optimizer state
 //! and activations, given the model, the micro-batch, the precision and the
 //! checkpoint schedule — printed before a run, beside the measured peak
 //! ([`crate::memory`]) after it.
@@ -25,9 +25,10 @@
 //!   and sum of exps, which the fused cross-entropy keeps for its backward).
 //!
 //! For the capstone (`T` = 512) that is 124.2 MiB of float32 activations for
-//! one sequence, beside the chapter's 161 MiB figure for its own forward pass.
+//! one sequence (the reference design this crate follows counts 161 MiB for
+//! its own forward pass).
 //!
-//! With checkpointing on a schedule of `k` segments (spec M08.4) the forward
+//! With checkpointing on a schedule of `k` segments the forward
 //! pass keeps the `k − 1` checkpointed segments' inputs (`T·C` each) and the
 //! activations of one segment at a time: the largest, `max_j s_j` blocks. Backward
 //! adds a working set of gradients of about one block's activations.
@@ -41,16 +42,23 @@ use crate::Result;
 /// Planned bytes of one training step.
 #[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct MemoryPlan {
+    /// The model's parameter count.
     pub params: usize,
+    /// Bytes of float32 weights.
     pub weights: usize,
+    /// Bytes of float32 gradients.
     pub grads: usize,
+    /// Bytes of AdamW's two float32 moments.
     pub optimizer: usize,
     /// Activations held at the end of one micro-batch's forward pass.
     pub activations: usize,
     /// Gradients in flight during backward (about one block's activations).
     pub backward_working: usize,
-    /// Layers of activations kept (M08.4's `P`), or `n_layers` without checkpointing.
+    /// The peak of activation memory in layer units: with checkpointing, the
+    /// saved inputs of all segments but one plus the layers of the largest
+    /// segment; `n_layers` without checkpointing.
     pub layer_units: usize,
+    /// The planned peak: the sum of every byte count above.
     pub total: usize,
 }
 
@@ -69,8 +77,12 @@ pub fn head_values(cfg: &LlamaConfig, t: usize) -> usize {
     2 * t * cfg.d_model + t * cfg.vocab_size + 3 * t
 }
 
-/// Spec M05.1's `memory_plan(config, batch, precision, checkpointing)`: `rows`
-/// sequences of `t` tokens per micro-batch, `ckpt_budget` in layer units.
+/// The planned bytes of one training step with micro-batches of `rows`
+/// sequences of `t` tokens, and activation checkpointing at `ckpt_budget`
+/// layer units (`None`: off). The precision does not change the plan: this
+/// crate emulates bf16 and fp16 in float32 storage. An error when the budget
+/// is below the smallest peak any checkpoint schedule of the model's layers
+/// reaches, or the model has no layers.
 pub fn memory_plan(
     cfg: &LlamaConfig,
     rows: usize,
@@ -266,6 +278,7 @@ pub fn admit(cfg: &TrainConfig, limit: MemoryLimit) -> Result<()> {
     })
 }
 
+/// `b` bytes in MiB with one decimal, e.g. `79.1 MiB`.
 pub fn mib(b: usize) -> String {
     format!("{:.1} MiB", b as f64 / (1024.0 * 1024.0))
 }

@@ -28,6 +28,7 @@ impl Default for Sha256 {
 }
 
 impl Sha256 {
+    /// A hash of no bytes yet.
     pub fn new() -> Sha256 {
         Sha256 {
             h: [
@@ -79,6 +80,7 @@ impl Sha256 {
         }
     }
 
+    /// Feeds `data` (in as many calls as needed: the result is the same).
     pub fn update(&mut self, mut data: &[u8]) {
         self.total += data.len() as u64;
         if self.used > 0 {
@@ -102,6 +104,7 @@ impl Sha256 {
         self.used = rest.len();
     }
 
+    /// The 32-byte digest of everything fed.
     pub fn finish(mut self) -> [u8; 32] {
         let bits = self.total.wrapping_mul(8);
         let mut pad = vec![0x80u8];
@@ -119,12 +122,14 @@ impl Sha256 {
         out
     }
 
+    /// The 32-byte digest of `data`.
     pub fn digest(data: &[u8]) -> [u8; 32] {
         let mut s = Sha256::new();
         s.update(data);
         s.finish()
     }
 
+    /// The digest of `data` as 64 lowercase hex digits.
     pub fn digest_hex(data: &[u8]) -> String {
         Sha256::digest(data)
             .iter()

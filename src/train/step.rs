@@ -1,4 +1,4 @@
-//! One optimizer step in mixed precision (spec L11.1): gradient accumulation
+//! One optimizer step in mixed precision: gradient accumulation
 //! over micro-batches and `train_step_mixed`, which reads top to bottom like
 //! nanoGPT's loop — zero → (scale → backward) per micro-batch → unscale and
 //! check → clip → step → update the scale. Built on
@@ -12,6 +12,8 @@ use serde::{Deserialize, Serialize};
 
 /// A micro-batch knows how many rows (examples) it holds: the weight `n_i / N`.
 pub trait MicroBatch {
+    /// The rows (examples) in this micro-batch, `n_i`; the batch's `N` is
+    /// their sum.
     fn rows(&self) -> usize;
 }
 
@@ -106,11 +108,100 @@ pub struct StepReport {
     pub grad_norm: Option<f32>,
 }
 
-/// Spec L0.5's `train_step` for mixed precision: zero the gradients,
-/// accumulate the micro-batches under `autocast(precision)` (none for fp32:
-/// an enclosing autocast stays in force, as the spec says), then either the
-/// scaler's step, or a finite-loss check (an error before any update, the
-/// gradients dropped), clipping and the optimizer's step.
+/// [`train_step_mixed`]'s settings by name: the precision, then an optional
+/// loss scaler and gradient clip, and [`run`](MixedStep::run) with the model,
+/// the micro-batches, the loss and the optimizer.
+///
+/// Two micro-batches of 1 and 3 rows, weighted 1/4 and 3/4, make one bf16
+/// step of a 4-row batch:
+///
+/// ```
+/// use tinyllm::nn::{Layer, Linear, Module};
+/// use tinyllm::optim::{Optimizer, Sgd};
+/// use tinyllm::precision::Precision;
+/// use tinyllm::{Device, Generator, MixedStep, Tensor};
+///
+/// let dev = Device::Cpu;
+/// let model = Linear::new(2, 1, false, &Generator::new(0), dev)?;
+/// let mut opt = Sgd::new(model.parameters(), 0.1, 0.0, 0.0)?;
+/// let rows = |v: Vec<f32>, n| Tensor::from_vec(v, &[n, 2], dev);
+/// let micro = [
+///     (rows(vec![1.0, 0.0], 1)?, Tensor::zeros(&[1, 1], tinyllm::DType::F32, dev)?),
+///     (rows(vec![0.0, 1.0, 1.0, 1.0, 2.0, 0.0], 3)?, Tensor::zeros(&[3, 1], tinyllm::DType::F32, dev)?),
+/// ];
+/// let mse = |(x, y): &(Tensor, Tensor)| tinyllm::ops::nn::mse(&model.forward(x)?, y);
+/// let report = MixedStep::new(Precision::Bf16)
+///     .clip(1.0)
+///     .run(&model, &micro, mse, &mut opt)?;
+/// assert!(!report.skipped && report.grad_norm.is_some());
+/// assert!(report.loss.is_finite());
+/// # Ok::<(), tinyllm::Error>(())
+/// ```
+pub struct MixedStep<'s> {
+    /// The autocast format of the forward and backward passes (`Fp32`: none).
+    pub precision: Precision,
+    /// The dynamic loss scaler (fp16 needs one); `None`: the loss unscaled and
+    /// a non-finite loss or gradient an error.
+    pub scaler: Option<&'s mut DynamicLossScaler>,
+    /// Clip the global gradient norm to this before the update.
+    pub clip: Option<f32>,
+}
+
+impl<'s> MixedStep<'s> {
+    /// A step in `precision`, without a scaler or clipping.
+    pub fn new(precision: Precision) -> MixedStep<'s> {
+        MixedStep {
+            precision,
+            scaler: None,
+            clip: None,
+        }
+    }
+
+    /// Scales the loss with `scaler`, which also unscales, checks and may
+    /// skip the update.
+    pub fn scaler(mut self, scaler: &'s mut DynamicLossScaler) -> Self {
+        self.scaler = Some(scaler);
+        self
+    }
+
+    /// Clips the global gradient norm to `max_norm` before the update.
+    pub fn clip(mut self, max_norm: f32) -> Self {
+        self.clip = Some(max_norm);
+        self
+    }
+
+    /// The step: [`train_step_mixed`] with these settings.
+    pub fn run<M: crate::nn::Module + ?Sized, B: MicroBatch>(
+        self,
+        model: &M,
+        micro_batches: &[B],
+        loss_fn: impl FnMut(&B) -> Result<Tensor>,
+        opt: &mut dyn Optimizer,
+    ) -> Result<StepReport> {
+        train_step_mixed(
+            model,
+            micro_batches,
+            loss_fn,
+            opt,
+            self.precision,
+            self.scaler,
+            self.clip,
+        )
+    }
+}
+
+/// One training step in mixed precision: zero the gradients, accumulate the
+/// micro-batches under `autocast(precision)` (none for fp32: an autocast the
+/// caller opened stays in force), then either the scaler's step (unscale,
+/// check, clip, step, or skip and lower the scale), or, without a scaler, a
+/// finite check of the loss and the gradients (an error before any update,
+/// the gradients zeroed), clipping to `clip` and the optimizer's step.
+///
+/// The reference design's positional call; [`MixedStep`] names the
+/// settings. Returns what the step did ([`StepReport`]). Errors: the micro-batches
+/// hold no rows ([`Error::Shape`](crate::Error::Shape)); without a scaler, a
+/// non-finite loss or gradient ([`Error::Numerical`](crate::Error::Numerical));
+/// or whatever `loss_fn`, the backward pass or the optimizer returns.
 pub fn train_step_mixed<M: crate::nn::Module + ?Sized, B: MicroBatch>(
     model: &M,
     micro_batches: &[B],

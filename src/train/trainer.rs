@@ -4,7 +4,7 @@
 //! batch  = data.sample_batch(data_rng, B)          the same rows however it is split
 //! micro  = batch.split(micro_batch)                k micro-batches, weights n_i / N
 //! lr     = schedule(step)
-//! report = train_step_mixed(model, micro, loss, opt, precision, scaler, clip)
+//! report = MixedStep { precision, scaler, clip }.run(model, micro, loss, opt)
 //!            zero grads → for each micro-batch: forward under autocast (blocks
 //!            checkpointed), loss · n_i/N (· S), backward → unscale (fp16) →
 //!            clip → AdamW step (or skip and back off)
@@ -31,8 +31,8 @@ use crate::train::interrupt;
 use crate::train::metrics::{MetricsLog, StepMetrics};
 use crate::train::outdir::{self, DirLock};
 use crate::train::plan::{self, memory_plan, mib, MemoryLimit, MemoryPlan};
-use crate::train::plot::{loss_svg, Series};
-use crate::train::step::train_step_mixed;
+use crate::train::plot::{chart_svg, Panel, Series};
+use crate::train::step::MixedStep;
 use crate::{bail, Error, Result, Tensor};
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
@@ -46,11 +46,11 @@ const DATA_KEY: u64 = 0x0ba7_c4e5_0000;
 pub fn select_device(choice: DeviceChoice) -> Result<(Device, Option<String>)> {
     match choice {
         DeviceChoice::Cpu => Ok((Device::Cpu, None)),
-        DeviceChoice::Gpu => match crate::gpu::adapter_name() {
+        DeviceChoice::Gpu => match crate::backend::adapter_name() {
             Ok(name) => Ok((Device::Gpu, Some(format!("device: GPU {name}")))),
             Err(e) => bail!(Device, "--device gpu: no GPU adapter is available ({e}); use --device cpu or auto"),
         },
-        DeviceChoice::Auto => match crate::gpu::adapter_name() {
+        DeviceChoice::Auto => match crate::backend::adapter_name() {
             // A software adapter (Mesa's lavapipe, SwiftShader) runs the same
             // kernels on the CPU, far slower than the CPU reference itself.
             Ok(name) if is_software_adapter() => Ok((
@@ -65,22 +65,35 @@ pub fn select_device(choice: DeviceChoice) -> Result<(Device, Option<String>)> {
 
 /// Whether the GPU backend's adapter is a CPU-based software implementation.
 fn is_software_adapter() -> bool {
-    crate::gpu::adapter().is_ok_and(|a| a.software)
+    #[cfg(feature = "gpu")]
+    return crate::gpu::adapter().is_ok_and(|a| a.software);
+    #[cfg(not(feature = "gpu"))]
+    false
 }
 
 /// A run in progress: model, optimizer, scaler, data and their positions.
 pub struct Trainer {
+    /// The run's resolved config.
     pub cfg: TrainConfig,
+    /// The device the model and optimizer state live on.
     pub device: Device,
+    /// The model being trained (its float32 master weights).
     pub model: Llama,
+    /// AdamW over the model's parameters.
     pub opt: AdamW,
+    /// The dynamic loss scaler, for fp16 runs only (`None` otherwise).
     pub scaler: Option<DynamicLossScaler>,
+    /// The corpus, split into training and validation pieces.
     pub data: Dataset,
+    /// The batch-order stream: its state is the data position.
     pub data_rng: Generator,
+    /// The corpus's name: `embedded` or its path.
     pub corpus_name: String,
+    /// The corpus's SHA-256 (hex), saved in every checkpoint.
     pub fingerprint: String,
     /// Optimizer steps taken so far.
     pub step: usize,
+    /// The planned memory of one step.
     pub plan: MemoryPlan,
     /// Applied to the first micro-batch's loss of every step: the test-only
     /// faults of `train::fault` (`None` unless `TINYLLM_FAULT` arms one).
@@ -201,7 +214,12 @@ impl Trainer {
         self.opt.set_lr(lr);
         let (model, ckpt, hook) = (&self.model, self.cfg.ckpt_budget, self.loss_hook);
         let mut first = true;
-        let report = train_step_mixed(
+        let settings = MixedStep {
+            precision: self.cfg.precision,
+            scaler: self.scaler.as_mut(),
+            clip: self.cfg.clip,
+        };
+        let report = settings.run(
             model,
             &micro,
             |mb: &Batch| {
@@ -209,9 +227,6 @@ impl Trainer {
                 micro_loss(model, mb, ckpt, hook.map(|h| (h, step)))
             },
             &mut self.opt,
-            self.cfg.precision,
-            self.scaler.as_mut(),
-            self.cfg.clip,
         );
         self.last_batch = Some(batch);
         let report = report?;
@@ -230,6 +245,7 @@ impl Trainer {
             tokens: step * self.cfg.tokens_per_step(),
             elapsed_s: 0.0, // the run loop knows the run's clock
             process_peak_bytes: memory::process_peak_rss(),
+            resumed: false, // the run loop knows where it started
         })
     }
 
@@ -311,7 +327,7 @@ fn micro_loss(
 /// How a run reports progress.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Progress {
-    /// indicatif's bar when stderr is a terminal, plain lines otherwise.
+    /// A progress bar when stderr is a terminal, plain lines otherwise.
     Auto,
     /// Plain log lines.
     Lines,
@@ -334,6 +350,7 @@ pub enum Start<'a> {
 /// What a run reports when it returns (finished or interrupted).
 #[derive(Clone, Debug)]
 pub struct RunSummary {
+    /// The run's output directory.
     pub out: PathBuf,
     /// The run's last checkpoint (`None`: interrupted before it wrote one).
     pub checkpoint: Option<PathBuf>,
@@ -341,18 +358,26 @@ pub struct RunSummary {
     pub checkpoint_step: usize,
     /// The signal (SIGINT, SIGTERM) that stopped the run before `cfg.steps`.
     pub interrupted: Option<i32>,
+    /// Every step's metrics, a resumed run's earlier steps included.
     pub history: Vec<StepMetrics>,
     /// Mean training loss of the last few steps (min(10, steps/5) but at least 1).
     pub final_loss: f32,
+    /// The last step's validation loss, if that step evaluated.
     pub final_val_loss: Option<f32>,
+    /// The planned memory of one step.
     pub plan: MemoryPlan,
     /// The highest measured peak of any step (tensor bytes, [`crate::memory`]).
     pub peak_bytes: usize,
-    /// The process's resident high-water mark at the end of the run (since
-    /// the process started, or since [`memory::restart_process_peak`]);
-    /// `None` where the platform does not say.
+    /// The process's resident high-water mark (since the process started,
+    /// or since [`memory::restart_process_peak`]), the largest over the
+    /// run's processes when it was resumed; `None` where the platform does
+    /// not say.
     pub process_peak_bytes: Option<usize>,
+    /// Wall-clock seconds of the whole run, summed over its resumes (the
+    /// time between an interruption and its resume not counted).
     pub seconds: f64,
+    /// The device the run trained on (from [`finished_run`]: the device its
+    /// config selects now).
     pub device: Device,
 }
 
@@ -366,7 +391,7 @@ pub fn tail_mean(losses: &[f32]) -> f32 {
 /// Writes `out/loss.svg` from the history.
 pub fn write_plot(out: &Path, title: &str, history: &[StepMetrics]) -> Result<()> {
     let train = Series {
-        name: "train loss",
+        name: "training loss (the batch, in the run's precision)",
         color: "#1f77b4",
         points: history
             .iter()
@@ -375,7 +400,7 @@ pub fn write_plot(out: &Path, title: &str, history: &[StepMetrics]) -> Result<()
         dots: false,
     };
     let val = Series {
-        name: "validation loss",
+        name: "validation loss (held-out windows)",
         color: "#d62728",
         points: history
             .iter()
@@ -383,11 +408,28 @@ pub fn write_plot(out: &Path, title: &str, history: &[StepMetrics]) -> Result<()
             .collect(),
         dots: true,
     };
+    let panel = Panel {
+        y_label: "loss (nats/byte, log scale)",
+        log_y: true,
+        height: 340.0,
+        series: vec![train, val],
+        marks: resume_marks(history),
+        zero_line: false,
+    };
     checkpoint::write_atomic(
         out,
         outdir::PLOT_FILE,
-        loss_svg(title, &[train, val]).as_bytes(),
+        chart_svg(title, &[panel]).as_bytes(),
     )
+}
+
+/// A mark at each checkpoint a run was resumed from.
+pub fn resume_marks(history: &[StepMetrics]) -> Vec<(f64, String)> {
+    history
+        .iter()
+        .filter(|m| m.resumed)
+        .map(|m| ((m.step - 1) as f64, format!("resumed at {}", m.step - 1)))
+        .collect()
 }
 
 /// One line on stderr unless quiet. A closed or full stderr is not an error:
@@ -583,6 +625,9 @@ fn memory_limits(device: Device) -> Result<Vec<MemoryLimit>> {
     let host = MemoryLimit::Host(plan::host_available().unwrap_or(u64::MAX));
     Ok(match device {
         Device::Cpu => vec![host],
+        #[cfg(not(feature = "gpu"))]
+        Device::Gpu => return Err(crate::backend::no_gpu()),
+        #[cfg(feature = "gpu")]
         Device::Gpu => {
             let c = crate::backend::gpu::context::ctx()?;
             let buffer = MemoryLimit::GpuBuffer(c.max_binding());
@@ -639,7 +684,7 @@ struct Loop {
     /// The last checkpoint written (or resumed from) and its step.
     last_saved: Option<(PathBuf, usize)>,
     skips: Skips,
-    bar: Option<indicatif::ProgressBar>,
+    bar: Option<crate::train::bar::Bar>,
     log_every: usize,
     peak: usize,
     plot_failed: bool,
@@ -658,17 +703,8 @@ impl Loop {
             _ => None,
         };
         let steps = tr.cfg.steps;
-        let bar = (progress == Progress::Auto && std::io::stderr().is_terminal()).then(|| {
-            let b = indicatif::ProgressBar::new(steps as u64);
-            b.set_style(
-                indicatif::ProgressStyle::with_template(
-                    "{bar:30.cyan/blue} {pos}/{len} {msg} [{elapsed_precise}<{eta_precise}]",
-                )
-                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-            );
-            b.set_position(tr.step as u64);
-            b
-        });
+        let bar = (progress == Progress::Auto && std::io::stderr().is_terminal())
+            .then(|| crate::train::bar::Bar::new(steps as u64, tr.step as u64));
         let elapsed_before = history.last().map_or(0.0, |m: &StepMetrics| m.elapsed_s);
         Ok(Loop {
             clock: (Instant::now(), elapsed_before),
@@ -704,6 +740,7 @@ impl Loop {
         }
         .map_err(|e| self.stopped(step, e))?;
         m.elapsed_s = self.clock.1 + self.clock.0.elapsed().as_secs_f64();
+        m.resumed = self.first_step > 0 && step == self.first_step + 1;
         if let Some(c) = check {
             if let Err(e) = c.after(tr, &m) {
                 let _ = self.log.append(&m);
@@ -792,8 +829,7 @@ impl Loop {
         let last = tr.step == tr.cfg.steps;
         match &self.bar {
             Some(b) => {
-                b.set_position(tr.step as u64);
-                b.set_message(msg);
+                b.update(tr.step as u64, &msg);
             }
             None if tr.step.is_multiple_of(self.log_every)
                 || last
@@ -868,7 +904,7 @@ impl Loop {
             self.save(tr)?;
         }
         if let Some(b) = &self.bar {
-            b.abandon();
+            b.finish();
         }
         Ok(())
     }
@@ -895,7 +931,7 @@ impl Loop {
     /// `e`, as the error that stops the run at `step`, with where it stands.
     fn stopped(&self, step: usize, e: Error) -> Error {
         if let Some(b) = &self.bar {
-            b.abandon();
+            b.finish();
         }
         let status = self.status();
         e.map_message(|m| format!("training stopped at step {step} ({status}): {m}"))
@@ -919,7 +955,11 @@ impl Loop {
             final_loss: tail_mean(&losses),
             final_val_loss: self.history.last().and_then(|m| m.val_loss),
             plan: tr.plan,
-            peak_bytes: self.peak,
+            peak_bytes: self
+                .history
+                .iter()
+                .map(|m| m.peak_bytes)
+                .fold(self.peak, usize::max),
             // a resumed run's earlier processes reported theirs per step
             process_peak_bytes: self
                 .history
@@ -927,7 +967,8 @@ impl Loop {
                 .filter_map(|m| m.process_peak_bytes)
                 .chain(memory::process_peak_rss())
                 .max(),
-            seconds: t_start.elapsed().as_secs_f64(),
+            // the whole run's, over its resumes (as a finished run read back says)
+            seconds: self.clock.1 + t_start.elapsed().as_secs_f64(),
             device,
             history: self.history,
             out: self.out,

@@ -13,6 +13,7 @@
 //!   (no float atomics anywhere: deterministic on every device).
 
 mod cpu;
+#[cfg(feature = "gpu")]
 pub(crate) mod gpu;
 
 use super::{observed, on_device};

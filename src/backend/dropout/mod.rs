@@ -7,6 +7,7 @@
 //! `uniform01(draw_u32(seed, offset, i)) >= p`, else `0`.
 
 mod cpu;
+#[cfg(feature = "gpu")]
 pub(crate) mod gpu;
 
 use super::{observed, on_device};

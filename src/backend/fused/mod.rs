@@ -70,6 +70,7 @@
 //! change bits).
 
 mod cpu;
+#[cfg(feature = "gpu")]
 pub(crate) mod gpu;
 
 use super::{observed, on_device};

@@ -42,10 +42,14 @@ pub fn gpu_pool_bytes() -> usize {
 /// What the GPU backend runs on.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct AdapterInfo {
+    /// The adapter's name as the driver reports it, e.g.
+    /// `llvmpipe (LLVM 15.0.6, 256 bits)`.
     pub name: String,
     /// Vulkan, Metal, Dx12 or Gl.
     pub backend: String,
+    /// The driver's name (may be empty).
     pub driver: String,
+    /// The driver's version and build details (may be empty).
     pub driver_info: String,
     /// A CPU-based software implementation (Mesa's lavapipe, SwiftShader).
     pub software: bool,

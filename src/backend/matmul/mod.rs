@@ -17,6 +17,7 @@
 //! depend on what the operands hold there.
 
 mod cpu;
+#[cfg(feature = "gpu")]
 pub(crate) mod gpu;
 
 use super::round::Format;

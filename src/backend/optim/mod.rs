@@ -20,6 +20,7 @@
 //!   kernel per buffer into one shared flag, one 4-byte readback).
 
 mod cpu;
+#[cfg(feature = "gpu")]
 pub(crate) mod gpu;
 
 use super::{observed, observed_value, on_device};

@@ -22,6 +22,7 @@
 //!   chunk partials added in order on the host.
 
 mod cpu;
+#[cfg(feature = "gpu")]
 pub(crate) mod gpu;
 
 use super::{observed, observed_value, on_device};

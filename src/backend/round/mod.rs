@@ -1,4 +1,4 @@
-//! Rounding to the emulated 16-bit formats, on bit patterns (spec M09.1).
+//! Rounding to the emulated 16-bit formats, on bit patterns.
 //!
 //! Both functions return a value of the *input's* type whose every bit pattern
 //! is a value of the 16-bit format, chosen by round-to-nearest, ties-to-even.
@@ -15,6 +15,8 @@ pub enum Format {
 }
 
 impl Format {
+    /// The format's short name, `"bf16"` or `"fp16"` (what `Display` writes and
+    /// `FromStr` accepts).
     pub fn name(self) -> &'static str {
         match self {
             Format::Bf16 => "bf16",

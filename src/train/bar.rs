@@ -1,0 +1,75 @@
+//! The progress bar a run draws on a terminal: one line, redrawn in place,
+//! `[#########.........] 120/300 loss 1.9 … 4m10s<5m48s`.
+
+use crate::train::trainer::duration;
+use std::io::Write;
+use std::time::Instant;
+
+/// One line on stderr, redrawn at each update; the caller checks that
+/// stderr is a terminal.
+pub(crate) struct Bar {
+    len: u64,
+    /// The position this process started from (the ETA counts its own steps).
+    first: u64,
+    start: Instant,
+}
+
+const WIDTH: u64 = 30;
+
+impl Bar {
+    pub(crate) fn new(len: u64, pos: u64) -> Bar {
+        Bar {
+            len,
+            first: pos,
+            start: Instant::now(),
+        }
+    }
+
+    /// Redraws the line at `pos` with `msg`.
+    pub(crate) fn update(&self, pos: u64, msg: &str) {
+        let line = self.line(pos, msg, self.start.elapsed().as_secs_f64());
+        let _ = write!(std::io::stderr(), "\r\x1b[2K{line}");
+    }
+
+    /// The line at `pos` after `elapsed` seconds of this process.
+    fn line(&self, pos: u64, msg: &str, elapsed: f64) -> String {
+        let filled = (pos.min(self.len) * WIDTH)
+            .checked_div(self.len)
+            .unwrap_or(WIDTH);
+        let done = pos.saturating_sub(self.first);
+        let eta = match done {
+            0 => "?".to_string(),
+            _ => duration(elapsed / done as f64 * self.len.saturating_sub(pos) as f64),
+        };
+        format!(
+            "[{}{}] {pos}/{} {msg} {}<{eta}",
+            "#".repeat(filled as usize),
+            ".".repeat((WIDTH - filled) as usize),
+            self.len,
+            duration(elapsed)
+        )
+    }
+
+    /// Leaves the last line standing (the run finished or stopped).
+    pub(crate) fn finish(&self) {
+        let _ = writeln!(std::io::stderr());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_line_shows_the_share_done_and_the_time_left() {
+        let b = super::Bar::new(300, 100);
+        assert_eq!(
+            b.line(120, "loss 1.9", 40.0),
+            format!(
+                "[{}{}] 120/300 loss 1.9 40s<6m00s",
+                "#".repeat(12),
+                ".".repeat(18)
+            )
+        );
+        assert!(b.line(100, "", 0.0).ends_with("0s<?"));
+        assert_eq!(b.line(300, "", 1.0).matches('#').count(), 30);
+    }
+}
