@@ -708,7 +708,34 @@ fn a_run_writes_metrics_plot_checkpoint_and_compare_passes() {
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    assert!(String::from_utf8_lossy(&o.stdout).contains("mean cross-entropy"));
+    // by default, the run's own held-out windows, in float32
+    let held = tinyllm::train::infer::heldout(&out, Device::Cpu).unwrap();
+    let said = String::from_utf8_lossy(&o.stdout).to_string();
+    assert!(
+        said.contains(&format!("mean cross-entropy {:.4} nats/byte", held.loss))
+            && said.contains(&format!(
+                "on the {} held-out windows of embedded",
+                held.windows
+            )),
+        "{said}"
+    );
+    // the training text given as --data: every window, and a note that says so
+    let text = out.join("train-text.txt");
+    std::fs::write(&text, tinyllm::train::corpus::default_text()).unwrap();
+    let o = std::process::Command::new(bin)
+        .args(["eval", "--checkpoint"])
+        .arg(&out)
+        .arg("--data")
+        .arg(&text)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("tokens of"));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("the text this model was trained on"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
     let o = std::process::Command::new(bin)
         .args([
             "generate",
@@ -748,7 +775,10 @@ fn a_run_writes_metrics_plot_checkpoint_and_compare_passes() {
         c.table()
     );
     assert!(c.within_2_percent, "{}", c.table());
-    assert!(out.join("cmp/compare.svg").exists());
+    let svg = std::fs::read_to_string(out.join("cmp/compare.svg")).unwrap();
+    for want in ["mixed − float32", "held-out", "nats/byte", "log scale"] {
+        assert!(svg.contains(want), "compare.svg lacks {want:?}");
+    }
     // The verdict's losses are both final models in float32 on the same
     // held-out windows, not the training tails.
     for (side, s) in [("fp32", &c.fp32), ("mixed", &c.mixed)] {

@@ -209,7 +209,9 @@ struct EvalArgs {
     /// A run directory or its checkpoint/ subdirectory.
     #[arg(long)]
     checkpoint: PathBuf,
-    /// Text to evaluate on (default: the embedded corpus).
+    /// Evaluate every window of this UTF-8 text file (default: the held-out
+    /// windows of the text the checkpoint was trained on, as its validation
+    /// loss saw them).
     #[arg(long)]
     data: Option<PathBuf>,
     /// cpu, gpu or auto (GPU if an adapter exists).
@@ -541,10 +543,33 @@ fn device_of(s: &str) -> tinyllm::Result<tinyllm::Device> {
 
 fn cmd_eval(a: EvalArgs) -> tinyllm::Result<ExitCode> {
     // The files first: a missing --data is reported before any device probe.
-    let corpus = Corpus::load(a.data.as_ref())?;
+    let corpus = a.data.as_ref().map(|p| Corpus::load(Some(p))).transpose()?;
     let device = device_of(&a.device)?;
+    let dir = checkpoint::resolve_dir(&a.checkpoint);
+    let Some(corpus) = corpus else {
+        let h = tinyllm::train::infer::heldout(&a.checkpoint, device)
+            .map_err(|e| e.context("--checkpoint"))?;
+        out!(
+            "{}: mean cross-entropy {:.4} nats/byte ({:.3} bits/byte) on the {} held-out windows of {} (float32)",
+            dir.display(),
+            h.loss,
+            h.loss / std::f32::consts::LN_2,
+            h.windows,
+            h.corpus
+        );
+        return Ok(ExitCode::SUCCESS);
+    };
     let model =
         checkpoint::load_model(&a.checkpoint, device).map_err(|e| e.context("--checkpoint"))?;
+    let trained_on = checkpoint::Verified::open(&dir)
+        .and_then(|ck| ck.train_state())
+        .map(|st| st.data_fingerprint);
+    if trained_on.is_ok_and(|f| f == corpus.fingerprint) {
+        note!(
+            "note: {} is the text this model was trained on, so most of its windows are training windows; without --data, eval reads only the held-out ones",
+            corpus.name
+        );
+    }
     // A line at every tenth of the text: a long evaluation shows it is moving.
     let mut shown = 0;
     let progress = |done: usize, total: usize| {
@@ -562,7 +587,7 @@ fn cmd_eval(a: EvalArgs) -> tinyllm::Result<ExitCode> {
     )?;
     out!(
         "{}: mean cross-entropy {loss:.4} nats/byte ({:.3} bits/byte) over {tokens} tokens of {}",
-        checkpoint::resolve_dir(&a.checkpoint).display(),
+        dir.display(),
         loss / std::f32::consts::LN_2,
         corpus.name
     );

@@ -13,7 +13,6 @@
 use crate::memory;
 use crate::precision::Precision;
 use crate::train::config::{TrainConfig, TrainOptions};
-use crate::train::data::{Corpus, Dataset};
 use crate::train::plan::mib;
 use crate::train::plot::{chart_svg, Panel, Series};
 use crate::train::trainer::{finished_run, run, say, Progress, RunSummary, Start};
@@ -96,15 +95,11 @@ fn side(label: &str, cfg: &TrainConfig, s: &RunSummary, heldout_loss: f32) -> Si
 /// The run's final model (its last checkpoint) on the held-out windows of
 /// the run's corpus, in float32: the same windows for both sides (same
 /// corpus, context and seed).
-fn heldout_loss(cfg: &TrainConfig, s: &RunSummary) -> Result<f32> {
+fn heldout_loss(s: &RunSummary) -> Result<f32> {
     let dir = s.checkpoint.as_ref().ok_or_else(|| {
         crate::Error::checkpoint(format!("compare: {} saved no checkpoint", s.out.display()))
     })?;
-    let model = crate::train::checkpoint::load_model(dir, s.device)?;
-    let corpus = Corpus::load(cfg.data.as_ref())?;
-    let data = Dataset::new(&corpus, model.cfg.context, cfg.seed)?;
-    let batch = data.val_batch(cfg.eval_rows);
-    crate::train::infer::evaluate(&model, &batch, Precision::Fp32, cfg.micro_batch.max(8))
+    Ok(crate::train::infer::heldout(dir, s.device)?.loss)
 }
 
 /// Which side(s) of the comparison this call trains.
@@ -236,7 +231,7 @@ pub fn compare(
             out.display()
         ),
     };
-    let (ha, hb) = (heldout_loss(&fp32_cfg, &a)?, heldout_loss(&mixed_cfg, &b)?);
+    let (ha, hb) = (heldout_loss(&a)?, heldout_loss(&b)?);
     let rel = ((hb - ha) / ha).abs();
     let peaks = |s: &RunSummary| match s.process_peak_bytes {
         Some(p) => format!("peak {} process, {} tensors", mib(p), mib(s.peak_bytes)),

@@ -83,6 +83,47 @@ pub fn eval_text(
     Ok(((total / windows as f64) as f32, windows * t))
 }
 
+/// A checkpoint's loss on its own held-out windows.
+#[derive(Clone, Debug)]
+pub struct HeldOut {
+    /// Mean cross-entropy (nats/byte), the model in float32.
+    pub loss: f32,
+    /// Windows evaluated (of `context` tokens each).
+    pub windows: usize,
+    /// The text the windows were cut from (`"embedded"` or its path).
+    pub corpus: String,
+}
+
+/// The checkpoint in `dir` on the validation windows of the text it was
+/// trained on: the same split (context, seed) and rows as its runs'
+/// validation loss, evaluated in float32 on `device`. The text is found
+/// where the run's config says and must be the same by its SHA-256; an error
+/// says so when it is not there.
+pub fn heldout(dir: &std::path::Path, device: crate::Device) -> Result<HeldOut> {
+    let ck = crate::train::checkpoint::Verified::open(dir)?;
+    let st = ck.train_state()?;
+    let model = crate::train::checkpoint::load_model(dir, device)?;
+    let corpus = Corpus::load(st.config.data.as_ref())?;
+    if corpus.fingerprint != st.data_fingerprint {
+        bail!(
+            Data,
+            "{}: the checkpoint was trained on {} (SHA-256 {}), but {} now holds other text, so its held-out windows cannot be cut again; give --data FILE to evaluate a whole file instead",
+            dir.display(),
+            st.data_name,
+            st.data_fingerprint,
+            corpus.name
+        );
+    }
+    let data = crate::train::data::Dataset::new(&corpus, model.cfg.context, st.config.seed)?;
+    let batch = data.val_batch(st.config.eval_rows);
+    Ok(HeldOut {
+        // chunks of 8 rows whatever the run's micro-batch: the same sum for every run
+        loss: evaluate(&model, &batch, Precision::Fp32, 8)?,
+        windows: batch.rows,
+        corpus: corpus.name,
+    })
+}
+
 /// Samples `n` tokens after `prompt`: temperature (0 = greedy), top-k (0 =
 /// all), drawing from `gen`. Each step feeds the last `context` tokens.
 /// Greedy decoding never repeats a run of [`NO_REPEAT`] tokens already in
