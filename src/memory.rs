@@ -80,13 +80,13 @@ impl Drop for Ticket {
 /// A training step frees and re-allocates the same few hundred activation and
 /// gradient buffers, many above glibc's mmap threshold. By default each such
 /// buffer is a fresh `mmap`, so every step page-faults and zero-fills its
-/// memory again. With `mmap` off for the heap (`M_MMAP_MAX` = 0; a raised
-/// mmap threshold alone still left the kernels page-faulting under `perf`)
-/// and a 1 GiB trim threshold, the heap keeps its pages and the next step's
-/// buffers come back warm (measured in BENCHMARKS.md: the capstone's fp32 CPU
-/// step ~12 % faster, the `small` default run ~35 % faster). The process's
-/// resident size then stays near its peak, which is what the crate's own
-/// counters ([`peak_bytes`]) report anyway.
+/// memory again. With `mmap` off for the heap (`M_MMAP_MAX` = 0), one arena
+/// for every thread (`M_ARENA_MAX` = 1: glibc deletes a thread arena's 64 MiB
+/// heaps as they empty, so the kernels' worker threads faulted their buffers
+/// back in every step) and trimming off (`M_TRIM_THRESHOLD` = -1), the heap
+/// keeps its pages and the next step's buffers come back warm (measured in
+/// BENCHMARKS.md). The process's resident size then stays near its peak,
+/// which is what the crate's own counters ([`peak_bytes`]) report anyway.
 ///
 /// Process-wide, so it is the application's call: the `tinyllm` binary and the
 /// benchmarks make it; the library never does. Returns whether glibc took both
@@ -99,9 +99,14 @@ pub fn keep_freed_host_memory() -> bool {
         }
         const M_TRIM_THRESHOLD: i32 = -1;
         const M_MMAP_MAX: i32 = -4;
-        // SAFETY: mallopt only changes allocator tuning; both are documented
+        const M_ARENA_MAX: i32 = -8;
+        // SAFETY: mallopt only changes allocator tuning; these are documented
         // glibc parameters and these values are valid for them.
-        unsafe { mallopt(M_MMAP_MAX, 0) == 1 && mallopt(M_TRIM_THRESHOLD, 1 << 30) == 1 }
+        unsafe {
+            mallopt(M_MMAP_MAX, 0) == 1
+                && mallopt(M_TRIM_THRESHOLD, -1) == 1
+                && mallopt(M_ARENA_MAX, 1) == 1
+        }
     }
     #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
     false
