@@ -3,6 +3,7 @@
 //! [`Device::Gpu`](crate::Device); the device is created on first use.
 
 pub use crate::backend::gpu::{
-    adapter, adapter_name, flush, gpu_pool_bytes as pool_bytes, sync, AdapterInfo,
+    adapter, adapter_name, device_peak_bytes, flush, gpu_pool_bytes as pool_bytes,
+    restart_device_peak, sync, AdapterInfo,
 };
 pub use crate::profile::GpuCounters;

@@ -42,7 +42,8 @@ fn fuzz_iters(default: usize) -> usize {
 /// Runs the binary; (success, stdout, stderr). A panic is never acceptable.
 fn run_bin(args: &[&str], envs: &[(&str, &str)]) -> (bool, String, String) {
     let mut c = Command::new(BIN);
-    c.args(args);
+    // as a user runs it (cargo test sets CARGO, which the hints read as `cargo run`)
+    c.args(args).env_remove("CARGO");
     for (k, v) in envs {
         c.env(k, v);
     }
@@ -2060,7 +2061,10 @@ fn spawn_bin(
     envs: &[(&str, &str)],
 ) -> (std::process::Child, std::sync::mpsc::Receiver<String>) {
     let mut c = Command::new(BIN);
-    c.args(args).stdout(Stdio::null()).stderr(Stdio::piped());
+    c.args(args)
+        .env_remove("CARGO")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
     for (k, v) in envs {
         c.env(k, v);
     }
@@ -2464,7 +2468,12 @@ fn resume_semantics_are_as_documented() {
         "--out".into(),
         "run".into(),
     ]);
-    let o = Command::new(BIN).args(&a).current_dir(&d).output().unwrap();
+    let o = Command::new(BIN)
+        .args(&a)
+        .current_dir(&d)
+        .env_remove("CARGO")
+        .output()
+        .unwrap();
     let stdout = String::from_utf8_lossy(&o.stdout);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(
@@ -2631,7 +2640,10 @@ fn a_run_that_cannot_fit_in_memory_is_refused_with_the_plan() {
 fn run_capped(args: &[&str], secs: u64) -> (bool, bool, String, u64) {
     use std::os::unix::process::CommandExt;
     let mut c = Command::new(BIN);
-    c.args(args).stdout(Stdio::null()).stderr(Stdio::piped());
+    c.args(args)
+        .env_remove("CARGO")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
     unsafe {
         c.pre_exec(|| {
             let lim = libc::rlimit {
@@ -3011,4 +3023,38 @@ fn a_comparison_runs_one_side_at_a_time_and_resumes_to_the_same_bits() {
     for d in [once, out] {
         let _ = std::fs::remove_dir_all(d);
     }
+}
+
+/// Under `cargo run` (cargo sets CARGO for what it runs) the printed
+/// follow-up command is the cargo one, which a user without an installed
+/// binary can paste; otherwise `tinyllm`.
+#[test]
+fn hints_speak_the_way_the_binary_was_run() {
+    let out = tmpdir("hint-cargo");
+    let o = Command::new(BIN)
+        .args([
+            "train",
+            "--preset",
+            "tiny",
+            "--device",
+            "cpu",
+            "--plain",
+            "--sample-len",
+            "0",
+        ])
+        .args(["--steps", "2", "--out"])
+        .arg(&out)
+        .env("CARGO", "cargo")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o_s = out.display().to_string();
+    assert!(
+        stdout.contains(&format!(
+            "continue with: cargo run --release -- train --resume {o_s} --steps 4"
+        )),
+        "{stdout}"
+    );
+    let _ = std::fs::remove_dir_all(&out);
 }

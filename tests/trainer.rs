@@ -841,3 +841,45 @@ fn evaluation_and_sampling_restore_training_mode() {
     assert_eq!(m.rng.state(), before, "generate ran with dropout on");
     assert!(training(&m));
 }
+
+/// On the GPU the comparison's memory verdict reads what the device held:
+/// every tensor buffer, pooled ones included, per side (the pool is emptied
+/// between the sides), never less than the tensors' own peak.
+#[test]
+fn compare_on_the_gpu_judges_the_device_memory() {
+    if !tinyllm::testing::gpu_available() {
+        return;
+    }
+    let out = tmpdir("cmp-gpu");
+    let c = tinyllm::train::compare::compare(
+        &TrainOptions {
+            preset: Some("tiny".into()),
+            device: Some("gpu".into()),
+            steps: Some(4),
+            out: Some(out.clone()),
+            ..Default::default()
+        },
+        tinyllm::train::compare::Existing::Refuse,
+        tinyllm::train::compare::Sides::Both,
+        Progress::Quiet,
+    )
+    .unwrap();
+    let tinyllm::train::compare::Outcome::Compared(c) = c else {
+        panic!("both sides ran")
+    };
+    for s in [&c.fp32, &c.mixed] {
+        let device = s
+            .device_peak_bytes
+            .expect("a GPU side reports its device peak");
+        assert!(device >= s.measured_peak_bytes, "{}", c.table());
+    }
+    let (a, b) = (
+        c.fp32.device_peak_bytes.unwrap(),
+        c.mixed.device_peak_bytes.unwrap(),
+    );
+    assert_eq!(c.lower_peak, b < a, "{}", c.table());
+    // the milestone on the GPU: the mixed recipe holds less device memory
+    assert!(c.lower_peak && c.within_2_percent, "{}", c.table());
+    assert!(c.table().contains("device peak memory:"), "{}", c.table());
+    let _ = std::fs::remove_dir_all(&out);
+}

@@ -272,6 +272,24 @@ pub(crate) fn adapter_name() -> Result<String> {
     Err(no_gpu())
 }
 
+/// On the GPU, the peak bytes of its tensor buffers, pooled ones included
+/// (see [`gpu::device_peak_bytes`]); `None` on the CPU.
+pub(crate) fn device_peak_bytes(device: Device) -> Option<usize> {
+    match device {
+        Device::Cpu => None,
+        #[cfg(feature = "gpu")]
+        Device::Gpu => gpu::device_peak_bytes(),
+        #[cfg(not(feature = "gpu"))]
+        Device::Gpu => None,
+    }
+}
+
+/// Releases the GPU's pooled buffers and restarts its peak (no-op without one).
+pub(crate) fn restart_device_peak() {
+    #[cfg(feature = "gpu")]
+    gpu::restart_device_peak();
+}
+
 /// Every family's shaders (for validation and the parameter-layout check).
 #[cfg(any(test, feature = "test-hooks"))]
 pub fn gpu_families() -> [&'static gpu::pipelines::Family; 8] {

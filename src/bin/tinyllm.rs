@@ -448,13 +448,17 @@ fn cmd_train(a: TrainArgs) -> tinyllm::Result<ExitCode> {
     let dir = shell_quote(&summary.out.display().to_string());
     if cfg.steps < cfg.schedule_steps {
         out!(
-            "continue with: tinyllm train --resume {dir} --steps {}",
+            "continue with: {} train --resume {dir} --steps {}",
+            invocation(),
             cfg.schedule_steps
         );
         out!("  (the rest of the planned schedule: the bits of an uninterrupted run)");
     } else {
         let more = cfg.steps * 2;
-        out!("continue with: tinyllm train --resume {dir} --steps {more}");
+        out!(
+            "continue with: {} train --resume {dir} --steps {more}",
+            invocation()
+        );
         out!(
             "  (steps {}..{more} run at the schedule's final learning rate, {:e}: the cosine schedule planned for {} steps is kept, not stretched)",
             cfg.steps + 1,
@@ -463,6 +467,17 @@ fn cmd_train(a: TrainArgs) -> tinyllm::Result<ExitCode> {
         );
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// How to run this binary again, for the commands a hint prints: under
+/// `cargo run` (cargo sets `CARGO` for the programs it runs) the same cargo
+/// command, else `tinyllm`.
+fn invocation() -> &'static str {
+    match (std::env::var_os("CARGO").is_some(), cfg!(debug_assertions)) {
+        (true, false) => "cargo run --release --",
+        (true, true) => "cargo run --",
+        (false, _) => "tinyllm",
+    }
 }
 
 /// Where an interrupted run stands and the command that continues it.
@@ -482,7 +497,8 @@ fn report_interrupted(cfg: &TrainConfig, s: &RunSummary, sig: i32) {
                 ck.display()
             );
             note!(
-                "resume with: tinyllm train --resume {} --steps {}",
+                "resume with: {} train --resume {} --steps {}",
+                invocation(),
                 shell_quote(&s.out.display().to_string()),
                 cfg.steps
             );

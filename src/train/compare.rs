@@ -43,6 +43,9 @@ pub struct Side {
     pub measured_peak_bytes: usize,
     /// The process's resident peak during this side alone, where known.
     pub process_peak_bytes: Option<usize>,
+    /// On the GPU: the device's peak bytes of tensor buffers, the pool's
+    /// cached ones included, during this side alone.
+    pub device_peak_bytes: Option<usize>,
     /// Wall-clock seconds of the side's run.
     pub seconds: f64,
 }
@@ -88,6 +91,7 @@ fn side(label: &str, cfg: &TrainConfig, s: &RunSummary, heldout_loss: f32) -> Si
         planned_peak_bytes: s.plan.total,
         measured_peak_bytes: s.peak_bytes,
         process_peak_bytes: s.process_peak_bytes,
+        device_peak_bytes: s.device_peak_bytes,
         seconds: s.seconds,
     }
 }
@@ -318,8 +322,8 @@ pub fn compare(
     crate::train::checkpoint::write_atomic(&out, "compare.svg", svg.as_bytes())?;
     let within = rel <= 0.02;
     // what the machine saw where it says, the crate's tensor bytes otherwise
-    let lower = match (a.process_peak_bytes, b.process_peak_bytes) {
-        (Some(pa), Some(pb)) => pb < pa,
+    let lower = match (machine_peak(&a), machine_peak(&b)) {
+        (Some((pa, _)), Some((pb, _))) => pb < pa,
         _ => b.peak_bytes < a.peak_bytes,
     };
     Ok(Outcome::Compared(Box::new(Comparison {
@@ -335,6 +339,15 @@ pub fn compare(
         pass: within && lower,
         plot: plot.display().to_string(),
     })))
+}
+
+/// The memory the machine saw for a side: the GPU's tensor buffers (pool
+/// included) on the GPU, the process's resident peak on the CPU.
+fn machine_peak(s: &RunSummary) -> Option<(usize, &'static str)> {
+    match s.device {
+        crate::Device::Gpu => s.device_peak_bytes.map(|b| (b, "device")),
+        crate::Device::Cpu => s.process_peak_bytes.map(|b| (b, "process")),
+    }
 }
 
 /// One side: trained here when `train` (fresh, or continued when resuming),
@@ -369,7 +382,9 @@ fn one_side(
         Existing::Overwrite => Start::Overwrite,
         _ => Start::Fresh,
     };
-    // Each side's process peak starts from what the process holds before it.
+    // Each side's peaks start from what the process holds before it (and
+    // without the other side's pooled GPU buffers).
+    crate::backend::restart_device_peak();
     memory::restart_process_peak();
     let s = run(cfg.clone(), start, progress)?;
     stop_if_interrupted(&s)?;
@@ -409,25 +424,30 @@ impl Comparison {
                     .unwrap_or_default()
             );
             format!(
-                "| {:<24} | {:>10.4} | {:>13.4} | {:>12} | {:>12} | {:>12} |\n",
+                "| {:<24} | {:>10.4} | {:>13.4} | {:>12} | {:>12} | {:>12} | {:>12} |\n",
                 how,
                 s.final_loss,
                 s.heldout_loss,
                 mib(s.planned_peak_bytes),
                 mib(s.measured_peak_bytes),
-                opt_mib(s.process_peak_bytes)
+                opt_mib(s.process_peak_bytes),
+                opt_mib(s.device_peak_bytes)
             )
         };
         let mut t = format!(
             "Mixed precision against float32 — preset {}, {} steps, batch {}, seed {}\n\n",
             self.preset, self.steps, self.batch, self.seed
         );
-        t += "| run                      | train loss | held-out loss | planned peak | tensor peak  | process peak |\n";
-        t += "|--------------------------|-----------:|--------------:|-------------:|-------------:|-------------:|\n";
+        t += "| run                      | train loss | held-out loss | planned peak | tensor peak  | process peak | device peak  |\n";
+        t += "|--------------------------|-----------:|--------------:|-------------:|-------------:|-------------:|-------------:|\n";
         t += &row(&self.fp32);
         t += &row(&self.mixed);
-        let (pa, pb, which) = match (self.fp32.process_peak_bytes, self.mixed.process_peak_bytes) {
-            (Some(a), Some(b)) => (a, b, "process"),
+        let (pa, pb, which) = match (
+            (self.fp32.device_peak_bytes, self.mixed.device_peak_bytes),
+            (self.fp32.process_peak_bytes, self.mixed.process_peak_bytes),
+        ) {
+            ((Some(a), Some(b)), _) => (a, b, "device"),
+            (_, (Some(a), Some(b))) => (a, b, "process"),
             _ => (
                 self.fp32.measured_peak_bytes,
                 self.mixed.measured_peak_bytes,
@@ -437,7 +457,8 @@ impl Comparison {
         t +=
             &format!(
             "\n(train loss: mean of the last steps in each run's own precision; held-out loss: \
-             both final models in float32 on the same held-out windows)\n\
+             both final models in float32 on the same held-out windows; device peak: the GPU's \
+             tensor buffers, pooled ones included)\n\
              relative difference of held-out losses: {:.2}% ({} 2%)\n\
              {which} peak memory: {} → {} ({})\nverdict: {}\nplot: {}\n",
             100.0 * self.rel_diff,

@@ -44,6 +44,10 @@ pub struct StepMetrics {
     /// the platform reports it; a resumed run's peak is the largest of these.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub process_peak_bytes: Option<usize>,
+    /// On the GPU: the peak bytes of its tensor buffers (pooled ones
+    /// included) through this step of this process.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub device_peak_bytes: Option<usize>,
     /// The first step of a process that resumed the run from a checkpoint.
     #[serde(skip_serializing_if = "std::ops::Not::not", default)]
     pub resumed: bool,

@@ -245,6 +245,7 @@ impl Trainer {
             tokens: step * self.cfg.tokens_per_step(),
             elapsed_s: 0.0, // the run loop knows the run's clock
             process_peak_bytes: memory::process_peak_rss(),
+            device_peak_bytes: crate::backend::device_peak_bytes(self.device),
             resumed: false, // the run loop knows where it started
         })
     }
@@ -373,6 +374,11 @@ pub struct RunSummary {
     /// run's processes when it was resumed; `None` where the platform does
     /// not say.
     pub process_peak_bytes: Option<usize>,
+    /// On the GPU: the peak bytes of its tensor buffers, pooled ones
+    /// included (what the device held; since the last
+    /// [`restart_device_peak`](crate::gpu::restart_device_peak)), the
+    /// largest over the run's processes.
+    pub device_peak_bytes: Option<usize>,
     /// Wall-clock seconds of the whole run, summed over its resumes (the
     /// time between an interruption and its resume not counted).
     pub seconds: f64,
@@ -490,6 +496,33 @@ pub trait StepCheck {
 /// and checkpoints under `cfg.out`, which it holds locked for the whole run.
 /// On SIGINT/SIGTERM (once [`interrupt::install`]ed) it finishes the current
 /// step, saves, and returns a summary saying so.
+///
+/// Train the `tiny` Llama for a few steps in bf16, then load its checkpoint
+/// and evaluate it on the run's held-out windows:
+///
+/// ```
+/// use tinyllm::train::{checkpoint, infer, run, Progress, Start, TrainConfig, TrainOptions};
+/// use tinyllm::Device;
+///
+/// let out = std::env::temp_dir().join(format!("tinyllm-doc-run-{}", std::process::id()));
+/// let cfg = TrainConfig::resolve(&TrainOptions {
+///     preset: Some("tiny".into()),
+///     device: Some("cpu".into()),
+///     steps: Some(6),
+///     out: Some(out.clone()),
+///     ..Default::default()
+/// })?;
+/// let summary = run(cfg, Start::Overwrite, Progress::Quiet)?;
+/// assert_eq!(summary.checkpoint_step, 6);
+/// assert!(summary.history[5].loss < summary.history[0].loss);
+///
+/// let model = checkpoint::load_model(&out, Device::Cpu)?; // out/checkpoint
+/// assert_eq!(model.cfg.context, 16);
+/// let held_out = infer::heldout(&out, Device::Cpu)?;
+/// assert!(held_out.loss.is_finite() && held_out.windows > 0);
+/// # std::fs::remove_dir_all(&out).ok();
+/// # Ok::<(), tinyllm::Error>(())
+/// ```
 pub fn run(cfg: TrainConfig, start: Start, progress: Progress) -> Result<RunSummary> {
     run_checked(cfg, start, progress, None)
 }
@@ -586,6 +619,7 @@ pub fn finished_run(cfg: &TrainConfig) -> Result<Option<RunSummary>> {
         )?,
         peak_bytes: history.iter().map(|m| m.peak_bytes).max().unwrap_or(0),
         process_peak_bytes: history.iter().filter_map(|m| m.process_peak_bytes).max(),
+        device_peak_bytes: history.iter().filter_map(|m| m.device_peak_bytes).max(),
         seconds: history.last().map_or(0.0, |m| m.elapsed_s),
         device,
         history,
@@ -966,6 +1000,12 @@ impl Loop {
                 .iter()
                 .filter_map(|m| m.process_peak_bytes)
                 .chain(memory::process_peak_rss())
+                .max(),
+            device_peak_bytes: self
+                .history
+                .iter()
+                .filter_map(|m| m.device_peak_bytes)
+                .chain(crate::backend::device_peak_bytes(device))
                 .max(),
             // the whole run's, over its resumes (as a finished run read back says)
             seconds: self.clock.1 + t_start.elapsed().as_secs_f64(),

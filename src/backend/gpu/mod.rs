@@ -39,6 +39,21 @@ pub fn gpu_pool_bytes() -> usize {
         .unwrap_or(0)
 }
 
+/// The peak of the bytes the device has held for tensor buffers (backing a
+/// tensor or pooled for reuse) since the last [`restart_device_peak`];
+/// `None` before the GPU is first used.
+pub fn device_peak_bytes() -> Option<usize> {
+    ctx_if_created().map(|c| c.pool.lock().unwrap().held_bytes().1 as usize)
+}
+
+/// Releases the pooled buffers and restarts [`device_peak_bytes`] from the
+/// tensors alive now (a comparison's second side starts clean).
+pub fn restart_device_peak() {
+    if let Some(c) = ctx_if_created() {
+        c.pool.lock().unwrap().release_and_restart_peak();
+    }
+}
+
 /// What the GPU backend runs on.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct AdapterInfo {
@@ -179,14 +194,17 @@ impl GpuStorage {
         let pooled = c.pool.lock().unwrap().take(class);
         let buf = match pooled {
             Some(b) => b,
-            None => c.device.create_buffer(&wgpu::BufferDescriptor {
-                label: Some("tensor"),
-                size: class,
-                usage: wgpu::BufferUsages::STORAGE
-                    | wgpu::BufferUsages::COPY_SRC
-                    | wgpu::BufferUsages::COPY_DST,
-                mapped_at_creation: false,
-            }),
+            None => {
+                c.pool.lock().unwrap().created(class);
+                c.device.create_buffer(&wgpu::BufferDescriptor {
+                    label: Some("tensor"),
+                    size: class,
+                    usage: wgpu::BufferUsages::STORAGE
+                        | wgpu::BufferUsages::COPY_SRC
+                        | wgpu::BufferUsages::COPY_DST,
+                    mapped_at_creation: false,
+                })
+            }
         };
         Ok(GpuStorage {
             buf: Some(buf),

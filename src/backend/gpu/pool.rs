@@ -16,6 +16,11 @@ const MAX_POOLED: u64 = 1 << 30;
 pub struct Pool {
     free: HashMap<u64, Vec<wgpu::Buffer>>,
     free_bytes: u64,
+    /// Bytes of every tensor buffer alive on the device: backing a tensor
+    /// or pooled. What the device holds for tensors.
+    held: u64,
+    /// The most `held` has been since the last [`Pool::restart_peak`].
+    peak: u64,
 }
 
 /// The size class of a request: at least 256 bytes, then 8 classes per power of
@@ -36,8 +41,15 @@ impl Pool {
         Some(b)
     }
 
+    /// A buffer of `class` bytes was created.
+    pub fn created(&mut self, class: u64) {
+        self.held += class;
+        self.peak = self.peak.max(self.held);
+    }
+
     pub fn put(&mut self, class: u64, buf: wgpu::Buffer) {
         if self.free_bytes + class > MAX_POOLED {
+            self.held -= class;
             return; // dropping the handle releases it (once the GPU is done with it)
         }
         self.free_bytes += class;
@@ -46,5 +58,19 @@ impl Pool {
 
     pub fn free_bytes(&self) -> u64 {
         self.free_bytes
+    }
+
+    /// Tensor buffer bytes on the device now and at their peak.
+    pub fn held_bytes(&self) -> (u64, u64) {
+        (self.held, self.peak)
+    }
+
+    /// Releases every pooled buffer and starts the peak again from what
+    /// the tensors alive now hold.
+    pub fn release_and_restart_peak(&mut self) {
+        self.held -= self.free_bytes;
+        self.free.clear();
+        self.free_bytes = 0;
+        self.peak = self.held;
     }
 }
