@@ -168,6 +168,15 @@ fn draw_panel(s: &mut String, p: &Panel, top: f64, (x0, x1): (f64, f64)) {
         r#"<text x="16" y="{mid}" text-anchor="middle" transform="rotate(-90 16 {mid})">{}</text>"#,
         escape(p.y_label)
     );
+    // the legend sits top right, as wide as its longest label (~6.6 px a
+    // character at 12 px)
+    let longest = p
+        .series
+        .iter()
+        .map(|se| se.name.chars().count())
+        .max()
+        .unwrap_or(0);
+    let lx = (r - 34.0 - 6.6 * longest as f64).max(l + 8.0);
     for (i, se) in p.series.iter().enumerate() {
         let pts: Vec<_> = se.points.iter().filter(|q| shown(q.1)).collect();
         if se.dots {
@@ -192,7 +201,7 @@ fn draw_panel(s: &mut String, p: &Panel, top: f64, (x0, x1): (f64, f64)) {
                 d.join(" ")
             );
         }
-        let (lx, ly) = (r - 300.0, top + 14.0 + 16.0 * i as f64);
+        let ly = top + 14.0 + 16.0 * i as f64;
         let key = if se.dots {
             format!(
                 r#"<circle cx="{}" cy="{ly}" r="3" fill="{}"/>"#,
