@@ -2970,6 +2970,26 @@ fn a_comparison_runs_one_side_at_a_time_and_resumes_to_the_same_bits() {
     let (ok, json, err) = run_bin(&strs(&with(&once, &["--json"])), &[]);
     assert!(ok, "{err}");
     let want = heldout(&json);
+    // read back from the runs' metrics, a finished comparison reports the
+    // figures it reported live
+    let (ok, again, err) = run_bin(&strs(&with(&once, &["--resume", "--json"])), &[]);
+    assert!(ok, "{err}");
+    let figures = |json: &str| -> Vec<serde_json::Value> {
+        let v: serde_json::Value = serde_json::from_str(json.trim()).unwrap();
+        ["fp32", "mixed"]
+            .iter()
+            .flat_map(|s| {
+                [
+                    "heldout_loss",
+                    "final_loss",
+                    "measured_peak_bytes",
+                    "process_peak_bytes",
+                ]
+                .map(|k| v[s][k].clone())
+            })
+            .collect()
+    };
+    assert_eq!(figures(&again), figures(&json));
 
     let out = tmpdir("cmp-pieces");
     let (ok, _, err) = run_bin(&strs(&with(&out, &["--side", "fp32"])), &[]);

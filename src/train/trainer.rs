@@ -369,10 +369,11 @@ pub struct RunSummary {
     pub plan: MemoryPlan,
     /// The highest measured peak of any step (tensor bytes, [`crate::memory`]).
     pub peak_bytes: usize,
-    /// The process's resident high-water mark (since the process started,
-    /// or since [`memory::restart_process_peak`]), the largest over the
-    /// run's processes when it was resumed; `None` where the platform does
-    /// not say.
+    /// The process's resident high-water mark through the training steps
+    /// and their validation (since the process started, or since
+    /// [`memory::restart_process_peak`]), the largest over the run's
+    /// processes when it was resumed; `None` where the platform does not
+    /// say. Saving checkpoints is not in it.
     pub process_peak_bytes: Option<usize>,
     /// On the GPU: the peak bytes of its tensor buffers, pooled ones
     /// included (what the device held; since the last
@@ -786,6 +787,9 @@ impl Loop {
         let watched = self.watch(tr, &m).and_then(|()| {
             if self.eval_due(tr) {
                 m.val_loss = Some(self.validation_loss(tr)?);
+                // the step's peaks include its validation
+                m.process_peak_bytes = memory::process_peak_rss();
+                m.device_peak_bytes = crate::backend::device_peak_bytes(tr.device);
             }
             Ok(())
         });
@@ -994,18 +998,17 @@ impl Loop {
                 .iter()
                 .map(|m| m.peak_bytes)
                 .fold(self.peak, usize::max),
-            // a resumed run's earlier processes reported theirs per step
+            // per step, over the run's processes: the same figure a finished
+            // run read back from its metrics gives
             process_peak_bytes: self
                 .history
                 .iter()
                 .filter_map(|m| m.process_peak_bytes)
-                .chain(memory::process_peak_rss())
                 .max(),
             device_peak_bytes: self
                 .history
                 .iter()
                 .filter_map(|m| m.device_peak_bytes)
-                .chain(crate::backend::device_peak_bytes(device))
                 .max(),
             // the whole run's, over its resumes (as a finished run read back says)
             seconds: self.clock.1 + t_start.elapsed().as_secs_f64(),
