@@ -768,6 +768,19 @@ fn a_run_writes_metrics_plot_checkpoint_and_compare_passes() {
     let tinyllm::train::compare::Outcome::Compared(c) = c else {
         panic!("both sides ran")
     };
+    // float32 against float32 is no comparison
+    let e = tinyllm::train::compare::compare(
+        &TrainOptions {
+            preset: Some("tiny".into()),
+            precision: Some("fp32".into()),
+            out: Some(out.join("cmp-fp32")),
+            ..Default::default()
+        },
+        tinyllm::train::compare::Existing::Refuse,
+        tinyllm::train::compare::Sides::Both,
+        Progress::Quiet,
+    );
+    assert!(e.is_err_and(|e| e.to_string().contains("16-bit recipe")));
     // (the process peaks are not compared here: other tests share this process)
     assert!(
         c.mixed.measured_peak_bytes < c.fp32.measured_peak_bytes,

@@ -148,11 +148,12 @@ pub enum Outcome {
 /// `fp32/` and `mixed/`, one after the other, and, once both are finished,
 /// compares them and writes `compare.svg`. A long comparison can run one side
 /// per call (`sides`) and continue an interrupted side (`Existing::Resume`).
-/// Both sides take `opts` resolved as for `train` (a precision of `fp32` is
-/// replaced by the default, bf16, on the mixed side); the float32 side then
-/// takes the whole batch at once without checkpointing.
+/// Both sides take `opts` resolved as for `train` (the mixed side's
+/// precision bf16 or fp16; `fp32` is refused); the float32 side then takes
+/// the whole batch at once without checkpointing.
 ///
-/// An error when `existing` is [`Existing::Refuse`] and a side's directory
+/// An error when the precision asked for is float32, when `existing` is
+/// [`Existing::Refuse`] and a side's directory
 /// already holds a run, when a signal interrupts a side, or when a run or
 /// the held-out evaluation fails.
 pub fn compare(
