@@ -199,7 +199,8 @@ struct CompareArgs {
     /// once both have finished in --out.
     #[arg(long, value_name = "SIDE", value_parser = ["both", "fp32", "mixed"], default_value = "both")]
     side: String,
-    /// Print the result as one JSON object.
+    /// Print the result as one JSON object on stdout (progress stays on
+    /// stderr).
     #[arg(long)]
     json: bool,
 }
@@ -508,11 +509,8 @@ fn report_interrupted(cfg: &TrainConfig, s: &RunSummary, sig: i32) {
 }
 
 fn cmd_compare(a: CompareArgs) -> tinyllm::Result<ExitCode> {
-    let progress = if a.json {
-        Progress::Quiet
-    } else {
-        a.run.progress()
-    };
+    // progress goes to stderr, so a long comparison shows it under --json too
+    let progress = a.run.progress();
     let existing = match (a.overwrite, a.resume) {
         (true, _) => compare::Existing::Overwrite,
         (_, true) => compare::Existing::Resume,
