@@ -752,22 +752,7 @@ fn a_run_writes_metrics_plot_checkpoint_and_compare_passes() {
     assert!(String::from_utf8_lossy(&o.stdout).starts_with("The "));
 
     // MS-L11 in miniature.
-    let c = tinyllm::train::compare::compare(
-        &TrainOptions {
-            preset: Some("tiny".into()),
-            device: Some("cpu".into()),
-            steps: Some(20),
-            out: Some(out.join("cmp")),
-            ..Default::default()
-        },
-        tinyllm::train::compare::Existing::Refuse,
-        tinyllm::train::compare::Sides::Both,
-        Progress::Quiet,
-    )
-    .unwrap();
-    let tinyllm::train::compare::Outcome::Compared(c) = c else {
-        panic!("both sides ran")
-    };
+    let c = compare_tiny("cpu", 20, &out.join("cmp"));
     // float32 against float32 is no comparison
     let e = tinyllm::train::compare::compare(
         &TrainOptions {
@@ -864,22 +849,7 @@ fn compare_on_the_gpu_judges_the_device_memory() {
         return;
     }
     let out = tmpdir("cmp-gpu");
-    let c = tinyllm::train::compare::compare(
-        &TrainOptions {
-            preset: Some("tiny".into()),
-            device: Some("gpu".into()),
-            steps: Some(4),
-            out: Some(out.clone()),
-            ..Default::default()
-        },
-        tinyllm::train::compare::Existing::Refuse,
-        tinyllm::train::compare::Sides::Both,
-        Progress::Quiet,
-    )
-    .unwrap();
-    let tinyllm::train::compare::Outcome::Compared(c) = c else {
-        panic!("both sides ran")
-    };
+    let c = compare_tiny("gpu", 4, &out);
     for s in [&c.fp32, &c.mixed] {
         let device = s
             .device_peak_bytes
@@ -895,4 +865,29 @@ fn compare_on_the_gpu_judges_the_device_memory() {
     assert!(c.lower_peak && c.within_2_percent, "{}", c.table());
     assert!(c.table().contains("device peak memory:"), "{}", c.table());
     let _ = std::fs::remove_dir_all(&out);
+}
+
+/// Both sides of a `tiny` comparison on `device`, into `out`.
+fn compare_tiny(
+    device: &str,
+    steps: usize,
+    out: &std::path::Path,
+) -> tinyllm::train::compare::Comparison {
+    let c = tinyllm::train::compare::compare(
+        &TrainOptions {
+            preset: Some("tiny".into()),
+            device: Some(device.into()),
+            steps: Some(steps),
+            out: Some(out.to_path_buf()),
+            ..Default::default()
+        },
+        tinyllm::train::compare::Existing::Refuse,
+        tinyllm::train::compare::Sides::Both,
+        Progress::Quiet,
+    )
+    .unwrap();
+    let tinyllm::train::compare::Outcome::Compared(c) = c else {
+        panic!("both sides ran")
+    };
+    *c
 }
