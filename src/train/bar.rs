@@ -3,7 +3,6 @@
 
 use crate::train::trainer::duration;
 use std::io::Write;
-use std::time::Instant;
 
 /// One line on stderr, redrawn at each update; the caller checks that
 /// stderr is a terminal.
@@ -11,23 +10,19 @@ pub(crate) struct Bar {
     len: u64,
     /// The position this process started from (the ETA counts its own steps).
     first: u64,
-    start: Instant,
 }
 
 const WIDTH: u64 = 30;
 
 impl Bar {
     pub(crate) fn new(len: u64, pos: u64) -> Bar {
-        Bar {
-            len,
-            first: pos,
-            start: Instant::now(),
-        }
+        Bar { len, first: pos }
     }
 
-    /// Redraws the line at `pos` with `msg`.
-    pub(crate) fn update(&self, pos: u64, msg: &str) {
-        let line = self.line(pos, msg, self.start.elapsed().as_secs_f64());
+    /// Redraws the line at `pos` with `msg`, `elapsed` seconds into this
+    /// process's part of the run.
+    pub(crate) fn update(&self, pos: u64, msg: &str, elapsed: f64) {
+        let line = self.line(pos, msg, elapsed);
         let _ = write!(std::io::stderr(), "\r\x1b[2K{line}");
     }
 

@@ -867,7 +867,7 @@ impl Loop {
         let last = tr.step == tr.cfg.steps;
         match &self.bar {
             Some(b) => {
-                b.update(tr.step as u64, &msg);
+                b.update(tr.step as u64, &msg, self.clock.0.elapsed().as_secs_f64());
             }
             None if tr.step.is_multiple_of(self.log_every)
                 || last
