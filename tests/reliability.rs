@@ -3052,18 +3052,7 @@ fn a_comparison_runs_one_side_at_a_time_and_resumes_to_the_same_bits() {
 fn hints_speak_the_way_the_binary_was_run() {
     let out = tmpdir("hint-cargo");
     let o = Command::new(BIN)
-        .args([
-            "train",
-            "--preset",
-            "tiny",
-            "--device",
-            "cpu",
-            "--plain",
-            "--sample-len",
-            "0",
-        ])
-        .args(["--steps", "2", "--out"])
-        .arg(&out)
+        .args(train_args(&out, 2))
         .env("CARGO", "cargo")
         .output()
         .unwrap();
