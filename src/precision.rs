@@ -32,7 +32,10 @@ pub fn round_to_fp16(x: &Tensor) -> Result<Tensor> {
 /// kept: [`round_to_bf16`] or [`round_to_fp16`] by format. Not
 /// differentiable: a constant. For the differentiable conversion use [`cast`].
 pub fn round_to(x: &Tensor, fmt: Format) -> Result<Tensor> {
-    Tensor::from_storage(x.storage().unary(UnaryOp::Round(fmt))?, x.shape())
+    Ok(
+        Tensor::from_storage(x.storage().unary(UnaryOp::Round(fmt))?, x.shape())?
+            .with_half(Some(fmt)),
+    )
 }
 
 /// The emulated storage conversion as an op: forward `y = rd(x)`, backward
@@ -40,13 +43,10 @@ pub fn round_to(x: &Tensor, fmt: Format) -> Result<Tensor> {
 /// derivative is zero almost everywhere) and arrives as a 16-bit value.
 pub fn cast(x: &Tensor, fmt: Format) -> Result<Tensor> {
     let s = x.storage().unary(UnaryOp::Round(fmt))?;
-    Ok(Tensor::record(
-        s,
-        x.shape().to_vec(),
-        "cast",
-        &[x],
-        move |g| Ok(vec![Some(round_to(g, fmt)?)]),
-    ))
+    let y = Tensor::record(s, x.shape().to_vec(), "cast", &[x], move |g| {
+        Ok(vec![Some(round_to(g, fmt)?)])
+    });
+    Ok(y.with_half(Some(fmt)))
 }
 
 // ------------------------------------------------------------- autocast ----

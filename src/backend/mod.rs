@@ -23,6 +23,7 @@
 //! | [`optim`] | in-place AdamW, SGD, scaling, the loss scaler's finite check |
 //! | [`dropout`] | Philox dropout masks |
 //! | [`fused`] | RMSNorm, SwiGLU, RoPE, softmax cross-entropy, each way: the compositions' bits |
+//! | [`pack`] | 16-bit storage of bf16/fp16 values (saved activations), packed and widened exactly |
 //!
 //! Shared ground below the families: [`cpu`] (host buffers, lanes, threads),
 //! [`gpu`] (device context, buffer pool, pipeline cache), [`math`] (the math
@@ -50,6 +51,7 @@ pub mod elementwise;
 pub mod fused;
 pub mod matmul;
 pub mod optim;
+pub mod pack;
 pub mod reduce;
 
 pub use elementwise::{BinaryOp, UnaryOp};
@@ -292,7 +294,7 @@ pub(crate) fn restart_device_peak() {
 
 /// Every family's shaders (for validation and the parameter-layout check).
 #[cfg(any(test, feature = "test-hooks"))]
-pub fn gpu_families() -> [&'static gpu::pipelines::Family; 8] {
+pub fn gpu_families() -> [&'static gpu::pipelines::Family; 9] {
     [
         &gpu::probe::FAMILY,
         &elementwise::gpu::FAMILY,
@@ -302,6 +304,7 @@ pub fn gpu_families() -> [&'static gpu::pipelines::Family; 8] {
         &optim::gpu::FAMILY,
         &dropout::gpu::FAMILY,
         &fused::gpu::FAMILY,
+        &pack::gpu::FAMILY,
     ]
 }
 

@@ -121,6 +121,9 @@ struct RunFlags {
     /// Validate every N steps (0 = only at the end).
     #[arg(long, value_parser = count, allow_negative_numbers = true)]
     eval_every: Option<usize>,
+    /// Write a checkpoint every N steps (0 = only at the end).
+    #[arg(long, value_parser = count, allow_negative_numbers = true)]
+    save_every: Option<usize>,
     /// Warmup steps.
     #[arg(long, value_parser = count, allow_negative_numbers = true)]
     warmup: Option<usize>,
@@ -161,9 +164,6 @@ struct TrainArgs {
     /// Keep every activation instead.
     #[arg(long, conflicts_with = "checkpoint_activations")]
     no_checkpoint_activations: bool,
-    /// Write a checkpoint every N steps (0 = only at the end).
-    #[arg(long, value_parser = count, allow_negative_numbers = true)]
-    save_every: Option<usize>,
     /// Continue the run saved in DIR (its checkpoint/ subdirectory or DIR
     /// itself) to --steps. Up to the run's planned total it is bit-identical
     /// to an uninterrupted run; past it, the schedule's final learning rate is
@@ -285,6 +285,7 @@ impl RunFlags {
             ckpt_budget: self.ckpt_budget,
             clip: self.clip,
             eval_every: self.eval_every,
+            save_every: self.save_every,
             warmup: self.warmup,
             dropout: self.dropout,
             out: self.out.clone(),
@@ -319,7 +320,6 @@ fn train_options(a: &TrainArgs) -> TrainOptions {
         } else {
             None
         },
-        save_every: a.save_every,
         ..a.run.options()
     }
 }

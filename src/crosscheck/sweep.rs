@@ -37,7 +37,8 @@ pub enum Family {
     /// Matrix products in every layout and format, with and without a causal
     /// mask.
     Matmul,
-    /// Strided copies, concatenation, row gathers and scatter-adds.
+    /// Strided copies, concatenation, row gathers and scatter-adds, and the
+    /// 16-bit storage of saved activations (pack, unpack).
     Copy,
     /// Dropout masks from the counter-based generator.
     Dropout,
@@ -69,7 +70,7 @@ impl Family {
             Family::Reduce => "reductions",
             Family::Softmax => "softmax",
             Family::Matmul => "matmul",
-            Family::Copy => "copies, gather and scatter",
+            Family::Copy => "copies, gather and scatter, 16-bit storage",
             Family::Dropout => "dropout masks",
             Family::Optim => "optimizer kernels and the finite check",
             Family::Fused => "fused transformer primitives",
@@ -999,6 +1000,30 @@ fn copy(sw: &mut Sweep) -> Result<()> {
             let refs: Vec<&Storage> = st.iter().collect();
             Storage::concat(&refs, outer, &sizes, inner)?.to_vec_f32()
         })?;
+    }
+    // 16-bit storage: packing rounds (an odd count of adversarial values),
+    // and every pattern of each format survives the round trip. Words and
+    // values are compared as their 16-bit halves, so NaN payloads count.
+    let halves = |v: Vec<f32>| -> Vec<f32> {
+        v.iter()
+            .flat_map(|x| [(x.to_bits() & 0xffff) as f32, (x.to_bits() >> 16) as f32])
+            .collect()
+    };
+    let x = adversarial(&mut rng, 721);
+    for fmt in [Format::Bf16, Format::Fp16] {
+        sw.check("pack 16-bit", fmt.name(), "721 values".into(), &[], |d| {
+            Ok(halves(up(&x, d)?.pack(fmt)?.0.words().to_vec_f32()?))
+        })?;
+        let every: Vec<f32> = (0..=0xffff)
+            .map(|h| f32::from_bits(crate::backend::pack::widen_bits(h, fmt)))
+            .collect();
+        sw.check(
+            "unpack 16-bit",
+            fmt.name(),
+            "every pattern".into(),
+            &[],
+            |d| Ok(halves(up(&every, d)?.pack(fmt)?.0.unpack()?.to_vec_f32()?)),
+        )?;
     }
     // repeated ids, unused rows, out of order
     let mut rng = Rng(29);

@@ -10,15 +10,21 @@
 //! diagonal, which the softmax and its backward never use; so for finite
 //! inputs its values and gradients are the composition's bit for bit — the one
 //! exception being a zero's sign where a sum underflows to −0 before a masked
-//! term (the composition then adds a ±0 the fused op skips). It keeps what the
-//! composition keeps for backward: q, k, v and the probabilities.
+//! term (the composition then adds a ±0 the fused op skips).
+//!
+//! For backward it keeps q, k and v — as the products read them: rounded, in
+//! 16 bits, under autocast — and recomputes the probabilities from them with
+//! the forward's primitives (the composition keeps the probabilities too).
 
 use crate::backend::{Causal, MatmulDims, Storage};
 use crate::tensor::autocast::autocast_dtype;
+use crate::tensor::is_grad_enabled;
+use crate::tensor::saved::Saved;
 use crate::tensor::shape::numel;
 use crate::{bail, Result, Tensor};
 
 /// The batched products of attention over `batch` heads.
+#[derive(Clone, Copy)]
 struct Heads {
     batch: usize,
 }
@@ -75,57 +81,62 @@ impl Tensor {
             batch: numel(&q.shape()[..r - 2]),
         };
         let round = autocast_dtype();
-        // scores (.., T, T) = q kᵀ on and below the diagonal; p = their causal softmax
-        let scores = q.storage().matmul(
-            &k.storage(),
-            h.dims((t, d, t), false, true, Causal::Outputs),
-            round,
-        )?;
-        let p = scores.softmax_rows(h.batch * t, t, s, true)?;
-        drop(scores);
+        // p (.., T, T) = the causal softmax of q kᵀ, on and below the diagonal
+        let probs = move |q: &Storage, k: &Storage| {
+            let scores = q.matmul(k, h.dims((t, d, t), false, true, Causal::Outputs), round)?;
+            scores.softmax_rows(h.batch * t, t, s, true)
+        };
+        let p = probs(&q.storage(), &k.storage())?;
         // y (.., T, D) = p v, row i summing keys j ≤ i
         let y = p.matmul(
             &v.storage(),
             h.dims((t, t, d), false, false, Causal::TermsUpToRow),
             round,
         )?;
-        let (qk, kk, vk) = (q.detach(), k.detach(), v.detach());
+        drop(p);
+        // Backward recomputes p rather than keeping it (H·T² values, more
+        // than q, k and v together): the same primitives on the same
+        // operands, so the same bits.
+        let kept = if is_grad_enabled() && [q, k, v].iter().any(|t| t.requires_grad()) {
+            let keep = |t: &Tensor| Saved::operand(t, round);
+            Some([keep(q)?, keep(k)?, keep(v)?])
+        } else {
+            None
+        };
         let shape = q.shape().to_vec();
-        Ok(Tensor::record(
-            y,
-            shape.clone(),
-            "causal_attention",
-            &[q, k, v],
-            move |g| {
-                let g = g.storage();
-                let wrap = |st: Storage| Tensor::from_storage(st, &shape);
-                // dv = pᵀ dy: key row j sums queries i ≥ j
-                let dv = p.matmul(
-                    &g,
-                    h.dims((t, t, d), true, false, Causal::TermsFromRow),
-                    round,
-                )?;
-                // dp = dy vᵀ on and below the diagonal; ds = softmax backward · scale
-                let dp = g.matmul(
-                    &vk.storage(),
-                    h.dims((t, d, t), false, true, Causal::Outputs),
-                    round,
-                )?;
-                let ds = p.softmax_rows_backward(&dp, h.batch * t, t, s)?;
-                drop(dp);
-                // dq = ds k: row i sums keys j ≤ i; dk = dsᵀ q: key row j sums queries i ≥ j
-                let dq = ds.matmul(
-                    &kk.storage(),
-                    h.dims((t, t, d), false, false, Causal::TermsUpToRow),
-                    round,
-                )?;
-                let dk = ds.matmul(
-                    &qk.storage(),
-                    h.dims((t, t, d), true, false, Causal::TermsFromRow),
-                    round,
-                )?;
-                Ok(vec![Some(wrap(dq)?), Some(wrap(dk)?), Some(wrap(dv)?)])
-            },
-        ))
+        let y = Tensor::record(y, shape.clone(), "causal_attention", &[q, k, v], move |g| {
+            let [qk, kk, vk] = kept
+                .as_ref()
+                .expect("a recorded attention keeps its operands")
+                .each_ref()
+                .map(|t| t.get().map(|t| t.storage()));
+            let (qk, kk, vk) = (qk?, kk?, vk?);
+            let g = g.storage();
+            let wrap = |st: Storage| Tensor::from_storage(st, &shape);
+            let p = probs(&qk, &kk)?;
+            // dv = pᵀ dy: key row j sums queries i ≥ j
+            let dv = p.matmul(
+                &g,
+                h.dims((t, t, d), true, false, Causal::TermsFromRow),
+                round,
+            )?;
+            // dp = dy vᵀ on and below the diagonal; ds = softmax backward · scale
+            let dp = g.matmul(&vk, h.dims((t, d, t), false, true, Causal::Outputs), round)?;
+            let ds = p.softmax_rows_backward(&dp, h.batch * t, t, s)?;
+            drop((dp, p));
+            // dq = ds k: row i sums keys j ≤ i; dk = dsᵀ q: key row j sums queries i ≥ j
+            let dq = ds.matmul(
+                &kk,
+                h.dims((t, t, d), false, false, Causal::TermsUpToRow),
+                round,
+            )?;
+            let dk = ds.matmul(
+                &qk,
+                h.dims((t, t, d), true, false, Causal::TermsFromRow),
+                round,
+            )?;
+            Ok(vec![Some(wrap(dq)?), Some(wrap(dk)?), Some(wrap(dv)?)])
+        });
+        Ok(y.with_half(round))
     }
 }

@@ -5,6 +5,7 @@
 //! or nothing — so the graph never holds an activation no gradient uses.
 
 use crate::backend::{BinaryLayout, BinaryOp, UnaryOp};
+use crate::tensor::saved::Saved;
 use crate::tensor::shape::{broadcast_shape, broadcast_strides};
 use crate::{Result, Tensor};
 
@@ -29,15 +30,18 @@ impl Tensor {
         let s = self.storage().unary(op)?;
         let kept = match keep {
             Keep::Nothing => None,
-            Keep::Input => Some(self.detach()),
-            Keep::Output => Some(Tensor::from_storage(s.clone(), self.shape())?),
+            Keep::Input => Some(Saved::keep(self)?),
+            Keep::Output => Some(Saved::Full(Tensor::from_storage(s.clone(), self.shape())?)),
         };
         Ok(Tensor::record(
             s,
             self.shape().to_vec(),
             name,
             &[self],
-            move |g| Ok(vec![Some(vjp(kept.as_ref().unwrap_or(g), g)?)]),
+            move |g| {
+                let kept = kept.map(|k| k.get()).transpose()?;
+                Ok(vec![Some(vjp(kept.as_ref().unwrap_or(g), g)?)])
+            },
         ))
     }
 
@@ -155,8 +159,8 @@ impl Tensor {
             .map_err(|e| e.context(name))?;
         let (ra, rb) = (self.requires_grad(), rhs.requires_grad());
         let (ka, kb, ky) = keep(ra, rb);
-        let a = ka.then(|| self.detach());
-        let b = kb.then(|| rhs.detach());
+        let a = ka.then(|| Saved::keep(self)).transpose()?;
+        let b = kb.then(|| Saved::keep(rhs)).transpose()?;
         let y = if ky {
             Some(Tensor::from_storage(s.clone(), &shape)?)
         } else {
@@ -164,6 +168,10 @@ impl Tensor {
         };
         let (sa, sb) = (self.shape().to_vec(), rhs.shape().to_vec());
         Ok(Tensor::record(s, shape, name, &[self, rhs], move |g| {
+            let (a, b) = (
+                a.map(|a| a.get()).transpose()?,
+                b.map(|b| b.get()).transpose()?,
+            );
             let (ga, gb) = vjp(a.as_ref(), b.as_ref(), y.as_ref(), g)?;
             let ga = match (ra, ga) {
                 (true, Some(ga)) => Some(ga.sum_to(&sa)?),

@@ -25,6 +25,7 @@
 //!   only RoPE reads. (Splitting it like RMSNorm would cost two more passes
 //!   over `x` for a graph the model never builds.)
 
+use crate::tensor::saved::Saved;
 use crate::tensor::shape::numel;
 use crate::{bail, Result, Tensor};
 
@@ -46,7 +47,7 @@ impl Tensor {
         let rows = numel(&lead);
         let (y, rstd) = self.storage().rms_norm(&w.storage(), rows, d, eps)?;
         let (want_dx, want_dw) = (self.requires_grad(), w.requires_grad());
-        let (x, wk) = (self.detach(), w.detach());
+        let (x, wk) = (Saved::keep(self)?, w.detach());
         // x twice: the gradients through x·r and through x² (see the module docs)
         Ok(Tensor::record(
             y,
@@ -54,6 +55,7 @@ impl Tensor {
             "rms_norm",
             &[self, self, w],
             move |g| {
+                let x = x.get()?;
                 let (dx1, dx2, dw) = x.storage().rms_norm_backward(
                     &wk.storage(),
                     &rstd,
@@ -83,13 +85,14 @@ impl Tensor {
             );
         }
         let y = self.storage().swiglu(&up.storage())?;
-        let (gate, upk) = (self.detach(), up.detach());
+        let (gate, upk) = (Saved::keep(self)?, Saved::keep(up)?);
         Ok(Tensor::record(
             y,
             self.shape().to_vec(),
             "swiglu",
             &[self, up],
             move |g| {
+                let (gate, upk) = (gate.get()?, upk.get()?);
                 let (dg, du) = gate
                     .storage()
                     .swiglu_backward(&upk.storage(), &g.storage())?;
@@ -156,7 +159,7 @@ pub fn cross_entropy(logits: &Tensor, targets: &[u32]) -> Result<Tensor> {
     check_cross_entropy(logits, targets)?;
     let v = logits.shape()[1];
     let (loss, stats) = logits.storage().cross_entropy(targets, v)?;
-    let x = logits.detach();
+    let x = Saved::keep(logits)?;
     let ids = targets.to_vec();
     Ok(Tensor::record(
         loss,
@@ -164,6 +167,7 @@ pub fn cross_entropy(logits: &Tensor, targets: &[u32]) -> Result<Tensor> {
         "cross_entropy",
         &[logits],
         move |g| {
+            let x = x.get()?;
             let dx = x
                 .storage()
                 .cross_entropy_backward(&ids, &stats, &g.storage(), v)?;

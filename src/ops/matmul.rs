@@ -7,6 +7,8 @@
 use crate::backend::round::Format;
 use crate::backend::MatmulDims;
 use crate::tensor::autocast::autocast_dtype;
+use crate::tensor::is_grad_enabled;
+use crate::tensor::saved::Saved;
 use crate::tensor::shape::numel;
 use crate::{bail, Result, Tensor};
 
@@ -73,12 +75,16 @@ pub fn matmul_with(
     let s = a.storage().matmul(&b.storage(), dims, round)?;
     let mut shape = lead;
     shape.extend([m, n]);
-    // Keep each operand only if the other one needs a gradient.
+    // Keep each operand only if the other one needs a gradient, as backward
+    // reads it: rounded to the format (in 16 bits) under autocast.
+    let rec = is_grad_enabled();
     let (ra, rb) = (a.requires_grad(), b.requires_grad());
-    let a_kept = rb.then(|| a.detach());
-    let b_kept = ra.then(|| b.detach());
+    let a_kept = (rec && rb).then(|| Saved::operand(a, round)).transpose()?;
+    let b_kept = (rec && ra).then(|| Saved::operand(b, round)).transpose()?;
     let a_shape = a.shape().to_vec();
-    Ok(Tensor::record(s, shape, "matmul", &[a, b], move |g| {
+    let y = Tensor::record(s, shape, "matmul", &[a, b], move |g| {
+        let b_kept = b_kept.map(|b| b.get()).transpose()?;
+        let a_kept = a_kept.map(|a| a.get()).transpose()?;
         let ga = match &b_kept {
             None => None,
             Some(b) if !ta => Some(matmul_with(g, b, false, !tb, round)?), // dA = dC op(B)ᵀ
@@ -106,7 +112,8 @@ pub fn matmul_with(
             }
         };
         Ok(vec![ga, gb])
-    }))
+    });
+    Ok(y.with_half(round))
 }
 
 impl Tensor {

@@ -27,7 +27,8 @@ impl Tensor {
             "reshape",
             &[self],
             move |g| Ok(vec![Some(g.reshape(&in_shape)?)]),
-        ))
+        )
+        .same_values_as(self))
     }
 
     /// Reorders the axes: output axis `i` is input axis `perm[i]`.
@@ -51,7 +52,8 @@ impl Tensor {
         }
         Ok(Tensor::record(s, shape, "permute", &[self], move |g| {
             Ok(vec![Some(g.permute(&inv)?)])
-        }))
+        })
+        .with_half(self.half()))
     }
 
     /// Swaps two axes.

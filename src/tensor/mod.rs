@@ -4,8 +4,11 @@
 
 pub mod autocast;
 pub mod autograd;
+pub(crate) mod saved;
 pub mod shape;
 
+use crate::backend::pack::Packed;
+use crate::backend::round::Format;
 use crate::backend::{DType, Device, Storage};
 use crate::rng::Generator;
 use crate::{bail, Result};
@@ -50,6 +53,14 @@ impl Meta {
 pub(crate) struct Inner {
     pub(crate) meta: Rc<Meta>,
     storage: RefCell<Storage>,
+    /// Every value is a value of this 16-bit format (an op result that was
+    /// rounded: a matmul under autocast, a cast), so it can be kept for
+    /// backward in 16 bits without loss.
+    half: Cell<Option<Format>>,
+    /// The 16-bit copy made when autograd first saved these values that
+    /// way, shared by every op that saves them — through any reshape, which
+    /// shares the cell with the storage (see [`saved`]).
+    packed: RefCell<Rc<RefCell<Option<Packed>>>>,
 }
 
 /// A shared handle: clones refer to the same tensor (and the same `.grad`).
@@ -107,7 +118,29 @@ impl Tensor {
                 node: RefCell::new(node),
             }),
             storage: RefCell::new(storage),
+            half: Cell::new(None),
+            packed: RefCell::new(Rc::new(RefCell::new(None))),
         }))
+    }
+
+    /// Records that every value is a value of `fmt` (nothing when `None`):
+    /// the op that made `self` rounded its output to it.
+    pub(crate) fn with_half(self, fmt: Option<Format>) -> Tensor {
+        self.0.half.set(fmt);
+        self
+    }
+
+    /// For a view sharing `src`'s buffer (a reshape): what is known about
+    /// the values, and their 16-bit copy, are `src`'s.
+    pub(crate) fn same_values_as(self, src: &Tensor) -> Tensor {
+        self.0.half.set(src.half());
+        *self.0.packed.borrow_mut() = src.0.packed.borrow().clone();
+        self
+    }
+
+    /// The 16-bit format all values are known to belong to, if any.
+    pub(crate) fn half(&self) -> Option<Format> {
+        self.0.half.get()
     }
 
     /// A constant (leaf, no grad) over an existing storage.

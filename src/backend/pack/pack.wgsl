@@ -1,0 +1,90 @@
+// pack.wgsl — 16-bit storage (needs the prelude's cast.wgsl): the twin of
+// pack/mod.rs `half_bits` / `widen_bits` and pack/cpu.rs, integer steps only.
+// Word i holds value 2i in its low half and value 2i + 1 in its high half.
+// 1-D grids of 64-wide workgroups: i = (wg.y * groups.x + wg.x) * 64 + lane.
+
+struct PackParams {
+    n: u32,   // values
+    fmt: u32, // FMT_BF16 or FMT_FP16
+}
+
+// ---- pack: x: (n) f32 -> w: (ceil(n/2)) words ----
+
+@group(0) @binding(0) var<storage, read> p_prm: PackParams;
+@group(0) @binding(1) var<storage, read> p_x: array<f32>;
+@group(0) @binding(2) var<storage, read_write> p_w: array<u32>;
+
+fn half_bits(x: f32, fmt: u32) -> u32 {
+    if fmt == FMT_BF16 {
+        return bitcast<u32>(bf16_f32(x)) >> 16u;
+    }
+    let b = bitcast<u32>(fp16_f32(x));
+    let sign = (b >> 16u) & 0x8000u;
+    let a = b & 0x7fffffffu;
+    if a > 0x7f800000u {
+        return sign | 0x7c00u | ((a >> 13u) & 0x3ffu);
+    }
+    if a >= 0x47800000u {
+        return sign | 0x7c00u;
+    }
+    if a >= 0x38800000u {
+        return sign | (((a >> 23u) - 112u) << 10u) | ((a >> 13u) & 0x3ffu);
+    }
+    if a == 0u {
+        return sign;
+    }
+    let e = a >> 23u;
+    return sign | ((0x00800000u | (a & 0x007fffffu)) >> (126u - e));
+}
+
+@compute @workgroup_size(64)
+fn pack(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
+        @builtin(local_invocation_index) lane: u32) {
+    let i = (wg.y * groups.x + wg.x) * 64u + lane;
+    let n = p_prm.n;
+    if 2u * i >= n {
+        return;
+    }
+    var w = half_bits(p_x[2u * i], p_prm.fmt);
+    if 2u * i + 1u < n {
+        w = w | (half_bits(p_x[2u * i + 1u], p_prm.fmt) << 16u);
+    }
+    p_w[i] = w;
+}
+
+// ---- unpack: w: (ceil(n/2)) words -> y: (n) f32 bit patterns ----
+
+@group(0) @binding(0) var<storage, read> u_prm: PackParams;
+@group(0) @binding(1) var<storage, read> u_w: array<u32>;
+@group(0) @binding(2) var<storage, read_write> u_y: array<u32>;
+
+fn widen_bits(h: u32, fmt: u32) -> u32 {
+    if fmt == FMT_BF16 {
+        return h << 16u;
+    }
+    let sign = (h & 0x8000u) << 16u;
+    let e = (h >> 10u) & 0x1fu;
+    let m = h & 0x3ffu;
+    if e == 31u {
+        return sign | 0x7f800000u | (m << 13u);
+    }
+    if e != 0u {
+        return sign | ((e + 112u) << 23u) | (m << 13u);
+    }
+    if m == 0u {
+        return sign;
+    }
+    let p = firstLeadingBit(m);
+    return sign | ((p + 103u) << 23u) | ((m << (23u - p)) & 0x007fffffu);
+}
+
+@compute @workgroup_size(64)
+fn unpack(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
+          @builtin(local_invocation_index) lane: u32) {
+    let i = (wg.y * groups.x + wg.x) * 64u + lane;
+    if i >= u_prm.n {
+        return;
+    }
+    let h = (u_w[i / 2u] >> (16u * (i & 1u))) & 0xffffu;
+    u_y[i] = widen_bits(h, u_prm.fmt);
+}

@@ -1,0 +1,126 @@
+//! What an op keeps for its backward: the tensor as it is, or — when every
+//! value it holds (or every value backward reads of it) is a bf16 or fp16
+//! value — its 16-bit copy, widened exactly when backward reads it.
+//!
+//! Two ways in, by what backward reads:
+//! * [`Saved::keep`]: backward reads the values themselves. Kept in 16 bits
+//!   when the op that made the tensor rounded it (a matmul under autocast, a
+//!   cast: [`Tensor::half`]); the CPU reference checks that packing changed
+//!   no value and errors if it did.
+//! * [`Saved::operand`]: backward reads the tensor only as an operand of a
+//!   product that rounds its operands to `fmt` (a matmul under autocast).
+//!   Rounding twice is rounding once, so keeping the rounded values changes
+//!   no bit of what backward computes.
+//!
+//! Leaves (weights, inputs) are never copied: they are shared with whoever
+//! made them and cost nothing to keep. The 16-bit copy is made once per
+//! tensor and shared by every op that saves it (q, k and v all save the
+//! norm's output).
+
+use super::Tensor;
+use crate::backend::pack::Packed;
+use crate::backend::round::Format;
+use crate::{bail, Result};
+
+/// A tensor kept for backward.
+pub(crate) enum Saved {
+    /// Shared with the forward pass (no copy).
+    Full(Tensor),
+    /// A 16-bit copy.
+    Half { packed: Packed, shape: Vec<usize> },
+}
+
+impl Saved {
+    /// Keeps `t` for a backward that reads its values: in 16 bits when `t`
+    /// is known to hold only values of a 16-bit format.
+    pub(crate) fn keep(t: &Tensor) -> Result<Saved> {
+        match t.half() {
+            Some(f) if !t.is_leaf() => Saved::half(t, f, true),
+            _ => Ok(Saved::Full(t.detach())),
+        }
+    }
+
+    /// Keeps `t` for a backward that reads it only as an operand of products
+    /// rounded to `round`: its rounded values, in 16 bits (`t` as it is when
+    /// nothing rounds, or `t` is a leaf).
+    pub(crate) fn operand(t: &Tensor, round: Option<Format>) -> Result<Saved> {
+        match round {
+            Some(f) if !t.is_leaf() => Saved::half(t, f, t.half() == Some(f)),
+            _ => Ok(Saved::Full(t.detach())),
+        }
+    }
+
+    fn half(t: &Tensor, f: Format, exact: bool) -> Result<Saved> {
+        #[cfg(feature = "test-hooks")]
+        if crate::testing::saved_float32_only() {
+            return Ok(Saved::Full(t.detach()));
+        }
+        let cell = t.0.packed.borrow().clone();
+        let cached = cell.borrow().clone().filter(|p| p.format() == f);
+        let packed = match cached {
+            Some(p) => p,
+            None => {
+                let (p, changed) = t.storage().pack(f)?;
+                if exact && changed.unwrap_or(0) > 0 {
+                    bail!(
+                        Numerical,
+                        "a tensor {:?} marked as holding {f} values has {} that are not: \
+                         16-bit storage would lose them",
+                        t.shape(),
+                        changed.unwrap_or(0)
+                    );
+                }
+                *cell.borrow_mut() = Some(p.clone());
+                p
+            }
+        };
+        Ok(Saved::Half {
+            packed,
+            shape: t.shape().to_vec(),
+        })
+    }
+
+    /// The kept values as a float32 tensor (a constant).
+    pub(crate) fn get(&self) -> Result<Tensor> {
+        match self {
+            Saved::Full(t) => Ok(t.clone()),
+            Saved::Half { packed, shape } => {
+                Ok(Tensor::from_storage(packed.unpack()?, shape)?.with_half(Some(packed.format())))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Device;
+
+    /// A tensor claimed to hold bf16 values that does not is refused, not
+    /// packed with a loss; a true claim packs into half the bytes and
+    /// widens to the same bits.
+    #[test]
+    fn a_false_claim_of_16_bit_values_is_an_error() {
+        let w = Tensor::from_vec(vec![1.0, 1.0 + 2f32.powi(-10), -3.5], &[3], Device::Cpu)
+            .unwrap()
+            .requires_grad_(true);
+        let lie = w.mul_scalar(1.0).unwrap().with_half(Some(Format::Bf16));
+        let e = Saved::keep(&lie).err().expect("packing a non-bf16 value");
+        assert!(e.to_string().contains("1 that are not"), "{e}");
+
+        let truth = crate::precision::cast(&w, Format::Bf16).unwrap();
+        let kept = Saved::keep(&truth).unwrap();
+        let Saved::Half { packed, .. } = &kept else {
+            panic!("a cast's output is kept in 16 bits")
+        };
+        assert_eq!(packed.bytes(), 4 * 2); // three values in two words
+        let back = kept.get().unwrap().to_vec_f32().unwrap();
+        let want = truth.to_vec_f32().unwrap();
+        assert_eq!(
+            back.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            want.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        );
+        // A leaf is shared, never copied.
+        assert!(matches!(Saved::keep(&w).unwrap(), Saved::Full(_)));
+    }
+}
