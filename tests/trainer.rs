@@ -691,11 +691,12 @@ fn a_run_writes_metrics_plot_checkpoint_and_compare_passes() {
         .unwrap()
         .starts_with("<svg"));
     assert!(s.peak_bytes > 0 && s.plan.total > 0);
-    // The plan is an estimate of the same quantity the counters measure.
+    // The plan and the counters agree (the plan counts every activation
+    // exactly; its backward working set is an estimate).
     let ratio = s.peak_bytes as f64 / s.plan.total as f64;
     assert!(
-        (0.5..1.5).contains(&ratio),
-        "planned {} vs measured {}",
+        (0.8..1.2).contains(&ratio),
+        "planned {} vs measured {} ({ratio:.3})",
         s.plan.total,
         s.peak_bytes
     );
