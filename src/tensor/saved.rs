@@ -51,6 +51,11 @@ impl Saved {
     }
 
     fn half(t: &Tensor, f: Format, exact: bool) -> Result<Saved> {
+        // Nothing is recorded without grad mode: the closure holding this is
+        // dropped at once, so a copy would be wasted.
+        if !super::is_grad_enabled() {
+            return Ok(Saved::Full(t.detach()));
+        }
         #[cfg(feature = "test-hooks")]
         if crate::testing::saved_float32_only() {
             return Ok(Saved::Full(t.detach()));
