@@ -7,7 +7,6 @@
 use crate::backend::round::Format;
 use crate::backend::MatmulDims;
 use crate::tensor::autocast::autocast_dtype;
-use crate::tensor::is_grad_enabled;
 use crate::tensor::saved::Saved;
 use crate::tensor::shape::numel;
 use crate::{bail, Result, Tensor};
@@ -77,10 +76,9 @@ pub fn matmul_with(
     shape.extend([m, n]);
     // Keep each operand only if the other one needs a gradient, as backward
     // reads it: rounded to the format (in 16 bits) under autocast.
-    let rec = is_grad_enabled();
     let (ra, rb) = (a.requires_grad(), b.requires_grad());
-    let a_kept = (rec && rb).then(|| Saved::operand(a, round)).transpose()?;
-    let b_kept = (rec && ra).then(|| Saved::operand(b, round)).transpose()?;
+    let a_kept = rb.then(|| Saved::operand(a, round)).transpose()?;
+    let b_kept = ra.then(|| Saved::operand(b, round)).transpose()?;
     let a_shape = a.shape().to_vec();
     let y = Tensor::record(s, shape, "matmul", &[a, b], move |g| {
         let b_kept = b_kept.map(|b| b.get()).transpose()?;

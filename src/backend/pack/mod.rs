@@ -27,7 +27,7 @@ mod cpu;
 pub(crate) mod gpu;
 
 use super::round::Format;
-use super::{observed, Storage};
+use super::{observed, on_device, Storage};
 use crate::Result;
 
 /// A buffer of `len` values of `format`, two per 32-bit word.
@@ -55,17 +55,7 @@ impl Storage {
         if self.dtype() != super::DType::F32 {
             crate::bail!(Shape, "16-bit storage packs f32 buffers (got {:?})", self.dtype());
         }
-        let (words, changed) = match self {
-            Storage::Cpu(x) => {
-                let (w, c) = x.pack(fmt)?;
-                (super::Lift::lift(w), c)
-            }
-            #[cfg(feature = "gpu")]
-            Storage::Gpu(x) => {
-                let (w, c) = x.pack(fmt)?;
-                (super::Lift::lift(w), c)
-            }
-        };
+        let (words, changed) = on_device!([self] => |x| x.pack(fmt));
         observed("pack 16-bit", || format!("{fmt} n {}", self.len()), &[&words])?;
         let p = Packed {
             format: fmt,
@@ -81,11 +71,7 @@ impl Packed {
     pub fn unpack(&self) -> Result<Storage> {
         let _prof = crate::profile::scope("unpack 16-bit");
         let (fmt, n) = (self.format, self.len);
-        let y = match &self.words {
-            Storage::Cpu(w) => super::Lift::lift(w.unpack(fmt, n)?),
-            #[cfg(feature = "gpu")]
-            Storage::Gpu(w) => super::Lift::lift(w.unpack(fmt, n)?),
-        };
+        let y = on_device!([&self.words] => |w| w.unpack(fmt, n));
         observed("unpack 16-bit", || format!("{fmt} n {n}"), &[&y])?;
         Ok(y)
     }
