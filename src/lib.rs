@@ -66,8 +66,10 @@ pub use tensor::{is_grad_enabled, no_grad, set_grad_enabled, Tensor};
 pub use train::step::{grad_accumulate, train_step_mixed, MicroBatch, MixedStep, StepReport};
 
 /// The vector instructions the CPU kernels use on this machine, chosen at run
-/// time: `"avx2+fma"` or `"portable"` (the build target's baseline; forced by
-/// `TINYLLM_CPU=portable`). Every path gives the same bits.
+/// time: `"avx512f+avx2+fma"` (the AVX2 kernels with a matmul tile 32 columns
+/// wide; capped at AVX2 by `TINYLLM_CPU=avx2`), `"avx2+fma"` or `"portable"`
+/// (the build target's baseline; forced by `TINYLLM_CPU=portable`). Every path
+/// gives the same bits.
 pub fn cpu_kernel_path() -> &'static str {
     backend::cpu::simd::level().name()
 }

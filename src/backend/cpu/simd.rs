@@ -1,7 +1,8 @@
 //! Which vector instructions the CPU kernels use, chosen at run time.
 //!
 //! The kernels are plain Rust written so the compiler vectorises them, plus
-//! one hand-written AVX2 matmul tile. The instructions a build may use by
+//! the matmul's hand-written register tiles (AVX2, and AVX-512 where the CPU
+//! has it: twice the columns per tile, twice the multiply-adds per load). The instructions a build may use by
 //! default are the target's baseline (SSE2 on x86-64), where `f32::mul_add` —
 //! the contract's fma, everywhere — is a library call per element. So every
 //! hot kernel is defined through [`multiversion!`], which compiles it twice
@@ -16,7 +17,8 @@
 //! whichever instruction computes it, and nothing is reassociated. A unit test
 //! runs every primitive on each available path against the portable one.
 //!
-//! `TINYLLM_CPU=portable` forces the portable path (for comparison).
+//! `TINYLLM_CPU=portable` forces the portable path and `TINYLLM_CPU=avx2` caps
+//! the matmul at its AVX2 tile (for comparison).
 
 use std::sync::atomic::{AtomicU8, Ordering};
 
@@ -27,14 +29,18 @@ pub enum Level {
     Portable = 1,
     /// x86-64 with AVX2 and FMA.
     Avx2 = 2,
+    /// AVX2 and FMA plus AVX-512F: the same kernels as `Avx2`, but the
+    /// matmul's register tile is two 16-lane vectors (32 columns) wide.
+    Avx512 = 3,
 }
 
 impl Level {
-    /// A short name, as `TINYLLM_CPU` and the reports spell it.
+    /// A short name, as the reports spell it.
     pub fn name(self) -> &'static str {
         match self {
             Level::Portable => "portable",
             Level::Avx2 => "avx2+fma",
+            Level::Avx512 => "avx512f+avx2+fma",
         }
     }
 }
@@ -43,20 +49,20 @@ impl Level {
 static LEVEL: AtomicU8 = AtomicU8::new(0);
 
 fn detect() -> Level {
-    if std::env::var("TINYLLM_CPU").is_ok_and(|v| v == "portable") {
-        return Level::Portable;
+    let cap = std::env::var("TINYLLM_CPU").ok();
+    let best = available().into_iter().last().unwrap_or(Level::Portable);
+    match cap.as_deref() {
+        Some("portable") => Level::Portable,
+        Some("avx2") => best.min(Level::Avx2),
+        _ => best,
     }
-    #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-        return Level::Avx2;
-    }
-    Level::Portable
 }
 
 /// The level the kernels run at (detected once).
 #[inline]
 pub fn level() -> Level {
     match LEVEL.load(Ordering::Relaxed) {
+        3 => Level::Avx512,
         2 => Level::Avx2,
         1 => Level::Portable,
         _ => {
@@ -68,12 +74,14 @@ pub fn level() -> Level {
 }
 
 /// Every level this CPU can run, lowest first.
-#[cfg(any(test, feature = "test-hooks"))]
 pub fn available() -> Vec<Level> {
     let mut v = vec![Level::Portable];
     #[cfg(target_arch = "x86_64")]
     if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
         v.push(Level::Avx2);
+        if is_x86_feature_detected!("avx512f") {
+            v.push(Level::Avx512);
+        }
     }
     v
 }
@@ -85,7 +93,8 @@ pub fn set_level(l: Option<Level>) {
 }
 
 /// Defines a kernel compiled twice — for the build target's baseline and with
-/// AVX2 + FMA enabled — that runs the copy for [`level`]. Everything the body
+/// AVX2 + FMA enabled — that runs the copy for [`level`] (the AVX2 copy at
+/// `Avx512`: only the matmul tile has a wider twin). Everything the body
 /// calls should be `#[inline(always)]` so it is compiled into each copy;
 /// closures in the body (rayon's workers included) inherit the copy's
 /// instructions. (A closure handed to a `#[target_feature]` function would
@@ -102,9 +111,27 @@ macro_rules! multiversion {
             fn portable $(<$($g: $b),+>)? ($($a: $t),*) $(-> $r)? $body
             match $crate::backend::cpu::simd::level() {
                 #[cfg(target_arch = "x86_64")]
-                // SAFETY: the level is Avx2 only where the CPU reported AVX2 and FMA.
-                $crate::backend::cpu::simd::Level::Avx2 => unsafe { avx2($($a),*) },
+                // SAFETY: these levels are only set where the CPU reported AVX2 and FMA.
+                $crate::backend::cpu::simd::Level::Avx2 | $crate::backend::cpu::simd::Level::Avx512 => unsafe { avx2($($a),*) },
                 _ => portable($($a),*),
+            }
+        }
+    };
+    // The same for a kernel with one const parameter (which calls must name).
+    ($(#[$m:meta])* $vis:vis fn $name:ident <const $c:ident: usize>
+        ($($a:ident: $t:ty),* $(,)?) $(-> $r:ty)? $body:block) => {
+        $(#[$m])*
+        $vis fn $name<const $c: usize>($($a: $t),*) $(-> $r)? {
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx2,fma")]
+            fn avx2<const $c: usize>($($a: $t),*) $(-> $r)? $body
+            #[inline(always)]
+            fn portable<const $c: usize>($($a: $t),*) $(-> $r)? $body
+            match $crate::backend::cpu::simd::level() {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: these levels are only set where the CPU reported AVX2 and FMA.
+                $crate::backend::cpu::simd::Level::Avx2 | $crate::backend::cpu::simd::Level::Avx512 => unsafe { avx2::<$c>($($a),*) },
+                _ => portable::<$c>($($a),*),
             }
         }
     };
@@ -274,5 +301,6 @@ mod tests {
             cfg!(not(target_arch = "x86_64")) || available().contains(&Level::Avx2),
             "this test should run where AVX2 exists (CI does)"
         );
+        eprintln!("paths compared: {:?}", available());
     }
 }

@@ -1,6 +1,7 @@
-//! The CPU reference of the matmul: packed operands, a 6×16 register tile,
-//! k-blocks that carry the running sums in C (so every output still adds
-//! `p = 0, 1, ..., k-1` in order), threads over row panels or batches.
+//! The CPU reference of the matmul: packed operands, a 6×16 register tile
+//! (6×32 with AVX-512), k-blocks that carry the running sums in C (so every
+//! output still adds `p = 0, 1, ..., k-1` in order), threads over row panels
+//! or batches.
 
 use super::{Causal, MatmulDims, MatmulOps};
 use crate::backend::cpu::{cpu_threads, simd, CpuStorage, Elem};
@@ -26,8 +27,30 @@ impl MatmulOps for CpuStorage {
 
 /// Rows of the register tile.
 const MR: usize = 6;
-/// Columns of the register tile (two AVX2 vectors of f32).
-const NR: usize = 16;
+
+/// The register tile a product runs on, chosen once per product. Each output
+/// is the same chain of fused multiply-adds whichever computes it; only the
+/// tile's width (`NR` columns, the width of B's packed panels) differs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kernel {
+    /// Plain Rust, 16 columns.
+    Portable,
+    /// 6 rows × two AVX2 vectors of 8.
+    Avx2,
+    /// 6 rows × two AVX-512 vectors of 16: per k-step twice the columns of
+    /// the AVX2 tile for the same 8 loads (2 of B, 6 broadcasts of A).
+    Avx512,
+}
+
+impl Kernel {
+    fn for_level(l: simd::Level) -> Kernel {
+        match l {
+            simd::Level::Portable => Kernel::Portable,
+            simd::Level::Avx2 => Kernel::Avx2,
+            simd::Level::Avx512 => Kernel::Avx512,
+        }
+    }
+}
 
 thread_local! {
     /// Packed operands of this thread's last matmul, reused so that a training
@@ -140,7 +163,7 @@ fn pack_all<const W: usize>(
 }
 
 /// Depth of one k-block: an MR×KC slice of A (6 KiB) and a KC×NR slice of B
-/// (16 KiB) stay in L1 while a tile is computed. A multiple of MR, so the
+/// (16 KiB; 32 KiB for the AVX-512 tile) stay in L1 while a tile is computed. A multiple of MR, so the
 /// ragged terms of a causal tile (positions `i0 .. i0 + MR`, `i0` a multiple
 /// of MR) never straddle two k-blocks.
 const KC: usize = 42 * MR;
@@ -158,8 +181,10 @@ const MC_PANELS: usize = 12;
 /// # Safety
 /// `ap` holds `kc * MR` values, `bp` `kc * NR`, and `c` is valid for writes of
 /// `MR` rows of `NR` values at stride `ldc` (and for reads unless `first`).
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn micro_kernel(
+unsafe fn micro_kernel<const NR: usize>(
+    kernel: Kernel,
     ap: *const f32,
     bp: *const f32,
     kc: usize,
@@ -169,10 +194,15 @@ unsafe fn micro_kernel(
     ragged: Ragged,
 ) {
     #[cfg(target_arch = "x86_64")]
-    if simd::level() == simd::Level::Avx2 {
-        // SAFETY: the CPU has AVX2 and FMA (the level says so); the pointers
-        // are valid per this fn's contract.
-        return micro_kernel_avx2(ap, bp, kc, c, ldc, first, ragged);
+    match kernel {
+        // SAFETY: a kernel is only chosen where the CPU has its instructions
+        // (`simd::available`); the pointers are valid per this fn's contract,
+        // and each kernel is only used with its own width.
+        Kernel::Avx2 if NR == 16 => return micro_kernel_avx2(ap, bp, kc, c, ldc, first, ragged),
+        Kernel::Avx512 if NR == 32 => {
+            return micro_kernel_avx512(ap, bp, kc, c, ldc, first, ragged)
+        }
+        _ => {}
     }
     let mut acc = [[0.0f32; NR]; MR];
     if !first {
@@ -196,83 +226,93 @@ unsafe fn micro_kernel(
     }
 }
 
-/// The same tile with AVX2: 12 accumulator registers (6 rows × 2 vectors of 8),
-/// `_mm256_fmadd_ps` being a fused multiply-add exactly like `f32::mul_add`.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn micro_kernel_avx2(
-    ap: *const f32,
-    bp: *const f32,
-    kc: usize,
-    c: *mut f32,
-    ldc: usize,
-    first: bool,
-    ragged: Ragged,
-) {
-    use std::arch::x86_64::*;
-    let mut acc = [[_mm256_setzero_ps(); 2]; MR];
-    if !first {
-        for (r, row) in acc.iter_mut().enumerate() {
-            row[0] = _mm256_loadu_ps(c.add(r * ldc));
-            row[1] = _mm256_loadu_ps(c.add(r * ldc + 8));
-        }
-    }
-    // The next tile down (the caller's next call) starts by loading its C rows,
-    // strided, from L2/L3: ask for them now, while this tile computes. A
-    // prefetch never faults, so an address past C is harmless.
-    for r in MR..2 * MR {
-        _mm_prefetch::<_MM_HINT_T0>(c.wrapping_add(r * ldc) as *const i8);
-        _mm_prefetch::<_MM_HINT_T0>(c.wrapping_add(r * ldc + NR - 1) as *const i8);
-    }
-    // A ragged head or tail of at most MR terms is summed by the rows that
-    // keep each term; its loops have constant bounds, so they unroll, the
-    // row tests fold away and the accumulators stay in registers.
-    let (lo, hi) = ragged.full_terms(kc);
-    if let Ragged::Head(len) = ragged {
-        for q in 0..MR {
-            if q < len {
-                let b0 = _mm256_loadu_ps(bp.add(q * NR));
-                let b1 = _mm256_loadu_ps(bp.add(q * NR + 8));
+/// The same tile in vector registers: two accumulators of `$w` lanes per row
+/// (12 in all), `$fmadd` being a fused multiply-add exactly like
+/// `f32::mul_add`. One body, instantiated for AVX2 (`$w` = 8) and AVX-512
+/// (`$w` = 16); the tile is `2 * $w` columns wide.
+macro_rules! vector_kernel {
+    ($(#[$m:meta])* $name:ident, $feat:literal, $v:ty, $w:literal,
+     $zero:ident, $load:ident, $store:ident, $set1:ident, $fmadd:ident) => {
+        $(#[$m])*
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $feat)]
+        unsafe fn $name(
+            ap: *const f32,
+            bp: *const f32,
+            kc: usize,
+            c: *mut f32,
+            ldc: usize,
+            first: bool,
+            ragged: Ragged,
+        ) {
+            use std::arch::x86_64::*;
+            const NR: usize = 2 * $w;
+            let mut acc: [[$v; 2]; MR] = [[$zero(); 2]; MR];
+            if !first {
                 for (r, row) in acc.iter_mut().enumerate() {
-                    if r <= q {
-                        let a = _mm256_broadcast_ss(&*ap.add(q * MR + r));
-                        row[0] = _mm256_fmadd_ps(a, b0, row[0]);
-                        row[1] = _mm256_fmadd_ps(a, b1, row[1]);
+                    row[0] = $load(c.add(r * ldc));
+                    row[1] = $load(c.add(r * ldc + $w));
+                }
+            }
+            // The next tile down (the caller's next call) starts by loading its C rows,
+            // strided, from L2/L3: ask for them now, while this tile computes. A
+            // prefetch never faults, so an address past C is harmless.
+            for r in MR..2 * MR {
+                _mm_prefetch::<_MM_HINT_T0>(c.wrapping_add(r * ldc) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(c.wrapping_add(r * ldc + NR - 1) as *const i8);
+            }
+            // One k-step: B's row p against the 6 rows' values of A at p, for
+            // the rows `keep` admits (constant masks: the tests fold away).
+            let step = |acc: &mut [[$v; 2]; MR], p: usize, keep: [bool; MR]| {
+                let b0 = $load(bp.add(p * NR));
+                let b1 = $load(bp.add(p * NR + $w));
+                for (r, row) in acc.iter_mut().enumerate() {
+                    if keep[r] {
+                        let a = $set1(*ap.add(p * MR + r));
+                        row[0] = $fmadd(a, b0, row[0]);
+                        row[1] = $fmadd(a, b1, row[1]);
+                    }
+                }
+            };
+            // A ragged head or tail of at most MR terms is summed by the rows that
+            // keep each term; its loops have constant bounds, so they unroll, the
+            // row tests fold away and the accumulators stay in registers.
+            let (lo, hi) = ragged.full_terms(kc);
+            if let Ragged::Head(len) = ragged {
+                for q in 0..MR {
+                    if q < len {
+                        step(&mut acc, q, std::array::from_fn(|r| r <= q));
                     }
                 }
             }
-        }
-    }
-    for p in lo..hi {
-        let b0 = _mm256_loadu_ps(bp.add(p * NR));
-        let b1 = _mm256_loadu_ps(bp.add(p * NR + 8));
-        for (r, row) in acc.iter_mut().enumerate() {
-            let a = _mm256_broadcast_ss(&*ap.add(p * MR + r));
-            row[0] = _mm256_fmadd_ps(a, b0, row[0]);
-            row[1] = _mm256_fmadd_ps(a, b1, row[1]);
-        }
-    }
-    if let Ragged::Tail(len) = ragged {
-        for q in 0..MR {
-            if q < len {
-                let p = hi + q;
-                let b0 = _mm256_loadu_ps(bp.add(p * NR));
-                let b1 = _mm256_loadu_ps(bp.add(p * NR + 8));
-                for (r, row) in acc.iter_mut().enumerate() {
-                    if r >= q {
-                        let a = _mm256_broadcast_ss(&*ap.add(p * MR + r));
-                        row[0] = _mm256_fmadd_ps(a, b0, row[0]);
-                        row[1] = _mm256_fmadd_ps(a, b1, row[1]);
+            for p in lo..hi {
+                step(&mut acc, p, [true; MR]);
+            }
+            if let Ragged::Tail(len) = ragged {
+                for q in 0..MR {
+                    if q < len {
+                        step(&mut acc, hi + q, std::array::from_fn(|r| r >= q));
                     }
                 }
             }
+            for (r, row) in acc.iter().enumerate() {
+                $store(c.add(r * ldc), row[0]);
+                $store(c.add(r * ldc + $w), row[1]);
+            }
         }
-    }
-    for (r, row) in acc.iter().enumerate() {
-        _mm256_storeu_ps(c.add(r * ldc), row[0]);
-        _mm256_storeu_ps(c.add(r * ldc + 8), row[1]);
-    }
+    };
 }
+
+vector_kernel!(
+    /// The AVX2 tile: 6 × 16.
+    micro_kernel_avx2, "avx2,fma", __m256, 8,
+    _mm256_setzero_ps, _mm256_loadu_ps, _mm256_storeu_ps, _mm256_set1_ps, _mm256_fmadd_ps
+);
+vector_kernel!(
+    /// The AVX-512 tile: 6 × 32.
+    micro_kernel_avx512, "avx512f,avx2,fma", __m512, 16,
+    _mm512_setzero_ps, _mm512_loadu_ps, _mm512_storeu_ps, _mm512_set1_ps, _mm512_fmadd_ps
+);
 
 /// The terms of one tile on the diagonal of a [`Causal`] product that only
 /// some of its rows sum: local row `r` of the tile is position `i0 + r`, and
@@ -318,13 +358,14 @@ struct KBlock {
     first: bool,
     round: Option<Format>,
     ragged: Ragged,
+    kernel: Kernel,
 }
 
 /// One tile of C at `c` (row stride `ldc`), of which `rows` × `cols` are real:
 /// full tiles run the kernel on C itself, edge tiles on a padded copy.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn tile(
+fn tile<const NR: usize>(
     ap: &[f32],
     bp: &[f32],
     kc: usize,
@@ -339,7 +380,9 @@ fn tile(
     let cp = c.as_mut_ptr() as *mut f32;
     if rows == MR && cols == NR {
         // SAFETY: lengths checked above; C is read only after the first k-block wrote it.
-        unsafe { micro_kernel(ap.as_ptr(), bp.as_ptr(), kc, cp, ldc, blk.first, blk.ragged) };
+        unsafe {
+            micro_kernel::<NR>(blk.kernel, ap.as_ptr(), bp.as_ptr(), kc, cp, ldc, blk.first, blk.ragged)
+        };
         if let Some(f) = blk.round {
             for r in 0..MR {
                 // SAFETY: inside `c` (checked above), just written by the kernel.
@@ -351,23 +394,22 @@ fn tile(
         }
         return;
     }
-    let mut t = [0.0f32; MR * NR];
+    let mut t = [[0.0f32; NR]; MR];
     if !blk.first {
-        for r in 0..rows {
+        for (r, row) in t.iter_mut().enumerate().take(rows) {
             // SAFETY: inside `c` (checked above) and written by an earlier k-block.
-            unsafe {
-                std::ptr::copy_nonoverlapping(cp.add(r * ldc), t[r * NR..].as_mut_ptr(), cols)
-            };
+            unsafe { std::ptr::copy_nonoverlapping(cp.add(r * ldc), row.as_mut_ptr(), cols) };
         }
     }
+    let tp = t.as_mut_ptr() as *mut f32;
     // SAFETY: `t` is exactly one MR×NR tile; lengths of ap/bp checked above.
-    unsafe { micro_kernel(ap.as_ptr(), bp.as_ptr(), kc, t.as_mut_ptr(), NR, blk.first, blk.ragged) };
-    if let Some(f) = blk.round {
-        round::round_slice(&mut t, f);
-    }
-    for r in 0..rows {
+    unsafe { micro_kernel::<NR>(blk.kernel, ap.as_ptr(), bp.as_ptr(), kc, tp, NR, blk.first, blk.ragged) };
+    for (r, row) in t.iter_mut().enumerate().take(rows) {
+        if let Some(f) = blk.round {
+            round::round_slice(row, f);
+        }
         // SAFETY: inside `c` (checked above).
-        unsafe { std::ptr::copy_nonoverlapping(t[r * NR..].as_ptr(), cp.add(r * ldc), cols) };
+        unsafe { std::ptr::copy_nonoverlapping(row.as_ptr(), cp.add(r * ldc), cols) };
     }
 }
 
@@ -379,6 +421,7 @@ struct Block {
     k: usize,
     round: Option<Format>,
     causal: Causal,
+    kernel: Kernel,
 }
 
 impl Block {
@@ -406,6 +449,7 @@ impl Block {
                 first: lo == tlo,
                 round: if last { self.round } else { None },
                 ragged,
+                kernel: self.kernel,
             },
         ))
     }
@@ -432,7 +476,14 @@ fn zero_from(
 /// start its sums from +0 and write them), from the block's packed operands
 /// (panel strides `kc * MR` and `kc * NR`). `r0` is a multiple of MR.
 #[inline(always)]
-fn matmul_block(ap: &[f32], bp: &[f32], n: usize, r0: usize, out: &mut [MaybeUninit<f32>], blk: Block) {
+fn matmul_block<const NR: usize>(
+    ap: &[f32],
+    bp: &[f32],
+    n: usize,
+    r0: usize,
+    out: &mut [MaybeUninit<f32>],
+    blk: Block,
+) {
     let rows = out.len() / n;
     let (panel0, row_panels) = (r0 / MR, rows.div_ceil(MR));
     let col_panels = n.div_ceil(NR);
@@ -457,7 +508,7 @@ fn matmul_block(ap: &[f32], bp: &[f32], n: usize, r0: usize, out: &mut [MaybeUni
                 };
                 let a_blk = &ap[((panel0 + pi) * kc + lo - blk.kb) * MR..];
                 let b_blk = &bp[(pj * kc + lo - blk.kb) * NR..];
-                tile(a_blk, b_blk, hi - lo, c, n, tile_rows, cols, kblk);
+                tile::<NR>(a_blk, b_blk, hi - lo, c, n, tile_rows, cols, kblk);
                 if blk.causal == Causal::Outputs && hi == blk.k && j0 + cols - 1 > i0 {
                     // row i0 + r keeps the columns j0 + j <= i0 + r
                     zero_from(c, n, tile_rows, cols, |r| (i0 + r + 1).saturating_sub(j0));
@@ -474,8 +525,28 @@ fn matmul_block(ap: &[f32], bp: &[f32], n: usize, r0: usize, out: &mut [MaybeUni
 /// of one thread, and 512×320×904 products gain ~1.3x from the second core.)
 const THREADED_MACS: usize = 1 << 26;
 
+/// The product on the CPU's widest tile.
+fn matmul_f32(a: &[f32], b: &[f32], d: MatmulDims, round: Option<Format>) -> Vec<f32> {
+    matmul_f32_on(Kernel::for_level(simd::level()), a, b, d, round)
+}
+
+/// The product on `kernel`'s tile (one the CPU has).
+fn matmul_f32_on(kernel: Kernel, a: &[f32], b: &[f32], d: MatmulDims, round: Option<Format>) -> Vec<f32> {
+    match kernel {
+        Kernel::Avx512 => product::<32>(kernel, a, b, d, round),
+        _ => product::<16>(kernel, a, b, d, round),
+    }
+}
+
 simd::multiversion! {
-    fn matmul_f32(a: &[f32], b: &[f32], d: MatmulDims, round: Option<Format>) -> Vec<f32> {
+    /// [`matmul_f32_on`] with B's panels and the tile `NR` columns wide.
+    fn product<const NR: usize>(
+        kernel: Kernel,
+        a: &[f32],
+        b: &[f32],
+        d: MatmulDims,
+        round: Option<Format>,
+    ) -> Vec<f32> {
         let MatmulDims { batch, m, k, n, .. } = d;
         let len = batch * m * n;
         if len == 0 || k == 0 {
@@ -502,9 +573,9 @@ simd::multiversion! {
                     let (lda, ldb) = (if d.trans_a { m } else { k }, if d.trans_b { k } else { n });
                     pack_all::<MR>(ap, a, m, lda, (kb, kc), d.trans_a, round, threads);
                     pack_all::<NR>(bp, b, n, ldb, (kb, kc), !d.trans_b, round, threads);
-                    let blk = Block { kb, kc, k, round, causal: d.causal };
+                    let blk = Block { kb, kc, k, round, causal: d.causal, kernel };
                     if threads == 1 {
-                        matmul_block(ap, bp, n, 0, c, blk);
+                        matmul_block::<NR>(ap, bp, n, 0, c, blk);
                     } else {
                         // Threads split whole row panels only; each output's
                         // k-loop is untouched, so results do not depend on the
@@ -514,7 +585,7 @@ simd::multiversion! {
                         c.par_chunks_mut(rows_per_thread * n)
                             .enumerate()
                             .for_each(|(t, chunk)| {
-                                matmul_block(ap, bp, n, t * rows_per_thread, chunk, blk)
+                                matmul_block::<NR>(ap, bp, n, t * rows_per_thread, chunk, blk)
                             });
                     }
                     kb += KC;
@@ -527,9 +598,9 @@ simd::multiversion! {
             out.par_chunks_mut(per * m * n)
                 .enumerate()
                 .for_each(|(t, chunk)| {
-                                            for (i, c) in chunk.chunks_mut(m * n).enumerate() {
-                            one(t * per + i, c, 1);
-                        }
+                    for (i, c) in chunk.chunks_mut(m * n).enumerate() {
+                        one(t * per + i, c, 1);
+                    }
                 });
         } else {
             for (bi, c) in out.chunks_mut(m * n).enumerate() {
@@ -578,6 +649,11 @@ fn matmul_f64(a: &[f64], b: &[f64], d: MatmulDims, round: Option<Format>) -> Vec
 mod tests {
     use super::*;
 
+    /// Every tile this CPU can run (the wider ones only where it has them).
+    fn kernels() -> Vec<Kernel> {
+        simd::available().into_iter().map(Kernel::for_level).collect()
+    }
+
     /// The contract's matmul written as plainly as possible.
     fn naive(a: &[f32], b: &[f32], d: MatmulDims, round: Option<Format>) -> Vec<f32> {
         let rd = |v: f32| round.map_or(v, |f| round::round_f32(v, f));
@@ -621,6 +697,10 @@ mod tests {
             (2, 7, 3, 5),
             (1, 13, 300, 17),
             (3, 6, 16, 16),
+            // one whole AVX-512 tile, two, and one column short of one
+            (3, 6, 16, 32),
+            (2, 12, 40, 64),
+            (1, 7, 5, 31),
             (1, 70, 600, 33),
             // past the threading threshold (THREADED_MACS = 2^26 multiply-adds):
             // rows split over threads, more than one MC block of rows and more
@@ -650,14 +730,16 @@ mod tests {
                         b_batch_stride: bstride,
                         causal: Default::default(),
                     };
-                    let got = matmul_f32(&a, &b, d, round);
                     let want = naive(&a, &b, d, round);
-                    assert!(
-                        got.iter()
-                            .zip(&want)
-                            .all(|(x, y)| x.to_bits() == y.to_bits()),
-                        "{d:?} {round:?}"
-                    );
+                    for kernel in kernels() {
+                        let got = matmul_f32_on(kernel, &a, &b, d, round);
+                        assert!(
+                            got.iter()
+                                .zip(&want)
+                                .all(|(x, y)| x.to_bits() == y.to_bits()),
+                            "{kernel:?} {d:?} {round:?}"
+                        );
+                    }
                 }
             }
         }
@@ -711,10 +793,12 @@ mod tests {
                             b_batch_stride: k * n,
                             causal,
                         };
-                        let got = matmul_f32(&a, &b, d, round);
                         let want = naive(&a, &b, d, round);
                         let same = |x: &f32, y: &f32| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan());
-                        assert!(got.iter().zip(&want).all(|(x, y)| same(x, y)), "{d:?} {round:?}");
+                        for kernel in kernels() {
+                            let got = matmul_f32_on(kernel, &a, &b, d, round);
+                            assert!(got.iter().zip(&want).all(|(x, y)| same(x, y)), "{kernel:?} {d:?} {round:?}");
+                        }
                     }
                 }
             }
