@@ -567,3 +567,27 @@ fn the_command_without_an_adapter_exits_2() {
     let j: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(j["exit_code"], 2);
 }
+
+/// A lockstep of zero steps would compare nothing and report a pass: the
+/// library refuses it, and the command says so before it probes anything
+/// (so with no adapter at all).
+#[test]
+fn zero_lockstep_steps_are_refused() {
+    let e = lockstep::run(
+        &LockstepOptions {
+            preset: "tiny".into(),
+            steps: 0,
+            precision: Precision::Fp32,
+            seed: None,
+        },
+        &mut |_| {},
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("at least 1 step"), "{e}");
+    let (code, out, err) = run_bin(
+        &["crosscheck", "--steps", "0", "--skip-sweep"],
+        &[("WGPU_BACKEND", "metal")],
+    );
+    assert_eq!(code, 2, "{out}\n{err}");
+    assert!(err.contains("at least 1 step"), "{err}");
+}

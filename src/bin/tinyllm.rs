@@ -56,7 +56,7 @@ struct CrosscheckArgs {
     /// The lockstep's model and recipe: tiny, small or capstone.
     #[arg(long, default_value = "tiny")]
     preset: String,
-    /// Optimizer steps of the lockstep, per precision.
+    /// Optimizer steps of the lockstep, per precision (at least 1).
     #[arg(long, default_value_t = 5, value_parser = count, allow_negative_numbers = true)]
     steps: usize,
     /// One precision recipe (fp32, bf16 or fp16) instead of all three.
@@ -687,7 +687,7 @@ fn cmd_crosscheck(a: CrosscheckArgs) -> ExitCode {
         tinyllm::nn::llama::LlamaConfig::preset(&a.preset).map_err(|e| e.context("--preset"))?;
         Ok(tinyllm::crosscheck::Options {
             preset: a.preset.clone(),
-            steps: a.steps.max(1),
+            steps: a.steps,
             precisions,
             sweep: !a.skip_sweep,
             seed: None,

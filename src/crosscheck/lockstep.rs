@@ -495,12 +495,25 @@ pub struct LockstepOptions {
     pub seed: Option<u64>,
 }
 
+/// A lockstep of no steps would compare nothing and pass: refused.
+pub(crate) fn check_steps(steps: usize) -> Result<()> {
+    if steps == 0 {
+        crate::bail!(
+            Config,
+            "the lockstep needs at least 1 step (0 would compare nothing)"
+        );
+    }
+    Ok(())
+}
+
 /// `steps` optimizer steps of the preset's recipe at `precision` on both
-/// devices, compared after each (see the module docs). Needs a GPU adapter.
+/// devices, compared after each (see the module docs). Needs a GPU adapter;
+/// `steps` ≥ 1.
 pub fn run(o: &LockstepOptions, progress: &mut dyn FnMut(&str)) -> Result<Lockstep> {
+    check_steps(o.steps)?;
     let cfg = TrainConfig::resolve(&TrainOptions {
         preset: Some(o.preset.clone()),
-        steps: Some(o.steps.max(1)),
+        steps: Some(o.steps),
         precision: Some(o.precision.name().to_string()),
         seed: o.seed,
         device: Some("gpu".into()),

@@ -75,6 +75,8 @@ pub struct Report {
 /// telling `progress` what it is doing. An error (no adapter, a device
 /// failure) is returned as such: a report is only made of results.
 pub fn run(o: &Options, progress: &mut dyn FnMut(&str)) -> Result<Report> {
+    // before the probe and the sweep, which take minutes
+    lockstep::check_steps(o.steps)?;
     progress("probe: the adapter and what the contract assumes of it");
     let probe = probe::run()?;
     let t = Instant::now();
