@@ -15,7 +15,7 @@ impl ReduceOps for CpuStorage {
 
     fn softmax_rows(&self, rows: usize, n: usize, scale: f32, causal: bool) -> Result<CpuStorage> {
         Ok(both!(self, x => by_row_blocks(rows, n, |r0, k| {
-            softmax_t(&x[r0 * n..(r0 + k) * n], r0, k, n, scale, causal)
+            softmax_t(&x[r0 * n..(r0 + k) * n], r0, k, n, scale, causal, SOFTMAX_BLOCK_ELEMS)
         })))
     }
 
@@ -111,6 +111,9 @@ simd::multiversion! {
     }
 }
 
+/// Values per row block of a softmax (64 KiB of f32 in, as much out).
+const SOFTMAX_BLOCK_ELEMS: usize = 1 << 14;
+
 /// The row without its trailing run of −inf: whole groups of lanes are
 /// skipped with one vector compare each (an element-by-element scan from the
 /// end was half the softmax's time), the rest element by element.
@@ -131,7 +134,8 @@ fn live_len<T: Elem>(row: &[T]) -> usize {
 }
 
 simd::multiversion! {
-    /// Rows `first_row ..` of a softmax (`first_row` places the causal mask).
+    /// Rows `first_row ..` of a softmax (`first_row` places the causal mask),
+    /// in blocks of about `block_elems` values.
     fn softmax_t<T: Elem>(
         x: &[T],
         first_row: usize,
@@ -139,6 +143,7 @@ simd::multiversion! {
         n: usize,
         scale: f32,
         causal: bool,
+        block_elems: usize,
     ) -> Vec<T> {
         let x = &x[..rows * n];
         let s = T::from_f64(scale as f64);
@@ -164,35 +169,45 @@ simd::multiversion! {
         // The max of the scaled values is the scaled max of the raw ones:
         // multiplying by a positive scale and rounding is monotone, so it
         // keeps the order (and maps −inf and NaN to themselves).
-        let unmasked: Vec<usize> = x
-            .chunks_exact(n)
-            .enumerate()
-            .map(|(r, row)| live_len(&row[..lim(r)]))
-            .collect();
-        let maxes: Vec<T> = fold_ragged(x, n, &unmasked, T::NEG_INF, maximum)
-            .into_iter()
-            .map(scaled)
-            .collect();
-        let live: Vec<usize> = unmasked
-            .iter()
-            .zip(&maxes)
-            .map(|(&l, m)| if m.is_finite() { l } else { n })
-            .collect();
-        for (r, ((row, &m), &l)) in x.chunks_exact(n).zip(&maxes).zip(&live).enumerate() {
-            // a non-finite max computes the whole row: the masked keys as −inf
-            let k = l.min(lim(r));
-            // two loops, not a branch in one: each stays a vectorised exp
-            if scale == 1.0 {
-                out.extend(row[..k].iter().map(|&v| v.sub(m).exp()));
-            } else {
-                out.extend(row[..k].iter().map(|&v| v.mul(s).sub(m).exp()));
+        // Row blocks of ~64 KiB: each block's passes (max, exps, sums,
+        // divisions) run while it is in cache, instead of each pass streaming
+        // the whole tensor through memory. Rows are independent, so the bits
+        // are the same.
+        let block = (block_elems / n).max(1);
+        for (b, xb) in x.chunks(block * n).enumerate() {
+            let r0 = b * block;
+            let unmasked: Vec<usize> = xb
+                .chunks_exact(n)
+                .enumerate()
+                .map(|(r, row)| live_len(&row[..lim(r0 + r)]))
+                .collect();
+            let maxes: Vec<T> = fold_ragged(xb, n, &unmasked, T::NEG_INF, maximum)
+                .into_iter()
+                .map(scaled)
+                .collect();
+            let live: Vec<usize> = unmasked
+                .iter()
+                .zip(&maxes)
+                .map(|(&l, m)| if m.is_finite() { l } else { n })
+                .collect();
+            let o0 = out.len();
+            for (r, ((row, &m), &l)) in xb.chunks_exact(n).zip(&maxes).zip(&live).enumerate() {
+                // a non-finite max computes the whole row: the masked keys as −inf
+                let k = l.min(lim(r0 + r));
+                // two loops, not a branch in one: each stays a vectorised exp
+                if scale == 1.0 {
+                    out.extend(row[..k].iter().map(|&v| v.sub(m).exp()));
+                } else {
+                    out.extend(row[..k].iter().map(|&v| v.mul(s).sub(m).exp()));
+                }
+                out.extend(std::iter::repeat_n(T::NEG_INF.sub(m).exp(), l - k));
+                out.extend(std::iter::repeat_n(T::ZERO, n - l));
             }
-            out.extend(std::iter::repeat_n(T::NEG_INF.sub(m).exp(), l - k));
-            out.extend(std::iter::repeat_n(T::ZERO, n - l));
-        }
-        let sums = fold_ragged(&out, n, &live, T::NEG_ZERO, |a, y| a.add(y));
-        for ((o, &s), &l) in out.chunks_exact_mut(n).zip(&sums).zip(&live) {
-            for_lanes_mut(&mut o[..l], |y| T::div_lanes(y, [s; LANES]));
+            let ob = &mut out[o0..];
+            let sums = fold_ragged(ob, n, &live, T::NEG_ZERO, |a, y| a.add(y));
+            for ((o, &s), &l) in ob.chunks_exact_mut(n).zip(&sums).zip(&live) {
+                for_lanes_mut(&mut o[..l], |y| T::div_lanes(y, [s; LANES]));
+            }
         }
         out
     }
@@ -249,5 +264,26 @@ mod tests {
         set_cpu_threads(None);
         assert!(one.0 == three.0, "forward differs with threads");
         assert!(one.1 == three.1, "backward differs with threads");
+    }
+
+    /// The softmax in row blocks gives the bits of one pass over all rows:
+    /// blocks that split a head (the causal mask must follow each block's
+    /// rows), a ragged last block, non-finite rows, a causal offset.
+    #[test]
+    fn blocked_softmax_gives_the_one_block_bits() {
+        let (rows, n) = (3 * 300 + 7, 300);
+        let gen = crate::Generator::new(9);
+        let mut x: Vec<f32> = gen.uniform(rows * n).iter().map(|u| (u - 0.5) * 40.0).collect();
+        x[5 * n + 2] = f32::INFINITY;
+        x[400 * n + 7] = f32::NAN;
+        x[700 * n..701 * n].fill(f32::NEG_INFINITY);
+        let bits = |v: Vec<f32>| -> Vec<u32> { v.iter().map(|v| v.to_bits()).collect() };
+        for (first_row, scale, causal) in [(0, 0.125, true), (17, 1.0, true), (0, 0.5, false)] {
+            let whole = bits(super::softmax_t(&x, first_row, rows, n, scale, causal, usize::MAX));
+            for block in [super::SOFTMAX_BLOCK_ELEMS, 1, 7 * n + 1] {
+                let blocked = bits(super::softmax_t(&x, first_row, rows, n, scale, causal, block));
+                assert!(blocked == whole, "block {block}, first row {first_row}, causal {causal}");
+            }
+        }
     }
 }
