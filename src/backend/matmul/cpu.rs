@@ -163,9 +163,9 @@ fn pack_all<const W: usize>(
 }
 
 /// Depth of one k-block: an MR×KC slice of A (6 KiB) and a KC×NR slice of B
-/// (16 KiB; 32 KiB for the AVX-512 tile) stay in L1 while a tile is computed. A multiple of MR, so the
-/// ragged terms of a causal tile (positions `i0 .. i0 + MR`, `i0` a multiple
-/// of MR) never straddle two k-blocks.
+/// (16 KiB; 32 KiB for the AVX-512 tile) stay in L1 while a tile is computed.
+/// A multiple of MR, so the ragged terms of a causal tile (positions `i0 ..
+/// i0 + MR`, `i0` a multiple of MR) never straddle two k-blocks.
 const KC: usize = 42 * MR;
 
 /// Row panels per L2 block of A (MC = 72 rows).
