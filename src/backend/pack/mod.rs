@@ -176,6 +176,33 @@ mod tests {
         }
     }
 
+    /// A CPU buffer packs and unpacks to its values rounded, every one of
+    /// them, and counts those the rounding changed: empty, odd lengths, and
+    /// one past the threads' split (odd, so its last task ends in a half word).
+    #[test]
+    fn cpu_buffers_round_trip_at_every_length() {
+        let gen = crate::Generator::new(21);
+        for n in [0, 1, 5, 64, (1 << 18) + 3] {
+            let x: Vec<f32> = gen
+                .uniform(n)
+                .iter()
+                .enumerate()
+                .map(|(i, u)| (u - 0.5) * 1e3 * if i % 3 == 0 { 1.0 } else { 1.0 + 1.0 / 3.0 })
+                .collect();
+            for fmt in [Format::Bf16, Format::Fp16] {
+                let st = Storage::from_f32(x.clone(), crate::Device::Cpu).unwrap();
+                let (p, changed) = st.pack(fmt).unwrap();
+                let y = p.unpack().unwrap().to_vec_f32().unwrap();
+                let want: Vec<f32> = x.iter().map(|&v| crate::backend::round::round_f32(v, fmt)).collect();
+                assert_eq!(y.len(), n);
+                let same = y.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{fmt}, {n} values");
+                let differ = x.iter().zip(&want).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+                assert_eq!(changed, Some(differ), "{fmt}, {n} values");
+            }
+        }
+    }
+
     /// fp16 patterns against the IEEE values they stand for.
     #[test]
     fn fp16_patterns_are_ieee_binary16() {
