@@ -2,9 +2,10 @@
 //!
 //! The kernels are plain Rust written so the compiler vectorises them, plus
 //! the matmul's hand-written register tiles (AVX2, and AVX-512 where the CPU
-//! has it: twice the columns per tile, twice the multiply-adds per load). The instructions a build may use by
-//! default are the target's baseline (SSE2 on x86-64), where `f32::mul_add` —
-//! the contract's fma, everywhere — is a library call per element. So every
+//! has it: twice the columns per tile, twice the multiply-adds per load).
+//! The instructions a build may use by default are the target's baseline
+//! (SSE2 on x86-64), where `f32::mul_add` — the contract's fma, everywhere —
+//! is a library call per element. So every
 //! hot kernel is defined through [`multiversion!`], which compiles it twice
 //! and, on a CPU that has them, runs the copy with AVX2 and FMA enabled (the
 //! helpers it calls are `#[inline(always)]` so they land in that copy). Nothing is
@@ -100,40 +101,36 @@ pub fn set_level(l: Option<Level>) {
 /// instructions. (A closure handed to a `#[target_feature]` function would
 /// not: it is compiled where it is written, for the baseline.)
 macro_rules! multiversion {
-    ($(#[$m:meta])* $vis:vis fn $name:ident $(<$($g:ident: $b:path),+>)?
-        ($($a:ident: $t:ty),* $(,)?) $(-> $r:ty)? $body:block) => {
-        $(#[$m])*
-        $vis fn $name $(<$($g: $b),+>)? ($($a: $t),*) $(-> $r)? {
+    // both copies and the dispatch; `$turbo` names the generics where calls
+    // cannot infer them
+    (@emit [$($attr:tt)*] [$($vis:tt)*] $name:ident [$($gen:tt)*] [$($turbo:tt)*]
+        ($($a:ident: $t:ty),*) [$($ret:tt)*] $body:block) => {
+        $($attr)*
+        $($vis)* fn $name $($gen)* ($($a: $t),*) $($ret)* {
             #[cfg(target_arch = "x86_64")]
             #[target_feature(enable = "avx2,fma")]
-            fn avx2 $(<$($g: $b),+>)? ($($a: $t),*) $(-> $r)? $body
+            fn avx2 $($gen)* ($($a: $t),*) $($ret)* $body
             #[inline(always)]
-            fn portable $(<$($g: $b),+>)? ($($a: $t),*) $(-> $r)? $body
+            fn portable $($gen)* ($($a: $t),*) $($ret)* $body
             match $crate::backend::cpu::simd::level() {
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: these levels are only set where the CPU reported AVX2 and FMA.
-                $crate::backend::cpu::simd::Level::Avx2 | $crate::backend::cpu::simd::Level::Avx512 => unsafe { avx2($($a),*) },
-                _ => portable($($a),*),
+                $crate::backend::cpu::simd::Level::Avx2 | $crate::backend::cpu::simd::Level::Avx512 => unsafe { avx2 $($turbo)* ($($a),*) },
+                _ => portable $($turbo)* ($($a),*),
             }
         }
     };
-    // The same for a kernel with one const parameter (which calls must name).
+    // type parameters, inferred from the arguments
+    ($(#[$m:meta])* $vis:vis fn $name:ident $(<$($g:ident: $b:path),+>)?
+        ($($a:ident: $t:ty),* $(,)?) $(-> $r:ty)? $body:block) => {
+        $crate::backend::cpu::simd::multiversion!(@emit [$(#[$m])*] [$vis] $name
+            [$(<$($g: $b),+>)?] [] ($($a: $t),*) [$(-> $r)?] $body);
+    };
+    // one const parameter, which the calls name
     ($(#[$m:meta])* $vis:vis fn $name:ident <const $c:ident: usize>
         ($($a:ident: $t:ty),* $(,)?) $(-> $r:ty)? $body:block) => {
-        $(#[$m])*
-        $vis fn $name<const $c: usize>($($a: $t),*) $(-> $r)? {
-            #[cfg(target_arch = "x86_64")]
-            #[target_feature(enable = "avx2,fma")]
-            fn avx2<const $c: usize>($($a: $t),*) $(-> $r)? $body
-            #[inline(always)]
-            fn portable<const $c: usize>($($a: $t),*) $(-> $r)? $body
-            match $crate::backend::cpu::simd::level() {
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: these levels are only set where the CPU reported AVX2 and FMA.
-                $crate::backend::cpu::simd::Level::Avx2 | $crate::backend::cpu::simd::Level::Avx512 => unsafe { avx2::<$c>($($a),*) },
-                _ => portable::<$c>($($a),*),
-            }
-        }
+        $crate::backend::cpu::simd::multiversion!(@emit [$(#[$m])*] [$vis] $name
+            [<const $c: usize>] [::<$c>] ($($a: $t),*) [$(-> $r)?] $body);
     };
 }
 pub(crate) use multiversion;

@@ -4,7 +4,8 @@
 //! or batches.
 
 use super::{Causal, MatmulDims, MatmulOps};
-use crate::backend::cpu::{cpu_threads, simd, CpuStorage, Elem};
+use crate::backend::cpu::simd::{self, Level};
+use crate::backend::cpu::{cpu_threads, CpuStorage, Elem};
 use crate::backend::round::{self, Format};
 use crate::Result;
 use rayon::prelude::*;
@@ -27,30 +28,6 @@ impl MatmulOps for CpuStorage {
 
 /// Rows of the register tile.
 const MR: usize = 6;
-
-/// The register tile a product runs on, chosen once per product. Each output
-/// is the same chain of fused multiply-adds whichever computes it; only the
-/// tile's width (`NR` columns, the width of B's packed panels) differs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Kernel {
-    /// Plain Rust, 16 columns.
-    Portable,
-    /// 6 rows × two AVX2 vectors of 8.
-    Avx2,
-    /// 6 rows × two AVX-512 vectors of 16: per k-step twice the columns of
-    /// the AVX2 tile for the same 8 loads (2 of B, 6 broadcasts of A).
-    Avx512,
-}
-
-impl Kernel {
-    fn for_level(l: simd::Level) -> Kernel {
-        match l {
-            simd::Level::Portable => Kernel::Portable,
-            simd::Level::Avx2 => Kernel::Avx2,
-            simd::Level::Avx512 => Kernel::Avx512,
-        }
-    }
-}
 
 thread_local! {
     /// Packed operands of this thread's last matmul, reused so that a training
@@ -184,7 +161,7 @@ const MC_PANELS: usize = 12;
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn micro_kernel<const NR: usize>(
-    kernel: Kernel,
+    kernel: Level,
     ap: *const f32,
     bp: *const f32,
     kc: usize,
@@ -195,11 +172,11 @@ unsafe fn micro_kernel<const NR: usize>(
 ) {
     #[cfg(target_arch = "x86_64")]
     match kernel {
-        // SAFETY: a kernel is only chosen where the CPU has its instructions
+        // SAFETY: a level is only chosen where the CPU has its instructions
         // (`simd::available`); the pointers are valid per this fn's contract,
         // and each kernel is only used with its own width.
-        Kernel::Avx2 if NR == 16 => return micro_kernel_avx2(ap, bp, kc, c, ldc, first, ragged),
-        Kernel::Avx512 if NR == 32 => {
+        Level::Avx2 if NR == 16 => return micro_kernel_avx2(ap, bp, kc, c, ldc, first, ragged),
+        Level::Avx512 if NR == 32 => {
             return micro_kernel_avx512(ap, bp, kc, c, ldc, first, ragged)
         }
         _ => {}
@@ -358,7 +335,7 @@ struct KBlock {
     first: bool,
     round: Option<Format>,
     ragged: Ragged,
-    kernel: Kernel,
+    kernel: Level,
 }
 
 /// One tile of C at `c` (row stride `ldc`), of which `rows` × `cols` are real:
@@ -421,7 +398,7 @@ struct Block {
     k: usize,
     round: Option<Format>,
     causal: Causal,
-    kernel: Kernel,
+    kernel: Level,
 }
 
 impl Block {
@@ -527,13 +504,16 @@ const THREADED_MACS: usize = 1 << 26;
 
 /// The product on the CPU's widest tile.
 fn matmul_f32(a: &[f32], b: &[f32], d: MatmulDims, round: Option<Format>) -> Vec<f32> {
-    matmul_f32_on(Kernel::for_level(simd::level()), a, b, d, round)
+    matmul_f32_on(simd::level(), a, b, d, round)
 }
 
-/// The product on `kernel`'s tile (one the CPU has).
-fn matmul_f32_on(kernel: Kernel, a: &[f32], b: &[f32], d: MatmulDims, round: Option<Format>) -> Vec<f32> {
+/// The product on the tile of level `kernel` (one the CPU has): 6 × 16 in the
+/// portable loop and with AVX2, 6 × 32 with AVX-512. Each output is the same
+/// chain of fused multiply-adds whichever tile computes it; only the tile's
+/// width, and so that of B's packed panels, differs.
+fn matmul_f32_on(kernel: Level, a: &[f32], b: &[f32], d: MatmulDims, round: Option<Format>) -> Vec<f32> {
     match kernel {
-        Kernel::Avx512 => product::<32>(kernel, a, b, d, round),
+        Level::Avx512 => product::<32>(kernel, a, b, d, round),
         _ => product::<16>(kernel, a, b, d, round),
     }
 }
@@ -541,7 +521,7 @@ fn matmul_f32_on(kernel: Kernel, a: &[f32], b: &[f32], d: MatmulDims, round: Opt
 simd::multiversion! {
     /// [`matmul_f32_on`] with B's panels and the tile `NR` columns wide.
     fn product<const NR: usize>(
-        kernel: Kernel,
+        kernel: Level,
         a: &[f32],
         b: &[f32],
         d: MatmulDims,
@@ -649,11 +629,6 @@ fn matmul_f64(a: &[f64], b: &[f64], d: MatmulDims, round: Option<Format>) -> Vec
 mod tests {
     use super::*;
 
-    /// Every tile this CPU can run (the wider ones only where it has them).
-    fn kernels() -> Vec<Kernel> {
-        simd::available().into_iter().map(Kernel::for_level).collect()
-    }
-
     /// The contract's matmul written as plainly as possible.
     fn naive(a: &[f32], b: &[f32], d: MatmulDims, round: Option<Format>) -> Vec<f32> {
         let rd = |v: f32| round.map_or(v, |f| round::round_f32(v, f));
@@ -731,7 +706,7 @@ mod tests {
                         causal: Default::default(),
                     };
                     let want = naive(&a, &b, d, round);
-                    for kernel in kernels() {
+                    for kernel in simd::available() {
                         let got = matmul_f32_on(kernel, &a, &b, d, round);
                         assert!(
                             got.iter()
@@ -795,7 +770,7 @@ mod tests {
                         };
                         let want = naive(&a, &b, d, round);
                         let same = |x: &f32, y: &f32| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan());
-                        for kernel in kernels() {
+                        for kernel in simd::available() {
                             let got = matmul_f32_on(kernel, &a, &b, d, round);
                             assert!(got.iter().zip(&want).all(|(x, y)| same(x, y)), "{kernel:?} {d:?} {round:?}");
                         }
