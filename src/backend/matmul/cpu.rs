@@ -112,8 +112,8 @@ fn pack<const W: usize>(
 /// product, and on one core it left the other idle.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn pack_all<const W: usize>(
-    buf: &mut Vec<f32>,
+fn pack_all<'b, const W: usize>(
+    buf: &'b mut Vec<f32>,
     src: &[f32],
     lanes: usize,
     ld: usize,
@@ -121,14 +121,13 @@ fn pack_all<const W: usize>(
     k_major: bool,
     round: Option<Format>,
     threads: usize,
-) {
-    // Reused buffer: `resize` fills only growth (and truncates otherwise);
-    // `pack` overwrites every value.
+) -> &'b [f32] {
     let panels = lanes.div_ceil(W);
-    buf.resize(panels * kc * W, 0.0);
+    let buf = cache_aligned(buf, panels * kc * W);
     let per = panels.div_ceil(threads.max(1));
     if threads <= 1 || per == panels {
-        return pack::<W>(buf, src, lanes, ld, (kb, kc), k_major, round);
+        pack::<W>(buf, src, lanes, ld, (kb, kc), k_major, round);
+        return buf;
     }
     buf.par_chunks_mut(per * kc * W)
         .enumerate()
@@ -137,6 +136,18 @@ fn pack_all<const W: usize>(
             let src = if k_major { &src[l0..] } else { &src[l0 * ld..] };
             pack::<W>(part, src, (per * W).min(lanes - l0), ld, (kb, kc), k_major, round)
         });
+    buf
+}
+
+/// `len` values of the reused `buf` starting on a 64-byte boundary, so that
+/// no vector load of a packed panel row straddles two cache lines (the
+/// allocator only promises 16 bytes). `resize` fills only growth (and
+/// truncates otherwise); `pack` overwrites every value.
+fn cache_aligned(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
+    const LINE: usize = 64 / std::mem::size_of::<f32>();
+    buf.resize(len + LINE - 1, 0.0);
+    let skip = buf.as_ptr().align_offset(64).min(LINE - 1);
+    &mut buf[skip..skip + len]
 }
 
 /// Depth of one k-block: an MR×KC slice of A (6 KiB) and a KC×NR slice of B
@@ -545,32 +556,33 @@ simd::multiversion! {
         // running sums stay in C between blocks, in the contract's order.
         let one = |bi: usize, c: &mut [MaybeUninit<f32>], threads: usize| {
             let (a, b) = (&a[bi * d.a_batch_stride..], &b[bi * d.b_batch_stride..]);
-            PACKED.with_borrow_mut(|(ap, bp)| {
-                let mut kb = 0;
-                while kb < k {
-                    let kc = KC.min(k - kb);
-                    // Aᵀ's rows run over m, A's over k; B's over n, Bᵀ's over k
-                    let (lda, ldb) = (if d.trans_a { m } else { k }, if d.trans_b { k } else { n });
-                    pack_all::<MR>(ap, a, m, lda, (kb, kc), d.trans_a, round, threads);
-                    pack_all::<NR>(bp, b, n, ldb, (kb, kc), !d.trans_b, round, threads);
-                    let blk = Block { kb, kc, k, round, causal: d.causal, kernel };
-                    if threads == 1 {
-                        matmul_block::<NR>(ap, bp, n, 0, c, blk);
-                    } else {
-                        // Threads split whole row panels only; each output's
-                        // k-loop is untouched, so results do not depend on the
-                        // thread count.
-                        let rows_per_thread = m.div_ceil(MR).div_ceil(threads) * MR;
-                        let (ap, bp) = (&*ap, &*bp);
-                        c.par_chunks_mut(rows_per_thread * n)
-                            .enumerate()
-                            .for_each(|(t, chunk)| {
-                                matmul_block::<NR>(ap, bp, n, t * rows_per_thread, chunk, blk)
-                            });
-                    }
-                    kb += KC;
+            // Taken out, not borrowed: a pool thread waiting on one of this
+            // product's forks may meanwhile run another product's work.
+            let (mut ap_buf, mut bp_buf) = PACKED.with_borrow_mut(std::mem::take);
+            let mut kb = 0;
+            while kb < k {
+                let kc = KC.min(k - kb);
+                // Aᵀ's rows run over m, A's over k; B's over n, Bᵀ's over k
+                let (lda, ldb) = (if d.trans_a { m } else { k }, if d.trans_b { k } else { n });
+                let ap = pack_all::<MR>(&mut ap_buf, a, m, lda, (kb, kc), d.trans_a, round, threads);
+                let bp = pack_all::<NR>(&mut bp_buf, b, n, ldb, (kb, kc), !d.trans_b, round, threads);
+                let blk = Block { kb, kc, k, round, causal: d.causal, kernel };
+                if threads == 1 {
+                    matmul_block::<NR>(ap, bp, n, 0, c, blk);
+                } else {
+                    // Threads split whole row panels only; each output's
+                    // k-loop is untouched, so results do not depend on the
+                    // thread count.
+                    let rows_per_thread = m.div_ceil(MR).div_ceil(threads) * MR;
+                    c.par_chunks_mut(rows_per_thread * n)
+                        .enumerate()
+                        .for_each(|(t, chunk)| {
+                            matmul_block::<NR>(ap, bp, n, t * rows_per_thread, chunk, blk)
+                        });
                 }
-            })
+                kb += KC;
+            }
+            PACKED.with_borrow_mut(|p| *p = (ap_buf, bp_buf));
         };
         if threads > 1 && batch >= threads {
             // Many small products (attention heads): split the batch instead.
@@ -583,8 +595,18 @@ simd::multiversion! {
                     }
                 });
         } else {
-            for (bi, c) in out.chunks_mut(m * n).enumerate() {
-                one(bi, c, threads);
+            let all = |out: &mut [MaybeUninit<f32>]| {
+                for (bi, c) in out.chunks_mut(m * n).enumerate() {
+                    one(bi, c, threads);
+                }
+            };
+            if threads > 1 {
+                // Run on a pool thread (`scope` enters the pool): each k-block's
+                // three forks are then a busy thread handing work to another,
+                // not the caller sleeping until a pool thread wakes it.
+                rayon::scope(|_| all(out));
+            } else {
+                all(out);
             }
         }
         // SAFETY: every batch entry's rows were all written by their first k-block above.
@@ -718,6 +740,48 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Threaded products started from several threads at once: each runs
+    /// on a pool thread, and a pool thread waiting on one product's fork may
+    /// run another's work meanwhile — each must still get its own bits (and
+    /// no packing buffer may be borrowed twice).
+    #[test]
+    fn concurrent_threaded_products_keep_their_bits() {
+        let (m, k, n) = (96, 1200, 600);
+        const { assert!(96 * 1200 * 600 >= THREADED_MACS) };
+        let d = MatmulDims {
+            batch: 1,
+            m,
+            k,
+            n,
+            trans_a: false,
+            trans_b: false,
+            a_batch_stride: m * k,
+            b_batch_stride: k * n,
+            causal: Default::default(),
+        };
+        let operands: Vec<(Vec<f32>, Vec<f32>)> = (0..4u32)
+            .map(|s| {
+                let v = |len: usize, salt: u32| -> Vec<f32> {
+                    (0..len as u32)
+                        .map(|i| ((i.wrapping_mul(2654435761) ^ (s * 97 + salt)) % 1000) as f32 / 500.0 - 1.0)
+                        .collect()
+                };
+                (v(m * k, 1), v(k * n, 2))
+            })
+            .collect();
+        let want: Vec<Vec<f32>> = operands.iter().map(|(a, b)| naive(a, b, d, None)).collect();
+        std::thread::scope(|sc| {
+            for ((a, b), want) in operands.iter().zip(&want) {
+                sc.spawn(move || {
+                    for _ in 0..12 {
+                        let got = matmul_f32(a, b, d, None);
+                        assert!(got.iter().zip(want).all(|(x, y)| x.to_bits() == y.to_bits()));
+                    }
+                });
+            }
+        });
     }
 
     /// Causal products skip exactly the terms and outputs they leave out:
