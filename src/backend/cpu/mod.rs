@@ -8,6 +8,7 @@
 
 pub mod simd;
 
+use std::mem::MaybeUninit;
 use super::math::{self, LANES};
 use super::round::{self, Format};
 use super::{BinaryLayout, DType};
@@ -257,6 +258,31 @@ pub fn fold_ragged<T: Elem>(
     out
 }
 
+/// Writes the first `dst.len()` of `values` into `dst` and returns it
+/// initialised, for kernels that write their output once with no zero fill
+/// before; panics if `values` runs out first.
+#[inline(always)]
+pub fn write_exact<T>(dst: &mut [MaybeUninit<T>], values: impl IntoIterator<Item = T>) -> &mut [T] {
+    let mut written = 0;
+    for (d, v) in dst.iter_mut().zip(values) {
+        d.write(v);
+        written += 1;
+    }
+    assert_eq!(written, dst.len(), "too few values for the output");
+    // SAFETY: all `dst.len()` elements were written just above.
+    unsafe { assume_init_mut(dst) }
+}
+
+/// `x` as the values written into it.
+///
+/// # Safety
+/// Every element of `x` has been written.
+#[inline(always)]
+pub unsafe fn assume_init_mut<T>(x: &mut [MaybeUninit<T>]) -> &mut [T] {
+    // SAFETY: MaybeUninit<T> has T's layout, and the caller vouches for the values.
+    unsafe { &mut *(x as *mut [MaybeUninit<T>] as *mut [T]) }
+}
+
 /// `x = f(x)` a group of [`LANES`] at a time, in place; the ragged tail goes
 /// through `f` padded with zeros (their results are dropped).
 #[inline(always)]
@@ -442,5 +468,24 @@ impl CpuStorage {
             CpuStorage::F32(b) => b.get_mut(),
             CpuStorage::F64(_) => panic!("optimizer state must be f32 (the masters)"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::write_exact;
+    use std::mem::MaybeUninit;
+
+    /// The output is exactly the values written, and a kernel that runs out
+    /// of values panics rather than leave part of its output unwritten.
+    #[test]
+    fn write_exact_fills_or_refuses() {
+        let mut out = [MaybeUninit::<f32>::uninit(); 3];
+        assert_eq!(write_exact(&mut out, [1.0, 2.0, 3.0, 4.0]), &[1.0, 2.0, 3.0]);
+        let short = std::panic::catch_unwind(|| {
+            let mut out = [MaybeUninit::<f32>::uninit(); 3];
+            write_exact(&mut out, [1.0, 2.0]).len()
+        });
+        assert!(short.is_err());
     }
 }

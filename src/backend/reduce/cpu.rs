@@ -2,11 +2,13 @@
 
 use super::{ReduceOp, ReduceOps, NORM_CHUNK};
 use crate::backend::cpu::{
-    both, both2, cpu_threads, fold_ragged, for_lanes_mut, maximum, simd, CpuStorage, Elem,
+    assume_init_mut, both, both2, cpu_threads, fold_ragged, for_lanes_mut, maximum, simd,
+    write_exact, CpuStorage, Elem,
 };
 use crate::backend::math::LANES;
 use crate::Result;
 use rayon::prelude::*;
+use std::mem::MaybeUninit;
 
 impl ReduceOps for CpuStorage {
     fn reduce(&self, op: ReduceOp, outer: usize, r: usize, inner: usize) -> Result<CpuStorage> {
@@ -14,8 +16,8 @@ impl ReduceOps for CpuStorage {
     }
 
     fn softmax_rows(&self, rows: usize, n: usize, scale: f32, causal: bool) -> Result<CpuStorage> {
-        Ok(both!(self, x => by_row_blocks(rows, n, |r0, k| {
-            softmax_t(&x[r0 * n..(r0 + k) * n], r0, k, n, scale, causal, SOFTMAX_BLOCK_ELEMS)
+        Ok(both!(self, x => by_row_blocks(rows, n, |r0, k, out| {
+            softmax_t(&x[r0 * n..(r0 + k) * n], r0, n, scale, causal, SOFTMAX_BLOCK_ELEMS, out)
         })))
     }
 
@@ -26,9 +28,9 @@ impl ReduceOps for CpuStorage {
         n: usize,
         scale: f32,
     ) -> Result<CpuStorage> {
-        Ok(both2!(self, g, y, g => by_row_blocks(rows, n, |r0, k| {
+        Ok(both2!(self, g, y, g => by_row_blocks(rows, n, |r0, k, out| {
             let span = r0 * n..(r0 + k) * n;
-            softmax_backward_t(&y[span.clone()], &g[span], k, n, scale)
+            softmax_backward_t(&y[span.clone()], &g[span], k, n, scale, out)
         })))
     }
 
@@ -58,23 +60,29 @@ simd::multiversion! {
 /// softmax is independent of the others, so the bits do not depend on it.
 const THREADED_ROW_ELEMS: usize = 1 << 20;
 
-/// `f(first_row, rows)` over one block of whole rows per thread (from
-/// [`THREADED_ROW_ELEMS`] values), the blocks' outputs joined in order.
+/// The `(rows, n)` output of `f(first_row, rows, out)`, which writes every
+/// value of its rows' `out`: one block of whole rows per thread (from
+/// [`THREADED_ROW_ELEMS`] values), each written in place.
 fn by_row_blocks<T: Elem>(
     rows: usize,
     n: usize,
-    f: impl Fn(usize, usize) -> Vec<T> + Sync,
+    f: impl Fn(usize, usize, &mut [MaybeUninit<T>]) + Sync,
 ) -> Vec<T> {
+    let len = rows * n;
+    let mut out_vec = Vec::with_capacity(len);
+    let out = &mut out_vec.spare_capacity_mut()[..len];
     let threads = cpu_threads();
-    if rows * n < THREADED_ROW_ELEMS || rows < 2 || threads == 1 {
-        return f(0, rows);
+    if len < THREADED_ROW_ELEMS || rows < 2 || threads == 1 {
+        f(0, rows, out);
+    } else {
+        let per = rows.div_ceil(threads);
+        out.par_chunks_mut(per * n)
+            .enumerate()
+            .for_each(|(b, o)| f(b * per, o.len() / n, o));
     }
-    let per = rows.div_ceil(threads);
-    let blocks: Vec<Vec<T>> = (0..rows.div_ceil(per))
-        .into_par_iter()
-        .map(|b| f(b * per, per.min(rows - b * per)))
-        .collect();
-    blocks.concat()
+    // SAFETY: `f` wrote every value of each block.
+    unsafe { out_vec.set_len(len) };
+    out_vec
 }
 
 simd::multiversion! {
@@ -134,26 +142,26 @@ fn live_len<T: Elem>(row: &[T]) -> usize {
 }
 
 simd::multiversion! {
-    /// Rows `first_row ..` of a softmax (`first_row` places the causal mask),
-    /// in blocks of about `block_elems` values.
+    /// The softmax of the rows of `x` (`n` wide) into `out`, the same
+    /// length; they are rows `first_row ..` of the whole (which places the
+    /// causal mask), taken in blocks of about `block_elems` values.
     fn softmax_t<T: Elem>(
         x: &[T],
         first_row: usize,
-        rows: usize,
         n: usize,
         scale: f32,
         causal: bool,
         block_elems: usize,
-    ) -> Vec<T> {
-        let x = &x[..rows * n];
+        out: &mut [MaybeUninit<T>],
+    ) {
+        assert_eq!(x.len(), out.len());
         let s = T::from_f64(scale as f64);
         let scaled = |v: T| if scale == 1.0 { v } else { v.mul(s) };
         // With `causal` row r may use its first `i + 1 = r mod n + 1` keys; the
         // rest are −inf (`lim`).
         let lim = |r: usize| if causal { (first_row + r) % n + 1 } else { n };
-        let mut out = Vec::with_capacity(rows * n);
         if n == 0 {
-            return out;
+            return;
         }
         // Row maxima and sums are sequential folds (the contract's order); they
         // run four rows at a time. The exps and the divisions are vectorised loops.
@@ -174,7 +182,7 @@ simd::multiversion! {
         // the whole tensor through memory. Rows are independent, so the bits
         // are the same.
         let block = (block_elems / n).max(1);
-        for (b, xb) in x.chunks(block * n).enumerate() {
+        for (b, (xb, ob)) in x.chunks(block * n).zip(out.chunks_mut(block * n)).enumerate() {
             let r0 = b * block;
             let unmasked: Vec<usize> = xb
                 .chunks_exact(n)
@@ -190,48 +198,57 @@ simd::multiversion! {
                 .zip(&maxes)
                 .map(|(&l, m)| if m.is_finite() { l } else { n })
                 .collect();
-            let o0 = out.len();
-            for (r, ((row, &m), &l)) in xb.chunks_exact(n).zip(&maxes).zip(&live).enumerate() {
+            let rows_out = ob.chunks_exact_mut(n);
+            for (r, ((row, o), (&m, &l))) in xb.chunks_exact(n).zip(rows_out).zip(maxes.iter().zip(&live)).enumerate() {
                 // a non-finite max computes the whole row: the masked keys as −inf
                 let k = l.min(lim(r0 + r));
+                let (exps, rest) = o.split_at_mut(k);
                 // two loops, not a branch in one: each stays a vectorised exp
                 if scale == 1.0 {
-                    out.extend(row[..k].iter().map(|&v| v.sub(m).exp()));
+                    write_exact(exps, row[..k].iter().map(|&v| v.sub(m).exp()));
                 } else {
-                    out.extend(row[..k].iter().map(|&v| v.mul(s).sub(m).exp()));
+                    write_exact(exps, row[..k].iter().map(|&v| v.mul(s).sub(m).exp()));
                 }
-                out.extend(std::iter::repeat_n(T::NEG_INF.sub(m).exp(), l - k));
-                out.extend(std::iter::repeat_n(T::ZERO, n - l));
+                let (masked, zeros) = rest.split_at_mut(l - k);
+                write_exact(masked, std::iter::repeat_n(T::NEG_INF.sub(m).exp(), l - k));
+                write_exact(zeros, std::iter::repeat_n(T::ZERO, n - l));
             }
-            let ob = &mut out[o0..];
+            // SAFETY: every row of the block was written in full just above.
+            let ob = unsafe { assume_init_mut(ob) };
             let sums = fold_ragged(ob, n, &live, T::NEG_ZERO, |a, y| a.add(y));
             for ((o, &s), &l) in ob.chunks_exact_mut(n).zip(&sums).zip(&live) {
                 for_lanes_mut(&mut o[..l], |y| T::div_lanes(y, [s; LANES]));
             }
         }
-        out
     }
 }
 
 simd::multiversion! {
-    fn softmax_backward_t<T: Elem>(y: &[T], g: &[T], rows: usize, n: usize, scale: f32) -> Vec<T> {
+    fn softmax_backward_t<T: Elem>(
+        y: &[T],
+        g: &[T],
+        rows: usize,
+        n: usize,
+        scale: f32,
+        out: &mut [MaybeUninit<T>],
+    ) {
         let s = T::from_f64(scale as f64);
-        let mut out = Vec::with_capacity(rows * n);
+        assert_eq!(out.len(), rows * n);
         if n == 0 {
-            return out;
+            return;
         }
-        for (yr, gr) in y[..rows * n].chunks_exact(n).zip(g.chunks_exact(n)) {
+        let rows_out = out.chunks_exact_mut(n);
+        for ((yr, gr), o) in y[..rows * n].chunks_exact(n).zip(g.chunks_exact(n)).zip(rows_out) {
             let dot = yr
                 .iter()
                 .zip(gr)
                 .fold(T::NEG_ZERO, |a, (&yv, &gv)| gv.fma(yv, a));
             if scale == 1.0 {
-                out.extend(yr.iter().zip(gr).map(|(&yv, &gv)| yv.mul(gv.sub(dot))));
+                write_exact(o, yr.iter().zip(gr).map(|(&yv, &gv)| yv.mul(gv.sub(dot))));
             } else {
-                out.extend(yr.iter().zip(gr).map(|(&yv, &gv)| yv.mul(gv.sub(dot)).mul(s)));
+                write_exact(o, yr.iter().zip(gr).map(|(&yv, &gv)| yv.mul(gv.sub(dot)).mul(s)));
             }
         }
-        out
     }
 }
 
@@ -277,11 +294,17 @@ mod tests {
         x[5 * n + 2] = f32::INFINITY;
         x[400 * n + 7] = f32::NAN;
         x[700 * n..701 * n].fill(f32::NEG_INFINITY);
-        let bits = |v: Vec<f32>| -> Vec<u32> { v.iter().map(|v| v.to_bits()).collect() };
+        let soft = |first_row, scale, causal, block| -> Vec<u32> {
+            let mut y = vec![std::mem::MaybeUninit::<f32>::uninit(); rows * n];
+            super::softmax_t(&x, first_row, n, scale, causal, block, &mut y);
+            // SAFETY: softmax_t writes every value (write_exact checks each run).
+            let y = unsafe { super::assume_init_mut(&mut y) };
+            y.iter().map(|v| v.to_bits()).collect()
+        };
         for (first_row, scale, causal) in [(0, 0.125, true), (17, 1.0, true), (0, 0.5, false)] {
-            let whole = bits(super::softmax_t(&x, first_row, rows, n, scale, causal, usize::MAX));
+            let whole = soft(first_row, scale, causal, usize::MAX);
             for block in [super::SOFTMAX_BLOCK_ELEMS, 1, 7 * n + 1] {
-                let blocked = bits(super::softmax_t(&x, first_row, rows, n, scale, causal, block));
+                let blocked = soft(first_row, scale, causal, block);
                 assert!(blocked == whole, "block {block}, first row {first_row}, causal {causal}");
             }
         }
