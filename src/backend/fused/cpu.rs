@@ -4,11 +4,14 @@
 //! lockstep, the divisions of an elementwise loop a group of lanes at a time.
 
 use super::FusedOps;
-use crate::backend::cpu::{cpu_threads, fold_ragged, for_lanes_mut, maximum, simd, CpuStorage, Elem};
+use crate::backend::cpu::{
+    assume_init_mut, cpu_threads, fold_ragged, for_lanes_mut, maximum, simd, write_exact, CpuStorage, Elem,
+};
 use crate::backend::math::LANES;
 use crate::backend::DType;
 use crate::Result;
 use rayon::prelude::*;
+use std::mem::MaybeUninit;
 
 /// From this many values a primitive splits its rows (or elements) over the
 /// threads (~0.5 ms of one core's SwiGLU). Rows and elements are independent
@@ -121,28 +124,45 @@ impl FusedOps for CpuStorage {
 // `collect`/`extend` over closures: a kernel's loop must be compiled inside its
 // AVX2 copy, and a std iterator function the compiler leaves out of line is
 // compiled for the baseline (SSE2, `mul_add` a library call): SwiGLU ran 14x
-// slower that way.
+// slower that way. The outputs are allocated, not zero-filled: each kernel
+// writes every value (`write_exact`, or loops over lengths it checks) before
+// it reads any back.
 
 // ---------------------------------------------------------------- RMSNorm ----
 
 /// x: (rows, d), w: (d) -> y: (rows, d), rstd: (rows)
 fn rms_norm_t<T: Elem>(x: &[T], w: &[T], rows: usize, d: usize, eps: T) -> (Vec<T>, Vec<T>) {
-    let (mut y, mut rstd) = (vec![T::ZERO; rows * d], vec![T::ZERO; rows]);
+    let (mut y, mut rstd) = (Vec::with_capacity(rows * d), Vec::with_capacity(rows));
+    let (yo, ro) = (&mut y.spare_capacity_mut()[..rows * d], &mut rstd.spare_capacity_mut()[..rows]);
     if d == 0 {
-        rms_norm_rows(&mut y, &mut rstd, &[], w, 0, eps);
-        return (y, rstd);
+        rms_norm_rows(yo, ro, &[], w, 0, eps);
+    } else {
+        let per = per_thread(rows, d);
+        yo.par_chunks_mut(per * d)
+            .zip(ro.par_chunks_mut(per))
+            .zip(x[..rows * d].par_chunks(per * d))
+            .for_each(|((y, r), x)| rms_norm_rows(y, r, x, w, d, eps));
     }
-    let per = per_thread(rows, d);
-    y.par_chunks_mut(per * d)
-        .zip(rstd.par_chunks_mut(per))
-        .zip(x[..rows * d].par_chunks(per * d))
-        .for_each(|((y, r), x)| rms_norm_rows(y, r, x, w, d, eps));
+    // SAFETY: rms_norm_rows writes every value of its rows.
+    unsafe {
+        y.set_len(rows * d);
+        rstd.set_len(rows);
+    }
     (y, rstd)
 }
 
 simd::multiversion! {
     /// A block of whole rows: x, y: (rows, d), rstd: (rows).
-    fn rms_norm_rows<T: Elem>(y: &mut [T], rstd: &mut [T], x: &[T], w: &[T], d: usize, eps: T) {
+    fn rms_norm_rows<T: Elem>(
+        y: &mut [MaybeUninit<T>],
+        rstd: &mut [MaybeUninit<T>],
+        x: &[T],
+        w: &[T],
+        d: usize,
+        eps: T,
+    ) {
+        assert_eq!(y.len(), rstd.len() * d);
+        assert_eq!(x.len(), y.len());
         let dn = T::from_f64(d as f64);
         // Each row's sum of squares is the reduction's sequential fold (of
         // rounded squares: `square` then `sum`), four rows in lockstep.
@@ -152,16 +172,12 @@ simd::multiversion! {
             fold_ragged(x, d, &vec![d; rstd.len()], T::NEG_ZERO, |a, v| a.add(v.mul(v)))
         };
         // mean, + eps, rsqrt = div(1, sqrt(·)): one of each per row
-        for (r, s) in rstd.iter_mut().zip(ss) {
-            *r = T::ONE.div(s.div(dn).add(eps).sqrt());
-        }
+        let rstd = write_exact(rstd, ss.into_iter().map(|s| T::ONE.div(s.div(dn).add(eps).sqrt())));
         if d == 0 {
             return;
         }
         for ((yr, xr), &r) in y.chunks_exact_mut(d).zip(x.chunks_exact(d)).zip(rstd.iter()) {
-            for ((o, &v), &wj) in yr.iter_mut().zip(xr).zip(w) {
-                *o = v.mul(r).mul(wj);
-            }
+            write_exact(yr, xr.iter().zip(w).map(|(&v, &wj)| v.mul(r).mul(wj)));
         }
     }
 }
@@ -169,23 +185,38 @@ simd::multiversion! {
 /// x, g: (rows, d), w: (d), rstd: (rows) -> dx1, dx2: (rows, d)
 fn rms_norm_dx_t<T: Elem>(x: &[T], w: &[T], rstd: &[T], g: &[T], d: usize) -> (Vec<T>, Vec<T>) {
     let rows = rstd.len();
-    let (mut dx1, mut dx2) = (vec![T::ZERO; rows * d], vec![T::ZERO; rows * d]);
-    if d == 0 {
-        return (dx1, dx2);
+    let (mut dx1, mut dx2) = (Vec::with_capacity(rows * d), Vec::with_capacity(rows * d));
+    if d > 0 {
+        let per = per_thread(rows, d);
+        dx1.spare_capacity_mut()[..rows * d]
+            .par_chunks_mut(per * d)
+            .zip(dx2.spare_capacity_mut()[..rows * d].par_chunks_mut(per * d))
+            .zip(x[..rows * d].par_chunks(per * d))
+            .zip(g[..rows * d].par_chunks(per * d))
+            .zip(rstd.par_chunks(per))
+            .for_each(|((((dx1, dx2), x), g), r)| rms_norm_dx_rows(dx1, dx2, x, w, r, g, d));
     }
-    let per = per_thread(rows, d);
-    dx1.par_chunks_mut(per * d)
-        .zip(dx2.par_chunks_mut(per * d))
-        .zip(x[..rows * d].par_chunks(per * d))
-        .zip(g[..rows * d].par_chunks(per * d))
-        .zip(rstd.par_chunks(per))
-        .for_each(|((((dx1, dx2), x), g), r)| rms_norm_dx_rows(dx1, dx2, x, w, r, g, d));
+    // SAFETY: rms_norm_dx_rows writes every value of its rows.
+    unsafe {
+        dx1.set_len(rows * d);
+        dx2.set_len(rows * d);
+    }
     (dx1, dx2)
 }
 
 simd::multiversion! {
     /// A block of whole rows (`d > 0`): x, g, dx1, dx2: (rows, d), rstd: (rows).
-    fn rms_norm_dx_rows<T: Elem>(dx1: &mut [T], dx2: &mut [T], x: &[T], w: &[T], rstd: &[T], g: &[T], d: usize) {
+    fn rms_norm_dx_rows<T: Elem>(
+        dx1: &mut [MaybeUninit<T>],
+        dx2: &mut [MaybeUninit<T>],
+        x: &[T],
+        w: &[T],
+        rstd: &[T],
+        g: &[T],
+        d: usize,
+    ) {
+        let len = rstd.len() * d;
+        assert!(dx1.len() == len && dx2.len() == len && x.len() == len && g.len() == len && w.len() == d);
         let (dn, minus_half, two) = (T::from_f64(d as f64), T::from_f64(-0.5), T::from_f64(2.0));
         // dx1 first holds g·w, dx2 first holds g·w·x (then the outputs)
         for (((o1, o2), gr), xr) in dx1
@@ -195,10 +226,13 @@ simd::multiversion! {
             .zip(x.chunks_exact(d))
         {
             for ((((a, b), &gv), &wv), &xv) in o1.iter_mut().zip(o2.iter_mut()).zip(gr).zip(w).zip(xr) {
-                *a = gv.mul(wv);
-                *b = a.mul(xv);
+                let gw = gv.mul(wv);
+                a.write(gw);
+                b.write(gw.mul(xv));
             }
         }
+        // SAFETY: the loop above wrote every value (the lengths are checked).
+        let (dx1, dx2) = unsafe { (assume_init_mut(dx1), assume_init_mut(dx2)) };
         // each row's Σ g·w·x: the sequential fold of the reduction that sums
         // x·r's broadcast gradient, four rows in lockstep
         let grs = fold_ragged(dx2, d, &vec![d; rstd.len()], T::NEG_ZERO, |a, p| a.add(p));
@@ -252,27 +286,30 @@ simd::multiversion! {
 /// σ(x) = div(1, 1 + exp(−0 − x)) into `s`, as the unary op computes it:
 /// the exps, then the divisions a group of lanes at a time.
 #[inline(always)]
-fn sigmoid_into<T: Elem>(s: &mut [T], x: &[T]) {
-    for (o, &v) in s.iter_mut().zip(x) {
-        *o = T::ONE.add(T::NEG_ZERO.sub(v).exp());
-    }
+fn sigmoid_into<'s, T: Elem>(s: &'s mut [MaybeUninit<T>], x: &[T]) -> &'s mut [T] {
+    let s = write_exact(s, x.iter().map(|&v| T::ONE.add(T::NEG_ZERO.sub(v).exp())));
     for_lanes_mut(s, |d| T::div_lanes([T::ONE; LANES], d));
+    s
 }
 
 /// gate, up: (n) -> y: (n)
 fn swiglu_t<T: Elem>(gate: &[T], up: &[T]) -> Vec<T> {
-    let mut y = vec![T::ZERO; gate.len()];
-    let per = per_thread(gate.len(), 1);
-    y.par_chunks_mut(per)
+    let n = gate.len();
+    let mut y = Vec::with_capacity(n);
+    let per = per_thread(n, 1);
+    y.spare_capacity_mut()[..n]
+        .par_chunks_mut(per)
         .zip(gate.par_chunks(per))
         .zip(up.par_chunks(per))
         .for_each(|((y, gate), up)| swiglu_slices(y, gate, up));
+    // SAFETY: swiglu_slices writes every value of its slice.
+    unsafe { y.set_len(n) };
     y
 }
 
 simd::multiversion! {
-    fn swiglu_slices<T: Elem>(y: &mut [T], gate: &[T], up: &[T]) {
-        sigmoid_into(y, gate);
+    fn swiglu_slices<T: Elem>(y: &mut [MaybeUninit<T>], gate: &[T], up: &[T]) {
+        let y = sigmoid_into(y, gate);
         // silu = gate·σ, then · up
         for ((s, &x), &u) in y.iter_mut().zip(gate).zip(up) {
             *s = x.mul(*s).mul(u);
@@ -283,23 +320,37 @@ simd::multiversion! {
 /// gate, up, g: (n) -> d_gate, d_up: (n)
 fn swiglu_backward_t<T: Elem>(gate: &[T], up: &[T], g: &[T]) -> (Vec<T>, Vec<T>) {
     let n = gate.len();
-    let (mut dg, mut du) = (vec![T::ZERO; n], vec![T::ZERO; n]);
+    let (mut dg, mut du) = (Vec::with_capacity(n), Vec::with_capacity(n));
     let per = per_thread(n, 1);
-    dg.par_chunks_mut(per)
-        .zip(du.par_chunks_mut(per))
+    dg.spare_capacity_mut()[..n]
+        .par_chunks_mut(per)
+        .zip(du.spare_capacity_mut()[..n].par_chunks_mut(per))
         .zip(gate.par_chunks(per))
         .zip(up.par_chunks(per))
         .zip(g.par_chunks(per))
         .for_each(|((((dg, du), gate), up), g)| swiglu_backward_slices(dg, du, gate, up, g));
+    // SAFETY: swiglu_backward_slices writes every value of its slices.
+    unsafe {
+        dg.set_len(n);
+        du.set_len(n);
+    }
     (dg, du)
 }
 
 simd::multiversion! {
-    fn swiglu_backward_slices<T: Elem>(dg: &mut [T], du: &mut [T], gate: &[T], up: &[T], g: &[T]) {
-        sigmoid_into(dg, gate);
+    fn swiglu_backward_slices<T: Elem>(
+        dg: &mut [MaybeUninit<T>],
+        du: &mut [MaybeUninit<T>],
+        gate: &[T],
+        up: &[T],
+        g: &[T],
+    ) {
+        // du is written by the zip below: every length must agree
+        assert!(du.len() == dg.len() && up.len() == dg.len() && g.len() == dg.len());
+        let dg = sigmoid_into(dg, gate);
         for ((((s, o), &x), &u), &gv) in dg.iter_mut().zip(du.iter_mut()).zip(gate).zip(up).zip(g) {
             let sv = *s;
-            *o = gv.mul(x.mul(sv));
+            o.write(gv.mul(x.mul(sv)));
             // the product's gradient g·up, through silu's: σ·fma(x, 1 − σ, 1)
             *s = gv.mul(u).mul(sv.mul(x.fma(T::ONE.sub(sv), T::ONE)));
         }
@@ -311,13 +362,16 @@ simd::multiversion! {
 /// x: (rows, d), cos, sin: (t, d), row i at position i mod t -> y: (rows, d);
 /// `backward`: x is the upstream gradient, y the input's.
 fn rope_t<T: Elem>(x: &[T], cos: &[T], sin: &[T], t: usize, d: usize, backward: bool) -> Vec<T> {
-    let mut y = vec![T::ZERO; x.len()];
     if d == 0 {
-        return y;
+        return vec![T::ZERO; x.len()];
     }
+    // each row's halves are written pair by pair: d is even, x whole rows
+    assert!(d.is_multiple_of(2) && x.len().is_multiple_of(d));
+    let mut y = Vec::with_capacity(x.len());
     let rows = x.len() / d;
     let per = per_thread(rows, d);
-    y.par_chunks_mut(per * d)
+    y.spare_capacity_mut()[..x.len()]
+        .par_chunks_mut(per * d)
         .zip(x.par_chunks(per * d))
         .enumerate()
         .for_each(|(b, (y, x))| {
@@ -328,12 +382,15 @@ fn rope_t<T: Elem>(x: &[T], cos: &[T], sin: &[T], t: usize, d: usize, backward: 
                 rope_rows(y, x, cos, sin, first, t, d)
             }
         });
+    // SAFETY: the row kernels write both halves of every row.
+    unsafe { y.set_len(x.len()) };
     y
 }
 
 simd::multiversion! {
     /// Rows `first ..` (`d > 0`): row i at position i mod t.
-    fn rope_rows<T: Elem>(y: &mut [T], x: &[T], cos: &[T], sin: &[T], first: usize, t: usize, d: usize) {
+    fn rope_rows<T: Elem>(y: &mut [MaybeUninit<T>], x: &[T], cos: &[T], sin: &[T], first: usize, t: usize, d: usize) {
+        assert!(d.is_multiple_of(2) && y.len() == x.len() && x.len().is_multiple_of(d));
         let h = d / 2;
         for (i, (yr, xr)) in y.chunks_exact_mut(d).zip(x.chunks_exact(d)).enumerate() {
             let p = ((first + i) % t) * d;
@@ -350,8 +407,8 @@ simd::multiversion! {
                 .zip(s1)
                 .zip(y2.iter_mut().zip(c2.iter().zip(s2)))
             {
-                *o = a.mul(c).add(T::NEG_ZERO.sub(b).mul(s));
-                *o2 = b.mul(c2).add(a.mul(s2));
+                o.write(a.mul(c).add(T::NEG_ZERO.sub(b).mul(s)));
+                o2.write(b.mul(c2).add(a.mul(s2)));
             }
         }
     }
@@ -359,7 +416,16 @@ simd::multiversion! {
 
 simd::multiversion! {
     /// The backward of rows `first ..` (`d > 0`): g, dx: (rows, d).
-    fn rope_backward_rows<T: Elem>(dx: &mut [T], g: &[T], cos: &[T], sin: &[T], first: usize, t: usize, d: usize) {
+    fn rope_backward_rows<T: Elem>(
+        dx: &mut [MaybeUninit<T>],
+        g: &[T],
+        cos: &[T],
+        sin: &[T],
+        first: usize,
+        t: usize,
+        d: usize,
+    ) {
+        assert!(d.is_multiple_of(2) && dx.len() == g.len() && g.len().is_multiple_of(d));
         let h = d / 2;
         for (i, (or, gr)) in dx.chunks_exact_mut(d).zip(g.chunks_exact(d)).enumerate() {
             let p = ((first + i) % t) * d;
@@ -378,8 +444,8 @@ simd::multiversion! {
                 .zip(s1)
                 .zip(o2.iter_mut().zip(c2.iter().zip(s2)))
             {
-                *o = a.mul(c).add(T::ZERO).add(b.mul(s2));
-                *o2 = b.mul(c2).add(T::NEG_ZERO.sub(a.mul(s))).add(T::ZERO);
+                o.write(a.mul(c).add(T::ZERO).add(b.mul(s2)));
+                o2.write(b.mul(c2).add(T::NEG_ZERO.sub(a.mul(s))).add(T::ZERO));
             }
         }
     }
