@@ -107,35 +107,19 @@ fn pack<const W: usize>(
     }
 }
 
-/// [`pack`] of all `lanes` lanes (`ld` as there) into the reused `buf`,
-/// whole panels split over `threads`: packing is a fixed share of every
-/// product, and on one core it left the other idle.
-#[allow(clippy::too_many_arguments)]
+/// [`pack`] of all `lanes` lanes (`ld` as there) into the reused `buf`.
 #[inline(always)]
 fn pack_all<'b, const W: usize>(
     buf: &'b mut Vec<f32>,
     src: &[f32],
     lanes: usize,
     ld: usize,
-    (kb, kc): (usize, usize),
+    kblock: (usize, usize),
     k_major: bool,
     round: Option<Format>,
-    threads: usize,
 ) -> &'b [f32] {
-    let panels = lanes.div_ceil(W);
-    let buf = cache_aligned(buf, panels * kc * W);
-    let per = panels.div_ceil(threads.max(1));
-    if threads <= 1 || per == panels {
-        pack::<W>(buf, src, lanes, ld, (kb, kc), k_major, round);
-        return buf;
-    }
-    buf.par_chunks_mut(per * kc * W)
-        .enumerate()
-        .for_each(|(t, part)| {
-            let l0 = t * per * W;
-            let src = if k_major { &src[l0..] } else { &src[l0 * ld..] };
-            pack::<W>(part, src, (per * W).min(lanes - l0), ld, (kb, kc), k_major, round)
-        });
+    let buf = cache_aligned(buf, lanes.div_ceil(W) * kblock.1 * W);
+    pack::<W>(buf, src, lanes, ld, kblock, k_major, round);
     buf
 }
 
@@ -273,7 +257,15 @@ macro_rules! vector_kernel {
                     }
                 }
             }
-            for p in lo..hi {
+            let mut p = lo;
+            while p + 4 <= hi {
+                step(&mut acc, p, [true; MR]);
+                step(&mut acc, p + 1, [true; MR]);
+                step(&mut acc, p + 2, [true; MR]);
+                step(&mut acc, p + 3, [true; MR]);
+                p += 4;
+            }
+            for p in p..hi {
                 step(&mut acc, p, [true; MR]);
             }
             if let Ragged::Tail(len) = ragged {
@@ -462,7 +454,8 @@ fn zero_from(
 /// One k-block of rows `[r0, r0 + rows)` of one batch's `C`, in `out`
 /// (exactly those rows; uninitialised before each tile's first terms, which
 /// start its sums from +0 and write them), from the block's packed operands
-/// (panel strides `kc * MR` and `kc * NR`). `r0` is a multiple of MR.
+/// (panel strides `kc * MR` and `kc * NR`; A's panels are those rows').
+/// `r0` is a multiple of MR.
 #[inline(always)]
 fn matmul_block<const NR: usize>(
     ap: &[f32],
@@ -473,7 +466,7 @@ fn matmul_block<const NR: usize>(
     blk: Block,
 ) {
     let rows = out.len() / n;
-    let (panel0, row_panels) = (r0 / MR, rows.div_ceil(MR));
+    let row_panels = rows.div_ceil(MR);
     let col_panels = n.div_ceil(NR);
     let kc = blk.kc;
     // Row panels in groups of MC_PANELS: that slice of A (about 72 KiB)
@@ -494,7 +487,7 @@ fn matmul_block<const NR: usize>(
                     }
                     continue;
                 };
-                let a_blk = &ap[((panel0 + pi) * kc + lo - blk.kb) * MR..];
+                let a_blk = &ap[(pi * kc + lo - blk.kb) * MR..];
                 let b_blk = &bp[(pj * kc + lo - blk.kb) * NR..];
                 tile::<NR>(a_blk, b_blk, hi - lo, c, n, tile_rows, cols, kblk);
                 if blk.causal == Causal::Outputs && hi == blk.k && j0 + cols - 1 > i0 {
@@ -551,62 +544,54 @@ simd::multiversion! {
         } else {
             1
         };
-        // One batch entry, k-block by k-block: pack the block of both operands
-        // (rounding each element once), then every tile of C over it — the
-        // running sums stay in C between blocks, in the contract's order.
-        let one = |bi: usize, c: &mut [MaybeUninit<f32>], threads: usize| {
+        // Rows `[r0, r0 + rows)` of one batch entry, k-block by k-block: pack
+        // the block of both operands (rounding each element once), then every
+        // tile of C over it — the running sums stay in C between blocks, in
+        // the contract's order.
+        let one = |bi: usize, r0: usize, c: &mut [MaybeUninit<f32>]| {
+            let rows = c.len() / n;
             let (a, b) = (&a[bi * d.a_batch_stride..], &b[bi * d.b_batch_stride..]);
-            // Taken out, not borrowed: a pool thread waiting on one of this
-            // product's forks may meanwhile run another product's work.
+            // Aᵀ's rows run over m, A's over k; B's over n, Bᵀ's over k
+            let (lda, ldb) = (if d.trans_a { m } else { k }, if d.trans_b { k } else { n });
+            let a = if d.trans_a { &a[r0..] } else { &a[r0 * k..] };
+            // Taken out, not borrowed: a pool thread waiting on a fork may
+            // meanwhile run another product's work.
             let (mut ap_buf, mut bp_buf) = PACKED.with_borrow_mut(std::mem::take);
             let mut kb = 0;
             while kb < k {
                 let kc = KC.min(k - kb);
-                // Aᵀ's rows run over m, A's over k; B's over n, Bᵀ's over k
-                let (lda, ldb) = (if d.trans_a { m } else { k }, if d.trans_b { k } else { n });
-                let ap = pack_all::<MR>(&mut ap_buf, a, m, lda, (kb, kc), d.trans_a, round, threads);
-                let bp = pack_all::<NR>(&mut bp_buf, b, n, ldb, (kb, kc), !d.trans_b, round, threads);
+                let ap = pack_all::<MR>(&mut ap_buf, a, rows, lda, (kb, kc), d.trans_a, round);
+                let bp = pack_all::<NR>(&mut bp_buf, b, n, ldb, (kb, kc), !d.trans_b, round);
                 let blk = Block { kb, kc, k, round, causal: d.causal, kernel };
-                if threads == 1 {
-                    matmul_block::<NR>(ap, bp, n, 0, c, blk);
-                } else {
-                    // Threads split whole row panels only; each output's
-                    // k-loop is untouched, so results do not depend on the
-                    // thread count.
-                    let rows_per_thread = m.div_ceil(MR).div_ceil(threads) * MR;
-                    c.par_chunks_mut(rows_per_thread * n)
-                        .enumerate()
-                        .for_each(|(t, chunk)| {
-                            matmul_block::<NR>(ap, bp, n, t * rows_per_thread, chunk, blk)
-                        });
-                }
+                matmul_block::<NR>(ap, bp, n, r0, c, blk);
                 kb += KC;
             }
             PACKED.with_borrow_mut(|p| *p = (ap_buf, bp_buf));
         };
         if threads > 1 && batch >= threads {
-            // Many small products (attention heads): split the batch instead.
+            // Many small products (attention heads): split the batch.
             let per = batch.div_ceil(threads);
             out.par_chunks_mut(per * m * n)
                 .enumerate()
                 .for_each(|(t, chunk)| {
                     for (i, c) in chunk.chunks_mut(m * n).enumerate() {
-                        one(t * per + i, c, 1);
+                        one(t * per + i, 0, c);
                     }
                 });
+        } else if threads > 1 {
+            // Whole row panels per thread, each thread the whole product over
+            // its rows (its own packing of B: no wait between k-blocks).
+            // Each output's k-loop is untouched, so results do not depend on
+            // the thread count.
+            let rows_per_thread = m.div_ceil(MR).div_ceil(threads) * MR;
+            for (bi, c) in out.chunks_mut(m * n).enumerate() {
+                c.par_chunks_mut(rows_per_thread * n)
+                    .enumerate()
+                    .for_each(|(t, chunk)| one(bi, t * rows_per_thread, chunk));
+            }
         } else {
-            let all = |out: &mut [MaybeUninit<f32>]| {
-                for (bi, c) in out.chunks_mut(m * n).enumerate() {
-                    one(bi, c, threads);
-                }
-            };
-            if threads > 1 {
-                // Run on a pool thread (`scope` enters the pool): each k-block's
-                // three forks are then a busy thread handing work to another,
-                // not the caller sleeping until a pool thread wakes it.
-                rayon::scope(|_| all(out));
-            } else {
-                all(out);
+            for (bi, c) in out.chunks_mut(m * n).enumerate() {
+                one(bi, 0, c);
             }
         }
         // SAFETY: every batch entry's rows were all written by their first k-block above.
