@@ -602,7 +602,7 @@ pub fn masked_softmax_rows() -> (Vec<f32>, usize, usize) {
 
 fn softmax(sw: &mut Sweep) -> Result<()> {
     let mut rng = Rng(11);
-    for (rows, n) in [(1, 1), (5, 13), (3, 64), (2, 257), (4, 2)] {
+    for (rows, n) in [(1, 1), (5, 13), (3, 64), (2, 257), (4, 2), (19, 70)] {
         let mut x: Vec<f32> = (0..rows * n).map(|_| rng.unif(-20.0, 20.0)).collect();
         // rows with tiny exponentials (subnormal e^x), -inf, NaN, ±0, all-equal
         if rows >= 3 {
@@ -616,6 +616,13 @@ fn softmax(sw: &mut Sweep) -> Result<()> {
             for j in 0..n {
                 x[3 * n + j] = 1.5;
             }
+        }
+        // past the first eight rows: a max of both zeros, a late NaN
+        if rows >= 12 {
+            for j in 0..n {
+                x[10 * n + j] = [-0.0, -1.0, 0.0, -3.0][j % 4];
+            }
+            x[11 * n + n - 1] = f32::NAN;
         }
         let gr: Vec<f32> = (0..rows * n).map(|_| rng.moderate()).collect();
         // plain, scaled, and attention's scaled + causal (masked keys are −inf

@@ -283,6 +283,71 @@ mod tests {
         assert!(one.1 == three.1, "backward differs with threads");
     }
 
+    /// The kernels against the contract written out plainly, one row at a
+    /// time: every fold in order (the maximum too), `exp`, the contract's
+    /// division. Rows of both zeros, NaN early and late, ±inf, underflowing
+    /// exps; more than eight rows and a remainder, rows longer than the
+    /// maximum's lanes.
+    #[test]
+    fn softmax_kernels_follow_the_plain_contract() {
+        use crate::backend::cpu::{maximum, Elem};
+        let (rows, n) = (8 * 3 + 5, 77);
+        let gen = crate::Generator::new(21);
+        let mut x: Vec<f32> = gen.uniform(rows * n).iter().map(|u| (u - 0.5) * 60.0).collect();
+        let g: Vec<f32> = gen.uniform(rows * n).iter().map(|u| u - 0.5).collect();
+        for j in 0..n {
+            x[2 * n + j] = [-0.0, -2.0, 0.0][j % 3];
+            x[3 * n + j] = -95.0 - j as f32;
+        }
+        x[5 * n + 1] = f32::NAN;
+        x[13 * n + n - 1] = f32::NAN;
+        x[17 * n + 40] = f32::INFINITY;
+        x[26 * n..27 * n].fill(f32::NEG_INFINITY);
+        for (scale, causal) in [(1.0f32, false), (0.125, true), (0.3, false)] {
+            let (mut want_y, mut want_dx) = (Vec::new(), Vec::new());
+            for (r, (xr, gr)) in x.chunks(n).zip(g.chunks(n)).enumerate() {
+                let lim = if causal { r % n + 1 } else { n };
+                let v = |j: usize| if j < lim { x_scaled(xr[j], scale) } else { f32::NEG_INFINITY };
+                let m = (0..n).fold(f32::NEG_INFINITY, |a, j| maximum(a, v(j)));
+                let e: Vec<f32> = (0..n).map(|j| Elem::exp(v(j) - m)).collect();
+                let sum = e.iter().fold(-0.0f32, |a, &y| a + y);
+                let y: Vec<f32> = e.iter().map(|&y| Elem::div(y, sum)).collect();
+                let dot = y.iter().zip(gr).fold(-0.0f32, |a, (&yv, &gv)| gv.mul_add(yv, a));
+                want_dx.extend(y.iter().zip(gr).map(|(&yv, &gv)| {
+                    let d = yv * (gv - dot);
+                    if scale == 1.0 { d } else { d * scale }
+                }));
+                want_y.extend(y);
+            }
+            let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            let mut y = vec![std::mem::MaybeUninit::<f32>::uninit(); rows * n];
+            super::softmax_t(&x, 0, n, scale, causal, super::SOFTMAX_BLOCK_ELEMS, &mut y);
+            // SAFETY: softmax_t writes every value (write_exact checks each run).
+            let y = unsafe { super::assume_init_mut(&mut y) };
+            let mut dx = vec![std::mem::MaybeUninit::<f32>::uninit(); rows * n];
+            super::softmax_backward_t(y, &g, rows, n, scale, &mut dx);
+            // SAFETY: as above.
+            let dx = unsafe { super::assume_init_mut(&mut dx) };
+            // NaN rows: any quiet NaN is the contract's (its payload is free)
+            let canon = |v: Vec<u32>| -> Vec<u32> {
+                v.into_iter().map(|b| if f32::from_bits(b).is_nan() { 0x7fc0_0000 } else { b }).collect()
+            };
+            let (a, b) = (canon(bits(y)), canon(bits(&want_y)));
+            if let Some(i) = (0..a.len()).find(|&i| a[i] != b[i]) {
+                panic!("forward, scale {scale} causal {causal}: row {} col {}: {} vs {}", i / n, i % n, f32::from_bits(a[i]), f32::from_bits(b[i]));
+            }
+            assert!(canon(bits(dx)) == canon(bits(&want_dx)), "backward, scale {scale} causal {causal}");
+        }
+    }
+
+    fn x_scaled(v: f32, scale: f32) -> f32 {
+        if scale == 1.0 {
+            v
+        } else {
+            v * scale
+        }
+    }
+
     /// The softmax in row blocks gives the bits of one pass over all rows:
     /// blocks that split a head (the causal mask must follow each block's
     /// rows), a ragged last block, non-finite rows, a causal offset.
