@@ -578,20 +578,20 @@ simd::multiversion! {
                         one(t * per + i, 0, c);
                     }
                 });
-        } else if threads > 1 {
+        } else {
             // Whole row panels per thread, each thread the whole product over
             // its rows (its own packing of B: no wait between k-blocks).
             // Each output's k-loop is untouched, so results do not depend on
             // the thread count.
             let rows_per_thread = m.div_ceil(MR).div_ceil(threads) * MR;
             for (bi, c) in out.chunks_mut(m * n).enumerate() {
-                c.par_chunks_mut(rows_per_thread * n)
-                    .enumerate()
-                    .for_each(|(t, chunk)| one(bi, t * rows_per_thread, chunk));
-            }
-        } else {
-            for (bi, c) in out.chunks_mut(m * n).enumerate() {
-                one(bi, 0, c);
+                if threads == 1 {
+                    one(bi, 0, c);
+                } else {
+                    c.par_chunks_mut(rows_per_thread * n)
+                        .enumerate()
+                        .for_each(|(t, chunk)| one(bi, t * rows_per_thread, chunk));
+                }
             }
         }
         // SAFETY: every batch entry's rows were all written by their first k-block above.
