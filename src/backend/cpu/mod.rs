@@ -66,6 +66,11 @@ pub trait Elem: Copy + PartialOrd + std::fmt::Debug + Send + Sync + 'static {
         std::array::from_fn(|i| a[i].div(b[i]))
     }
     fn exp(self) -> Self;
+    /// [`Elem::exp`] of each lane.
+    #[inline(always)]
+    fn exp_lanes(x: [Self; LANES]) -> [Self; LANES] {
+        x.map(Self::exp)
+    }
     fn log(self) -> Self;
     fn sqrt(self) -> Self;
     fn is_nan(self) -> bool;
@@ -111,6 +116,10 @@ impl Elem for f32 {
     #[inline(always)]
     fn exp(self) -> f32 {
         math::exp(self)
+    }
+    #[inline(always)]
+    fn exp_lanes(x: [f32; LANES]) -> [f32; LANES] {
+        math::exp_lanes(x)
     }
     #[inline(always)]
     fn log(self) -> f32 {
@@ -281,6 +290,46 @@ pub fn write_exact<T>(dst: &mut [MaybeUninit<T>], values: impl IntoIterator<Item
 pub unsafe fn assume_init_mut<T>(x: &mut [MaybeUninit<T>]) -> &mut [T] {
     // SAFETY: MaybeUninit<T> has T's layout, and the caller vouches for the values.
     unsafe { &mut *(x as *mut [MaybeUninit<T>] as *mut [T]) }
+}
+
+simd::multiversion! {
+    /// σ(x) = div(1, 1 + exp(−0 − x)) into `s` (every value written), in two
+    /// passes of vector operations: the exps, then the divisions. (Its own
+    /// AVX2 copy: its closures must have the features the vector exp needs to
+    /// inline; as one pass a group's work is too large to inline at all.)
+    pub fn sigmoid_into<T: Elem>(s: &mut [MaybeUninit<T>], x: &[T]) {
+        let s = write_lanes(s, x, |v| T::exp_lanes(v.map(|v| T::NEG_ZERO.sub(v))).map(|e| T::ONE.add(e)));
+        for_lanes_mut(s, |d| T::div_lanes([T::ONE; LANES], d));
+    }
+}
+
+/// `dst = f(src)` a group of [`LANES`] at a time; the ragged tail goes
+/// through `f` padded with zeros (their results are dropped). Returns `dst`
+/// as written.
+#[inline(always)]
+pub fn write_lanes<'d, T: Elem>(
+    dst: &'d mut [MaybeUninit<T>],
+    src: &[T],
+    f: impl Fn([T; LANES]) -> [T; LANES],
+) -> &'d mut [T] {
+    assert_eq!(dst.len(), src.len(), "one output per input");
+    let mut groups = dst.chunks_exact_mut(LANES);
+    let mut inputs = src.chunks_exact(LANES);
+    for (g, v) in (&mut groups).zip(&mut inputs) {
+        for (d, y) in g.iter_mut().zip(f(v.try_into().unwrap())) {
+            d.write(y);
+        }
+    }
+    let (tail, rest) = (groups.into_remainder(), inputs.remainder());
+    if !tail.is_empty() {
+        let mut v = [T::ZERO; LANES];
+        v[..rest.len()].copy_from_slice(rest);
+        for (d, y) in tail.iter_mut().zip(f(v)) {
+            d.write(y);
+        }
+    }
+    // SAFETY: every element of `dst` was written above.
+    unsafe { assume_init_mut(dst) }
 }
 
 /// `x = f(x)` a group of [`LANES`] at a time, in place; the ragged tail goes

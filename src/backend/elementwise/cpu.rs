@@ -1,7 +1,9 @@
 //! The CPU reference of the elementwise primitives.
 
 use super::{BinaryOp, ElementwiseOps, UnaryOp};
-use crate::backend::cpu::{both, both2, for_each_run, for_lanes_mut, maximum, simd, CpuStorage, Elem};
+use crate::backend::cpu::{
+    both, both2, for_each_run, for_lanes_mut, maximum, sigmoid_into, simd, CpuStorage, Elem,
+};
 use crate::backend::math::LANES;
 use crate::backend::BinaryLayout;
 use crate::Result;
@@ -33,17 +35,16 @@ simd::multiversion! {
             for_lanes_mut(&mut out, f);
             out
         }
-        // σ(x) = 1 / (1 + e^-x) in two passes, each a loop the compiler keeps in
-        // vector registers: the exps, then the divisions a group at a time. (A
-        // closure, not a nested fn: closures inherit the AVX2 copy's features.)
         let sigmoid = |x: &[T]| {
-            let mut s = map(x, |v| T::ONE.add(T::NEG_ZERO.sub(v).exp()));
-            for_lanes_mut(&mut s, |d| T::div_lanes([T::ONE; LANES], d));
+            let mut s = Vec::with_capacity(x.len());
+            sigmoid_into(&mut s.spare_capacity_mut()[..x.len()], x);
+            // SAFETY: sigmoid_into wrote every value.
+            unsafe { s.set_len(x.len()) };
             s
         };
         match op {
             UnaryOp::Neg => map(x, |v| T::NEG_ZERO.sub(v)),
-            UnaryOp::Exp => map(x, |v| v.exp()),
+            UnaryOp::Exp => map_lanes(x, |v| T::exp_lanes(v)),
             UnaryOp::Log => map(x, |v| v.log()),
             UnaryOp::Sqrt => map(x, |v| v.sqrt()),
             UnaryOp::Rsqrt => map_lanes(x, |v| T::div_lanes([T::ONE; LANES], v.map(T::sqrt))),

@@ -5,7 +5,8 @@
 
 use super::FusedOps;
 use crate::backend::cpu::{
-    assume_init_mut, cpu_threads, fold_ragged, for_lanes_mut, maximum, simd, write_exact, CpuStorage, Elem,
+    assume_init_mut, cpu_threads, fold_ragged, maximum, sigmoid_into, simd, write_exact,
+    CpuStorage, Elem,
 };
 use crate::backend::math::LANES;
 use crate::backend::DType;
@@ -283,15 +284,6 @@ simd::multiversion! {
 
 // ----------------------------------------------------------------- SwiGLU ----
 
-/// σ(x) = div(1, 1 + exp(−0 − x)) into `s`, as the unary op computes it:
-/// the exps, then the divisions a group of lanes at a time.
-#[inline(always)]
-fn sigmoid_into<'s, T: Elem>(s: &'s mut [MaybeUninit<T>], x: &[T]) -> &'s mut [T] {
-    let s = write_exact(s, x.iter().map(|&v| T::ONE.add(T::NEG_ZERO.sub(v).exp())));
-    for_lanes_mut(s, |d| T::div_lanes([T::ONE; LANES], d));
-    s
-}
-
 /// gate, up: (n) -> y: (n)
 fn swiglu_t<T: Elem>(gate: &[T], up: &[T]) -> Vec<T> {
     let n = gate.len();
@@ -309,7 +301,9 @@ fn swiglu_t<T: Elem>(gate: &[T], up: &[T]) -> Vec<T> {
 
 simd::multiversion! {
     fn swiglu_slices<T: Elem>(y: &mut [MaybeUninit<T>], gate: &[T], up: &[T]) {
-        let y = sigmoid_into(y, gate);
+        sigmoid_into(y, gate);
+        // SAFETY: sigmoid_into wrote every value.
+        let y = unsafe { assume_init_mut(y) };
         // silu = gate·σ, then · up
         for ((s, &x), &u) in y.iter_mut().zip(gate).zip(up) {
             *s = x.mul(*s).mul(u);
@@ -347,7 +341,9 @@ simd::multiversion! {
     ) {
         // du is written by the zip below: every length must agree
         assert!(du.len() == dg.len() && up.len() == dg.len() && g.len() == dg.len());
-        let dg = sigmoid_into(dg, gate);
+        sigmoid_into(dg, gate);
+        // SAFETY: sigmoid_into wrote every value.
+        let dg = unsafe { assume_init_mut(dg) };
         for ((((s, o), &x), &u), &gv) in dg.iter_mut().zip(du.iter_mut()).zip(gate).zip(up).zip(g) {
             let sv = *s;
             o.write(gv.mul(x.mul(sv)));

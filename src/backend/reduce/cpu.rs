@@ -3,7 +3,7 @@
 use super::{ReduceOp, ReduceOps, NORM_CHUNK};
 use crate::backend::cpu::{
     assume_init_mut, both, both2, cpu_threads, fold_ragged, for_lanes_mut, maximum, simd,
-    write_exact, CpuStorage, Elem,
+    write_exact, write_lanes, CpuStorage, Elem,
 };
 use crate::backend::math::LANES;
 use crate::Result;
@@ -141,6 +141,24 @@ fn live_len<T: Elem>(row: &[T]) -> usize {
         .map_or(0, |p| p + 1)
 }
 
+/// The row's largest value by [`maximum`], folded lane by lane. The order
+/// of a max changes nothing but which NaN wins when there are several, and a
+/// softmax only feeds its row max to `exp`, which returns the one canonical
+/// NaN for any NaN: so the outputs are the sequential fold's, bit for bit.
+#[inline(always)]
+fn max_by_lanes<T: Elem>(row: &[T]) -> T {
+    // four vectors of lanes: four dependency chains in flight
+    let mut acc = [T::NEG_INF; 4 * LANES];
+    let mut groups = row.chunks_exact(4 * LANES);
+    for g in &mut groups {
+        for (a, &v) in acc.iter_mut().zip(g) {
+            *a = maximum(*a, v);
+        }
+    }
+    let tail = groups.remainder().iter().fold(T::NEG_INF, |a, &v| maximum(a, v));
+    acc.into_iter().fold(tail, maximum)
+}
+
 simd::multiversion! {
     /// The softmax of the rows of `x` (`n` wide) into `out`, the same
     /// length; they are rows `first_row ..` of the whole (which places the
@@ -189,9 +207,10 @@ simd::multiversion! {
                 .enumerate()
                 .map(|(r, row)| live_len(&row[..lim(r0 + r)]))
                 .collect();
-            let maxes: Vec<T> = fold_ragged(xb, n, &unmasked, T::NEG_INF, maximum)
-                .into_iter()
-                .map(scaled)
+            let maxes: Vec<T> = xb
+                .chunks_exact(n)
+                .zip(&unmasked)
+                .map(|(row, &l)| scaled(max_by_lanes(&row[..l])))
                 .collect();
             let live: Vec<usize> = unmasked
                 .iter()
@@ -205,9 +224,9 @@ simd::multiversion! {
                 let (exps, rest) = o.split_at_mut(k);
                 // two loops, not a branch in one: each stays a vectorised exp
                 if scale == 1.0 {
-                    write_exact(exps, row[..k].iter().map(|&v| v.sub(m).exp()));
+                    write_lanes(exps, &row[..k], |g| T::exp_lanes(g.map(|v| v.sub(m))));
                 } else {
-                    write_exact(exps, row[..k].iter().map(|&v| v.mul(s).sub(m).exp()));
+                    write_lanes(exps, &row[..k], |g| T::exp_lanes(g.map(|v| v.mul(s).sub(m))));
                 }
                 let (masked, zeros) = rest.split_at_mut(l - k);
                 write_exact(masked, std::iter::repeat_n(T::NEG_INF.sub(m).exp(), l - k));
