@@ -181,8 +181,9 @@ simd::multiversion! {
         if n == 0 {
             return;
         }
-        // Row maxima and sums are sequential folds (the contract's order); they
-        // run four rows at a time. The exps and the divisions are vectorised loops.
+        // Row sums are sequential folds (the contract's order), four rows at a
+        // time; row maxima fold by lanes (`max_by_lanes`: the same outputs). The
+        // exps and the divisions are vector operations a group of lanes at a time.
         //
         // A causal mask leaves a trailing run of −inf in most rows, which changes
         // neither fold: maximum(m, −inf) = m for every m, so the max of the row

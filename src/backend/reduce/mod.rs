@@ -10,7 +10,8 @@
 //!   the row's values are `v_j = x_j · scale` (`x_j` itself when `scale` is 1),
 //!   and with `causal` row `r` is query position `i = r mod n`, whose keys
 //!   `j > i` are `v_j = −inf` whatever `x_j` holds; then `m` = the max of the
-//!   `v` (the Max order), `e = exp(v − m)`, `s = Σ e` ascending from −0,
+//!   `v` by `maximum` (in any order: it decides only which NaN wins, and every
+//!   NaN `m` gives the same outputs), `e = exp(v − m)`, `s = Σ e` ascending from −0,
 //!   `y = div(e, s)`. For finite `x` this is bit for bit the composition
 //!   `softmax(x · scale + mask)` of the separate ops (`x·s + 0 = x·s` up to the
 //!   sign of a zero, which `v − m` does not see), without its two passes.
