@@ -2,7 +2,7 @@
 
 use super::{BinaryOp, ElementwiseOps, UnaryOp};
 use crate::backend::cpu::{
-    both, both2, for_each_run, for_lanes_mut, maximum, sigmoid_into, simd, CpuStorage, Elem,
+    both, both2, for_each_run, maximum, sigmoid_into, simd, write_lanes, CpuStorage, Elem,
 };
 use crate::backend::math::LANES;
 use crate::backend::BinaryLayout;
@@ -27,12 +27,14 @@ simd::multiversion! {
         fn map<T: Copy>(x: &[T], f: impl Fn(T) -> T) -> Vec<T> {
             x.iter().map(|&v| f(v)).collect()
         }
-        /// The ops that divide: a group of lanes at a time, so the division is one
-        /// vector operation ([`Elem::div_lanes`]).
+        /// The ops with a vector form (division, exp): a group of lanes at a
+        /// time, so each is one vector operation ([`Elem::div_lanes`]).
         #[inline(always)]
         fn map_lanes<T: Elem>(x: &[T], f: impl Fn([T; LANES]) -> [T; LANES]) -> Vec<T> {
-            let mut out = x.to_vec();
-            for_lanes_mut(&mut out, f);
+            let mut out = Vec::with_capacity(x.len());
+            write_lanes(&mut out.spare_capacity_mut()[..x.len()], x, f);
+            // SAFETY: write_lanes wrote every value.
+            unsafe { out.set_len(x.len()) };
             out
         }
         let sigmoid = |x: &[T]| {
