@@ -25,7 +25,13 @@ thread_local! {
     static WALL: Cell<Duration> = const { Cell::new(Duration::ZERO) };
     /// GPU work recorded inside [`unpause`] guards while a profile runs.
     static GPU: Cell<GpuCounters> = Cell::new(GpuCounters::default());
-    static TABLE: RefCell<HashMap<&'static str, (u64, Duration)>> = RefCell::new(HashMap::new());
+    /// Dispatches counted by the scopes closed so far, nested ones included:
+    /// what makes each scope's count its own, without its inner scopes'.
+    static CLAIMED: Cell<u64> = const { Cell::new(0) };
+    /// Dispatches recorded by this thread (the scopes' counts: exact even
+    /// while other threads use the GPU).
+    static OWN_DISPATCHES: Cell<u64> = const { Cell::new(0) };
+    static TABLE: RefCell<HashMap<&'static str, (u64, Duration, u64)>> = RefCell::new(HashMap::new());
     static PRODUCTS: RefCell<HashMap<Product, (u64, Duration)>> = RefCell::new(HashMap::new());
 }
 
@@ -98,6 +104,9 @@ pub(crate) enum GpuEvent {
 
 /// Counts one GPU event (the GPU context calls it; always on: one atomic add).
 pub(crate) fn note_gpu(e: GpuEvent) {
+    if let GpuEvent::Dispatch = e {
+        OWN_DISPATCHES.with(|d| d.set(d.get() + 1));
+    }
     match e {
         GpuEvent::Dispatch => &DISPATCHES,
         GpuEvent::Submit => &SUBMITS,
@@ -166,7 +175,12 @@ pub fn take() -> Option<Profile> {
     }
     let mut rows: Vec<Row> = TABLE.with_borrow_mut(|t| {
         t.drain()
-            .map(|(name, (calls, time))| Row { name, calls, time })
+            .map(|(name, (calls, time, dispatches))| Row {
+                name,
+                calls,
+                time,
+                dispatches,
+            })
             .collect()
     });
     rows.sort_by(|a, b| b.time.cmp(&a.time).then(a.name.cmp(b.name)));
@@ -229,7 +243,13 @@ pub(crate) fn scope(name: &'static str) -> Scope {
     Scope {
         name,
         product: None,
-        t0: on.then(Instant::now),
+        t0: on.then(|| {
+            (
+                Instant::now(),
+                OWN_DISPATCHES.with(Cell::get),
+                CLAIMED.with(Cell::get),
+            )
+        }),
     }
 }
 
@@ -244,17 +264,23 @@ pub(crate) fn product_scope(shape: Product) -> Scope {
 pub(crate) struct Scope {
     name: &'static str,
     product: Option<Product>,
-    t0: Option<Instant>,
+    /// When it opened, the dispatch count then, and [`CLAIMED`] then.
+    t0: Option<(Instant, u64, u64)>,
 }
 
 impl Drop for Scope {
     fn drop(&mut self) {
-        if let Some(t0) = self.t0 {
+        if let Some((t0, d0, c0)) = self.t0 {
             let dt = t0.elapsed();
+            // This scope's dispatches, less those of scopes closed inside it.
+            let all = OWN_DISPATCHES.with(Cell::get) - d0;
+            let inner = CLAIMED.with(Cell::get) - c0;
+            CLAIMED.with(|c| c.set(c0 + all));
             TABLE.with_borrow_mut(|t| {
                 let e = t.entry(self.name).or_default();
                 e.0 += 1;
                 e.1 += dt;
+                e.2 += all - inner;
             });
             if let Some(p) = self.product {
                 PRODUCTS.with_borrow_mut(|t| {
@@ -276,6 +302,9 @@ pub struct Row {
     pub calls: u64,
     /// The total wall time of those calls.
     pub time: Duration,
+    /// The GPU kernels those calls dispatched (not counting primitives
+    /// called inside them, which have their own rows).
+    pub dispatches: u64,
 }
 
 /// One product shape's calls and total time.
@@ -329,28 +358,41 @@ impl Profile {
 impl std::fmt::Display for Profile {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let total = self.total().as_secs_f64().max(1e-12);
+        // The GPU's dispatches per primitive, when it did any.
+        let col = |d: u64| match self.gpu {
+            Some(_) => format!(" {d:>10}"),
+            None => String::new(),
+        };
+        let head = if self.gpu.is_some() {
+            " dispatches"
+        } else {
+            ""
+        };
         writeln!(
             f,
-            "{:<28} {:>9} {:>11} {:>7}",
+            "{:<28} {:>9} {:>11} {:>7}{head}",
             "primitive", "calls", "ms", "share"
         )?;
         for r in &self.rows {
             let s = r.time.as_secs_f64();
             writeln!(
                 f,
-                "{:<28} {:>9} {:>11.1} {:>6.1}%",
+                "{:<28} {:>9} {:>11.1} {:>6.1}%{}",
                 r.name,
                 r.calls,
                 s * 1e3,
-                100.0 * s / total
+                100.0 * s / total,
+                col(r.dispatches)
             )?;
         }
         write!(
             f,
-            "{:<28} {:>9} {:>11.1}",
+            "{:<28} {:>9} {:>11.1} {:>7}{}",
             "all primitives",
             self.rows.iter().map(|r| r.calls).sum::<u64>(),
             total * 1e3,
+            "",
+            col(self.rows.iter().map(|r| r.dispatches).sum())
         )?;
         let mm = self.matmul().as_secs_f64();
         if let Some(g) = self.gpu {
@@ -359,6 +401,10 @@ impl std::fmt::Display for Profile {
                 "\nGPU work: {} dispatches, {} queue submits, {} readbacks",
                 g.dispatches, g.submits, g.readbacks
             )?;
+            let inside: u64 = self.rows.iter().map(|r| r.dispatches).sum();
+            if let Some(outside) = g.dispatches.checked_sub(inside).filter(|&d| d > 0) {
+                write!(f, " ({outside} dispatches outside the primitives)")?;
+            }
         }
         if !self.products.is_empty() {
             write!(
@@ -440,5 +486,29 @@ mod tests {
         assert!(p.matmul() >= Duration::from_millis(6));
         assert!(p.matmul() <= p.total());
         assert!(p.to_string().contains("matmul"));
+    }
+
+    #[test]
+    fn each_scope_counts_its_own_dispatches() {
+        let dispatch = |n: usize| (0..n).for_each(|_| note_gpu(GpuEvent::Dispatch));
+        start();
+        {
+            let _outer = scope("outer");
+            dispatch(2);
+            {
+                let _inner = scope("inner");
+                dispatch(3);
+                drop(scope("innermost"));
+                let _deepest = scope("innermost");
+                dispatch(4);
+            }
+            dispatch(1);
+        }
+        dispatch(5); // outside every primitive
+        let p = take().unwrap();
+        let count = |name| p.rows.iter().find(|r| r.name == name).map(|r| r.dispatches);
+        assert_eq!(count("outer"), Some(3));
+        assert_eq!(count("inner"), Some(3));
+        assert_eq!(count("innermost"), Some(4));
     }
 }
