@@ -10,7 +10,7 @@
 
 use crate::backend::round::Format;
 use crate::backend::{Storage, UnaryOp};
-use crate::optim::{clip_grad_norm_, grad_storages, Optimizer};
+use crate::optim::{clip_measured, grad_storages, Optimizer};
 use crate::{bail, Error, Result, Tensor};
 use serde::{Deserialize, Serialize};
 
@@ -265,7 +265,7 @@ impl DynamicLossScaler {
     /// Checks, unscales, clips, steps and updates `S`; returns whether the
     /// optimizer stepped. `params` are the parameters whose gradients are
     /// checked (those `opt` updates); `clip` is a maximum global gradient norm
-    /// in true units (see [`clip_grad_norm_`]). On an overflow the gradients of
+    /// in true units (see [`clip_grad_norm_`](crate::optim::clip_grad_norm_)). On an overflow the gradients of
     /// `params` are cleared and `S` backs off; errors
     /// ([`Error::Numerical`]) once `S` falls below [`MIN_SCALE`]. The check and
     /// the unscale are one fused primitive (on the GPU: one kernel per gradient
@@ -292,8 +292,9 @@ impl DynamicLossScaler {
         let grads = grad_storages(params);
         let refs: Vec<&Storage> = grads.iter().collect();
         let inv = crate::backend::math::div(1.0, self.scale);
-        let (finite, values) = Storage::finite_check_unscale_reading(&refs, inv, also)?;
-        if !finite {
+        let check = Storage::finite_check_unscale_reading(&refs, inv, also)?;
+        let values = check.also;
+        let Some(sum_squares) = check.sum_squares else {
             // Skip: drop the poisoned gradients so nothing adds onto them, back off.
             for p in params {
                 p.zero_grad();
@@ -304,9 +305,9 @@ impl DynamicLossScaler {
                 bail!(Numerical, "loss scale fell to {:e} after repeated overflows: the gradients are non-finite at any scale (a NaN in the model or the data?)", self.scale);
             }
             return Ok((false, values));
-        }
+        };
         if let Some(c) = clip {
-            self.last_grad_norm = Some(clip_grad_norm_(params, c)?);
+            self.last_grad_norm = Some(clip_measured(&grads, sum_squares, c)?);
         }
         opt.step()?;
         self.good_steps += 1;

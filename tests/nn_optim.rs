@@ -252,6 +252,34 @@ device_test!(clip_grad_norm_scales_to_the_bound, |dev| {
     );
 });
 
+// The loss scaler's check measures the norm in the pass that unscales: its
+// sum of squares is, bit for bit, the one clipping takes of the unscaled
+// buffers (ragged chunks, several buffers, an empty one); with an inf
+// anywhere there is none.
+device_test!(the_checks_sum_of_squares_is_the_clips, |dev| {
+    use tinyllm::backend::Storage;
+    let lens = [3000, 0, 1024, 1, 5000];
+    let host: Vec<Vec<f32>> = lens
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| randv(n, 40 + i as u64, 3e4))
+        .collect();
+    let up = |v: &Vec<f32>| Storage::from_f32(v.clone(), dev);
+    let grads: Vec<Storage> = host.iter().map(up).collect::<Result<_>>()?;
+    let refs: Vec<&Storage> = grads.iter().collect();
+    let check = Storage::finite_check_unscale_reading(&refs, 2f32.powi(-12), None)?;
+    assert!(check.finite);
+    let clip = Storage::sum_squares(&refs)?;
+    assert_eq!(check.sum_squares.map(f32::to_bits), Some(clip.to_bits()));
+    assert!(clip > 0.0);
+    let mut bad = host.clone();
+    bad[4][4321] = f32::INFINITY;
+    let grads: Vec<Storage> = bad.iter().map(up).collect::<Result<_>>()?;
+    let refs: Vec<&Storage> = grads.iter().collect();
+    let check = Storage::finite_check_unscale_reading(&refs, 1.0, None)?;
+    assert_eq!((check.finite, check.sum_squares), (false, None));
+});
+
 device_test!(gradients_of_shared_buffers_are_private, |dev| {
     // a + b gives both leaves the same upstream buffer; clipping one must not
     // touch the other.

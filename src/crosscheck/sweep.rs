@@ -1134,12 +1134,13 @@ fn optim(sw: &mut Sweep) -> Result<()> {
     ] {
         let lens: Vec<usize> = bufs.iter().map(Vec::len).collect();
         let case =
-            format!("{what}: buffers {lens:?} times 2^-16 (output: the flag, then the values)");
+            format!("{what}: buffers {lens:?} times 2^-16 (output: the flag, the sum of squares when finite, then the values)");
         sw.check("finite check + unscale", "", case, &[], |d| {
             let st: Vec<Storage> = bufs.iter().map(|b| up(b, d)).collect::<Result<_>>()?;
             let refs: Vec<&Storage> = st.iter().collect();
-            let flag = Storage::finite_check_unscale(&refs, inv)?;
-            let mut out = vec![flag as u8 as f32];
+            let check = Storage::finite_check_unscale_reading(&refs, inv, None)?;
+            let mut out = vec![check.finite as u8 as f32];
+            out.extend(check.sum_squares);
             for s in &st {
                 out.extend(s.to_vec_f32()?);
             }

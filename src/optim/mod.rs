@@ -269,10 +269,19 @@ pub fn clip_grad_norm_(params: &[Tensor], max_norm: f32) -> Result<f32> {
     }
     let grads = grad_storages(params);
     let refs: Vec<&Storage> = grads.iter().collect();
-    let norm = crate::backend::math::sqrt(Storage::sum_squares(&refs)?);
+    clip_measured(&grads, Storage::sum_squares(&refs)?, max_norm)
+}
+
+/// [`clip_grad_norm_`] of gradients whose sum of squares is already known
+/// (the loss scaler's check measures it in the same pass as it unscales).
+pub(crate) fn clip_measured(grads: &[Storage], sum_squares: f32, max_norm: f32) -> Result<f32> {
+    if !(max_norm > 0.0) {
+        bail!(Config, "clip: max_norm must be positive, got {max_norm}");
+    }
+    let norm = crate::backend::math::sqrt(sum_squares);
     if norm > max_norm {
         let coef = crate::backend::math::div(max_norm, norm + 1e-6);
-        for g in &grads {
+        for g in grads {
             g.scale_in_place(coef)?;
         }
     }

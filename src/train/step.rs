@@ -5,7 +5,7 @@
 //! [`precision`](crate::precision)'s `autocast` and `DynamicLossScaler`.
 
 use crate::backend::Storage;
-use crate::optim::{clip_grad_norm_, grad_storages, Optimizer};
+use crate::optim::{clip_measured, grad_storages, Optimizer};
 use crate::precision::{autocast, DynamicLossScaler, Precision};
 use crate::{bail, Result, Tensor};
 use serde::{Deserialize, Serialize};
@@ -239,10 +239,10 @@ pub fn train_step_mixed<M: crate::nn::Module + ?Sized, B: MicroBatch>(
             // exact no-op multiply) finds them in one pass.
             let grads = grad_storages(&params);
             let refs: Vec<&Storage> = grads.iter().collect();
-            let (finite, values) =
-                Storage::finite_check_unscale_reading(&refs, 1.0, Some(&loss_values))?;
-            let loss = losses.total(&values)?;
-            if !loss.is_finite() || !finite {
+            let check = Storage::finite_check_unscale_reading(&refs, 1.0, Some(&loss_values))?;
+            let loss = losses.total(&check.also)?;
+            let sum_squares = check.sum_squares.filter(|_| loss.is_finite());
+            let Some(sum_squares) = sum_squares else {
                 for p in &params {
                     p.zero_grad();
                 }
@@ -255,9 +255,9 @@ pub fn train_step_mixed<M: crate::nn::Module + ?Sized, B: MicroBatch>(
                     Numerical,
                     "non-finite {what} (loss {loss}) without a loss scaler: no update was made"
                 );
-            }
+            };
             let grad_norm = match clip {
-                Some(c) => Some(clip_grad_norm_(&params, c)?),
+                Some(c) => Some(clip_measured(&grads, sum_squares, c)?),
                 None => None,
             };
             opt.step()?;

@@ -3,6 +3,7 @@
 use super::{AdamWConsts, OptimOps};
 use crate::backend::cpu::{cpu_threads, simd, CpuStorage};
 use crate::backend::math::{self, LANES};
+use crate::backend::reduce::NORM_CHUNK;
 use crate::Result;
 use rayon::prelude::*;
 
@@ -11,12 +12,17 @@ use rayon::prelude::*;
 const THREADED_ELEMS: usize = 1 << 18;
 
 impl OptimOps for CpuStorage {
-    fn finite_check_unscale(bufs: &[&CpuStorage], inv_scale: f32, also: Option<&CpuStorage>) -> Result<(bool, Vec<f64>)> {
+    fn finite_check_unscale(
+        bufs: &[&CpuStorage],
+        inv_scale: f32,
+        also: Option<&CpuStorage>,
+    ) -> Result<(bool, Vec<f32>, Vec<f64>)> {
         let mut finite = true;
+        let mut partials = Vec::new();
         for b in bufs {
-            finite &= b.unscale_in_place(inv_scale);
+            finite &= b.unscale_in_place(inv_scale, &mut partials);
         }
-        Ok((finite, also.map_or_else(Vec::new, |a| a.to_vec_f64())))
+        Ok((finite, partials, also.map_or_else(Vec::new, |a| a.to_vec_f64())))
     }
 
     fn scale_in_place(&self, c: f32) -> Result<()> {
@@ -69,26 +75,42 @@ impl OptimOps for CpuStorage {
 }
 
 impl CpuStorage {
-    /// `x *= inv_scale` in place; true when every value was finite before.
-    fn unscale_in_place(&self, inv_scale: f32) -> bool {
+    /// `x *= inv_scale` in place, pushing each chunk's sum of squares of the
+    /// new values; true when every value was finite before.
+    fn unscale_in_place(&self, inv_scale: f32, partials: &mut Vec<f32>) -> bool {
         match self {
-            CpuStorage::F32(b) => {
-                let mut finite = true;
-                for x in b.get_mut().iter_mut() {
-                    finite &= x.is_finite();
-                    *x *= inv_scale;
-                }
-                finite
-            }
+            CpuStorage::F32(b) => unscale_chunks(&mut b.get_mut(), inv_scale, partials),
             CpuStorage::F64(b) => {
                 let mut finite = true;
                 for x in b.get_mut().iter_mut() {
                     finite &= x.is_finite();
                     *x *= inv_scale as f64;
                 }
+                // `sum_squares` reads an f64 buffer as its f32 values too.
+                let narrowed: Vec<f32> = b.get().iter().map(|&x| x as f32).collect();
+                partials.extend(narrowed.chunks(NORM_CHUNK).map(|c| c.iter().fold(-0.0f32, |a, &v| v.mul_add(v, a))));
                 finite
             }
         }
+    }
+}
+
+simd::multiversion! {
+    /// `x *= inv_scale` chunk by chunk ([`NORM_CHUNK`] values), pushing each
+    /// chunk's `fma(v, v, acc)` over the new values from −0 in order (the sum
+    /// of squares' partials); true when every value was finite before.
+    fn unscale_chunks(x: &mut [f32], inv_scale: f32, partials: &mut Vec<f32>) -> bool {
+        let mut finite = true;
+        for c in x.chunks_mut(NORM_CHUNK) {
+            let mut acc = -0.0f32;
+            for v in c.iter_mut() {
+                finite &= v.is_finite();
+                *v *= inv_scale;
+                acc = v.mul_add(*v, acc);
+            }
+            partials.push(acc);
+        }
+        finite
     }
 }
 

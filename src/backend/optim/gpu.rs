@@ -6,11 +6,18 @@ use super::{AdamWConsts, OptimOps};
 use crate::backend::gpu::context::ctx;
 use crate::backend::gpu::pipelines::{gpu_params, no_consts, Family, Kernel};
 use crate::backend::gpu::{grid1d, u32_of, GpuStorage};
+use crate::backend::reduce::NORM_CHUNK;
 use crate::Result;
 
 gpu_params! {
     /// `optim.wgsl` `ScaleParams`: `n` elements times the f32 `c` (bits).
     pub struct ScaleParams { n: u32, c: u32 }
+}
+
+gpu_params! {
+    /// `optim.wgsl` `CheckParams`: `n` elements times the f32 `c` (bits), in
+    /// chunks of `chunk`, this buffer's partials written from `offset`.
+    pub struct CheckParams { n: u32, c: u32, chunk: u32, offset: u32 }
 }
 
 gpu_params! {
@@ -47,11 +54,13 @@ pub const FAMILY: Family = Family {
     ],
     params: &[
         ScaleParams::LAYOUT,
+        CheckParams::LAYOUT,
         AdamWParams::LAYOUT,
         SgdParams::LAYOUT,
     ],
 };
 
+const CHECK: Kernel = Kernel::new(&FAMILY, "finite_check_unscale");
 const SGD: Kernel = Kernel::new(&FAMILY, "sgd_step");
 const SGD_MOMENTUM: Kernel = Kernel::new(&FAMILY, "sgd_momentum_step");
 
@@ -65,32 +74,45 @@ fn per_lane(entry: &'static str, n: usize) -> Result<(Kernel, (u32, u32, u32))> 
 }
 
 impl OptimOps for GpuStorage {
-    /// One kernel per buffer, all OR-ing into ONE 4-byte flag, read back once.
-    fn finite_check_unscale(bufs: &[&GpuStorage], inv_scale: f32, also: Option<&GpuStorage>) -> Result<(bool, Vec<f64>)> {
+    /// One kernel per buffer, all OR-ing into ONE 4-byte flag and writing
+    /// their chunk partials into one buffer; both read back once, with `also`.
+    fn finite_check_unscale(
+        bufs: &[&GpuStorage],
+        inv_scale: f32,
+        also: Option<&GpuStorage>,
+    ) -> Result<(bool, Vec<f32>, Vec<f64>)> {
         let c = ctx()?;
-        if bufs.iter().all(|b| b.is_empty()) {
+        let chunks: usize = bufs.iter().map(|b| b.len().div_ceil(NORM_CHUNK)).sum();
+        if chunks == 0 {
             let values = also.map(|a| a.download()).transpose()?.unwrap_or_default();
-            return Ok((true, values.into_iter().map(f64::from).collect()));
+            return Ok((true, Vec::new(), values.into_iter().map(f64::from).collect()));
         }
         // A fresh buffer is zero-initialised by wgpu.
         let flag = c.buffer_with(&[0u8; 4]);
+        let partials = GpuStorage::alloc(c, chunks)?;
+        let mut offset = 0;
         for b in bufs.iter().filter(|b| !b.is_empty()) {
-            let (k, grid) = per_lane("finite_check_unscale", b.len())?;
-            let prm = ScaleParams {
+            let n = b.len().div_ceil(NORM_CHUNK);
+            let prm = CheckParams {
                 n: u32_of(b.len(), "length")?,
                 c: inv_scale.to_bits(),
+                chunk: NORM_CHUNK as u32,
+                offset: u32_of(offset, "offset")?,
             };
-            c.dispatch(&k, &prm, &[b.buf(), &flag], grid)?;
+            c.dispatch(&CHECK, &prm, &[b.buf(), &flag, partials.buf()], grid1d(n))?;
+            offset += n;
         }
-        let mut parts = vec![(&flag, 4)];
+        let mut parts = vec![(&flag, 4), (partials.buf(), 4 * chunks as u64)];
         parts.extend(also.map(|a| (a.buf(), 4 * a.len() as u64)));
         let mut got = c.read_many(&parts)?.into_iter();
         let v = got.next().unwrap_or_default();
         let finite = u32::from_le_bytes([v[0], v[1], v[2], v[3]]) == 0;
-        let values = got.next().map_or_else(Vec::new, |b| {
-            b.chunks_exact(4).map(|w| f32::from_le_bytes([w[0], w[1], w[2], w[3]]) as f64).collect()
-        });
-        Ok((finite, values))
+        let f32s = |b: Vec<u8>| -> Vec<f32> {
+            b.chunks_exact(4).map(|w| f32::from_le_bytes([w[0], w[1], w[2], w[3]])).collect()
+        };
+        let partials = got.next().map_or_else(Vec::new, f32s);
+        let values = got.next().map_or_else(Vec::new, |b| f32s(b).into_iter().map(f64::from).collect());
+        Ok((finite, partials, values))
     }
 
     fn scale_in_place(&self, s: f32) -> Result<()> {

@@ -15,14 +15,18 @@
 //!   `g' = buf`; `p = fma(-lr, g', p)`.
 //! * `scale_in_place`: `x = x * c`, exactly rounded.
 //! * `finite_check_unscale`: every gradient multiplied in place by
-//!   `inv_scale` (a power of two: exact), and one flag saying whether every
-//!   value of every buffer was finite *before* the multiply (on the GPU: one
-//!   kernel per buffer into one shared flag, one 4-byte readback).
+//!   `inv_scale` (a power of two: exact), one flag saying whether every
+//!   value of every buffer was finite *before* the multiply, and the sum of
+//!   squares of the values *after* it, chunk by chunk exactly as
+//!   [`Storage::sum_squares`] sums them (what clipping measures: one pass
+//!   and, on the GPU, one readback for the check and the norm; one kernel
+//!   per buffer, every invocation walking one chunk in order).
 
 mod cpu;
 #[cfg(feature = "gpu")]
 pub(crate) mod gpu;
 
+use super::reduce::fold_partials;
 use super::{observed, observed_value, on_device};
 use super::{Device, Storage};
 use crate::{bail, Result};
@@ -48,10 +52,15 @@ pub struct AdamWConsts {
 
 /// The two devices' in-place updates (see the module docs for the contract).
 pub trait OptimOps: Sized {
-    /// Unscales every buffer in place; true when all values were finite
-    /// before. `also`'s values come back with the verdict (on a GPU in the
-    /// same readback: the step's loss rides along with its finite flag).
-    fn finite_check_unscale(bufs: &[&Self], inv_scale: f32, also: Option<&Self>) -> Result<(bool, Vec<f64>)>;
+    /// Unscales every buffer in place: true when all values were finite
+    /// before, and every buffer's chunk partials of the sum of squares after,
+    /// in buffer order. `also`'s values come back with the verdict (on a GPU
+    /// in the same readback: the step's loss rides along with its finite flag).
+    fn finite_check_unscale(
+        bufs: &[&Self],
+        inv_scale: f32,
+        also: Option<&Self>,
+    ) -> Result<(bool, Vec<f32>, Vec<f64>)>;
     fn scale_in_place(&self, c: f32) -> Result<()>;
     /// `self` is the parameter.
     fn adamw_step(&self, g: &Self, m: &Self, v: &Self, c: &AdamWConsts) -> Result<()>;
@@ -78,26 +87,43 @@ fn check_len(what: &str, p: &Storage, others: &[&Storage]) -> Result<()> {
     Ok(())
 }
 
+/// What the loss scaler's fused pass over the gradients found.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GradCheck {
+    /// Whether every value of every buffer was finite before the multiply.
+    pub finite: bool,
+    /// When they were, the contract's sum of squares of the unscaled values
+    /// (the global gradient norm's square, as clipping measures it).
+    pub sum_squares: Option<f32>,
+    /// The values of the buffer read back with the verdict.
+    pub also: Vec<f64>,
+}
+
 impl Storage {
     /// The loss scaler's fused check and unscale over every gradient buffer.
     pub fn finite_check_unscale(grads: &[&Storage], inv_scale: f32) -> Result<bool> {
-        Ok(Storage::finite_check_unscale_reading(grads, inv_scale, None)?.0)
+        Ok(Storage::finite_check_unscale_reading(grads, inv_scale, None)?.finite)
     }
 
-    /// [`finite_check_unscale`](Self::finite_check_unscale), reading `also`'s
-    /// values back with the verdict: one GPU sync for both.
+    /// [`finite_check_unscale`](Self::finite_check_unscale) with the sum of
+    /// squares of the unscaled gradients, reading `also`'s values back with
+    /// the verdict: one GPU sync for all three.
     pub fn finite_check_unscale_reading(
         grads: &[&Storage],
         inv_scale: f32,
         also: Option<&Storage>,
-    ) -> Result<(bool, Vec<f64>)> {
+    ) -> Result<GradCheck> {
         let _prof = crate::profile::scope("finite check + unscale");
         let n = grads.len();
         let parts: Vec<&Storage> = grads.iter().copied().chain(also).collect();
         if parts.is_empty() {
-            return Ok((true, Vec::new()));
+            return Ok(GradCheck {
+                finite: true,
+                sum_squares: Some(0.0),
+                also: Vec::new(),
+            });
         }
-        let (finite, values): (bool, Vec<f64>) = on_device!(slice &parts => |xs| {
+        let (finite, partials, values): (bool, Vec<f32>, Vec<f64>) = on_device!(slice &parts => |xs| {
             let (gs, rest) = xs.split_at(n);
             OptimOps::finite_check_unscale(gs, inv_scale, rest.first().copied())
         });
@@ -107,7 +133,25 @@ impl Storage {
         };
         let on_gpu = parts[0].device() == Device::Gpu;
         let flag = observed_value("finite check + unscale", lens, grads, on_gpu, finite as u8 as f32)?;
-        Ok((flag == 1.0, values))
+        let finite = flag == 1.0;
+        // A non-finite sum is never used (the step stops), and its NaN's bits
+        // are the device's: it is neither returned nor traced.
+        let sum_squares = match finite {
+            true => {
+                let total = fold_partials(partials);
+                let lens = || {
+                    let l: Vec<usize> = grads.iter().map(|g| g.len()).collect();
+                    format!("buffers {l:?}")
+                };
+                Some(observed_value("sum of squares", lens, &[], on_gpu, total)?)
+            }
+            false => None,
+        };
+        Ok(GradCheck {
+            finite,
+            sum_squares,
+            also: values,
+        })
     }
 
     /// In place: `self *= c` (clipping).

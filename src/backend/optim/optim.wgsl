@@ -3,7 +3,7 @@
 // (src/backend/cpu.rs): explicit fma where the Rust uses mul_add, separate
 // ops where it does two roundings.
 //
-// 1-D grids. scale_in_place, finite_check_unscale and adamw_step give each
+// 1-D grids. scale_in_place and adamw_step give each
 // invocation PER_LANE elements: workgroup w covers the 64 * PER_LANE
 // consecutive elements from w * 64 * PER_LANE, lane l takes every 64th of them
 // from l (neighbouring lanes, neighbouring addresses). PER_LANE is a pipeline
@@ -45,32 +45,50 @@ fn scale_in_place(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups)
     }
 }
 
-// ---- finite check + unscale: grad: (n) in place, flag: one u32 shared by all buffers ----
-// Tests the value *before* the multiply on its exponent bits (all ones = inf
-// or NaN; WGSL has no isNan/isInf), ORs 1 into the shared flag if so, then
-// multiplies by inv_scale (a power of two: exact). The host zeroes the flag,
-// runs this once per gradient buffer, and reads the one flag back.
+// ---- finite check + unscale + sum of squares: grad: (n) in place; flag: one u32
+// shared by all buffers; partials: one f32 per chunk of `chunk` values, this
+// buffer's from `offset` ----
+// One invocation per chunk: i = (wg.y * groups.x + wg.x) * 64 + lane walks
+// chunk i in order (the sum of squares' order, reduce.wgsl chunk_sum_squares).
+// Each value is tested *before* the multiply on its exponent bits (all ones =
+// inf or NaN; WGSL has no isNan/isInf), then multiplied by inv_scale (a power
+// of two: exact) and its square added by fma. The host zeroes the flag, runs
+// this once per gradient buffer, and reads the flag and the partials back
+// together.
 
-@group(0) @binding(0) var<storage, read> fc_prm: ScaleParams;
+struct CheckParams {
+    n: u32,
+    c: u32, // f32 bits
+    chunk: u32,
+    offset: u32,
+}
+
+@group(0) @binding(0) var<storage, read> fc_prm: CheckParams;
 @group(0) @binding(1) var<storage, read_write> fc_x: array<f32>;
 @group(0) @binding(2) var<storage, read_write> fc_flag: atomic<u32>;
+@group(0) @binding(3) var<storage, read_write> fc_partials: array<f32>;
 
 @compute @workgroup_size(64)
 fn finite_check_unscale(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
                         @builtin(local_invocation_index) lane: u32) {
-    let base = chunk_base(wg, groups) + lane;
+    let chunk = (wg.y * groups.x + wg.x) * 64u + lane;
     let n = fc_prm.n;
+    let start = chunk * fc_prm.chunk;
+    if start >= n {
+        return;
+    }
+    let end = min(start + fc_prm.chunk, n);
     let c = bitcast<f32>(fc_prm.c);
     var bad = false;
-    for (var t = 0u; t < PER_LANE; t++) {
-        let i = base + t * 64u;
-        if i >= n {
-            break;
-        }
+    var acc = -0.0;
+    for (var i = start; i < end; i++) {
         let x = fc_x[i];
         bad = bad || is_nonfinite_bits(bitcast<u32>(x));
-        fc_x[i] = x * c;
+        let u = x * c;
+        fc_x[i] = u;
+        acc = fma_c(u, u, acc);
     }
+    fc_partials[fc_prm.offset + chunk] = acc;
     if bad {
         atomicOr(&fc_flag, 1u); // only the rare bad lanes touch the atomic
     }

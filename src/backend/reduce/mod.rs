@@ -135,11 +135,17 @@ impl Storage {
             return Ok(0.0);
         }
         let partials: Vec<f32> = on_device!(slice bufs => |xs| ReduceOps::chunk_sum_squares(&xs));
-        let total = partials.into_iter().fold(-0.0f32, |t, p| t + p);
+        let total = fold_partials(partials);
         let lens = || {
             let l: Vec<usize> = bufs.iter().map(|b| b.len()).collect();
             format!("buffers {l:?}")
         };
         observed_value("sum of squares", lens, &[], bufs[0].device() == Device::Gpu, total)
     }
+}
+
+/// The sum of squares' last step: the chunk partials added in order, on the
+/// host (the loss scaler's fused check ends the same way).
+pub(crate) fn fold_partials(partials: Vec<f32>) -> f32 {
+    partials.into_iter().fold(-0.0f32, |t, p| t + p)
 }
