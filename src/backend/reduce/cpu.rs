@@ -155,8 +155,24 @@ fn max_by_lanes<T: Elem>(row: &[T]) -> T {
             *a = maximum(*a, v);
         }
     }
-    let tail = groups.remainder().iter().fold(T::NEG_INF, |a, &v| maximum(a, v));
-    acc.into_iter().fold(tail, maximum)
+    // The rest a vector of lanes at a time, padded with −inf (which leaves
+    // a max as it was); then four vectors of maxima halved to one, then one.
+    for c in groups.remainder().chunks(LANES) {
+        let mut v = [T::NEG_INF; LANES];
+        v[..c.len()].copy_from_slice(c);
+        for (a, x) in acc.iter_mut().zip(v) {
+            *a = maximum(*a, x);
+        }
+    }
+    let (lo, hi) = acc.split_at_mut(2 * LANES);
+    for (a, &b) in lo.iter_mut().zip(hi.iter()) {
+        *a = maximum(*a, b);
+    }
+    let (lo, hi) = lo.split_at_mut(LANES);
+    for (a, &b) in lo.iter_mut().zip(hi.iter()) {
+        *a = maximum(*a, b);
+    }
+    lo.iter().fold(T::NEG_INF, |a, &v| maximum(a, v))
 }
 
 simd::multiversion! {
