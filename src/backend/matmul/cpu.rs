@@ -522,12 +522,10 @@ fn matmul_block<const NR: usize>(
     }
 }
 
-/// Products below this many multiply-adds run on one thread: ~1 ms of one
-/// core's work, against the 20–60 µs it takes to wake another core on a VM.
-/// (Measured on a 2-vCPU VM: at 2^21 the `small` preset's step was ~20 %
-/// *slower* on two threads than on one; at 2^26 it was within run-to-run noise
-/// of one thread, and 512×320×904 products gain ~1.3x from the second core.)
-const THREADED_MACS: usize = 1 << 26;
+/// Products below this many multiply-adds run on one thread: ~0.3 ms of one
+/// core's work, still several times the 20–60 µs it takes to wake another
+/// core on a VM (and below it, the wake-up ate the gain: BENCHMARKS.md).
+const THREADED_MACS: usize = 1 << 24;
 
 /// The product on the CPU's widest tile.
 fn matmul_f32(a: &[f32], b: &[f32], d: MatmulDims, round: Option<Format>) -> Vec<f32> {
@@ -710,7 +708,7 @@ mod tests {
             (2, 12, 40, 64),
             (1, 7, 5, 31),
             (1, 70, 600, 33),
-            // past the threading threshold (THREADED_MACS = 2^26 multiply-adds):
+            // past the threading threshold (THREADED_MACS multiply-adds):
             // rows split over threads, more than one MC block of rows and more
             // than one k-block; then a batch split
             (1, 200, 600, 600),

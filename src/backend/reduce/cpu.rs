@@ -58,7 +58,7 @@ simd::multiversion! {
 
 /// Rows from this many values are split over the threads: each row's
 /// softmax is independent of the others, so the bits do not depend on it.
-const THREADED_ROW_ELEMS: usize = 1 << 20;
+const THREADED_ROW_ELEMS: usize = 1 << 18;
 
 /// The `(rows, n)` output of `f(first_row, rows, out)`, which writes every
 /// value of its rows' `out`: one block of whole rows per thread (from
