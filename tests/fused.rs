@@ -340,6 +340,37 @@ device_test!(rope_is_the_composition, |dev| {
     }
 });
 
+// RoPE straight from a projection's (B, T, H·D) into attention's (B, H, T, D)
+// is the composition of the reshape, the permute and the rotation.
+device_test!(rope_heads_is_the_permuted_composition, |dev| {
+    for (k, &(b, t, h, d)) in [(2, 5, 3, 8), (1, 7, 1, 2), (3, 4, 2, 130)]
+        .iter()
+        .enumerate()
+    {
+        let n = b * t * h * d;
+        let seed = 300 + 10 * k as u64;
+        let (c, s) = rope_tables(t, d, 10000.0);
+        for finite in [true, false] {
+            let ins = [
+                input(values(n, seed, 3.0, finite), &[b, t, h * d], true),
+                input(c.iter().map(|&v| v as f64).collect(), &[t, d], false),
+                input(s.iter().map(|&v| v as f64).collect(), &[t, d], false),
+            ];
+            check(
+                &format!("rope_heads ({b}, {t}, {h}·{d}) finite {finite}"),
+                dev,
+                &ins,
+                &weights(n, seed + 1),
+                &|x| x[0].rope_heads(&x[1], &x[2], h),
+                &|x| {
+                    let heads = x[0].reshape(&[b, t, h, d])?.permute(&[0, 2, 1, 3])?;
+                    reference::rope(&heads, &x[1], &x[2])
+                },
+            )?;
+        }
+    }
+});
+
 // ---------------------------------------------------------- cross-entropy ----
 
 device_test!(cross_entropy_is_the_composition, |dev| {
@@ -415,6 +446,12 @@ device_test!(bad_inputs_are_shape_errors, |dev| {
     let odd = t(&randv(18, 3, 1.0), &[2, 3, 3], dev);
     let (c3, s3) = (t(&[1.0; 9], &[3, 3], dev), t(&[0.0; 9], &[3, 3], dev));
     shape_err(odd.rope(&c3, &s3), "even");
+    // RoPE into heads: (B, T, H·D) with tables (T, D)
+    assert!(x
+        .rope_heads(&t(&[1.0; 6], &[3, 2], dev), &t(&[0.0; 6], &[3, 2], dev), 2)
+        .is_ok());
+    shape_err(x.rope_heads(&c, &s, 3), "rope_heads");
+    shape_err(x.rope_heads(&c, &s, 2), "tables");
     // cross-entropy: one target per row, each < vocab
     let logits = t(&randv(12, 4, 1.0), &[3, 4], dev);
     shape_err(cross_entropy(&logits, &[0, 1]), "targets");

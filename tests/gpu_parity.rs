@@ -373,14 +373,17 @@ fn swiglu_forward_and_backward() {
 fn rope_forward_and_backward() {
     require_gpu!();
     let mut rng = Rng(47);
-    // (rows = blocks · t, d): odd t, d = 2 (one pair), 130 (off the workgroup)
-    for (blocks, t, d, real) in [
-        (3, 5, 8, true),
-        (1, 7, 2, false),
-        (2, 3, 130, true),
-        (3, 1, 6, false),
+    // (rows = blocks · t · heads, d): odd t, d = 2 (one pair), 130 (off the
+    // workgroup); several heads move rows between the two layouts
+    for (blocks, t, d, heads, real) in [
+        (3, 5, 8, 1, true),
+        (1, 7, 2, 1, false),
+        (2, 3, 130, 1, true),
+        (3, 1, 6, 1, false),
+        (2, 5, 8, 3, true),
+        (3, 4, 6, 2, false),
     ] {
-        let rows = blocks * t;
+        let rows = blocks * t * heads;
         let (cos, sin) = if real {
             tinyllm::nn::llama::rope_tables(t, d, 10000.0)
         } else {
@@ -389,18 +392,24 @@ fn rope_forward_and_backward() {
         let x = rows_of(&mut rng, rows, d);
         let g = rows_of(&mut rng, rows, d);
         let ((xc, xg), (cc, cg), (sc, sg), (gc, gg)) = (pair(&x), pair(&cos), pair(&sin), pair(&g));
-        let what = format!("rope {rows}x{d} t {t}");
+        let what = format!("rope {rows}x{d} t {t} heads {heads}");
+        // the inputs line up with the outputs where no rows move
+        let (xs, gs): (&[&[f32]], &[&[f32]]) = if heads == 1 {
+            (&[&x], &[&g])
+        } else {
+            (&[], &[])
+        };
         assert_bits(
             &what,
-            &vals(&xc.rope(&cc, &sc, t, d).unwrap()),
-            &vals(&xg.rope(&cg, &sg, t, d).unwrap()),
-            &[&x],
+            &vals(&xc.rope(&cc, &sc, t, d, heads).unwrap()),
+            &vals(&xg.rope(&cg, &sg, t, d, heads).unwrap()),
+            xs,
         );
         assert_bits(
             &format!("{what}: backward"),
-            &vals(&gc.rope_backward(&cc, &sc, t, d).unwrap()),
-            &vals(&gg.rope_backward(&cg, &sg, t, d).unwrap()),
-            &[&g],
+            &vals(&gc.rope_backward(&cc, &sc, t, d, heads).unwrap()),
+            &vals(&gg.rope_backward(&cg, &sg, t, d, heads).unwrap()),
+            gs,
         );
     }
 }

@@ -1290,16 +1290,29 @@ fn fused(sw: &mut Sweep) -> Result<()> {
             let (cos, sin): (Vec<f32>, Vec<f32>) = (0..t * d)
                 .map(|i| ((i as f32 * 0.37).cos(), (i as f32 * 0.37).sin()))
                 .unzip();
-            sw.check("rope", "", case.clone(), &[&x], |dev| {
-                up(&x, dev)?
-                    .rope(&up(&cos, dev)?, &up(&sin, dev)?, t, d)?
-                    .to_vec_f32()
-            })?;
-            sw.check("rope backward", "", case.clone(), &[&g], |dev| {
-                up(&g, dev)?
-                    .rope_backward(&up(&cos, dev)?, &up(&sin, dev)?, t, d)?
-                    .to_vec_f32()
-            })?;
+            // one head, and rows permuted between two heads' layouts
+            for heads in [1, 2].into_iter().filter(|h| rows % (t * h) == 0) {
+                let variant = if heads == 1 {
+                    String::new()
+                } else {
+                    format!("{heads} heads")
+                };
+                // the inputs line up with the outputs only where no rows move
+                let (xs, gs): (&[&[f32]], &[&[f32]]) = match heads {
+                    1 => (&[&x], &[&g]),
+                    _ => (&[], &[]),
+                };
+                sw.check("rope", &variant, case.clone(), xs, |dev| {
+                    up(&x, dev)?
+                        .rope(&up(&cos, dev)?, &up(&sin, dev)?, t, d, heads)?
+                        .to_vec_f32()
+                })?;
+                sw.check("rope backward", &variant, case.clone(), gs, |dev| {
+                    up(&g, dev)?
+                        .rope_backward(&up(&cos, dev)?, &up(&sin, dev)?, t, d, heads)?
+                        .to_vec_f32()
+                })?;
+            }
         }
         let targets: Vec<u32> = (0..rows).map(|r| ((r * 7) % d) as u32).collect();
         let logits: Vec<f32> = (0..rows * d).map(|_| rng.unif(-20.0, 20.0)).collect();

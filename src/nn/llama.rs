@@ -315,12 +315,17 @@ impl Attention {
             l.forward(x)?.reshape(&[b, t, h, d])?.permute(&[0, 2, 1, 3])
         };
         let (cos, sin) = self.rope.first(t)?;
-        let rope = |x: &Tensor| {
+        // q and k: (B,T,C) -> (B,H,T,D) rotated, the permute inside the RoPE
+        let rotated = |name: &str, l: &Linear| {
+            let x = {
+                let _traced = trace::path(name);
+                l.forward(x)?
+            };
             let _traced = trace::path("rope");
-            apply_rope(x, &cos, &sin)
+            x.rope_heads(&cos, &sin, h)
         };
-        let q = rope(&heads("q_proj", &self.q_proj)?)?;
-        let k = rope(&heads("k_proj", &self.k_proj)?)?;
+        let q = rotated("q_proj", &self.q_proj)?;
+        let k = rotated("k_proj", &self.k_proj)?;
         let v = heads("v_proj", &self.v_proj)?;
         // (B,H,T,D) = softmax(q kᵀ / √D, future positions masked) v
         let scale = 1.0 / (d as f64).sqrt();

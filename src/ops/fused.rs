@@ -110,16 +110,52 @@ impl Tensor {
     /// gradient. The composition's bits: [`reference::rope`].
     pub fn rope(&self, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         let r = self.dims();
-        if r < 2 || cos.shape() != &self.shape()[r - 2..] || sin.shape() != cos.shape() {
+        if r < 2 {
             bail!(
                 Shape,
-                "rope: input {:?} needs tables of its last two axes, got cos {:?} and sin {:?}",
+                "rope: input {:?} needs axes (.., T, D)",
+                self.shape()
+            );
+        }
+        let (t, d) = (self.shape()[r - 2], self.shape()[r - 1]);
+        self.rope_into(cos, sin, (t, d, 1), self.shape().to_vec())
+    }
+
+    /// RoPE into attention's layout: `x: (B, T, H·D)`, as a projection
+    /// writes it, -> `(B, H, T, D)`, every head rotated at its position;
+    /// `cos, sin: (T, D)`. Bit for bit [`rope`](Self::rope) of
+    /// `x.reshape(&[B, T, H, D])?.permute(&[0, 2, 1, 3])`, forward and
+    /// backward, without the permute's pass over the values.
+    pub fn rope_heads(&self, cos: &Tensor, sin: &Tensor, heads: usize) -> Result<Tensor> {
+        let s = self.shape();
+        if s.len() != 3 || heads == 0 || !s[2].is_multiple_of(heads) {
+            bail!(
+                Shape,
+                "rope_heads: input {s:?} needs axes (B, T, H·D) with H = {heads} heads"
+            );
+        }
+        let (b, t, d) = (s[0], s[1], s[2] / heads.max(1));
+        self.rope_into(cos, sin, (t, d, heads), vec![b, heads, t, d])
+    }
+
+    /// [`rope`](Self::rope) and [`rope_heads`](Self::rope_heads): token-major
+    /// rows of `heads` per position into `shape`, head-major.
+    fn rope_into(
+        &self,
+        cos: &Tensor,
+        sin: &Tensor,
+        (t, d, heads): (usize, usize, usize),
+        shape: Vec<usize>,
+    ) -> Result<Tensor> {
+        if cos.shape() != [t, d] || sin.shape() != cos.shape() {
+            bail!(
+                Shape,
+                "rope: input {:?} needs tables of ({t}, {d}) (positions, head dimension), got cos {:?} and sin {:?}",
                 self.shape(),
                 cos.shape(),
                 sin.shape()
             );
         }
-        let (t, d) = (self.shape()[r - 2], self.shape()[r - 1]);
         if !d.is_multiple_of(2) {
             bail!(
                 Shape,
@@ -133,19 +169,15 @@ impl Tensor {
                 "rope: the cos/sin tables are constants here (no gradient flows to them); use reference::rope to differentiate them"
             );
         }
-        let y = self.storage().rope(&cos.storage(), &sin.storage(), t, d)?;
+        let y = self
+            .storage()
+            .rope(&cos.storage(), &sin.storage(), t, d, heads)?;
         let (c, s) = (cos.storage(), sin.storage());
-        let shape = self.shape().to_vec();
-        Ok(Tensor::record(
-            y,
-            shape.clone(),
-            "rope",
-            &[self],
-            move |g| {
-                let dx = g.storage().rope_backward(&c, &s, t, d)?;
-                Ok(vec![Some(Tensor::from_storage(dx, &shape)?)])
-            },
-        ))
+        let in_shape = self.shape().to_vec();
+        Ok(Tensor::record(y, shape, "rope", &[self], move |g| {
+            let dx = g.storage().rope_backward(&c, &s, t, d, heads)?;
+            Ok(vec![Some(Tensor::from_storage(dx, &in_shape)?)])
+        }))
     }
 }
 

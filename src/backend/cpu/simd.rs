@@ -228,8 +228,8 @@ mod tests {
         let (dg, du) = x.swiglu_backward(&y, &st(values(1000, 14))).unwrap();
         out.extend([bits(&dg), bits(&du)]);
         let (cos, sin) = (st(values(500, 12)), st(values(500, 13)));
-        out.push(bits(&x.rope(&cos, &sin, 10, 50).unwrap()));
-        out.push(bits(&x.rope_backward(&cos, &sin, 10, 50).unwrap()));
+        out.push(bits(&x.rope(&cos, &sin, 10, 50, 1).unwrap()));
+        out.push(bits(&x.rope_backward(&cos, &sin, 10, 50, 1).unwrap()));
         let targets: Vec<u32> = (0..10).map(|i| (i * 37 % 100) as u32).collect();
         let (loss, stats) = x.cross_entropy(&targets, 100).unwrap();
         out.extend([bits(&loss), bits(&stats)]);

@@ -88,15 +88,17 @@ impl FusedOps for CpuStorage {
         }))
     }
 
-    fn rope(&self, cos: &CpuStorage, sin: &CpuStorage, t: usize, d: usize) -> Result<CpuStorage> {
+    fn rope(&self, cos: &CpuStorage, sin: &CpuStorage, t: usize, d: usize, heads: usize) -> Result<CpuStorage> {
+        let rows = RopeRows { t, heads, backward: false };
         Ok(by_dtype!(self, T => {
-            T::wrap(rope_t::<T>(&T::view(self), &T::view(cos), &T::view(sin), t, d, false))
+            T::wrap(rope_t::<T>(&T::view(self), &T::view(cos), &T::view(sin), d, rows))
         }))
     }
 
-    fn rope_backward(&self, cos: &CpuStorage, sin: &CpuStorage, t: usize, d: usize) -> Result<CpuStorage> {
+    fn rope_backward(&self, cos: &CpuStorage, sin: &CpuStorage, t: usize, d: usize, heads: usize) -> Result<CpuStorage> {
+        let rows = RopeRows { t, heads, backward: true };
         Ok(by_dtype!(self, T => {
-            T::wrap(rope_t::<T>(&T::view(self), &T::view(cos), &T::view(sin), t, d, true))
+            T::wrap(rope_t::<T>(&T::view(self), &T::view(cos), &T::view(sin), d, rows))
         }))
     }
 
@@ -355,27 +357,52 @@ simd::multiversion! {
 
 // ------------------------------------------------------------------- RoPE ----
 
-/// x: (rows, d), cos, sin: (t, d), row i at position i mod t -> y: (rows, d);
-/// `backward`: x is the upstream gradient, y the input's.
-fn rope_t<T: Elem>(x: &[T], cos: &[T], sin: &[T], t: usize, d: usize, backward: bool) -> Vec<T> {
+/// Which input row an output row of a RoPE reads, and its position: the
+/// forward reads token-major `(B, t, heads, d)` rows into head-major `(B,
+/// heads, t, d)` ones, the backward the other way.
+#[derive(Clone, Copy)]
+struct RopeRows {
+    t: usize,
+    heads: usize,
+    backward: bool,
+}
+
+impl RopeRows {
+    /// `(input row, position)` of output row `o`.
+    #[inline(always)]
+    fn source(self, o: usize) -> (usize, usize) {
+        let (t, h) = (self.t, self.heads);
+        if self.backward {
+            // o = (b·t + p)·h + head, read from (b·h + head)·t + p
+            let (bp, head) = (o / h, o % h);
+            ((bp / t * h + head) * t + bp % t, bp % t)
+        } else {
+            // o = (b·h + head)·t + p, read from (b·t + p)·h + head
+            let (bh, p) = (o / t, o % t);
+            ((bh / h * t + p) * h + bh % h, p)
+        }
+    }
+}
+
+/// x: rows of d, cos, sin: (t, d) -> y: rows of d, output row o from input
+/// row `rows.source(o)`; `backward`: x is the upstream gradient, y the input's.
+fn rope_t<T: Elem>(x: &[T], cos: &[T], sin: &[T], d: usize, rows: RopeRows) -> Vec<T> {
     if d == 0 {
         return vec![T::ZERO; x.len()];
     }
     // each row's halves are written pair by pair: d is even, x whole rows
     assert!(d.is_multiple_of(2) && x.len().is_multiple_of(d));
     let mut y = Vec::with_capacity(x.len());
-    let rows = x.len() / d;
-    let per = per_thread(rows, d);
+    let per = per_thread(x.len() / d, d);
     y.spare_capacity_mut()[..x.len()]
         .par_chunks_mut(per * d)
-        .zip(x.par_chunks(per * d))
         .enumerate()
-        .for_each(|(b, (y, x))| {
+        .for_each(|(b, y)| {
             let first = b * per;
-            if backward {
-                rope_backward_rows(y, x, cos, sin, first, t, d)
+            if rows.backward {
+                rope_backward_rows(y, x, cos, sin, first, d, rows)
             } else {
-                rope_rows(y, x, cos, sin, first, t, d)
+                rope_rows(y, x, cos, sin, first, d, rows)
             }
         });
     // SAFETY: the row kernels write both halves of every row.
@@ -384,12 +411,14 @@ fn rope_t<T: Elem>(x: &[T], cos: &[T], sin: &[T], t: usize, d: usize, backward: 
 }
 
 simd::multiversion! {
-    /// Rows `first ..` (`d > 0`): row i at position i mod t.
-    fn rope_rows<T: Elem>(y: &mut [MaybeUninit<T>], x: &[T], cos: &[T], sin: &[T], first: usize, t: usize, d: usize) {
-        assert!(d.is_multiple_of(2) && y.len() == x.len() && x.len().is_multiple_of(d));
+    /// Output rows `first ..` (`d > 0`) from the rows of `x` they read.
+    fn rope_rows<T: Elem>(y: &mut [MaybeUninit<T>], x: &[T], cos: &[T], sin: &[T], first: usize, d: usize, rows: RopeRows) {
+        assert!(d.is_multiple_of(2) && y.len().is_multiple_of(d));
         let h = d / 2;
-        for (i, (yr, xr)) in y.chunks_exact_mut(d).zip(x.chunks_exact(d)).enumerate() {
-            let p = ((first + i) % t) * d;
+        for (i, yr) in y.chunks_exact_mut(d).enumerate() {
+            let (src, p) = rows.source(first + i);
+            let xr = &x[src * d..(src + 1) * d];
+            let p = p * d;
             let (c1, c2) = cos[p..p + d].split_at(h);
             let (s1, s2) = sin[p..p + d].split_at(h);
             let (x1, x2) = xr.split_at(h);
@@ -411,20 +440,23 @@ simd::multiversion! {
 }
 
 simd::multiversion! {
-    /// The backward of rows `first ..` (`d > 0`): g, dx: (rows, d).
+    /// The backward of output rows `first ..` (`d > 0`) from the rows of the
+    /// upstream gradient `g` they read.
     fn rope_backward_rows<T: Elem>(
         dx: &mut [MaybeUninit<T>],
         g: &[T],
         cos: &[T],
         sin: &[T],
         first: usize,
-        t: usize,
         d: usize,
+        rows: RopeRows,
     ) {
-        assert!(d.is_multiple_of(2) && dx.len() == g.len() && g.len().is_multiple_of(d));
+        assert!(d.is_multiple_of(2) && dx.len().is_multiple_of(d));
         let h = d / 2;
-        for (i, (or, gr)) in dx.chunks_exact_mut(d).zip(g.chunks_exact(d)).enumerate() {
-            let p = ((first + i) % t) * d;
+        for (i, or) in dx.chunks_exact_mut(d).enumerate() {
+            let (src, p) = rows.source(first + i);
+            let gr = &g[src * d..(src + 1) * d];
+            let p = p * d;
             let (c1, c2) = cos[p..p + d].split_at(h);
             let (s1, s2) = sin[p..p + d].split_at(h);
             let (g1, g2) = gr.split_at(h);
@@ -537,8 +569,11 @@ mod tests {
             let (dg, du) = x.swiglu_backward(&g, &x).unwrap();
             let mut out = vec![bits(&y), bits(&r), bits(&a.unwrap()), bits(&b.unwrap()), bits(&c.unwrap())];
             out.extend([bits(&x.swiglu(&g).unwrap()), bits(&dg), bits(&du)]);
-            out.push(bits(&x.rope(&cos, &sin, t, d).unwrap()));
-            out.push(bits(&g.rope_backward(&cos, &sin, t, d).unwrap()));
+            // one head, and 443 heads of one sequence (rows move between layouts)
+            for heads in [1, 443] {
+                out.push(bits(&x.rope(&cos, &sin, t, d, heads).unwrap()));
+                out.push(bits(&g.rope_backward(&cos, &sin, t, d, heads).unwrap()));
+            }
             out
         };
         set_cpu_threads(Some(1));

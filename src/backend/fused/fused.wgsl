@@ -212,14 +212,33 @@ fn swiglu_backward(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups
     sb_dup[i] = g * (x * s);
 }
 
-// ---- RoPE: x: (rows, d), cos, sin: (t, d) -> y: (rows, d), row i at position i mod t ----
+// ---- RoPE: x: (B, t, heads, d), cos, sin: (t, d) -> y: (B, heads, t, d) ----
 // h = d/2; j < h: y = x_j·c_j + (-0 - x_{j+h})·s_j; j >= h: y = x_j·c_j + x_{j-h}·s_j.
+// One invocation per output element; the permute to head-major rows is the
+// index arithmetic (with one head, row i at position i mod t both ways).
 
 struct RopeParams {
-    n: u32, // rows * d
+    n: u32, // B * t * heads * d
     t: u32,
     d: u32,
+    heads: u32,
     zero: u32,
+}
+
+// (input row, position) of head-major output row o = (b·heads + head)·t + p:
+// token-major row (b·t + p)·heads + head.
+fn rope_from_tokens(o: u32, t: u32, heads: u32) -> vec2<u32> {
+    let bh = o / t;
+    let p = o % t;
+    return vec2<u32>((bh / heads * t + p) * heads + bh % heads, p);
+}
+
+// (input row, position) of token-major output row o = (b·t + p)·heads + head:
+// head-major row (b·heads + head)·t + p.
+fn rope_from_heads(o: u32, t: u32, heads: u32) -> vec2<u32> {
+    let bp = o / heads;
+    let p = bp % t;
+    return vec2<u32>((bp / t * heads + o % heads) * t + p, p);
 }
 
 @group(0) @binding(0) var<storage, read> ro_prm: RopeParams;
@@ -239,16 +258,18 @@ fn rope(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: v
     let h = d / 2u;
     let z = ro_prm.zero;
     let j = i % d;
-    let p = (i / d) % ro_prm.t * d + j; // this element's entry of the tables
-    let xc = sep(ro_x[i] * ro_cos[p], z);
+    let src = rope_from_tokens(i / d, ro_prm.t, ro_prm.heads);
+    let x = src.x * d + j; // this element's input
+    let p = src.y * d + j; // its entry of the tables
+    let xc = sep(ro_x[x] * ro_cos[p], z);
     if j < h {
-        ro_y[i] = xc + sep((-0.0 - ro_x[i + h]) * ro_sin[p], z);
+        ro_y[i] = xc + sep((-0.0 - ro_x[x + h]) * ro_sin[p], z);
     } else {
-        ro_y[i] = xc + sep(ro_x[i - h] * ro_sin[p], z);
+        ro_y[i] = xc + sep(ro_x[x - h] * ro_sin[p], z);
     }
 }
 
-// ---- RoPE backward: g: (rows, d), cos, sin: (t, d) -> dx: (rows, d) ----
+// ---- RoPE backward: g: (B, heads, t, d), cos, sin: (t, d) -> dx: (B, t, heads, d) ----
 // j < h: dx = ((g_j·c_j) + 0) + g_{j+h}·s_{j+h}; j >= h: dx = ((g_j·c_j) + (-0 - g_{j-h}·s_{j-h})) + 0.
 
 @group(0) @binding(0) var<storage, read> rg_prm: RopeParams;
@@ -269,12 +290,14 @@ fn rope_backward(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) 
     let z = rg_prm.zero;
     let pz = bitcast<f32>(z); // +0, the narrows' zero padding
     let j = i % d;
-    let p = (i / d) % rg_prm.t * d + j;
-    let gc = sep(rg_g[i] * rg_cos[p], z);
+    let src = rope_from_heads(i / d, rg_prm.t, rg_prm.heads);
+    let x = src.x * d + j;
+    let p = src.y * d + j;
+    let gc = sep(rg_g[x] * rg_cos[p], z);
     if j < h {
-        rg_dx[i] = (gc + pz) + sep(rg_g[i + h] * rg_sin[p + h], z);
+        rg_dx[i] = (gc + pz) + sep(rg_g[x + h] * rg_sin[p + h], z);
     } else {
-        rg_dx[i] = (gc + (-0.0 - sep(rg_g[i - h] * rg_sin[p - h], z))) + pz;
+        rg_dx[i] = (gc + (-0.0 - sep(rg_g[x - h] * rg_sin[p - h], z))) + pz;
     }
 }
 

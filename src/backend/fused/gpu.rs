@@ -35,8 +35,9 @@ gpu_params! {
 }
 
 gpu_params! {
-    /// `fused.wgsl` `RopeParams`: `n = rows·d` elements, tables of `t` positions.
-    pub struct RopeParams { n: u32, t: u32, d: u32, zero: u32 }
+    /// `fused.wgsl` `RopeParams`: `n = rows·d` elements, tables of `t`
+    /// positions, `heads` rows per position.
+    pub struct RopeParams { n: u32, t: u32, d: u32, heads: u32, zero: u32 }
 }
 
 gpu_params! {
@@ -230,12 +231,12 @@ impl FusedOps for GpuStorage {
         Ok((dg, du))
     }
 
-    fn rope(&self, cos: &GpuStorage, sin: &GpuStorage, t: usize, d: usize) -> Result<GpuStorage> {
-        rope_launch(&ROPE, self, cos, sin, t, d)
+    fn rope(&self, cos: &GpuStorage, sin: &GpuStorage, t: usize, d: usize, heads: usize) -> Result<GpuStorage> {
+        rope_launch(&ROPE, self, cos, sin, (t, d, heads))
     }
 
-    fn rope_backward(&self, cos: &GpuStorage, sin: &GpuStorage, t: usize, d: usize) -> Result<GpuStorage> {
-        rope_launch(&ROPE_BACKWARD, self, cos, sin, t, d)
+    fn rope_backward(&self, cos: &GpuStorage, sin: &GpuStorage, t: usize, d: usize, heads: usize) -> Result<GpuStorage> {
+        rope_launch(&ROPE_BACKWARD, self, cos, sin, (t, d, heads))
     }
 
     /// One invocation per row, then one that folds the row losses in order.
@@ -317,8 +318,7 @@ fn rope_launch(
     x: &GpuStorage,
     cos: &GpuStorage,
     sin: &GpuStorage,
-    t: usize,
-    d: usize,
+    (t, d, heads): (usize, usize, usize),
 ) -> Result<GpuStorage> {
     let c = ctx()?;
     let n = x.len();
@@ -327,6 +327,7 @@ fn rope_launch(
         n: u32_of(n, "length")?,
         t: u32_of(t, "t")?,
         d: u32_of(d, "d")?,
+        heads: u32_of(heads, "heads")?,
         zero: 0,
     };
     c.dispatch(k, &prm, &[x.buf(), cos.buf(), sin.buf(), y.buf()], grid1d(n))?;

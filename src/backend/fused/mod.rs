@@ -38,13 +38,19 @@
 //!   composition `gate.silu().mul(up)`.
 //! * **`swiglu_backward`** from `gate`, `up`, `g`: with `s = σ(gate)`,
 //!   `d_gate = (g·up)·(s·fma(gate, 1 − s, 1))`, `d_up = g·(gate·s)`.
-//! * **`rope`** `x: (rows, d)` (row `i` at position `p = i mod t`),
-//!   `cos, sin: (t, d)`, `d` even, `h = d/2` (Hugging Face's rotate-half
-//!   pairs `(j, j + h)`), with `c, s` row `p` of the tables:
+//! * **`rope`** `x: (rows, d)`, `cos, sin: (t, d)`, `d` even, `h = d/2`
+//!   (Hugging Face's rotate-half pairs `(j, j + h)`), with `heads` rows per
+//!   position: `x`'s rows are token-major `(B, t, heads, d)` (as a
+//!   projection writes them) and `y`'s head-major `(B, heads, t, d)` (as
+//!   attention reads them) — the permute between the two is the kernel's
+//!   indexing, not a pass of its own; with `heads = 1` row `i` is at
+//!   position `i mod t` in both. With `c, s` row `p` of the tables, for the
+//!   row of position `p`:
 //!   `y_j = x_j·c_j + (−0 − x_{j+h})·s_j` for `j < h`,
 //!   `y_j = x_j·c_j + x_{j−h}·s_j` for `j ≥ h` — the composition
 //!   `x.mul(cos).add(rotate_half(x).mul(sin))`.
-//! * **`rope_backward`** from `g` (the tables get no gradient):
+//! * **`rope_backward`** from `g`, head-major, to `dx`, token-major (the
+//!   tables get no gradient):
 //!   `dx_j = ((g_j·c_j) + 0) + g_{j+h}·s_{j+h}` for `j < h`,
 //!   `dx_j = ((g_j·c_j) + (−0 − g_{j−h}·s_{j−h})) + 0` for `j ≥ h`: autograd
 //!   adds `x`'s three contributions in the order `x·cos`, the second half's
@@ -100,10 +106,10 @@ pub trait FusedOps: Sized {
     fn swiglu(&self, up: &Self) -> Result<Self>;
     /// `self` is the gate; returns `(d_gate, d_up)`.
     fn swiglu_backward(&self, up: &Self, g: &Self) -> Result<(Self, Self)>;
-    /// `self` is `x: (rows, d)`, the tables `(t, d)`.
-    fn rope(&self, cos: &Self, sin: &Self, t: usize, d: usize) -> Result<Self>;
-    /// `self` is the upstream gradient `(rows, d)`.
-    fn rope_backward(&self, cos: &Self, sin: &Self, t: usize, d: usize) -> Result<Self>;
+    /// `self` is `x: (B, t, heads, d)`, the tables `(t, d)` -> `(B, heads, t, d)`.
+    fn rope(&self, cos: &Self, sin: &Self, t: usize, d: usize, heads: usize) -> Result<Self>;
+    /// `self` is the upstream gradient `(B, heads, t, d)` -> `(B, t, heads, d)`.
+    fn rope_backward(&self, cos: &Self, sin: &Self, t: usize, d: usize, heads: usize) -> Result<Self>;
     /// `self` is `x: (rows, v)`; returns `(loss, stats)`.
     fn cross_entropy(&self, targets: &[u32], v: usize) -> Result<(Self, Self)>;
     /// `self` is `x: (rows, v)`; `g` the loss's upstream gradient (one element).
@@ -213,22 +219,26 @@ impl Storage {
         Ok((da, db))
     }
 
-    /// RoPE on the rows of `self: (rows, d)`, row `i` at position `i mod t`,
-    /// with the tables `cos, sin: (t, d)`.
-    pub fn rope(&self, cos: &Storage, sin: &Storage, t: usize, d: usize) -> Result<Storage> {
+    /// RoPE on the rows of `self: (B, t, heads, d)` with the tables `cos,
+    /// sin: (t, d)`, into `(B, heads, t, d)` (see the contract; with one head,
+    /// row `i` at position `i mod t`).
+    pub fn rope(&self, cos: &Storage, sin: &Storage, t: usize, d: usize, heads: usize) -> Result<Storage> {
         let _prof = crate::profile::scope("rope");
-        check_rope(self, cos, sin, t, d)?;
-        let y = on_device!([self, cos, sin] => |x, c, s| x.rope(c, s, t, d));
-        observed("rope", || format!("rows {} t {t} d {d}", self.len() / d.max(1)), &[&y])?;
+        check_rope(self, cos, sin, t, d, heads)?;
+        let y = on_device!([self, cos, sin] => |x, c, s| x.rope(c, s, t, d, heads));
+        let args = || format!("rows {} t {t} d {d} heads {heads}", self.len() / d.max(1));
+        observed("rope", args, &[&y])?;
         Ok(y)
     }
 
-    /// RoPE's backward from the upstream gradient `self: (rows, d)`.
-    pub fn rope_backward(&self, cos: &Storage, sin: &Storage, t: usize, d: usize) -> Result<Storage> {
+    /// RoPE's backward from the upstream gradient `self: (B, heads, t, d)`,
+    /// into `(B, t, heads, d)`.
+    pub fn rope_backward(&self, cos: &Storage, sin: &Storage, t: usize, d: usize, heads: usize) -> Result<Storage> {
         let _prof = crate::profile::scope("rope backward");
-        check_rope(self, cos, sin, t, d)?;
-        let dx = on_device!([self, cos, sin] => |g, c, s| g.rope_backward(c, s, t, d));
-        observed("rope backward", || format!("rows {} t {t} d {d}", self.len() / d.max(1)), &[&dx])?;
+        check_rope(self, cos, sin, t, d, heads)?;
+        let dx = on_device!([self, cos, sin] => |g, c, s| g.rope_backward(c, s, t, d, heads));
+        let args = || format!("rows {} t {t} d {d} heads {heads}", self.len() / d.max(1));
+        observed("rope backward", args, &[&dx])?;
         Ok(dx)
     }
 
@@ -263,14 +273,14 @@ impl Storage {
     }
 }
 
-fn check_rope(x: &Storage, cos: &Storage, sin: &Storage, t: usize, d: usize) -> Result<()> {
+fn check_rope(x: &Storage, cos: &Storage, sin: &Storage, t: usize, d: usize, heads: usize) -> Result<()> {
     if !d.is_multiple_of(2) {
         bail!(Shape, "rope needs an even last axis (pairs (j, j + d/2)), got {d}");
     }
-    if (t == 0 && !x.is_empty()) || !x.len().is_multiple_of((t * d).max(1)) {
+    if heads == 0 || (t == 0 && !x.is_empty()) || !x.len().is_multiple_of((t * heads * d).max(1)) {
         bail!(
             Shape,
-            "rope: {} values are not whole blocks of {t} positions of {d}",
+            "rope: {} values are not whole blocks of {t} positions of {heads} heads of {d}",
             x.len()
         );
     }
