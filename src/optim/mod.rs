@@ -264,9 +264,6 @@ pub fn grad_storages(params: &[Tensor]) -> Vec<Storage> {
 /// are left out (none at all gives a norm of 0). Errors if `max_norm` is not
 /// positive.
 pub fn clip_grad_norm_(params: &[Tensor], max_norm: f32) -> Result<f32> {
-    if !(max_norm > 0.0) {
-        bail!(Config, "clip: max_norm must be positive, got {max_norm}");
-    }
     let grads = grad_storages(params);
     let refs: Vec<&Storage> = grads.iter().collect();
     clip_measured(&grads, Storage::sum_squares(&refs)?, max_norm)
