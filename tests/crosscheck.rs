@@ -423,7 +423,7 @@ fn the_command_exits_1_and_names_the_fault() {
     assert_eq!(code, 1, "{out}\n{err}");
     for s in [
         "verdict: DIFFERS",
-        "sweep swiglu: 4 of 1168 values differ",
+        "sweep swiglu: 5 of 1576 values differ",
         "first divergence at step 1",
         "call #",
         "(forward): layers.0.mlp.swiglu",

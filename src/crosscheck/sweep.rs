@@ -1261,7 +1261,7 @@ fn fused(sw: &mut Sweep) -> Result<()> {
         }
         Ok(v)
     };
-    for (rows, d) in [(1, 1), (5, 13), (3, 64), (7, 130)] {
+    for (rows, d) in [(1, 1), (5, 13), (3, 64), (7, 130), (12, 34)] {
         let case = format!("rows {rows} d {d}");
         let x = fused_rows(&mut rng, rows, d);
         let w: Vec<f32> = (0..d).map(|_| rng.moderate()).collect();
