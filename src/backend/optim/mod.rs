@@ -127,24 +127,15 @@ impl Storage {
             let (gs, rest) = xs.split_at(n);
             OptimOps::finite_check_unscale(gs, inv_scale, rest.first().copied())
         });
-        let lens = || {
-            let l: Vec<usize> = grads.iter().map(|g| g.len()).collect();
-            format!("buffers {l:?} times {inv_scale:e}")
-        };
+        let lens = || format!("buffers {:?}", grads.iter().map(|g| g.len()).collect::<Vec<_>>());
         let on_gpu = parts[0].device() == Device::Gpu;
-        let flag = observed_value("finite check + unscale", lens, grads, on_gpu, finite as u8 as f32)?;
+        let args = || format!("{} times {inv_scale:e}", lens());
+        let flag = observed_value("finite check + unscale", args, grads, on_gpu, finite as u8 as f32)?;
         let finite = flag == 1.0;
         // A non-finite sum is never used (the step stops), and its NaN's bits
         // are the device's: it is neither returned nor traced.
         let sum_squares = match finite {
-            true => {
-                let total = fold_partials(partials);
-                let lens = || {
-                    let l: Vec<usize> = grads.iter().map(|g| g.len()).collect();
-                    format!("buffers {l:?}")
-                };
-                Some(observed_value("sum of squares", lens, &[], on_gpu, total)?)
-            }
+            true => Some(observed_value("sum of squares", lens, &[], on_gpu, fold_partials(partials))?),
             false => None,
         };
         Ok(GradCheck {
