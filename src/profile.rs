@@ -387,13 +387,15 @@ impl std::fmt::Display for Profile {
         }
         write!(
             f,
-            "{:<28} {:>9} {:>11.1} {:>7}{}",
+            "{:<28} {:>9} {:>11.1}",
             "all primitives",
             self.rows.iter().map(|r| r.calls).sum::<u64>(),
             total * 1e3,
-            "",
-            col(self.rows.iter().map(|r| r.dispatches).sum())
         )?;
+        if self.gpu.is_some() {
+            let all = col(self.rows.iter().map(|r| r.dispatches).sum());
+            write!(f, " {:>7}{all}", "")?;
+        }
         let mm = self.matmul().as_secs_f64();
         if let Some(g) = self.gpu {
             write!(

@@ -134,7 +134,7 @@ impl Tensor {
                 "rope_heads: input {s:?} needs axes (B, T, H·D) with H = {heads} heads"
             );
         }
-        let (b, t, d) = (s[0], s[1], s[2] / heads.max(1));
+        let (b, t, d) = (s[0], s[1], s[2] / heads);
         self.rope_into(cos, sin, (t, d, heads), vec![b, heads, t, d])
     }
 
