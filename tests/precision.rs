@@ -1212,3 +1212,49 @@ device_test!(scaler_reports_the_scale_floor_instead_of_looping, |dev| {
     assert_eq!(vals(&p), vec![1.0], "no update reached the weights");
     assert!(p.grad().is_none(), "the poisoned gradients were dropped");
 });
+
+// ------------------------------------------------ 16-bit operands ----
+
+// A product reading an operand from 16-bit storage (as backward reads the
+// activations autograd kept) equals the product over its unpacked values,
+// bit for bit: bf16 and fp16, A, B or both packed, every layout, and sizes
+// odd enough that rows and batches start in the middle of a word.
+device_test!(products_read_16_bit_operands_as_their_values, |dev| {
+    use tinyllm::backend::{Causal, MatmulDims, Operand, Storage};
+    let (batch, m, k, n) = (3, 7, 13, 9);
+    let mut a = randv(batch * m * k, 5, 40.0);
+    let b = randv(batch * k * n, 6, 3.0);
+    for (i, v) in a.iter_mut().enumerate().filter(|(i, _)| i % 11 == 4) {
+        *v = [0.0, -0.0, 1e-41, f32::INFINITY, f32::NAN, 70000.0][i % 6];
+    }
+    for fmt in [Format::Bf16, Format::Fp16] {
+        for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+            let d = MatmulDims {
+                batch,
+                m,
+                k,
+                n,
+                trans_a: ta,
+                trans_b: tb,
+                a_batch_stride: m * k,
+                b_batch_stride: k * n,
+                causal: Causal::No,
+            };
+            let (sa, sb) = (
+                Storage::from_f32(a.clone(), dev)?,
+                Storage::from_f32(b.clone(), dev)?,
+            );
+            let (pa, pb) = (sa.pack(fmt)?.0, sb.pack(fmt)?.0);
+            let (wa, wb) = (Operand::Values(pa.unpack()?), Operand::Values(pb.unpack()?));
+            let want = bits(&wa.matmul(&wb, d, Some(fmt))?.to_vec_f32()?);
+            let (ha, hb) = (Operand::Half(pa), Operand::Half(pb));
+            for (what, x, y) in [("A", &ha, &wb), ("B", &wa, &hb), ("A and B", &ha, &hb)] {
+                let got = bits(&x.matmul(y, d, Some(fmt))?.to_vec_f32()?);
+                assert!(
+                    got == want,
+                    "{fmt} {what} in 16 bits, ta {ta} tb {tb}: differs from unpacked"
+                );
+            }
+        }
+    }
+});

@@ -55,7 +55,7 @@ pub mod pack;
 pub mod reduce;
 
 pub use elementwise::{BinaryOp, UnaryOp};
-pub use matmul::{Causal, MatmulDims};
+pub use matmul::{Causal, MatmulDims, Operand};
 pub use optim::AdamWConsts;
 pub use reduce::ReduceOp;
 

@@ -16,7 +16,8 @@
 
 use crate::backend::round::Format;
 use crate::backend::{
-    AdamWConsts, BinaryLayout, BinaryOp, Causal, Device, MatmulDims, ReduceOp, Storage, UnaryOp,
+    AdamWConsts, BinaryLayout, BinaryOp, Causal, Device, MatmulDims, Operand, ReduceOp, Storage,
+    UnaryOp,
 };
 use crate::crosscheck::cases::{adversarial, same, specials, ulps, Rng};
 use crate::Result;
@@ -775,6 +776,7 @@ fn matmul(sw: &mut Sweep) -> Result<()> {
     ];
     matmul_layouts(sw, &mut rng, &shapes, (97, 5), "ragged tiles: ")?;
     matmul_causal(sw)?;
+    matmul_half(sw)?;
     matmul_bits(sw)?;
     matmul_known(sw)
 }
@@ -807,6 +809,59 @@ fn matmul_causal(sw: &mut Sweep) -> Result<()> {
                     }
                     let d = dims(batch, m, k, n, ta, tb, m * k, k * n, causal);
                     matmul_case(sw, None, &a, &b, d, round, "")?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Products reading 16-bit operands (the copies autograd keeps for
+/// backward), packed on each device: A, B or both in 16 bits; odd sizes, so
+/// rows and batches start in the middle of a word; zeros, a subnormal,
+/// infinities and NaN among the values (no huge finite ones: a product past
+/// f32's range next to an infinity is the known unfused-fma case).
+fn matmul_half(sw: &mut Sweep) -> Result<()> {
+    let mut rng = Rng(0x16b17);
+    let sp = [f32::INFINITY, f32::NEG_INFINITY, f32::NAN, 0.0, -0.0, 1e-40];
+    for (batch, m, k, n, causal) in [
+        (1, 3, 5, 7, Causal::No),
+        (3, 7, 9, 5, Causal::No),
+        (2, 33, 17, 35, Causal::No),
+        (2, 19, 7, 19, Causal::Outputs),
+        (2, 19, 19, 7, Causal::TermsUpToRow),
+    ] {
+        for fmt in [Format::Bf16, Format::Fp16] {
+            for (ha, hb) in [(true, false), (false, true), (true, true)] {
+                for (ta, tb) in [(false, false), (true, false), (false, true)] {
+                    let mut a: Vec<f32> = (0..batch * m * k).map(|_| rng.moderate()).collect();
+                    let b: Vec<f32> = (0..batch * k * n).map(|_| rng.moderate()).collect();
+                    for (i, v) in a.iter_mut().enumerate() {
+                        if i % 7 == 3 {
+                            *v = sp[i % sp.len()];
+                        }
+                    }
+                    let d = dims(batch, m, k, n, ta, tb, m * k, k * n, causal);
+                    let which = match (ha, hb) {
+                        (true, false) => "A",
+                        (false, true) => "B",
+                        _ => "A and B",
+                    };
+                    let case = format!("{which} in 16 bits: {}", d.describe(Some(fmt)));
+                    let variant = format!("{fmt} operands read from 16-bit storage");
+                    sw.check("matmul", &variant, case, &[], |dev| {
+                        let operand = |x: &[f32], half: bool| -> Result<Operand> {
+                            let s = up(x, dev)?;
+                            Ok(if half {
+                                Operand::Half(s.pack(fmt)?.0)
+                            } else {
+                                Operand::Values(s)
+                            })
+                        };
+                        operand(&a, ha)?
+                            .matmul(&operand(&b, hb)?, d, Some(fmt))?
+                            .to_vec_f32()
+                    })?;
                 }
             }
         }

@@ -16,7 +16,7 @@
 //! 16 bits, under autocast — and recomputes the probabilities from them with
 //! the forward's primitives (the composition keeps the probabilities too).
 
-use crate::backend::{Causal, MatmulDims, Storage};
+use crate::backend::{Causal, MatmulDims, Operand, Storage};
 use crate::tensor::autocast::autocast_dtype;
 use crate::tensor::is_grad_enabled;
 use crate::tensor::saved::Saved;
@@ -82,11 +82,11 @@ impl Tensor {
         };
         let round = autocast_dtype();
         // p (.., T, T) = the causal softmax of q kᵀ, on and below the diagonal
-        let probs = move |q: &Storage, k: &Storage| {
+        let probs = move |q: &Operand, k: &Operand| {
             let scores = q.matmul(k, h.dims((t, d, t), false, true, Causal::Outputs), round)?;
             scores.softmax_rows(h.batch * t, t, s, true)
         };
-        let p = probs(&q.storage(), &k.storage())?;
+        let p = probs(&q.arg().op, &k.arg().op)?;
         // y (.., T, D) = p v, row i summing keys j ≤ i
         let y = p.matmul(
             &v.storage(),
@@ -105,12 +105,12 @@ impl Tensor {
         };
         let shape = q.shape().to_vec();
         let y = Tensor::record(y, shape.clone(), "causal_attention", &[q, k, v], move |g| {
+            // q, k and v as the products read them: 16-bit copies under autocast
             let [qk, kk, vk] = kept
                 .as_ref()
                 .expect("a recorded attention keeps its operands")
                 .each_ref()
-                .map(|t| t.get().map(|t| t.storage()));
-            let (qk, kk, vk) = (qk?, kk?, vk?);
+                .map(|t| t.arg().op);
             let g = g.storage();
             let wrap = |st: Storage| Tensor::from_storage(st, &shape);
             let p = probs(&qk, &kk)?;
@@ -121,10 +121,15 @@ impl Tensor {
                 round,
             )?;
             // dp = dy vᵀ on and below the diagonal; ds = softmax backward · scale
-            let dp = g.matmul(&vk, h.dims((t, d, t), false, true, Causal::Outputs), round)?;
+            let dp = Operand::Values(g.clone()).matmul(
+                &vk,
+                h.dims((t, d, t), false, true, Causal::Outputs),
+                round,
+            )?;
             let ds = p.softmax_rows_backward(&dp, h.batch * t, t, s)?;
             drop((dp, p));
             // dq = ds k: row i sums keys j ≤ i; dk = dsᵀ q: key row j sums queries i ≥ j
+            let ds = Operand::Values(ds);
             let dq = ds.matmul(
                 &kk,
                 h.dims((t, t, d), false, false, Causal::TermsUpToRow),

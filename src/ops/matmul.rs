@@ -5,54 +5,62 @@
 //! cast, so it is rounded too).
 
 use crate::backend::round::Format;
-use crate::backend::MatmulDims;
+use crate::backend::{MatmulDims, Operand, Storage};
 use crate::tensor::autocast::autocast_dtype;
 use crate::tensor::saved::Saved;
 use crate::tensor::shape::numel;
 use crate::{bail, Result, Tensor};
 
+/// An operand of [`product`]: a buffer (values, or a 16-bit copy) and the
+/// shape it holds.
+#[derive(Clone)]
+pub(crate) struct Arg<'a> {
+    pub op: Operand,
+    pub shape: &'a [usize],
+}
+
 /// `op(a) @ op(b)` over matching leading (batch) axes; `ta`/`tb` read the last
 /// two axes transposed. `a: (.., m, k)` (or `(.., k, m)` when `ta`), `b: (.., k, n)`
-/// (or `(.., n, k)` when `tb`) -> `(.., m, n)`.
-pub fn matmul_with(
-    a: &Tensor,
-    b: &Tensor,
+/// (or `(.., n, k)` when `tb`) -> `(.., m, n)`: the values, their shape, and
+/// the product's dims. Nothing is recorded.
+pub(crate) fn product(
+    a: Arg,
+    b: Arg,
     ta: bool,
     tb: bool,
     round: Option<Format>,
-) -> Result<Tensor> {
-    if a.dims() < 2 || b.dims() < 2 {
+) -> Result<(Storage, Vec<usize>, MatmulDims)> {
+    let (ra, rb) = (a.shape.len(), b.shape.len());
+    if ra < 2 || rb < 2 {
         bail!(
             Shape,
             "matmul needs at least 2-d operands, got {:?} and {:?}",
-            a.shape(),
-            b.shape()
+            a.shape,
+            b.shape
         );
     }
-    let (ra, rb) = (a.dims(), b.dims());
     let (m, ka) = if ta {
-        (a.shape()[ra - 1], a.shape()[ra - 2])
+        (a.shape[ra - 1], a.shape[ra - 2])
     } else {
-        (a.shape()[ra - 2], a.shape()[ra - 1])
+        (a.shape[ra - 2], a.shape[ra - 1])
     };
     let (kb, n) = if tb {
-        (b.shape()[rb - 1], b.shape()[rb - 2])
+        (b.shape[rb - 1], b.shape[rb - 2])
     } else {
-        (b.shape()[rb - 2], b.shape()[rb - 1])
+        (b.shape[rb - 2], b.shape[rb - 1])
     };
     if ka != kb {
         bail!(
             Shape,
             "matmul: inner dimensions differ ({:?}{} @ {:?}{})",
-            a.shape(),
+            a.shape,
             if ta { "ᵀ" } else { "" },
-            b.shape(),
+            b.shape,
             if tb { "ᵀ" } else { "" }
         );
     }
     let k = ka;
-    let b_dims = b.dims();
-    let (lead_a, lead_b) = (&a.shape()[..ra - 2], &b.shape()[..rb - 2]);
+    let (lead_a, lead_b) = (&a.shape[..ra - 2], &b.shape[..rb - 2]);
     let (batch, b_stride, lead) = if lead_b.is_empty() {
         (numel(lead_a), 0, lead_a.to_vec())
     } else if lead_a == lead_b {
@@ -71,42 +79,81 @@ pub fn matmul_with(
         b_batch_stride: b_stride,
         causal: Default::default(),
     };
-    let s = a.storage().matmul(&b.storage(), dims, round)?;
+    let s = a.op.matmul(&b.op, dims, round)?;
     let mut shape = lead;
     shape.extend([m, n]);
+    Ok((s, shape, dims))
+}
+
+/// [`product`] of two tensors, recorded for backward.
+pub fn matmul_with(
+    a: &Tensor,
+    b: &Tensor,
+    ta: bool,
+    tb: bool,
+    round: Option<Format>,
+) -> Result<Tensor> {
+    let (s, shape, dims) = product(a.arg(), b.arg(), ta, tb, round)?;
+    let MatmulDims { m, k, n, .. } = dims;
+    let b_dims = b.dims();
     // Keep each operand only if the other one needs a gradient, as backward
-    // reads it: rounded to the format (in 16 bits) under autocast.
+    // reads it: rounded to the format (in 16 bits) under autocast, read by
+    // the backward products as it is kept.
     let (ra, rb) = (a.requires_grad(), b.requires_grad());
     let a_kept = rb.then(|| Saved::operand(a, round)).transpose()?;
     let b_kept = ra.then(|| Saved::operand(b, round)).transpose()?;
     let a_shape = a.shape().to_vec();
     let y = Tensor::record(s, shape, "matmul", &[a, b], move |g| {
-        let b_kept = b_kept.map(|b| b.get()).transpose()?;
-        let a_kept = a_kept.map(|a| a.get()).transpose()?;
+        let gd = g.arg();
+        let out = |(s, shape, _): (Storage, Vec<usize>, _)| Tensor::from_storage(s, &shape);
         let ga = match &b_kept {
             None => None,
-            Some(b) if !ta => Some(matmul_with(g, b, false, !tb, round)?), // dA = dC op(B)ᵀ
-            Some(b) => Some(matmul_with(b, g, tb, true, round)?), // dA = (dC op(B)ᵀ)ᵀ = op(B) dCᵀ
+            Some(b) if !ta => Some(out(product(gd.clone(), b.arg(), false, !tb, round)?)?), // dA = dC op(B)ᵀ
+            Some(b) => Some(out(product(b.arg(), gd.clone(), tb, true, round)?)?), // dA = (dC op(B)ᵀ)ᵀ = op(B) dCᵀ
         };
         let gb = match &a_kept {
             None => None,
             Some(a) => {
-                // With b shared by the batch, fold the batch into the rows.
+                // With b shared by the batch, fold the batch into the rows
+                // (the same buffers, read as one matrix).
                 let folded = b_dims == 2 && a_shape.len() > 2;
-                let (a2, g2) = if folded {
-                    let lead: usize = numel(&a_shape[..a_shape.len() - 2]);
-                    // op(A) = Aᵀ per batch must be materialised before folding.
-                    let a_op = if ta { a.transpose(-1, -2)? } else { a.clone() };
-                    (a_op.reshape(&[lead * m, k])?, g.reshape(&[lead * m, n])?)
+                let lead: usize = numel(&a_shape[..a_shape.len() - 2]);
+                let (a_rows, g_rows) = ([lead * m, k], [lead * m, n]);
+                // op(A) = Aᵀ per batch must be materialised before folding.
+                let a_t = if folded && ta {
+                    Some(a.get()?.transpose(-1, -2)?.storage())
                 } else {
-                    (a.clone(), g.clone())
+                    None
+                };
+                let (a2, g2) = match a_t {
+                    Some(s) => (
+                        Arg {
+                            op: Operand::Values(s),
+                            shape: &a_rows,
+                        },
+                        Arg {
+                            shape: &g_rows,
+                            ..gd
+                        },
+                    ),
+                    None if folded => (
+                        Arg {
+                            shape: &a_rows,
+                            ..a.arg()
+                        },
+                        Arg {
+                            shape: &g_rows,
+                            ..gd
+                        },
+                    ),
+                    None => (a.arg(), gd),
                 };
                 let ta2 = ta && !folded;
-                Some(if !tb {
-                    matmul_with(&a2, &g2, !ta2, false, round)? // dB = op(A)ᵀ dC
+                Some(out(if !tb {
+                    product(a2, g2, !ta2, false, round)? // dB = op(A)ᵀ dC
                 } else {
-                    matmul_with(&g2, &a2, true, ta2, round)? // dB = (op(A)ᵀ dC)ᵀ = dCᵀ op(A)
-                })
+                    product(g2, a2, true, ta2, round)? // dB = (op(A)ᵀ dC)ᵀ = dCᵀ op(A)
+                })?)
             }
         };
         Ok(vec![ga, gb])
@@ -115,6 +162,13 @@ pub fn matmul_with(
 }
 
 impl Tensor {
+    /// This tensor as an operand of [`product`].
+    pub(crate) fn arg(&self) -> Arg<'_> {
+        Arg {
+            op: Operand::Values(self.storage()),
+            shape: self.shape(),
+        }
+    }
     /// `self @ rhs` (batched over leading axes; a 2-d `rhs` is shared by the
     /// batch). Follows the thread's autocast state.
     pub fn matmul(&self, rhs: &Tensor) -> Result<Tensor> {

@@ -20,6 +20,8 @@
 use super::Tensor;
 use crate::backend::pack::Packed;
 use crate::backend::round::Format;
+use crate::backend::Operand;
+use crate::ops::matmul::Arg;
 use crate::{bail, Result};
 
 /// A tensor kept for backward.
@@ -83,6 +85,18 @@ impl Saved {
             packed,
             shape: t.shape().to_vec(),
         })
+    }
+
+    /// The kept values as a product reads them: the tensor's buffer, or the
+    /// 16-bit copy (widened by the product itself, never written out).
+    pub(crate) fn arg(&self) -> Arg<'_> {
+        match self {
+            Saved::Full(t) => t.arg(),
+            Saved::Half { packed, shape } => Arg {
+                op: Operand::Half(packed.clone()),
+                shape,
+            },
+        }
     }
 
     /// The kept values as a float32 tensor (a constant).

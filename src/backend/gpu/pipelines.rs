@@ -43,7 +43,7 @@ pub fn no_consts() -> String {
 }
 
 /// Values for a kernel's `override` constants (unused slots have no name).
-pub type Overrides = [(&'static str, u32); 4];
+pub type Overrides = [(&'static str, u32); 6];
 
 /// One pipeline: a family's entry point with its override constants.
 #[derive(Clone, Copy, Debug)]
@@ -58,10 +58,10 @@ impl Kernel {
         Kernel {
             family,
             entry,
-            overrides: [("", 0); 4],
+            overrides: [("", 0); 6],
         }
     }
-    /// The same entry point with `name = value` set (at most four).
+    /// The same entry point with `name = value` set (at most six).
     pub const fn with(mut self, name: &'static str, value: u32) -> Kernel {
         let mut i = 0;
         while i < self.overrides.len() && !self.overrides[i].0.is_empty() {

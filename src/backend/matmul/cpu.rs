@@ -3,7 +3,8 @@
 //! output still adds `p = 0, 1, ..., k-1` in order), threads over row panels
 //! or batches.
 
-use super::{Causal, MatmulDims, MatmulOps};
+use super::{Causal, Halves, MatmulDims, MatmulOps};
+use crate::backend::pack::widen_bits;
 use crate::backend::cpu::simd::{self, Level};
 use crate::backend::cpu::{cpu_threads, CpuStorage, Elem};
 use crate::backend::round::{self, Format};
@@ -13,16 +14,103 @@ use std::cell::RefCell;
 use std::mem::MaybeUninit;
 
 impl MatmulOps for CpuStorage {
-    fn matmul(&self, rhs: &CpuStorage, d: MatmulDims, round: Option<Format>) -> Result<CpuStorage> {
+    fn matmul(&self, rhs: &CpuStorage, d: MatmulDims, halves: Halves, round: Option<Format>) -> Result<CpuStorage> {
         Ok(match (self, rhs) {
             (CpuStorage::F32(a), CpuStorage::F32(b)) => {
-                f32::wrap(matmul_f32(&a.get(), &b.get(), d, round))
+                let (a, b) = (a.get(), b.get());
+                f32::wrap(matmul_f32(Src::of(&a, halves.a), Src::of(&b, halves.b), d, round))
             }
-            (CpuStorage::F64(a), CpuStorage::F64(b)) => {
+            (CpuStorage::F64(a), CpuStorage::F64(b)) if halves == Halves::default() => {
                 f64::wrap(matmul_f64(&a.get(), &b.get(), d, round))
             }
-            _ => unreachable!("dtypes checked by the dispatch"),
+            _ => unreachable!("dtypes checked by the dispatch; 16-bit storage is f32 words"),
         })
+    }
+}
+
+/// An operand as the packing reads it: float32 values, or 16-bit patterns
+/// (value `e` in word `e / 2`, as [`pack`](crate::backend::pack) stores them)
+/// widened exactly as they are read — the values `unpack` would give, without
+/// writing them out.
+#[derive(Clone, Copy)]
+enum Src<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [u16]),
+    Fp16(&'a [u16]),
+}
+
+impl<'a> Src<'a> {
+    /// The operand held in `buf`: its values, or its words when `half`.
+    fn of(buf: &'a [f32], half: Option<Format>) -> Src<'a> {
+        match half {
+            None => Src::F32(buf),
+            Some(Format::Bf16) => Src::Bf16(halves_of(buf)),
+            Some(Format::Fp16) => Src::Fp16(halves_of(buf)),
+        }
+    }
+    /// The operand from value `off` on.
+    fn from(self, off: usize) -> Src<'a> {
+        match self {
+            Src::F32(v) => Src::F32(&v[off..]),
+            Src::Bf16(h) => Src::Bf16(&h[off..]),
+            Src::Fp16(h) => Src::Fp16(&h[off..]),
+        }
+    }
+}
+
+/// The 16-bit patterns of words whose low half holds the even value: on a
+/// little-endian machine, the words' bytes read two at a time.
+fn halves_of(words: &[f32]) -> &[u16] {
+    const { assert!(cfg!(target_endian = "little"), "16-bit operands assume little-endian words") };
+    // SAFETY: u16 has a smaller alignment than f32, and the slice covers
+    // exactly the words' bytes.
+    unsafe { std::slice::from_raw_parts(words.as_ptr() as *const u16, words.len() * 2) }
+}
+
+/// Reading one kind of [`Src`]: value `i`, and `W` consecutive values.
+trait Load: Copy {
+    fn at(self, i: usize) -> f32;
+    #[inline(always)]
+    fn run<const W: usize>(self, i: usize) -> [f32; W] {
+        std::array::from_fn(|l| self.at(i + l))
+    }
+}
+
+impl Load for &[f32] {
+    #[inline(always)]
+    fn at(self, i: usize) -> f32 {
+        self[i]
+    }
+    #[inline(always)]
+    fn run<const W: usize>(self, i: usize) -> [f32; W] {
+        self[i..i + W].try_into().unwrap()
+    }
+}
+
+/// bf16 patterns: the top half of the float32.
+#[derive(Clone, Copy)]
+struct Bf16s<'a>(&'a [u16]);
+
+impl Load for Bf16s<'_> {
+    #[inline(always)]
+    fn at(self, i: usize) -> f32 {
+        f32::from_bits((self.0[i] as u32) << 16)
+    }
+    #[inline(always)]
+    fn run<const W: usize>(self, i: usize) -> [f32; W] {
+        let h: &[u16; W] = self.0[i..i + W].try_into().unwrap();
+        h.map(|h| f32::from_bits((h as u32) << 16))
+    }
+}
+
+/// fp16 patterns, widened by the contract's integer steps.
+#[derive(Clone, Copy)]
+struct Fp16s<'a>(&'a [u16]);
+
+impl Load for Fp16s<'_> {
+    #[inline(always)]
+    fn at(self, i: usize) -> f32 {
+        f32::from_bits(widen_bits(self.0[i] as u32, Format::Fp16))
     }
 }
 
@@ -52,9 +140,9 @@ thread_local! {
 /// per p (Aᵀ, B); otherwise each lane is a row (stride `ld`) along k (A, Bᵀ).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn pack<const W: usize>(
+fn pack<const W: usize, S: Load>(
     buf: &mut [f32],
-    src: &[f32],
+    src: S,
     lanes: usize,
     ld: usize,
     (kb, kc): (usize, usize),
@@ -81,15 +169,16 @@ fn pack<const W: usize>(
             while to < panels && terms(to).0 <= p {
                 to += 1;
             }
-            let row = &src[(kb + p) * ld..][..lanes];
+            let row = (kb + p) * ld;
             for pi in from..to {
                 let l0 = pi * W;
                 let dst: &mut [f32; W] = (&mut buf[(pi * kc + p) * W..][..W]).try_into().unwrap();
                 if l0 + W <= lanes {
-                    *dst = row[l0..l0 + W].try_into().unwrap();
+                    *dst = src.run::<W>(row + l0);
                 } else {
-                    dst[..lanes - l0].copy_from_slice(&row[l0..]);
-                    dst[lanes - l0..].fill(0.0);
+                    for (l, d) in dst.iter_mut().enumerate() {
+                        *d = if l0 + l < lanes { src.at(row + l0 + l) } else { 0.0 };
+                    }
                 }
             }
         }
@@ -98,23 +187,23 @@ fn pack<const W: usize>(
             let (lo, hi) = terms(pi);
             let l0 = pi * W;
             let real = W.min(lanes - l0);
-            // Lane r's row, its stretch [kb + lo, kb + hi).
-            let row = |r: usize| &src[(l0 + r) * ld + kb + lo..][..hi - lo];
+            // Lane r's row starts its stretch [kb + lo, kb + hi) here.
+            let row = |r: usize| (l0 + r) * ld + kb + lo;
             let panel = &mut panel[lo * W..hi * W];
             if real == W {
                 // Gather the W rows' p-th values into one panel row, reading
                 // W streams forward, writing one (vectorised as a transpose).
-                let rows: [&[f32]; W] = std::array::from_fn(row);
+                let rows: [usize; W] = std::array::from_fn(row);
                 for (p, dst) in panel.chunks_exact_mut(W).enumerate() {
                     for r in 0..W {
-                        dst[r] = rows[r][p];
+                        dst[r] = src.at(rows[r] + p);
                     }
                 }
             } else {
                 panel.fill(0.0);
                 for r in 0..real {
-                    for (dst, &v) in panel.chunks_exact_mut(W).zip(row(r)) {
-                        dst[r] = v;
+                    for (p, dst) in panel.chunks_exact_mut(W).enumerate() {
+                        dst[r] = src.at(row(r) + p);
                     }
                 }
             }
@@ -133,7 +222,7 @@ fn pack<const W: usize>(
 #[inline(always)]
 fn pack_all<'b, const W: usize>(
     buf: &'b mut Vec<f32>,
-    src: &[f32],
+    src: Src,
     lanes: usize,
     ld: usize,
     kblock: (usize, usize),
@@ -142,7 +231,11 @@ fn pack_all<'b, const W: usize>(
     terms: impl Fn(usize) -> (usize, usize),
 ) -> &'b [f32] {
     let buf = cache_aligned(buf, lanes.div_ceil(W) * kblock.1 * W);
-    pack::<W>(buf, src, lanes, ld, kblock, k_major, round, terms);
+    match src {
+        Src::F32(v) => pack::<W, _>(buf, v, lanes, ld, kblock, k_major, round, terms),
+        Src::Bf16(h) => pack::<W, _>(buf, Bf16s(h), lanes, ld, kblock, k_major, round, terms),
+        Src::Fp16(h) => pack::<W, _>(buf, Fp16s(h), lanes, ld, kblock, k_major, round, terms),
+    }
     buf
 }
 
@@ -528,7 +621,7 @@ fn matmul_block<const NR: usize>(
 const THREADED_MACS: usize = 1 << 24;
 
 /// The product on the CPU's widest tile.
-fn matmul_f32(a: &[f32], b: &[f32], d: MatmulDims, round: Option<Format>) -> Vec<f32> {
+fn matmul_f32(a: Src, b: Src, d: MatmulDims, round: Option<Format>) -> Vec<f32> {
     matmul_f32_on(simd::level(), a, b, d, round)
 }
 
@@ -536,7 +629,7 @@ fn matmul_f32(a: &[f32], b: &[f32], d: MatmulDims, round: Option<Format>) -> Vec
 /// portable loop and with AVX2, 6 × 32 with AVX-512. Each output is the same
 /// chain of fused multiply-adds whichever tile computes it; only the tile's
 /// width, and so that of B's packed panels, differs.
-fn matmul_f32_on(kernel: Level, a: &[f32], b: &[f32], d: MatmulDims, round: Option<Format>) -> Vec<f32> {
+fn matmul_f32_on(kernel: Level, a: Src, b: Src, d: MatmulDims, round: Option<Format>) -> Vec<f32> {
     match kernel {
         Level::Avx512 => product::<32>(kernel, a, b, d, round),
         _ => product::<16>(kernel, a, b, d, round),
@@ -547,8 +640,8 @@ simd::multiversion! {
     /// [`matmul_f32_on`] with B's panels and the tile `NR` columns wide.
     fn product<const NR: usize>(
         kernel: Level,
-        a: &[f32],
-        b: &[f32],
+        a: Src,
+        b: Src,
         d: MatmulDims,
         round: Option<Format>,
     ) -> Vec<f32> {
@@ -571,10 +664,10 @@ simd::multiversion! {
         // the contract's order.
         let one = |bi: usize, r0: usize, c: &mut [MaybeUninit<f32>]| {
             let rows = c.len() / n;
-            let (a, b) = (&a[bi * d.a_batch_stride..], &b[bi * d.b_batch_stride..]);
+            let (a, b) = (a.from(bi * d.a_batch_stride), b.from(bi * d.b_batch_stride));
             // Aᵀ's rows run over m, A's over k; B's over n, Bᵀ's over k
             let (lda, ldb) = (if d.trans_a { m } else { k }, if d.trans_b { k } else { n });
-            let a = if d.trans_a { &a[r0..] } else { &a[r0 * k..] };
+            let a = a.from(if d.trans_a { r0 } else { r0 * k });
             // Taken out, not borrowed: a pool thread waiting on a fork may
             // meanwhile run another product's work.
             let (mut ap_buf, mut bp_buf) = PACKED.with_borrow_mut(std::mem::take);
@@ -738,7 +831,7 @@ mod tests {
                     };
                     let want = naive(&a, &b, d, round);
                     for kernel in simd::available() {
-                        let got = matmul_f32_on(kernel, &a, &b, d, round);
+                        let got = matmul_f32_on(kernel, Src::F32(&a), Src::F32(&b), d, round);
                         assert!(
                             got.iter()
                                 .zip(&want)
@@ -785,7 +878,7 @@ mod tests {
             for ((a, b), want) in operands.iter().zip(&want) {
                 sc.spawn(move || {
                     for _ in 0..12 {
-                        let got = matmul_f32(a, b, d, None);
+                        let got = matmul_f32(Src::F32(a), Src::F32(b), d, None);
                         assert!(got.iter().zip(want).all(|(x, y)| x.to_bits() == y.to_bits()));
                     }
                 });
@@ -844,7 +937,7 @@ mod tests {
                         let want = naive(&a, &b, d, round);
                         let same = |x: &f32, y: &f32| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan());
                         for kernel in simd::available() {
-                            let got = matmul_f32_on(kernel, &a, &b, d, round);
+                            let got = matmul_f32_on(kernel, Src::F32(&a), Src::F32(&b), d, round);
                             assert!(got.iter().zip(&want).all(|(x, y)| same(x, y)), "{kernel:?} {d:?} {round:?}");
                         }
                     }

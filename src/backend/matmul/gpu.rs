@@ -1,8 +1,8 @@
 //! The GPU launcher of the matmul (`matmul.wgsl`): one pipeline per (format,
-//! transposes), a grid of 64×64-output workgroups, batches past 65535 and
-//! `k` past [`LOOP_PASS`] split into dispatches.
+//! transposes, mask, 16-bit operands), a grid of 64×64-output workgroups,
+//! batches past 65535 and `k` past [`LOOP_PASS`] split into dispatches.
 
-use super::{MatmulDims, MatmulOps};
+use super::{Halves, MatmulDims, MatmulOps};
 use crate::backend::gpu::context::ctx;
 use crate::backend::gpu::pipelines::{gpu_params, no_consts, Family, Kernel};
 use crate::backend::gpu::{u32_of, GpuStorage, LOOP_PASS};
@@ -42,7 +42,7 @@ const MATMUL_COLS: usize = 64;
 const MATMUL_ROWS: usize = 64;
 
 impl MatmulOps for GpuStorage {
-    fn matmul(&self, rhs: &GpuStorage, d: MatmulDims, round: Option<Format>) -> Result<GpuStorage> {
+    fn matmul(&self, rhs: &GpuStorage, d: MatmulDims, halves: Halves, round: Option<Format>) -> Result<GpuStorage> {
         let c = ctx()?;
         let n_out = d.batch * d.m * d.n;
         let out = GpuStorage::alloc(c, n_out)?;
@@ -64,7 +64,9 @@ impl MatmulOps for GpuStorage {
             .with("FMT", fmt_code(round))
             .with("TRANS_A", d.trans_a as u32)
             .with("TRANS_B", d.trans_b as u32)
-            .with("CAUSAL", d.causal.code());
+            .with("CAUSAL", d.causal.code())
+            .with("A_HALF", fmt_code(halves.a))
+            .with("B_HALF", fmt_code(halves.b));
         let mut b0 = 0usize;
         while b0 < d.batch {
             let nb = (d.batch - b0).min(65535);

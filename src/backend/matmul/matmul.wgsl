@@ -38,8 +38,10 @@ struct MatmulParams {
 // rounds. Every output still accumulates p = 0, 1, ..., k-1 in order.
 
 @group(0) @binding(0) var<storage, read> prm: MatmulParams;
-@group(0) @binding(1) var<storage, read> a: array<f32>;
-@group(0) @binding(2) var<storage, read> b: array<f32>;
+// a and b are read as bits: float32 values, or with A_HALF / B_HALF words of
+// two 16-bit patterns (value e in the low half of word e / 2 for even e).
+@group(0) @binding(1) var<storage, read> a: array<u32>;
+@group(0) @binding(2) var<storage, read> b: array<u32>;
 @group(0) @binding(3) var<storage, read_write> c: array<f32>;
 
 // Pipeline specialisation (one pipeline per combination, compiled on first use):
@@ -54,6 +56,31 @@ override TRANS_B: bool = false;
 // Left-out terms are skipped (selected away), never added as zeros, and the
 // p loop covers only the terms some row of the tile sums.
 override CAUSAL: u32 = 0u;
+// A_HALF / B_HALF: the FMT_* code of an operand kept in 16-bit storage (0: its
+// buffer holds float32 values). Its values are widened exactly as they are
+// loaded, so the product is the one over the unpacked buffer.
+override A_HALF: u32 = 0u;
+override B_HALF: u32 = 0u;
+
+// Value e of 16-bit storage from its word w.
+fn half_value(w: u32, e: u32, half: u32) -> f32 {
+    return bitcast<f32>(widen_bits((w >> (16u * (e & 1u))) & 0xffffu, half));
+}
+
+// Value e of A and of B.
+fn load_a(e: u32) -> f32 {
+    if A_HALF == 0u {
+        return bitcast<f32>(a[e]);
+    }
+    return half_value(a[e / 2u], e, A_HALF);
+}
+
+fn load_b(e: u32) -> f32 {
+    if B_HALF == 0u {
+        return bitcast<f32>(b[e]);
+    }
+    return half_value(b[e / 2u], e, B_HALF);
+}
 
 fn kept(i: u32, p: u32) -> bool {
     if CAUSAL == 2u {
@@ -226,16 +253,16 @@ fn matmul(@builtin(global_invocation_id) gid: vec3<u32>) {
     var pb_off = p_lo * pb;
     for (var p = p_lo; p < p_hi; p++) {
         {
-            let b0 = vec4<f32>(rnd(b[bc0 + pb_off]), rnd(b[bc1 + pb_off]), rnd(b[bc2 + pb_off]), rnd(b[bc3 + pb_off]));
-            let b1 = vec4<f32>(rnd(b[bc4 + pb_off]), rnd(b[bc5 + pb_off]), rnd(b[bc6 + pb_off]), rnd(b[bc7 + pb_off]));
-            let a0 = rnd(a[ar0 + pa_off]);
-            let a1 = rnd(a[ar1 + pa_off]);
-            let a2 = rnd(a[ar2 + pa_off]);
-            let a3 = rnd(a[ar3 + pa_off]);
-            let a4 = rnd(a[ar4 + pa_off]);
-            let a5 = rnd(a[ar5 + pa_off]);
-            let a6 = rnd(a[ar6 + pa_off]);
-            let a7 = rnd(a[ar7 + pa_off]);
+            let b0 = vec4<f32>(rnd(load_b(bc0 + pb_off)), rnd(load_b(bc1 + pb_off)), rnd(load_b(bc2 + pb_off)), rnd(load_b(bc3 + pb_off)));
+            let b1 = vec4<f32>(rnd(load_b(bc4 + pb_off)), rnd(load_b(bc5 + pb_off)), rnd(load_b(bc6 + pb_off)), rnd(load_b(bc7 + pb_off)));
+            let a0 = rnd(load_a(ar0 + pa_off));
+            let a1 = rnd(load_a(ar1 + pa_off));
+            let a2 = rnd(load_a(ar2 + pa_off));
+            let a3 = rnd(load_a(ar3 + pa_off));
+            let a4 = rnd(load_a(ar4 + pa_off));
+            let a5 = rnd(load_a(ar5 + pa_off));
+            let a6 = rnd(load_a(ar6 + pa_off));
+            let a7 = rnd(load_a(ar7 + pa_off));
             acc0_0 = select(acc0_0, fma4(a0, b0, acc0_0), kept(i0 + 0u, p));
             acc0_1 = select(acc0_1, fma4(a0, b1, acc0_1), kept(i0 + 0u, p));
             acc1_0 = select(acc1_0, fma4(a1, b0, acc1_0), kept(i0 + 1u, p));

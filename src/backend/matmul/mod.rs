@@ -15,11 +15,17 @@
 //! `TermsFromRow` only `p ≥ i`, each still ascending from `+0` — the terms
 //! left out are not added at all (not added as zeros), so the result does not
 //! depend on what the operands hold there.
+//!
+//! Either operand may be read from 16-bit storage (a [`Packed`] copy, the
+//! one autograd keeps for backward): value `e` is `unpack`'s value `e`,
+//! widened as it is read, so the product is the one over the unpacked buffer
+//! bit for bit — without writing that buffer out.
 
 mod cpu;
 #[cfg(feature = "gpu")]
 pub(crate) mod gpu;
 
+use super::pack::Packed;
 use super::round::Format;
 use super::{observed, on_device};
 use super::Storage;
@@ -120,14 +126,47 @@ impl Causal {
     }
 }
 
+/// Which operands a device reads from 16-bit storage, and in what format:
+/// their buffers then hold words of two values each (see [`Packed`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Halves {
+    pub a: Option<Format>,
+    pub b: Option<Format>,
+}
+
+/// An operand of a product: a buffer of values, or a 16-bit copy (both
+/// handles, cheap to clone).
+#[derive(Clone, Debug)]
+pub enum Operand {
+    Values(Storage),
+    Half(Packed),
+}
+
+impl Operand {
+    /// The buffer the device reads, and the format of its words if 16-bit.
+    fn parts(&self) -> (&Storage, Option<Format>) {
+        match self {
+            Operand::Values(s) => (s, None),
+            Operand::Half(p) => (p.words(), Some(p.format())),
+        }
+    }
+}
+
 /// The two devices' products (see the module docs for the contract).
 pub trait MatmulOps: Sized {
-    fn matmul(&self, rhs: &Self, d: MatmulDims, round: Option<Format>) -> Result<Self>;
+    fn matmul(&self, rhs: &Self, d: MatmulDims, halves: Halves, round: Option<Format>) -> Result<Self>;
 }
 
 impl Storage {
     /// The contract's matmul; `self` is A, `rhs` is B.
     pub fn matmul(&self, rhs: &Storage, dims: MatmulDims, round: Option<Format>) -> Result<Storage> {
+        Operand::Values(self.clone()).matmul(&Operand::Values(rhs.clone()), dims, round)
+    }
+}
+
+impl Operand {
+    /// The contract's matmul; `self` is A, `rhs` is B.
+    pub fn matmul(&self, rhs: &Operand, dims: MatmulDims, round: Option<Format>) -> Result<Storage> {
         let _prof = crate::profile::product_scope(crate::profile::Product {
             batch: dims.batch,
             m: dims.m,
@@ -137,7 +176,9 @@ impl Storage {
             trans_b: dims.trans_b,
             macs: dims.causal.macs(dims.m, dims.k, dims.n),
         });
-        let c = on_device!([self, rhs] => |a, b| a.matmul(b, dims, round));
+        let ((a, ha), (b, hb)) = (self.parts(), rhs.parts());
+        let halves = Halves { a: ha, b: hb };
+        let c = on_device!([a, b] => |a, b| a.matmul(b, dims, halves, round));
         observed("matmul", || dims.describe(round), &[&c])?;
         Ok(c)
     }

@@ -1,5 +1,6 @@
-// pack.wgsl — 16-bit storage (needs the prelude's cast.wgsl): the twin of
-// pack/mod.rs `half_bits` / `widen_bits` and pack/cpu.rs, integer steps only.
+// pack.wgsl — 16-bit storage (needs the prelude's cast.wgsl, which has
+// `widen_bits`): the twin of pack/mod.rs `half_bits` and pack/cpu.rs,
+// integer steps only.
 // Word i holds value 2i in its low half and value 2i + 1 in its high half.
 // 1-D grids of 64-wide workgroups: i = (wg.y * groups.x + wg.x) * 64 + lane.
 
@@ -57,26 +58,6 @@ fn pack(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: v
 @group(0) @binding(0) var<storage, read> u_prm: PackParams;
 @group(0) @binding(1) var<storage, read> u_w: array<u32>;
 @group(0) @binding(2) var<storage, read_write> u_y: array<u32>;
-
-fn widen_bits(h: u32, fmt: u32) -> u32 {
-    if fmt == FMT_BF16 {
-        return h << 16u;
-    }
-    let sign = (h & 0x8000u) << 16u;
-    let e = (h >> 10u) & 0x1fu;
-    let m = h & 0x3ffu;
-    if e == 31u {
-        return sign | 0x7f800000u | (m << 13u);
-    }
-    if e != 0u {
-        return sign | ((e + 112u) << 23u) | (m << 13u);
-    }
-    if m == 0u {
-        return sign;
-    }
-    let p = firstLeadingBit(m);
-    return sign | ((p + 103u) << 23u) | ((m << (23u - p)) & 0x007fffffu);
-}
 
 @compute @workgroup_size(64)
 fn unpack(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,

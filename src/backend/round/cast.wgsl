@@ -75,3 +75,25 @@ fn round_fmt(x: f32, fmt: u32) -> f32 {
     }
     return x;
 }
+
+// The float32 bits of a 16-bit pattern `h` of format `fmt`, exactly: the twin
+// of pack/mod.rs `widen_bits` (16-bit storage, and products that read it).
+fn widen_bits(h: u32, fmt: u32) -> u32 {
+    if fmt == FMT_BF16 {
+        return h << 16u;
+    }
+    let sign = (h & 0x8000u) << 16u;
+    let e = (h >> 10u) & 0x1fu;
+    let m = h & 0x3ffu;
+    if e == 31u {
+        return sign | 0x7f800000u | (m << 13u);
+    }
+    if e != 0u {
+        return sign | ((e + 112u) << 23u) | (m << 13u);
+    }
+    if m == 0u {
+        return sign;
+    }
+    let p = firstLeadingBit(m);
+    return sign | ((p + 103u) << 23u) | ((m << (23u - p)) & 0x007fffffu);
+}
