@@ -323,6 +323,7 @@ pub fn adamw_consts() -> AdamWConsts {
         step_size: (lr / (1.0 - b1.powi(t))) as f32,
         bc2_sqrt: (1.0 - b2.powi(t)).sqrt() as f32,
         eps: 1e-8,
+        grad_scale: None,
     }
 }
 

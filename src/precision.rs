@@ -10,7 +10,7 @@
 
 use crate::backend::round::Format;
 use crate::backend::{Storage, UnaryOp};
-use crate::optim::{clip_measured, grad_storages, Optimizer};
+use crate::optim::{clip_and_step, grad_storages, Optimizer};
 use crate::{bail, Error, Result, Tensor};
 use serde::{Deserialize, Serialize};
 
@@ -306,10 +306,7 @@ impl DynamicLossScaler {
             }
             return Ok((false, values));
         };
-        if let Some(c) = clip {
-            self.last_grad_norm = Some(clip_measured(&grads, sum_squares, c)?);
-        }
-        opt.step()?;
+        self.last_grad_norm = clip_and_step(opt, params, sum_squares, clip)?;
         self.good_steps += 1;
         if self.good_steps >= self.interval {
             // Never grow to inf: an infinite scale would poison every step and

@@ -824,6 +824,66 @@ device_test!(scaler_unscales_before_clipping, |dev| {
     );
 });
 
+// The training step scales clipped gradients inside AdamW's update (one
+// pass per parameter): the same weights, moments and clipped gradients, bit
+// for bit, as clip_grad_norm_ followed by the update — over two steps that
+// clip and one that does not.
+device_test!(clipping_inside_the_update_is_clip_then_step, |dev| {
+    let init = [randv(300, 71, 1.0), randv(37, 72, 1.0)];
+    let make = || -> Vec<Tensor> { init.iter().map(|v| param(v, &[v.len()], dev)).collect() };
+    let (fused, plain) = (make(), make());
+    let cfg = AdamWConfig::new(1e-2);
+    let (mut opt_f, mut opt_p) = (
+        AdamW::new(fused.clone(), cfg)?,
+        AdamW::new(plain.clone(), cfg)?,
+    );
+    let model = Params(fused.clone());
+    for (step, size) in [(0u64, 10.0f32), (1, 10.0), (2, 0.01)] {
+        let c: Vec<Tensor> = init
+            .iter()
+            .enumerate()
+            .map(|(i, v)| {
+                t(
+                    &randv(v.len(), 80 + 2 * step + i as u64, size),
+                    &[v.len()],
+                    dev,
+                )
+            })
+            .collect();
+        let loss = |ps: &[Tensor]| -> Result<Tensor> {
+            ps[0]
+                .mul(&c[0])?
+                .sum_all()?
+                .add(&ps[1].mul(&c[1])?.sum_all()?)
+        };
+        let mb = [(t(&[0.0], &[1], dev), t(&[0.0], &[1], dev))];
+        let r = train_step_mixed(
+            &model,
+            &mb,
+            |_| loss(&fused),
+            &mut opt_f,
+            Precision::Fp32,
+            None,
+            Some(1.0),
+        )?;
+        for p in &plain {
+            p.zero_grad();
+        }
+        loss(&plain)?.backward()?;
+        let norm = clip_grad_norm_(&plain, 1.0)?;
+        opt_p.step()?;
+        assert_eq!(r.grad_norm.map(f32::to_bits), Some(norm.to_bits()));
+        assert_eq!(norm > 1.0, step < 2, "steps 1 and 2 clip, step 3 does not");
+        for (i, (f, p)) in fused.iter().zip(&plain).enumerate() {
+            assert_eq!(bits(&vals(f)), bits(&vals(p)), "step {step}: weights {i}");
+            assert_eq!(bits(&grad(f)), bits(&grad(p)), "step {step}: gradients {i}");
+            let (sf, sp) = (opt_f.state(i).unwrap(), opt_p.state(i).unwrap());
+            assert_eq!(bits(&vals(&sf.0)), bits(&vals(&sp.0)), "step {step}: m {i}");
+            assert_eq!(bits(&vals(&sf.1)), bits(&vals(&sp.1)), "step {step}: v {i}");
+        }
+    }
+});
+
 device_test!(scaler_state_dict_roundtrip, |dev| {
     let w = param(&[0.0], &[1], dev);
     let mut opt = sgd(vec![w.clone()], 0.0);

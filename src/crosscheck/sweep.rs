@@ -1241,17 +1241,20 @@ fn adamw(sw: &mut Sweep) -> Result<()> {
                 step_size: (lr / (1.0 - b1.powi(t))) as f32,
                 bc2_sqrt: (1.0 - b2.powi(t)).sqrt() as f32,
                 eps: eps as f32,
+                // the last two steps clip, scaling the gradient in the update
+                grad_scale: [None, None, Some(0.375_123), Some(1.0 - 1e-7)][t as usize - 1],
             };
             (g, c)
         })
         .collect();
-    let case = format!("4 steps on n {n} (output: p, m, v after each step)");
+    let case = format!("4 steps on n {n}, 2 clipping (output: p, m, v, g after each step)");
     sw.check("adamw", "", case, &[], |d| {
         let (ps, m, v) = (up(&p, d)?, up(&vec![0.0; n], d)?, up(&vec![0.0; n], d)?);
         let mut out = Vec::new();
         for (g, c) in &steps {
-            ps.adamw_step(&up(g, d)?, &m, &v, c)?;
-            for s in [&ps, &m, &v] {
+            let g = up(g, d)?;
+            ps.adamw_step(&g, &m, &v, c)?;
+            for s in [&ps, &m, &v, &g] {
                 out.extend(s.to_vec_f32()?);
             }
         }

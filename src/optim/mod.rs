@@ -20,6 +20,15 @@ pub trait Optimizer {
     /// Sets the learning rate for the following steps (a schedule calls this
     /// before each step).
     fn set_lr(&mut self, lr: f32);
+    /// [`step`](Self::step) after multiplying every gradient of its
+    /// parameters by `c` in place (clipping), which they keep: the bits of
+    /// scaling each gradient, then stepping. AdamW does both in one pass.
+    fn step_scaled(&mut self, c: f32) -> Result<()> {
+        for g in grad_storages(self.params()) {
+            g.scale_in_place(c)?;
+        }
+        self.step()
+    }
     /// Clears every parameter's gradient.
     fn zero_grad(&self) {
         for p in self.params() {
@@ -207,8 +216,10 @@ impl AdamW {
     }
 }
 
-impl Optimizer for AdamW {
-    fn step(&mut self) -> Result<()> {
+impl AdamW {
+    /// One update, each gradient first multiplied by `grad_scale` (if set)
+    /// inside the update's own pass.
+    fn update(&mut self, grad_scale: Option<f32>) -> Result<()> {
         let c = self.cfg;
         for (i, (p, st)) in self.params.iter().zip(self.state.iter_mut()).enumerate() {
             let Some(g) = p.grad() else { continue };
@@ -232,11 +243,21 @@ impl Optimizer for AdamW {
                 step_size: (c.lr as f64 / bc1) as f32,
                 bc2_sqrt: bc2.sqrt() as f32,
                 eps: c.eps,
+                grad_scale,
             };
             p.storage()
                 .adamw_step(&g.storage(), &m.storage(), &v.storage(), &k)?;
         }
         Ok(())
+    }
+}
+
+impl Optimizer for AdamW {
+    fn step(&mut self) -> Result<()> {
+        self.update(None)
+    }
+    fn step_scaled(&mut self, c: f32) -> Result<()> {
+        self.update(Some(c))
     }
     fn params(&self) -> &[Tensor] {
         &self.params
@@ -272,15 +293,54 @@ pub fn clip_grad_norm_(params: &[Tensor], max_norm: f32) -> Result<f32> {
 /// [`clip_grad_norm_`] of gradients whose sum of squares is already known
 /// (the loss scaler's check measures it in the same pass as it unscales).
 pub(crate) fn clip_measured(grads: &[Storage], sum_squares: f32, max_norm: f32) -> Result<f32> {
+    let (norm, coef) = clip_coef(sum_squares, max_norm)?;
+    if let Some(c) = coef {
+        for g in grads {
+            g.scale_in_place(c)?;
+        }
+    }
+    Ok(norm)
+}
+
+/// The global norm from its square, and the factor clipping multiplies the
+/// gradients by (none when the norm is within `max_norm`).
+fn clip_coef(sum_squares: f32, max_norm: f32) -> Result<(f32, Option<f32>)> {
     if !(max_norm > 0.0) {
         bail!(Config, "clip: max_norm must be positive, got {max_norm}");
     }
     let norm = crate::backend::math::sqrt(sum_squares);
-    if norm > max_norm {
-        let coef = crate::backend::math::div(max_norm, norm + 1e-6);
-        for g in grads {
-            g.scale_in_place(coef)?;
+    let coef = (norm > max_norm).then(|| crate::backend::math::div(max_norm, norm + 1e-6));
+    Ok((norm, coef))
+}
+
+/// A training step's end: [`clip_measured`] over the gradients of `params`
+/// (when `clip` is set), then `opt`'s update; returns the norm. When `opt`
+/// updates exactly `params`, the clip's scaling runs inside the update
+/// ([`Optimizer::step_scaled`]: on the GPU one AdamW kernel per parameter
+/// instead of a scaling kernel and an update) — the same bits.
+pub(crate) fn clip_and_step(
+    opt: &mut dyn Optimizer,
+    params: &[Tensor],
+    sum_squares: f32,
+    clip: Option<f32>,
+) -> Result<Option<f32>> {
+    let Some(max_norm) = clip else {
+        opt.step()?;
+        return Ok(None);
+    };
+    let (norm, coef) = clip_coef(sum_squares, max_norm)?;
+    let same = |a: &[Tensor], b: &[Tensor]| {
+        a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.id() == y.id())
+    };
+    match coef {
+        None => opt.step()?,
+        Some(c) if same(opt.params(), params) => opt.step_scaled(c)?,
+        Some(c) => {
+            for g in grad_storages(params) {
+                g.scale_in_place(c)?;
+            }
+            opt.step()?;
         }
     }
-    Ok(norm)
+    Ok(Some(norm))
 }

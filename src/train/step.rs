@@ -5,7 +5,7 @@
 //! [`precision`](crate::precision)'s `autocast` and `DynamicLossScaler`.
 
 use crate::backend::Storage;
-use crate::optim::{clip_measured, grad_storages, Optimizer};
+use crate::optim::{clip_and_step, grad_storages, Optimizer};
 use crate::precision::{autocast, DynamicLossScaler, Precision};
 use crate::{bail, Result, Tensor};
 use serde::{Deserialize, Serialize};
@@ -256,11 +256,7 @@ pub fn train_step_mixed<M: crate::nn::Module + ?Sized, B: MicroBatch>(
                     "non-finite {what} (loss {loss}) without a loss scaler: no update was made"
                 );
             };
-            let grad_norm = match clip {
-                Some(c) => Some(clip_measured(&grads, sum_squares, c)?),
-                None => None,
-            };
-            opt.step()?;
+            let grad_norm = clip_and_step(opt, &params, sum_squares, clip)?;
             Ok(StepReport {
                 loss,
                 skipped: false,

@@ -269,6 +269,7 @@ mod tests {
             step_size: 1e-3,
             bc2_sqrt: 0.3,
             eps: 1e-8,
+            grad_scale: None,
         };
         p.adamw_step(&g, &m, &v, &c).unwrap();
         out.extend([bits(&p), bits(&m), bits(&v)]);

@@ -35,6 +35,10 @@ impl OptimOps for CpuStorage {
     }
 
     fn adamw_step(&self, g: &CpuStorage, m: &CpuStorage, v: &CpuStorage, c: &AdamWConsts) -> Result<()> {
+        // The reference scales in its own pass: the same bits as the fused kernel.
+        if let Some(s) = c.grad_scale {
+            g.scale_in_place(s)?;
+        }
 
         let (mut p, g, mut m, mut v) = (self.f32s_mut(), g.f32s(), m.f32s_mut(), v.f32s_mut());
         let (n, c) = (p.len(), *c);
@@ -225,6 +229,7 @@ mod tests {
             step_size: 4.5649e-4,
             bc2_sqrt: 0.7766,
             eps: 1e-8,
+            grad_scale: None,
         };
         let (mut p1, mut m1, mut v1) = (p.clone(), m.clone(), v.clone());
         adamw_slices(&mut p1, &g, &mut m1, &mut v1, &c);

@@ -32,6 +32,8 @@ gpu_params! {
         step_size: u32,
         bc2_sqrt: u32,
         eps: u32,
+        scale_grad: u32,
+        grad_scale: u32,
     }
 }
 
@@ -136,6 +138,8 @@ impl OptimOps for GpuStorage {
             step_size: k.step_size.to_bits(),
             bc2_sqrt: k.bc2_sqrt.to_bits(),
             eps: k.eps.to_bits(),
+            scale_grad: k.grad_scale.is_some() as u32,
+            grad_scale: k.grad_scale.unwrap_or(1.0).to_bits(),
         };
         ctx()?.dispatch(
             &kernel,

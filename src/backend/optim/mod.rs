@@ -10,6 +10,9 @@
 //!   den = div(sqrt(v), bc2_sqrt) + eps
 //!   p  = fma(-step_size, div(m, den), p1)
 //!   ```
+//!   With a `grad_scale` c (clipping, fused into the update): first
+//!   `g = g * c`, stored back into the gradient, then the update from that
+//!   `g` — the bits of `scale_in_place(c)` followed by the plain update.
 //! * SGD with momentum and (coupled) weight decay: `g' = fma(wd, p, g)`; with
 //!   momentum `buf = fma(momentum, buf, g')` (the first step sets `buf = g'`),
 //!   `g' = buf`; `p = fma(-lr, g', p)`.
@@ -48,6 +51,8 @@ pub struct AdamWConsts {
     /// `sqrt(1 - beta2^t)`
     pub bc2_sqrt: f32,
     pub eps: f32,
+    /// Multiplies the gradient in place first (see the module docs).
+    pub grad_scale: Option<f32>,
 }
 
 /// The two devices' in-place updates (see the module docs for the contract).
@@ -157,7 +162,11 @@ impl Storage {
         let _prof = crate::profile::scope("adamw");
         check_len("AdamW", self, &[grad, m, v])?;
         on_device!([self, grad, m, v] => |p, g, m, v| p.adamw_step(g, m, v, c));
-        observed("adamw", || format!("n {} {c:?}", self.len()), &[self, m, v])
+        let changed: &[&Storage] = match c.grad_scale {
+            Some(_) => &[self, m, v, grad],
+            None => &[self, m, v],
+        };
+        observed("adamw", || format!("n {} {c:?}", self.len()), changed)
     }
 
     /// In-place SGD on the parameter `self`.

@@ -108,11 +108,13 @@ struct AdamWParams {
     step_size: u32,
     bc2_sqrt: u32,
     eps: u32,
+    scale_grad: u32, // 1: g = g * grad_scale, stored back, before the update (clipping)
+    grad_scale: u32,
 }
 
 @group(0) @binding(0) var<storage, read> aw_prm: AdamWParams;
 @group(0) @binding(1) var<storage, read_write> aw_p: array<f32>;
-@group(0) @binding(2) var<storage, read> aw_g: array<f32>;
+@group(0) @binding(2) var<storage, read_write> aw_g: array<f32>;
 @group(0) @binding(3) var<storage, read_write> aw_m: array<f32>;
 @group(0) @binding(4) var<storage, read_write> aw_v: array<f32>;
 
@@ -135,7 +137,11 @@ fn adamw_step(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) gro
         if i >= n {
             return;
         }
-        let gi = aw_g[i];
+        var gi = aw_g[i];
+        if aw_prm.scale_grad != 0u {
+            gi = gi * bitcast<f32>(aw_prm.grad_scale);
+            aw_g[i] = gi;
+        }
         let p1 = aw_p[i] * decay;
         let mi = fma_c(beta1, aw_m[i], omb1 * gi);
         let vi = fma_c(beta2, aw_v[i], omb2 * (gi * gi));
