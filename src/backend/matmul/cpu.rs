@@ -74,6 +74,15 @@ trait Load: Copy {
     fn run<const W: usize>(self, i: usize) -> [f32; W] {
         std::array::from_fn(|l| self.at(i + l))
     }
+    /// Panel row `p` of `panel` (rows of `W`) from the values at `rows[r] + p`.
+    #[inline(always)]
+    fn gather<const W: usize>(self, panel: &mut [f32], rows: [usize; W]) {
+        for (p, dst) in panel.chunks_exact_mut(W).enumerate() {
+            for r in 0..W {
+                dst[r] = self.at(rows[r] + p);
+            }
+        }
+    }
 }
 
 impl Load for &[f32] {
@@ -84,6 +93,17 @@ impl Load for &[f32] {
     #[inline(always)]
     fn run<const W: usize>(self, i: usize) -> [f32; W] {
         self[i..i + W].try_into().unwrap()
+    }
+    #[inline(always)]
+    fn gather<const W: usize>(self, panel: &mut [f32], rows: [usize; W]) {
+        // slices of the rows' stretches: their bounds checks leave the loop
+        let len = panel.len() / W;
+        let rows: [&[f32]; W] = rows.map(|r| &self[r..r + len]);
+        for (p, dst) in panel.chunks_exact_mut(W).enumerate() {
+            for r in 0..W {
+                dst[r] = rows[r][p];
+            }
+        }
     }
 }
 
@@ -193,12 +213,7 @@ fn pack<const W: usize, S: Load>(
             if real == W {
                 // Gather the W rows' p-th values into one panel row, reading
                 // W streams forward, writing one (vectorised as a transpose).
-                let rows: [usize; W] = std::array::from_fn(row);
-                for (p, dst) in panel.chunks_exact_mut(W).enumerate() {
-                    for r in 0..W {
-                        dst[r] = src.at(rows[r] + p);
-                    }
-                }
+                src.gather::<W>(panel, std::array::from_fn(row));
             } else {
                 panel.fill(0.0);
                 for r in 0..real {
