@@ -125,28 +125,23 @@ pub fn matmul_with(
                 } else {
                     None
                 };
-                let (a2, g2) = match a_t {
-                    Some(s) => (
-                        Arg {
-                            op: Operand::Values(s),
-                            shape: &a_rows,
-                        },
-                        Arg {
-                            shape: &g_rows,
-                            ..gd
-                        },
-                    ),
-                    None if folded => (
-                        Arg {
-                            shape: &a_rows,
-                            ..a.arg()
-                        },
-                        Arg {
-                            shape: &g_rows,
-                            ..gd
-                        },
-                    ),
-                    None => (a.arg(), gd),
+                let a2 = match a_t {
+                    Some(s) => Arg {
+                        op: Operand::Values(s),
+                        shape: &a_rows,
+                    },
+                    None if folded => Arg {
+                        shape: &a_rows,
+                        ..a.arg()
+                    },
+                    None => a.arg(),
+                };
+                let g2 = match folded {
+                    true => Arg {
+                        shape: &g_rows,
+                        ..gd
+                    },
+                    false => gd,
                 };
                 let ta2 = ta && !folded;
                 Some(out(if !tb {
