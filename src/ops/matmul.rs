@@ -85,7 +85,10 @@ pub(crate) fn product(
     Ok((s, shape, dims))
 }
 
-/// [`product`] of two tensors, recorded for backward.
+/// `op(a) @ op(b)` over matching leading (batch) axes, recorded for
+/// backward; `ta`/`tb` read the last two axes transposed. `a: (.., m, k)`
+/// (or `(.., k, m)` when `ta`), `b: (.., k, n)` (or `(.., n, k)` when `tb`)
+/// -> `(.., m, n)`.
 pub fn matmul_with(
     a: &Tensor,
     b: &Tensor,
