@@ -24,9 +24,7 @@ pub trait Optimizer {
     /// parameters by `c` in place (clipping), which they keep: the bits of
     /// scaling each gradient, then stepping. AdamW does both in one pass.
     fn step_scaled(&mut self, c: f32) -> Result<()> {
-        for g in grad_storages(self.params()) {
-            g.scale_in_place(c)?;
-        }
+        scale_grads(self.params(), c)?;
         self.step()
     }
     /// Clears every parameter's gradient.
@@ -287,19 +285,19 @@ pub fn grad_storages(params: &[Tensor]) -> Vec<Storage> {
 pub fn clip_grad_norm_(params: &[Tensor], max_norm: f32) -> Result<f32> {
     let grads = grad_storages(params);
     let refs: Vec<&Storage> = grads.iter().collect();
-    clip_measured(&grads, Storage::sum_squares(&refs)?, max_norm)
-}
-
-/// [`clip_grad_norm_`] of gradients whose sum of squares is already known
-/// (the loss scaler's check measures it in the same pass as it unscales).
-pub(crate) fn clip_measured(grads: &[Storage], sum_squares: f32, max_norm: f32) -> Result<f32> {
-    let (norm, coef) = clip_coef(sum_squares, max_norm)?;
+    let (norm, coef) = clip_coef(Storage::sum_squares(&refs)?, max_norm)?;
     if let Some(c) = coef {
-        for g in grads {
-            g.scale_in_place(c)?;
-        }
+        scale_grads(params, c)?;
     }
     Ok(norm)
+}
+
+/// Every gradient of `params` multiplied by `c` in place.
+fn scale_grads(params: &[Tensor], c: f32) -> Result<()> {
+    for g in grad_storages(params) {
+        g.scale_in_place(c)?;
+    }
+    Ok(())
 }
 
 /// The global norm from its square, and the factor clipping multiplies the
@@ -313,9 +311,10 @@ fn clip_coef(sum_squares: f32, max_norm: f32) -> Result<(f32, Option<f32>)> {
     Ok((norm, coef))
 }
 
-/// A training step's end: [`clip_measured`] over the gradients of `params`
-/// (when `clip` is set), then `opt`'s update; returns the norm. When `opt`
-/// updates exactly `params`, the clip's scaling runs inside the update
+/// A training step's end: [`clip_grad_norm_`] of `params`, its norm measured
+/// already (`sum_squares`), when `clip` is set; then `opt`'s update; returns
+/// the norm. When `opt` updates exactly `params`, the clip's scaling runs
+/// inside the update
 /// ([`Optimizer::step_scaled`]: on the GPU one AdamW kernel per parameter
 /// instead of a scaling kernel and an update) — the same bits.
 pub(crate) fn clip_and_step(
@@ -336,9 +335,7 @@ pub(crate) fn clip_and_step(
         None => opt.step()?,
         Some(c) if same(opt.params(), params) => opt.step_scaled(c)?,
         Some(c) => {
-            for g in grad_storages(params) {
-                g.scale_in_place(c)?;
-            }
+            scale_grads(params, c)?;
             opt.step()?;
         }
     }
