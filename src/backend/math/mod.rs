@@ -343,35 +343,86 @@ pub fn exp_lanes(x: [f32; LANES]) -> [f32; LANES] {
     x.map(exp)
 }
 
-/// [`exp`]'s steps on 8 lanes, in its order: clamp, reduce, the polynomial,
-/// `scale2` as two power-of-two products, then the selects.
+/// [`avx2::exp`] on an array of lanes.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 #[inline]
 unsafe fn exp_avx2(x: [f32; LANES]) -> [f32; LANES] {
     use std::arch::x86_64::*;
-    let f = _mm256_set1_ps;
-    let xv = _mm256_loadu_ps(x.as_ptr());
-    // max(x, EXP_LO) returns its second operand for a NaN x, as f32::max does
-    let xc = _mm256_min_ps(_mm256_max_ps(xv, f(EXP_LO)), f(EXP_HI));
-    let n = _mm256_floor_ps(_mm256_fmadd_ps(xc, f(std::f32::consts::LOG2_E), f(0.5)));
-    let r = _mm256_fnmadd_ps(n, f(LN2_HI), xc);
-    let r = _mm256_fnmadd_ps(n, f(LN2_LO), r);
-    let mut p = f(EXP_POLY[0]);
-    for c in &EXP_POLY[1..] {
-        p = _mm256_fmadd_ps(p, r, f(*c));
-    }
-    // scale2: n1 = n / 2 rounded toward zero, then p · 2^n1 · 2^(n − n1)
-    let ni = _mm256_cvttps_epi32(n);
-    let n1 = _mm256_srai_epi32::<1>(_mm256_add_epi32(ni, _mm256_srli_epi32::<31>(ni)));
-    let pow2 = |e: __m256i| _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(e, _mm256_set1_epi32(127))));
-    let out = _mm256_mul_ps(_mm256_mul_ps(p, pow2(n1)), pow2(_mm256_sub_epi32(ni, n1)));
-    let out = _mm256_blendv_ps(out, _mm256_setzero_ps(), _mm256_cmp_ps::<_CMP_LT_OQ>(xv, f(EXP_LO)));
-    let out = _mm256_blendv_ps(out, f(f32::INFINITY), _mm256_cmp_ps::<_CMP_GT_OQ>(xv, f(EXP_HI)));
-    let out = _mm256_blendv_ps(out, _mm256_castsi256_ps(_mm256_set1_epi32(QNAN as i32)), _mm256_cmp_ps::<_CMP_UNORD_Q>(xv, xv));
     let mut y = [0.0f32; LANES];
-    _mm256_storeu_ps(y.as_mut_ptr(), out);
+    _mm256_storeu_ps(y.as_mut_ptr(), avx2::exp(_mm256_loadu_ps(x.as_ptr())));
     y
+}
+
+/// [`exp`] and [`div`] on AVX2 vectors, bit for bit, for kernels written
+/// with intrinsics (a vector in and out: no trip through an array).
+#[cfg(target_arch = "x86_64")]
+pub mod avx2 {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    /// [`exp`] of each lane: its steps in its order (clamp, reduce, the
+    /// polynomial, `scale2` as two power-of-two products, then the selects).
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    pub fn exp(xv: __m256) -> __m256 {
+        let f = _mm256_set1_ps;
+        // max(x, EXP_LO) returns its second operand for a NaN x, as f32::max does
+        let xc = _mm256_min_ps(_mm256_max_ps(xv, f(EXP_LO)), f(EXP_HI));
+        let n = _mm256_floor_ps(_mm256_fmadd_ps(xc, f(std::f32::consts::LOG2_E), f(0.5)));
+        let r = _mm256_fnmadd_ps(n, f(LN2_HI), xc);
+        let r = _mm256_fnmadd_ps(n, f(LN2_LO), r);
+        let mut p = f(EXP_POLY[0]);
+        for c in &EXP_POLY[1..] {
+            p = _mm256_fmadd_ps(p, r, f(*c));
+        }
+        // scale2: n1 = n / 2 rounded toward zero, then p · 2^n1 · 2^(n − n1)
+        let ni = _mm256_cvttps_epi32(n);
+        let n1 = _mm256_srai_epi32::<1>(_mm256_add_epi32(ni, _mm256_srli_epi32::<31>(ni)));
+        let pow2 = |e: __m256i| _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(e, _mm256_set1_epi32(127))));
+        let out = _mm256_mul_ps(_mm256_mul_ps(p, pow2(n1)), pow2(_mm256_sub_epi32(ni, n1)));
+        let out = _mm256_blendv_ps(out, _mm256_setzero_ps(), _mm256_cmp_ps::<_CMP_LT_OQ>(xv, f(EXP_LO)));
+        let out = _mm256_blendv_ps(out, f(f32::INFINITY), _mm256_cmp_ps::<_CMP_GT_OQ>(xv, f(EXP_HI)));
+        _mm256_blendv_ps(out, _mm256_castsi256_ps(_mm256_set1_epi32(QNAN as i32)), _mm256_cmp_ps::<_CMP_UNORD_Q>(xv, xv))
+    }
+
+    /// [`div_lanes`] on vectors: [`div_hw`]'s test lane by lane, the
+    /// soft division for the whole vector when any lane fails it.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    pub fn div(a: __m256, b: __m256) -> __m256 {
+        let q = _mm256_div_ps(a, b);
+        // r = a − q·b, exact
+        let r = _mm256_fnmadd_ps(q, b, a);
+        let bits = _mm256_castps_si256;
+        let abs_mask = _mm256_set1_epi32(0x7fff_ffff);
+        let field = |x: __m256| _mm256_and_si256(_mm256_srli_epi32::<23>(bits(x)), _mm256_set1_epi32(0xff));
+        // HW_MIN_FIELD ≤ field < 0xff, as signed compares (fields are 0..=255)
+        let in_range = |x: __m256| {
+            let e = field(x);
+            _mm256_andnot_si256(
+                _mm256_cmpgt_epi32(_mm256_set1_epi32(HW_MIN_FIELD as i32), e),
+                _mm256_cmpgt_epi32(_mm256_set1_epi32(0xff), e),
+            )
+        };
+        let abs = |x: __m256| _mm256_castsi256_ps(_mm256_and_si256(bits(x), abs_mask));
+        let h = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_sub_epi32(field(q), _mm256_set1_epi32(24))));
+        let limit = _mm256_mul_ps(_mm256_mul_ps(h, abs(b)), _mm256_set1_ps(1.0 - 1.0 / 4096.0));
+        let close = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_LT_OQ>(abs(r), limit));
+        let general = _mm256_and_si256(_mm256_and_si256(in_range(a), in_range(b)), _mm256_and_si256(in_range(q), close));
+        let a_zero = _mm256_cmpeq_epi32(_mm256_and_si256(bits(a), abs_mask), _mm256_setzero_si256());
+        let ok = _mm256_or_si256(general, _mm256_and_si256(a_zero, in_range(b)));
+        if _mm256_movemask_ps(_mm256_castsi256_ps(ok)) == 0xff {
+            return q;
+        }
+        let (mut av, mut bv) = ([0.0f32; LANES], [0.0f32; LANES]);
+        // SAFETY: two arrays of LANES f32 each.
+        unsafe {
+            _mm256_storeu_ps(av.as_mut_ptr(), a);
+            _mm256_storeu_ps(bv.as_mut_ptr(), b);
+            _mm256_loadu_ps(div_lanes_soft(av, bv).as_ptr())
+        }
+    }
 }
 
 /// Natural logarithm, within about one ulp. `log(±0) = -inf`, negative → NaN.
@@ -598,21 +649,36 @@ mod tests {
         );
     }
 
+    type DivLanes = fn([f32; LANES], [f32; LANES]) -> [f32; LANES];
+
+    /// The vector divisions: `div_lanes`, and the AVX2 kernels' `avx2::div`
+    /// where the CPU has it.
+    fn vector_divisions() -> Vec<(&'static str, DivLanes)> {
+        let mut v: Vec<(&'static str, DivLanes)> = vec![("div_lanes", div_lanes)];
+        #[cfg(target_arch = "x86_64")]
+        if crate::backend::cpu::simd::available().contains(&crate::backend::cpu::simd::Level::Avx2) {
+            v.push(("avx2::div", |a, b| {
+                use std::arch::x86_64::*;
+                let mut q = [0.0f32; LANES];
+                // SAFETY: listed only where the CPU has AVX2 and FMA; arrays of LANES values.
+                unsafe { _mm256_storeu_ps(q.as_mut_ptr(), avx2::div(_mm256_loadu_ps(a.as_ptr()), _mm256_loadu_ps(b.as_ptr()))) };
+                q
+            }));
+        }
+        v
+    }
+
     #[test]
-    fn div_lanes_equals_div_bit_for_bit() {
+    fn vector_divisions_equal_div_bit_for_bit() {
         let pairs = division_pairs(2_000_000);
-        for group in pairs.chunks_exact(LANES) {
-            let a: [f32; LANES] = std::array::from_fn(|i| group[i].0);
-            let b: [f32; LANES] = std::array::from_fn(|i| group[i].1);
-            let q = div_lanes(a, b);
-            for i in 0..LANES {
-                assert_eq!(
-                    q[i].to_bits(),
-                    div(a[i], b[i]).to_bits(),
-                    "{} / {}",
-                    a[i],
-                    b[i]
-                );
+        for (name, div_v) in vector_divisions() {
+            for group in pairs.chunks_exact(LANES) {
+                let a: [f32; LANES] = std::array::from_fn(|i| group[i].0);
+                let b: [f32; LANES] = std::array::from_fn(|i| group[i].1);
+                let q = div_v(a, b);
+                for i in 0..LANES {
+                    assert_eq!(q[i].to_bits(), div(a[i], b[i]).to_bits(), "{name}: {} / {}", a[i], b[i]);
+                }
             }
         }
     }

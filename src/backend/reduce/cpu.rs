@@ -16,6 +16,15 @@ impl ReduceOps for CpuStorage {
     }
 
     fn softmax_rows(&self, rows: usize, n: usize, scale: f32, causal: bool) -> Result<CpuStorage> {
+        #[cfg(target_arch = "x86_64")]
+        if let (CpuStorage::F32(x), true) = (self, simd::level() >= simd::Level::Avx2) {
+            let x = &*x.get();
+            return Ok(f32::wrap(by_row_blocks(rows, n, |r0, k, out| {
+                let x = &x[r0 * n..(r0 + k) * n];
+                // SAFETY: the level is only Avx2 or above where the CPU has AVX2 and FMA.
+                unsafe { avx2::softmax_f32(x, r0, n, scale, causal, SOFTMAX_BLOCK_ELEMS, out) }
+            })));
+        }
         Ok(both!(self, x => by_row_blocks(rows, n, |r0, k, out| {
             softmax_t(&x[r0 * n..(r0 + k) * n], r0, n, scale, causal, SOFTMAX_BLOCK_ELEMS, out)
         })))
@@ -288,10 +297,159 @@ simd::multiversion! {
     }
 }
 
+/// The f32 softmax on AVX2 vectors: [`softmax_t`]'s passes in its order,
+/// with its exps and divisions as vector intrinsics (the generic loops pass
+/// each group through arrays on the stack: ~3x slower).
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::*;
+    use crate::backend::math::avx2::{div, exp};
+    use std::arch::x86_64::*;
+
+    /// The row's largest value, or NaN if it holds one. Which of ±0 it
+    /// returns for a zero maximum is unspecified: the softmax subtracts it
+    /// from values and exponentiates, and `exp(+0) = exp(−0)`.
+    #[target_feature(enable = "avx2,fma")]
+    fn row_max(row: &[f32]) -> f32 {
+        let ninf = _mm256_set1_ps(f32::NEG_INFINITY);
+        let (mut m, mut nan) = ([ninf; 4], _mm256_setzero_ps());
+        let mut take = |i: usize, v: __m256| {
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps::<_CMP_UNORD_Q>(v, v));
+            m[i] = _mm256_max_ps(m[i], v);
+        };
+        let mut groups = row.chunks_exact(4 * LANES);
+        for g in &mut groups {
+            for (i, c) in g.chunks_exact(LANES).enumerate() {
+                // SAFETY: `c` holds LANES values.
+                take(i, unsafe { _mm256_loadu_ps(c.as_ptr()) });
+            }
+        }
+        for c in groups.remainder().chunks(LANES) {
+            let mut v = [f32::NEG_INFINITY; LANES];
+            v[..c.len()].copy_from_slice(c);
+            // SAFETY: `v` holds LANES values.
+            take(0, unsafe { _mm256_loadu_ps(v.as_ptr()) });
+        }
+        if _mm256_movemask_ps(nan) != 0 {
+            return f32::NAN;
+        }
+        let m = _mm256_max_ps(_mm256_max_ps(m[0], m[1]), _mm256_max_ps(m[2], m[3]));
+        let mut v = [0.0f32; LANES];
+        // SAFETY: `v` holds LANES values.
+        unsafe { _mm256_storeu_ps(v.as_mut_ptr(), m) };
+        v.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b))
+    }
+
+    /// `out[i] = f(x[i])` a vector at a time; the ragged tail goes through
+    /// `f` padded with zeros (their results dropped).
+    #[target_feature(enable = "avx2,fma")]
+    fn map_lanes(out: &mut [MaybeUninit<f32>], x: &[f32], f: impl Fn(__m256) -> __m256) {
+        assert_eq!(out.len(), x.len());
+        let mut groups = out.chunks_exact_mut(LANES);
+        let mut inputs = x.chunks_exact(LANES);
+        for (o, v) in (&mut groups).zip(&mut inputs) {
+            // SAFETY: `v` and `o` hold LANES values each.
+            unsafe { _mm256_storeu_ps(o.as_mut_ptr().cast(), f(_mm256_loadu_ps(v.as_ptr()))) };
+        }
+        let (tail, rest) = (groups.into_remainder(), inputs.remainder());
+        if !tail.is_empty() {
+            let mut v = [0.0f32; LANES];
+            v[..rest.len()].copy_from_slice(rest);
+            // SAFETY: `v` holds LANES values.
+            unsafe { _mm256_storeu_ps(v.as_mut_ptr(), f(_mm256_loadu_ps(v.as_ptr()))) };
+            write_exact(tail, v);
+        }
+    }
+
+    /// `x[i] = f(x[i])` in place, as [`map_lanes`].
+    #[target_feature(enable = "avx2,fma")]
+    fn map_lanes_mut(x: &mut [f32], f: impl Fn(__m256) -> __m256) {
+        let mut groups = x.chunks_exact_mut(LANES);
+        for g in &mut groups {
+            // SAFETY: `g` holds LANES values.
+            unsafe { _mm256_storeu_ps(g.as_mut_ptr(), f(_mm256_loadu_ps(g.as_ptr()))) };
+        }
+        let tail = groups.into_remainder();
+        if !tail.is_empty() {
+            let mut v = [0.0f32; LANES];
+            v[..tail.len()].copy_from_slice(tail);
+            // SAFETY: `v` holds LANES values.
+            unsafe { _mm256_storeu_ps(v.as_mut_ptr(), f(_mm256_loadu_ps(v.as_ptr()))) };
+            let t = tail.len();
+            tail.copy_from_slice(&v[..t]);
+        }
+    }
+
+    /// [`softmax_t`] for f32, bit for bit.
+    #[target_feature(enable = "avx2,fma")]
+    pub fn softmax_f32(
+        x: &[f32],
+        first_row: usize,
+        n: usize,
+        scale: f32,
+        causal: bool,
+        block_elems: usize,
+        out: &mut [MaybeUninit<f32>],
+    ) {
+        assert_eq!(x.len(), out.len());
+        if n == 0 {
+            return;
+        }
+        let lim = |r: usize| if causal { (first_row + r) % n + 1 } else { n };
+        let sv = _mm256_set1_ps(scale);
+        let block = (block_elems / n).max(1);
+        for (b, (xb, ob)) in x.chunks(block * n).zip(out.chunks_mut(block * n)).enumerate() {
+            let r0 = b * block;
+            let mut live = Vec::with_capacity(xb.len() / n);
+            for (r, (row, o)) in xb.chunks_exact(n).zip(ob.chunks_exact_mut(n)).enumerate() {
+                let unmasked = live_len(&row[..lim(r0 + r)]);
+                let m = row_max(&row[..unmasked]);
+                let m = if scale == 1.0 { m } else { m * scale };
+                // a non-finite max computes the whole row: the masked keys as −inf
+                let l = if m.is_finite() { unmasked } else { n };
+                let k = l.min(lim(r0 + r));
+                let (exps, rest) = o.split_at_mut(k);
+                let mv = _mm256_set1_ps(m);
+                if scale == 1.0 {
+                    map_lanes(exps, &row[..k], |v| exp(_mm256_sub_ps(v, mv)));
+                } else {
+                    map_lanes(exps, &row[..k], |v| exp(_mm256_sub_ps(_mm256_mul_ps(v, sv), mv)));
+                }
+                let (masked, zeros) = rest.split_at_mut(l - k);
+                write_exact(masked, std::iter::repeat_n(crate::backend::math::exp(f32::NEG_INFINITY - m), l - k));
+                write_exact(zeros, std::iter::repeat_n(0.0, n - l));
+                live.push(l);
+            }
+            // SAFETY: every row of the block was written in full just above.
+            let ob = unsafe { assume_init_mut(ob) };
+            let sums = fold_ragged(ob, n, &live, -0.0f32, |a, y| a + y);
+            for ((o, &s), &l) in ob.chunks_exact_mut(n).zip(&sums).zip(&live) {
+                let sv = _mm256_set1_ps(s);
+                map_lanes_mut(&mut o[..l], |y| div(y, sv));
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use crate::backend::cpu::set_cpu_threads;
     use crate::backend::{Device, Storage};
+    use std::mem::MaybeUninit;
+
+    type SoftmaxF32 = fn(&[f32], usize, usize, f32, bool, usize, &mut [MaybeUninit<f32>]);
+
+    /// Every f32 softmax this CPU can run: the generic loops, and the AVX2
+    /// kernel where the CPU has it (the dispatch prefers it for f32).
+    fn f32_softmaxes() -> Vec<(&'static str, SoftmaxF32)> {
+        let mut k: Vec<(&'static str, SoftmaxF32)> = vec![("generic", super::softmax_t::<f32>)];
+        #[cfg(target_arch = "x86_64")]
+        if super::simd::available().contains(&super::simd::Level::Avx2) {
+            // SAFETY: only listed where the CPU has AVX2 and FMA.
+            k.push(("avx2", |x, r0, n, s, c, b, o| unsafe { super::avx2::softmax_f32(x, r0, n, s, c, b, o) }));
+        }
+        k
+    }
 
     /// Softmax rows split over threads give the one-thread bits: the causal
     /// mask follows each block's first row, the last block is ragged.
@@ -353,20 +511,23 @@ mod tests {
                 want_y.extend(y);
             }
             let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-            let mut y = vec![std::mem::MaybeUninit::<f32>::uninit(); rows * n];
-            super::softmax_t(&x, 0, n, scale, causal, super::SOFTMAX_BLOCK_ELEMS, &mut y);
-            // SAFETY: softmax_t writes every value (write_exact checks each run).
-            let y = unsafe { super::assume_init_mut(&mut y) };
-            let mut dx = vec![std::mem::MaybeUninit::<f32>::uninit(); rows * n];
-            super::softmax_backward_t(y, &g, rows, n, scale, &mut dx);
-            // SAFETY: as above.
-            let dx = unsafe { super::assume_init_mut(&mut dx) };
             // NaN rows: any quiet NaN is the contract's (its payload is free)
             let canon = |v: Vec<u32>| -> Vec<u32> {
                 v.into_iter().map(|b| if f32::from_bits(b).is_nan() { 0x7fc0_0000 } else { b }).collect()
             };
-            assert!(canon(bits(y)) == canon(bits(&want_y)), "forward, scale {scale} causal {causal}");
-            assert!(canon(bits(dx)) == canon(bits(&want_dx)), "backward, scale {scale} causal {causal}");
+            for (name, softmax) in f32_softmaxes() {
+                let mut y = vec![MaybeUninit::<f32>::uninit(); rows * n];
+                softmax(&x, 0, n, scale, causal, super::SOFTMAX_BLOCK_ELEMS, &mut y);
+                // SAFETY: the kernels write every value (write_exact checks each run).
+                let y = unsafe { super::assume_init_mut(&mut y) };
+                let at = format!("{name}, scale {scale} causal {causal}");
+                assert!(canon(bits(y)) == canon(bits(&want_y)), "forward, {at}");
+                let mut dx = vec![MaybeUninit::<f32>::uninit(); rows * n];
+                super::softmax_backward_t(y, &g, rows, n, scale, &mut dx);
+                // SAFETY: as above.
+                let dx = unsafe { super::assume_init_mut(&mut dx) };
+                assert!(canon(bits(dx)) == canon(bits(&want_dx)), "backward, {at}");
+            }
         }
     }
 
@@ -381,18 +542,20 @@ mod tests {
         x[5 * n + 2] = f32::INFINITY;
         x[400 * n + 7] = f32::NAN;
         x[700 * n..701 * n].fill(f32::NEG_INFINITY);
-        let soft = |first_row, scale, causal, block| -> Vec<u32> {
-            let mut y = vec![std::mem::MaybeUninit::<f32>::uninit(); rows * n];
-            super::softmax_t(&x, first_row, n, scale, causal, block, &mut y);
-            // SAFETY: softmax_t writes every value (write_exact checks each run).
-            let y = unsafe { super::assume_init_mut(&mut y) };
-            y.iter().map(|v| v.to_bits()).collect()
-        };
-        for (first_row, scale, causal) in [(0, 0.125, true), (17, 1.0, true), (0, 0.5, false)] {
-            let whole = soft(first_row, scale, causal, usize::MAX);
-            for block in [super::SOFTMAX_BLOCK_ELEMS, 1, 7 * n + 1] {
-                let blocked = soft(first_row, scale, causal, block);
-                assert!(blocked == whole, "block {block}, first row {first_row}, causal {causal}");
+        for (name, softmax) in f32_softmaxes() {
+            let soft = |first_row, scale, causal, block| -> Vec<u32> {
+                let mut y = vec![MaybeUninit::<f32>::uninit(); rows * n];
+                softmax(&x, first_row, n, scale, causal, block, &mut y);
+                // SAFETY: the kernels write every value (write_exact checks each run).
+                let y = unsafe { super::assume_init_mut(&mut y) };
+                y.iter().map(|v| v.to_bits()).collect()
+            };
+            for (first_row, scale, causal) in [(0, 0.125, true), (17, 1.0, true), (0, 0.5, false)] {
+                let whole = soft(first_row, scale, causal, usize::MAX);
+                for block in [super::SOFTMAX_BLOCK_ELEMS, 1, 7 * n + 1] {
+                    let blocked = soft(first_row, scale, causal, block);
+                    assert!(blocked == whole, "{name}: block {block}, first row {first_row}, causal {causal}");
+                }
             }
         }
     }
