@@ -239,7 +239,7 @@ impl Drop for Pause {
 /// Times the enclosing primitive under `name` while a profile runs.
 #[must_use]
 pub(crate) fn scope(name: &'static str) -> Scope {
-    let on = ON.with(Cell::get) && PAUSED.with(Cell::get) <= 0;
+    let on = timing();
     Scope {
         name,
         product: None,
@@ -250,6 +250,32 @@ pub(crate) fn scope(name: &'static str) -> Scope {
                 CLAIMED.with(Cell::get),
             )
         }),
+    }
+}
+
+/// Whether a profile times this thread's primitives now.
+pub(crate) fn timing() -> bool {
+    ON.with(Cell::get) && PAUSED.with(Cell::get) <= 0
+}
+
+/// Adds one call of `time` to `name` (and to `shape`'s row), for a primitive
+/// its caller timed in parts: attention's schedule on the CPU, whose parts
+/// run interleaved on several threads (`attention::cpu`).
+pub(crate) fn add(name: &'static str, shape: Option<Product>, time: Duration) {
+    if !timing() {
+        return;
+    }
+    TABLE.with_borrow_mut(|t| {
+        let e = t.entry(name).or_default();
+        e.0 += 1;
+        e.1 += time;
+    });
+    if let Some(p) = shape {
+        PRODUCTS.with_borrow_mut(|t| {
+            let e = t.entry(p).or_default();
+            e.0 += 1;
+            e.1 += time;
+        });
     }
 }
 

@@ -19,6 +19,7 @@
 //! | [`elementwise`] | unary ops (incl. the bf16/fp16 cast), broadcasting binary ops |
 //! | [`reduce`] | sum/max over an axis, softmax and its backward, sums of squares |
 //! | [`matmul`] | batched products with transposes and autocast rounding |
+//! | [`attention`] | causal attention's products and softmax, scheduled per device (per head on the CPU) |
 //! | [`copy`] | strided copies (views), concatenation, row gather and scatter-add |
 //! | [`optim`] | in-place AdamW, SGD, scaling, the loss scaler's finite check |
 //! | [`dropout`] | Philox dropout masks |
@@ -43,6 +44,7 @@ pub mod gpu;
 pub mod math;
 pub mod round;
 
+pub mod attention;
 pub mod copy;
 pub mod dropout;
 #[cfg(feature = "test-hooks")]

@@ -3,7 +3,10 @@
 //! masked half (`Causal` matmuls) — about half of attention's arithmetic.
 //!
 //! It runs the composition `q.matmul_t(k)?.causal_softmax(scale)?.matmul(v)`
-//! primitive for primitive: the same products over the same terms in the same
+//! primitive for primitive (scheduled per device by the backend's
+//! `attention` family: the GPU batches all heads into
+//! each primitive, the CPU runs each head's chain in cache): the same
+//! products over the same terms in the same
 //! order (rounded alike under autocast), the same fused softmax and softmax
 //! backward. What it leaves out are products by the probabilities' masked
 //! entries, which are exactly +0, and the scores and `dP` entries past the
@@ -16,41 +19,13 @@
 //! 16 bits, under autocast — and recomputes the probabilities from them with
 //! the forward's primitives (the composition keeps the probabilities too).
 
-use crate::backend::{Causal, MatmulDims, Operand, Storage};
+use crate::backend::attention::Attention;
+use crate::backend::{Operand, Storage};
 use crate::tensor::autocast::autocast_dtype;
 use crate::tensor::is_grad_enabled;
 use crate::tensor::saved::Saved;
 use crate::tensor::shape::numel;
 use crate::{bail, Result, Tensor};
-
-/// The batched products of attention over `batch` heads.
-#[derive(Clone, Copy)]
-struct Heads {
-    batch: usize,
-}
-
-impl Heads {
-    /// `op(A) @ op(B)` per head, `op(A): (m, k)`, `op(B): (k, n)`.
-    fn dims(
-        &self,
-        (m, k, n): (usize, usize, usize),
-        ta: bool,
-        tb: bool,
-        causal: Causal,
-    ) -> MatmulDims {
-        MatmulDims {
-            batch: self.batch,
-            m,
-            k,
-            n,
-            trans_a: ta,
-            trans_b: tb,
-            a_batch_stride: m * k,
-            b_batch_stride: k * n,
-            causal,
-        }
-    }
-}
 
 impl Tensor {
     /// Causal self-attention `softmax(q kᵀ · scale + mask) v` for
@@ -76,24 +51,15 @@ impl Tensor {
                 "causal_attention: the scale must be positive and finite (got {scale})"
             );
         }
-        let (t, d) = (q.shape()[r - 2], q.shape()[r - 1]);
-        let h = Heads {
-            batch: numel(&q.shape()[..r - 2]),
+        let att = Attention {
+            heads: numel(&q.shape()[..r - 2]),
+            t: q.shape()[r - 2],
+            d: q.shape()[r - 1],
+            scale: s,
+            round: autocast_dtype(),
         };
-        let round = autocast_dtype();
-        // p (.., T, T) = the causal softmax of q kᵀ, on and below the diagonal
-        let probs = move |q: &Operand, k: &Operand| {
-            let scores = q.matmul(k, h.dims((t, d, t), false, true, Causal::Outputs), round)?;
-            scores.softmax_rows(h.batch * t, t, s, true)
-        };
-        let p = probs(&q.arg().op, &k.arg().op)?;
-        // y (.., T, D) = p v, row i summing keys j ≤ i
-        let y = p.matmul(
-            &v.storage(),
-            h.dims((t, t, d), false, false, Causal::TermsUpToRow),
-            round,
-        )?;
-        drop(p);
+        let round = att.round;
+        let y = att.forward(&q.arg().op, &k.arg().op, &Operand::Values(v.storage()))?;
         // Backward recomputes p rather than keeping it (H·T² values, more
         // than q, k and v together): the same primitives on the same
         // operands, so the same bits.
@@ -111,35 +77,8 @@ impl Tensor {
                 .expect("a recorded attention keeps its operands")
                 .each_ref()
                 .map(|t| t.arg().op);
-            let g = g.storage();
+            let [dq, dk, dv] = att.backward(&qk, &kk, &vk, &g.storage())?;
             let wrap = |st: Storage| Tensor::from_storage(st, &shape);
-            let p = probs(&qk, &kk)?;
-            // dv = pᵀ dy: key row j sums queries i ≥ j
-            let dv = p.matmul(
-                &g,
-                h.dims((t, t, d), true, false, Causal::TermsFromRow),
-                round,
-            )?;
-            // dp = dy vᵀ on and below the diagonal; ds = softmax backward · scale
-            let dp = Operand::Values(g.clone()).matmul(
-                &vk,
-                h.dims((t, d, t), false, true, Causal::Outputs),
-                round,
-            )?;
-            let ds = p.softmax_rows_backward(&dp, h.batch * t, t, s)?;
-            drop((dp, p));
-            // dq = ds k: row i sums keys j ≤ i; dk = dsᵀ q: key row j sums queries i ≥ j
-            let ds = Operand::Values(ds);
-            let dq = ds.matmul(
-                &kk,
-                h.dims((t, t, d), false, false, Causal::TermsUpToRow),
-                round,
-            )?;
-            let dk = ds.matmul(
-                &qk,
-                h.dims((t, t, d), true, false, Causal::TermsFromRow),
-                round,
-            )?;
             Ok(vec![Some(wrap(dq)?), Some(wrap(dk)?), Some(wrap(dv)?)])
         });
         Ok(y.with_half(round))

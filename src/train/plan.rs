@@ -40,7 +40,8 @@
 //! Backward adds a float32 working set: inside a block's attention, its
 //! recomputed probabilities with their two gradients (`3·H·T²`). (By then the
 //! head's and the block's MLP activations are freed, so the plan's peak is a
-//! little above the measured one.)
+//! little above the measured one. The CPU works on one head per thread, so
+//! there the set is `3·T²` per thread and the measured peak is further below.)
 
 use crate::nn::llama::LlamaConfig;
 use crate::precision::Precision;

@@ -637,17 +637,30 @@ const THREADED_MACS: usize = 1 << 24;
 
 /// The product on the CPU's widest tile.
 fn matmul_f32(a: Src, b: Src, d: MatmulDims, round: Option<Format>) -> Vec<f32> {
-    matmul_f32_on(simd::level(), a, b, d, round)
+    matmul_f32_on(simd::level(), a, b, d, round, cpu_threads())
+}
+
+/// [`matmul_f32`] on the calling thread alone, for a caller that runs one
+/// product per thread itself (attention, head by head). `a` and `b` are
+/// float32 values or, with a format, the words of 16-bit copies.
+pub(crate) fn matmul_f32_one_thread(
+    (a, ha): (&[f32], Option<Format>),
+    (b, hb): (&[f32], Option<Format>),
+    d: MatmulDims,
+    round: Option<Format>,
+) -> Vec<f32> {
+    matmul_f32_on(simd::level(), Src::of(a, ha), Src::of(b, hb), d, round, 1)
 }
 
 /// The product on the tile of level `kernel` (one the CPU has): 6 × 16 in the
 /// portable loop and with AVX2, 6 × 32 with AVX-512. Each output is the same
 /// chain of fused multiply-adds whichever tile computes it; only the tile's
 /// width, and so that of B's packed panels, differs.
-fn matmul_f32_on(kernel: Level, a: Src, b: Src, d: MatmulDims, round: Option<Format>) -> Vec<f32> {
+/// Products from [`THREADED_MACS`] run on up to `threads` threads.
+fn matmul_f32_on(kernel: Level, a: Src, b: Src, d: MatmulDims, round: Option<Format>, threads: usize) -> Vec<f32> {
     match kernel {
-        Level::Avx512 => product::<32>(kernel, a, b, d, round),
-        _ => product::<16>(kernel, a, b, d, round),
+        Level::Avx512 => product::<32>(kernel, a, b, d, round, threads),
+        _ => product::<16>(kernel, a, b, d, round, threads),
     }
 }
 
@@ -659,6 +672,7 @@ simd::multiversion! {
         b: Src,
         d: MatmulDims,
         round: Option<Format>,
+        threads: usize,
     ) -> Vec<f32> {
         let MatmulDims { batch, m, k, n, .. } = d;
         let len = batch * m * n;
@@ -668,11 +682,7 @@ simd::multiversion! {
         // No zero fill: every element is written by its first k-block.
         let mut out_vec = Vec::<f32>::with_capacity(len);
         let out = &mut out_vec.spare_capacity_mut()[..len];
-        let threads = if batch * m * n * k >= THREADED_MACS {
-            cpu_threads()
-        } else {
-            1
-        };
+        let threads = if batch * m * n * k >= THREADED_MACS { threads } else { 1 };
         // Rows `[r0, r0 + rows)` of one batch entry, k-block by k-block: pack
         // the block of both operands (rounding each element once), then every
         // tile of C over it — the running sums stay in C between blocks, in
@@ -846,7 +856,7 @@ mod tests {
                     };
                     let want = naive(&a, &b, d, round);
                     for kernel in simd::available() {
-                        let got = matmul_f32_on(kernel, Src::F32(&a), Src::F32(&b), d, round);
+                        let got = matmul_f32_on(kernel, Src::F32(&a), Src::F32(&b), d, round, cpu_threads());
                         assert!(
                             got.iter()
                                 .zip(&want)
@@ -952,7 +962,7 @@ mod tests {
                         let want = naive(&a, &b, d, round);
                         let same = |x: &f32, y: &f32| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan());
                         for kernel in simd::available() {
-                            let got = matmul_f32_on(kernel, Src::F32(&a), Src::F32(&b), d, round);
+                            let got = matmul_f32_on(kernel, Src::F32(&a), Src::F32(&b), d, round, cpu_threads());
                             assert!(got.iter().zip(&want).all(|(x, y)| same(x, y)), "{kernel:?} {d:?} {round:?}");
                         }
                     }

@@ -21,7 +21,7 @@
 //! widened as it is read, so the product is the one over the unpacked buffer
 //! bit for bit — without writing that buffer out.
 
-mod cpu;
+pub(crate) mod cpu;
 #[cfg(feature = "gpu")]
 pub(crate) mod gpu;
 
@@ -144,7 +144,7 @@ pub enum Operand {
 
 impl Operand {
     /// The buffer the device reads, and the format of its words if 16-bit.
-    fn parts(&self) -> (&Storage, Option<Format>) {
+    pub(crate) fn parts(&self) -> (&Storage, Option<Format>) {
         match self {
             Operand::Values(s) => (s, None),
             Operand::Half(p) => (p.words(), Some(p.format())),

@@ -16,13 +16,10 @@ impl ReduceOps for CpuStorage {
     }
 
     fn softmax_rows(&self, rows: usize, n: usize, scale: f32, causal: bool) -> Result<CpuStorage> {
-        #[cfg(target_arch = "x86_64")]
-        if let (CpuStorage::F32(x), true) = (self, simd::level() >= simd::Level::Avx2) {
+        if let CpuStorage::F32(x) = self {
             let x = &*x.get();
             return Ok(f32::wrap(by_row_blocks(rows, n, |r0, k, out| {
-                let x = &x[r0 * n..(r0 + k) * n];
-                // SAFETY: the level is only Avx2 or above where the CPU has AVX2 and FMA.
-                unsafe { avx2::softmax_f32(x, r0, n, scale, causal, SOFTMAX_BLOCK_ELEMS, out) }
+                softmax_f32(&x[r0 * n..(r0 + k) * n], r0, n, scale, causal, out)
             })));
         }
         Ok(both!(self, x => by_row_blocks(rows, n, |r0, k, out| {
@@ -126,6 +123,36 @@ simd::multiversion! {
         }
         out
     }
+}
+
+/// The f32 softmax of rows `first_row ..` (`n` wide) into `out`: the
+/// AVX2 kernel where the CPU has it, else [`softmax_t`].
+fn softmax_f32(x: &[f32], first_row: usize, n: usize, scale: f32, causal: bool, out: &mut [MaybeUninit<f32>]) {
+    #[cfg(target_arch = "x86_64")]
+    if simd::level() >= simd::Level::Avx2 {
+        // SAFETY: the level is only Avx2 or above where the CPU has AVX2 and FMA.
+        return unsafe { avx2::softmax_f32(x, first_row, n, scale, causal, SOFTMAX_BLOCK_ELEMS, out) };
+    }
+    softmax_t(x, first_row, n, scale, causal, SOFTMAX_BLOCK_ELEMS, out)
+}
+
+/// [`ReduceOps::softmax_rows`] of f32 rows on the calling thread, for a
+/// caller that runs one head per thread itself (attention).
+pub(crate) fn softmax_f32_one_thread(x: &[f32], n: usize, scale: f32, causal: bool) -> Vec<f32> {
+    let mut out = Vec::with_capacity(x.len());
+    softmax_f32(x, 0, n, scale, causal, &mut out.spare_capacity_mut()[..x.len()]);
+    // SAFETY: the softmax wrote every value.
+    unsafe { out.set_len(x.len()) };
+    out
+}
+
+/// [`ReduceOps::softmax_rows_backward`] of f32 rows on the calling thread.
+pub(crate) fn softmax_backward_f32_one_thread(y: &[f32], g: &[f32], n: usize, scale: f32) -> Vec<f32> {
+    let mut out = Vec::with_capacity(y.len());
+    softmax_backward_t(y, g, y.len() / n, n, scale, &mut out.spare_capacity_mut()[..y.len()]);
+    // SAFETY: the softmax backward wrote every value.
+    unsafe { out.set_len(y.len()) };
+    out
 }
 
 /// Values per row block of a softmax (64 KiB of f32 in, as much out).

@@ -22,7 +22,7 @@
 //!   x_i² by fma, ascending from −0)`, chunks of [`NORM_CHUNK`] elements, the
 //!   chunk partials added in order on the host.
 
-mod cpu;
+pub(crate) mod cpu;
 #[cfg(feature = "gpu")]
 pub(crate) mod gpu;
 

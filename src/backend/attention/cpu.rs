@@ -1,0 +1,224 @@
+//! The CPU's attention schedule: each head's whole chain of products and
+//! softmax on one thread, its `T × T` scores and probabilities in cache; the
+//! heads split over the threads in contiguous groups. The products and the
+//! softmax are the batched primitives' own kernels, on one head.
+
+use super::Attention;
+use crate::backend::cpu::cpu_threads;
+use crate::backend::matmul::cpu::matmul_f32_one_thread;
+use crate::backend::reduce::cpu::{softmax_backward_f32_one_thread, softmax_f32_one_thread};
+use crate::backend::round::Format;
+use crate::backend::{Causal, MatmulDims};
+use crate::profile::{self, Product};
+use rayon::prelude::*;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// An operand as a head's products read it: float32 values, or the words of
+/// a 16-bit copy in that format (two values per word).
+pub(crate) type Host<'a> = (&'a [f32], Option<Format>);
+
+/// From this many score values (all heads' `T × T`) the heads are split over
+/// the threads.
+const THREADED_SCORES: usize = 1 << 18;
+
+/// Head `h`'s `len` values of `x`.
+fn head((x, half): Host<'_>, h: usize, len: usize) -> Host<'_> {
+    match half {
+        None => (&x[h * len..(h + 1) * len], None),
+        Some(_) => {
+            // a head's values start on a word: `len = T·D` is even (D is)
+            assert!(len.is_multiple_of(2), "16-bit heads of an odd length");
+            (&x[h * len / 2..(h + 1) * len / 2], half)
+        }
+    }
+}
+
+/// `y (heads, T, D)` as [`Attention::forward`] defines it.
+pub(super) fn forward(a: &Attention, q: Host, k: Host, v: Host) -> Vec<f32> {
+    let (t, d) = (a.t, a.d);
+    let clock = Clock::new(a, &[Part::Scores, Part::Softmax, Part::Pv]);
+    let [y] = per_head(a, t * d, 2, |h| {
+        let p = probs(a, &clock, head(q, h, t * d), head(k, h, t * d));
+        [clock.time(2, || product(a, (&p, None), head(v, h, t * d), Part::Pv))]
+    });
+    clock.report();
+    y
+}
+
+/// `[dq, dk, dv]` as [`Attention::backward`] defines them.
+pub(super) fn backward(a: &Attention, q: Host, k: Host, v: Host, g: &[f32]) -> [Vec<f32>; 3] {
+    let (t, d) = (a.t, a.d);
+    let parts = [
+        Part::Scores,
+        Part::Softmax,
+        Part::Dv,
+        Part::Dp,
+        Part::SoftmaxBackward,
+        Part::Dq,
+        Part::Dk,
+    ];
+    let clock = Clock::new(a, &parts);
+    let grads = per_head(a, t * d, 3, |h| {
+        let (qh, kh, vh, gh) = (head(q, h, t * d), head(k, h, t * d), head(v, h, t * d), head((g, None), h, t * d));
+        let p = probs(a, &clock, qh, kh);
+        let dv = clock.time(2, || product(a, (&p, None), gh, Part::Dv));
+        let dp = clock.time(3, || product(a, gh, vh, Part::Dp));
+        let ds = clock.time(4, || softmax_backward_f32_one_thread(&p, &dp, t, a.scale));
+        drop((p, dp));
+        let dq = clock.time(5, || product(a, (&ds, None), kh, Part::Dq));
+        let dk = clock.time(6, || product(a, (&ds, None), qh, Part::Dk));
+        [dq, dk, dv]
+    });
+    clock.report();
+    grads
+}
+
+/// One head's probabilities `(T, T)` (parts 0 and 1 of the clock).
+fn probs(a: &Attention, clock: &Clock, q: Host, k: Host) -> Vec<f32> {
+    let scores = clock.time(0, || product(a, q, k, Part::Scores));
+    clock.time(1, || softmax_f32_one_thread(&scores, a.t, a.scale, true))
+}
+
+/// One head's product `part`.
+fn product(a: &Attention, x: Host, y: Host, part: Part) -> Vec<f32> {
+    let d = part.dims(a);
+    matmul_f32_one_thread(x, y, MatmulDims { batch: 1, ..d }, a.round)
+}
+
+/// `f(h)` (a head's `N` outputs of `len` values each) for every head,
+/// gathered into `N` outputs of all heads: contiguous groups of heads, one
+/// group per thread. Each head in flight holds up to `squares` float32
+/// `(T, T)` buffers, counted as live memory on the calling thread meanwhile.
+fn per_head<const N: usize>(
+    a: &Attention,
+    len: usize,
+    squares: usize,
+    f: impl Fn(usize) -> [Vec<f32>; N] + Sync,
+) -> [Vec<f32>; N] {
+    let heads = a.heads;
+    let mut outs: [Vec<f32>; N] = std::array::from_fn(|_| vec![0.0; heads * len]);
+    if heads == 0 || len == 0 {
+        return outs;
+    }
+    let threads = if heads * a.t * a.t >= THREADED_SCORES {
+        cpu_threads().clamp(1, heads)
+    } else {
+        1
+    };
+    let _scratch = crate::memory::Ticket::new(threads * squares * a.t * a.t * 4);
+    let per = heads.div_ceil(threads);
+    let mut chunks = outs.each_mut().map(|o| o.chunks_mut(per * len));
+    let groups: Vec<(usize, [&mut [f32]; N])> = (0..heads.div_ceil(per))
+        .map(|g| (g * per, chunks.each_mut().map(|c| c.next().expect("one chunk per group"))))
+        .collect();
+    let run = |(h0, mut group): (usize, [&mut [f32]; N])| {
+        for i in 0..group[0].len() / len {
+            for (o, v) in group.iter_mut().zip(f(h0 + i)) {
+                o[i * len..(i + 1) * len].copy_from_slice(&v);
+            }
+        }
+    };
+    if threads > 1 {
+        groups.into_par_iter().for_each(run);
+    } else {
+        groups.into_iter().for_each(run);
+    }
+    outs
+}
+
+/// A step of a head's chain.
+#[derive(Clone, Copy)]
+enum Part {
+    /// `q kᵀ` on and below the diagonal.
+    Scores,
+    Softmax,
+    /// `p v`, row `i` summing keys `j ≤ i`.
+    Pv,
+    /// `pᵀ dy`, key row `j` summing queries `i ≥ j`.
+    Dv,
+    /// `dy vᵀ` on and below the diagonal.
+    Dp,
+    SoftmaxBackward,
+    /// `ds k`, row `i` summing keys `j ≤ i`.
+    Dq,
+    /// `dsᵀ q`, key row `j` summing queries `i ≥ j`.
+    Dk,
+}
+
+impl Part {
+    /// The batched product this part is one head of (`Softmax*`: unused).
+    fn dims(self, a: &Attention) -> MatmulDims {
+        let (t, d) = (a.t, a.d);
+        match self {
+            Part::Scores => a.dims((t, d, t), false, true, Causal::Outputs),
+            Part::Pv => a.dims((t, t, d), false, false, Causal::TermsUpToRow),
+            Part::Dv => a.dims((t, t, d), true, false, Causal::TermsFromRow),
+            Part::Dp => a.dims((t, d, t), false, true, Causal::Outputs),
+            Part::Dq => a.dims((t, t, d), false, false, Causal::TermsUpToRow),
+            Part::Dk => a.dims((t, t, d), true, false, Causal::TermsFromRow),
+            Part::Softmax | Part::SoftmaxBackward => a.dims((t, t, t), false, false, Causal::No),
+        }
+    }
+
+    /// The profile row this part's time goes to.
+    fn profiled(self, a: &Attention) -> (&'static str, Option<Product>) {
+        match self {
+            Part::Softmax => ("softmax", None),
+            Part::SoftmaxBackward => ("softmax backward", None),
+            _ => {
+                let d = self.dims(a);
+                let shape = Product {
+                    batch: d.batch,
+                    m: d.m,
+                    k: d.k,
+                    n: d.n,
+                    trans_a: d.trans_a,
+                    trans_b: d.trans_b,
+                    macs: d.causal.macs(d.m, d.k, d.n),
+                };
+                (profile::MATMUL, Some(shape))
+            }
+        }
+    }
+}
+
+/// While a profile runs, the time each part takes over all heads and
+/// threads; the call's wall time is shared out in those proportions, each
+/// part reported as one call of the batched primitive it stands for.
+struct Clock {
+    rows: Vec<(&'static str, Option<Product>)>,
+    nanos: Vec<AtomicU64>,
+    t0: Option<Instant>,
+}
+
+impl Clock {
+    fn new(a: &Attention, parts: &[Part]) -> Clock {
+        let on = profile::timing();
+        Clock {
+            rows: if on { parts.iter().map(|p| p.profiled(a)).collect() } else { Vec::new() },
+            nanos: parts.iter().map(|_| AtomicU64::new(0)).collect(),
+            t0: on.then(Instant::now),
+        }
+    }
+
+    /// `f()`, timed as part `i` while a profile runs.
+    fn time<R>(&self, i: usize, f: impl FnOnce() -> R) -> R {
+        let Some(_) = self.t0 else { return f() };
+        let t = Instant::now();
+        let r = f();
+        self.nanos[i].fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        r
+    }
+
+    fn report(self) {
+        let Some(t0) = self.t0 else { return };
+        let wall = t0.elapsed().as_secs_f64();
+        let nanos: Vec<f64> = self.nanos.iter().map(|n| n.load(Ordering::Relaxed) as f64).collect();
+        let total: f64 = nanos.iter().sum();
+        for ((name, shape), n) in self.rows.into_iter().zip(nanos) {
+            let share = if total > 0.0 { n / total } else { 0.0 };
+            profile::add(name, shape, Duration::from_secs_f64(wall * share));
+        }
+    }
+}
