@@ -82,7 +82,7 @@ fn probs(a: &Attention, clock: &Clock, q: Host, k: Host) -> Vec<f32> {
 
 /// One head's product `part`.
 fn product(a: &Attention, x: Host, y: Host, part: Part) -> Vec<f32> {
-    let d = part.dims(a);
+    let d = part.dims(a).expect("a product");
     matmul_f32_one_thread(x, y, MatmulDims { batch: 1, ..d }, a.round)
 }
 
@@ -147,38 +147,27 @@ enum Part {
 }
 
 impl Part {
-    /// The batched product this part is one head of (`Softmax*`: unused).
-    fn dims(self, a: &Attention) -> MatmulDims {
+    /// The batched product this part is one head of; `None` for the softmax
+    /// and its backward.
+    fn dims(self, a: &Attention) -> Option<MatmulDims> {
         let (t, d) = (a.t, a.d);
-        match self {
+        Some(match self {
             Part::Scores => a.dims((t, d, t), false, true, Causal::Outputs),
             Part::Pv => a.dims((t, t, d), false, false, Causal::TermsUpToRow),
             Part::Dv => a.dims((t, t, d), true, false, Causal::TermsFromRow),
             Part::Dp => a.dims((t, d, t), false, true, Causal::Outputs),
             Part::Dq => a.dims((t, t, d), false, false, Causal::TermsUpToRow),
             Part::Dk => a.dims((t, t, d), true, false, Causal::TermsFromRow),
-            Part::Softmax | Part::SoftmaxBackward => a.dims((t, t, t), false, false, Causal::No),
-        }
+            Part::Softmax | Part::SoftmaxBackward => return None,
+        })
     }
 
     /// The profile row this part's time goes to.
     fn profiled(self, a: &Attention) -> (&'static str, Option<Product>) {
-        match self {
-            Part::Softmax => ("softmax", None),
-            Part::SoftmaxBackward => ("softmax backward", None),
-            _ => {
-                let d = self.dims(a);
-                let shape = Product {
-                    batch: d.batch,
-                    m: d.m,
-                    k: d.k,
-                    n: d.n,
-                    trans_a: d.trans_a,
-                    trans_b: d.trans_b,
-                    macs: d.causal.macs(d.m, d.k, d.n),
-                };
-                (profile::MATMUL, Some(shape))
-            }
+        match (self, self.dims(a)) {
+            (_, Some(d)) => (profile::MATMUL, Some(d.profiled())),
+            (Part::SoftmaxBackward, None) => ("softmax backward", None),
+            (_, None) => ("softmax", None),
         }
     }
 }

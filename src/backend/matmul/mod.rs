@@ -48,6 +48,20 @@ pub struct MatmulDims {
 }
 
 impl MatmulDims {
+    /// The product's row in the profile: its shape and the multiply-adds
+    /// actually done.
+    pub(crate) fn profiled(&self) -> crate::profile::Product {
+        crate::profile::Product {
+            batch: self.batch,
+            m: self.m,
+            k: self.k,
+            n: self.n,
+            trans_a: self.trans_a,
+            trans_b: self.trans_b,
+            macs: self.causal.macs(self.m, self.k, self.n),
+        }
+    }
+
     /// A short description, e.g. `2× (33×17)ᵀ·(17×35) bf16 causal Outputs
     /// (batch strides 561, 595)`: what a report or a trace shows.
     pub fn describe(&self, round: Option<Format>) -> String {
@@ -167,15 +181,7 @@ impl Storage {
 impl Operand {
     /// The contract's matmul; `self` is A, `rhs` is B.
     pub fn matmul(&self, rhs: &Operand, dims: MatmulDims, round: Option<Format>) -> Result<Storage> {
-        let _prof = crate::profile::product_scope(crate::profile::Product {
-            batch: dims.batch,
-            m: dims.m,
-            k: dims.k,
-            n: dims.n,
-            trans_a: dims.trans_a,
-            trans_b: dims.trans_b,
-            macs: dims.causal.macs(dims.m, dims.k, dims.n),
-        });
+        let _prof = crate::profile::product_scope(dims.profiled());
         let ((a, ha), (b, hb)) = (self.parts(), rhs.parts());
         let halves = Halves { a: ha, b: hb };
         let c = on_device!([a, b] => |a, b| a.matmul(b, dims, halves, round));
