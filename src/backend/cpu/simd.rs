@@ -1,8 +1,9 @@
 //! Which vector instructions the CPU kernels use, chosen at run time.
 //!
 //! The kernels are plain Rust written so the compiler vectorises them, plus
-//! the matmul's hand-written register tiles (AVX2, and AVX-512 where the CPU
-//! has it: twice the columns per tile, twice the multiply-adds per load).
+//! hand-written ones: the matmul's register tiles and packing (AVX2, and an
+//! AVX-512 tile where the CPU has it: twice the columns per tile, twice the
+//! multiply-adds per load) and the f32 softmax (AVX2).
 //! The instructions a build may use by default are the target's baseline
 //! (SSE2 on x86-64), where `f32::mul_add` — the contract's fma, everywhere —
 //! is a library call per element. So every
@@ -91,6 +92,41 @@ pub fn available() -> Vec<Level> {
 #[cfg(any(test, feature = "test-hooks"))]
 pub fn set_level(l: Option<Level>) {
     LEVEL.store(l.map_or(0, |l| l as u8), Ordering::Relaxed);
+}
+
+/// Eight vectors of eight lanes transposed: lane `l` of vector `q` becomes
+/// lane `q` of vector `l` (rows of an 8 × 8 block in, its columns out).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(crate) fn transpose8(a: [std::arch::x86_64::__m256; 8]) -> [std::arch::x86_64::__m256; 8] {
+    use std::arch::x86_64::*;
+    // pairs of rows interleaved, per 128-bit half (lanes 0..4 | 4..8)
+    let t: [__m256; 8] = std::array::from_fn(|i| {
+        let (x, y) = (a[i / 2 * 2], a[i / 2 * 2 + 1]);
+        if i % 2 == 0 {
+            _mm256_unpacklo_ps(x, y)
+        } else {
+            _mm256_unpackhi_ps(x, y)
+        }
+    });
+    // rows 4h .. 4h + 4 (h = i / 4) of lanes i % 4 | 4 + i % 4
+    let u: [__m256; 8] = std::array::from_fn(|i| {
+        let (h, q) = (i / 4, i % 4);
+        let (x, y) = (t[4 * h + q / 2], t[4 * h + 2 + q / 2]);
+        if q % 2 == 0 {
+            _mm256_shuffle_ps::<0x44>(x, y)
+        } else {
+            _mm256_shuffle_ps::<0xEE>(x, y)
+        }
+    });
+    std::array::from_fn(|q| {
+        if q < 4 {
+            _mm256_permute2f128_ps::<0x20>(u[q], u[4 + q])
+        } else {
+            _mm256_permute2f128_ps::<0x31>(u[q - 4], u[q])
+        }
+    })
 }
 
 /// Defines a kernel compiled twice — for the build target's baseline and with

@@ -70,17 +70,26 @@ fn halves_of(words: &[f32]) -> &[u16] {
 /// Reading one kind of [`Src`]: value `i`, and `W` consecutive values.
 trait Load: Copy {
     fn at(self, i: usize) -> f32;
+    /// The values themselves, when they are float32 words.
+    #[inline(always)]
+    fn values(&self) -> Option<&[f32]> {
+        None
+    }
     #[inline(always)]
     fn run<const W: usize>(self, i: usize) -> [f32; W] {
         std::array::from_fn(|l| self.at(i + l))
     }
-    /// Panel row `p` of `panel` (rows of `W`) from the values at `rows[r] + p`.
+    /// Panel row `p` of `panel` (rows of `W`) from the values at `rows[r] + p`,
+    /// rounded to `round`.
     #[inline(always)]
-    fn gather<const W: usize>(self, panel: &mut [f32], rows: [usize; W]) {
+    fn gather<const W: usize>(self, panel: &mut [f32], rows: [usize; W], round: Option<Format>) {
         for (p, dst) in panel.chunks_exact_mut(W).enumerate() {
             for r in 0..W {
                 dst[r] = self.at(rows[r] + p);
             }
+        }
+        if let Some(f) = round {
+            round::round_slice(panel, f);
         }
     }
 }
@@ -91,19 +100,216 @@ impl Load for &[f32] {
         self[i]
     }
     #[inline(always)]
+    fn values(&self) -> Option<&[f32]> {
+        Some(self)
+    }
+    #[inline(always)]
     fn run<const W: usize>(self, i: usize) -> [f32; W] {
         self[i..i + W].try_into().unwrap()
     }
     #[inline(always)]
-    fn gather<const W: usize>(self, panel: &mut [f32], rows: [usize; W]) {
+    fn gather<const W: usize>(self, panel: &mut [f32], offsets: [usize; W], mut round: Option<Format>) {
         // slices of the rows' stretches: their bounds checks leave the loop
         let len = panel.len() / W;
-        let rows: [&[f32]; W] = rows.map(|r| &self[r..r + len]);
-        for (p, dst) in panel.chunks_exact_mut(W).enumerate() {
-            for r in 0..W {
-                dst[r] = rows[r][p];
+        let rows: [&[f32]; W] = offsets.map(|r| &self[r..r + len]);
+        if vector_gather::<W>() {
+            // the lanes' rows are evenly spaced: the next panel's start W rows on
+            let ld = offsets[1] - offsets[0];
+            let bf16 = round == Some(Format::Bf16);
+            // SAFETY: `vector_gather` holds only where the CPU has AVX2.
+            #[cfg(target_arch = "x86_64")]
+            unsafe {
+                gather_f32_avx2::<W>(panel, &rows, W * ld, bf16)
+            };
+            round = round.filter(|_| !bf16);
+        } else {
+            for (p, dst) in panel.chunks_exact_mut(W).enumerate() {
+                for r in 0..W {
+                    dst[r] = rows[r][p];
+                }
             }
         }
+        if let Some(f) = round {
+            round::round_slice(panel, f);
+        }
+    }
+}
+
+/// Whether panels of `W` lanes are gathered by [`transpose_rows`].
+#[inline(always)]
+fn vector_gather<const W: usize>() -> bool {
+    cfg!(target_arch = "x86_64") && (W == MR || W.is_multiple_of(8)) && simd::level() >= Level::Avx2
+}
+
+/// [`Load::gather`] of float32 rows (the next panel's rows `next` values
+/// further on), rounded to bf16 when `bf16`, for a panel of `W` = MR or
+/// 8·j lanes: eight terms of every row loaded as one vector and transposed in
+/// registers, instead of one scalar load and store per value (an A panel of
+/// probabilities, `T × T` per head, otherwise took as long to pack as to
+/// multiply).
+///
+/// # Safety
+/// The CPU has AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn gather_f32_avx2<const W: usize>(panel: &mut [f32], rows: &[&[f32]; W], next: usize, bf16: bool) {
+    use std::arch::x86_64::*;
+    let len = panel.len() / W;
+    assert!(rows.iter().all(|r| r.len() >= len));
+    // the next panel's rows, a cache line each per 16 terms: too short a
+    // stretch of each row for the hardware prefetcher to catch
+    let prefetch = |p: usize| {
+        for row in rows {
+            _mm_prefetch::<_MM_HINT_T0>(row.as_ptr().wrapping_add(next + p) as *const i8);
+        }
+    };
+    let load = |r: usize, p: usize| {
+        let a = _mm256_loadu_ps(rows[r].as_ptr().add(p));
+        if bf16 {
+            bf16_lanes_avx2(a)
+        } else {
+            a
+        }
+    };
+    let at = |r: usize, p: usize| {
+        let v = rows[r][p];
+        if bf16 {
+            round::bf16_f32(v)
+        } else {
+            v
+        }
+    };
+    transpose_rows::<W>(panel, len, prefetch, load, at);
+}
+
+/// [`gather_f32_avx2`] of bf16 patterns, widened exactly (no rounding).
+///
+/// # Safety
+/// The CPU has AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn gather_bf16_avx2<const W: usize>(panel: &mut [f32], rows: &[&[u16]; W]) {
+    use std::arch::x86_64::*;
+    let len = panel.len() / W;
+    assert!(rows.iter().all(|r| r.len() >= len));
+    let load = |r: usize, p: usize| {
+        let h = _mm_loadu_si128(rows[r].as_ptr().add(p) as *const __m128i);
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+    };
+    let at = |r: usize, p: usize| f32::from_bits((rows[r][p] as u32) << 16);
+    transpose_rows::<W>(panel, len, |_| {}, load, at);
+}
+
+/// `panel[p · W + r] = row r's term p` for `p < len`, from `load(r, p)` (the
+/// row's terms `p .. p + 8`) and `at(r, p)` (one term, for the ragged end);
+/// `prefetch(p)` every 16 terms.
+/// `W` is MR (six rows: an 8 × 6 transpose) or a multiple of 8 (8 × 8
+/// transposes: the B panels of either tile).
+///
+/// # Safety
+/// The CPU has AVX2; `panel` holds `len · W` values and `load` reads inside
+/// the rows for `p + 8 <= len`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn transpose_rows<const W: usize>(
+    panel: &mut [f32],
+    len: usize,
+    prefetch: impl Fn(usize),
+    load: impl Fn(usize, usize) -> std::arch::x86_64::__m256,
+    at: impl Fn(usize, usize) -> f32,
+) {
+    use std::arch::x86_64::*;
+    const { assert!((W == MR && MR == 6) || W.is_multiple_of(8)) };
+    assert!(panel.len() >= len * W);
+    let out = panel.as_mut_ptr();
+    let mut p = 0;
+    while p + 8 <= len {
+        if p % 16 == 0 {
+            prefetch(p);
+        }
+        if W == MR {
+            let (a0, a1, a2, a3, a4, a5) = (load(0, p), load(1, p), load(2, p), load(3, p), load(4, p), load(5, p));
+            // per 128-bit half (terms 0..4 | 4..8): pairs of rows interleaved
+            let (t0, t1) = (_mm256_unpacklo_ps(a0, a1), _mm256_unpackhi_ps(a0, a1));
+            let (t2, t3) = (_mm256_unpacklo_ps(a2, a3), _mm256_unpackhi_ps(a2, a3));
+            let (t4, t5) = (_mm256_unpacklo_ps(a4, a5), _mm256_unpackhi_ps(a4, a5));
+            // rows 0..4 of term i (and of term 4 + i in the high half)
+            let head = [
+                _mm256_shuffle_ps::<0x44>(t0, t2),
+                _mm256_shuffle_ps::<0xEE>(t0, t2),
+                _mm256_shuffle_ps::<0x44>(t1, t3),
+                _mm256_shuffle_ps::<0xEE>(t1, t3),
+            ];
+            // rows 4 and 5 of terms 0, 1 (t4) and 2, 3 (t5), low and high 64 bits
+            let tail = [t4, t4, t5, t5];
+            for (half, base) in [(0, p), (1, p + 4)] {
+                for i in 0..4 {
+                    let (h, t) = if half == 0 {
+                        (_mm256_castps256_ps128(head[i]), _mm256_castps256_ps128(tail[i]))
+                    } else {
+                        (_mm256_extractf128_ps::<1>(head[i]), _mm256_extractf128_ps::<1>(tail[i]))
+                    };
+                    let dst = out.add((base + i) * MR);
+                    _mm_storeu_ps(dst, h);
+                    let t = _mm_castps_pd(t);
+                    if i % 2 == 0 {
+                        _mm_store_sd(dst.add(4) as *mut f64, t);
+                    } else {
+                        _mm_storeh_pd(dst.add(4) as *mut f64, t);
+                    }
+                }
+            }
+        } else {
+            for g in 0..W / 8 {
+                let r = g * 8;
+                let a = [
+                    load(r, p),
+                    load(r + 1, p),
+                    load(r + 2, p),
+                    load(r + 3, p),
+                    load(r + 4, p),
+                    load(r + 5, p),
+                    load(r + 6, p),
+                    load(r + 7, p),
+                ];
+                for (q, c) in simd::transpose8(a).into_iter().enumerate() {
+                    _mm256_storeu_ps(out.add((p + q) * W + g * 8), c);
+                }
+            }
+        }
+        p += 8;
+    }
+    for p in p..len {
+        for r in 0..W {
+            *out.add(p * W + r) = at(r, p);
+        }
+    }
+}
+
+/// The k-major packing of one source row into A's panels: run `i` (MR
+/// values of `row`) to panel row `p` of panel `i` (panels `kc · MR` apart
+/// in `panels`), rounded to bf16 when `bf16` in registers.
+///
+/// # Safety
+/// The CPU has AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn copy_runs_avx2(panels: &mut [f32], row: &[f32], kc: usize, p: usize, bf16: bool) {
+    use std::arch::x86_64::*;
+    let runs = row.len() / MR;
+    assert!(runs == 0 || panels.len() >= ((runs - 1) * kc + p + 1) * MR);
+    for i in 0..runs {
+        // values 0..4 and 4..6 of the run (masked moves were slower)
+        let src = row.as_ptr().add(i * MR);
+        let (mut lo, mut hi) = (_mm_loadu_ps(src), _mm_castpd_ps(_mm_load_sd(src.add(4) as *const f64)));
+        if bf16 {
+            let v = bf16_lanes_avx2(_mm256_set_m128(hi, lo));
+            (lo, hi) = (_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        }
+        let dst = panels.as_mut_ptr().add((i * kc + p) * MR);
+        _mm_storeu_ps(dst, lo);
+        _mm_store_sd(dst.add(4) as *mut f64, _mm_castps_pd(hi));
     }
 }
 
@@ -115,6 +321,27 @@ impl Load for Bf16s<'_> {
     #[inline(always)]
     fn at(self, i: usize) -> f32 {
         f32::from_bits((self.0[i] as u32) << 16)
+    }
+    #[inline(always)]
+    fn gather<const W: usize>(self, panel: &mut [f32], offsets: [usize; W], round: Option<Format>) {
+        let len = panel.len() / W;
+        let rows: [&[u16]; W] = offsets.map(|r| &self.0[r..r + len]);
+        if vector_gather::<W>() {
+            // SAFETY: `vector_gather` holds only where the CPU has AVX2.
+            #[cfg(target_arch = "x86_64")]
+            unsafe {
+                gather_bf16_avx2::<W>(panel, &rows)
+            };
+        } else {
+            for (p, dst) in panel.chunks_exact_mut(W).enumerate() {
+                for r in 0..W {
+                    dst[r] = f32::from_bits((rows[r][p] as u32) << 16);
+                }
+            }
+        }
+        if let Some(f) = round {
+            round::round_slice(panel, f);
+        }
     }
     #[inline(always)]
     fn run<const W: usize>(self, i: usize) -> [f32; W] {
@@ -146,8 +373,9 @@ thread_local! {
 /// The k-range `[kb, kb + kc)` of `lanes` lanes of one operand of one
 /// batch, packed into panels of `W` lanes — A into row panels (`W` = MR), B
 /// into column panels (`W` = NR): `buf[panel][p][lane]` (panel stride
-/// `kc * W`; `buf` holds exactly the panels), lanes past `lanes` zero; then
-/// rounded once when `round` is set (vectorised passes; the zero padding
+/// `kc * W`; `buf` holds exactly the panels), lanes past `lanes` zero;
+/// each value rounded once when `round` is set, right after it is written
+/// (a separate pass read a block of A back from memory; the zero padding
 /// stays zero). One k-block at a time, so the packed block is still in cache
 /// when the tiles read it.
 ///
@@ -181,6 +409,11 @@ fn pack<const W: usize, S: Load>(
         // 0.93x of ndarray on the weight gradient 320x4096x904, now ~1.05x.
         // The panels that sum term p are `from..to`: `terms` is monotone,
         // so both ends only move forward as p does.
+        #[cfg(target_arch = "x86_64")]
+        let runs = match src.values() {
+            Some(v) if W == MR && round != Some(Format::Fp16) && simd::level() >= Level::Avx2 => Some(v),
+            _ => None,
+        };
         let (mut from, mut to) = (0, 0);
         for p in 0..kc {
             while from < panels && terms(from).1 <= p {
@@ -190,6 +423,17 @@ fn pack<const W: usize, S: Load>(
                 to += 1;
             }
             let row = (kb + p) * ld;
+            #[allow(unused_mut)]
+            let mut from = from;
+            #[cfg(target_arch = "x86_64")]
+            if let Some(v) = runs {
+                // the whole panels: rows of MR float32 values, rounded to bf16 in registers
+                let whole = to.min(lanes / MR).max(from);
+                let dst = &mut buf[from * kc * W..];
+                // SAFETY: the level is only set where the CPU has AVX2.
+                unsafe { copy_runs_avx2(dst, &v[row + from * MR..row + whole * MR], kc, p, round.is_some()) };
+                from = whole;
+            }
             for pi in from..to {
                 let l0 = pi * W;
                 let dst: &mut [f32; W] = (&mut buf[(pi * kc + p) * W..][..W]).try_into().unwrap();
@@ -199,6 +443,9 @@ fn pack<const W: usize, S: Load>(
                     for (l, d) in dst.iter_mut().enumerate() {
                         *d = if l0 + l < lanes { src.at(row + l0 + l) } else { 0.0 };
                     }
+                }
+                if let Some(f) = round {
+                    round::round_slice(dst, f);
                 }
             }
         }
@@ -213,7 +460,7 @@ fn pack<const W: usize, S: Load>(
             if real == W {
                 // Gather the W rows' p-th values into one panel row, reading
                 // W streams forward, writing one (vectorised as a transpose).
-                src.gather::<W>(panel, std::array::from_fn(row));
+                src.gather::<W>(panel, std::array::from_fn(row), round);
             } else {
                 panel.fill(0.0);
                 for r in 0..real {
@@ -221,13 +468,10 @@ fn pack<const W: usize, S: Load>(
                         dst[r] = src.at(row(r) + p);
                     }
                 }
+                if let Some(f) = round {
+                    round::round_slice(panel, f);
+                }
             }
-        }
-    }
-    if let Some(f) = round {
-        for (pi, panel) in buf.chunks_exact_mut(kc * W).enumerate() {
-            let (lo, hi) = terms(pi);
-            round::round_slice(&mut panel[lo * W..hi * W], f);
         }
     }
 }
@@ -246,6 +490,12 @@ fn pack_all<'b, const W: usize>(
     terms: impl Fn(usize) -> (usize, usize),
 ) -> &'b [f32] {
     let buf = cache_aligned(buf, lanes.div_ceil(W) * kblock.1 * W);
+    // 16-bit patterns already are values of their format, rounded by `pack`
+    // (which quiets NaNs): rounding them to it again would change no bit.
+    let round = match (src, round) {
+        (Src::Bf16(_), Some(Format::Bf16)) | (Src::Fp16(_), Some(Format::Fp16)) => None,
+        _ => round,
+    };
     match src {
         Src::F32(v) => pack::<W, _>(buf, v, lanes, ld, kblock, k_major, round, terms),
         Src::Bf16(h) => pack::<W, _>(buf, Bf16s(h), lanes, ld, kblock, k_major, round, terms),
@@ -277,7 +527,8 @@ const MC_PANELS: usize = 12;
 /// One MR×NR tile of C (row stride `ldc`) over one k-block:
 /// `c[r][j] = fma(a[p][r], b[p][j], c[r][j])` for `p` ascending, starting from
 /// +0 in the first k-block (`first`: C is not read, it may be uninitialised)
-/// and from the running values in C after it. Carrying the sums in C from one
+/// and from the running values in C after it; each sum rounded to `round`
+/// as it is stored (the last k-block's). Carrying the sums in C from one
 /// k-block to the next keeps every output's sum in the contract's exact order
 /// while the blocks stay in cache.
 ///
@@ -295,17 +546,33 @@ unsafe fn micro_kernel<const NR: usize>(
     ldc: usize,
     first: bool,
     ragged: Ragged,
+    round: Option<Format>,
 ) {
     #[cfg(target_arch = "x86_64")]
-    match kernel {
-        // SAFETY: a level is only chosen where the CPU has its instructions
-        // (`simd::available`); the pointers are valid per this fn's contract,
-        // and each kernel is only used with its own width.
-        Level::Avx2 if NR == 16 => return micro_kernel_avx2(ap, bp, kc, c, ldc, first, ragged),
-        Level::Avx512 if NR == 32 => {
-            return micro_kernel_avx512(ap, bp, kc, c, ldc, first, ragged)
+    {
+        // bf16 rounding is a few integer steps on the registers; fp16's is
+        // the rows' pass below
+        let bf16 = round == Some(Format::Bf16);
+        let vector = match kernel {
+            // SAFETY: a level is only chosen where the CPU has its instructions
+            // (`simd::available`); the pointers are valid per this fn's contract,
+            // and each kernel is only used with its own width.
+            Level::Avx2 if NR == 16 => {
+                micro_kernel_avx2(ap, bp, kc, c, ldc, first, ragged, bf16);
+                true
+            }
+            Level::Avx512 if NR == 32 => {
+                micro_kernel_avx512(ap, bp, kc, c, ldc, first, ragged, bf16);
+                true
+            }
+            _ => false,
+        };
+        if vector {
+            if let Some(f) = round.filter(|_| !bf16) {
+                round_rows::<NR>(c, ldc, f);
+            }
+            return;
         }
-        _ => {}
     }
     let mut acc = [[0.0f32; NR]; MR];
     if !first {
@@ -327,6 +594,20 @@ unsafe fn micro_kernel<const NR: usize>(
     for (r, row) in acc.iter().enumerate() {
         std::ptr::copy_nonoverlapping(row.as_ptr(), c.add(r * ldc), NR);
     }
+    if let Some(f) = round {
+        round_rows::<NR>(c, ldc, f);
+    }
+}
+
+/// Rounds the MR rows of `NR` values at `c` (row stride `ldc`) in place.
+///
+/// # Safety
+/// `c` is valid for reads and writes of those rows.
+#[inline(always)]
+unsafe fn round_rows<const NR: usize>(c: *mut f32, ldc: usize, f: Format) {
+    for r in 0..MR {
+        round::round_slice(std::slice::from_raw_parts_mut(c.add(r * ldc), NR), f);
+    }
 }
 
 /// The same tile in vector registers: two accumulators of `$w` lanes per row
@@ -335,10 +616,11 @@ unsafe fn micro_kernel<const NR: usize>(
 /// (`$w` = 16); the tile is `2 * $w` columns wide.
 macro_rules! vector_kernel {
     ($(#[$m:meta])* $name:ident, $feat:literal, $v:ty, $w:literal,
-     $zero:ident, $load:ident, $store:ident, $set1:ident, $fmadd:ident) => {
+     $zero:ident, $load:ident, $store:ident, $set1:ident, $fmadd:ident, $bf16:ident) => {
         $(#[$m])*
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = $feat)]
+        #[allow(clippy::too_many_arguments)]
         unsafe fn $name(
             ap: *const f32,
             bp: *const f32,
@@ -347,6 +629,7 @@ macro_rules! vector_kernel {
             ldc: usize,
             first: bool,
             ragged: Ragged,
+            bf16: bool,
         ) {
             use std::arch::x86_64::*;
             const NR: usize = 2 * $w;
@@ -406,6 +689,11 @@ macro_rules! vector_kernel {
                     }
                 }
             }
+            if bf16 {
+                for row in acc.iter_mut() {
+                    *row = [$bf16(row[0]), $bf16(row[1])];
+                }
+            }
             for (r, row) in acc.iter().enumerate() {
                 $store(c.add(r * ldc), row[0]);
                 $store(c.add(r * ldc + $w), row[1]);
@@ -414,15 +702,46 @@ macro_rules! vector_kernel {
     };
 }
 
+/// [`round::bf16_f32`] on 8 lanes: the same integer steps.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+fn bf16_lanes_avx2(x: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    let b = _mm256_castps_si256(x);
+    let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(b), _mm256_set1_epi32(1));
+    let bias = _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb);
+    let rounded = _mm256_and_si256(_mm256_add_epi32(b, bias), _mm256_set1_epi32(0xffff_0000u32 as i32));
+    // |b| > inf's pattern: a NaN (both sides non-negative as i32)
+    let nan = _mm256_cmpgt_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7fff_ffff)), _mm256_set1_epi32(0x7f80_0000));
+    let quiet = _mm256_or_si256(b, _mm256_set1_epi32(0x0040_0000));
+    _mm256_castsi256_ps(_mm256_blendv_epi8(rounded, quiet, nan))
+}
+
+/// [`round::bf16_f32`] on 16 lanes: the same integer steps.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn bf16_lanes_avx512(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    let b = _mm512_castps_si512(x);
+    let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(b), _mm512_set1_epi32(1));
+    let bias = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb);
+    let rounded = _mm512_and_si512(_mm512_add_epi32(b, bias), _mm512_set1_epi32(0xffff_0000u32 as i32));
+    let nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(b, _mm512_set1_epi32(0x7fff_ffff)), _mm512_set1_epi32(0x7f80_0000));
+    let quiet = _mm512_or_si512(b, _mm512_set1_epi32(0x0040_0000));
+    _mm512_castsi512_ps(_mm512_mask_blend_epi32(nan, rounded, quiet))
+}
+
 vector_kernel!(
     /// The AVX2 tile: 6 × 16.
     micro_kernel_avx2, "avx2,fma", __m256, 8,
-    _mm256_setzero_ps, _mm256_loadu_ps, _mm256_storeu_ps, _mm256_set1_ps, _mm256_fmadd_ps
+    _mm256_setzero_ps, _mm256_loadu_ps, _mm256_storeu_ps, _mm256_set1_ps, _mm256_fmadd_ps, bf16_lanes_avx2
 );
 vector_kernel!(
     /// The AVX-512 tile: 6 × 32.
     micro_kernel_avx512, "avx512f,avx2,fma", __m512, 16,
-    _mm512_setzero_ps, _mm512_loadu_ps, _mm512_storeu_ps, _mm512_set1_ps, _mm512_fmadd_ps
+    _mm512_setzero_ps, _mm512_loadu_ps, _mm512_storeu_ps, _mm512_set1_ps, _mm512_fmadd_ps, bf16_lanes_avx512
 );
 
 /// The terms of one tile on the diagonal of a [`Causal`] product that only
@@ -462,7 +781,7 @@ impl Ragged {
 
 /// What a [`tile`] call computes over its k-range: the first starts every
 /// sum from +0; the last (`round` set when the product is rounded) rounds the
-/// finished sums while the tile is still in L1, instead of a separate pass
+/// finished sums as the kernel stores them, instead of a separate pass
 /// over C; `ragged` terms are summed only by the rows that keep them.
 #[derive(Clone, Copy)]
 struct KBlock {
@@ -492,17 +811,8 @@ fn tile<const NR: usize>(
     if rows == MR && cols == NR {
         // SAFETY: lengths checked above; C is read only after the first k-block wrote it.
         unsafe {
-            micro_kernel::<NR>(blk.kernel, ap.as_ptr(), bp.as_ptr(), kc, cp, ldc, blk.first, blk.ragged)
+            micro_kernel::<NR>(blk.kernel, ap.as_ptr(), bp.as_ptr(), kc, cp, ldc, blk.first, blk.ragged, blk.round)
         };
-        if let Some(f) = blk.round {
-            for r in 0..MR {
-                // SAFETY: inside `c` (checked above), just written by the kernel.
-                round::round_slice(
-                    unsafe { std::slice::from_raw_parts_mut(cp.add(r * ldc), NR) },
-                    f,
-                );
-            }
-        }
         return;
     }
     let mut t = [[0.0f32; NR]; MR];
@@ -514,11 +824,8 @@ fn tile<const NR: usize>(
     }
     let tp = t.as_mut_ptr() as *mut f32;
     // SAFETY: `t` is exactly one MR×NR tile; lengths of ap/bp checked above.
-    unsafe { micro_kernel::<NR>(blk.kernel, ap.as_ptr(), bp.as_ptr(), kc, tp, NR, blk.first, blk.ragged) };
-    for (r, row) in t.iter_mut().enumerate().take(rows) {
-        if let Some(f) = blk.round {
-            round::round_slice(row, f);
-        }
+    unsafe { micro_kernel::<NR>(blk.kernel, ap.as_ptr(), bp.as_ptr(), kc, tp, NR, blk.first, blk.ragged, blk.round) };
+    for (r, row) in t.iter().enumerate().take(rows) {
         // SAFETY: inside `c` (checked above).
         unsafe { std::ptr::copy_nonoverlapping(row.as_ptr(), cp.add(r * ldc), cols) };
     }
