@@ -3,7 +3,8 @@
 //! The kernels are plain Rust written so the compiler vectorises them, plus
 //! hand-written ones: the matmul's register tiles and packing (AVX2, and an
 //! AVX-512 tile where the CPU has it: twice the columns per tile, twice the
-//! multiply-adds per load) and the f32 softmax (AVX2).
+//! multiply-adds per load) and the f32 softmax (AVX2; its exps and divisions
+//! on AVX-512 where the CPU has it).
 //! The instructions a build may use by default are the target's baseline
 //! (SSE2 on x86-64), where `f32::mul_add` — the contract's fma, everywhere —
 //! is a library call per element. So every
@@ -32,7 +33,8 @@ pub enum Level {
     /// x86-64 with AVX2 and FMA.
     Avx2 = 2,
     /// AVX2 and FMA plus AVX-512F: the same kernels as `Avx2`, but the
-    /// matmul's register tile is two 16-lane vectors (32 columns) wide.
+    /// matmul's register tile is two 16-lane vectors (32 columns) wide and
+    /// the softmax's exps and divisions run 16 lanes at a time.
     Avx512 = 3,
 }
 
@@ -131,7 +133,7 @@ pub(crate) fn transpose8(a: [std::arch::x86_64::__m256; 8]) -> [std::arch::x86_6
 
 /// Defines a kernel compiled twice — for the build target's baseline and with
 /// AVX2 + FMA enabled — that runs the copy for [`level`] (the AVX2 copy at
-/// `Avx512`: only the matmul tile has a wider twin). Everything the body
+/// `Avx512`: only the matmul tile and the softmax's passes have wider twins). Everything the body
 /// calls should be `#[inline(always)]` so it is compiled into each copy;
 /// closures in the body (rayon's workers included) inherit the copy's
 /// instructions. (A closure handed to a `#[target_feature]` function would

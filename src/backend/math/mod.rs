@@ -425,6 +425,73 @@ pub mod avx2 {
     }
 }
 
+/// [`exp`] and [`div`] on AVX-512 vectors of 16 lanes, bit for bit: the AVX2
+/// steps with mask registers for the selects.
+#[cfg(target_arch = "x86_64")]
+pub mod avx512 {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    /// [`avx2::exp`] on 16 lanes.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    #[inline]
+    pub fn exp(xv: __m512) -> __m512 {
+        let f = _mm512_set1_ps;
+        // max(x, EXP_LO) returns its second operand for a NaN x, as f32::max does
+        let xc = _mm512_min_ps(_mm512_max_ps(xv, f(EXP_LO)), f(EXP_HI));
+        // floor: round toward −inf, exceptions suppressed
+        let n = _mm512_roundscale_ps::<0x09>(_mm512_fmadd_ps(xc, f(std::f32::consts::LOG2_E), f(0.5)));
+        let r = _mm512_fnmadd_ps(n, f(LN2_HI), xc);
+        let r = _mm512_fnmadd_ps(n, f(LN2_LO), r);
+        let mut p = f(EXP_POLY[0]);
+        for c in &EXP_POLY[1..] {
+            p = _mm512_fmadd_ps(p, r, f(*c));
+        }
+        let ni = _mm512_cvttps_epi32(n);
+        let n1 = _mm512_srai_epi32::<1>(_mm512_add_epi32(ni, _mm512_srli_epi32::<31>(ni)));
+        let pow2 = |e: __m512i| _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(e, _mm512_set1_epi32(127))));
+        let out = _mm512_mul_ps(_mm512_mul_ps(p, pow2(n1)), pow2(_mm512_sub_epi32(ni, n1)));
+        let out = _mm512_mask_blend_ps(_mm512_cmp_ps_mask::<_CMP_LT_OQ>(xv, f(EXP_LO)), out, _mm512_setzero_ps());
+        let out = _mm512_mask_blend_ps(_mm512_cmp_ps_mask::<_CMP_GT_OQ>(xv, f(EXP_HI)), out, f(f32::INFINITY));
+        let qnan = _mm512_castsi512_ps(_mm512_set1_epi32(QNAN as i32));
+        _mm512_mask_blend_ps(_mm512_cmp_ps_mask::<_CMP_UNORD_Q>(xv, xv), out, qnan)
+    }
+
+    /// [`avx2::div`] on 16 lanes: the hardware quotient where every lane
+    /// passes [`div_hw`]'s test, else the two halves through `avx2::div`.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    #[inline]
+    pub fn div(a: __m512, b: __m512) -> __m512 {
+        let q = _mm512_div_ps(a, b);
+        // r = a − q·b, exact
+        let r = _mm512_fnmadd_ps(q, b, a);
+        let bits = _mm512_castps_si512;
+        let abs_mask = _mm512_set1_epi32(0x7fff_ffff);
+        let field = |x: __m512| _mm512_and_si512(_mm512_srli_epi32::<23>(bits(x)), _mm512_set1_epi32(0xff));
+        // HW_MIN_FIELD ≤ field < 0xff
+        let in_range = |x: __m512| {
+            let e = field(x);
+            _mm512_cmpge_epi32_mask(e, _mm512_set1_epi32(HW_MIN_FIELD as i32))
+                & _mm512_cmplt_epi32_mask(e, _mm512_set1_epi32(0xff))
+        };
+        let abs = |x: __m512| _mm512_castsi512_ps(_mm512_and_si512(bits(x), abs_mask));
+        let h = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_sub_epi32(field(q), _mm512_set1_epi32(24))));
+        let limit = _mm512_mul_ps(_mm512_mul_ps(h, abs(b)), _mm512_set1_ps(1.0 - 1.0 / 4096.0));
+        let close = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(abs(r), limit);
+        let general = in_range(a) & in_range(b) & in_range(q) & close;
+        let a_zero = _mm512_cmpeq_epi32_mask(_mm512_and_si512(bits(a), abs_mask), _mm512_setzero_si512());
+        if general | (a_zero & in_range(b)) == 0xffff {
+            return q;
+        }
+        let half = |v: __m512, hi: bool| {
+            let d = _mm512_castps_pd(v);
+            _mm256_castpd_ps(if hi { _mm512_extractf64x4_pd::<1>(d) } else { _mm512_castpd512_pd256(d) })
+        };
+        let (lo, hi) = (avx2::div(half(a, false), half(b, false)), avx2::div(half(a, true), half(b, true)));
+        _mm512_castpd_ps(_mm512_insertf64x4::<1>(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi)))
+    }
+}
+
 /// Natural logarithm, within about one ulp. `log(±0) = -inf`, negative → NaN.
 ///
 /// `x = m 2^e` with `m` in `[sqrt(1/2), sqrt(2))`; `log m = 2 atanh(s)` with
@@ -666,6 +733,53 @@ mod tests {
             }));
         }
         v
+    }
+
+    /// `f` on 16 lanes of `x` (and `y`), where the CPU has AVX-512.
+    #[cfg(target_arch = "x86_64")]
+    fn on_avx512(
+        x: [f32; 16],
+        y: [f32; 16],
+        f: unsafe fn(std::arch::x86_64::__m512, std::arch::x86_64::__m512) -> std::arch::x86_64::__m512,
+    ) -> Option<[f32; 16]> {
+        use std::arch::x86_64::*;
+        if !crate::backend::cpu::simd::available().contains(&crate::backend::cpu::simd::Level::Avx512) {
+            return None;
+        }
+        let mut out = [0.0f32; 16];
+        // SAFETY: the CPU has AVX-512F (checked above); arrays of 16 values.
+        unsafe { _mm512_storeu_ps(out.as_mut_ptr(), f(_mm512_loadu_ps(x.as_ptr()), _mm512_loadu_ps(y.as_ptr()))) };
+        Some(out)
+    }
+
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn avx512_exp_and_div_equal_the_scalar_bits() {
+        let pairs = division_pairs(2_000_000);
+        for g in pairs.chunks_exact(16) {
+            let (a, b) = (std::array::from_fn(|i| g[i].0), std::array::from_fn(|i| g[i].1));
+            let Some(q) = on_avx512(a, b, avx512::div) else { return };
+            for i in 0..16 {
+                assert_eq!(q[i].to_bits(), div(a[i], b[i]).to_bits(), "avx512::div: {} / {}", a[i], b[i]);
+            }
+        }
+        let (lo, hi) = (EXP_LO.to_bits(), EXP_HI.to_bits());
+        let xs: Vec<f32> = (0..=u32::MAX / 251)
+            .map(|i| i * 251)
+            .chain((-87.0f32).to_bits()..=lo + 4096)
+            .chain(hi - 4096..=hi + 4096)
+            .map(f32::from_bits)
+            .collect();
+        for g in xs.chunks_exact(16) {
+            let x = std::array::from_fn(|i| g[i]);
+            let y = on_avx512(x, x, |x, _| {
+                // SAFETY: called by `on_avx512` only where the CPU has AVX-512F.
+                unsafe { avx512::exp(x) }
+            }).expect("AVX-512 checked above");
+            for (y, &v) in y.iter().zip(&x) {
+                assert_eq!(y.to_bits(), exp(v).to_bits(), "avx512::exp({v:e})");
+            }
+        }
     }
 
     #[test]

@@ -34,6 +34,13 @@ impl ReduceOps for CpuStorage {
         n: usize,
         scale: f32,
     ) -> Result<CpuStorage> {
+        if let (CpuStorage::F32(y), CpuStorage::F32(g)) = (self, g) {
+            let (y, g) = (&*y.get(), &*g.get());
+            return Ok(f32::wrap(by_row_blocks(rows, n, |r0, k, out| {
+                let span = r0 * n..(r0 + k) * n;
+                softmax_backward_f32(&y[span.clone()], &g[span], k, n, scale, out)
+            })));
+        }
         Ok(both2!(self, g, y, g => by_row_blocks(rows, n, |r0, k, out| {
             let span = r0 * n..(r0 + k) * n;
             softmax_backward_t(&y[span.clone()], &g[span], k, n, scale, out)
@@ -131,9 +138,23 @@ fn softmax_f32(x: &[f32], first_row: usize, n: usize, scale: f32, causal: bool, 
     #[cfg(target_arch = "x86_64")]
     if simd::level() >= simd::Level::Avx2 {
         // SAFETY: the level is only Avx2 or above where the CPU has AVX2 and FMA.
-        return unsafe { avx2::softmax_f32(x, first_row, n, scale, causal, SOFTMAX_BLOCK_ELEMS, out) };
+        let wide = simd::level() == simd::Level::Avx512;
+        // SAFETY: the level is only Avx2 or above where the CPU has AVX2 and
+        // FMA, and Avx512 where it also has AVX-512F.
+        return unsafe { avx2::softmax_f32(x, first_row, n, scale, causal, SOFTMAX_BLOCK_ELEMS, out, wide) };
     }
     softmax_t(x, first_row, n, scale, causal, SOFTMAX_BLOCK_ELEMS, out)
+}
+
+/// The f32 softmax backward of `rows` rows (`n` wide) into `out`: the AVX2
+/// kernel where the CPU has it, else [`softmax_backward_t`].
+fn softmax_backward_f32(y: &[f32], g: &[f32], rows: usize, n: usize, scale: f32, out: &mut [MaybeUninit<f32>]) {
+    #[cfg(target_arch = "x86_64")]
+    if simd::level() >= simd::Level::Avx2 {
+        // SAFETY: the level is only Avx2 or above where the CPU has AVX2 and FMA.
+        return unsafe { avx2::softmax_backward_f32(y, g, rows, n, scale, out) };
+    }
+    softmax_backward_t(y, g, rows, n, scale, out)
 }
 
 /// [`ReduceOps::softmax_rows`] of f32 rows on the calling thread, for a
@@ -149,7 +170,7 @@ pub(crate) fn softmax_f32_one_thread(x: &[f32], n: usize, scale: f32, causal: bo
 /// [`ReduceOps::softmax_rows_backward`] of f32 rows on the calling thread.
 pub(crate) fn softmax_backward_f32_one_thread(y: &[f32], g: &[f32], n: usize, scale: f32) -> Vec<f32> {
     let mut out = Vec::with_capacity(y.len());
-    softmax_backward_t(y, g, y.len() / n, n, scale, &mut out.spare_capacity_mut()[..y.len()]);
+    softmax_backward_f32(y, g, y.len() / n, n, scale, &mut out.spare_capacity_mut()[..y.len()]);
     // SAFETY: the softmax backward wrote every value.
     unsafe { out.set_len(y.len()) };
     out
@@ -282,7 +303,10 @@ simd::multiversion! {
                     write_lanes(exps, &row[..k], |g| T::exp_lanes(g.map(|v| v.mul(s).sub(m))));
                 }
                 let (masked, zeros) = rest.split_at_mut(l - k);
-                write_exact(masked, std::iter::repeat_n(T::NEG_INF.sub(m).exp(), l - k));
+                if l > k {
+                    // a non-finite max: the masked keys' exp (not worked out for other rows)
+                    write_exact(masked, std::iter::repeat_n(T::NEG_INF.sub(m).exp(), l - k));
+                }
                 write_exact(zeros, std::iter::repeat_n(T::ZERO, n - l));
             }
             // SAFETY: every row of the block was written in full just above.
@@ -330,6 +354,7 @@ simd::multiversion! {
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::*;
+    use crate::backend::cpu::simd::transpose8;
     use crate::backend::math::avx2::{div, exp};
     use std::arch::x86_64::*;
 
@@ -407,9 +432,14 @@ mod avx2 {
         }
     }
 
-    /// [`softmax_t`] for f32, bit for bit.
+    /// [`softmax_t`] for f32, bit for bit; its exps and divisions on 16
+    /// lanes when `wide`.
+    ///
+    /// # Safety
+    /// With `wide`, the CPU has AVX-512F.
     #[target_feature(enable = "avx2,fma")]
-    pub fn softmax_f32(
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn softmax_f32(
         x: &[f32],
         first_row: usize,
         n: usize,
@@ -417,6 +447,7 @@ mod avx2 {
         causal: bool,
         block_elems: usize,
         out: &mut [MaybeUninit<f32>],
+        wide: bool,
     ) {
         assert_eq!(x.len(), out.len());
         if n == 0 {
@@ -437,22 +468,163 @@ mod avx2 {
                 let k = l.min(lim(r0 + r));
                 let (exps, rest) = o.split_at_mut(k);
                 let mv = _mm256_set1_ps(m);
-                if scale == 1.0 {
+                if wide {
+                    // SAFETY: `wide` only where the CPU has AVX-512F (the caller's promise).
+                    unsafe { wide_exps(exps, &row[..k], scale, m) };
+                } else if scale == 1.0 {
                     map_lanes(exps, &row[..k], |v| exp(_mm256_sub_ps(v, mv)));
                 } else {
                     map_lanes(exps, &row[..k], |v| exp(_mm256_sub_ps(_mm256_mul_ps(v, sv), mv)));
                 }
                 let (masked, zeros) = rest.split_at_mut(l - k);
-                write_exact(masked, std::iter::repeat_n(crate::backend::math::exp(f32::NEG_INFINITY - m), l - k));
+                if l > k {
+                    // a non-finite max: the masked keys' exp (not worked out for other rows)
+                    write_exact(masked, std::iter::repeat_n(crate::backend::math::exp(f32::NEG_INFINITY - m), l - k));
+                }
                 write_exact(zeros, std::iter::repeat_n(0.0, n - l));
                 live.push(l);
             }
             // SAFETY: every row of the block was written in full just above.
             let ob = unsafe { assume_init_mut(ob) };
-            let sums = fold_ragged(ob, n, &live, -0.0f32, |a, y| a + y);
+            let sums = row_sums(ob, n, &live);
             for ((o, &s), &l) in ob.chunks_exact_mut(n).zip(&sums).zip(&live) {
-                let sv = _mm256_set1_ps(s);
-                map_lanes_mut(&mut o[..l], |y| div(y, sv));
+                if wide {
+                    // SAFETY: as above.
+                    unsafe { wide_divs(&mut o[..l], s) };
+                } else {
+                    let sv = _mm256_set1_ps(s);
+                    map_lanes_mut(&mut o[..l], |y| div(y, sv));
+                }
+            }
+        }
+    }
+
+    /// The exp pass of [`softmax_f32`] on 16 lanes: `out[i] = exp(x[i] − m)`,
+    /// or `exp(x[i] · scale − m)`; the ragged tail padded with zeros.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    fn wide_exps(out: &mut [MaybeUninit<f32>], x: &[f32], scale: f32, m: f32) {
+        use crate::backend::math::avx512;
+        assert_eq!(out.len(), x.len());
+        let (sv, mv) = (_mm512_set1_ps(scale), _mm512_set1_ps(m));
+        let f = |v: __m512| {
+            let v = if scale == 1.0 { v } else { _mm512_mul_ps(v, sv) };
+            avx512::exp(_mm512_sub_ps(v, mv))
+        };
+        let mut groups = out.chunks_exact_mut(16);
+        let mut inputs = x.chunks_exact(16);
+        for (o, v) in (&mut groups).zip(&mut inputs) {
+            // SAFETY: `v` and `o` hold 16 values each.
+            unsafe { _mm512_storeu_ps(o.as_mut_ptr().cast(), f(_mm512_loadu_ps(v.as_ptr()))) };
+        }
+        let (tail, rest) = (groups.into_remainder(), inputs.remainder());
+        if !tail.is_empty() {
+            let mut v = [0.0f32; 16];
+            v[..rest.len()].copy_from_slice(rest);
+            // SAFETY: `v` holds 16 values.
+            unsafe { _mm512_storeu_ps(v.as_mut_ptr(), f(_mm512_loadu_ps(v.as_ptr()))) };
+            write_exact(tail, v);
+        }
+    }
+
+    /// The division pass of [`softmax_f32`] on 16 lanes: `x[i] = x[i] / s`.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    fn wide_divs(x: &mut [f32], s: f32) {
+        use crate::backend::math::avx512;
+        let sv = _mm512_set1_ps(s);
+        let mut groups = x.chunks_exact_mut(16);
+        for g in &mut groups {
+            // SAFETY: `g` holds 16 values.
+            unsafe { _mm512_storeu_ps(g.as_mut_ptr(), avx512::div(_mm512_loadu_ps(g.as_ptr()), sv)) };
+        }
+        let tail = groups.into_remainder();
+        if !tail.is_empty() {
+            let mut v = [0.0f32; 16];
+            v[..tail.len()].copy_from_slice(tail);
+            // SAFETY: `v` holds 16 values.
+            unsafe { _mm512_storeu_ps(v.as_mut_ptr(), avx512::div(_mm512_loadu_ps(v.as_ptr()), sv)) };
+            let t = tail.len();
+            tail.copy_from_slice(&v[..t]);
+        }
+    }
+
+    /// Each row's first `lens[r]` values of the rows of `x` (`n` wide) added
+    /// up in order from −0, as [`fold_ragged`]: eight rows at a time, one per
+    /// lane, over the terms they all have (then each row's own rest), so the
+    /// adds' latency is waited out once per eight rows.
+    #[target_feature(enable = "avx2,fma")]
+    fn row_sums(x: &[f32], n: usize, lens: &[usize]) -> Vec<f32> {
+        assert!(x.len() >= lens.len() * n && lens.iter().all(|&l| l <= n));
+        let mut sums = vec![-0.0f32; lens.len()];
+        for (b, (s, l)) in sums.chunks_mut(LANES).zip(lens.chunks(LANES)).enumerate() {
+            let r0 = b * LANES;
+            let mut j = 0;
+            if s.len() == LANES {
+                let common = l.iter().copied().min().unwrap_or(0);
+                let mut acc = _mm256_set1_ps(-0.0);
+                while j + LANES <= common {
+                    // SAFETY: rows r0 .. r0 + 8 hold the values j .. j + 8 (asserted above).
+                    let c = transpose8(std::array::from_fn(|i| unsafe { _mm256_loadu_ps(x.as_ptr().add((r0 + i) * n + j)) }));
+                    for v in c {
+                        acc = _mm256_add_ps(acc, v);
+                    }
+                    j += LANES;
+                }
+                // SAFETY: `s` holds LANES values.
+                unsafe { _mm256_storeu_ps(s.as_mut_ptr(), acc) };
+            }
+            for (i, (s, &l)) in s.iter_mut().zip(l).enumerate() {
+                let row = &x[(r0 + i) * n..];
+                *s = row[j..l].iter().fold(*s, |a, &v| a + v);
+            }
+        }
+        sums
+    }
+
+    /// [`softmax_backward_t`] for f32, bit for bit. Each row's dot is one
+    /// chain of fused multiply-adds in term order; one chain at a time waits
+    /// out each fma's latency, so eight rows run at once, one per lane of a
+    /// vector (their terms transposed eight by eight), each lane still its
+    /// own row's chain in order.
+    #[target_feature(enable = "avx2,fma")]
+    pub fn softmax_backward_f32(y: &[f32], g: &[f32], rows: usize, n: usize, scale: f32, out: &mut [MaybeUninit<f32>]) {
+        assert_eq!(out.len(), rows * n);
+        assert!(y.len() >= rows * n && g.len() >= rows * n);
+        if n == 0 {
+            return;
+        }
+        let chain = |r: usize, from: usize, a: f32| (from..n).fold(a, |a, j| g[r * n + j].mul_add(y[r * n + j], a));
+        let mut dots = vec![0.0f32; rows];
+        for (b, d) in dots.chunks_exact_mut(LANES).enumerate() {
+            let r0 = b * LANES;
+            let mut acc = _mm256_set1_ps(-0.0);
+            let mut j = 0;
+            while j + LANES <= n {
+                // SAFETY: rows r0 .. r0 + 8 hold the values j .. j + 8 (asserted above).
+                let load = |x: &[f32]| {
+                    transpose8(std::array::from_fn(|i| unsafe { _mm256_loadu_ps(x.as_ptr().add((r0 + i) * n + j)) }))
+                };
+                let (yc, gc) = (load(y), load(g));
+                for q in 0..LANES {
+                    acc = _mm256_fmadd_ps(gc[q], yc[q], acc);
+                }
+                j += LANES;
+            }
+            // SAFETY: `d` holds LANES values.
+            unsafe { _mm256_storeu_ps(d.as_mut_ptr(), acc) };
+            for (i, d) in d.iter_mut().enumerate() {
+                *d = chain(r0 + i, j, *d);
+            }
+        }
+        let whole = rows / LANES * LANES;
+        for (r, d) in dots.iter_mut().enumerate().skip(whole) {
+            *d = chain(r, 0, -0.0);
+        }
+        let s = scale;
+        for (((yr, gr), o), &dot) in y.chunks_exact(n).zip(g.chunks_exact(n)).zip(out.chunks_exact_mut(n)).zip(&dots) {
+            if scale == 1.0 {
+                write_exact(o, yr.iter().zip(gr).map(|(&yv, &gv)| yv * (gv - dot)));
+            } else {
+                write_exact(o, yr.iter().zip(gr).map(|(&yv, &gv)| yv * (gv - dot) * s));
             }
         }
     }
@@ -465,6 +637,7 @@ mod tests {
     use std::mem::MaybeUninit;
 
     type SoftmaxF32 = fn(&[f32], usize, usize, f32, bool, usize, &mut [MaybeUninit<f32>]);
+    type SoftmaxBackwardF32 = fn(&[f32], &[f32], usize, usize, f32, &mut [MaybeUninit<f32>]);
 
     /// Every f32 softmax this CPU can run: the generic loops, and the AVX2
     /// kernel where the CPU has it (the dispatch prefers it for f32).
@@ -473,7 +646,11 @@ mod tests {
         #[cfg(target_arch = "x86_64")]
         if super::simd::available().contains(&super::simd::Level::Avx2) {
             // SAFETY: only listed where the CPU has AVX2 and FMA.
-            k.push(("avx2", |x, r0, n, s, c, b, o| unsafe { super::avx2::softmax_f32(x, r0, n, s, c, b, o) }));
+            k.push(("avx2", |x, r0, n, s, c, b, o| unsafe { super::avx2::softmax_f32(x, r0, n, s, c, b, o, false) }));
+            if super::simd::available().contains(&super::simd::Level::Avx512) {
+                // SAFETY: only listed where the CPU has AVX-512F too.
+                k.push(("avx512", |x, r0, n, s, c, b, o| unsafe { super::avx2::softmax_f32(x, r0, n, s, c, b, o, true) }));
+            }
         }
         k
     }
@@ -549,13 +726,26 @@ mod tests {
                 let y = unsafe { super::assume_init_mut(&mut y) };
                 let at = format!("{name}, scale {scale} causal {causal}");
                 assert!(canon(bits(y)) == canon(bits(&want_y)), "forward, {at}");
-                let mut dx = vec![MaybeUninit::<f32>::uninit(); rows * n];
-                super::softmax_backward_t(y, &g, rows, n, scale, &mut dx);
-                // SAFETY: as above.
-                let dx = unsafe { super::assume_init_mut(&mut dx) };
-                assert!(canon(bits(dx)) == canon(bits(&want_dx)), "backward, {at}");
+                for (back, backward) in f32_softmax_backwards() {
+                    let mut dx = vec![MaybeUninit::<f32>::uninit(); rows * n];
+                    backward(y, &g, rows, n, scale, &mut dx);
+                    // SAFETY: as above.
+                    let dx = unsafe { super::assume_init_mut(&mut dx) };
+                    assert!(canon(bits(dx)) == canon(bits(&want_dx)), "backward {back}, {at}");
+                }
             }
         }
+    }
+
+    /// Every f32 softmax backward this CPU can run, as [`f32_softmaxes`].
+    fn f32_softmax_backwards() -> Vec<(&'static str, SoftmaxBackwardF32)> {
+        let mut k: Vec<(&'static str, SoftmaxBackwardF32)> = vec![("generic", super::softmax_backward_t::<f32>)];
+        #[cfg(target_arch = "x86_64")]
+        if super::simd::available().contains(&super::simd::Level::Avx2) {
+            // SAFETY: only listed where the CPU has AVX2 and FMA.
+            k.push(("avx2", |y, g, r, n, s, o| unsafe { super::avx2::softmax_backward_f32(y, g, r, n, s, o) }));
+        }
+        k
     }
 
     /// The softmax in row blocks gives the bits of one pass over all rows:
