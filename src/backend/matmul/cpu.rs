@@ -410,6 +410,7 @@ fn pack<const W: usize, S: Load>(
         // The panels that sum term p are `from..to`: `terms` is monotone,
         // so both ends only move forward as p does.
         #[cfg(target_arch = "x86_64")]
+        #[cfg(target_arch = "x86_64")]
         let runs = match src.values() {
             Some(v) if W == MR && round != Some(Format::Fp16) && simd::level() >= Level::Avx2 => Some(v),
             _ => None,
@@ -423,17 +424,18 @@ fn pack<const W: usize, S: Load>(
                 to += 1;
             }
             let row = (kb + p) * ld;
-            #[allow(unused_mut)]
-            let mut from = from;
+            // a float32 source's whole panels in vector registers; the rest below
             #[cfg(target_arch = "x86_64")]
-            if let Some(v) = runs {
-                // the whole panels: rows of MR float32 values, rounded to bf16 in registers
-                let whole = to.min(lanes / MR).max(from);
-                let dst = &mut buf[from * kc * W..];
-                // SAFETY: the level is only set where the CPU has AVX2.
-                unsafe { copy_runs_avx2(dst, &v[row + from * MR..row + whole * MR], kc, p, round.is_some()) };
-                from = whole;
-            }
+            let from = match runs {
+                Some(v) => {
+                    let whole = to.min(lanes / MR).max(from);
+                    let dst = &mut buf[from * kc * W..];
+                    // SAFETY: the level is only set where the CPU has AVX2.
+                    unsafe { copy_runs_avx2(dst, &v[row + from * MR..row + whole * MR], kc, p, round.is_some()) };
+                    whole
+                }
+                None => from,
+            };
             for pi in from..to {
                 let l0 = pi * W;
                 let dst: &mut [f32; W] = (&mut buf[(pi * kc + p) * W..][..W]).try_into().unwrap();
