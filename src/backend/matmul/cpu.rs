@@ -166,7 +166,7 @@ unsafe fn gather_f32_avx2<const W: usize>(panel: &mut [f32], rows: &[&[f32]; W],
     let load = |r: usize, p: usize| {
         let a = _mm256_loadu_ps(rows[r].as_ptr().add(p));
         if bf16 {
-            bf16_lanes_avx2(a)
+            round::bf16_lanes_avx2(a)
         } else {
             a
         }
@@ -304,7 +304,7 @@ unsafe fn copy_runs_avx2(panels: &mut [f32], row: &[f32], kc: usize, p: usize, b
         let src = row.as_ptr().add(i * MR);
         let (mut lo, mut hi) = (_mm_loadu_ps(src), _mm_castpd_ps(_mm_load_sd(src.add(4) as *const f64)));
         if bf16 {
-            let v = bf16_lanes_avx2(_mm256_set_m128(hi, lo));
+            let v = round::bf16_lanes_avx2(_mm256_set_m128(hi, lo));
             (lo, hi) = (_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
         }
         let dst = panels.as_mut_ptr().add((i * kc + p) * MR);
@@ -409,7 +409,6 @@ fn pack<const W: usize, S: Load>(
         // 0.93x of ndarray on the weight gradient 320x4096x904, now ~1.05x.
         // The panels that sum term p are `from..to`: `terms` is monotone,
         // so both ends only move forward as p does.
-        #[cfg(target_arch = "x86_64")]
         #[cfg(target_arch = "x86_64")]
         let runs = match src.values() {
             Some(v) if W == MR && round != Some(Format::Fp16) && simd::level() >= Level::Avx2 => Some(v),
@@ -618,7 +617,7 @@ unsafe fn round_rows<const NR: usize>(c: *mut f32, ldc: usize, f: Format) {
 /// (`$w` = 16); the tile is `2 * $w` columns wide.
 macro_rules! vector_kernel {
     ($(#[$m:meta])* $name:ident, $feat:literal, $v:ty, $w:literal,
-     $zero:ident, $load:ident, $store:ident, $set1:ident, $fmadd:ident, $bf16:ident) => {
+     $zero:ident, $load:ident, $store:ident, $set1:ident, $fmadd:ident, $bf16:path) => {
         $(#[$m])*
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = $feat)]
@@ -704,46 +703,15 @@ macro_rules! vector_kernel {
     };
 }
 
-/// [`round::bf16_f32`] on 8 lanes: the same integer steps.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-#[inline]
-fn bf16_lanes_avx2(x: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256 {
-    use std::arch::x86_64::*;
-    let b = _mm256_castps_si256(x);
-    let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(b), _mm256_set1_epi32(1));
-    let bias = _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb);
-    let rounded = _mm256_and_si256(_mm256_add_epi32(b, bias), _mm256_set1_epi32(0xffff_0000u32 as i32));
-    // |b| > inf's pattern: a NaN (both sides non-negative as i32)
-    let nan = _mm256_cmpgt_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7fff_ffff)), _mm256_set1_epi32(0x7f80_0000));
-    let quiet = _mm256_or_si256(b, _mm256_set1_epi32(0x0040_0000));
-    _mm256_castsi256_ps(_mm256_blendv_epi8(rounded, quiet, nan))
-}
-
-/// [`round::bf16_f32`] on 16 lanes: the same integer steps.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-#[inline]
-fn bf16_lanes_avx512(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
-    use std::arch::x86_64::*;
-    let b = _mm512_castps_si512(x);
-    let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(b), _mm512_set1_epi32(1));
-    let bias = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb);
-    let rounded = _mm512_and_si512(_mm512_add_epi32(b, bias), _mm512_set1_epi32(0xffff_0000u32 as i32));
-    let nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(b, _mm512_set1_epi32(0x7fff_ffff)), _mm512_set1_epi32(0x7f80_0000));
-    let quiet = _mm512_or_si512(b, _mm512_set1_epi32(0x0040_0000));
-    _mm512_castsi512_ps(_mm512_mask_blend_epi32(nan, rounded, quiet))
-}
-
 vector_kernel!(
     /// The AVX2 tile: 6 × 16.
     micro_kernel_avx2, "avx2,fma", __m256, 8,
-    _mm256_setzero_ps, _mm256_loadu_ps, _mm256_storeu_ps, _mm256_set1_ps, _mm256_fmadd_ps, bf16_lanes_avx2
+    _mm256_setzero_ps, _mm256_loadu_ps, _mm256_storeu_ps, _mm256_set1_ps, _mm256_fmadd_ps, round::bf16_lanes_avx2
 );
 vector_kernel!(
     /// The AVX-512 tile: 6 × 32.
     micro_kernel_avx512, "avx512f,avx2,fma", __m512, 16,
-    _mm512_setzero_ps, _mm512_loadu_ps, _mm512_storeu_ps, _mm512_set1_ps, _mm512_fmadd_ps, bf16_lanes_avx512
+    _mm512_setzero_ps, _mm512_loadu_ps, _mm512_storeu_ps, _mm512_set1_ps, _mm512_fmadd_ps, round::bf16_lanes_avx512
 );
 
 /// The terms of one tile on the diagonal of a [`Causal`] product that only

@@ -119,6 +119,37 @@ pub fn round_f32(x: f32, fmt: Format) -> f32 {
     }
 }
 
+/// [`bf16_f32`] on 8 lanes: the same integer steps.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(crate) fn bf16_lanes_avx2(x: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    let b = _mm256_castps_si256(x);
+    let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(b), _mm256_set1_epi32(1));
+    let bias = _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb);
+    let rounded = _mm256_and_si256(_mm256_add_epi32(b, bias), _mm256_set1_epi32(0xffff_0000u32 as i32));
+    // |b| > inf's pattern: a NaN (both sides non-negative as i32)
+    let nan = _mm256_cmpgt_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7fff_ffff)), _mm256_set1_epi32(0x7f80_0000));
+    let quiet = _mm256_or_si256(b, _mm256_set1_epi32(0x0040_0000));
+    _mm256_castsi256_ps(_mm256_blendv_epi8(rounded, quiet, nan))
+}
+
+/// [`bf16_f32`] on 16 lanes: the same integer steps.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+pub(crate) fn bf16_lanes_avx512(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    let b = _mm512_castps_si512(x);
+    let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(b), _mm512_set1_epi32(1));
+    let bias = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb);
+    let rounded = _mm512_and_si512(_mm512_add_epi32(b, bias), _mm512_set1_epi32(0xffff_0000u32 as i32));
+    let nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(b, _mm512_set1_epi32(0x7fff_ffff)), _mm512_set1_epi32(0x7f80_0000));
+    let quiet = _mm512_or_si512(b, _mm512_set1_epi32(0x0040_0000));
+    _mm512_castsi512_ps(_mm512_mask_blend_epi32(nan, rounded, quiet))
+}
+
 /// Rounds every element in place: the format is chosen once, outside the loop,
 /// so each loop is one vectorised body.
 #[inline(always)]
