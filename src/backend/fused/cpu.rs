@@ -78,12 +78,21 @@ impl FusedOps for CpuStorage {
     }
 
     fn swiglu(&self, up: &CpuStorage) -> Result<CpuStorage> {
-        Ok(by_dtype!(self, T => T::wrap(swiglu_t::<T>(&T::view(self), &T::view(up)))))
+        #[cfg(target_arch = "x86_64")]
+        if self.dtype() == DType::F32 && simd::level() == simd::Level::Avx512 {
+            return Ok(CpuStorage::from_f32(swiglu_t(&self.f32s(), &up.f32s(), avx512::swiglu)));
+        }
+        Ok(by_dtype!(self, T => T::wrap(swiglu_t::<T>(&T::view(self), &T::view(up), swiglu_slices))))
     }
 
     fn swiglu_backward(&self, up: &CpuStorage, g: &CpuStorage) -> Result<(CpuStorage, CpuStorage)> {
+        #[cfg(target_arch = "x86_64")]
+        if self.dtype() == DType::F32 && simd::level() == simd::Level::Avx512 {
+            let (dg, du) = swiglu_backward_t(&self.f32s(), &up.f32s(), &g.f32s(), avx512::swiglu_backward);
+            return Ok((CpuStorage::from_f32(dg), CpuStorage::from_f32(du)));
+        }
         Ok(by_dtype!(self, T => {
-            let (dg, du) = swiglu_backward_t::<T>(&T::view(self), &T::view(up), &T::view(g));
+            let (dg, du) = swiglu_backward_t::<T>(&T::view(self), &T::view(up), &T::view(g), swiglu_backward_slices);
             (T::wrap(dg), T::wrap(du))
         }))
     }
@@ -286,8 +295,13 @@ simd::multiversion! {
 
 // ----------------------------------------------------------------- SwiGLU ----
 
-/// gate, up: (n) -> y: (n)
-fn swiglu_t<T: Elem>(gate: &[T], up: &[T]) -> Vec<T> {
+/// A SwiGLU pass over one slice of elements: `(y, gate, up)`.
+type SwigluSlices<T> = fn(&mut [MaybeUninit<T>], &[T], &[T]);
+/// A SwiGLU backward pass over one slice of elements: `(dg, du, gate, up, g)`.
+type SwigluBackwardSlices<T> = fn(&mut [MaybeUninit<T>], &mut [MaybeUninit<T>], &[T], &[T], &[T]);
+
+/// gate, up: (n) -> y: (n), `kernel` on each thread's slice
+fn swiglu_t<T: Elem>(gate: &[T], up: &[T], kernel: SwigluSlices<T>) -> Vec<T> {
     let n = gate.len();
     let mut y = Vec::with_capacity(n);
     let per = per_thread(n, 1);
@@ -295,7 +309,7 @@ fn swiglu_t<T: Elem>(gate: &[T], up: &[T]) -> Vec<T> {
         .par_chunks_mut(per)
         .zip(gate.par_chunks(per))
         .zip(up.par_chunks(per))
-        .for_each(|((y, gate), up)| swiglu_slices(y, gate, up));
+        .for_each(|((y, gate), up)| kernel(y, gate, up));
     // SAFETY: swiglu_slices writes every value of its slice.
     unsafe { y.set_len(n) };
     y
@@ -313,8 +327,8 @@ simd::multiversion! {
     }
 }
 
-/// gate, up, g: (n) -> d_gate, d_up: (n)
-fn swiglu_backward_t<T: Elem>(gate: &[T], up: &[T], g: &[T]) -> (Vec<T>, Vec<T>) {
+/// gate, up, g: (n) -> d_gate, d_up: (n), `kernel` on each thread's slices
+fn swiglu_backward_t<T: Elem>(gate: &[T], up: &[T], g: &[T], kernel: SwigluBackwardSlices<T>) -> (Vec<T>, Vec<T>) {
     let n = gate.len();
     let (mut dg, mut du) = (Vec::with_capacity(n), Vec::with_capacity(n));
     let per = per_thread(n, 1);
@@ -324,7 +338,7 @@ fn swiglu_backward_t<T: Elem>(gate: &[T], up: &[T], g: &[T]) -> (Vec<T>, Vec<T>)
         .zip(gate.par_chunks(per))
         .zip(up.par_chunks(per))
         .zip(g.par_chunks(per))
-        .for_each(|((((dg, du), gate), up), g)| swiglu_backward_slices(dg, du, gate, up, g));
+        .for_each(|((((dg, du), gate), up), g)| kernel(dg, du, gate, up, g));
     // SAFETY: swiglu_backward_slices writes every value of its slices.
     unsafe {
         dg.set_len(n);
@@ -352,6 +366,102 @@ simd::multiversion! {
             // the product's gradient g·up, through silu's: σ·fma(x, 1 − σ, 1)
             *s = gv.mul(u).mul(sv.mul(x.fma(T::ONE.sub(sv), T::ONE)));
         }
+    }
+}
+
+/// SwiGLU's f32 passes on 16 lanes where the CPU has AVX-512F: a group's
+/// sigmoid, silu and products in one pass (no second sweep over a sigmoid
+/// buffer), the same operations as `swiglu_slices` and
+/// `swiglu_backward_slices` lane by lane.
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use crate::backend::math::avx512::{div, exp};
+    use std::arch::x86_64::*;
+    use std::mem::MaybeUninit;
+
+    /// σ(x) = div(1, 1 + exp(−0 − x))
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    #[inline]
+    fn sigmoid(x: __m512) -> __m512 {
+        let one = _mm512_set1_ps(1.0);
+        div(one, _mm512_add_ps(one, exp(_mm512_sub_ps(_mm512_set1_ps(-0.0), x))))
+    }
+
+    /// `f(i, mask)` for each group of 16 elements of `0..n` starting at `i`,
+    /// the ragged tail's lanes past `n` masked off (loads read them as zeros,
+    /// stores skip them).
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    #[inline]
+    fn groups(n: usize, mut f: impl FnMut(usize, __mmask16)) {
+        let whole = n / 16 * 16;
+        for i in (0..whole).step_by(16) {
+            f(i, 0xffff);
+        }
+        if whole < n {
+            f(whole, (1u16 << (n - whole)) - 1);
+        }
+    }
+
+    /// gate, up: (n) -> y: (n), every value written
+    pub fn swiglu(y: &mut [MaybeUninit<f32>], gate: &[f32], up: &[f32]) {
+        assert!(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("fma"));
+        // SAFETY: the CPU has AVX-512F, AVX2 and FMA (checked above).
+        unsafe { swiglu_wide(y, gate, up) }
+    }
+
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    fn swiglu_wide(y: &mut [MaybeUninit<f32>], gate: &[f32], up: &[f32]) {
+        assert!(gate.len() == y.len() && up.len() == y.len());
+        let y = y.as_mut_ptr().cast::<f32>();
+        groups(gate.len(), |i, m| {
+            // SAFETY: lanes of `m` lie within the three slices (equal lengths).
+            unsafe {
+                let x = _mm512_maskz_loadu_ps(m, gate.as_ptr().add(i));
+                let u = _mm512_maskz_loadu_ps(m, up.as_ptr().add(i));
+                // silu = gate·σ, then · up
+                _mm512_mask_storeu_ps(y.add(i), m, _mm512_mul_ps(_mm512_mul_ps(x, sigmoid(x)), u));
+            }
+        });
+    }
+
+    /// gate, up, g: (n) -> dg, du: (n), every value written
+    pub fn swiglu_backward(
+        dg: &mut [MaybeUninit<f32>],
+        du: &mut [MaybeUninit<f32>],
+        gate: &[f32],
+        up: &[f32],
+        g: &[f32],
+    ) {
+        assert!(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("fma"));
+        // SAFETY: the CPU has AVX-512F, AVX2 and FMA (checked above).
+        unsafe { swiglu_backward_wide(dg, du, gate, up, g) }
+    }
+
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    fn swiglu_backward_wide(
+        dg: &mut [MaybeUninit<f32>],
+        du: &mut [MaybeUninit<f32>],
+        gate: &[f32],
+        up: &[f32],
+        g: &[f32],
+    ) {
+        let n = dg.len();
+        assert!(du.len() == n && gate.len() == n && up.len() == n && g.len() == n);
+        let (dg, du) = (dg.as_mut_ptr().cast::<f32>(), du.as_mut_ptr().cast::<f32>());
+        let one = _mm512_set1_ps(1.0);
+        groups(n, |i, m| {
+            // SAFETY: lanes of `m` lie within the five slices (equal lengths).
+            unsafe {
+                let x = _mm512_maskz_loadu_ps(m, gate.as_ptr().add(i));
+                let u = _mm512_maskz_loadu_ps(m, up.as_ptr().add(i));
+                let gv = _mm512_maskz_loadu_ps(m, g.as_ptr().add(i));
+                let s = sigmoid(x);
+                _mm512_mask_storeu_ps(du.add(i), m, _mm512_mul_ps(gv, _mm512_mul_ps(x, s)));
+                // the product's gradient g·up, through silu's: σ·fma(x, 1 − σ, 1)
+                let ds = _mm512_mul_ps(s, _mm512_fmadd_ps(x, _mm512_sub_ps(one, s), one));
+                _mm512_mask_storeu_ps(dg.add(i), m, _mm512_mul_ps(_mm512_mul_ps(gv, u), ds));
+            }
+        });
     }
 }
 

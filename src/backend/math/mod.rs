@@ -198,10 +198,25 @@ pub fn div_lanes(a: [f32; LANES], b: [f32; LANES]) -> [f32; LANES] {
 }
 
 /// [`div`] lane by lane: [`div_lanes`]' fallback, kept out of line so the
-/// loops that call it stay small enough to inline.
+/// loops that call it stay small enough to inline; compiled with FMA where
+/// the CPU has it (for the baseline its `mul_add`s are library calls, and a
+/// group near a tie comes by about once in 250 of 16 lanes).
 #[cold]
 #[inline(never)]
 fn div_lanes_soft(a: [f32; LANES], b: [f32; LANES]) -> [f32; LANES] {
+    #[cfg(target_arch = "x86_64")]
+    if crate::backend::cpu::simd::level() >= crate::backend::cpu::simd::Level::Avx2 {
+        // SAFETY: the level is only Avx2 or above where the CPU has AVX2 and FMA.
+        return unsafe { div_lanes_fma(a, b) };
+    }
+    std::array::from_fn(|i| div(a[i], b[i]))
+}
+
+/// [`div_lanes_soft`]'s lanes with FMA instructions (the same fused
+/// multiply-adds, so the same bits).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn div_lanes_fma(a: [f32; LANES], b: [f32; LANES]) -> [f32; LANES] {
     std::array::from_fn(|i| div(a[i], b[i]))
 }
 
