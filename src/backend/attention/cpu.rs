@@ -4,13 +4,14 @@
 //! softmax are the batched primitives' own kernels, on one head.
 
 use super::Attention;
-use crate::backend::cpu::cpu_threads;
+use crate::backend::cpu::{cpu_threads, write_exact};
 use crate::backend::matmul::cpu::matmul_f32_one_thread;
 use crate::backend::reduce::cpu::{softmax_backward_f32_one_thread, softmax_f32_one_thread};
 use crate::backend::round::Format;
 use crate::backend::{Causal, MatmulDims};
 use crate::profile::{self, Product};
 use rayon::prelude::*;
+use std::mem::MaybeUninit;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -64,7 +65,7 @@ pub(super) fn backward(a: &Attention, q: Host, k: Host, v: Host, g: &[f32]) -> [
         let p = probs(a, &clock, qh, kh);
         let dv = clock.time(2, || product(a, (&p, None), gh, Part::Dv));
         let dp = clock.time(3, || product(a, gh, vh, Part::Dp));
-        let ds = clock.time(4, || softmax_backward_f32_one_thread(&p, &dp, t, a.scale));
+        let ds = clock.time(4, || softmax_backward_f32_one_thread(&p, &dp, t, a.scale, true));
         drop((p, dp));
         let dq = clock.time(5, || product(a, (&ds, None), kh, Part::Dq));
         let dk = clock.time(6, || product(a, (&ds, None), qh, Part::Dk));
@@ -97,10 +98,11 @@ fn per_head<const N: usize>(
     f: impl Fn(usize) -> [Vec<f32>; N] + Sync,
 ) -> [Vec<f32>; N] {
     let heads = a.heads;
-    let mut outs: [Vec<f32>; N] = std::array::from_fn(|_| vec![0.0; heads * len]);
     if heads == 0 || len == 0 {
-        return outs;
+        return std::array::from_fn(|_| vec![0.0; heads * len]);
     }
+    // No zero fill: every head's values are copied in below.
+    let mut outs: [Vec<f32>; N] = std::array::from_fn(|_| Vec::with_capacity(heads * len));
     let threads = if heads * a.t * a.t >= THREADED_SCORES {
         cpu_threads().clamp(1, heads)
     } else {
@@ -108,14 +110,14 @@ fn per_head<const N: usize>(
     };
     let _scratch = crate::memory::Ticket::new(threads * squares * a.t * a.t * 4);
     let per = heads.div_ceil(threads);
-    let mut chunks = outs.each_mut().map(|o| o.chunks_mut(per * len));
-    let groups: Vec<(usize, [&mut [f32]; N])> = (0..heads.div_ceil(per))
+    let mut chunks = outs.each_mut().map(|o| o.spare_capacity_mut()[..heads * len].chunks_mut(per * len));
+    let groups: Vec<(usize, [&mut [MaybeUninit<f32>]; N])> = (0..heads.div_ceil(per))
         .map(|g| (g * per, chunks.each_mut().map(|c| c.next().expect("one chunk per group"))))
         .collect();
-    let run = |(h0, mut group): (usize, [&mut [f32]; N])| {
+    let run = |(h0, mut group): (usize, [&mut [MaybeUninit<f32>]; N])| {
         for i in 0..group[0].len() / len {
             for (o, v) in group.iter_mut().zip(f(h0 + i)) {
-                o[i * len..(i + 1) * len].copy_from_slice(&v);
+                write_exact(&mut o[i * len..(i + 1) * len], v.iter().copied());
             }
         }
     };
@@ -123,6 +125,10 @@ fn per_head<const N: usize>(
         groups.into_par_iter().for_each(run);
     } else {
         groups.into_iter().for_each(run);
+    }
+    for o in &mut outs {
+        // SAFETY: the groups cover all heads, and every head wrote its `len` values.
+        unsafe { o.set_len(heads * len) };
     }
     outs
 }

@@ -38,12 +38,12 @@ impl ReduceOps for CpuStorage {
             let (y, g) = (&*y.get(), &*g.get());
             return Ok(f32::wrap(by_row_blocks(rows, n, |r0, k, out| {
                 let span = r0 * n..(r0 + k) * n;
-                softmax_backward_f32(&y[span.clone()], &g[span], k, n, scale, out)
+                softmax_backward_f32(&y[span.clone()], &g[span], k, n, scale, false, out)
             })));
         }
         Ok(both2!(self, g, y, g => by_row_blocks(rows, n, |r0, k, out| {
             let span = r0 * n..(r0 + k) * n;
-            softmax_backward_t(&y[span.clone()], &g[span], k, n, scale, out)
+            softmax_backward_t(&y[span.clone()], &g[span], k, n, scale, false, out)
         })))
     }
 
@@ -148,13 +148,21 @@ fn softmax_f32(x: &[f32], first_row: usize, n: usize, scale: f32, causal: bool, 
 
 /// The f32 softmax backward of `rows` rows (`n` wide) into `out`: the AVX2
 /// kernel where the CPU has it, else [`softmax_backward_t`].
-fn softmax_backward_f32(y: &[f32], g: &[f32], rows: usize, n: usize, scale: f32, out: &mut [MaybeUninit<f32>]) {
+fn softmax_backward_f32(
+    y: &[f32],
+    g: &[f32],
+    rows: usize,
+    n: usize,
+    scale: f32,
+    causal: bool,
+    out: &mut [MaybeUninit<f32>],
+) {
     #[cfg(target_arch = "x86_64")]
     if simd::level() >= simd::Level::Avx2 {
         // SAFETY: the level is only Avx2 or above where the CPU has AVX2 and FMA.
-        return unsafe { avx2::softmax_backward_f32(y, g, rows, n, scale, out) };
+        return unsafe { avx2::softmax_backward_f32(y, g, rows, n, scale, causal, out) };
     }
-    softmax_backward_t(y, g, rows, n, scale, out)
+    softmax_backward_t(y, g, rows, n, scale, causal, out)
 }
 
 /// [`ReduceOps::softmax_rows`] of f32 rows on the calling thread, for a
@@ -167,10 +175,11 @@ pub(crate) fn softmax_f32_one_thread(x: &[f32], n: usize, scale: f32, causal: bo
     out
 }
 
-/// [`ReduceOps::softmax_rows_backward`] of f32 rows on the calling thread.
-pub(crate) fn softmax_backward_f32_one_thread(y: &[f32], g: &[f32], n: usize, scale: f32) -> Vec<f32> {
+/// [`ReduceOps::softmax_rows_backward`] of f32 rows on the calling thread;
+/// `causal` as [`softmax_backward_t`] takes it.
+pub(crate) fn softmax_backward_f32_one_thread(y: &[f32], g: &[f32], n: usize, scale: f32, causal: bool) -> Vec<f32> {
     let mut out = Vec::with_capacity(y.len());
-    softmax_backward_f32(y, g, y.len() / n, n, scale, &mut out.spare_capacity_mut()[..y.len()]);
+    softmax_backward_f32(y, g, y.len() / n, n, scale, causal, &mut out.spare_capacity_mut()[..y.len()]);
     // SAFETY: the softmax backward wrote every value.
     unsafe { out.set_len(y.len()) };
     out
@@ -319,13 +328,35 @@ simd::multiversion! {
     }
 }
 
+/// Keys row `r` of a softmax backward works out: all `n`, or with `causal`
+/// those up to its place on the diagonal.
+#[inline(always)]
+fn backward_live(r: usize, n: usize, causal: bool) -> usize {
+    if causal {
+        r % n + 1
+    } else {
+        n
+    }
+}
+
 simd::multiversion! {
+    /// The softmax backward of the rows of `y` (the forward's output) and
+    /// `g`, `n` wide, into `out`.
+    ///
+    /// `causal`: the rows are the probabilities of causally masked rows (row
+    /// `r` keeps keys `j ≤ r % n`) whose `y` and `g` are +0 wherever the mask
+    /// is — as one attention head's are. Each row's dot then stops at the
+    /// diagonal: the masked terms are `fma(+0, +0, dot)`, which only turn a
+    /// −0 sum into +0, so one `+ 0` stands for all of them and the dot keeps
+    /// its bits. The outputs above the diagonal, which the head's causal
+    /// products never read, are written as +0.
     fn softmax_backward_t<T: Elem>(
         y: &[T],
         g: &[T],
         rows: usize,
         n: usize,
         scale: f32,
+        causal: bool,
         out: &mut [MaybeUninit<T>],
     ) {
         let s = T::from_f64(scale as f64);
@@ -334,16 +365,20 @@ simd::multiversion! {
             return;
         }
         let rows_out = out.chunks_exact_mut(n);
-        for ((yr, gr), o) in y[..rows * n].chunks_exact(n).zip(g.chunks_exact(n)).zip(rows_out) {
-            let dot = yr
-                .iter()
-                .zip(gr)
-                .fold(T::NEG_ZERO, |a, (&yv, &gv)| gv.fma(yv, a));
+        for (r, ((yr, gr), o)) in y[..rows * n].chunks_exact(n).zip(g.chunks_exact(n)).zip(rows_out).enumerate() {
+            let live = backward_live(r, n, causal);
+            let (yr, gr) = (&yr[..live], &gr[..live]);
+            let mut dot = yr.iter().zip(gr).fold(T::NEG_ZERO, |a, (&yv, &gv)| gv.fma(yv, a));
+            if live < n {
+                dot = dot.add(T::ZERO);
+            }
+            let (o, masked) = o.split_at_mut(live);
             if scale == 1.0 {
                 write_exact(o, yr.iter().zip(gr).map(|(&yv, &gv)| yv.mul(gv.sub(dot))));
             } else {
                 write_exact(o, yr.iter().zip(gr).map(|(&yv, &gv)| yv.mul(gv.sub(dot)).mul(s)));
             }
+            write_exact(masked, std::iter::repeat_n(T::ZERO, n - live));
         }
     }
 }
@@ -461,7 +496,8 @@ mod avx2 {
             let mut live = Vec::with_capacity(xb.len() / n);
             for (r, (row, o)) in xb.chunks_exact(n).zip(ob.chunks_exact_mut(n)).enumerate() {
                 let unmasked = live_len(&row[..lim(r0 + r)]);
-                let m = row_max(&row[..unmasked]);
+                // SAFETY: `wide` only where the CPU has AVX-512F (the caller's promise).
+                let m = if wide { unsafe { wide_row_max(&row[..unmasked]) } } else { row_max(&row[..unmasked]) };
                 let m = if scale == 1.0 { m } else { m * scale };
                 // a non-finite max computes the whole row: the masked keys as −inf
                 let l = if m.is_finite() { unmasked } else { n };
@@ -499,8 +535,46 @@ mod avx2 {
         }
     }
 
+    /// The lanes of a group of 16 that lie before `len` (all of them for a
+    /// whole group): a row's ragged end is one masked load and store, not a
+    /// copy through the stack (causal rows all end ragged).
+    #[inline(always)]
+    fn first_lanes(len: usize) -> __mmask16 {
+        if len >= 16 {
+            0xffff
+        } else {
+            ((1u32 << len) - 1) as __mmask16
+        }
+    }
+
+    /// [`row_max`] on 16 lanes, the ragged end masked (−inf past it).
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    fn wide_row_max(row: &[f32]) -> f32 {
+        let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
+        let (mut m, mut nan) = ([ninf; 4], 0 as __mmask16);
+        let mut take = |i: usize, v: __m512| {
+            nan |= _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
+            m[i] = _mm512_max_ps(m[i], v);
+        };
+        let mut groups = row.chunks_exact(64);
+        for g in &mut groups {
+            for (i, c) in g.chunks_exact(16).enumerate() {
+                // SAFETY: `c` holds 16 values.
+                take(i, unsafe { _mm512_loadu_ps(c.as_ptr()) });
+            }
+        }
+        for c in groups.remainder().chunks(16) {
+            // SAFETY: the mask's lanes lie inside `c`.
+            take(0, unsafe { _mm512_mask_loadu_ps(ninf, first_lanes(c.len()), c.as_ptr()) });
+        }
+        if nan != 0 {
+            return f32::NAN;
+        }
+        _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m[0], m[1]), _mm512_max_ps(m[2], m[3])))
+    }
+
     /// The exp pass of [`softmax_f32`] on 16 lanes: `out[i] = exp(x[i] − m)`,
-    /// or `exp(x[i] · scale − m)`; the ragged tail padded with zeros.
+    /// or `exp(x[i] · scale − m)`; the ragged end's lanes masked.
     #[target_feature(enable = "avx512f,avx2,fma")]
     fn wide_exps(out: &mut [MaybeUninit<f32>], x: &[f32], scale: f32, m: f32) {
         use crate::backend::math::avx512;
@@ -510,40 +584,25 @@ mod avx2 {
             let v = if scale == 1.0 { v } else { _mm512_mul_ps(v, sv) };
             avx512::exp(_mm512_sub_ps(v, mv))
         };
-        let mut groups = out.chunks_exact_mut(16);
-        let mut inputs = x.chunks_exact(16);
-        for (o, v) in (&mut groups).zip(&mut inputs) {
-            // SAFETY: `v` and `o` hold 16 values each.
-            unsafe { _mm512_storeu_ps(o.as_mut_ptr().cast(), f(_mm512_loadu_ps(v.as_ptr()))) };
-        }
-        let (tail, rest) = (groups.into_remainder(), inputs.remainder());
-        if !tail.is_empty() {
-            let mut v = [0.0f32; 16];
-            v[..rest.len()].copy_from_slice(rest);
-            // SAFETY: `v` holds 16 values.
-            unsafe { _mm512_storeu_ps(v.as_mut_ptr(), f(_mm512_loadu_ps(v.as_ptr()))) };
-            write_exact(tail, v);
+        let o = out.as_mut_ptr().cast::<f32>();
+        for i in (0..x.len()).step_by(16) {
+            let k = first_lanes(x.len() - i);
+            // SAFETY: the mask's lanes lie inside `x` and `out` (equal lengths).
+            unsafe { _mm512_mask_storeu_ps(o.add(i), k, f(_mm512_maskz_loadu_ps(k, x.as_ptr().add(i)))) };
         }
     }
 
-    /// The division pass of [`softmax_f32`] on 16 lanes: `x[i] = x[i] / s`.
+    /// The division pass of [`softmax_f32`] on 16 lanes: `x[i] = x[i] / s`;
+    /// the ragged end's lanes masked.
     #[target_feature(enable = "avx512f,avx2,fma")]
     fn wide_divs(x: &mut [f32], s: f32) {
         use crate::backend::math::avx512;
         let sv = _mm512_set1_ps(s);
-        let mut groups = x.chunks_exact_mut(16);
-        for g in &mut groups {
-            // SAFETY: `g` holds 16 values.
-            unsafe { _mm512_storeu_ps(g.as_mut_ptr(), avx512::div(_mm512_loadu_ps(g.as_ptr()), sv)) };
-        }
-        let tail = groups.into_remainder();
-        if !tail.is_empty() {
-            let mut v = [0.0f32; 16];
-            v[..tail.len()].copy_from_slice(tail);
-            // SAFETY: `v` holds 16 values.
-            unsafe { _mm512_storeu_ps(v.as_mut_ptr(), avx512::div(_mm512_loadu_ps(v.as_ptr()), sv)) };
-            let t = tail.len();
-            tail.copy_from_slice(&v[..t]);
+        let p = x.as_mut_ptr();
+        for i in (0..x.len()).step_by(16) {
+            let k = first_lanes(x.len() - i);
+            // SAFETY: the mask's lanes lie inside `x`.
+            unsafe { _mm512_mask_storeu_ps(p.add(i), k, avx512::div(_mm512_maskz_loadu_ps(k, p.add(i)), sv)) };
         }
     }
 
@@ -584,21 +643,42 @@ mod avx2 {
     /// chain of fused multiply-adds in term order; one chain at a time waits
     /// out each fma's latency, so eight rows run at once, one per lane of a
     /// vector (their terms transposed eight by eight), each lane still its
-    /// own row's chain in order.
+    /// own row's chain in order. With `causal` the eight rows' vector terms
+    /// end where the last of them stops; the masked terms it takes for the
+    /// others are the +0 products the full row would add.
     #[target_feature(enable = "avx2,fma")]
-    pub fn softmax_backward_f32(y: &[f32], g: &[f32], rows: usize, n: usize, scale: f32, out: &mut [MaybeUninit<f32>]) {
+    pub fn softmax_backward_f32(
+        y: &[f32],
+        g: &[f32],
+        rows: usize,
+        n: usize,
+        scale: f32,
+        causal: bool,
+        out: &mut [MaybeUninit<f32>],
+    ) {
         assert_eq!(out.len(), rows * n);
         assert!(y.len() >= rows * n && g.len() >= rows * n);
         if n == 0 {
             return;
         }
-        let chain = |r: usize, from: usize, a: f32| (from..n).fold(a, |a, j| g[r * n + j].mul_add(y[r * n + j], a));
+        let live = |r: usize| backward_live(r, n, causal);
+        // row r's terms [from, live) after `a`, then its masked ones (+ 0)
+        let chain = |r: usize, from: usize, a: f32| {
+            let end = live(r).max(from);
+            let d = (from..end).fold(a, |a, j| g[r * n + j].mul_add(y[r * n + j], a));
+            if end < n {
+                d + 0.0
+            } else {
+                d
+            }
+        };
         let mut dots = vec![0.0f32; rows];
         for (b, d) in dots.chunks_exact_mut(LANES).enumerate() {
             let r0 = b * LANES;
+            let last = (r0..r0 + LANES).map(live).max().unwrap_or(n);
             let mut acc = _mm256_set1_ps(-0.0);
             let mut j = 0;
-            while j + LANES <= n {
+            while j + LANES <= last {
                 // SAFETY: rows r0 .. r0 + 8 hold the values j .. j + 8 (asserted above).
                 let load = |x: &[f32]| {
                     transpose8(std::array::from_fn(|i| unsafe { _mm256_loadu_ps(x.as_ptr().add((r0 + i) * n + j)) }))
@@ -620,12 +700,17 @@ mod avx2 {
             *d = chain(r, 0, -0.0);
         }
         let s = scale;
-        for (((yr, gr), o), &dot) in y.chunks_exact(n).zip(g.chunks_exact(n)).zip(out.chunks_exact_mut(n)).zip(&dots) {
+        let rows_out = y.chunks_exact(n).zip(g.chunks_exact(n)).zip(out.chunks_exact_mut(n)).zip(&dots);
+        for (r, (((yr, gr), o), &dot)) in rows_out.enumerate() {
+            let l = live(r);
+            let (yr, gr) = (&yr[..l], &gr[..l]);
+            let (o, masked) = o.split_at_mut(l);
             if scale == 1.0 {
                 write_exact(o, yr.iter().zip(gr).map(|(&yv, &gv)| yv * (gv - dot)));
             } else {
                 write_exact(o, yr.iter().zip(gr).map(|(&yv, &gv)| yv * (gv - dot) * s));
             }
+            write_exact(masked, std::iter::repeat_n(0.0, n - l));
         }
     }
 }
@@ -637,7 +722,7 @@ mod tests {
     use std::mem::MaybeUninit;
 
     type SoftmaxF32 = fn(&[f32], usize, usize, f32, bool, usize, &mut [MaybeUninit<f32>]);
-    type SoftmaxBackwardF32 = fn(&[f32], &[f32], usize, usize, f32, &mut [MaybeUninit<f32>]);
+    type SoftmaxBackwardF32 = fn(&[f32], &[f32], usize, usize, f32, bool, &mut [MaybeUninit<f32>]);
 
     /// Every f32 softmax this CPU can run: the generic loops, and the AVX2
     /// kernel where the CPU has it (the dispatch prefers it for f32).
@@ -728,7 +813,7 @@ mod tests {
                 assert!(canon(bits(y)) == canon(bits(&want_y)), "forward, {at}");
                 for (back, backward) in f32_softmax_backwards() {
                     let mut dx = vec![MaybeUninit::<f32>::uninit(); rows * n];
-                    backward(y, &g, rows, n, scale, &mut dx);
+                    backward(y, &g, rows, n, scale, false, &mut dx);
                     // SAFETY: as above.
                     let dx = unsafe { super::assume_init_mut(&mut dx) };
                     assert!(canon(bits(dx)) == canon(bits(&want_dx)), "backward {back}, {at}");
@@ -743,9 +828,68 @@ mod tests {
         #[cfg(target_arch = "x86_64")]
         if super::simd::available().contains(&super::simd::Level::Avx2) {
             // SAFETY: only listed where the CPU has AVX2 and FMA.
-            k.push(("avx2", |y, g, r, n, s, o| unsafe { super::avx2::softmax_backward_f32(y, g, r, n, s, o) }));
+            k.push(("avx2", |y, g, r, n, s, c, o| unsafe { super::avx2::softmax_backward_f32(y, g, r, n, s, c, o) }));
         }
         k
+    }
+
+    /// A causal backward — one attention head's: `y` a causal softmax's
+    /// output, `g` +0 above the diagonal — stops each row's dot at the
+    /// diagonal and gives the full rows' bits on and below it (+0 above):
+    /// rows whose sums end as −0 and as +0, NaN rows, several heads' rows,
+    /// rows outside the eight-row groups, and `n` not a multiple of eight.
+    #[test]
+    fn causal_backward_gives_the_full_rows_bits_below_the_diagonal() {
+        let gen = crate::Generator::new(33);
+        for n in [40, 37] {
+            let rows = 2 * n;
+            let mut x: Vec<f32> = gen.uniform(rows * n).iter().map(|u| (u - 0.5) * 30.0).collect();
+            x[3 * n + 1] = f32::NAN;
+            x[n + 9] = f32::INFINITY;
+            let mut g: Vec<f32> = gen.uniform(rows * n).iter().map(|u| u - 0.5).collect();
+            for r in 0..rows {
+                for j in 0..n {
+                    if j > r % n {
+                        g[r * n + j] = 0.0;
+                    }
+                }
+            }
+            // rows whose dot is a sum of −0 terms (their g is −0 on and below
+            // the diagonal): the full row turns it +0, and so must the stop —
+            // inside an eight-row group (its vector terms take masked ones),
+            // last in a group (they take none) and outside the groups (row 72
+            // with n = 37)
+            for r in [5, 7, n + 2, 2 * n - 2] {
+                g[r * n..r * n + r % n + 1].fill(-0.0);
+            }
+            let canon = |v: &[f32]| -> Vec<u32> {
+                v.iter().map(|v| if v.is_nan() { 0x7fc0_0000 } else { v.to_bits() }).collect()
+            };
+            let mut y = vec![MaybeUninit::<f32>::uninit(); rows * n];
+            super::softmax_t(&x, 0, n, 0.125, true, super::SOFTMAX_BLOCK_ELEMS, &mut y);
+            // SAFETY: the softmax writes every value.
+            let y = unsafe { super::assume_init_mut(&mut y) };
+            for (name, backward) in f32_softmax_backwards() {
+                let run = |causal: bool| {
+                    let mut dx = vec![MaybeUninit::<f32>::uninit(); rows * n];
+                    backward(y, &g, rows, n, 0.125, causal, &mut dx);
+                    // SAFETY: the kernels write every value.
+                    canon(unsafe { super::assume_init_mut(&mut dx) })
+                };
+                let (full, stopped) = (run(false), run(true));
+                for r in 0..rows {
+                    let (keep, row) = (r % n + 1, r * n);
+                    assert!(
+                        stopped[row..row + keep] == full[row..row + keep],
+                        "{name}, n {n}: row {r} on and below the diagonal"
+                    );
+                    assert!(stopped[row + keep..row + n].iter().all(|&b| b == 0), "{name}: row {r} above");
+                }
+                // the −0 rows' gradients are ±0 with the dot's sign: the case is real
+                let r = n + 2;
+                assert_eq!(full[r * n] >> 31, 1, "{name}: the −0 row's first gradient is −0");
+            }
+        }
     }
 
     /// The softmax in row blocks gives the bits of one pass over all rows:
