@@ -67,7 +67,8 @@ pub use train::step::{grad_accumulate, train_step_mixed, MicroBatch, MixedStep, 
 
 /// The vector instructions the CPU kernels use on this machine, chosen at run
 /// time: `"avx512f+avx2+fma"` (the AVX2 kernels with a matmul tile 32 columns
-/// wide and the softmax's exps and divisions on 16 lanes; capped at AVX2 by `TINYLLM_CPU=avx2`), `"avx2+fma"` or `"portable"`
+/// wide and the softmax, SwiGLU and bf16 packing on 16 lanes; capped at AVX2
+/// by `TINYLLM_CPU=avx2`), `"avx2+fma"` or `"portable"`
 /// (the build target's baseline; forced by `TINYLLM_CPU=portable`). Every path
 /// gives the same bits.
 pub fn cpu_kernel_path() -> &'static str {

@@ -3,8 +3,9 @@
 //! The kernels are plain Rust written so the compiler vectorises them, plus
 //! hand-written ones: the matmul's register tiles and packing (AVX2, and an
 //! AVX-512 tile where the CPU has it: twice the columns per tile, twice the
-//! multiply-adds per load) and the f32 softmax (AVX2; its exps and divisions
-//! on AVX-512 where the CPU has it).
+//! multiply-adds per load), the f32 softmax (AVX2; its maxima, exps and
+//! divisions on AVX-512 where the CPU has it), and, AVX-512 only, the f32
+//! SwiGLU and its backward and bf16 storage's packing and unpacking.
 //! The instructions a build may use by default are the target's baseline
 //! (SSE2 on x86-64), where `f32::mul_add` — the contract's fma, everywhere —
 //! is a library call per element. So every
@@ -33,8 +34,8 @@ pub enum Level {
     /// x86-64 with AVX2 and FMA.
     Avx2 = 2,
     /// AVX2 and FMA plus AVX-512F: the same kernels as `Avx2`, but the
-    /// matmul's register tile is two 16-lane vectors (32 columns) wide and
-    /// the softmax's exps and divisions run 16 lanes at a time.
+    /// matmul's register tile is two 16-lane vectors (32 columns) wide, and
+    /// the softmax's passes, SwiGLU and bf16 packing run 16 lanes at a time.
     Avx512 = 3,
 }
 
@@ -133,7 +134,8 @@ pub(crate) fn transpose8(a: [std::arch::x86_64::__m256; 8]) -> [std::arch::x86_6
 
 /// Defines a kernel compiled twice — for the build target's baseline and with
 /// AVX2 + FMA enabled — that runs the copy for [`level`] (the AVX2 copy at
-/// `Avx512`: only the matmul tile and the softmax's passes have wider twins). Everything the body
+/// `Avx512`: only the matmul tile, the softmax's passes, SwiGLU and bf16
+/// packing have wider twins). Everything the body
 /// calls should be `#[inline(always)]` so it is compiled into each copy;
 /// closures in the body (rayon's workers included) inherit the copy's
 /// instructions. (A closure handed to a `#[target_feature]` function would
@@ -265,6 +267,19 @@ mod tests {
         out.push(bits(&x.swiglu(&y).unwrap()));
         let (dg, du) = x.swiglu_backward(&y, &st(values(1000, 14))).unwrap();
         out.extend([bits(&dg), bits(&du)]);
+        // 16-bit storage: whole vector groups, a ragged rest, an odd last
+        // value; signalling and negative NaNs (quieted, not counted as
+        // changed); the words' raw bits (a word may read as a NaN)
+        for len in [1000, 1001] {
+            let mut v = values(len, 15);
+            v[5] = f32::from_bits(0x7f80_0001);
+            v[100] = f32::from_bits(0xff80_1234);
+            for fmt in [Format::Bf16, Format::Fp16] {
+                let (packed, changed) = st(v.clone()).pack(fmt).unwrap();
+                let words = packed.words().to_vec_f32().unwrap().iter().map(|w| w.to_bits()).collect();
+                out.extend([words, vec![changed.unwrap() as u32], bits(&packed.unpack().unwrap())]);
+            }
+        }
         let (cos, sin) = (st(values(500, 12)), st(values(500, 13)));
         out.push(bits(&x.rope(&cos, &sin, 10, 50, 1).unwrap()));
         out.push(bits(&x.rope_backward(&cos, &sin, 10, 50, 1).unwrap()));
