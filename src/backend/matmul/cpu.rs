@@ -507,20 +507,33 @@ fn pack_all<'b, const W: usize>(
 
 /// `len` values of the reused `buf` starting on a 64-byte boundary, so that
 /// no vector load of a packed panel row straddles two cache lines (the
-/// allocator only promises 16 bytes). `resize` fills only growth (and
-/// truncates otherwise); `pack` overwrites every value.
+/// allocator only promises 16 bytes). The buffer only grows (`resize` fills
+/// the growth; a product's smaller operands use a prefix, so the next larger
+/// one does not fill again); `pack` overwrites every value it uses.
 fn cache_aligned(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
     const LINE: usize = 64 / std::mem::size_of::<f32>();
-    buf.resize(len + LINE - 1, 0.0);
+    if buf.len() < len + LINE - 1 {
+        buf.resize(len + LINE - 1, 0.0);
+    }
     let skip = buf.as_ptr().align_offset(64).min(LINE - 1);
     &mut buf[skip..skip + len]
 }
 
-/// Depth of one k-block: an MR×KC slice of A (6 KiB) and a KC×NR slice of B
-/// (16 KiB; 32 KiB for the AVX-512 tile) stay in L1 while a tile is computed.
-/// A multiple of MR, so the ragged terms of a causal tile (positions `i0 ..
-/// i0 + MR`, `i0` a multiple of MR) never straddle two k-blocks.
-const KC: usize = 42 * MR;
+/// Deepest k-block: an MR×KC slice of A (7.6 KiB) and a KC×NR slice of B
+/// (20 KiB; 40 KiB for the AVX-512 tile) stay in a 48 KiB L1 while a tile
+/// is computed. A multiple of MR, so the ragged terms of a causal tile
+/// (positions `i0 .. i0 + MR`, `i0` a multiple of MR) never straddle two
+/// k-blocks.
+const KC: usize = 54 * MR;
+
+/// The depth of a product's k-blocks: `k` in as few blocks of at most
+/// [`KC`] as it takes, evenly (a multiple of MR; the last block takes the
+/// rest). A short last block would be a whole extra pass over C for a few
+/// terms (k = 320 in one block, not 252 + 68; k = 512 in 258 + 254, not
+/// 252 + 252 + 8).
+fn block_depth(k: usize) -> usize {
+    k.div_ceil(k.div_ceil(KC).max(1)).next_multiple_of(MR)
+}
 
 /// Row panels per L2 block of A (MC = 72 rows).
 const MC_PANELS: usize = 12;
@@ -822,7 +835,7 @@ impl Block {
         if lo >= hi {
             return None;
         }
-        // KC and i0 are multiples of MR: the ragged terms [i0, i0 + MR) ∩ [0, k)
+        // Block starts and i0 are multiples of MR: the ragged terms [i0, i0 + MR) ∩ [0, k)
         // lie wholly inside the block that holds i0.
         let ragged = match self.causal {
             Causal::TermsUpToRow if i0 >= lo && i0 < hi => Ragged::Tail(hi - i0),
@@ -973,9 +986,9 @@ simd::multiversion! {
             // Taken out, not borrowed: a pool thread waiting on a fork may
             // meanwhile run another product's work.
             let (mut ap_buf, mut bp_buf) = PACKED.with_borrow_mut(std::mem::take);
-            let mut kb = 0;
+            let (depth, mut kb) = (block_depth(k), 0);
             while kb < k {
-                let kc = KC.min(k - kb);
+                let kc = depth.min(k - kb);
                 let blk = Block { kb, kc, k, round, causal: d.causal, kernel };
                 // each row panel only over the terms its tiles sum
                 let a_terms = |pi| blk.tile_terms(r0 + pi * MR).map_or((0, 0), |(lo, hi, _)| (lo - kb, hi - kb));
@@ -983,7 +996,7 @@ simd::multiversion! {
                 let all = |_| (0, kc);
                 let bp = pack_all::<NR>(&mut bp_buf, b, n, ldb, (kb, kc), !d.trans_b, round, all);
                 matmul_block::<NR>(ap, bp, n, r0, c, blk);
-                kb += KC;
+                kb += depth;
             }
             PACKED.with_borrow_mut(|p| *p = (ap_buf, bp_buf));
         };
@@ -1208,7 +1221,7 @@ mod tests {
             (2, 7, 5, true),
             (3, 13, 17, true),
             (1, 40, 33, true),
-            (2, 300, 20, true), // two k-blocks (KC = 252)
+            (2, 400, 20, true), // two k-blocks (204 + 196 terms)
             (1, 1200, 64, false), // rows split over threads
             (48, 300, 20, false), // batch split over threads
         ] {
