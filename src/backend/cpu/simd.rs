@@ -97,6 +97,19 @@ pub fn set_level(l: Option<Level>) {
     LEVEL.store(l.map_or(0, |l| l as u8), Ordering::Relaxed);
 }
 
+/// The lanes of a group of 16 that lie before `len` (all of them for a
+/// whole group), as an AVX-512 mask: a slice's ragged end is one masked load
+/// and store, not a copy through the stack.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) fn first_lanes(len: usize) -> std::arch::x86_64::__mmask16 {
+    if len >= 16 {
+        0xffff
+    } else {
+        ((1u32 << len) - 1) as u16
+    }
+}
+
 /// Eight vectors of eight lanes transposed: lane `l` of vector `q` becomes
 /// lane `q` of vector `l` (rows of an 8 × 8 block in, its columns out).
 #[cfg(target_arch = "x86_64")]

@@ -375,6 +375,7 @@ simd::multiversion! {
 /// `swiglu_backward_slices` lane by lane.
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
+    use crate::backend::cpu::simd::first_lanes;
     use crate::backend::math::avx512::{div, exp};
     use std::arch::x86_64::*;
     use std::mem::MaybeUninit;
@@ -385,21 +386,6 @@ mod avx512 {
     fn sigmoid(x: __m512) -> __m512 {
         let one = _mm512_set1_ps(1.0);
         div(one, _mm512_add_ps(one, exp(_mm512_sub_ps(_mm512_set1_ps(-0.0), x))))
-    }
-
-    /// `f(i, mask)` for each group of 16 elements of `0..n` starting at `i`,
-    /// the ragged tail's lanes past `n` masked off (loads read them as zeros,
-    /// stores skip them).
-    #[target_feature(enable = "avx512f,avx2,fma")]
-    #[inline]
-    fn groups(n: usize, mut f: impl FnMut(usize, __mmask16)) {
-        let whole = n / 16 * 16;
-        for i in (0..whole).step_by(16) {
-            f(i, 0xffff);
-        }
-        if whole < n {
-            f(whole, (1u16 << (n - whole)) - 1);
-        }
     }
 
     /// gate, up: (n) -> y: (n), every value written
@@ -413,7 +399,8 @@ mod avx512 {
     fn swiglu_wide(y: &mut [MaybeUninit<f32>], gate: &[f32], up: &[f32]) {
         assert!(gate.len() == y.len() && up.len() == y.len());
         let y = y.as_mut_ptr().cast::<f32>();
-        groups(gate.len(), |i, m| {
+        for i in (0..gate.len()).step_by(16) {
+            let m = first_lanes(gate.len() - i);
             // SAFETY: lanes of `m` lie within the three slices (equal lengths).
             unsafe {
                 let x = _mm512_maskz_loadu_ps(m, gate.as_ptr().add(i));
@@ -421,7 +408,7 @@ mod avx512 {
                 // silu = gate·σ, then · up
                 _mm512_mask_storeu_ps(y.add(i), m, _mm512_mul_ps(_mm512_mul_ps(x, sigmoid(x)), u));
             }
-        });
+        }
     }
 
     /// gate, up, g: (n) -> dg, du: (n), every value written
@@ -449,7 +436,8 @@ mod avx512 {
         assert!(du.len() == n && gate.len() == n && up.len() == n && g.len() == n);
         let (dg, du) = (dg.as_mut_ptr().cast::<f32>(), du.as_mut_ptr().cast::<f32>());
         let one = _mm512_set1_ps(1.0);
-        groups(n, |i, m| {
+        for i in (0..n).step_by(16) {
+            let m = first_lanes(n - i);
             // SAFETY: lanes of `m` lie within the five slices (equal lengths).
             unsafe {
                 let x = _mm512_maskz_loadu_ps(m, gate.as_ptr().add(i));
@@ -461,7 +449,7 @@ mod avx512 {
                 let ds = _mm512_mul_ps(s, _mm512_fmadd_ps(x, _mm512_sub_ps(one, s), one));
                 _mm512_mask_storeu_ps(dg.add(i), m, _mm512_mul_ps(_mm512_mul_ps(gv, u), ds));
             }
-        });
+        }
     }
 }
 

@@ -389,7 +389,7 @@ simd::multiversion! {
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::*;
-    use crate::backend::cpu::simd::transpose8;
+    use crate::backend::cpu::simd::{first_lanes, transpose8};
     use crate::backend::math::avx2::{div, exp};
     use std::arch::x86_64::*;
 
@@ -532,18 +532,6 @@ mod avx2 {
                     map_lanes_mut(&mut o[..l], |y| div(y, sv));
                 }
             }
-        }
-    }
-
-    /// The lanes of a group of 16 that lie before `len` (all of them for a
-    /// whole group): a row's ragged end is one masked load and store, not a
-    /// copy through the stack (causal rows all end ragged).
-    #[inline(always)]
-    fn first_lanes(len: usize) -> __mmask16 {
-        if len >= 16 {
-            0xffff
-        } else {
-            ((1u32 << len) - 1) as __mmask16
         }
     }
 
