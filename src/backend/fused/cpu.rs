@@ -310,7 +310,7 @@ fn swiglu_t<T: Elem>(gate: &[T], up: &[T], kernel: SwigluSlices<T>) -> Vec<T> {
         .zip(gate.par_chunks(per))
         .zip(up.par_chunks(per))
         .for_each(|((y, gate), up)| kernel(y, gate, up));
-    // SAFETY: swiglu_slices writes every value of its slice.
+    // SAFETY: the kernel writes every value of its slice.
     unsafe { y.set_len(n) };
     y
 }
@@ -339,7 +339,7 @@ fn swiglu_backward_t<T: Elem>(gate: &[T], up: &[T], g: &[T], kernel: SwigluBackw
         .zip(up.par_chunks(per))
         .zip(g.par_chunks(per))
         .for_each(|((((dg, du), gate), up), g)| kernel(dg, du, gate, up, g));
-    // SAFETY: swiglu_backward_slices writes every value of its slices.
+    // SAFETY: the kernel writes every value of its slices.
     unsafe {
         dg.set_len(n);
         du.set_len(n);

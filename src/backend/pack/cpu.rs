@@ -5,7 +5,6 @@
 
 use super::{pattern, widen_bits, PackOps};
 use crate::backend::cpu::{cpu_threads, simd, CpuStorage};
-use crate::backend::cpu::simd::Level;
 use crate::backend::round::{bf16_f32, fp16_f32, round_f32, Format};
 use crate::Result;
 use rayon::prelude::*;
@@ -29,7 +28,7 @@ impl PackOps for CpuStorage {
         let w = &mut w_vec.spare_capacity_mut()[..words];
         let kernel = match fmt {
             #[cfg(target_arch = "x86_64")]
-            Format::Bf16 if simd::level() == Level::Avx512 => avx512::pack_bf16,
+            Format::Bf16 if simd::level() == simd::Level::Avx512 => avx512::pack_bf16,
             _ => pack_words,
         };
         let c = chunk_words(words);
@@ -41,7 +40,7 @@ impl PackOps for CpuStorage {
                 .map(|(w, x)| kernel(w, x, fmt))
                 .sum()
         };
-        // SAFETY: pack_words wrote all `words` words of every chunk.
+        // SAFETY: the kernel wrote all `words` words of every chunk.
         unsafe { w_vec.set_len(words) };
         Ok((CpuStorage::from_f32(w_vec), Some(changed)))
     }
@@ -55,7 +54,7 @@ impl PackOps for CpuStorage {
         let y = &mut y_vec.spare_capacity_mut()[..n];
         let kernel = match fmt {
             #[cfg(target_arch = "x86_64")]
-            Format::Bf16 if simd::level() == Level::Avx512 => avx512::unpack_bf16,
+            Format::Bf16 if simd::level() == simd::Level::Avx512 => avx512::unpack_bf16,
             _ => unpack_words,
         };
         let c = chunk_words(w.len());
@@ -66,7 +65,7 @@ impl PackOps for CpuStorage {
                 .zip(w.par_chunks(c))
                 .for_each(|(y, w)| kernel(y, w, fmt));
         }
-        // SAFETY: unpack_words wrote all `n` values of every chunk.
+        // SAFETY: the kernel wrote all `n` values of every chunk.
         unsafe { y_vec.set_len(n) };
         Ok(CpuStorage::from_f32(y_vec))
     }
