@@ -526,13 +526,13 @@ fn cache_aligned(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
 /// k-blocks.
 const KC: usize = 54 * MR;
 
-/// The depth of a product's k-blocks: `k` in as few blocks of at most
-/// [`KC`] as it takes, evenly (a multiple of MR; the last block takes the
-/// rest). A short last block would be a whole extra pass over C for a few
+/// The depth of a product's k-blocks (`k > 0`): `k` in as few blocks of at
+/// most [`KC`] as it takes, evenly (a multiple of MR; the last block takes
+/// the rest). A short last block would be a whole extra pass over C for a few
 /// terms (k = 320 in one block, not 252 + 68; k = 512 in 258 + 254, not
 /// 252 + 252 + 8).
 fn block_depth(k: usize) -> usize {
-    k.div_ceil(k.div_ceil(KC).max(1)).next_multiple_of(MR)
+    k.div_ceil(k.div_ceil(KC)).next_multiple_of(MR)
 }
 
 /// Row panels per L2 block of A (MC = 72 rows).
