@@ -21,6 +21,18 @@ fn tiny(extra: TrainOptions) -> TrainConfig {
     .unwrap()
 }
 
+/// The device's memory count is one per process: a test that judges it holds
+/// the GPU alone ([`gpu_alone`]) while the other GPU tests here share it.
+static GPU: std::sync::RwLock<()> = std::sync::RwLock::new(());
+
+fn gpu_shared() -> std::sync::RwLockReadGuard<'static, ()> {
+    GPU.read().unwrap_or_else(|e| e.into_inner())
+}
+
+fn gpu_alone() -> std::sync::RwLockWriteGuard<'static, ()> {
+    GPU.write().unwrap_or_else(|e| e.into_inner())
+}
+
 fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
@@ -104,6 +116,7 @@ fn cpu_and_gpu_runs_are_identical() {
     if !tinyllm::testing::gpu_available() {
         return;
     }
+    let _gpu = gpu_shared();
     let corpus = Corpus::embedded();
     let cfg = tiny(TrainOptions {
         steps: Some(3),
@@ -849,6 +862,7 @@ fn compare_on_the_gpu_judges_the_device_memory() {
     if !tinyllm::testing::gpu_available() {
         return;
     }
+    let _gpu = gpu_alone();
     let out = tmpdir("cmp-gpu");
     let c = compare_tiny("gpu", 4, &out);
     for s in [&c.fp32, &c.mixed] {
@@ -938,5 +952,6 @@ fn sixteen_bit_saved_activations_change_no_bit_gpu() {
     if !tinyllm::testing::gpu_available() {
         return;
     }
+    let _gpu = gpu_shared();
     sixteen_bit_saving_changes_no_bit(Device::Gpu);
 }
