@@ -4,13 +4,13 @@
 //! softmax are the batched primitives' own kernels, on one head.
 
 use super::Attention;
+use crate::backend::cpu::pool;
 use crate::backend::cpu::{cpu_threads, write_exact};
 use crate::backend::matmul::cpu::matmul_f32_one_thread;
 use crate::backend::reduce::cpu::{softmax_backward_f32_one_thread, softmax_f32_one_thread};
 use crate::backend::round::Format;
 use crate::backend::{Causal, MatmulDims};
 use crate::profile::{self, Product};
-use rayon::prelude::*;
 use std::mem::MaybeUninit;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -18,10 +18,6 @@ use std::time::{Duration, Instant};
 /// An operand as a head's products read it: float32 values, or the words of
 /// a 16-bit copy in that format (two values per word).
 pub(crate) type Host<'a> = (&'a [f32], Option<Format>);
-
-/// From this many score values (all heads' `T × T`) the heads are split over
-/// the threads.
-const THREADED_SCORES: usize = 1 << 18;
 
 /// Head `h`'s `len` values of `x`.
 fn head((x, half): Host<'_>, h: usize, len: usize) -> Host<'_> {
@@ -103,7 +99,7 @@ fn per_head<const N: usize>(
     }
     // No zero fill: every head's values are copied in below.
     let mut outs: [Vec<f32>; N] = std::array::from_fn(|_| Vec::with_capacity(heads * len));
-    let threads = if heads * a.t * a.t >= THREADED_SCORES {
+    let threads = if heads * a.t * a.t >= pool::SPLIT_VALUES {
         cpu_threads().clamp(1, heads)
     } else {
         1
@@ -122,7 +118,7 @@ fn per_head<const N: usize>(
         }
     };
     if threads > 1 {
-        groups.into_par_iter().for_each(run);
+        pool::each(groups, run);
     } else {
         groups.into_iter().for_each(run);
     }

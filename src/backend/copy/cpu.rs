@@ -1,9 +1,13 @@
 //! The CPU reference of the data movement primitives.
 
 use super::CopyOps;
-use crate::backend::cpu::{both, for_each_run, CpuStorage, Elem};
+use crate::backend::cpu::pool;
+use crate::backend::cpu::{
+    both, cpu_threads, for_each_run, simd, split_at_starts, split_layout, write_exact, CpuStorage, Elem,
+};
 use crate::backend::BinaryLayout;
 use crate::Result;
+use std::mem::MaybeUninit;
 
 impl CopyOps for CpuStorage {
     fn strided_copy(&self, shape: &[usize], strides: &[usize], offset: usize) -> Result<CpuStorage> {
@@ -53,6 +57,8 @@ impl CopyOps for CpuStorage {
     }
 }
 
+/// The values of a strided view, its pieces (see `split_layout`) on the
+/// threads.
 fn strided_copy_t<T: Elem>(x: &[T], shape: &[usize], strides: &[usize], offset: usize) -> Vec<T> {
     let n: usize = shape.iter().product();
     let mut out = Vec::with_capacity(n);
@@ -65,14 +71,31 @@ fn strided_copy_t<T: Elem>(x: &[T], shape: &[usize], strides: &[usize], offset: 
         rhs_strides: vec![0; shape.len()],
     };
     let x = &x[offset..];
-    for_each_run(&layout, |li, _, len, lst, _| {
-        if lst == 1 {
-            out.extend_from_slice(&x[li..li + len]);
-        } else {
-            out.extend((0..len).map(|t| x[li + t * lst]));
-        }
+    let pieces = split_layout(&layout, cpu_threads());
+    let outs = split_at_starts(&mut out.spare_capacity_mut()[..n], &pieces);
+    pool::each(outs.into_iter().zip(&pieces), |(o, (_, start, _, piece))| {
+        copy_piece(o, &x[*start..], piece)
     });
+    // SAFETY: the pieces cover the output, and each wrote all of its values.
+    unsafe { out.set_len(n) };
     out
+}
+
+simd::multiversion! {
+    /// One piece of a strided view into `o` (the piece's size).
+    fn copy_piece<T: Elem>(o: &mut [MaybeUninit<T>], x: &[T], piece: &BinaryLayout) {
+        let mut at = 0;
+        for_each_run(piece, |li, _, len, lst, _| {
+            let o = &mut o[at..at + len];
+            at += len;
+            if lst == 1 {
+                write_exact(o, x[li..li + len].iter().copied());
+            } else {
+                write_exact(o, (0..len).map(|t| x[li + t * lst]));
+            }
+        });
+        assert_eq!(at, o.len(), "the view covers the output");
+    }
 }
 
 fn concat_t<T: Elem>(parts: &[&[T]], outer: usize, sizes: &[usize], inner: usize) -> Vec<T> {
@@ -84,4 +107,32 @@ fn concat_t<T: Elem>(parts: &[&[T]], outer: usize, sizes: &[usize], inner: usize
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::set_cpu_threads;
+
+    /// A transposed view with an offset, large enough to be split over the
+    /// threads, against each value read at its own index.
+    #[test]
+    fn threaded_strided_copies_read_each_value_at_its_index() {
+        let (r, c, off) = (257, 133, 5);
+        assert!(r * c >= pool::SPLIT_VALUES);
+        let x: Vec<f32> = (0..r * c + off).map(|i| i as f32).collect();
+        for threads in [1, 3] {
+            set_cpu_threads(Some(threads));
+            // the (c, r) transpose of the (r, c) rows after `off`, and those rows as they are
+            for (shape, strides) in [([c, r], [1, c]), ([r, c], [c, 1])] {
+                let got = strided_copy_t(&x, &shape, &strides, off);
+                assert_eq!(got.len(), r * c);
+                for (k, &v) in got.iter().enumerate() {
+                    let (i, j) = (k / shape[1], k % shape[1]);
+                    assert_eq!(v, x[off + i * strides[0] + j * strides[1]], "{shape:?} output {k}, {threads} threads");
+                }
+            }
+        }
+        set_cpu_threads(None);
+    }
 }

@@ -6,6 +6,7 @@
 //! f64 storage (for gradient checks) uses the same algorithms with platform
 //! f64 math — it has no GPU twin, so it needs none of the contract's care.
 
+pub mod pool;
 pub mod simd;
 
 use std::mem::MaybeUninit;
@@ -410,6 +411,45 @@ pub fn for_each_run(layout: &BinaryLayout, mut run: impl FnMut(usize, usize, usi
             idx[d] = 0;
         }
     }
+}
+
+/// A broadcast layout cut along its outermost (coalesced) dimension into at
+/// most `parts` pieces for the threads, each `(output start, lhs offset, rhs
+/// offset, layout)`: one piece below [`pool::SPLIT_VALUES`] outputs.
+pub fn split_layout(layout: &BinaryLayout, parts: usize) -> Vec<(usize, usize, usize, BinaryLayout)> {
+    let [shape, ls, rs] = coalesce(layout);
+    let n: usize = shape.iter().product();
+    let parts = if n < pool::SPLIT_VALUES { 1 } else { parts.clamp(1, shape[0]) };
+    let (inner, per) = (n / shape[0], shape[0].div_ceil(parts));
+    (0..shape[0])
+        .step_by(per)
+        .map(|s| {
+            let mut piece = shape.clone();
+            piece[0] = per.min(shape[0] - s);
+            let layout = BinaryLayout {
+                shape: piece,
+                lhs_strides: ls.clone(),
+                rhs_strides: rs.clone(),
+            };
+            (s * inner, s * ls[0], s * rs[0], layout)
+        })
+        .collect()
+}
+
+/// `out` cut at the pieces' output starts (see [`split_layout`]).
+pub fn split_at_starts<'a, T>(
+    mut out: &'a mut [T],
+    pieces: &[(usize, usize, usize, BinaryLayout)],
+) -> Vec<&'a mut [T]> {
+    let mut parts = Vec::with_capacity(pieces.len());
+    for (i, p) in pieces.iter().enumerate().rev() {
+        let (rest, part) = out.split_at_mut(p.0);
+        parts.push(part);
+        out = rest;
+        debug_assert!(i > 0 || out.is_empty());
+    }
+    parts.reverse();
+    parts
 }
 
 // --------------------------------------------------------------- threads ----

@@ -150,7 +150,7 @@ pub(crate) fn transpose8(a: [std::arch::x86_64::__m256; 8]) -> [std::arch::x86_6
 /// `Avx512`: only the matmul tile, the softmax's passes, SwiGLU and bf16
 /// packing have wider twins). Everything the body
 /// calls should be `#[inline(always)]` so it is compiled into each copy;
-/// closures in the body (rayon's workers included) inherit the copy's
+/// closures in the body (the pool's tasks included) inherit the copy's
 /// instructions. (A closure handed to a `#[target_feature]` function would
 /// not: it is compiled where it is written, for the baseline.)
 macro_rules! multiversion {

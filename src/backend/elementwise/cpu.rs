@@ -1,12 +1,15 @@
 //! The CPU reference of the elementwise primitives.
 
 use super::{BinaryOp, ElementwiseOps, UnaryOp};
+use crate::backend::cpu::pool;
 use crate::backend::cpu::{
-    both, both2, for_each_run, maximum, sigmoid_into, simd, write_lanes, CpuStorage, Elem,
+    both, both2, cpu_threads, for_each_run, maximum, sigmoid_into, simd, split_at_starts, split_layout,
+    write_exact, write_lanes, CpuStorage, Elem,
 };
 use crate::backend::math::LANES;
 use crate::backend::BinaryLayout;
 use crate::Result;
+use std::mem::MaybeUninit;
 
 impl ElementwiseOps for CpuStorage {
     fn unary(&self, op: UnaryOp) -> Result<CpuStorage> {
@@ -102,49 +105,125 @@ simd::multiversion! {
     }
 }
 
-/// `f` over a broadcast layout; each run is a slice loop (both contiguous, or
-/// one side a broadcast scalar) whenever the strides allow.
-#[inline(always)]
-fn broadcast_map<T: Elem>(
-    a: &[T],
-    b: &[T],
-    layout: &BinaryLayout,
-    f: impl Fn(T, T) -> T,
-) -> Vec<T> {
+/// `a op b` over a broadcast layout, its pieces (see `split_layout`) on the
+/// threads: each output is the op of its own two inputs, so the bits do not
+/// depend on the split.
+fn binary_t<T: Elem>(a: &[T], b: &[T], op: BinaryOp, layout: &BinaryLayout) -> Vec<T> {
     let n: usize = layout.shape.iter().product();
     let mut out = Vec::with_capacity(n);
     if n == 0 {
         return out;
     }
-    for_each_run(layout, |li, ri, len, lst, rst| match (lst, rst) {
-        (1, 1) => out.extend(
-            a[li..li + len]
-                .iter()
-                .zip(&b[ri..ri + len])
-                .map(|(&x, &y)| f(x, y)),
-        ),
-        (1, 0) => {
-            let y = b[ri];
-            out.extend(a[li..li + len].iter().map(|&x| f(x, y)))
-        }
-        (0, 1) => {
-            let x = a[li];
-            out.extend(b[ri..ri + len].iter().map(|&y| f(x, y)))
-        }
-        _ => out.extend((0..len).map(|t| f(a[li + t * lst], b[ri + t * rst]))),
+    let pieces = split_layout(layout, cpu_threads());
+    let outs = split_at_starts(&mut out.spare_capacity_mut()[..n], &pieces);
+    pool::each(outs.into_iter().zip(&pieces), |(o, (_, l0, r0, piece))| {
+        binary_into(o, &a[*l0..], &b[*r0..], op, piece)
     });
+    // SAFETY: the pieces cover the output, and each wrote all of its values.
+    unsafe { out.set_len(n) };
     out
 }
 
 simd::multiversion! {
-    fn binary_t<T: Elem>(a: &[T], b: &[T], op: BinaryOp, layout: &BinaryLayout) -> Vec<T> {
+    fn binary_into<T: Elem>(o: &mut [MaybeUninit<T>], a: &[T], b: &[T], op: BinaryOp, layout: &BinaryLayout) {
         match op {
-            BinaryOp::Add => broadcast_map(a, b, layout, |x, y| x.add(y)),
-            BinaryOp::Sub => broadcast_map(a, b, layout, |x, y| x.sub(y)),
-            BinaryOp::Mul => broadcast_map(a, b, layout, |x, y| x.mul(y)),
-            BinaryOp::Div => broadcast_map(a, b, layout, |x, y| x.div(y)),
-            BinaryOp::Maximum => broadcast_map(a, b, layout, maximum),
-            BinaryOp::Eq => broadcast_map(a, b, layout, |x, y| if x == y { T::ONE } else { T::ZERO }),
+            BinaryOp::Add => broadcast_into(o, a, b, layout, |x, y| x.add(y)),
+            BinaryOp::Sub => broadcast_into(o, a, b, layout, |x, y| x.sub(y)),
+            BinaryOp::Mul => broadcast_into(o, a, b, layout, |x, y| x.mul(y)),
+            BinaryOp::Div => broadcast_into(o, a, b, layout, |x, y| x.div(y)),
+            BinaryOp::Maximum => broadcast_into(o, a, b, layout, maximum),
+            BinaryOp::Eq => broadcast_into(o, a, b, layout, |x, y| if x == y { T::ONE } else { T::ZERO }),
         }
+    }
+}
+
+/// `f` over a broadcast layout into `out` (the layout's size): each run a
+/// slice loop (both contiguous, or one side a broadcast scalar) whenever the
+/// strides allow.
+#[inline(always)]
+fn broadcast_into<T: Elem>(
+    out: &mut [MaybeUninit<T>],
+    a: &[T],
+    b: &[T],
+    layout: &BinaryLayout,
+    f: impl Fn(T, T) -> T,
+) {
+    let mut at = 0;
+    for_each_run(layout, |li, ri, len, lst, rst| {
+        let o = &mut out[at..at + len];
+        at += len;
+        match (lst, rst) {
+            (1, 1) => {
+                let (x, y) = (&a[li..li + len], &b[ri..ri + len]);
+                for i in 0..len {
+                    o[i].write(f(x[i], y[i]));
+                }
+            }
+            (1, 0) => {
+                let (x, y) = (&a[li..li + len], b[ri]);
+                for i in 0..len {
+                    o[i].write(f(x[i], y));
+                }
+            }
+            (0, 1) => {
+                let (x, y) = (a[li], &b[ri..ri + len]);
+                for i in 0..len {
+                    o[i].write(f(x, y[i]));
+                }
+            }
+            _ => {
+                write_exact(o, (0..len).map(|t| f(a[li + t * lst], b[ri + t * rst])));
+            }
+        }
+    });
+    assert_eq!(at, out.len(), "the layout covers the output");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::set_cpu_threads;
+
+    /// Binary ops over broadcast and transposed layouts large enough to be
+    /// split over the threads, against each output computed from its own
+    /// indices: one thread and three (pieces that are not halves).
+    #[test]
+    fn threaded_binary_ops_give_each_outputs_own_value() {
+        let (r, c) = (301, 131);
+        assert!(r * c >= pool::SPLIT_VALUES);
+        let a: Vec<f32> = (0..r * c).map(|i| (i as f32 * 0.37).sin()).collect();
+        let b: Vec<f32> = (0..r * c).map(|i| (i as f32 * 0.11).cos() + 1.5).collect();
+        // (lhs strides, rhs strides) over the output shape (r, c)
+        let layouts = [
+            ([c, 1], [c, 1]), // both contiguous
+            ([c, 1], [0, 1]), // a row broadcast down
+            ([c, 1], [1, 0]), // a column broadcast across
+            ([1, r], [c, 1]), // the left side transposed
+            ([0, 0], [1, r]), // a scalar and a transposed right side
+        ];
+        for threads in [1, 3] {
+            set_cpu_threads(Some(threads));
+            for (ls, rs) in layouts {
+                let layout = BinaryLayout {
+                    shape: vec![r, c],
+                    lhs_strides: ls.to_vec(),
+                    rhs_strides: rs.to_vec(),
+                };
+                for (op, f) in [
+                    (BinaryOp::Add, (|x, y| x + y) as fn(f32, f32) -> f32),
+                    (BinaryOp::Sub, |x, y| x - y),
+                    (BinaryOp::Mul, |x, y| x * y),
+                    (BinaryOp::Div, |x, y| x / y),
+                ] {
+                    let got = binary_t(&a, &b, op, &layout);
+                    for (k, &v) in got.iter().enumerate() {
+                        let (i, j) = (k / c, k % c);
+                        let want = f(a[i * ls[0] + j * ls[1]], b[i * rs[0] + j * rs[1]]);
+                        assert_eq!(v.to_bits(), want.to_bits(), "{op:?} {layout} output {k}, {threads} threads");
+                    }
+                }
+            }
+        }
+        set_cpu_threads(None);
     }
 }

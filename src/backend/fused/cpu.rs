@@ -4,6 +4,7 @@
 //! lockstep, the divisions of an elementwise loop a group of lanes at a time.
 
 use super::FusedOps;
+use crate::backend::cpu::pool;
 use crate::backend::cpu::{
     assume_init_mut, cpu_threads, fold_ragged, maximum, sigmoid_into, simd, write_exact,
     CpuStorage, Elem,
@@ -11,20 +12,15 @@ use crate::backend::cpu::{
 use crate::backend::math::LANES;
 use crate::backend::DType;
 use crate::Result;
-use rayon::prelude::*;
 use std::mem::MaybeUninit;
 
-/// From this many values a primitive splits its rows (or elements) over the
-/// threads (~0.5 ms of one core's SwiGLU). Rows and elements are independent
-/// of each other, so the bits do not depend on the split.
-const THREADED_ELEMS: usize = 1 << 18;
-
 /// Rows (or elements) per thread for `items` of `len` values each: all of
-/// them below [`THREADED_ELEMS`] values or with one thread, else an even share
-/// in whole groups of lanes.
+/// them below [`pool::SPLIT_VALUES`] values or with one thread, else an even
+/// share in whole groups of lanes. Rows and elements are independent of each
+/// other, so the bits do not depend on the split.
 fn per_thread(items: usize, len: usize) -> usize {
     let threads = cpu_threads();
-    if items * len < THREADED_ELEMS || threads == 1 || items < 2 {
+    if items * len < pool::SPLIT_VALUES || threads == 1 || items < 2 {
         return items.max(1);
     }
     items.div_ceil(threads).next_multiple_of(LANES)
@@ -150,10 +146,8 @@ fn rms_norm_t<T: Elem>(x: &[T], w: &[T], rows: usize, d: usize, eps: T) -> (Vec<
         rms_norm_rows(yo, ro, &[], w, 0, eps);
     } else {
         let per = per_thread(rows, d);
-        yo.par_chunks_mut(per * d)
-            .zip(ro.par_chunks_mut(per))
-            .zip(x[..rows * d].par_chunks(per * d))
-            .for_each(|((y, r), x)| rms_norm_rows(y, r, x, w, d, eps));
+        let blocks = yo.chunks_mut(per * d).zip(ro.chunks_mut(per)).zip(x[..rows * d].chunks(per * d));
+        pool::each(blocks, |((y, r), x)| rms_norm_rows(y, r, x, w, d, eps));
     }
     // SAFETY: rms_norm_rows writes every value of its rows.
     unsafe {
@@ -200,13 +194,13 @@ fn rms_norm_dx_t<T: Elem>(x: &[T], w: &[T], rstd: &[T], g: &[T], d: usize) -> (V
     let (mut dx1, mut dx2) = (Vec::with_capacity(rows * d), Vec::with_capacity(rows * d));
     if d > 0 {
         let per = per_thread(rows, d);
-        dx1.spare_capacity_mut()[..rows * d]
-            .par_chunks_mut(per * d)
-            .zip(dx2.spare_capacity_mut()[..rows * d].par_chunks_mut(per * d))
-            .zip(x[..rows * d].par_chunks(per * d))
-            .zip(g[..rows * d].par_chunks(per * d))
-            .zip(rstd.par_chunks(per))
-            .for_each(|((((dx1, dx2), x), g), r)| rms_norm_dx_rows(dx1, dx2, x, w, r, g, d));
+        let blocks = dx1.spare_capacity_mut()[..rows * d]
+            .chunks_mut(per * d)
+            .zip(dx2.spare_capacity_mut()[..rows * d].chunks_mut(per * d))
+            .zip(x[..rows * d].chunks(per * d))
+            .zip(g[..rows * d].chunks(per * d))
+            .zip(rstd.chunks(per));
+        pool::each(blocks, |((((dx1, dx2), x), g), r)| rms_norm_dx_rows(dx1, dx2, x, w, r, g, d));
     }
     // SAFETY: rms_norm_dx_rows writes every value of its rows.
     unsafe {
@@ -305,11 +299,8 @@ fn swiglu_t<T: Elem>(gate: &[T], up: &[T], kernel: SwigluSlices<T>) -> Vec<T> {
     let n = gate.len();
     let mut y = Vec::with_capacity(n);
     let per = per_thread(n, 1);
-    y.spare_capacity_mut()[..n]
-        .par_chunks_mut(per)
-        .zip(gate.par_chunks(per))
-        .zip(up.par_chunks(per))
-        .for_each(|((y, gate), up)| kernel(y, gate, up));
+    let slices = y.spare_capacity_mut()[..n].chunks_mut(per).zip(gate.chunks(per)).zip(up.chunks(per));
+    pool::each(slices, |((y, gate), up)| kernel(y, gate, up));
     // SAFETY: the kernel writes every value of its slice.
     unsafe { y.set_len(n) };
     y
@@ -332,13 +323,13 @@ fn swiglu_backward_t<T: Elem>(gate: &[T], up: &[T], g: &[T], kernel: SwigluBackw
     let n = gate.len();
     let (mut dg, mut du) = (Vec::with_capacity(n), Vec::with_capacity(n));
     let per = per_thread(n, 1);
-    dg.spare_capacity_mut()[..n]
-        .par_chunks_mut(per)
-        .zip(du.spare_capacity_mut()[..n].par_chunks_mut(per))
-        .zip(gate.par_chunks(per))
-        .zip(up.par_chunks(per))
-        .zip(g.par_chunks(per))
-        .for_each(|((((dg, du), gate), up), g)| kernel(dg, du, gate, up, g));
+    let slices = dg.spare_capacity_mut()[..n]
+        .chunks_mut(per)
+        .zip(du.spare_capacity_mut()[..n].chunks_mut(per))
+        .zip(gate.chunks(per))
+        .zip(up.chunks(per))
+        .zip(g.chunks(per));
+    pool::each(slices, |((((dg, du), gate), up), g)| kernel(dg, du, gate, up, g));
     // SAFETY: the kernel writes every value of its slices.
     unsafe {
         dg.set_len(n);
@@ -492,10 +483,7 @@ fn rope_t<T: Elem>(x: &[T], cos: &[T], sin: &[T], d: usize, rows: RopeRows) -> V
     assert!(d.is_multiple_of(2) && x.len().is_multiple_of(d));
     let mut y = Vec::with_capacity(x.len());
     let per = per_thread(x.len() / d, d);
-    y.spare_capacity_mut()[..x.len()]
-        .par_chunks_mut(per * d)
-        .enumerate()
-        .for_each(|(b, y)| {
+    pool::each(y.spare_capacity_mut()[..x.len()].chunks_mut(per * d).enumerate(), |(b, y)| {
             let first = b * per;
             if rows.backward {
                 rope_backward_rows(y, x, cos, sin, first, d, rows)
@@ -649,7 +637,7 @@ mod tests {
     /// end mid-way through RoPE's positions and off a group of lanes.
     #[test]
     fn threaded_fused_primitives_give_the_one_thread_bits() {
-        let (rows, d, t) = (7 * 443, 100, 7); // above THREADED_ELEMS; 3 blocks of 1040 rows
+        let (rows, d, t) = (7 * 443, 100, 7); // above pool::SPLIT_VALUES; 3 blocks of 1040 rows
         let gen = crate::Generator::new(9);
         let st = |v: Vec<f32>| Storage::from_f32(v, Device::Cpu).unwrap();
         let x = st(gen.uniform(rows * d).iter().map(|u| (u - 0.5) * 20.0).collect());

@@ -6,10 +6,10 @@
 use super::{Causal, Halves, MatmulDims, MatmulOps};
 use crate::backend::pack::widen_bits;
 use crate::backend::cpu::simd::{self, Level};
+use crate::backend::cpu::pool;
 use crate::backend::cpu::{cpu_threads, CpuStorage, Elem};
 use crate::backend::round::{self, Format};
 use crate::Result;
-use rayon::prelude::*;
 use std::cell::RefCell;
 use std::mem::MaybeUninit;
 
@@ -920,10 +920,9 @@ fn matmul_block<const NR: usize>(
     }
 }
 
-/// Products below this many multiply-adds run on one thread: ~0.3 ms of one
-/// core's work, still several times the 20–60 µs it takes to wake another
-/// core on a VM (and below it, the wake-up ate the gain: BENCHMARKS.md).
-const THREADED_MACS: usize = 1 << 24;
+/// Products below this many multiply-adds run on one thread (~20 µs of one
+/// core's work, several times what handing out the parts costs).
+const THREADED_MACS: usize = 1 << 21;
 
 /// The product on the CPU's widest tile.
 fn matmul_f32(a: Src, b: Src, d: MatmulDims, round: Option<Format>) -> Vec<f32> {
@@ -1003,13 +1002,11 @@ simd::multiversion! {
         if threads > 1 && batch >= threads {
             // Many small products (attention heads): split the batch.
             let per = batch.div_ceil(threads);
-            out.par_chunks_mut(per * m * n)
-                .enumerate()
-                .for_each(|(t, chunk)| {
-                    for (i, c) in chunk.chunks_mut(m * n).enumerate() {
-                        one(t * per + i, 0, c);
-                    }
-                });
+            pool::each(out.chunks_mut(per * m * n).enumerate(), |(t, chunk)| {
+                for (i, c) in chunk.chunks_mut(m * n).enumerate() {
+                    one(t * per + i, 0, c);
+                }
+            });
         } else {
             // Whole row panels per thread, each thread the whole product over
             // its rows (its own packing of B: no wait between k-blocks).
@@ -1020,9 +1017,8 @@ simd::multiversion! {
                 if threads == 1 {
                     one(bi, 0, c);
                 } else {
-                    c.par_chunks_mut(rows_per_thread * n)
-                        .enumerate()
-                        .for_each(|(t, chunk)| one(bi, t * rows_per_thread, chunk));
+                    let panels = c.chunks_mut(rows_per_thread * n).enumerate();
+                    pool::each(panels, |(t, chunk)| one(bi, t * rows_per_thread, chunk));
                 }
             }
         }

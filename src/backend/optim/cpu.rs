@@ -1,15 +1,12 @@
 //! The CPU reference of the in-place updates.
 
 use super::{AdamWConsts, OptimOps};
+use crate::backend::cpu::pool;
 use crate::backend::cpu::{cpu_threads, simd, CpuStorage};
 use crate::backend::math::{self, LANES};
+use crate::backend::reduce::cpu::{chunk_sums_of_squares, SQUARES_PIECE};
 use crate::backend::reduce::NORM_CHUNK;
 use crate::Result;
-use rayon::prelude::*;
-
-/// AdamW buffers from this many elements are split over the threads (~0.5 ms
-/// of one core's update).
-const THREADED_ELEMS: usize = 1 << 18;
 
 impl OptimOps for CpuStorage {
     fn finite_check_unscale(
@@ -17,12 +14,21 @@ impl OptimOps for CpuStorage {
         inv_scale: f32,
         also: Option<&CpuStorage>,
     ) -> Result<(bool, Vec<f32>, Vec<f64>)> {
+        let also = also.map_or_else(Vec::new, |a| a.to_vec_f64());
+        if bufs.iter().all(|b| matches!(b, CpuStorage::F32(_))) {
+            // whole chunks per part: the partials are every buffer's chunks, in order
+            let mut held: Vec<_> = bufs.iter().map(|b| b.f32s_mut()).collect();
+            let pieces = held.iter_mut().flat_map(|x| x.chunks_mut(SQUARES_PIECE));
+            let parts = pool::map(pieces, |x| (unscale(x, inv_scale), chunk_sums_of_squares(x)));
+            let finite = parts.iter().all(|p| p.0);
+            return Ok((finite, parts.into_iter().flat_map(|p| p.1).collect(), also));
+        }
         let mut finite = true;
         let mut partials = Vec::new();
         for b in bufs {
             finite &= b.unscale_in_place(inv_scale, &mut partials);
         }
-        Ok((finite, partials, also.map_or_else(Vec::new, |a| a.to_vec_f64())))
+        Ok((finite, partials, also))
     }
 
     fn scale_in_place(&self, c: f32) -> Result<()> {
@@ -44,7 +50,7 @@ impl OptimOps for CpuStorage {
         let (n, c) = (p.len(), *c);
         // An element-wise update has no order to keep: large buffers are split
         // over the threads in whole groups of lanes.
-        let threads = if n >= THREADED_ELEMS {
+        let threads = if n >= pool::SPLIT_VALUES {
             cpu_threads()
         } else {
             1
@@ -54,11 +60,8 @@ impl OptimOps for CpuStorage {
             return Ok(());
         }
         let per = n.div_ceil(threads).next_multiple_of(LANES);
-        p.par_chunks_mut(per)
-            .zip(g.par_chunks(per))
-            .zip(m.par_chunks_mut(per))
-            .zip(v.par_chunks_mut(per))
-            .for_each(|(((p, g), m), v)| adamw_slices(p, g, m, v, &c));
+        let parts = p.chunks_mut(per).zip(g.chunks(per)).zip(m.chunks_mut(per)).zip(v.chunks_mut(per));
+        pool::each(parts, |(((p, g), m), v)| adamw_slices(p, g, m, v, &c));
         Ok(())
     }
 
@@ -83,7 +86,12 @@ impl CpuStorage {
     /// new values; true when every value was finite before.
     fn unscale_in_place(&self, inv_scale: f32, partials: &mut Vec<f32>) -> bool {
         match self {
-            CpuStorage::F32(b) => unscale_chunks(&mut b.get_mut(), inv_scale, partials),
+            CpuStorage::F32(b) => {
+                let mut x = b.get_mut();
+                let finite = unscale(&mut x, inv_scale);
+                partials.extend(chunk_sums_of_squares(&x));
+                finite
+            }
             CpuStorage::F64(b) => {
                 let mut finite = true;
                 for x in b.get_mut().iter_mut() {
@@ -100,19 +108,12 @@ impl CpuStorage {
 }
 
 simd::multiversion! {
-    /// `x *= inv_scale` chunk by chunk ([`NORM_CHUNK`] values), pushing each
-    /// chunk's `fma(v, v, acc)` over the new values from −0 in order (the sum
-    /// of squares' partials); true when every value was finite before.
-    fn unscale_chunks(x: &mut [f32], inv_scale: f32, partials: &mut Vec<f32>) -> bool {
+    /// `x *= inv_scale`; true when every value was finite before.
+    fn unscale(x: &mut [f32], inv_scale: f32) -> bool {
         let mut finite = true;
-        for c in x.chunks_mut(NORM_CHUNK) {
-            let mut acc = -0.0f32;
-            for v in c.iter_mut() {
-                finite &= v.is_finite();
-                *v *= inv_scale;
-                acc = v.mul_add(*v, acc);
-            }
-            partials.push(acc);
+        for v in x.iter_mut() {
+            finite &= v.is_finite();
+            *v *= inv_scale;
         }
         finite
     }
@@ -200,7 +201,7 @@ mod tests {
     /// (the division's fallback groups).
     #[test]
     fn threaded_adamw_equals_one_pass_bitwise() {
-        let n = THREADED_ELEMS + 13;
+        let n = pool::SPLIT_VALUES + 13;
         let mut s = 0x1234_5678_9abc_def0u64;
         let mut next = move |scale: f32| {
             s ^= s << 13;

@@ -4,16 +4,16 @@
 //! count of changed values and the narrowing to 16 bits in vector registers.
 
 use super::{pattern, widen_bits, PackOps};
+use crate::backend::cpu::pool;
 use crate::backend::cpu::{cpu_threads, simd, CpuStorage};
 use crate::backend::round::{bf16_f32, fp16_f32, round_f32, Format};
 use crate::Result;
-use rayon::prelude::*;
 use std::mem::MaybeUninit;
 
-/// Words per task: all of them below 2^17 words (handing out a task costs
-/// more than such a pass), else an even share of the threads.
+/// Words per task: all of them below [`pool::SPLIT_VALUES`] values, else an
+/// even share of the threads.
 fn chunk_words(words: usize) -> usize {
-    if words < 1 << 17 {
+    if 2 * words < pool::SPLIT_VALUES {
         return words.max(1);
     }
     words.div_ceil(cpu_threads())
@@ -35,9 +35,8 @@ impl PackOps for CpuStorage {
         let changed = if c >= words {
             kernel(w, &x, fmt)
         } else {
-            w.par_chunks_mut(c)
-                .zip(x.par_chunks(2 * c))
-                .map(|(w, x)| kernel(w, x, fmt))
+            pool::map(w.chunks_mut(c).zip(x.chunks(2 * c)), |(w, x)| kernel(w, x, fmt))
+                .into_iter()
                 .sum()
         };
         // SAFETY: the kernel wrote all `words` words of every chunk.
@@ -61,9 +60,7 @@ impl PackOps for CpuStorage {
         if c >= w.len() {
             kernel(y, &w, fmt);
         } else {
-            y.par_chunks_mut(2 * c)
-                .zip(w.par_chunks(c))
-                .for_each(|(y, w)| kernel(y, w, fmt));
+            pool::each(y.chunks_mut(2 * c).zip(w.chunks(c)), |(y, w)| kernel(y, w, fmt));
         }
         // SAFETY: the kernel wrote all `n` values of every chunk.
         unsafe { y_vec.set_len(n) };

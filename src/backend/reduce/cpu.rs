@@ -1,13 +1,14 @@
 //! The CPU reference of the reductions.
 
 use super::{ReduceOp, ReduceOps, NORM_CHUNK};
+use crate::backend::cpu::pool;
 use crate::backend::cpu::{
     assume_init_mut, both, both2, cpu_threads, fold_ragged, for_lanes_mut, maximum, simd,
     write_exact, write_lanes, CpuStorage, Elem,
 };
 use crate::backend::math::LANES;
 use crate::Result;
-use rayon::prelude::*;
+use std::cell::Ref;
 use std::mem::MaybeUninit;
 
 impl ReduceOps for CpuStorage {
@@ -48,34 +49,58 @@ impl ReduceOps for CpuStorage {
     }
 
     fn chunk_sum_squares(bufs: &[&CpuStorage]) -> Result<Vec<f32>> {
-        // one buffer at a time, f32 buffers read in place (no copy of every gradient)
-        Ok(bufs
+        // f32 buffers read in place (no copy of every gradient), f64 ones narrowed
+        let narrowed: Vec<Vec<f32>> = bufs
             .iter()
-            .flat_map(|b| match b {
-                CpuStorage::F32(v) => chunk_sums_of_squares(&v.get()),
-                other => chunk_sums_of_squares(&other.to_vec_f32()),
+            .map(|b| match b {
+                CpuStorage::F32(_) => Vec::new(),
+                other => other.to_vec_f32(),
             })
-            .collect())
+            .collect();
+        let held: Vec<Option<Ref<'_, Vec<f32>>>> = bufs
+            .iter()
+            .map(|b| match b {
+                CpuStorage::F32(v) => Some(v.get()),
+                CpuStorage::F64(_) => None,
+            })
+            .collect();
+        let pieces = held.iter().zip(&narrowed).flat_map(|(h, own)| h.as_deref().unwrap_or(own).chunks(SQUARES_PIECE));
+        Ok(pool::map(pieces, chunk_sums_of_squares).concat())
     }
 }
+
+/// Values per part of the chunked sums of squares handed to a thread: whole
+/// chunks, so every buffer's chunks are the same however it is cut.
+pub(crate) const SQUARES_PIECE: usize = 64 * NORM_CHUNK;
 
 simd::multiversion! {
-    /// One buffer's chunks of [`NORM_CHUNK`] values, each `fma(v, v, acc)`
-    /// from -0 in order.
-    fn chunk_sums_of_squares(b: &[f32]) -> Vec<f32> {
-        b.chunks(NORM_CHUNK)
-            .map(|c| c.iter().fold(-0.0f32, |a, &v| v.mul_add(v, a)))
-            .collect()
+    /// Each [`NORM_CHUNK`] values' `fma(v, v, acc)` from −0 in order. Eight
+    /// chunks' folds run side by side (one fold alone waits on every fma's
+    /// latency), each in its own order.
+    pub(crate) fn chunk_sums_of_squares(b: &[f32]) -> Vec<f32> {
+        const SIDE: usize = 8;
+        let mut sums = Vec::with_capacity(b.len().div_ceil(NORM_CHUNK));
+        let mut groups = b.chunks_exact(SIDE * NORM_CHUNK);
+        for g in &mut groups {
+            let c: [&[f32]; SIDE] = std::array::from_fn(|j| &g[j * NORM_CHUNK..(j + 1) * NORM_CHUNK]);
+            let mut acc = [-0.0f32; SIDE];
+            for i in 0..NORM_CHUNK {
+                for (a, cj) in acc.iter_mut().zip(&c) {
+                    *a = cj[i].mul_add(cj[i], *a);
+                }
+            }
+            sums.extend(acc);
+        }
+        let rest = groups.remainder().chunks(NORM_CHUNK);
+        sums.extend(rest.map(|c| c.iter().fold(-0.0f32, |a, &v| v.mul_add(v, a))));
+        sums
     }
 }
-
-/// Rows from this many values are split over the threads: each row's
-/// softmax is independent of the others, so the bits do not depend on it.
-const THREADED_ROW_ELEMS: usize = 1 << 18;
 
 /// The `(rows, n)` output of `f(first_row, rows, out)`, which writes every
 /// value of its rows' `out`: one block of whole rows per thread (from
-/// [`THREADED_ROW_ELEMS`] values), each written in place.
+/// [`pool::SPLIT_VALUES`] values; each row is independent of the others, so
+/// the bits do not depend on the split), each written in place.
 fn by_row_blocks<T: Elem>(
     rows: usize,
     n: usize,
@@ -85,13 +110,11 @@ fn by_row_blocks<T: Elem>(
     let mut out_vec = Vec::with_capacity(len);
     let out = &mut out_vec.spare_capacity_mut()[..len];
     let threads = cpu_threads();
-    if len < THREADED_ROW_ELEMS || rows < 2 || threads == 1 {
+    if len < pool::SPLIT_VALUES || rows < 2 || threads == 1 {
         f(0, rows, out);
     } else {
         let per = rows.div_ceil(threads);
-        out.par_chunks_mut(per * n)
-            .enumerate()
-            .for_each(|(b, o)| f(b * per, o.len() / n, o));
+        pool::each(out.chunks_mut(per * n).enumerate(), |(b, o)| f(b * per, o.len() / n, o));
     }
     // SAFETY: `f` wrote every value of each block.
     unsafe { out_vec.set_len(len) };
@@ -710,6 +733,39 @@ mod tests {
     use std::mem::MaybeUninit;
 
     type SoftmaxF32 = fn(&[f32], usize, usize, f32, bool, usize, &mut [MaybeUninit<f32>]);
+
+    /// The chunked sums of squares — eight chunks side by side, buffers cut
+    /// into parts for the threads — against each chunk folded alone, bit for
+    /// bit: buffers of less than eight chunks, exactly eight, several parts
+    /// with a ragged end; one thread and three.
+    #[test]
+    fn chunked_sums_of_squares_are_each_chunks_own_fold() {
+        use super::super::NORM_CHUNK;
+        use super::{chunk_sums_of_squares, SQUARES_PIECE};
+        let lens = [3 * NORM_CHUNK + 5, 8 * NORM_CHUNK, 0, 2 * SQUARES_PIECE + 9 * NORM_CHUNK + 17, 1];
+        let bufs: Vec<Vec<f32>> = lens
+            .iter()
+            .enumerate()
+            .map(|(b, &n)| (0..n).map(|i| ((i * 7 + b) as f32 * 0.013).sin() * 1e3).collect())
+            .collect();
+        let want: Vec<u32> = bufs
+            .iter()
+            .flat_map(|b| b.chunks(NORM_CHUNK).map(|c| c.iter().fold(-0.0f32, |a, &v| v.mul_add(v, a)).to_bits()))
+            .collect();
+        for b in &bufs {
+            let one: Vec<u32> = b.chunks(NORM_CHUNK).map(|c| c.iter().fold(-0.0f32, |a, &v| v.mul_add(v, a)).to_bits()).collect();
+            assert_eq!(chunk_sums_of_squares(b).iter().map(|v| v.to_bits()).collect::<Vec<_>>(), one);
+        }
+        let st: Vec<Storage> = bufs.iter().map(|b| Storage::from_f32(b.clone(), Device::Cpu).unwrap()).collect();
+        let refs: Vec<&Storage> = st.iter().collect();
+        for threads in [1, 3] {
+            set_cpu_threads(Some(threads));
+            let cpu: Vec<_> = refs.iter().map(|s| s.cpu()).collect();
+            let got = super::ReduceOps::chunk_sum_squares(&cpu).unwrap();
+            assert_eq!(got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want, "{threads} threads");
+        }
+        set_cpu_threads(None);
+    }
     type SoftmaxBackwardF32 = fn(&[f32], &[f32], usize, usize, f32, bool, &mut [MaybeUninit<f32>]);
 
     /// Every f32 softmax this CPU can run: the generic loops, and the AVX2
@@ -732,7 +788,7 @@ mod tests {
     /// mask follows each block's first row, the last block is ragged.
     #[test]
     fn threaded_softmax_gives_the_one_thread_bits() {
-        let (rows, n) = (2 * 1025 + 3, 512); // above THREADED_ROW_ELEMS
+        let (rows, n) = (2 * 1025 + 3, 512); // above pool::SPLIT_VALUES
         let gen = crate::Generator::new(5);
         let st = |v: Vec<f32>| Storage::from_f32(v, Device::Cpu).unwrap();
         let x = st(gen.uniform(rows * n).iter().map(|u| (u - 0.5) * 40.0).collect());

@@ -1,0 +1,269 @@
+//! The threads of the large CPU kernels: one worker per core after the first,
+//! started at the first parallel call. A worker that finishes a job spins on
+//! the job counter for a while before it sleeps: a training step hands out a
+//! parallel region every few hundred microseconds, and waking a sleeping
+//! thread costs 50–150 µs on a virtual machine — more than many of the
+//! regions themselves.
+//!
+//! A job is `tasks` calls of one closure, taken in turn by the caller and the
+//! workers. One job runs at a time: a call made while another thread's job is
+//! in flight, or from inside a task, runs its tasks itself, in order. The
+//! kernels split their work the same way whichever thread runs a part, so no
+//! result depends on it.
+
+use super::cpu_threads;
+use std::cell::Cell;
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+/// How long an idle worker watches for the next job before it sleeps.
+const SPIN: Duration = Duration::from_millis(2);
+
+/// A pass over fewer values than this runs on one thread: its parts would
+/// take about as long as handing them out (a few microseconds).
+pub const SPLIT_VALUES: usize = 1 << 15;
+
+/// Runs `f(item)` for every item, spread over the pool's threads and the
+/// caller; returns when all have finished. A panic in any of them is raised
+/// here once every item has been run.
+pub fn each<T: Send>(items: impl IntoIterator<Item = T>, f: impl Fn(T) + Sync) {
+    map(items, f);
+}
+
+/// [`each`], returning the results in the items' order.
+pub fn map<T: Send, R: Send>(items: impl IntoIterator<Item = T>, f: impl Fn(T) -> R + Sync) -> Vec<R> {
+    let slots: Vec<Mutex<(Option<T>, Option<R>)>> = items.into_iter().map(|t| Mutex::new((Some(t), None))).collect();
+    let one = |i: usize| {
+        let item = lock(&slots[i]).0.take().expect("each item is taken once");
+        let r = f(item);
+        lock(&slots[i]).1 = Some(r);
+    };
+    run(slots.len(), &one);
+    slots
+        .into_iter()
+        .map(|s| s.into_inner().unwrap_or_else(|e| e.into_inner()).1.expect("every item ran"))
+        .collect()
+}
+
+/// Runs `f(i)` for `i` in `0..tasks` (see [`each`]) on at most
+/// [`cpu_threads`] threads.
+pub fn run(tasks: usize, f: &(dyn Fn(usize) + Sync)) {
+    let pool = pool();
+    let helpers = cpu_threads().min(tasks).saturating_sub(1);
+    let busy = match pool.as_ref().filter(|_| helpers > 0 && !IN_TASK.get()) {
+        Some(p) => p.busy.try_lock().ok().map(|g| (p, g)),
+        None => None,
+    };
+    let Some((pool, _busy)) = busy else {
+        let _inside = InTask::enter();
+        return (0..tasks).for_each(f);
+    };
+    // SAFETY: `f` is called only for task numbers below `tasks`, and every
+    // such call has returned before this function does (the wait on `done`
+    // below), so no worker calls it after its borrow ends. A worker still
+    // holding the job afterwards only finds its task counter exhausted.
+    let f: &'static (dyn Fn(usize) + Sync) = unsafe { std::mem::transmute(f) };
+    let job = Arc::new(Job {
+        f,
+        tasks,
+        seats: AtomicUsize::new(helpers),
+        next: AtomicUsize::new(0),
+        done: AtomicUsize::new(0),
+        panicked: AtomicBool::new(false),
+    });
+    *lock(&pool.job) = Some(job.clone());
+    pool.generation.fetch_add(1, Ordering::Release);
+    if *lock(&pool.sleepers) > 0 {
+        pool.wake.notify_all();
+    }
+    job.work();
+    let mut spins = 0u32;
+    while job.done.load(Ordering::Acquire) < tasks {
+        pause(&mut spins);
+    }
+    *lock(&pool.job) = None;
+    if job.panicked.load(Ordering::Relaxed) {
+        resume_unwind(Box::new("a parallel task panicked"));
+    }
+}
+
+struct Job {
+    f: &'static (dyn Fn(usize) + Sync),
+    tasks: usize,
+    /// How many more workers may join.
+    seats: AtomicUsize,
+    next: AtomicUsize,
+    done: AtomicUsize,
+    panicked: AtomicBool,
+}
+
+impl Job {
+    /// Takes tasks until none is left; each finished one counts in `done`.
+    fn work(&self) {
+        let _inside = InTask::enter();
+        loop {
+            let i = self.next.fetch_add(1, Ordering::Relaxed);
+            if i >= self.tasks {
+                return;
+            }
+            if catch_unwind(AssertUnwindSafe(|| (self.f)(i))).is_err() {
+                self.panicked.store(true, Ordering::Relaxed);
+            }
+            self.done.fetch_add(1, Ordering::Release);
+        }
+    }
+}
+
+struct Pool {
+    /// Held by the thread whose job is in flight.
+    busy: Mutex<()>,
+    job: Mutex<Option<Arc<Job>>>,
+    /// Counts the jobs handed out; a worker watches it for the next.
+    generation: AtomicU64,
+    sleepers: Mutex<usize>,
+    wake: Condvar,
+}
+
+thread_local! {
+    static IN_TASK: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Marks this thread as running tasks until dropped (a nested call runs inline).
+struct InTask(bool);
+
+impl InTask {
+    fn enter() -> InTask {
+        InTask(IN_TASK.replace(true))
+    }
+}
+
+impl Drop for InTask {
+    fn drop(&mut self) {
+        IN_TASK.set(self.0);
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The pool, started on first use; `None` on a one-core machine.
+fn pool() -> Option<&'static Pool> {
+    static POOL: OnceLock<Option<&'static Pool>> = OnceLock::new();
+    *POOL.get_or_init(|| {
+        let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+        if cores < 2 {
+            return None;
+        }
+        let pool: &'static Pool = Box::leak(Box::new(Pool {
+            busy: Mutex::new(()),
+            job: Mutex::new(None),
+            generation: AtomicU64::new(0),
+            sleepers: Mutex::new(0),
+            wake: Condvar::new(),
+        }));
+        for w in 1..cores {
+            std::thread::Builder::new()
+                .name(format!("tinyllm-cpu-{w}"))
+                .spawn(move || worker(pool))
+                .ok()?;
+        }
+        Some(pool)
+    })
+}
+
+fn worker(pool: &'static Pool) {
+    let mut seen = 0;
+    loop {
+        seen = next_generation(pool, seen);
+        let job = lock(&pool.job).clone();
+        if let Some(job) = job {
+            let seat = job.seats.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |s| s.checked_sub(1));
+            if seat.is_ok() {
+                job.work();
+            }
+        }
+    }
+}
+
+/// One round of a busy wait: a pause instruction at first, then a yield, so
+/// that with more runnable threads than cores (tests in parallel) the wait
+/// gives way to them.
+fn pause(spins: &mut u32) {
+    *spins = spins.wrapping_add(1);
+    if *spins < 2048 {
+        std::hint::spin_loop();
+    } else {
+        std::thread::yield_now();
+    }
+}
+
+/// Waits until the generation differs from `seen` — spinning for [`SPIN`],
+/// then asleep — and returns it.
+fn next_generation(pool: &Pool, seen: u64) -> u64 {
+    let start = Instant::now();
+    let mut spins = 0u32;
+    loop {
+        let g = pool.generation.load(Ordering::Acquire);
+        if g != seen {
+            return g;
+        }
+        pause(&mut spins);
+        if spins.is_multiple_of(256) && start.elapsed() > SPIN {
+            break;
+        }
+    }
+    let mut sleepers = lock(&pool.sleepers);
+    *sleepers += 1;
+    loop {
+        let g = pool.generation.load(Ordering::Acquire);
+        if g != seen {
+            *sleepers -= 1;
+            return g;
+        }
+        sleepers = pool.wake.wait(sleepers).unwrap_or_else(|e| e.into_inner());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_item_runs_once_and_nested_calls_run_inline() {
+        let hits: Vec<AtomicUsize> = (0..37).map(|_| AtomicUsize::new(0)).collect();
+        for _ in 0..200 {
+            each(0..37, |i| {
+                hits[i].fetch_add(1, Ordering::Relaxed);
+                // a nested call from inside a task
+                let inner = AtomicUsize::new(0);
+                each(0..3, |_| {
+                    inner.fetch_add(1, Ordering::Relaxed);
+                });
+                assert_eq!(inner.load(Ordering::Relaxed), 3);
+            });
+        }
+        assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 200));
+    }
+
+    #[test]
+    fn a_panicking_task_panics_the_caller_after_the_others_ran() {
+        let ran = AtomicUsize::new(0);
+        let r = catch_unwind(AssertUnwindSafe(|| {
+            each(0..8, |i| {
+                ran.fetch_add(1, Ordering::Relaxed);
+                assert!(i != 5, "task 5 fails");
+            })
+        }));
+        assert!(r.is_err());
+        assert_eq!(ran.load(Ordering::Relaxed), 8);
+        // the pool still works afterwards
+        let n = AtomicUsize::new(0);
+        each(0..4, |_| {
+            n.fetch_add(1, Ordering::Relaxed);
+        });
+        assert_eq!(n.load(Ordering::Relaxed), 4);
+    }
+}
