@@ -44,6 +44,18 @@ pub fn draw_u32(seed: u64, offset: u64, i: u64) -> u32 {
     out[(i % 4) as usize]
 }
 
+/// Draws `0..n` of a stream at `(seed, offset)`, in order: each block's
+/// four draws from one Philox call (the same values as [`draw_u32`]).
+pub fn draws(seed: u64, offset: u64, n: usize) -> impl Iterator<Item = u32> {
+    let key = [seed as u32, (seed >> 32) as u32];
+    (0..(n as u64).div_ceil(4))
+        .flat_map(move |b| {
+            let block = offset.wrapping_add(b);
+            philox4x32([block as u32, (block >> 32) as u32, 0, 0], key)
+        })
+        .take(n)
+}
+
 /// A uniform draw in `[0, 1)` with 24 random bits: `(u >> 8) * 2^-24` (exact).
 #[inline]
 pub fn uniform01(u: u32) -> f32 {
@@ -95,17 +107,16 @@ impl Generator {
     /// `n` uniform draws in `[0, 1)`, on the host.
     pub fn uniform(&self, n: usize) -> Vec<f32> {
         let s = self.reserve(n);
-        (0..n as u64)
-            .map(|i| uniform01(draw_u32(s.seed, s.offset, i)))
-            .collect()
+        draws(s.seed, s.offset, n).map(uniform01).collect()
     }
     /// `n` draws of an approximately standard normal variable: the Irwin–Hall
     /// sum of 12 uniforms minus 6 (exact arithmetic, no transcendental function,
     /// so init is the same bits on every platform). Used for weight init only.
     pub fn normal(&self, n: usize) -> Vec<f32> {
-        let u = self.uniform(12 * n);
-        u.chunks(12)
-            .map(|c| c.iter().fold(-6.0f32, |a, &x| a + x))
+        let s = self.reserve(12 * n);
+        let mut u = draws(s.seed, s.offset, 12 * n).map(uniform01);
+        (0..n)
+            .map(|_| u.by_ref().take(12).fold(-6.0f32, |a, x| a + x))
             .collect()
     }
     /// A uniform integer in `0..n` (sampling, data order), from a 64-bit draw
@@ -145,5 +156,31 @@ mod tests {
         assert_eq!(g.uniform(10), a);
         assert_eq!(g.state(), after);
         assert_ne!(g.uniform(10), a);
+    }
+
+    /// A stream read block by block gives draw `i` at `(seed, offset + i/4, i%4)`,
+    /// as each draw alone: lengths that end inside a block, an offset that
+    /// crosses 2^32 blocks, a seed with both halves set.
+    #[test]
+    fn draws_in_blocks_are_the_single_draws() {
+        for (seed, offset) in [(7u64, 0u64), (0x1234_5678_9abc_def0, (1 << 32) - 2)] {
+            for n in [0, 1, 3, 4, 9, 17] {
+                let blocks: Vec<u32> = draws(seed, offset, n).collect();
+                let single: Vec<u32> = (0..n as u64).map(|i| draw_u32(seed, offset, i)).collect();
+                assert_eq!(blocks, single, "seed {seed:#x} offset {offset} n {n}");
+            }
+        }
+        // normal: each value the sum of its own twelve uniforms from −6
+        let g = Generator::new(11);
+        let s = g.state();
+        let z = g.normal(5);
+        let u: Vec<f32> = (0..60)
+            .map(|i| uniform01(draw_u32(s.seed, s.offset, i)))
+            .collect();
+        let want: Vec<f32> = u
+            .chunks(12)
+            .map(|c| c.iter().fold(-6.0f32, |a, &x| a + x))
+            .collect();
+        assert_eq!(z, want);
     }
 }

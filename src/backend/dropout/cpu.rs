@@ -8,14 +8,8 @@ use crate::Result;
 impl DropoutOps for CpuStorage {
     fn dropout_mask(n: usize, p: f32, scale: f32, seed: u64, offset: u64) -> Result<CpuStorage> {
         Ok(CpuStorage::from_f32(
-            (0..n as u64)
-                .map(|i| {
-                    if rng::uniform01(rng::draw_u32(seed, offset, i)) >= p {
-                        scale
-                    } else {
-                        0.0
-                    }
-                })
+            rng::draws(seed, offset, n)
+                .map(|u| if rng::uniform01(u) >= p { scale } else { 0.0 })
                 .collect(),
         ))
     }
