@@ -14,7 +14,8 @@
 use super::cpu_threads;
 use std::cell::Cell;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::any::Any;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -58,7 +59,13 @@ pub fn run(tasks: usize, f: &(dyn Fn(usize) + Sync)) {
     };
     let Some((pool, _busy)) = busy else {
         let _inside = InTask::enter();
-        return (0..tasks).for_each(f);
+        let mut panic = None;
+        for i in 0..tasks {
+            if let Err(p) = catch_unwind(AssertUnwindSafe(|| f(i))) {
+                panic.get_or_insert(p);
+            }
+        }
+        return panic.map_or((), |p| resume_unwind(p));
     };
     // SAFETY: `f` is called only for task numbers below `tasks`, and every
     // such call has returned before this function does (the wait on `done`
@@ -71,7 +78,7 @@ pub fn run(tasks: usize, f: &(dyn Fn(usize) + Sync)) {
         seats: AtomicUsize::new(helpers),
         next: AtomicUsize::new(0),
         done: AtomicUsize::new(0),
-        panicked: AtomicBool::new(false),
+        panic: Mutex::new(None),
     });
     *lock(&pool.job) = Some(job.clone());
     pool.generation.fetch_add(1, Ordering::Release);
@@ -84,8 +91,9 @@ pub fn run(tasks: usize, f: &(dyn Fn(usize) + Sync)) {
         pause(&mut spins);
     }
     *lock(&pool.job) = None;
-    if job.panicked.load(Ordering::Relaxed) {
-        resume_unwind(Box::new("a parallel task panicked"));
+    let panic = lock(&job.panic).take();
+    if let Some(p) = panic {
+        resume_unwind(p);
     }
 }
 
@@ -96,7 +104,8 @@ struct Job {
     seats: AtomicUsize,
     next: AtomicUsize,
     done: AtomicUsize,
-    panicked: AtomicBool,
+    /// The first panic of a task, raised in the caller.
+    panic: Mutex<Option<Box<dyn Any + Send>>>,
 }
 
 impl Job {
@@ -108,8 +117,8 @@ impl Job {
             if i >= self.tasks {
                 return;
             }
-            if catch_unwind(AssertUnwindSafe(|| (self.f)(i))).is_err() {
-                self.panicked.store(true, Ordering::Relaxed);
+            if let Err(p) = catch_unwind(AssertUnwindSafe(|| (self.f)(i))) {
+                lock(&self.panic).get_or_insert(p);
             }
             self.done.fetch_add(1, Ordering::Release);
         }
@@ -250,15 +259,21 @@ mod tests {
 
     #[test]
     fn a_panicking_task_panics_the_caller_after_the_others_ran() {
-        let ran = AtomicUsize::new(0);
-        let r = catch_unwind(AssertUnwindSafe(|| {
-            each(0..8, |i| {
-                ran.fetch_add(1, Ordering::Relaxed);
-                assert!(i != 5, "task 5 fails");
-            })
-        }));
-        assert!(r.is_err());
-        assert_eq!(ran.load(Ordering::Relaxed), 8);
+        // on the threads, and on the caller alone
+        for threads in [2, 1] {
+            crate::backend::cpu::set_cpu_threads(Some(threads));
+            let ran = AtomicUsize::new(0);
+            let r = catch_unwind(AssertUnwindSafe(|| {
+                each(0..8, |i| {
+                    ran.fetch_add(1, Ordering::Relaxed);
+                    assert!(i != 5, "task {i} fails");
+                })
+            }));
+            let message = r.expect_err("the caller panics").downcast::<String>().map(|m| *m);
+            assert_eq!(message.ok().as_deref(), Some("task 5 fails"), "the task's own panic");
+            assert_eq!(ran.load(Ordering::Relaxed), 8, "{threads} threads");
+        }
+        crate::backend::cpu::set_cpu_threads(None);
         // the pool still works afterwards
         let n = AtomicUsize::new(0);
         each(0..4, |_| {
