@@ -145,6 +145,44 @@ pub(crate) fn transpose8(a: [std::arch::x86_64::__m256; 8]) -> [std::arch::x86_6
     })
 }
 
+/// Each row's first `lens[r]` values of the rows of `x` (`n` wide) added up
+/// in order from −0 — each value squared first (rounded) with `SQUARE` — as
+/// [`fold_ragged`](super::fold_ragged) folds them: eight rows at a time, one
+/// per lane, over the terms they all have (then each row's own rest), so the
+/// adds' latency is waited out once per eight rows.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+pub(crate) fn row_sums_avx2<const SQUARE: bool>(x: &[f32], n: usize, lens: &[usize]) -> Vec<f32> {
+    use std::arch::x86_64::*;
+    const LANES: usize = 8;
+    assert!(x.len() >= lens.len() * n && lens.iter().all(|&l| l <= n));
+    let term = |v: f32| if SQUARE { v * v } else { v };
+    let mut sums = vec![-0.0f32; lens.len()];
+    for (b, (s, l)) in sums.chunks_mut(LANES).zip(lens.chunks(LANES)).enumerate() {
+        let r0 = b * LANES;
+        let mut j = 0;
+        if s.len() == LANES {
+            let common = l.iter().copied().min().unwrap_or(0);
+            let mut acc = _mm256_set1_ps(-0.0);
+            while j + LANES <= common {
+                // SAFETY: rows r0 .. r0 + 8 hold the values j .. j + 8 (asserted above).
+                let c = transpose8(std::array::from_fn(|i| unsafe { _mm256_loadu_ps(x.as_ptr().add((r0 + i) * n + j)) }));
+                for v in c {
+                    acc = _mm256_add_ps(acc, if SQUARE { _mm256_mul_ps(v, v) } else { v });
+                }
+                j += LANES;
+            }
+            // SAFETY: `s` holds LANES values.
+            unsafe { _mm256_storeu_ps(s.as_mut_ptr(), acc) };
+        }
+        for (i, (s, &l)) in s.iter_mut().zip(l).enumerate() {
+            let row = &x[(r0 + i) * n..];
+            *s = row[j..l].iter().fold(*s, |a, &v| a + term(v));
+        }
+    }
+    sums
+}
+
 /// Defines a kernel compiled twice — for the build target's baseline and with
 /// AVX2 + FMA enabled — that runs the copy for [`level`] (the AVX2 copy at
 /// `Avx512`: only the matmul tile, the softmax's passes, SwiGLU and bf16

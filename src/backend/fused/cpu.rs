@@ -175,7 +175,7 @@ simd::multiversion! {
         let ss = if d == 0 {
             vec![T::NEG_ZERO; rstd.len()]
         } else {
-            fold_ragged(x, d, &vec![d; rstd.len()], T::NEG_ZERO, |a, v| a.add(v.mul(v)))
+            T::row_sums(x, d, rstd.len(), true)
         };
         // mean, + eps, rsqrt = div(1, sqrt(·)): one of each per row
         let rstd = write_exact(rstd, ss.into_iter().map(|s| T::ONE.div(s.div(dn).add(eps).sqrt())));
@@ -241,7 +241,7 @@ simd::multiversion! {
         let (dx1, dx2) = unsafe { (assume_init_mut(dx1), assume_init_mut(dx2)) };
         // each row's Σ g·w·x: the sequential fold of the reduction that sums
         // x·r's broadcast gradient, four rows in lockstep
-        let grs = fold_ragged(dx2, d, &vec![d; rstd.len()], T::NEG_ZERO, |a, p| a.add(p));
+        let grs = T::row_sums(dx2, d, rstd.len(), false);
         for (((o1, o2), xr), (&gr, &r)) in dx1
             .chunks_exact_mut(d)
             .zip(dx2.chunks_exact_mut(d))

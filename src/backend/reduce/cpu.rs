@@ -412,7 +412,7 @@ simd::multiversion! {
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::*;
-    use crate::backend::cpu::simd::{first_lanes, transpose8};
+    use crate::backend::cpu::simd::{first_lanes, row_sums_avx2, transpose8};
     use crate::backend::math::avx2::{div, exp};
     use std::arch::x86_64::*;
 
@@ -545,7 +545,7 @@ mod avx2 {
             }
             // SAFETY: every row of the block was written in full just above.
             let ob = unsafe { assume_init_mut(ob) };
-            let sums = row_sums(ob, n, &live);
+            let sums = row_sums_avx2::<false>(ob, n, &live);
             for ((o, &s), &l) in ob.chunks_exact_mut(n).zip(&sums).zip(&live) {
                 if wide {
                     // SAFETY: as above.
@@ -615,39 +615,6 @@ mod avx2 {
             // SAFETY: the mask's lanes lie inside `x`.
             unsafe { _mm512_mask_storeu_ps(p.add(i), k, avx512::div(_mm512_maskz_loadu_ps(k, p.add(i)), sv)) };
         }
-    }
-
-    /// Each row's first `lens[r]` values of the rows of `x` (`n` wide) added
-    /// up in order from −0, as [`fold_ragged`]: eight rows at a time, one per
-    /// lane, over the terms they all have (then each row's own rest), so the
-    /// adds' latency is waited out once per eight rows.
-    #[target_feature(enable = "avx2,fma")]
-    fn row_sums(x: &[f32], n: usize, lens: &[usize]) -> Vec<f32> {
-        assert!(x.len() >= lens.len() * n && lens.iter().all(|&l| l <= n));
-        let mut sums = vec![-0.0f32; lens.len()];
-        for (b, (s, l)) in sums.chunks_mut(LANES).zip(lens.chunks(LANES)).enumerate() {
-            let r0 = b * LANES;
-            let mut j = 0;
-            if s.len() == LANES {
-                let common = l.iter().copied().min().unwrap_or(0);
-                let mut acc = _mm256_set1_ps(-0.0);
-                while j + LANES <= common {
-                    // SAFETY: rows r0 .. r0 + 8 hold the values j .. j + 8 (asserted above).
-                    let c = transpose8(std::array::from_fn(|i| unsafe { _mm256_loadu_ps(x.as_ptr().add((r0 + i) * n + j)) }));
-                    for v in c {
-                        acc = _mm256_add_ps(acc, v);
-                    }
-                    j += LANES;
-                }
-                // SAFETY: `s` holds LANES values.
-                unsafe { _mm256_storeu_ps(s.as_mut_ptr(), acc) };
-            }
-            for (i, (s, &l)) in s.iter_mut().zip(l).enumerate() {
-                let row = &x[(r0 + i) * n..];
-                *s = row[j..l].iter().fold(*s, |a, &v| a + v);
-            }
-        }
-        sums
     }
 
     /// [`softmax_backward_t`] for f32, bit for bit. Each row's dot is one
