@@ -84,34 +84,11 @@ pub trait Elem: Copy + PartialOrd + std::fmt::Debug + Send + Sync + 'static {
     /// −0, every value first squared (rounded) with `square` — the
     /// [`fold_ragged`] of the row reductions, four rows in lockstep.
     fn row_sums(x: &[Self], n: usize, rows: usize, square: bool) -> Vec<Self> {
-        let lens = vec![n; rows];
-        match square {
-            true => fold_ragged(x, n, &lens, Self::NEG_ZERO, |a, v| a.add(v.mul(v))),
-            false => fold_ragged(x, n, &lens, Self::NEG_ZERO, |a, v| a.add(v)),
-        }
+        folded_row_sums(x, n, rows, square)
     }
 }
 
 impl Elem for f32 {
-    /// Eight rows a vector with AVX2 (`simd::row_sums_avx2`), the same bits.
-    fn row_sums(x: &[f32], n: usize, rows: usize, square: bool) -> Vec<f32> {
-        #[cfg(target_arch = "x86_64")]
-        if simd::level() != simd::Level::Portable {
-            let lens = vec![n; rows];
-            // SAFETY: these levels are only set where the CPU reported AVX2 and FMA.
-            return unsafe {
-                match square {
-                    true => simd::row_sums_avx2::<true>(x, n, &lens),
-                    false => simd::row_sums_avx2::<false>(x, n, &lens),
-                }
-            };
-        }
-        let lens = vec![n; rows];
-        match square {
-            true => fold_ragged(x, n, &lens, -0.0, |a, v| a + v * v),
-            false => fold_ragged(x, n, &lens, -0.0, |a, v| a + v),
-        }
-    }
     const NEG_ZERO: f32 = -0.0;
     const ZERO: f32 = 0.0;
     const ONE: f32 = 1.0;
@@ -176,6 +153,30 @@ impl Elem for f32 {
     }
     fn view(s: &CpuStorage) -> Ref<'_, Vec<f32>> {
         s.f32s()
+    }
+    /// Eight rows a vector with AVX2 (`simd::row_sums_avx2`), the same bits.
+    fn row_sums(x: &[f32], n: usize, rows: usize, square: bool) -> Vec<f32> {
+        #[cfg(target_arch = "x86_64")]
+        if simd::level() != simd::Level::Portable {
+            let lens = vec![n; rows];
+            // SAFETY: these levels are only set where the CPU reported AVX2 and FMA.
+            return unsafe {
+                match square {
+                    true => simd::row_sums_avx2::<true>(x, n, &lens),
+                    false => simd::row_sums_avx2::<false>(x, n, &lens),
+                }
+            };
+        }
+        folded_row_sums(x, n, rows, square)
+    }
+}
+
+/// [`Elem::row_sums`] by [`fold_ragged`].
+fn folded_row_sums<T: Elem>(x: &[T], n: usize, rows: usize, square: bool) -> Vec<T> {
+    let lens = vec![n; rows];
+    match square {
+        true => fold_ragged(x, n, &lens, T::NEG_ZERO, |a, v| a.add(v.mul(v))),
+        false => fold_ragged(x, n, &lens, T::NEG_ZERO, |a, v| a.add(v)),
     }
 }
 

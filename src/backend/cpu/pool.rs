@@ -2,8 +2,8 @@
 //! started at the first parallel call. A worker that finishes a job spins on
 //! the job counter for a while before it sleeps: a training step hands out a
 //! parallel region every few hundred microseconds, and waking a sleeping
-//! thread costs 50–150 µs on a virtual machine — more than many of the
-//! regions themselves.
+//! thread can cost more than many of the regions themselves (BENCHMARKS.md,
+//! fourteenth sitting).
 //!
 //! A job is `tasks` calls of one closure, taken in turn by the caller and the
 //! workers. One job runs at a time: a call made while another thread's job is
@@ -12,9 +12,9 @@
 //! result depends on it.
 
 use super::cpu_threads;
+use std::any::Any;
 use std::cell::Cell;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
-use std::any::Any;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -158,7 +158,8 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// The pool, started on first use; `None` on a one-core machine.
+/// The pool, started on first use; `None` on a one-core machine or where no
+/// thread could be started.
 fn pool() -> Option<&'static Pool> {
     static POOL: OnceLock<Option<&'static Pool>> = OnceLock::new();
     *POOL.get_or_init(|| {
@@ -173,13 +174,15 @@ fn pool() -> Option<&'static Pool> {
             sleepers: Mutex::new(0),
             wake: Condvar::new(),
         }));
-        for w in 1..cores {
-            std::thread::Builder::new()
-                .name(format!("tinyllm-cpu-{w}"))
-                .spawn(move || worker(pool))
-                .ok()?;
-        }
-        Some(pool)
+        let started = (1..cores)
+            .filter(|w| {
+                let spawned = std::thread::Builder::new()
+                    .name(format!("tinyllm-cpu-{w}"))
+                    .spawn(move || worker(pool));
+                spawned.is_ok()
+            })
+            .count();
+        (started > 0).then_some(pool)
     })
 }
 
