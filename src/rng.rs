@@ -36,23 +36,22 @@ pub fn philox4x32(counter: [u32; 4], key: [u32; 2]) -> [u32; 4] {
 /// The `i`-th 32-bit draw of a stream at `(seed, offset)`.
 #[inline]
 pub fn draw_u32(seed: u64, offset: u64, i: u64) -> u32 {
-    let block = offset.wrapping_add(i / 4);
-    let out = philox4x32(
-        [block as u32, (block >> 32) as u32, 0, 0],
+    block(seed, offset.wrapping_add(i / 4))[(i % 4) as usize]
+}
+
+/// The four draws of counter block `b` of stream `seed`.
+fn block(seed: u64, b: u64) -> [u32; 4] {
+    philox4x32(
+        [b as u32, (b >> 32) as u32, 0, 0],
         [seed as u32, (seed >> 32) as u32],
-    );
-    out[(i % 4) as usize]
+    )
 }
 
 /// Draws `0..n` of a stream at `(seed, offset)`, in order: each block's
 /// four draws from one Philox call (the same values as [`draw_u32`]).
 pub fn draws(seed: u64, offset: u64, n: usize) -> impl Iterator<Item = u32> {
-    let key = [seed as u32, (seed >> 32) as u32];
     (0..(n as u64).div_ceil(4))
-        .flat_map(move |b| {
-            let block = offset.wrapping_add(b);
-            philox4x32([block as u32, (block >> 32) as u32, 0, 0], key)
-        })
+        .flat_map(move |b| block(seed, offset.wrapping_add(b)))
         .take(n)
 }
 

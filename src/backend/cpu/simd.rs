@@ -153,8 +153,8 @@ pub(crate) fn transpose8(a: [std::arch::x86_64::__m256; 8]) -> [std::arch::x86_6
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 pub(crate) fn row_sums_avx2<const SQUARE: bool>(x: &[f32], n: usize, lens: &[usize]) -> Vec<f32> {
+    use crate::backend::math::LANES;
     use std::arch::x86_64::*;
-    const LANES: usize = 8;
     assert!(x.len() >= lens.len() * n && lens.iter().all(|&l| l <= n));
     let term = |v: f32| if SQUARE { v * v } else { v };
     let mut sums = vec![-0.0f32; lens.len()];
