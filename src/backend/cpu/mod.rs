@@ -313,6 +313,16 @@ pub fn write_exact<T>(dst: &mut [MaybeUninit<T>], values: impl IntoIterator<Item
     unsafe { assume_init_mut(dst) }
 }
 
+/// Writes +0 into every element of `dst` (one `memset`: the +0 of both
+/// element types, f32 and f64, is all zero bits).
+pub fn write_zeros<T: Elem>(dst: &mut [MaybeUninit<T>]) -> &mut [T] {
+    // SAFETY: `dst` is valid for `dst.len()` writes, and all-zero bytes are +0.
+    unsafe {
+        std::ptr::write_bytes(dst.as_mut_ptr(), 0, dst.len());
+        assume_init_mut(dst)
+    }
+}
+
 /// `x` as the values written into it.
 ///
 /// # Safety

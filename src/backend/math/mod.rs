@@ -441,7 +441,8 @@ pub mod avx2 {
 }
 
 /// [`exp`] and [`div`] on AVX-512 vectors of 16 lanes, bit for bit: the AVX2
-/// steps with mask registers for the selects.
+/// steps with mask registers for the selects, and `scale2` as one scaling
+/// instruction.
 #[cfg(target_arch = "x86_64")]
 pub mod avx512 {
     use super::*;
@@ -462,10 +463,9 @@ pub mod avx512 {
         for c in &EXP_POLY[1..] {
             p = _mm512_fmadd_ps(p, r, f(*c));
         }
-        let ni = _mm512_cvttps_epi32(n);
-        let n1 = _mm512_srai_epi32::<1>(_mm512_add_epi32(ni, _mm512_srli_epi32::<31>(ni)));
-        let pow2 = |e: __m512i| _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(e, _mm512_set1_epi32(127))));
-        let out = _mm512_mul_ps(_mm512_mul_ps(p, pow2(n1)), pow2(_mm512_sub_epi32(ni, n1)));
+        // scale2(p, n) in one instruction: p·2^n rounded once, as scale2's
+        // two products round (the first, by 2^(n/2), is exact)
+        let out = _mm512_scalef_ps(p, n);
         let out = _mm512_mask_blend_ps(_mm512_cmp_ps_mask::<_CMP_LT_OQ>(xv, f(EXP_LO)), out, _mm512_setzero_ps());
         let out = _mm512_mask_blend_ps(_mm512_cmp_ps_mask::<_CMP_GT_OQ>(xv, f(EXP_HI)), out, f(f32::INFINITY));
         let qnan = _mm512_castsi512_ps(_mm512_set1_epi32(QNAN as i32));

@@ -4,7 +4,7 @@ use super::{ReduceOp, ReduceOps, NORM_CHUNK};
 use crate::backend::cpu::pool;
 use crate::backend::cpu::{
     assume_init_mut, both, both2, cpu_threads, fold_ragged, for_lanes_mut, maximum, simd,
-    write_exact, write_lanes, CpuStorage, Elem,
+    write_exact, write_lanes, write_zeros, CpuStorage, Elem,
 };
 use crate::backend::math::LANES;
 use crate::Result;
@@ -339,7 +339,7 @@ simd::multiversion! {
                     // a non-finite max: the masked keys' exp (not worked out for other rows)
                     write_exact(masked, std::iter::repeat_n(T::NEG_INF.sub(m).exp(), l - k));
                 }
-                write_exact(zeros, std::iter::repeat_n(T::ZERO, n - l));
+                write_zeros(zeros);
             }
             // SAFETY: every row of the block was written in full just above.
             let ob = unsafe { assume_init_mut(ob) };
@@ -401,7 +401,7 @@ simd::multiversion! {
             } else {
                 write_exact(o, yr.iter().zip(gr).map(|(&yv, &gv)| yv.mul(gv.sub(dot)).mul(s)));
             }
-            write_exact(masked, std::iter::repeat_n(T::ZERO, n - live));
+            write_zeros(masked);
         }
     }
 }
@@ -540,7 +540,7 @@ mod avx2 {
                     // a non-finite max: the masked keys' exp (not worked out for other rows)
                     write_exact(masked, std::iter::repeat_n(crate::backend::math::exp(f32::NEG_INFINITY - m), l - k));
                 }
-                write_exact(zeros, std::iter::repeat_n(0.0, n - l));
+                write_zeros(zeros);
                 live.push(l);
             }
             // SAFETY: every row of the block was written in full just above.
@@ -688,7 +688,7 @@ mod avx2 {
             } else {
                 write_exact(o, yr.iter().zip(gr).map(|(&yv, &gv)| yv * (gv - dot) * s));
             }
-            write_exact(masked, std::iter::repeat_n(0.0, n - l));
+            write_zeros(masked);
         }
     }
 }
