@@ -304,7 +304,8 @@ fn rms_norm_forward_and_backward() {
             w[2] = f32::from_bits(5);
         }
         let g = rows_of(&mut rng, rows, d);
-        let ((xc, xg), (wc, wg), (gc, gg)) = (pair(&x), pair(&w), pair(&g));
+        let e = rows_of(&mut rng, rows, d);
+        let ((xc, xg), (wc, wg), (gc, gg), (ec, eg)) = (pair(&x), pair(&w), pair(&g), pair(&e));
         for eps in [1e-5, 0.0, 1e-38] {
             let what = format!("rms_norm {lead:?} x {d} eps {eps}");
             let (yc, rc) = xc.rms_norm(&wc, rows, d, eps).unwrap();
@@ -312,12 +313,19 @@ fn rms_norm_forward_and_backward() {
             assert_bits(&what, &vals(&yc), &vals(&yg), &[&x]);
             assert_bits(&format!("{what}: rstd"), &vals(&rc), &vals(&rg), &[]);
             let bc = xc
-                .rms_norm_backward(&wc, &rc, &gc, &lead, d, true, true)
+                .rms_norm_backward(&wc, &rc, &gc, None, &lead, d, true, true)
                 .unwrap();
             let bg = xg
-                .rms_norm_backward(&wg, &rg, &gg, &lead, d, true, true)
+                .rms_norm_backward(&wg, &rg, &gg, None, &lead, d, true, true)
                 .unwrap();
-            for (k, (c, g)) in [(bc.0, bg.0), (bc.1, bg.1), (bc.2, bg.2)]
+            // dx added into an earlier gradient
+            let ac = xc
+                .rms_norm_backward(&wc, &rc, &gc, Some(&ec), &lead, d, true, false)
+                .unwrap();
+            let ag = xg
+                .rms_norm_backward(&wg, &rg, &gg, Some(&eg), &lead, d, true, false)
+                .unwrap();
+            for (k, (c, g)) in [(bc.0, bg.0), (bc.1, bg.1), (ac.0, ag.0)]
                 .into_iter()
                 .enumerate()
             {
@@ -535,14 +543,14 @@ fn loops_longer_than_lavapipes_iteration_cap() {
     let (_, cr) = cx.rms_norm(&cw, 35_000, d, 1e-5).unwrap();
     let (_, gr) = gx.rms_norm(&gw, 35_000, d, 1e-5).unwrap();
     let want = cx
-        .rms_norm_backward(&cw, &cr, &cx, &lead, d, false, true)
+        .rms_norm_backward(&cw, &cr, &cx, None, &lead, d, false, true)
         .unwrap()
-        .2
+        .1
         .unwrap();
     let got = gx
-        .rms_norm_backward(&gw, &gr, &gx, &lead, d, false, true)
+        .rms_norm_backward(&gw, &gr, &gx, None, &lead, d, false, true)
         .unwrap()
-        .2
+        .1
         .unwrap();
     assert_bits(
         "rms_norm dw over 35000 rows",

@@ -1328,11 +1328,16 @@ fn fused(sw: &mut Sweep) -> Result<()> {
             let (y, r) = up(&x, dev)?.rms_norm(&up(&w, dev)?, rows, d, 1e-5)?;
             cat(vec![y, r])
         })?;
+        let e: Vec<f32> = (0..rows * d).map(|_| rng.moderate()).collect();
         sw.check("rms norm backward", "", case.clone(), &[&x], |dev| {
             let xs = up(&x, dev)?;
             let ws = up(&w, dev)?;
             let (_, r) = xs.rms_norm(&ws, rows, d, 1e-5)?;
-            let (a, b, c) = xs.rms_norm_backward(&ws, &r, &up(&g, dev)?, &[rows], d, true, true)?;
+            let gs = up(&g, dev)?;
+            // alone, and added into an earlier gradient
+            let (a, b) = xs.rms_norm_backward(&ws, &r, &gs, None, &[rows], d, true, true)?;
+            let (c, _) =
+                xs.rms_norm_backward(&ws, &r, &gs, Some(&up(&e, dev)?), &[rows], d, true, false)?;
             cat([a, b, c].into_iter().flatten().collect())
         })?;
         let gate = fused_rows(&mut rng, rows, d);

@@ -13,17 +13,17 @@
 //!   gradient, and so does the fused op — equal in any graph.
 //! * RMSNorm: the composition's input feeds `x·r` and `x²`, whose gradients
 //!   autograd adds in that order, each onto whatever `x` had gathered before.
-//!   The fused op lists `x` twice among its parents and returns the two apart
-//!   (`dx1`, `dx2`), so autograd adds them exactly where it added the
-//!   composition's — provided nothing else consuming `x` runs *between* the
-//!   two (it cannot in the Llama: the residual branch that also reads `x`
-//!   consumes the norm's output and runs before both).
+//!   The fused op's backward takes what autograd gathered for `x` so far and
+//!   returns it with the two added in that order, in the pass that computes
+//!   them — the composition's sums, provided nothing else consuming `x` runs
+//!   *between* the two (it cannot in the Llama: the residual branch that
+//!   also reads `x` consumes the norm's output and runs before both).
 //! * RoPE: the composition gives `x` three contributions (`x·cos` and one
 //!   per half of `rotate_half`); the fused op gives their sum, formed in the
 //!   same order, so it is exact where `x` has nothing else gathered before —
 //!   as in the Llama, where `x` is a fresh view of the projected heads that
-//!   only RoPE reads. (Splitting it like RMSNorm would cost two more passes
-//!   over `x` for a graph the model never builds.)
+//!   only RoPE reads. (It could add into the gathered gradient as RMSNorm
+//!   does, for a graph the model never builds.)
 
 use crate::tensor::saved::Saved;
 use crate::tensor::shape::numel;
@@ -48,18 +48,25 @@ impl Tensor {
         let (y, rstd) = self.storage().rms_norm(&w.storage(), rows, d, eps)?;
         let (want_dx, want_dw) = (self.requires_grad(), w.requires_grad());
         let (x, wk) = (Saved::keep(self)?, w.detach());
-        // x twice: the gradients through x·r and through x² (see the module docs)
-        Ok(Tensor::record(
+        // x's gradient adds into what autograd gathered for it before this
+        // node (see the module docs)
+        Ok(Tensor::record_gathering(
             y,
             self.shape().to_vec(),
             "rms_norm",
-            &[self, self, w],
-            move |g| {
+            &[self, w],
+            move |g, gathered| {
                 let x = x.get()?;
-                let (dx1, dx2, dw) = x.storage().rms_norm_backward(
+                let earlier = if want_dx {
+                    gathered.take(0).map(|e| e.storage())
+                } else {
+                    None
+                };
+                let (dx, dw) = x.storage().rms_norm_backward(
                     &wk.storage(),
                     &rstd,
                     &g.storage(),
+                    earlier.as_ref(),
                     &lead,
                     d,
                     want_dx,
@@ -68,7 +75,7 @@ impl Tensor {
                 let t = |s: Option<crate::backend::Storage>, shape: &[usize]| {
                     s.map(|s| Tensor::from_storage(s, shape)).transpose()
                 };
-                Ok(vec![t(dx1, x.shape())?, t(dx2, x.shape())?, t(dw, &[d])?])
+                Ok(vec![t(dx, x.shape())?, t(dw, &[d])?])
             },
         ))
     }

@@ -48,8 +48,30 @@ pub fn set_grad_enabled(on: bool) -> GradModeGuard {
 }
 
 /// A vector-Jacobian product: upstream gradient → one gradient per parent
-/// (`None` for a parent that gets none).
-pub type Vjp = Box<dyn FnOnce(&Tensor) -> Result<Vec<Option<Tensor>>>>;
+/// (`None` for a parent that gets none). It may take a parent's gradient
+/// gathered so far out of [`Gathered`] and return it with its own
+/// contribution added (a kernel that adds as it writes), in the order
+/// autograd would have added them.
+pub type Vjp = Box<dyn FnOnce(&Tensor, &mut Gathered) -> Result<Vec<Option<Tensor>>>>;
+
+/// The gradients gathered for a node's parents when its backward runs: the
+/// sums, in order, of every contribution of the nodes that ran before it.
+pub struct Gathered<'a> {
+    grads: &'a mut HashMap<usize, Tensor>,
+    parents: &'a [Rc<Meta>],
+}
+
+impl Gathered<'_> {
+    /// Parent `i`'s gradient so far, taken out: the node's contribution for
+    /// it must then be that gradient plus its own.
+    pub(crate) fn take(&mut self, i: usize) -> Option<Tensor> {
+        let p = &self.parents[i];
+        if !p.requires_grad.get() {
+            return None;
+        }
+        self.grads.remove(&p.id)
+    }
+}
 
 pub(crate) struct Node {
     pub(crate) name: &'static str,
@@ -141,7 +163,11 @@ pub(crate) fn backward(root: &Tensor, seed: Tensor) -> Result<()> {
         } = node;
         let pgrads = {
             let _at = crate::crosscheck::trace::backward_at(site.as_ref());
-            vjp(&g).map_err(|e| e.context(format!("backward of {name}")))?
+            let mut gathered = Gathered {
+                grads: &mut grads,
+                parents: &parents,
+            };
+            vjp(&g, &mut gathered).map_err(|e| e.context(format!("backward of {name}")))?
         };
         drop(g);
         for (p, pg) in parents.iter().zip(pgrads) {

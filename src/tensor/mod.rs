@@ -191,6 +191,18 @@ impl Tensor {
         parents: &[&Tensor],
         vjp: impl FnOnce(&Tensor) -> Result<Vec<Option<Tensor>>> + 'static,
     ) -> Tensor {
+        Tensor::record_gathering(storage, shape, name, parents, move |g, _| vjp(g))
+    }
+
+    /// [`Tensor::record`] for a backward that may take its parents'
+    /// gradients gathered so far and add its own into them (see [`Vjp`]).
+    pub(crate) fn record_gathering(
+        storage: Storage,
+        shape: Vec<usize>,
+        name: &'static str,
+        parents: &[&Tensor],
+        vjp: impl FnOnce(&Tensor, &mut autograd::Gathered) -> Result<Vec<Option<Tensor>>> + 'static,
+    ) -> Tensor {
         if is_grad_enabled() && parents.iter().any(|p| p.requires_grad()) {
             let node = Node {
                 name,

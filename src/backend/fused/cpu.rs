@@ -56,20 +56,18 @@ impl FusedOps for CpuStorage {
         w: &CpuStorage,
         rstd: &CpuStorage,
         g: &CpuStorage,
+        earlier: Option<&CpuStorage>,
         spans: &[usize],
         d: usize,
         want_dx: bool,
         want_dw: bool,
-    ) -> Result<(Option<CpuStorage>, Option<CpuStorage>, Option<CpuStorage>)> {
+    ) -> Result<(Option<CpuStorage>, Option<CpuStorage>)> {
         Ok(by_dtype!(self, T => {
             let (x, w, r, g) = (T::view(self), T::view(w), T::view(rstd), T::view(g));
-            let dx = want_dx.then(|| rms_norm_dx_t::<T>(&x, &w, &r, &g, d));
+            let e = earlier.map(T::view);
+            let dx = want_dx.then(|| rms_norm_dx_t::<T>(&x, &w, &r, &g, e.as_deref().map(Vec::as_slice), d));
             let dw = want_dw.then(|| rms_norm_dw_t::<T>(&x, &r, &g, spans, d));
-            let (dx1, dx2) = match dx {
-                Some((a, b)) => (Some(T::wrap(a)), Some(T::wrap(b))),
-                None => (None, None),
-            };
-            (dx1, dx2, dw.map(T::wrap))
+            (dx.map(T::wrap), dw.map(T::wrap))
         }))
     }
 
@@ -188,71 +186,80 @@ simd::multiversion! {
     }
 }
 
-/// x, g: (rows, d), w: (d), rstd: (rows) -> dx1, dx2: (rows, d)
-fn rms_norm_dx_t<T: Elem>(x: &[T], w: &[T], rstd: &[T], g: &[T], d: usize) -> (Vec<T>, Vec<T>) {
+/// x, g, earlier: (rows, d), w: (d), rstd: (rows) -> dx: (rows, d)
+fn rms_norm_dx_t<T: Elem>(x: &[T], w: &[T], rstd: &[T], g: &[T], earlier: Option<&[T]>, d: usize) -> Vec<T> {
     let rows = rstd.len();
-    let (mut dx1, mut dx2) = (Vec::with_capacity(rows * d), Vec::with_capacity(rows * d));
+    let mut dx = Vec::with_capacity(rows * d);
     if d > 0 {
         let per = per_thread(rows, d);
-        let blocks = dx1.spare_capacity_mut()[..rows * d]
+        let blocks = dx.spare_capacity_mut()[..rows * d]
             .chunks_mut(per * d)
-            .zip(dx2.spare_capacity_mut()[..rows * d].chunks_mut(per * d))
             .zip(x[..rows * d].chunks(per * d))
             .zip(g[..rows * d].chunks(per * d))
-            .zip(rstd.chunks(per));
-        pool::each(blocks, |((((dx1, dx2), x), g), r)| rms_norm_dx_rows(dx1, dx2, x, w, r, g, d));
+            .zip(rstd.chunks(per))
+            .enumerate();
+        pool::each(blocks, |(b, (((dx, x), g), r))| {
+            let e = earlier.map(|e| &e[b * per * d..][..dx.len()]);
+            rms_norm_dx_rows(dx, x, w, r, g, e, d)
+        });
     }
     // SAFETY: rms_norm_dx_rows writes every value of its rows.
-    unsafe {
-        dx1.set_len(rows * d);
-        dx2.set_len(rows * d);
-    }
-    (dx1, dx2)
+    unsafe { dx.set_len(rows * d) };
+    dx
 }
 
+/// Rows of an RMSNorm backward worked on together: their `g·w·x` stay in
+/// cache between the row sums and the outputs.
+const DX_BLOCK_ROWS: usize = 16;
+
 simd::multiversion! {
-    /// A block of whole rows (`d > 0`): x, g, dx1, dx2: (rows, d), rstd: (rows).
+    /// A block of whole rows (`d > 0`): x, g, dx, earlier: (rows, d),
+    /// rstd: (rows).
     fn rms_norm_dx_rows<T: Elem>(
-        dx1: &mut [MaybeUninit<T>],
-        dx2: &mut [MaybeUninit<T>],
+        dx: &mut [MaybeUninit<T>],
         x: &[T],
         w: &[T],
         rstd: &[T],
         g: &[T],
+        earlier: Option<&[T]>,
         d: usize,
     ) {
         let len = rstd.len() * d;
-        assert!(dx1.len() == len && dx2.len() == len && x.len() == len && g.len() == len && w.len() == d);
+        assert!(dx.len() == len && x.len() == len && g.len() == len && w.len() == d);
+        assert!(earlier.is_none_or(|e| e.len() == len));
         let (dn, minus_half, two) = (T::from_f64(d as f64), T::from_f64(-0.5), T::from_f64(2.0));
-        // dx1 first holds g·w, dx2 first holds g·w·x (then the outputs)
-        for (((o1, o2), gr), xr) in dx1
-            .chunks_exact_mut(d)
-            .zip(dx2.chunks_exact_mut(d))
-            .zip(g.chunks_exact(d))
-            .zip(x.chunks_exact(d))
-        {
-            for ((((a, b), &gv), &wv), &xv) in o1.iter_mut().zip(o2.iter_mut()).zip(gr).zip(w).zip(xr) {
-                let gw = gv.mul(wv);
-                a.write(gw);
-                b.write(gw.mul(xv));
+        let mut gwx = vec![T::ZERO; DX_BLOCK_ROWS.min(rstd.len()) * d];
+        for (b, r) in rstd.chunks(DX_BLOCK_ROWS).enumerate() {
+            let span = b * DX_BLOCK_ROWS * d..(b * DX_BLOCK_ROWS + r.len()) * d;
+            let (x, g, dx) = (&x[span.clone()], &g[span.clone()], &mut dx[span.clone()]);
+            let gwx = &mut gwx[..r.len() * d];
+            for ((o, gr), xr) in gwx.chunks_exact_mut(d).zip(g.chunks_exact(d)).zip(x.chunks_exact(d)) {
+                for (((o, &gv), &wv), &xv) in o.iter_mut().zip(gr).zip(w).zip(xr) {
+                    *o = gv.mul(wv).mul(xv);
+                }
             }
-        }
-        // SAFETY: the loop above wrote every value (the lengths are checked).
-        let (dx1, dx2) = unsafe { (assume_init_mut(dx1), assume_init_mut(dx2)) };
-        // each row's Σ g·w·x: the sequential fold of the reduction that sums
-        // x·r's broadcast gradient, four rows in lockstep
-        let grs = T::row_sums(dx2, d, rstd.len(), false);
-        for (((o1, o2), xr), (&gr, &r)) in dx1
-            .chunks_exact_mut(d)
-            .zip(dx2.chunks_exact_mut(d))
-            .zip(x.chunks_exact(d))
-            .zip(grs.iter().zip(rstd))
-        {
-            // rsqrt's backward (g·y·y·y·(−0.5)), add_scalar's (g), mean's (div by d)
-            let gs = gr.mul(r).mul(r).mul(r).mul(minus_half).div(dn);
-            for ((a, b), &xv) in o1.iter_mut().zip(o2.iter_mut()).zip(xr) {
-                *a = a.mul(r);
-                *b = gs.mul(xv).mul(two);
+            // each row's Σ g·w·x: the sequential fold of the reduction that
+            // sums x·r's broadcast gradient, eight rows a vector
+            let grs = T::row_sums(gwx, d, r.len(), false);
+            let rows = dx.chunks_exact_mut(d).zip(g.chunks_exact(d)).zip(x.chunks_exact(d)).zip(grs.iter().zip(r));
+            for (i, (((o, gr), xr), (&s, &r))) in rows.enumerate() {
+                // rsqrt's backward (g·y·y·y·(−0.5)), add_scalar's (g), mean's (div by d)
+                let gs = s.mul(r).mul(r).mul(r).mul(minus_half).div(dn);
+                // through x·r (dx1), then through x² (dx2); plain loops, so
+                // that they vectorise
+                let terms = o.iter_mut().zip(gr).zip(w).zip(xr);
+                match earlier {
+                    Some(e) => {
+                        for ((((o, &gv), &wv), &xv), &ev) in terms.zip(&e[span.start + i * d..][..d]) {
+                            o.write(ev.add(gv.mul(wv).mul(r)).add(gs.mul(xv).mul(two)));
+                        }
+                    }
+                    None => {
+                        for (((o, &gv), &wv), &xv) in terms {
+                            o.write(gv.mul(wv).mul(r).add(gs.mul(xv).mul(two)));
+                        }
+                    }
+                }
             }
         }
     }
@@ -643,15 +650,16 @@ mod tests {
         let x = st(gen.uniform(rows * d).iter().map(|u| (u - 0.5) * 20.0).collect());
         let g = st(gen.uniform(rows * d));
         let w = st(gen.uniform(d));
+        let e = st(gen.uniform(rows * d).iter().map(|u| u - 0.5).collect());
         let (cos, sin) = (st(gen.uniform(t * d)), st(gen.uniform(t * d)));
         let bits = |s: &Storage| -> Vec<u32> {
             s.to_vec_f32().unwrap().iter().map(|v| v.to_bits()).collect()
         };
         let run = || {
             let (y, r) = x.rms_norm(&w, rows, d, 1e-5).unwrap();
-            let (a, b, c) = x
-                .rms_norm_backward(&w, &r, &g, &[rows], d, true, true)
-                .unwrap();
+            let (a, b) = x.rms_norm_backward(&w, &r, &g, None, &[rows], d, true, true).unwrap();
+            // each block adds into its own rows of the earlier gradient
+            let (c, _) = x.rms_norm_backward(&w, &r, &g, Some(&e), &[rows], d, true, false).unwrap();
             let (dg, du) = x.swiglu_backward(&g, &x).unwrap();
             let mut out = vec![bits(&y), bits(&r), bits(&a.unwrap()), bits(&b.unwrap()), bits(&c.unwrap())];
             out.extend([bits(&x.swiglu(&g).unwrap()), bits(&dg), bits(&du)]);

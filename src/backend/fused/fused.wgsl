@@ -60,16 +60,25 @@ fn rms_norm(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) group
     }
 }
 
-// ---- RMSNorm backward, per row: x, g: (rows, d), w: (d), rstd: (rows) -> dx1, dx2: (rows, d) ----
-// gw = g·w, gr = Σ gw·x, gs = div((((gr·r)·r)·r)·(-0.5), d); dx1 = gw·r, dx2 = (gs·x)·2.
+// ---- RMSNorm backward, per row: x, g, e: (rows, d), w: (d), rstd: (rows) -> dx: (rows, d) ----
+// gw = g·w, gr = Σ gw·x, gs = div((((gr·r)·r)·r)·(-0.5), d); dx1 = gw·r,
+// dx2 = (gs·x)·2; dx = (e + dx1) + dx2 with the earlier gradient e, else dx1 + dx2.
 
-@group(0) @binding(0) var<storage, read> rb_prm: NormParams;
+struct NormBackParams {
+    rows: u32,
+    d: u32,
+    d_f: u32,     // f32(d) as the host rounds it, bits
+    earlier: u32, // 1: add into rb_e (else rb_e is any buffer, unread)
+    zero: u32,
+}
+
+@group(0) @binding(0) var<storage, read> rb_prm: NormBackParams;
 @group(0) @binding(1) var<storage, read> rb_x: array<f32>;
 @group(0) @binding(2) var<storage, read> rb_w: array<f32>;
 @group(0) @binding(3) var<storage, read> rb_rstd: array<f32>;
 @group(0) @binding(4) var<storage, read> rb_g: array<f32>;
-@group(0) @binding(5) var<storage, read_write> rb_dx1: array<f32>;
-@group(0) @binding(6) var<storage, read_write> rb_dx2: array<f32>;
+@group(0) @binding(5) var<storage, read> rb_e: array<f32>;
+@group(0) @binding(6) var<storage, read_write> rb_dx: array<f32>;
 
 @compute @workgroup_size(64)
 fn rms_norm_backward_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
@@ -92,8 +101,14 @@ fn rms_norm_backward_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_wor
     let gs = m_div(sep(sep(sep(gr * r, z) * r, z) * r, z) * -0.5, bitcast<f32>(rb_prm.d_f));
     for (var j = 0u; j < d; j++) {
         let gw = rb_g[base + j] * rb_w[j];
-        rb_dx1[base + j] = gw * r;
-        rb_dx2[base + j] = sep(gs * rb_x[base + j], z) * 2.0;
+        // every product rounded before its sum (no fused multiply-add)
+        let dx1 = sep(gw * r, z);
+        let dx2 = sep(sep(gs * rb_x[base + j], z) * 2.0, z);
+        if rb_prm.earlier != 0u {
+            rb_dx[base + j] = (rb_e[base + j] + dx1) + dx2;
+        } else {
+            rb_dx[base + j] = dx1 + dx2;
+        }
     }
 }
 

@@ -14,6 +14,12 @@ gpu_params! {
 }
 
 gpu_params! {
+    /// `fused.wgsl` `NormBackParams`: RMSNorm's backward over `rows` rows of
+    /// `d`, adding into an earlier gradient when `earlier` is 1.
+    pub struct NormBackParams { rows: u32, d: u32, d_f: u32, earlier: u32, zero: u32 }
+}
+
+gpu_params! {
     /// `fused.wgsl` `DwParams`: RMSNorm's weight gradient over rows `[r0, r1)`
     /// of `rows`, nested over `levels` folds of `spans` rows each.
     pub struct DwParams {
@@ -69,6 +75,7 @@ pub const FAMILY: Family = Family {
     ],
     params: &[
         NormParams::LAYOUT,
+        NormBackParams::LAYOUT,
         DwParams::LAYOUT,
         EltParams::LAYOUT,
         RopeParams::LAYOUT,
@@ -129,37 +136,40 @@ impl FusedOps for GpuStorage {
         Ok((y, rstd))
     }
 
-    /// `dx1, dx2`: one invocation per row; `dw`: one per column, in passes.
+    /// `dx`: one invocation per row; `dw`: one per column, in passes.
     fn rms_norm_backward(
         &self,
         w: &GpuStorage,
         rstd: &GpuStorage,
         g: &GpuStorage,
+        earlier: Option<&GpuStorage>,
         spans: &[usize],
         d: usize,
         want_dx: bool,
         want_dw: bool,
-    ) -> Result<(Option<GpuStorage>, Option<GpuStorage>, Option<GpuStorage>)> {
+    ) -> Result<(Option<GpuStorage>, Option<GpuStorage>)> {
         let c = ctx()?;
         let rows = rstd.len();
-        let (mut dx1, mut dx2, mut dw) = (None, None, None);
+        let (mut dx, mut dw) = (None, None);
         if want_dx {
             check_row_loops(c, "rms_norm backward", d, 2)?;
-            let (a, b) = (GpuStorage::alloc(c, rows * d)?, GpuStorage::alloc(c, rows * d)?);
-            let prm = NormParams {
+            let out = GpuStorage::alloc(c, rows * d)?;
+            let prm = NormBackParams {
                 rows: u32_of(rows, "rows")?,
                 d: u32_of(d, "d")?,
                 d_f: f32_bits_of(d),
-                eps: 0,
+                earlier: u32::from(earlier.is_some()),
                 zero: 0,
             };
+            // without an earlier gradient the kernel reads none: g stands in
+            let e = earlier.unwrap_or(g);
             c.dispatch(
                 &RMS_NORM_BACKWARD_ROWS,
                 &prm,
-                &[self.buf(), w.buf(), rstd.buf(), g.buf(), a.buf(), b.buf()],
+                &[self.buf(), w.buf(), rstd.buf(), g.buf(), e.buf(), out.buf()],
                 grid1d(rows),
             )?;
-            (dx1, dx2) = (Some(a), Some(b));
+            dx = Some(out);
         }
         if want_dw {
             if spans.len() > MAX_DIMS {
@@ -199,7 +209,7 @@ impl FusedOps for GpuStorage {
             }
             dw = Some(out);
         }
-        Ok((dx1, dx2, dw))
+        Ok((dx, dw))
     }
 
     fn swiglu(&self, up: &GpuStorage) -> Result<GpuStorage> {

@@ -22,14 +22,16 @@
 //!   `y_j = (x_j·r)·w_j` — the composition
 //!   `x.square().mean(-1).add_scalar(eps).rsqrt()`, then `x.mul(r).mul(w)`.
 //!   `rstd` is `r`, kept for the backward.
-//! * **`rms_norm_backward`** from `x`, `w`, `r` and the upstream `g`, per row:
+//! * **`rms_norm_backward`** from `x`, `w`, `r`, the upstream `g` and the
+//!   gradient `e` autograd has gathered for `x` so far (if any), per row:
 //!   `gw_j = g_j·w_j`, `gr = Σ_j gw_j·x_j`,
-//!   `gs = div((((gr·r)·r)·r)·(−0.5), d)`, then
-//!   `dx1_j = gw_j·r` (the gradient through `x·r`) and
-//!   `dx2_j = (gs·x_j)·2` (through `x²`), returned apart: `x` feeds both, and
-//!   autograd adds them as two contributions, `(earlier + dx1) + dx2`, which is
-//!   the order it adds the composition's (`x·r`'s node runs before `x²`'s, and
-//!   whatever consumes the norm's output — a residual branch — before both).
+//!   `gs = div((((gr·r)·r)·r)·(−0.5), d)`; with `dx1_j = gw_j·r` (the
+//!   gradient through `x·r`) and `dx2_j = (gs·x_j)·2` (through `x²`),
+//!   `dx_j = (e_j + dx1_j) + dx2_j`, or `dx1_j + dx2_j` without `e`: the
+//!   order autograd adds the composition's contributions to `x` in (`x·r`'s
+//!   node runs before `x²`'s, and whatever consumes the norm's output — a
+//!   residual branch, whose gradient is `e` — before both). Adding as it
+//!   writes spares two passes over `(rows, d)` buffers and two of autograd's.
 //!   `dw_j` is `g_j·(x_j·r)` summed over the leading axes of `x` the way
 //!   broadcasting's backward (`sum_to`) sums them: the innermost leading axis
 //!   first, each axis a fold from −0, nested (`(B,T,d)`: `Σ_b Σ_t`). Axes of
@@ -88,20 +90,22 @@ use crate::{bail, Result};
 pub trait FusedOps: Sized {
     /// `self` is `x: (rows, d)`; returns `(y, rstd)`.
     fn rms_norm(&self, w: &Self, rows: usize, d: usize, eps: f64) -> Result<(Self, Self)>;
-    /// `self` is `x`; returns `(dx1, dx2, dw)`, the first two when `want_dx`,
-    /// the last when `want_dw`. `spans` are the levels of `dw`'s nested sum
-    /// (see [`dw_spans`]).
+    /// `self` is `x`; returns `(dx, dw)`, the first when `want_dx` (with
+    /// `earlier`, `x`'s gradient so far, added in), the second when
+    /// `want_dw`. `spans` are the levels of `dw`'s nested sum (see
+    /// [`dw_spans`]).
     #[allow(clippy::too_many_arguments)]
     fn rms_norm_backward(
         &self,
         w: &Self,
         rstd: &Self,
         g: &Self,
+        earlier: Option<&Self>,
         spans: &[usize],
         d: usize,
         want_dx: bool,
         want_dw: bool,
-    ) -> Result<(Option<Self>, Option<Self>, Option<Self>)>;
+    ) -> Result<(Option<Self>, Option<Self>)>;
     /// `self` is the gate.
     fn swiglu(&self, up: &Self) -> Result<Self>;
     /// `self` is the gate; returns `(d_gate, d_up)`.
@@ -171,32 +175,38 @@ impl Storage {
     }
 
     /// RMSNorm's backward: `self` is `x: (rows, d)` with leading axes `lead`
-    /// (their product is `rows`). Returns `(dx1, dx2, dw)` (see the contract;
-    /// `None` where not wanted).
+    /// (their product is `rows`), `earlier` the gradient gathered for `x` so
+    /// far. Returns `(dx, dw)` (see the contract; `None` where not wanted).
     #[allow(clippy::too_many_arguments)]
     pub fn rms_norm_backward(
         &self,
         w: &Storage,
         rstd: &Storage,
         g: &Storage,
+        earlier: Option<&Storage>,
         lead: &[usize],
         d: usize,
         want_dx: bool,
         want_dw: bool,
-    ) -> Result<(Option<Storage>, Option<Storage>, Option<Storage>)> {
+    ) -> Result<(Option<Storage>, Option<Storage>)> {
         let _prof = crate::profile::scope("rms norm backward");
         let rows: usize = lead.iter().product();
         check_len("rms_norm backward", self, rows * d, "x")?;
         check_len("rms_norm backward", g, rows * d, "the gradient")?;
         check_len("rms_norm backward", w, d, "the weight")?;
         check_len("rms_norm backward", rstd, rows, "rstd")?;
+        let mut parts = vec![self, w, rstd, g];
+        if let Some(e) = earlier {
+            check_len("rms_norm backward", e, rows * d, "the earlier gradient")?;
+            parts.push(e);
+        }
         let spans = dw_spans(lead);
-        let (dx1, dx2, dw) = on_device!([self, w, rstd, g] => |x, w, r, g| {
-            x.rms_norm_backward(w, r, g, &spans, d, want_dx, want_dw)
+        let (dx, dw) = on_device!(slice &parts => |xs| {
+            xs[0].rms_norm_backward(xs[1], xs[2], xs[3], xs.get(4).copied(), &spans, d, want_dx, want_dw)
         });
-        let outs: Vec<&Storage> = [&dx1, &dx2, &dw].into_iter().flatten().collect();
+        let outs: Vec<&Storage> = [&dx, &dw].into_iter().flatten().collect();
         observed("rms norm backward", || format!("lead {lead:?} d {d}"), &outs)?;
-        Ok((dx1, dx2, dw))
+        Ok((dx, dw))
     }
 
     /// SwiGLU `silu(self) · up` elementwise (`self` is the gate).
