@@ -65,6 +65,76 @@ device_test!(causal_attention_is_its_composition_bit_for_bit, |dev| {
     }
 });
 
+// The token-major attention (values and output `(B, T, H, D)`, which the
+// CPU's per-head schedule reads and writes in place) against the permutes
+// around the composition, forward and every gradient, bit for bit.
+device_test!(token_major_attention_is_the_permuted_composition, |dev| {
+    let lengths: &[usize] = if dev == Device::Cpu {
+        &[1, 13, 300]
+    } else {
+        &[1, 13]
+    };
+    for &t in lengths {
+        for bf16 in [false, true] {
+            let (heads, tokens) = ([2, 3, t, 8], [2, t, 3, 8]);
+            let n = 2 * 3 * t * 8;
+            let (q0, k0, v0, w) = (
+                randv(n, 5, 2.0),
+                randv(n, 6, 2.0),
+                randv(n, 7, 1.0),
+                randv(n, 8, 1.0),
+            );
+            let run = |fused: bool| -> Result<Vec<Vec<u32>>> {
+                let _ac = bf16.then(tinyllm::precision::autocast_bf16);
+                let (q, k, v) = (
+                    param(&q0, &heads, dev),
+                    param(&k0, &heads, dev),
+                    param(&v0, &tokens, dev),
+                );
+                let y = if fused {
+                    q.causal_attention_tokens(&k, &v, 0.35)?
+                } else {
+                    let vh = v.permute(&[0, 2, 1, 3])?;
+                    q.matmul_t(&k)?
+                        .causal_softmax(0.35)?
+                        .matmul(&vh)?
+                        .permute(&[0, 2, 1, 3])?
+                };
+                y.mul(&t_(&w, &tokens, dev))?.sum_all()?.backward()?;
+                Ok(vec![
+                    bits(&vals(&y)),
+                    bits(&grad(&q)),
+                    bits(&grad(&k)),
+                    bits(&grad(&v)),
+                ])
+            };
+            let (fused, composed) = (run(true)?, run(false)?);
+            for (what, (f, c)) in ["y", "dq", "dk", "dv"]
+                .iter()
+                .zip(fused.iter().zip(&composed))
+            {
+                let diff = f.iter().zip(c).filter(|(a, b)| a != b).count();
+                assert_eq!(
+                    diff,
+                    0,
+                    "{what}: {diff} of {} values differ (T {t}, bf16 {bf16})",
+                    f.len()
+                );
+            }
+        }
+    }
+    // shapes that do not fit (B, H, T, D) q, k and (B, T, H, D) v
+    let (q, v) = (
+        param(&randv(48, 9, 1.0), &[2, 3, 2, 4], dev),
+        param(&randv(48, 9, 1.0), &[2, 3, 2, 4], dev),
+    );
+    let e = q.causal_attention_tokens(&q, &v, 0.5).unwrap_err();
+    assert!(
+        e.to_string().contains("causal_attention_tokens needs"),
+        "{e}"
+    );
+});
+
 device_test!(linear_is_x_w_transposed_plus_b, |dev| {
     let gen = Generator::new(0);
     let l = Linear::new(3, 2, true, &gen, dev)?;

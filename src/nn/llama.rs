@@ -309,11 +309,6 @@ impl Attention {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let (b, t, c) = (x.shape()[0], x.shape()[1], x.shape()[2]);
         let (h, d) = (self.n_heads, c / self.n_heads);
-        // (B,T,C) -> (B,T,H,D) -> (B,H,T,D)
-        let heads = |name: &str, l: &Linear| {
-            let _traced = trace::path(name);
-            l.forward(x)?.reshape(&[b, t, h, d])?.permute(&[0, 2, 1, 3])
-        };
         let (cos, sin) = self.rope.first(t)?;
         // q and k: (B,T,C) -> (B,H,T,D) rotated, the permute inside the RoPE
         let rotated = |name: &str, l: &Linear| {
@@ -326,18 +321,25 @@ impl Attention {
         };
         let q = rotated("q_proj", &self.q_proj)?;
         let k = rotated("k_proj", &self.k_proj)?;
-        let v = heads("v_proj", &self.v_proj)?;
-        // (B,H,T,D) = softmax(q kᵀ / √D, future positions masked) v
+        // v: (B,T,C) -> (B,T,H,D), token-major like the attention's output
+        let v = {
+            let _traced = trace::path("v_proj");
+            self.v_proj.forward(x)?.reshape(&[b, t, h, d])?
+        };
+        // (B,T,H,D) = softmax(q kᵀ / √D, future positions masked) v
         let scale = 1.0 / (d as f64).sqrt();
         let y = if self.dropout > 0.0 && self.training.get() {
             // dropout acts on the probabilities themselves: the composition
             let scores = q.matmul_t(&k)?.causal_softmax(scale)?;
-            dropout(&scores, self.dropout, &self.rng, true)?.matmul(&v)?
+            let heads = v.permute(&[0, 2, 1, 3])?;
+            dropout(&scores, self.dropout, &self.rng, true)?
+                .matmul(&heads)?
+                .permute(&[0, 2, 1, 3])?
         } else {
-            q.causal_attention(&k, &v, scale)?
+            q.causal_attention_tokens(&k, &v, scale)?
         };
-        // (B,H,T,D) -> (B,T,H,D) -> (B,T,C)
-        let y = y.permute(&[0, 2, 1, 3])?.reshape(&[b, t, c])?;
+        // (B,T,H,D) -> (B,T,C)
+        let y = y.reshape(&[b, t, c])?;
         let _traced = trace::path("o_proj");
         self.o_proj.forward(&y)
     }

@@ -19,7 +19,7 @@
 //! 16 bits, under autocast — and recomputes the probabilities from them with
 //! the forward's primitives (the composition keeps the probabilities too).
 
-use crate::backend::attention::Attention;
+use crate::backend::attention::{per_head, Attention};
 use crate::backend::{Operand, Storage};
 use crate::tensor::autocast::autocast_dtype;
 use crate::tensor::is_grad_enabled;
@@ -34,8 +34,7 @@ impl Tensor {
     /// replaces. `scale > 0` (usually `1/√D`).
     pub fn causal_attention(&self, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
         let q = self;
-        let r = q.dims();
-        if r < 2 || k.shape() != q.shape() || v.shape() != q.shape() {
+        if q.dims() < 2 || k.shape() != q.shape() || v.shape() != q.shape() {
             bail!(
                 Shape,
                 "causal_attention needs q, k, v of one shape (.., T, D), got {:?}, {:?}, {:?}",
@@ -44,6 +43,46 @@ impl Tensor {
                 v.shape()
             );
         }
+        q.attention(k, v, scale, None)
+    }
+
+    /// [`causal_attention`](Self::causal_attention) with the values and the
+    /// output token-major, as projections write and read them: `q = self, k:
+    /// (B, H, T, D)`, `v: (B, T, H, D) -> (B, T, H, D)`. Bit for bit
+    /// `q.causal_attention(k, &v.permute(&[0, 2, 1, 3])?, scale)?.permute(&[0,
+    /// 2, 1, 3])`: the CPU's per-head schedule reads `v` and writes `y` (and
+    /// their gradients) in place of those permutes; elsewhere it is that
+    /// composition.
+    pub fn causal_attention_tokens(&self, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
+        let q = self;
+        let qs = q.shape();
+        if q.dims() != 4 || k.shape() != qs || v.shape() != [qs[0], qs[2], qs[1], qs[3]] {
+            bail!(
+                Shape,
+                "causal_attention_tokens needs q, k of shape (B, H, T, D) and v of shape (B, T, H, D), got {:?}, {:?}, {:?}",
+                q.shape(),
+                k.shape(),
+                v.shape()
+            );
+        }
+        let ops = [&q.arg().op, &k.arg().op, &Operand::Values(v.storage())];
+        if !per_head(&ops) {
+            let heads = v.permute(&[0, 2, 1, 3])?;
+            return q.causal_attention(k, &heads, scale)?.permute(&[0, 2, 1, 3]);
+        }
+        q.attention(k, v, scale, Some(qs[1]))
+    }
+
+    /// The op over checked shapes; `tokens` as [`Attention::tokens`].
+    fn attention(
+        &self,
+        k: &Tensor,
+        v: &Tensor,
+        scale: f64,
+        tokens: Option<usize>,
+    ) -> Result<Tensor> {
+        let q = self;
+        let r = q.dims();
         let s = scale as f32;
         if !(s > 0.0 && s.is_finite()) {
             bail!(
@@ -57,6 +96,7 @@ impl Tensor {
             d: q.shape()[r - 1],
             scale: s,
             round: autocast_dtype(),
+            tokens,
         };
         let round = att.round;
         let y = att.forward(&q.arg().op, &k.arg().op, &Operand::Values(v.storage()))?;
@@ -69,18 +109,28 @@ impl Tensor {
         } else {
             None
         };
-        let shape = q.shape().to_vec();
-        let y = Tensor::record(y, shape.clone(), "causal_attention", &[q, k, v], move |g| {
-            // q, k and v as the products read them: 16-bit copies under autocast
-            let [qk, kk, vk] = kept
-                .as_ref()
-                .expect("a recorded attention keeps its operands")
-                .each_ref()
-                .map(|t| t.arg().op);
-            let [dq, dk, dv] = att.backward(&qk, &kk, &vk, &g.storage())?;
-            let wrap = |st: Storage| Tensor::from_storage(st, &shape);
-            Ok(vec![Some(wrap(dq)?), Some(wrap(dk)?), Some(wrap(dv)?)])
-        });
+        let (shape, v_shape) = (q.shape().to_vec(), v.shape().to_vec());
+        let y = Tensor::record(
+            y,
+            v_shape.clone(),
+            "causal_attention",
+            &[q, k, v],
+            move |g| {
+                // q, k and v as the products read them: 16-bit copies under autocast
+                let [qk, kk, vk] = kept
+                    .as_ref()
+                    .expect("a recorded attention keeps its operands")
+                    .each_ref()
+                    .map(|t| t.arg().op);
+                let [dq, dk, dv] = att.backward(&qk, &kk, &vk, &g.storage())?;
+                let wrap = |st: Storage, shape: &[usize]| Tensor::from_storage(st, shape);
+                Ok(vec![
+                    Some(wrap(dq, &shape)?),
+                    Some(wrap(dk, &shape)?),
+                    Some(wrap(dv, &v_shape)?),
+                ])
+            },
+        );
         Ok(y.with_half(round))
     }
 }

@@ -5,13 +5,12 @@
 
 use super::Attention;
 use crate::backend::cpu::pool;
-use crate::backend::cpu::{cpu_threads, write_exact};
+use crate::backend::cpu::cpu_threads;
 use crate::backend::matmul::cpu::matmul_f32_one_thread;
 use crate::backend::reduce::cpu::{softmax_backward_f32_one_thread, softmax_f32_one_thread};
 use crate::backend::round::Format;
 use crate::backend::{Causal, MatmulDims};
 use crate::profile::{self, Product};
-use std::mem::MaybeUninit;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -19,31 +18,63 @@ use std::time::{Duration, Instant};
 /// a 16-bit copy in that format (two values per word).
 pub(crate) type Host<'a> = (&'a [f32], Option<Format>);
 
-/// Head `h`'s `len` values of `x`.
-fn head((x, half): Host<'_>, h: usize, len: usize) -> Host<'_> {
+/// Head `h`'s `len` values of head-major `x`.
+fn head((x, half): Host<'_>, h: usize, len: usize) -> Rows<'_> {
     match half {
-        None => (&x[h * len..(h + 1) * len], None),
+        None => ((&x[h * len..(h + 1) * len], None), None),
         Some(_) => {
             // a head's values start on a word: `len = T·D` is even (D is)
             assert!(len.is_multiple_of(2), "16-bit heads of an odd length");
-            (&x[h * len / 2..(h + 1) * len / 2], half)
+            ((&x[h * len / 2..(h + 1) * len / 2], half), None)
         }
     }
 }
 
-/// `y (heads, T, D)` as [`Attention::forward`] defines it.
+/// A head's rows as a product reads them, and their stride in values where
+/// it is not `D` (token-major heads).
+type Rows<'a> = (Host<'a>, Option<usize>);
+
+/// Where head `h`'s row 0 of `v` and `y` starts (in values), and their row
+/// stride: head-major `(heads, T, D)`, or token-major `(B, T, H, D)`.
+fn place(a: &Attention, h: usize) -> (usize, usize) {
+    let (t, d) = (a.t, a.d);
+    match a.tokens {
+        None => (h * t * d, d),
+        Some(hs) => ((h / hs * t * hs + h % hs) * d, hs * d),
+    }
+}
+
+/// Head `h`'s rows of `x` laid out as `v` and `y` are (see [`place`]).
+fn value_rows<'a>((x, half): Host<'a>, a: &Attention, h: usize) -> Rows<'a> {
+    if a.tokens.is_none() {
+        return head((x, half), h, a.t * a.d);
+    }
+    let (start, stride) = place(a, h);
+    match half {
+        None => ((&x[start..], None), Some(stride)),
+        Some(_) => {
+            // rows start on a word: D is even
+            assert!(start.is_multiple_of(2), "16-bit rows of an odd length");
+            ((&x[start / 2..], half), Some(stride))
+        }
+    }
+}
+
+/// `y (heads, T, D)` — or token-major (see [`Attention::tokens`]) — as
+/// [`Attention::forward`] defines it.
 pub(super) fn forward(a: &Attention, q: Host, k: Host, v: Host) -> Vec<f32> {
     let (t, d) = (a.t, a.d);
     let clock = Clock::new(a, &[Part::Scores, Part::Softmax, Part::Pv]);
-    let [y] = per_head(a, t * d, 2, |h| {
-        let p = probs(a, &clock, head(q, h, t * d), head(k, h, t * d));
-        [clock.time(2, || product(a, (&p, None), head(v, h, t * d), Part::Pv))]
+    let [y] = per_head(a, [true], 2, |h| {
+        let p = probs(a, &clock, head(q, h, t * d).0, head(k, h, t * d).0);
+        [clock.time(2, || product(a, ((&p, None), None), value_rows(v, a, h), Part::Pv))]
     });
     clock.report();
     y
 }
 
-/// `[dq, dk, dv]` as [`Attention::backward`] defines them.
+/// `[dq, dk, dv]` as [`Attention::backward`] defines them (`g` and `dv`
+/// laid out as `y` and `v`).
 pub(super) fn backward(a: &Attention, q: Host, k: Host, v: Host, g: &[f32]) -> [Vec<f32>; 3] {
     let (t, d) = (a.t, a.d);
     let parts = [
@@ -56,15 +87,16 @@ pub(super) fn backward(a: &Attention, q: Host, k: Host, v: Host, g: &[f32]) -> [
         Part::Dk,
     ];
     let clock = Clock::new(a, &parts);
-    let grads = per_head(a, t * d, 3, |h| {
-        let (qh, kh, vh, gh) = (head(q, h, t * d), head(k, h, t * d), head(v, h, t * d), head((g, None), h, t * d));
-        let p = probs(a, &clock, qh, kh);
-        let dv = clock.time(2, || product(a, (&p, None), gh, Part::Dv));
+    let grads = per_head(a, [false, false, true], 3, |h| {
+        let (qh, kh) = (head(q, h, t * d), head(k, h, t * d));
+        let (vh, gh) = (value_rows(v, a, h), value_rows((g, None), a, h));
+        let p = probs(a, &clock, qh.0, kh.0);
+        let dv = clock.time(2, || product(a, ((&p, None), None), gh, Part::Dv));
         let dp = clock.time(3, || product(a, gh, vh, Part::Dp));
         let ds = clock.time(4, || softmax_backward_f32_one_thread(&p, &dp, t, a.scale, true));
         drop((p, dp));
-        let dq = clock.time(5, || product(a, (&ds, None), kh, Part::Dq));
-        let dk = clock.time(6, || product(a, (&ds, None), qh, Part::Dk));
+        let dq = clock.time(5, || product(a, ((&ds, None), None), kh, Part::Dq));
+        let dk = clock.time(6, || product(a, ((&ds, None), None), qh, Part::Dk));
         [dq, dk, dv]
     });
     clock.report();
@@ -73,50 +105,63 @@ pub(super) fn backward(a: &Attention, q: Host, k: Host, v: Host, g: &[f32]) -> [
 
 /// One head's probabilities `(T, T)` (parts 0 and 1 of the clock).
 fn probs(a: &Attention, clock: &Clock, q: Host, k: Host) -> Vec<f32> {
-    let scores = clock.time(0, || product(a, q, k, Part::Scores));
+    let scores = clock.time(0, || product(a, (q, None), (k, None), Part::Scores));
     clock.time(1, || softmax_f32_one_thread(&scores, a.t, a.scale, true))
 }
 
 /// One head's product `part`.
-fn product(a: &Attention, x: Host, y: Host, part: Part) -> Vec<f32> {
+fn product(a: &Attention, (x, lx): Rows, (y, ly): Rows, part: Part) -> Vec<f32> {
     let d = part.dims(a).expect("a product");
-    matmul_f32_one_thread(x, y, MatmulDims { batch: 1, ..d }, a.round)
+    matmul_f32_one_thread(x, y, MatmulDims { batch: 1, ..d }, a.round, [lx, ly])
 }
 
-/// `f(h)` (a head's `N` outputs of `len` values each) for every head,
-/// gathered into `N` outputs of all heads: contiguous groups of heads, one
-/// group per thread. Each head in flight holds up to `squares` float32
-/// `(T, T)` buffers, counted as live memory on the calling thread meanwhile.
+/// A buffer the heads write their rows into from several threads.
+struct Shared(*mut f32);
+// SAFETY: the heads write disjoint rows (see `per_head`), and the buffer
+// outlives the threads' work.
+unsafe impl Sync for Shared {}
+
+/// `f(h)` (a head's `N` outputs, `(T, D)` each) for every head, written
+/// into `N` outputs of all heads — head-major, or laid out as `y` where
+/// `like_y` — each head on one thread, contiguous groups of heads per
+/// thread. Each head in flight holds up to `squares` float32 `(T, T)`
+/// buffers, counted as live memory on the calling thread meanwhile.
 fn per_head<const N: usize>(
     a: &Attention,
-    len: usize,
+    like_y: [bool; N],
     squares: usize,
     f: impl Fn(usize) -> [Vec<f32>; N] + Sync,
 ) -> [Vec<f32>; N] {
-    let heads = a.heads;
+    let (heads, t, d) = (a.heads, a.t, a.d);
+    let len = t * d;
     if heads == 0 || len == 0 {
         return std::array::from_fn(|_| vec![0.0; heads * len]);
     }
-    // No zero fill: every head's values are copied in below.
+    // No zero fill: every head's rows are copied in below.
     let mut outs: [Vec<f32>; N] = std::array::from_fn(|_| Vec::with_capacity(heads * len));
-    let threads = if heads * a.t * a.t >= pool::SPLIT_VALUES {
+    let bufs: [Shared; N] = std::array::from_fn(|i| Shared(outs[i].as_mut_ptr()));
+    let threads = if heads * t * t >= pool::SPLIT_VALUES {
         cpu_threads().clamp(1, heads)
     } else {
         1
     };
-    let _scratch = crate::memory::Ticket::new(threads * squares * a.t * a.t * 4);
+    let _scratch = crate::memory::Ticket::new(threads * squares * t * t * 4);
     let per = heads.div_ceil(threads);
-    let mut chunks = outs.each_mut().map(|o| o.spare_capacity_mut()[..heads * len].chunks_mut(per * len));
-    let groups: Vec<(usize, [&mut [MaybeUninit<f32>]; N])> = (0..heads.div_ceil(per))
-        .map(|g| (g * per, chunks.each_mut().map(|c| c.next().expect("one chunk per group"))))
-        .collect();
-    let run = |(h0, mut group): (usize, [&mut [MaybeUninit<f32>]; N])| {
-        for i in 0..group[0].len() / len {
-            for (o, v) in group.iter_mut().zip(f(h0 + i)) {
-                write_exact(&mut o[i * len..(i + 1) * len], v.iter().copied());
+    let run = |h0: usize| {
+        for h in h0..(h0 + per).min(heads) {
+            for ((buf, v), &y) in bufs.iter().zip(f(h)).zip(&like_y) {
+                assert_eq!(v.len(), len, "a head's output");
+                let (start, stride) = if y { place(a, h) } else { (h * len, d) };
+                for (i, row) in v.chunks_exact(d).enumerate() {
+                    // SAFETY: rows of distinct heads are distinct ranges of
+                    // the `heads · len` values reserved (head-major: `h·len ..`,
+                    // token-major: position i of head h); each is written once.
+                    unsafe { std::ptr::copy_nonoverlapping(row.as_ptr(), buf.0.add(start + i * stride), d) };
+                }
             }
         }
     };
+    let groups: Vec<usize> = (0..heads).step_by(per).collect();
     if threads > 1 {
         pool::each(groups, run);
     } else {

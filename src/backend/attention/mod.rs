@@ -25,7 +25,7 @@ pub(crate) mod cpu;
 use crate::backend::cpu::{Buf, Elem};
 use crate::backend::round::Format;
 use crate::backend::{Causal, CpuStorage, Lift, MatmulDims, Operand, Storage};
-use crate::Result;
+use crate::{bail, Result};
 
 /// Attention over `heads` heads of `(t, d)` queries, keys and values.
 #[derive(Clone, Copy, Debug)]
@@ -37,6 +37,11 @@ pub struct Attention {
     pub scale: f32,
     /// Autocast's rounding of every product.
     pub round: Option<Format>,
+    /// `Some(h)`: `v`, `y` and their gradients are token-major `(B, T, h,
+    /// D)` (`heads = B·h`) instead of `(heads, T, D)` — read and written in
+    /// place of the permutes around attention. Only the CPU's per-head
+    /// schedule takes it (see [`per_head`]).
+    pub tokens: Option<usize>,
 }
 
 impl Attention {
@@ -70,9 +75,18 @@ impl Attention {
             let y = cpu::forward(self, (&qb, q.1), (&kb, k.1), (&vb, v.1));
             return Ok(f32::wrap(y).lift());
         }
+        self.batched()?;
         let (t, d) = (self.t, self.d);
         let p = self.probs(q, k)?;
         Operand::Values(p).matmul(v, self.dims((t, t, d), false, false, Causal::TermsUpToRow), self.round)
+    }
+
+    /// The batched schedule takes head-major operands only.
+    fn batched(&self) -> Result<()> {
+        if self.tokens.is_some() {
+            bail!(Shape, "attention: token-major values only in the CPU's per-head schedule");
+        }
+        Ok(())
     }
 
     /// `[dq, dk, dv]` from the operands as the forward's products read them
@@ -84,6 +98,7 @@ impl Attention {
             let grads = cpu::backward(self, (&qb, q.1), (&kb, k.1), (&vb, v.1), &gb);
             return Ok(grads.map(|x| f32::wrap(x).lift()));
         }
+        self.batched()?;
         let (t, d, round) = (self.t, self.d, self.round);
         let p = self.probs(q, k)?;
         // dv = pᵀ dy: key row j sums queries i ≥ j
@@ -98,6 +113,12 @@ impl Attention {
         let dk = ds.matmul(q, self.dims((t, t, d), true, false, Causal::TermsFromRow), round)?;
         Ok([dq, dk, dv])
     }
+}
+
+/// Whether attention over these operands runs the CPU's per-head schedule
+/// (which also takes token-major values).
+pub fn per_head(ops: &[&Operand; 3]) -> bool {
+    on_cpu(*ops).is_some()
 }
 
 /// The operands' host buffers when all are float32 words on the CPU and no

@@ -926,19 +926,22 @@ const THREADED_MACS: usize = 1 << 21;
 
 /// The product on the CPU's widest tile.
 fn matmul_f32(a: Src, b: Src, d: MatmulDims, round: Option<Format>) -> Vec<f32> {
-    matmul_f32_on(simd::level(), a, b, d, round, cpu_threads())
+    matmul_f32_on(simd::level(), a, b, d, round, cpu_threads(), [None; 2])
 }
 
 /// [`matmul_f32`] on the calling thread alone, for a caller that runs one
 /// product per thread itself (attention, head by head). `a` and `b` are
-/// float32 values or, with a format, the words of 16-bit copies.
+/// float32 values or, with a format, the words of 16-bit copies; `ld` their
+/// row strides in values where their rows are not packed side by side (a
+/// head's rows among all heads' in `(B, T, H, D)`).
 pub(crate) fn matmul_f32_one_thread(
     (a, ha): (&[f32], Option<Format>),
     (b, hb): (&[f32], Option<Format>),
     d: MatmulDims,
     round: Option<Format>,
+    ld: [Option<usize>; 2],
 ) -> Vec<f32> {
-    matmul_f32_on(simd::level(), Src::of(a, ha), Src::of(b, hb), d, round, 1)
+    matmul_f32_on(simd::level(), Src::of(a, ha), Src::of(b, hb), d, round, 1, ld)
 }
 
 /// The product on the tile of level `kernel` (one the CPU has): 6 × 16 in the
@@ -946,10 +949,19 @@ pub(crate) fn matmul_f32_one_thread(
 /// chain of fused multiply-adds whichever tile computes it; only the tile's
 /// width, and so that of B's packed panels, differs.
 /// Products from [`THREADED_MACS`] run on up to `threads` threads.
-fn matmul_f32_on(kernel: Level, a: Src, b: Src, d: MatmulDims, round: Option<Format>, threads: usize) -> Vec<f32> {
+/// `ld`: the operands' row strides where not their rows' lengths.
+fn matmul_f32_on(
+    kernel: Level,
+    a: Src,
+    b: Src,
+    d: MatmulDims,
+    round: Option<Format>,
+    threads: usize,
+    ld: [Option<usize>; 2],
+) -> Vec<f32> {
     match kernel {
-        Level::Avx512 => product::<32>(kernel, a, b, d, round, threads),
-        _ => product::<16>(kernel, a, b, d, round, threads),
+        Level::Avx512 => product::<32>(kernel, a, b, d, round, threads, ld),
+        _ => product::<16>(kernel, a, b, d, round, threads, ld),
     }
 }
 
@@ -962,6 +974,7 @@ simd::multiversion! {
         d: MatmulDims,
         round: Option<Format>,
         threads: usize,
+        ld: [Option<usize>; 2],
     ) -> Vec<f32> {
         let MatmulDims { batch, m, k, n, .. } = d;
         let len = batch * m * n;
@@ -980,8 +993,9 @@ simd::multiversion! {
             let rows = c.len() / n;
             let (a, b) = (a.from(bi * d.a_batch_stride), b.from(bi * d.b_batch_stride));
             // Aᵀ's rows run over m, A's over k; B's over n, Bᵀ's over k
-            let (lda, ldb) = (if d.trans_a { m } else { k }, if d.trans_b { k } else { n });
-            let a = a.from(if d.trans_a { r0 } else { r0 * k });
+            let lda = ld[0].unwrap_or(if d.trans_a { m } else { k });
+            let ldb = ld[1].unwrap_or(if d.trans_b { k } else { n });
+            let a = a.from(if d.trans_a { r0 } else { r0 * lda });
             // Taken out, not borrowed: a pool thread waiting on a fork may
             // meanwhile run another product's work.
             let (mut ap_buf, mut bp_buf) = PACKED.with_borrow_mut(std::mem::take);
@@ -1142,7 +1156,7 @@ mod tests {
                     };
                     let want = naive(&a, &b, d, round);
                     for kernel in simd::available() {
-                        let got = matmul_f32_on(kernel, Src::F32(&a), Src::F32(&b), d, round, cpu_threads());
+                        let got = matmul_f32_on(kernel, Src::F32(&a), Src::F32(&b), d, round, cpu_threads(), [None; 2]);
                         assert!(
                             got.iter()
                                 .zip(&want)
@@ -1248,7 +1262,7 @@ mod tests {
                         let want = naive(&a, &b, d, round);
                         let same = |x: &f32, y: &f32| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan());
                         for kernel in simd::available() {
-                            let got = matmul_f32_on(kernel, Src::F32(&a), Src::F32(&b), d, round, cpu_threads());
+                            let got = matmul_f32_on(kernel, Src::F32(&a), Src::F32(&b), d, round, cpu_threads(), [None; 2]);
                             assert!(got.iter().zip(&want).all(|(x, y)| same(x, y)), "{kernel:?} {d:?} {round:?}");
                         }
                     }
