@@ -135,6 +135,95 @@ device_test!(token_major_attention_is_the_permuted_composition, |dev| {
     );
 });
 
+// A residual sum formed by the product (`matmul_t_add`) against the product
+// followed by the sum, forward and every gradient, bit for bit — f32 and
+// bf16 autocast, batched inputs over ragged tiles and, on the CPU, several
+// k-blocks. `x` also feeds a second op that runs first in backward, so its
+// gradient from the product adds into one gathered before (the backward's
+// addend).
+device_test!(residual_sum_in_the_product_is_the_composition, |dev| {
+    let shapes: &[(usize, usize, usize, usize)] = if dev == Device::Cpu {
+        // a batch split over the threads; one product's rows split (its
+        // addend from a row offset), k over several k-blocks
+        &[
+            (1, 1, 3, 2),
+            (2, 7, 13, 5),
+            (3, 40, 70, 37),
+            (1, 300, 700, 37),
+        ]
+    } else {
+        &[(1, 1, 3, 2), (2, 7, 13, 5)]
+    };
+    for &(b, t, k, n) in shapes {
+        for bf16 in [false, true] {
+            let (xs, ws, es) = ([b, t, k], [n, k], [b, t, n]);
+            let (x0, w0, e0) = (
+                randv(b * t * k, 11, 1.0),
+                randv(n * k, 12, 1.0),
+                randv(b * t * n, 13, 1.0),
+            );
+            let (wy, wx) = (randv(b * t * n, 14, 1.0), randv(b * t * k, 15, 1.0));
+            // `apart`: x's other use reads a second leaf of the same values,
+            // so the two gradients come apart and are added here instead
+            let run = |fused: bool, apart: bool| -> Result<Vec<Vec<u32>>> {
+                let _ac = bf16.then(tinyllm::precision::autocast_bf16);
+                let (x, w, e) = (
+                    param(&x0, &xs, dev),
+                    param(&w0, &ws, dev),
+                    param(&e0, &es, dev),
+                );
+                let x2 = if apart {
+                    param(&x0, &xs, dev)
+                } else {
+                    x.clone()
+                };
+                let y = if fused {
+                    x.matmul_t_add(&w, &e)?
+                } else {
+                    e.add(&x.matmul_t(&w)?)?
+                };
+                // x's other use takes y, so its backward runs before the
+                // product's, whose gradient for x adds into it
+                let other = x2.mul(&y.sum_all()?)?.mul(&t_(&wx, &xs, dev))?.sum_all()?;
+                y.mul(&t_(&wy, &es, dev))?
+                    .sum_all()?
+                    .add(&other)?
+                    .backward()?;
+                let dx: Vec<f32> = match apart {
+                    true => grad(&x2).iter().zip(grad(&x)).map(|(a, b)| a + b).collect(),
+                    false => grad(&x),
+                };
+                Ok(vec![
+                    bits(&vals(&y)),
+                    bits(&dx),
+                    bits(&grad(&w)),
+                    bits(&grad(&e)),
+                ])
+            };
+            // the product's input gradient added into the gathered one
+            // equals the two added apart
+            let (gathered, apart) = (run(true, false)?, run(true, true)?);
+            assert_eq!(
+                gathered[1], apart[1],
+                "dx ({b}x{t}x{k} -> {n}, bf16 {bf16})"
+            );
+            let (fused, composed) = (gathered, run(false, false)?);
+            for (what, (f, c)) in ["y", "dx", "dw", "de"]
+                .iter()
+                .zip(fused.iter().zip(&composed))
+            {
+                let diff = f.iter().zip(c).filter(|(a, b)| a != b).count();
+                assert_eq!(
+                    diff,
+                    0,
+                    "{what}: {diff} of {} values differ ({b}x{t}x{k} -> {n}, bf16 {bf16})",
+                    f.len()
+                );
+            }
+        }
+    }
+});
+
 device_test!(linear_is_x_w_transposed_plus_b, |dev| {
     let gen = Generator::new(0);
     let l = Linear::new(3, 2, true, &gen, dev)?;

@@ -307,6 +307,20 @@ pub struct Attention {
 impl Attention {
     /// `x: (B,T,C) -> (B,T,C)`
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let y = self.heads(x)?;
+        let _traced = trace::path("o_proj");
+        self.o_proj.forward(&y)
+    }
+
+    /// `residual + self.forward(x)`, the sum formed by the output projection.
+    fn forward_add(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
+        let y = self.heads(x)?;
+        let _traced = trace::path("o_proj");
+        self.o_proj.forward_add(&y, residual)
+    }
+
+    /// The heads' outputs side by side, `(B,T,C)`: the output projection's input.
+    fn heads(&self, x: &Tensor) -> Result<Tensor> {
         let (b, t, c) = (x.shape()[0], x.shape()[1], x.shape()[2]);
         let (h, d) = (self.n_heads, c / self.n_heads);
         let (cos, sin) = self.rope.first(t)?;
@@ -339,9 +353,7 @@ impl Attention {
             q.causal_attention_tokens(&k, &v, scale)?
         };
         // (B,T,H,D) -> (B,T,C)
-        let y = y.reshape(&[b, t, c])?;
-        let _traced = trace::path("o_proj");
-        self.o_proj.forward(&y)
+        y.reshape(&[b, t, c])
     }
 }
 
@@ -359,6 +371,20 @@ pub struct Mlp {
 impl Mlp {
     /// `x: (B,T,C) -> (B,T,C)`
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let gu = self.gated(x)?;
+        let _traced = trace::path("down_proj");
+        self.down_proj.forward(&gu)
+    }
+
+    /// `residual + self.forward(x)`, the sum formed by the down projection.
+    fn forward_add(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
+        let gu = self.gated(x)?;
+        let _traced = trace::path("down_proj");
+        self.down_proj.forward_add(&gu, residual)
+    }
+
+    /// `silu(gate(x)) · up(x)`: the down projection's input.
+    fn gated(&self, x: &Tensor) -> Result<Tensor> {
         let g = {
             let _traced = trace::path("gate_proj");
             self.gate_proj.forward(x)?
@@ -367,9 +393,7 @@ impl Mlp {
             let _traced = trace::path("up_proj");
             self.up_proj.forward(x)?
         };
-        let gu = g.swiglu(&u)?;
-        let _traced = trace::path("down_proj");
-        self.down_proj.forward(&gu)
+        g.swiglu(&u)
     }
 }
 
@@ -438,13 +462,24 @@ impl Layer for Block {
         let a = &self.self_attn;
         let train = a.training.get();
         let n1 = part("input_layernorm", &|| self.input_layernorm.forward(x))?;
-        let att = part("self_attn", &|| a.forward(&n1))?;
-        let h = x.add(&dropout(&att, a.dropout, &a.rng, train)?)?;
+        // the residual sums formed by the projections that end each branch,
+        // unless dropout acts between
+        let drops = train && a.dropout > 0.0;
+        let h = if drops {
+            let att = part("self_attn", &|| a.forward(&n1))?;
+            x.add(&dropout(&att, a.dropout, &a.rng, train)?)?
+        } else {
+            part("self_attn", &|| a.forward_add(&n1, x))?
+        };
         let n2 = part("post_attention_layernorm", &|| {
             self.post_attention_layernorm.forward(&h)
         })?;
-        let m = part("mlp", &|| self.mlp.forward(&n2))?;
-        h.add(&dropout(&m, a.dropout, &a.rng, train)?)
+        if drops {
+            let m = part("mlp", &|| self.mlp.forward(&n2))?;
+            h.add(&dropout(&m, a.dropout, &a.rng, train)?)
+        } else {
+            part("mlp", &|| self.mlp.forward_add(&n2, &h))
+        }
     }
 }
 

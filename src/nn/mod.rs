@@ -64,9 +64,18 @@ impl Module for Linear {
     }
 }
 
-impl Layer for Linear {
-    /// `x: (.., in) -> (.., out)`
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+impl Linear {
+    /// `residual + self.forward(x)`, the sum formed as the product writes
+    /// its outputs where it can ([`Tensor::matmul_t_add`]: no bias).
+    pub fn forward_add(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
+        if self.bias.is_some() || x.dims() < 2 {
+            return residual.add(&self.forward(x)?);
+        }
+        self.check_input(x)?;
+        x.matmul_t_add(&self.weight, residual)
+    }
+
+    fn check_input(&self, x: &Tensor) -> Result<()> {
         let inp = self.weight.shape()[1];
         if x.shape().last() != Some(&inp) {
             bail!(
@@ -76,16 +85,28 @@ impl Layer for Linear {
                 x.shape()
             );
         }
-        let lead = &x.shape()[..x.dims() - 1];
-        let rows: usize = lead.iter().product();
-        let y = x.reshape(&[rows, inp])?.matmul_t(&self.weight)?;
-        let y = match &self.bias {
-            Some(b) => y.add(b)?,
-            None => y,
-        };
-        let mut shape = lead.to_vec();
-        shape.push(self.weight.shape()[0]);
-        y.reshape(&shape)
+        Ok(())
+    }
+}
+
+impl Layer for Linear {
+    /// `x: (.., in) -> (.., out)`
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.check_input(x)?;
+        let inp = self.weight.shape()[1];
+        if x.dims() == 1 {
+            return self
+                .forward(&x.reshape(&[1, inp])?)?
+                .reshape(&[self.weight.shape()[0]]);
+        }
+        // batched over the leading axes, the weight shared: the same sums as
+        // one (rows, in) product, and x itself is the product's input, so
+        // its gradient adds into what x gathered before (no reshape between)
+        let y = x.matmul_t(&self.weight)?;
+        match &self.bias {
+            Some(b) => y.add(b),
+            None => Ok(y),
+        }
     }
 }
 

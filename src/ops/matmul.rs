@@ -22,13 +22,15 @@ pub(crate) struct Arg<'a> {
 /// `op(a) @ op(b)` over matching leading (batch) axes; `ta`/`tb` read the last
 /// two axes transposed. `a: (.., m, k)` (or `(.., k, m)` when `ta`), `b: (.., k, n)`
 /// (or `(.., n, k)` when `tb`) -> `(.., m, n)`: the values, their shape, and
-/// the product's dims. Nothing is recorded.
+/// the product's dims, with `addend`'s values added to the outputs if given
+/// (see [`Operand::matmul_add`]). Nothing is recorded.
 pub(crate) fn product(
     a: Arg,
     b: Arg,
     ta: bool,
     tb: bool,
     round: Option<Format>,
+    addend: Option<&Storage>,
 ) -> Result<(Storage, Vec<usize>, MatmulDims)> {
     let (ra, rb) = (a.shape.len(), b.shape.len());
     if ra < 2 || rb < 2 {
@@ -79,7 +81,10 @@ pub(crate) fn product(
         b_batch_stride: b_stride,
         causal: Default::default(),
     };
-    let s = a.op.matmul(&b.op, dims, round)?;
+    let s = match addend {
+        Some(e) => a.op.matmul_add(&b.op, dims, round, e)?,
+        None => a.op.matmul(&b.op, dims, round)?,
+    };
     let mut shape = lead;
     shape.extend([m, n]);
     Ok((s, shape, dims))
@@ -96,7 +101,21 @@ pub fn matmul_with(
     tb: bool,
     round: Option<Format>,
 ) -> Result<Tensor> {
-    let (s, shape, dims) = product(a.arg(), b.arg(), ta, tb, round)?;
+    recorded(a, b, ta, tb, round, None)
+}
+
+/// [`matmul_with`], with `e`'s values added to the outputs when given (`e`
+/// of the output's shape, a tensor other than `a` and `b`).
+fn recorded(
+    a: &Tensor,
+    b: &Tensor,
+    ta: bool,
+    tb: bool,
+    round: Option<Format>,
+    e: Option<&Tensor>,
+) -> Result<Tensor> {
+    let addend = e.map(|e| e.storage());
+    let (s, shape, dims) = product(a.arg(), b.arg(), ta, tb, round, addend.as_ref())?;
     let MatmulDims { m, k, n, .. } = dims;
     let b_dims = b.dims();
     // Keep each operand only if the other one needs a gradient, as backward
@@ -106,13 +125,22 @@ pub fn matmul_with(
     let a_kept = rb.then(|| Saved::operand(a, round)).transpose()?;
     let b_kept = ra.then(|| Saved::operand(b, round)).transpose()?;
     let a_shape = a.shape().to_vec();
-    let y = Tensor::record(s, shape, "matmul", &[a, b], move |g| {
+    let has_addend = e.is_some();
+    let parents: Vec<&Tensor> = [a, b].into_iter().chain(e).collect();
+    let y = Tensor::record_gathering(s, shape, "matmul", &parents, move |g, gathered| {
         let gd = g.arg();
         let out = |(s, shape, _): (Storage, Vec<usize>, _)| Tensor::from_storage(s, &shape);
+        // dA is added into the gradient gathered for a so far, as its product
+        // writes it (the sum autograd would form next)
+        let earlier = b_kept
+            .as_ref()
+            .and_then(|_| gathered.take(0))
+            .map(|e| e.storage());
+        let e = earlier.as_ref();
         let ga = match &b_kept {
             None => None,
-            Some(b) if !ta => Some(out(product(gd.clone(), b.arg(), false, !tb, round)?)?), // dA = dC op(B)ᵀ
-            Some(b) => Some(out(product(b.arg(), gd.clone(), tb, true, round)?)?), // dA = (dC op(B)ᵀ)ᵀ = op(B) dCᵀ
+            Some(b) if !ta => Some(out(product(gd.clone(), b.arg(), false, !tb, round, e)?)?), // dA = dC op(B)ᵀ
+            Some(b) => Some(out(product(b.arg(), gd.clone(), tb, true, round, e)?)?), // dA = (dC op(B)ᵀ)ᵀ = op(B) dCᵀ
         };
         let gb = match &a_kept {
             None => None,
@@ -148,15 +176,20 @@ pub fn matmul_with(
                 };
                 let ta2 = ta && !folded;
                 Some(out(if !tb {
-                    product(a2, g2, !ta2, false, round)? // dB = op(A)ᵀ dC
+                    product(a2, g2, !ta2, false, round, None)? // dB = op(A)ᵀ dC
                 } else {
-                    product(g2, a2, true, ta2, round)? // dB = (op(A)ᵀ dC)ᵀ = dCᵀ op(A)
+                    product(g2, a2, true, ta2, round, None)? // dB = (op(A)ᵀ dC)ᵀ = dCᵀ op(A)
                 })?)
             }
         };
-        Ok(vec![ga, gb])
+        // the addend's gradient: the sum's, g itself
+        Ok([ga, gb]
+            .into_iter()
+            .chain(has_addend.then(|| Some(g.clone())))
+            .collect())
     });
-    Ok(y.with_half(round))
+    // a sum with an addend is not a 16-bit value
+    Ok(if has_addend { y } else { y.with_half(round) })
 }
 
 impl Tensor {
@@ -175,5 +208,22 @@ impl Tensor {
     /// `self @ rhsᵀ` without materialising the transpose (Linear's `x Wᵀ`).
     pub fn matmul_t(&self, rhs: &Tensor) -> Result<Tensor> {
         matmul_with(self, rhs, false, true, autocast_dtype())
+    }
+    /// `e + self @ rhsᵀ` (a residual connection around a Linear): the bits
+    /// of `e.add(&self.matmul_t(rhs)?)`, its gradients too where nothing else
+    /// adds into `self` or `rhs` between that sum and that product (as in
+    /// the Llama, whose projections' inputs and weights feed nothing else).
+    /// On the CPU the product adds `e` as it writes each tile; `e` of
+    /// another shape, or one of the operands itself, takes the composition.
+    pub fn matmul_t_add(&self, rhs: &Tensor, e: &Tensor) -> Result<Tensor> {
+        let fits = self.dims() >= 2 && rhs.dims() == 2 && e.dtype() == self.dtype() && {
+            let mut out = self.shape()[..self.dims() - 1].to_vec();
+            out.push(rhs.shape()[0]);
+            e.shape() == out.as_slice()
+        };
+        if !fits || e.id() == self.id() || e.id() == rhs.id() {
+            return e.add(&self.matmul_t(rhs)?);
+        }
+        recorded(self, rhs, false, true, autocast_dtype(), Some(e))
     }
 }

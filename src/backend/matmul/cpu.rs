@@ -14,14 +14,33 @@ use std::cell::RefCell;
 use std::mem::MaybeUninit;
 
 impl MatmulOps for CpuStorage {
-    fn matmul(&self, rhs: &CpuStorage, d: MatmulDims, halves: Halves, round: Option<Format>) -> Result<CpuStorage> {
-        Ok(match (self, rhs) {
-            (CpuStorage::F32(a), CpuStorage::F32(b)) => {
+    fn matmul(
+        &self,
+        rhs: &CpuStorage,
+        d: MatmulDims,
+        halves: Halves,
+        round: Option<Format>,
+        addend: Option<&CpuStorage>,
+    ) -> Result<CpuStorage> {
+        Ok(match (self, rhs, addend) {
+            (CpuStorage::F32(a), CpuStorage::F32(b), e) => {
                 let (a, b) = (a.get(), b.get());
-                f32::wrap(matmul_f32(Src::of(&a, halves.a), Src::of(&b, halves.b), d, round))
+                let e = e.map(|e| e.f32s());
+                let e = e.as_deref().map(Vec::as_slice);
+                f32::wrap(matmul_f32(Src::of(&a, halves.a), Src::of(&b, halves.b), d, round, e))
             }
-            (CpuStorage::F64(a), CpuStorage::F64(b)) if halves == Halves::default() => {
-                f64::wrap(matmul_f64(&a.get(), &b.get(), d, round))
+            (CpuStorage::F64(a), CpuStorage::F64(b), e) if halves == Halves::default() => {
+                let mut c = matmul_f64(&a.get(), &b.get(), d, round);
+                if let Some(e) = e {
+                    for (c, &e) in c.iter_mut().zip(f64::view(e).iter()) {
+                        // e first, as the elementwise sum takes its operands
+                        #[allow(clippy::assign_op_pattern)]
+                        {
+                            *c = e + *c;
+                        }
+                    }
+                }
+                f64::wrap(c)
             }
             _ => unreachable!("dtypes checked by the dispatch; 16-bit storage is f32 words"),
         })
@@ -885,7 +904,11 @@ fn matmul_block<const NR: usize>(
     r0: usize,
     out: &mut [MaybeUninit<f32>],
     blk: Block,
+    addend: Option<&[f32]>,
 ) {
+    // the addend goes onto each tile's final values, on the last k-block
+    let addend = addend.filter(|_| blk.kb + blk.kc >= blk.k);
+    assert!(addend.is_none() || blk.causal == Causal::No, "an addend with a causal mask");
     let rows = out.len() / n;
     let row_panels = rows.div_ceil(MR);
     let col_panels = n.div_ceil(NR);
@@ -915,6 +938,25 @@ fn matmul_block<const NR: usize>(
                     // row i0 + r keeps the columns j0 + j <= i0 + r
                     zero_from(c, n, tile_rows, cols, |r| (i0 + r + 1).saturating_sub(j0));
                 }
+                if let Some(e) = addend {
+                    add_tile(c, &e[pi * MR * n + j0..], n, tile_rows, cols);
+                }
+            }
+        }
+    }
+}
+
+simd::multiversion! {
+    /// `c = e + c` over a tile of `rows × cols` values, rows `ldc` apart,
+    /// its values written: an addend's sum with the product (`e` first, as
+    /// the elementwise sum takes its operands).
+    fn add_tile(c: &mut [MaybeUninit<f32>], e: &[f32], ldc: usize, rows: usize, cols: usize) {
+        for r in 0..rows {
+            let (cr, er) = (&mut c[r * ldc..r * ldc + cols], &e[r * ldc..r * ldc + cols]);
+            for (c, &e) in cr.iter_mut().zip(er) {
+                // SAFETY: the tile's k-blocks wrote it.
+                let v = unsafe { c.assume_init() };
+                c.write(e + v);
             }
         }
     }
@@ -925,8 +967,8 @@ fn matmul_block<const NR: usize>(
 const THREADED_MACS: usize = 1 << 21;
 
 /// The product on the CPU's widest tile.
-fn matmul_f32(a: Src, b: Src, d: MatmulDims, round: Option<Format>) -> Vec<f32> {
-    matmul_f32_on(simd::level(), a, b, d, round, cpu_threads(), [None; 2])
+fn matmul_f32(a: Src, b: Src, d: MatmulDims, round: Option<Format>, addend: Option<&[f32]>) -> Vec<f32> {
+    matmul_f32_on(simd::level(), a, b, d, round, cpu_threads(), Around { ld: [None; 2], addend })
 }
 
 /// [`matmul_f32`] on the calling thread alone, for a caller that runs one
@@ -941,7 +983,7 @@ pub(crate) fn matmul_f32_one_thread(
     round: Option<Format>,
     ld: [Option<usize>; 2],
 ) -> Vec<f32> {
-    matmul_f32_on(simd::level(), Src::of(a, ha), Src::of(b, hb), d, round, 1, ld)
+    matmul_f32_on(simd::level(), Src::of(a, ha), Src::of(b, hb), d, round, 1, Around { ld, addend: None })
 }
 
 /// The product on the tile of level `kernel` (one the CPU has): 6 × 16 in the
@@ -949,7 +991,15 @@ pub(crate) fn matmul_f32_one_thread(
 /// chain of fused multiply-adds whichever tile computes it; only the tile's
 /// width, and so that of B's packed panels, differs.
 /// Products from [`THREADED_MACS`] run on up to `threads` threads.
-/// `ld`: the operands' row strides where not their rows' lengths.
+/// How a product's operands and output lie beyond its dims.
+#[derive(Clone, Copy)]
+struct Around<'a> {
+    /// The operands' row strides, where not their rows' lengths.
+    ld: [Option<usize>; 2],
+    /// `(batch, m, n)` values added to the outputs (see [`add_tile`]).
+    addend: Option<&'a [f32]>,
+}
+
 fn matmul_f32_on(
     kernel: Level,
     a: Src,
@@ -957,11 +1007,11 @@ fn matmul_f32_on(
     d: MatmulDims,
     round: Option<Format>,
     threads: usize,
-    ld: [Option<usize>; 2],
+    around: Around,
 ) -> Vec<f32> {
     match kernel {
-        Level::Avx512 => product::<32>(kernel, a, b, d, round, threads, ld),
-        _ => product::<16>(kernel, a, b, d, round, threads, ld),
+        Level::Avx512 => product::<32>(kernel, a, b, d, round, threads, around),
+        _ => product::<16>(kernel, a, b, d, round, threads, around),
     }
 }
 
@@ -974,12 +1024,15 @@ simd::multiversion! {
         d: MatmulDims,
         round: Option<Format>,
         threads: usize,
-        ld: [Option<usize>; 2],
+        around: Around,
     ) -> Vec<f32> {
+        let Around { ld, addend } = around;
         let MatmulDims { batch, m, k, n, .. } = d;
         let len = batch * m * n;
+        assert!(addend.is_none_or(|e| e.len() == len), "an addend of another size");
         if len == 0 || k == 0 {
-            return vec![0.0f32; len]; // empty sums are +0
+            // empty sums are +0
+            return addend.map_or_else(|| vec![0.0f32; len], |e| e.iter().map(|&e| e + 0.0).collect());
         }
         // No zero fill: every element is written by its first k-block.
         let mut out_vec = Vec::<f32>::with_capacity(len);
@@ -991,6 +1044,7 @@ simd::multiversion! {
         // the contract's order.
         let one = |bi: usize, r0: usize, c: &mut [MaybeUninit<f32>]| {
             let rows = c.len() / n;
+            let e = addend.map(|e| &e[bi * m * n + r0 * n..][..c.len()]);
             let (a, b) = (a.from(bi * d.a_batch_stride), b.from(bi * d.b_batch_stride));
             // Aᵀ's rows run over m, A's over k; B's over n, Bᵀ's over k
             let lda = ld[0].unwrap_or(if d.trans_a { m } else { k });
@@ -1008,7 +1062,7 @@ simd::multiversion! {
                 let ap = pack_all::<MR>(&mut ap_buf, a, rows, lda, (kb, kc), d.trans_a, round, a_terms);
                 let all = |_| (0, kc);
                 let bp = pack_all::<NR>(&mut bp_buf, b, n, ldb, (kb, kc), !d.trans_b, round, all);
-                matmul_block::<NR>(ap, bp, n, r0, c, blk);
+                matmul_block::<NR>(ap, bp, n, r0, c, blk, e);
                 kb += depth;
             }
             PACKED.with_borrow_mut(|p| *p = (ap_buf, bp_buf));
@@ -1156,7 +1210,7 @@ mod tests {
                     };
                     let want = naive(&a, &b, d, round);
                     for kernel in simd::available() {
-                        let got = matmul_f32_on(kernel, Src::F32(&a), Src::F32(&b), d, round, cpu_threads(), [None; 2]);
+                        let got = matmul_f32_on(kernel, Src::F32(&a), Src::F32(&b), d, round, cpu_threads(), Around { ld: [None; 2], addend: None });
                         assert!(
                             got.iter()
                                 .zip(&want)
@@ -1203,7 +1257,7 @@ mod tests {
             for ((a, b), want) in operands.iter().zip(&want) {
                 sc.spawn(move || {
                     for _ in 0..12 {
-                        let got = matmul_f32(Src::F32(a), Src::F32(b), d, None);
+                        let got = matmul_f32(Src::F32(a), Src::F32(b), d, None, None);
                         assert!(got.iter().zip(want).all(|(x, y)| x.to_bits() == y.to_bits()));
                     }
                 });
@@ -1262,7 +1316,7 @@ mod tests {
                         let want = naive(&a, &b, d, round);
                         let same = |x: &f32, y: &f32| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan());
                         for kernel in simd::available() {
-                            let got = matmul_f32_on(kernel, Src::F32(&a), Src::F32(&b), d, round, cpu_threads(), [None; 2]);
+                            let got = matmul_f32_on(kernel, Src::F32(&a), Src::F32(&b), d, round, cpu_threads(), Around { ld: [None; 2], addend: None });
                             assert!(got.iter().zip(&want).all(|(x, y)| same(x, y)), "{kernel:?} {d:?} {round:?}");
                         }
                     }

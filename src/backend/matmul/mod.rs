@@ -28,8 +28,8 @@ pub(crate) mod gpu;
 use super::pack::Packed;
 use super::round::Format;
 use super::{observed, on_device};
-use super::Storage;
-use crate::Result;
+use super::{BinaryLayout, BinaryOp, Storage};
+use crate::{bail, Result};
 
 /// A batched matmul `C[b] = op(A[b]) @ op(B[b])`, `op(A)` of shape (m, k),
 /// `op(B)` of shape (k, n). `trans_a` means A is stored (k, m); `trans_b`, B
@@ -168,7 +168,16 @@ impl Operand {
 
 /// The two devices' products (see the module docs for the contract).
 pub trait MatmulOps: Sized {
-    fn matmul(&self, rhs: &Self, d: MatmulDims, halves: Halves, round: Option<Format>) -> Result<Self>;
+    /// The product, with `addend` (`(batch, m, n)`, no causal mask) added to
+    /// its outputs: `e + c` per output, the elementwise sum's bits.
+    fn matmul(
+        &self,
+        rhs: &Self,
+        d: MatmulDims,
+        halves: Halves,
+        round: Option<Format>,
+        addend: Option<&Self>,
+    ) -> Result<Self>;
 }
 
 impl Storage {
@@ -184,7 +193,36 @@ impl Operand {
         let _prof = crate::profile::product_scope(dims.profiled());
         let ((a, ha), (b, hb)) = (self.parts(), rhs.parts());
         let halves = Halves { a: ha, b: hb };
-        let c = on_device!([a, b] => |a, b| a.matmul(b, dims, halves, round));
+        let c = on_device!([a, b] => |a, b| a.matmul(b, dims, halves, round, None));
+        observed("matmul", || dims.describe(round), &[&c])?;
+        Ok(c)
+    }
+
+    /// `addend + self @ rhs`: every output of the contract's matmul with the
+    /// addend's value added, `e + c` — the bits of the product followed by
+    /// the elementwise sum. The CPU adds each tile as the product writes it;
+    /// the GPU runs the two primitives, and so does the CPU while a
+    /// [trace](crate::crosscheck::trace) records them. No causal mask.
+    pub fn matmul_add(
+        &self,
+        rhs: &Operand,
+        dims: MatmulDims,
+        round: Option<Format>,
+        addend: &Storage,
+    ) -> Result<Storage> {
+        let len = dims.batch * dims.m * dims.n;
+        if dims.causal != Causal::No || addend.len() != len {
+            bail!(Shape, "matmul_add: an addend of {} values for {len} outputs ({:?})", addend.len(), dims.causal);
+        }
+        if !matches!(addend, Storage::Cpu(_)) || crate::crosscheck::trace::on() {
+            let c = self.matmul(rhs, dims, round)?;
+            let layout = BinaryLayout { lhs_strides: vec![1], rhs_strides: vec![1], shape: vec![len] };
+            return addend.binary(&c, BinaryOp::Add, &layout);
+        }
+        let _prof = crate::profile::product_scope(dims.profiled());
+        let ((a, ha), (b, hb)) = (self.parts(), rhs.parts());
+        let halves = Halves { a: ha, b: hb };
+        let c = on_device!([a, b, addend] => |a, b, e| a.matmul(b, dims, halves, round, Some(e)));
         observed("matmul", || dims.describe(round), &[&c])?;
         Ok(c)
     }
