@@ -104,7 +104,13 @@ impl Layer for Linear {
         // its gradient adds into what x gathered before (no reshape between)
         let y = x.matmul_t(&self.weight)?;
         match &self.bias {
-            Some(b) => y.add(b),
+            // over (rows, out): the bias gradient one fold over the rows
+            Some(b) => {
+                let (shape, out) = (y.shape().to_vec(), self.weight.shape()[0]);
+                y.reshape(&[y.numel() / out.max(1), out])?
+                    .add(b)?
+                    .reshape(&shape)
+            }
             None => Ok(y),
         }
     }
