@@ -8,6 +8,19 @@ use tinyllm::nn::{Dropout, Embedding, Layer, Linear, Module, RmsNorm, Sequential
 use tinyllm::optim::{clip_grad_norm_, AdamW, AdamWConfig, Optimizer, Sgd};
 use tinyllm::Generator;
 
+/// Each of the named bit vectors of a fused run equals the composition's.
+fn same_bits(names: &[&str], fused: &[Vec<u32>], composed: &[Vec<u32>], case: &str) {
+    for (what, (f, c)) in names.iter().zip(fused.iter().zip(composed)) {
+        let diff = f.iter().zip(c).filter(|(a, b)| a != b).count();
+        assert_eq!(
+            diff,
+            0,
+            "{what}: {diff} of {} values differ ({case})",
+            f.len()
+        );
+    }
+}
+
 // The fused causal attention against the composition it replaces, forward
 // and every gradient, bit for bit — in float32 and under bf16 autocast, over
 // sequence lengths that cross both devices' tiles raggedly (and, on the CPU,
@@ -49,18 +62,12 @@ device_test!(causal_attention_is_its_composition_bit_for_bit, |dev| {
                 ])
             };
             let (fused, composed) = (run(true)?, run(false)?);
-            for (what, (f, c)) in ["y", "dq", "dk", "dv"]
-                .iter()
-                .zip(fused.iter().zip(&composed))
-            {
-                let diff = f.iter().zip(c).filter(|(a, b)| a != b).count();
-                assert_eq!(
-                    diff,
-                    0,
-                    "{what}: {diff} of {} values differ (T {t}, bf16 {bf16})",
-                    f.len()
-                );
-            }
+            same_bits(
+                &["y", "dq", "dk", "dv"],
+                &fused,
+                &composed,
+                &format!("T {t}, bf16 {bf16}"),
+            );
         }
     }
 });
@@ -109,18 +116,12 @@ device_test!(token_major_attention_is_the_permuted_composition, |dev| {
                 ])
             };
             let (fused, composed) = (run(true)?, run(false)?);
-            for (what, (f, c)) in ["y", "dq", "dk", "dv"]
-                .iter()
-                .zip(fused.iter().zip(&composed))
-            {
-                let diff = f.iter().zip(c).filter(|(a, b)| a != b).count();
-                assert_eq!(
-                    diff,
-                    0,
-                    "{what}: {diff} of {} values differ (T {t}, bf16 {bf16})",
-                    f.len()
-                );
-            }
+            same_bits(
+                &["y", "dq", "dk", "dv"],
+                &fused,
+                &composed,
+                &format!("T {t}, bf16 {bf16}"),
+            );
         }
     }
     // shapes that do not fit (B, H, T, D) q, k and (B, T, H, D) v
@@ -208,18 +209,12 @@ device_test!(residual_sum_in_the_product_is_the_composition, |dev| {
                 "dx ({b}x{t}x{k} -> {n}, bf16 {bf16})"
             );
             let (fused, composed) = (gathered, run(false, false)?);
-            for (what, (f, c)) in ["y", "dx", "dw", "de"]
-                .iter()
-                .zip(fused.iter().zip(&composed))
-            {
-                let diff = f.iter().zip(c).filter(|(a, b)| a != b).count();
-                assert_eq!(
-                    diff,
-                    0,
-                    "{what}: {diff} of {} values differ ({b}x{t}x{k} -> {n}, bf16 {bf16})",
-                    f.len()
-                );
-            }
+            same_bits(
+                &["y", "dx", "dw", "de"],
+                &fused,
+                &composed,
+                &format!("{b}x{t}x{k} -> {n}, bf16 {bf16}"),
+            );
         }
     }
 });

@@ -305,18 +305,15 @@ pub struct Attention {
 }
 
 impl Attention {
-    /// `x: (B,T,C) -> (B,T,C)`
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    /// `x: (B,T,C) -> (B,T,C)`, plus `residual` if given (a sum the output
+    /// projection forms as it writes).
+    fn forward(&self, x: &Tensor, residual: Option<&Tensor>) -> Result<Tensor> {
         let y = self.heads(x)?;
         let _traced = trace::path("o_proj");
-        self.o_proj.forward(&y)
-    }
-
-    /// `residual + self.forward(x)`, the sum formed by the output projection.
-    fn forward_add(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
-        let y = self.heads(x)?;
-        let _traced = trace::path("o_proj");
-        self.o_proj.forward_add(&y, residual)
+        match residual {
+            Some(r) => self.o_proj.forward_add(&y, r),
+            None => self.o_proj.forward(&y),
+        }
     }
 
     /// The heads' outputs side by side, `(B,T,C)`: the output projection's input.
@@ -369,18 +366,15 @@ pub struct Mlp {
 }
 
 impl Mlp {
-    /// `x: (B,T,C) -> (B,T,C)`
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    /// `x: (B,T,C) -> (B,T,C)`, plus `residual` if given (a sum the down
+    /// projection forms as it writes).
+    fn forward(&self, x: &Tensor, residual: Option<&Tensor>) -> Result<Tensor> {
         let gu = self.gated(x)?;
         let _traced = trace::path("down_proj");
-        self.down_proj.forward(&gu)
-    }
-
-    /// `residual + self.forward(x)`, the sum formed by the down projection.
-    fn forward_add(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
-        let gu = self.gated(x)?;
-        let _traced = trace::path("down_proj");
-        self.down_proj.forward_add(&gu, residual)
+        match residual {
+            Some(r) => self.down_proj.forward_add(&gu, r),
+            None => self.down_proj.forward(&gu),
+        }
     }
 
     /// `silu(gate(x)) · up(x)`: the down projection's input.
@@ -466,19 +460,19 @@ impl Layer for Block {
         // unless dropout acts between
         let drops = train && a.dropout > 0.0;
         let h = if drops {
-            let att = part("self_attn", &|| a.forward(&n1))?;
+            let att = part("self_attn", &|| a.forward(&n1, None))?;
             x.add(&dropout(&att, a.dropout, &a.rng, train)?)?
         } else {
-            part("self_attn", &|| a.forward_add(&n1, x))?
+            part("self_attn", &|| a.forward(&n1, Some(x)))?
         };
         let n2 = part("post_attention_layernorm", &|| {
             self.post_attention_layernorm.forward(&h)
         })?;
         if drops {
-            let m = part("mlp", &|| self.mlp.forward(&n2))?;
+            let m = part("mlp", &|| self.mlp.forward(&n2, None))?;
             h.add(&dropout(&m, a.dropout, &a.rng, train)?)
         } else {
-            part("mlp", &|| self.mlp.forward_add(&n2, &h))
+            part("mlp", &|| self.mlp.forward(&n2, Some(&h)))
         }
     }
 }

@@ -14,15 +14,34 @@ use std::cell::RefCell;
 use std::mem::MaybeUninit;
 
 impl MatmulOps for CpuStorage {
-    fn matmul(
+    fn matmul(&self, rhs: &CpuStorage, d: MatmulDims, halves: Halves, round: Option<Format>) -> Result<CpuStorage> {
+        Ok(self.product(rhs, d, halves, round, None))
+    }
+}
+
+impl CpuStorage {
+    /// The product with `addend` added to its outputs (see
+    /// [`Operand::matmul_add`](super::Operand::matmul_add)).
+    pub(crate) fn matmul_add(
+        &self,
+        rhs: &CpuStorage,
+        d: MatmulDims,
+        halves: Halves,
+        round: Option<Format>,
+        addend: &CpuStorage,
+    ) -> CpuStorage {
+        self.product(rhs, d, halves, round, Some(addend))
+    }
+
+    fn product(
         &self,
         rhs: &CpuStorage,
         d: MatmulDims,
         halves: Halves,
         round: Option<Format>,
         addend: Option<&CpuStorage>,
-    ) -> Result<CpuStorage> {
-        Ok(match (self, rhs, addend) {
+    ) -> CpuStorage {
+        match (self, rhs, addend) {
             (CpuStorage::F32(a), CpuStorage::F32(b), e) => {
                 let (a, b) = (a.get(), b.get());
                 let e = e.map(|e| e.f32s());
@@ -43,7 +62,7 @@ impl MatmulOps for CpuStorage {
                 f64::wrap(c)
             }
             _ => unreachable!("dtypes checked by the dispatch; 16-bit storage is f32 words"),
-        })
+        }
     }
 }
 
@@ -986,11 +1005,6 @@ pub(crate) fn matmul_f32_one_thread(
     matmul_f32_on(simd::level(), Src::of(a, ha), Src::of(b, hb), d, round, 1, Around { ld, addend: None })
 }
 
-/// The product on the tile of level `kernel` (one the CPU has): 6 × 16 in the
-/// portable loop and with AVX2, 6 × 32 with AVX-512. Each output is the same
-/// chain of fused multiply-adds whichever tile computes it; only the tile's
-/// width, and so that of B's packed panels, differs.
-/// Products from [`THREADED_MACS`] run on up to `threads` threads.
 /// How a product's operands and output lie beyond its dims.
 #[derive(Clone, Copy)]
 struct Around<'a> {
@@ -1000,6 +1014,11 @@ struct Around<'a> {
     addend: Option<&'a [f32]>,
 }
 
+/// The product on the tile of level `kernel` (one the CPU has): 6 × 16 in the
+/// portable loop and with AVX2, 6 × 32 with AVX-512. Each output is the same
+/// chain of fused multiply-adds whichever tile computes it; only the tile's
+/// width, and so that of B's packed panels, differs.
+/// Products from [`THREADED_MACS`] run on up to `threads` threads.
 fn matmul_f32_on(
     kernel: Level,
     a: Src,

@@ -42,17 +42,7 @@ const MATMUL_COLS: usize = 64;
 const MATMUL_ROWS: usize = 64;
 
 impl MatmulOps for GpuStorage {
-    fn matmul(
-        &self,
-        rhs: &GpuStorage,
-        d: MatmulDims,
-        halves: Halves,
-        round: Option<Format>,
-        addend: Option<&GpuStorage>,
-    ) -> Result<GpuStorage> {
-        if addend.is_some() {
-            bail!(Device, "the GPU's products take no addend (Operand::matmul_add adds it)");
-        }
+    fn matmul(&self, rhs: &GpuStorage, d: MatmulDims, halves: Halves, round: Option<Format>) -> Result<GpuStorage> {
         let c = ctx()?;
         let n_out = d.batch * d.m * d.n;
         let out = GpuStorage::alloc(c, n_out)?;

@@ -27,7 +27,7 @@ pub(crate) mod gpu;
 
 use super::pack::Packed;
 use super::round::Format;
-use super::{observed, on_device};
+use super::{observed, on_device, Lift};
 use super::{BinaryLayout, BinaryOp, Storage};
 use crate::{bail, Result};
 
@@ -168,19 +168,17 @@ impl Operand {
 
 /// The two devices' products (see the module docs for the contract).
 pub trait MatmulOps: Sized {
-    /// The product, with `addend` (`(batch, m, n)`, no causal mask) added to
-    /// its outputs: `e + c` per output, the elementwise sum's bits.
-    fn matmul(
-        &self,
-        rhs: &Self,
-        d: MatmulDims,
-        halves: Halves,
-        round: Option<Format>,
-        addend: Option<&Self>,
-    ) -> Result<Self>;
+    fn matmul(&self, rhs: &Self, d: MatmulDims, halves: Halves, round: Option<Format>) -> Result<Self>;
 }
 
 impl Storage {
+    /// `e + self`, elementwise over equal lengths: the sum
+    /// [`Operand::matmul_add`] forms, as its own primitive.
+    fn add_to(&self, e: &Storage) -> Result<Storage> {
+        let layout = BinaryLayout { lhs_strides: vec![1], rhs_strides: vec![1], shape: vec![self.len()] };
+        e.binary(self, BinaryOp::Add, &layout)
+    }
+
     /// The contract's matmul; `self` is A, `rhs` is B.
     pub fn matmul(&self, rhs: &Storage, dims: MatmulDims, round: Option<Format>) -> Result<Storage> {
         Operand::Values(self.clone()).matmul(&Operand::Values(rhs.clone()), dims, round)
@@ -193,7 +191,7 @@ impl Operand {
         let _prof = crate::profile::product_scope(dims.profiled());
         let ((a, ha), (b, hb)) = (self.parts(), rhs.parts());
         let halves = Halves { a: ha, b: hb };
-        let c = on_device!([a, b] => |a, b| a.matmul(b, dims, halves, round, None));
+        let c = on_device!([a, b] => |a, b| a.matmul(b, dims, halves, round));
         observed("matmul", || dims.describe(round), &[&c])?;
         Ok(c)
     }
@@ -214,15 +212,18 @@ impl Operand {
         if dims.causal != Causal::No || addend.len() != len {
             bail!(Shape, "matmul_add: an addend of {} values for {len} outputs ({:?})", addend.len(), dims.causal);
         }
-        if !matches!(addend, Storage::Cpu(_)) || crate::crosscheck::trace::on() {
-            let c = self.matmul(rhs, dims, round)?;
-            let layout = BinaryLayout { lhs_strides: vec![1], rhs_strides: vec![1], shape: vec![len] };
-            return addend.binary(&c, BinaryOp::Add, &layout);
-        }
-        let _prof = crate::profile::product_scope(dims.profiled());
         let ((a, ha), (b, hb)) = (self.parts(), rhs.parts());
+        super::check_same(&[a, b, addend])?;
+        let cpu = match (a, b, addend) {
+            (Storage::Cpu(a), Storage::Cpu(b), Storage::Cpu(e)) if !crate::crosscheck::trace::on() => Some((a, b, e)),
+            _ => None,
+        };
+        let Some((ac, bc, ec)) = cpu else {
+            return self.matmul(rhs, dims, round)?.add_to(addend);
+        };
+        let _prof = crate::profile::product_scope(dims.profiled());
         let halves = Halves { a: ha, b: hb };
-        let c = on_device!([a, b, addend] => |a, b, e| a.matmul(b, dims, halves, round, Some(e)));
+        let c = ac.matmul_add(bc, dims, halves, round, ec).lift();
         observed("matmul", || dims.describe(round), &[&c])?;
         Ok(c)
     }
