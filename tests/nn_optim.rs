@@ -21,6 +21,51 @@ fn same_bits(names: &[&str], fused: &[Vec<u32>], composed: &[Vec<u32>], case: &s
     }
 }
 
+/// q, k `(2, 3, t, 8)` and v of `v_shape` (random, from `seed`), under bf16
+/// autocast or not: `fused(q, k, v)` against `composed(q, k, v)`, the output
+/// and the gradients of q, k and v bit for bit.
+fn attention_case(
+    dev: Device,
+    t: usize,
+    bf16: bool,
+    seed: u64,
+    v_shape: &[usize],
+    fused: &dyn Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>,
+    composed: &dyn Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>,
+) -> Result<()> {
+    let shape = [2, 3, t, 8];
+    let n = 2 * 3 * t * 8;
+    let (q0, k0, v0, w) = (
+        randv(n, seed, 2.0),
+        randv(n, seed + 1, 2.0),
+        randv(n, seed + 2, 1.0),
+        randv(n, seed + 3, 1.0),
+    );
+    let run = |f: &dyn Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>| -> Result<Vec<Vec<u32>>> {
+        let _ac = bf16.then(tinyllm::precision::autocast_bf16);
+        let (q, k, v) = (
+            param(&q0, &shape, dev),
+            param(&k0, &shape, dev),
+            param(&v0, v_shape, dev),
+        );
+        let y = f(&q, &k, &v)?;
+        y.mul(&t_(&w, y.shape(), dev))?.sum_all()?.backward()?;
+        Ok(vec![
+            bits(&vals(&y)),
+            bits(&grad(&q)),
+            bits(&grad(&k)),
+            bits(&grad(&v)),
+        ])
+    };
+    same_bits(
+        &["y", "dq", "dk", "dv"],
+        &run(fused)?,
+        &run(composed)?,
+        &format!("T {t}, bf16 {bf16}"),
+    );
+    Ok(())
+}
+
 // The fused causal attention against the composition it replaces, forward
 // and every gradient, bit for bit — in float32 and under bf16 autocast, over
 // sequence lengths that cross both devices' tiles raggedly (and, on the CPU,
@@ -33,41 +78,15 @@ device_test!(causal_attention_is_its_composition_bit_for_bit, |dev| {
     };
     for &t in lengths {
         for bf16 in [false, true] {
-            let shape = [2, 3, t, 8];
-            let n = 2 * 3 * t * 8;
-            let (q0, k0, v0, w) = (
-                randv(n, 1, 2.0),
-                randv(n, 2, 2.0),
-                randv(n, 3, 1.0),
-                randv(n, 4, 1.0),
-            );
-            let run = |fused: bool| -> Result<Vec<Vec<u32>>> {
-                let _ac = bf16.then(tinyllm::precision::autocast_bf16);
-                let (q, k, v) = (
-                    param(&q0, &shape, dev),
-                    param(&k0, &shape, dev),
-                    param(&v0, &shape, dev),
-                );
-                let y = if fused {
-                    q.causal_attention(&k, &v, 0.35)?
-                } else {
-                    q.matmul_t(&k)?.causal_softmax(0.35)?.matmul(&v)?
-                };
-                y.mul(&t_(&w, &shape, dev))?.sum_all()?.backward()?;
-                Ok(vec![
-                    bits(&vals(&y)),
-                    bits(&grad(&q)),
-                    bits(&grad(&k)),
-                    bits(&grad(&v)),
-                ])
-            };
-            let (fused, composed) = (run(true)?, run(false)?);
-            same_bits(
-                &["y", "dq", "dk", "dv"],
-                &fused,
-                &composed,
-                &format!("T {t}, bf16 {bf16}"),
-            );
+            attention_case(
+                dev,
+                t,
+                bf16,
+                1,
+                &[2, 3, t, 8],
+                &|q, k, v| q.causal_attention(k, v, 0.35),
+                &|q, k, v| q.matmul_t(k)?.causal_softmax(0.35)?.matmul(v),
+            )?;
         }
     }
 });
@@ -83,45 +102,21 @@ device_test!(token_major_attention_is_the_permuted_composition, |dev| {
     };
     for &t in lengths {
         for bf16 in [false, true] {
-            let (heads, tokens) = ([2, 3, t, 8], [2, t, 3, 8]);
-            let n = 2 * 3 * t * 8;
-            let (q0, k0, v0, w) = (
-                randv(n, 5, 2.0),
-                randv(n, 6, 2.0),
-                randv(n, 7, 1.0),
-                randv(n, 8, 1.0),
-            );
-            let run = |fused: bool| -> Result<Vec<Vec<u32>>> {
-                let _ac = bf16.then(tinyllm::precision::autocast_bf16);
-                let (q, k, v) = (
-                    param(&q0, &heads, dev),
-                    param(&k0, &heads, dev),
-                    param(&v0, &tokens, dev),
-                );
-                let y = if fused {
-                    q.causal_attention_tokens(&k, &v, 0.35)?
-                } else {
+            attention_case(
+                dev,
+                t,
+                bf16,
+                5,
+                &[2, t, 3, 8],
+                &|q, k, v| q.causal_attention_tokens(k, v, 0.35),
+                &|q, k, v| {
                     let vh = v.permute(&[0, 2, 1, 3])?;
-                    q.matmul_t(&k)?
+                    q.matmul_t(k)?
                         .causal_softmax(0.35)?
                         .matmul(&vh)?
-                        .permute(&[0, 2, 1, 3])?
-                };
-                y.mul(&t_(&w, &tokens, dev))?.sum_all()?.backward()?;
-                Ok(vec![
-                    bits(&vals(&y)),
-                    bits(&grad(&q)),
-                    bits(&grad(&k)),
-                    bits(&grad(&v)),
-                ])
-            };
-            let (fused, composed) = (run(true)?, run(false)?);
-            same_bits(
-                &["y", "dq", "dk", "dv"],
-                &fused,
-                &composed,
-                &format!("T {t}, bf16 {bf16}"),
-            );
+                        .permute(&[0, 2, 1, 3])
+                },
+            )?;
         }
     }
     // shapes that do not fit (B, H, T, D) q, k and (B, T, H, D) v
