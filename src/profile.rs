@@ -9,8 +9,10 @@
 //! time to record the kernels (the device runs asynchronously), so a GPU
 //! profile shows host overhead, not kernel time.
 //!
-//! `tinyllm train --profile` prints it for the training steps; it is how the
-//! share of the step spent outside matrix products is measured (BENCHMARKS.md).
+//! `tinyllm train --profile` prints it for the training steps after the
+//! run's first (a warm-up that touches the step's memory for the first time,
+//! left out as the tokens/s figures leave it out); it is how the share of the
+//! step spent outside matrix products is measured (BENCHMARKS.md).
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
@@ -25,6 +27,10 @@ thread_local! {
     static WALL: Cell<Duration> = const { Cell::new(Duration::ZERO) };
     /// GPU work recorded inside [`unpause`] guards while a profile runs.
     static GPU: Cell<GpuCounters> = Cell::new(GpuCounters::default());
+    /// Training steps counted ([`step`]) while a profile runs.
+    static STEPS: Cell<usize> = const { Cell::new(0) };
+    /// The wall time of steps left out ([`leave_out`]) while a profile runs.
+    static LEFT_OUT: Cell<Option<Duration>> = const { Cell::new(None) };
     /// Dispatches counted by the scopes closed so far, nested ones included:
     /// what makes each scope's count its own, without its inner scopes'.
     static CLAIMED: Cell<u64> = const { Cell::new(0) };
@@ -165,6 +171,8 @@ pub fn start() {
     PRODUCTS.with_borrow_mut(HashMap::clear);
     WALL.with(|w| w.set(Duration::ZERO));
     GPU.with(|g| g.set(GpuCounters::default()));
+    STEPS.with(|n| n.set(0));
+    LEFT_OUT.with(|w| w.set(None));
     ON.with(|on| on.set(true));
 }
 
@@ -197,6 +205,8 @@ pub fn take() -> Option<Profile> {
         products,
         gpu: (gpu.dispatches > 0).then_some(gpu),
         wall: (wall > Duration::ZERO).then_some(wall),
+        steps: STEPS.with(Cell::get),
+        left_out: LEFT_OUT.with(Cell::get),
     })
 }
 
@@ -218,6 +228,22 @@ pub fn unpause() -> Pause {
         ON.with(Cell::get)
             .then(|| (Instant::now(), GpuCounters::now())),
     )
+}
+
+/// [`unpause`] around one training step, counted in [`Profile::steps`].
+pub fn step() -> Pause {
+    if ON.with(Cell::get) {
+        STEPS.with(|n| n.set(n.get() + 1));
+    }
+    unpause()
+}
+
+/// Records that a training step of `wall` time ran outside the profile (a
+/// run's warm-up step), for [`Profile::left_out`].
+pub fn leave_out(wall: Duration) {
+    if ON.with(Cell::get) {
+        LEFT_OUT.with(|w| w.set(Some(w.get().unwrap_or_default() + wall)));
+    }
 }
 
 /// A guard from [`pause`] or [`unpause`]: dropping it undoes that call
@@ -363,6 +389,10 @@ pub struct Profile {
     /// GPU dispatches, submits and readbacks inside those guards, if any
     /// (counted across threads: run one profile at a time).
     pub gpu: Option<GpuCounters>,
+    /// The training steps in the profile ([`step`]).
+    pub steps: usize,
+    /// The wall time of training steps left out of it ([`leave_out`]), if any.
+    pub left_out: Option<Duration>,
 }
 
 impl Profile {

@@ -669,6 +669,40 @@ fn metrics_count_tokens_and_seconds_across_a_resume() {
     let _ = std::fs::remove_dir_all(&out);
 }
 
+/// `--profile` keeps the steps after this process's first, which it leaves
+/// out as warm-up (and says for how long): a 3-step run's profile holds
+/// exactly twice the primitive calls of a one-step run's (whose only step it
+/// keeps), and a resumed run leaves out its own first step.
+#[test]
+fn a_profile_leaves_out_the_first_step() {
+    let out = tmpdir("profile_warm_up");
+    let opts = |steps| TrainOptions {
+        steps: Some(steps),
+        eval_every: Some(0),
+        out: Some(out.clone()),
+        ..Default::default()
+    };
+    let profile = |steps, start| {
+        tinyllm::profile::start();
+        tinyllm::train::run(tiny(opts(steps)), start, Progress::Quiet).unwrap();
+        tinyllm::profile::take().unwrap()
+    };
+    let calls = |p: &tinyllm::profile::Profile| p.rows.iter().map(|r| r.calls).sum::<u64>();
+    let one = profile(1, Start::Overwrite);
+    assert_eq!((one.steps, one.left_out), (1, None));
+    assert!(calls(&one) > 0);
+    let three = profile(3, Start::Overwrite);
+    assert_eq!(three.steps, 2);
+    assert!(three
+        .left_out
+        .is_some_and(|w| w > std::time::Duration::ZERO));
+    assert_eq!(calls(&three), 2 * calls(&one));
+    let resumed = profile(5, Start::Resume(&out));
+    assert_eq!(resumed.steps, 1);
+    assert_eq!(calls(&resumed), calls(&one));
+    let _ = std::fs::remove_dir_all(&out);
+}
+
 #[test]
 fn a_run_writes_metrics_plot_checkpoint_and_compare_passes() {
     let out = tmpdir("run");

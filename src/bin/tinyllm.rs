@@ -137,7 +137,8 @@ struct RunFlags {
     #[arg(long)]
     plain: bool,
     /// Time every backend primitive during the training steps and print the
-    /// table at the end (wall clock; on the GPU only the host's recording time).
+    /// table at the end (wall clock; on the GPU only the host's recording
+    /// time). The first step is left out when more follow: a warm-up.
     #[arg(long)]
     profile: bool,
 }
@@ -392,9 +393,15 @@ fn cmd_train(a: TrainArgs) -> tinyllm::Result<ExitCode> {
         return Ok(ExitCode::from(128 + sig as u8));
     }
     if let Some(p) = tinyllm::profile::take() {
-        let steps = summary.history.len();
+        let steps = p.steps;
+        let warm_up = p.left_out.map_or_else(String::new, |w| {
+            format!(
+                "; the first step, {:.1} ms, left out: it touches the step's memory for the first time",
+                w.as_secs_f64() * 1e3
+            )
+        });
         out!(
-            "\nprofile of {steps} training steps ({} device):\n{p}",
+            "\nprofile of {steps} training steps ({} device{warm_up}):\n{p}",
             summary.device
         );
         if let (Some(g), true) = (p.gpu, steps > 0) {

@@ -769,11 +769,19 @@ impl Loop {
         if let Some(c) = check.as_deref_mut() {
             c.before(tr).map_err(|e| self.stopped(step, e))?;
         }
+        // A profile leaves out this process's first step when more follow:
+        // it touches the step's memory for the first time (and a GPU builds
+        // its pipelines), which no later step repeats.
+        let warm_up = step == self.first_step + 1 && step < tr.cfg.steps;
+        let t0 = Instant::now();
         let mut m = {
-            let _profiled = crate::profile::unpause();
+            let _profiled = (!warm_up).then(crate::profile::step);
             tr.train_step()
         }
         .map_err(|e| self.stopped(step, e))?;
+        if warm_up {
+            crate::profile::leave_out(t0.elapsed());
+        }
         m.elapsed_s = self.clock.1 + self.clock.0.elapsed().as_secs_f64();
         m.resumed = self.first_step > 0 && step == self.first_step + 1;
         if let Some(c) = check {
