@@ -396,12 +396,13 @@ fn cmd_train(a: TrainArgs) -> tinyllm::Result<ExitCode> {
         let steps = p.steps;
         let warm_up = p.left_out.map_or_else(String::new, |w| {
             format!(
-                "; the first step, {:.1} ms, left out: it touches the step's memory for the first time",
+                "; the first step, {:.1} ms, left out as a warm-up",
                 w.as_secs_f64() * 1e3
             )
         });
         out!(
-            "\nprofile of {steps} training steps ({} device{warm_up}):\n{p}",
+            "\nprofile of {steps} training step{} ({} device{warm_up}):\n{p}",
+            if steps == 1 { "" } else { "s" },
             summary.device
         );
         if let (Some(g), true) = (p.gpu, steps > 0) {
