@@ -700,6 +700,37 @@ fn a_profile_leaves_out_the_first_step() {
     let resumed = profile(5, Start::Resume(&out));
     assert_eq!(resumed.steps, 1);
     assert_eq!(calls(&resumed), calls(&one));
+    // The CLI says which steps its table holds.
+    let cli = std::process::Command::new(env!("CARGO_BIN_EXE_tinyllm"))
+        .args([
+            "train",
+            "--preset",
+            "tiny",
+            "--device",
+            "cpu",
+            "--steps",
+            "2",
+            "--eval-every",
+            "0",
+        ])
+        .args([
+            "--sample-len",
+            "0",
+            "--plain",
+            "--overwrite",
+            "--profile",
+            "--out",
+        ])
+        .arg(&out)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&cli.stdout);
+    assert!(cli.status.success(), "{text}");
+    assert!(
+        text.contains("profile of 1 training step (cpu device; the first step, ")
+            && text.contains(" ms, left out as a warm-up):"),
+        "{text}"
+    );
     let _ = std::fs::remove_dir_all(&out);
 }
 
