@@ -139,6 +139,8 @@ fn outcome(out: &Path) -> Outcome {
     };
     let mut state: serde_json::Value = serde_json::from_slice(&read("trainer_state.json")).unwrap();
     state["config"].as_object_mut().unwrap().remove("out");
+    // each process that starts a run draws its own id
+    state.as_object_mut().unwrap().remove("run_id");
     let losses = MetricsLog::read(&out.join("metrics.jsonl"))
         .unwrap()
         .iter()

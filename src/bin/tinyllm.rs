@@ -332,9 +332,11 @@ fn train_options(a: &TrainArgs) -> TrainOptions {
 /// the first one's half-finished work.
 fn resume_config(a: &TrainArgs, dir: &Path) -> tinyllm::Result<(TrainConfig, Option<DirLock>)> {
     let o = train_options(a);
-    let run_dir = {
-        let d = checkpoint::resolve_dir(dir);
-        d.parent().map(Path::to_path_buf).unwrap_or(d)
+    // `--resume checkpoint` from inside the run: its parent is `.`.
+    let run_dir = match checkpoint::resolve_dir(dir).parent() {
+        Some(p) if p.as_os_str().is_empty() => PathBuf::from("."),
+        Some(p) => p.to_path_buf(),
+        None => PathBuf::from("."),
     };
     let out = o.out.clone().unwrap_or(run_dir);
     let lock = out.is_dir().then(|| DirLock::acquire(&out)).transpose()?;
@@ -463,7 +465,10 @@ fn cmd_train(a: TrainArgs) -> tinyllm::Result<ExitCode> {
         );
         out!("  (the rest of the planned schedule: the bits of an uninterrupted run)");
     } else {
-        let more = cfg.steps * 2;
+        let more = cfg
+            .steps
+            .saturating_mul(2)
+            .min(tinyllm::train::config::MAX_STEPS);
         out!(
             "continue with: {} train --resume {dir} --steps {more}",
             invocation()
@@ -531,7 +536,15 @@ fn cmd_compare(a: CompareArgs) -> tinyllm::Result<ExitCode> {
     };
     // a signal finishes the current step and saves it, for --resume
     interrupt::install()?;
-    let c = match compare::compare(&a.run.options(), existing, sides, progress)? {
+    let c = compare::compare(&a.run.options(), existing, sides, progress);
+    interrupt::uninstall();
+    // An interrupted side is saved; the exit status says which signal, as
+    // `train`'s does.
+    if let (Err(e), Some(sig)) = (&c, interrupt::requested()) {
+        note!("error: {e}");
+        return Ok(ExitCode::from(128 + sig as u8));
+    }
+    let c = match c? {
         compare::Outcome::Compared(c) => c,
         compare::Outcome::OneSide { done, missing, out } => {
             note!(

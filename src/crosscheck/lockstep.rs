@@ -640,6 +640,12 @@ impl StepCheck for Replay {
         };
         // Keep the state before the step: a checkpoint that replays it.
         let dir = tr.cfg.out.join(format!("crosscheck-step-{}", m.step));
+        if crate::train::outdir::is_link(&dir) {
+            return Err(Error::config(format!(
+                "{} is a symbolic link: the kept state of a diverging step is written into --out itself, never through a link",
+                dir.display()
+            )));
+        }
         pre.trainer(&tr.cfg, Device::Cpu, &self.corpus)?
             .save(&dir)?;
         d.saved = Some(dir.clone());

@@ -37,7 +37,8 @@ use crate::precision::ScalerState;
 use crate::rng::RngState;
 use crate::train::config::TrainConfig;
 use crate::train::fault;
-use crate::train::outdir::{self, DirLock, STAGING_MARKER};
+use crate::train::outdir::{self, DirLock, FileEntry, Manifest, STAGING_MARKER};
+use crate::train::outdir::{present, sync_dir};
 use crate::train::sha256::Sha256;
 use crate::{bail, Error, Result, Tensor};
 use safetensors::{Dtype, SafeTensors};
@@ -54,11 +55,7 @@ pub const CONFIG_FILE: &str = "config.json";
 pub const OPTIM_FILE: &str = "optimizer.safetensors";
 /// The [`TrainState`], as JSON.
 pub const STATE_FILE: &str = "trainer_state.json";
-/// The SHA-256 and size of every other file, written last.
-pub const MANIFEST_FILE: &str = "manifest.json";
-/// The checkpoint format this version writes and reads, recorded in the
-/// manifest and the trainer state; any other is refused.
-pub const FORMAT: &str = "tinyllm-checkpoint-1";
+pub use crate::train::outdir::{write_atomic, FORMAT, MANIFEST_FILE};
 
 /// Everything but tensors that a resumed run needs to continue bit for bit.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -82,64 +79,42 @@ pub struct TrainState {
     /// The SHA-256 of the training text (hex); a resumed run must see the
     /// same text.
     pub data_fingerprint: String,
-}
-
-#[derive(Clone, Debug, Serialize, Deserialize)]
-struct FileEntry {
-    sha256: String,
-    bytes: u64,
-}
-
-#[derive(Clone, Debug, Serialize, Deserialize)]
-struct Manifest {
-    format: String,
-    files: BTreeMap<String, FileEntry>,
+    /// The run's identity (random, drawn when it started; empty in a
+    /// checkpoint written before it was recorded). A resume in the run's own
+    /// directory keeps it; a checkpoint continued elsewhere starts a new one.
+    #[serde(default)]
+    pub run_id: String,
 }
 
 fn io_err(what: &str, p: &Path, e: std::io::Error) -> Error {
     Error::io(format!("{what} {}", p.display()), e)
 }
 
-/// Writes `bytes` to `dir/name` atomically: a temporary file in `dir`,
-/// fsynced, then renamed over the target, then the directory fsynced.
-pub fn write_atomic(dir: &Path, name: &str, bytes: &[u8]) -> Result<()> {
-    write_atomic_at(dir, name, bytes, None)?;
-    sync_dir(dir);
-    Ok(())
-}
-
 /// [`write_atomic`] without the directory sync (the caller syncs once), with
 /// the `write:NAME` fault point of checkpoint `step`.
-fn write_atomic_at(dir: &Path, name: &str, bytes: &[u8], step: Option<usize>) -> Result<()> {
+fn write_atomic_at(dir: &Path, name: &str, bytes: &[u8], step: usize) -> Result<()> {
     let target = dir.join(name);
-    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
+    let mut tmp = None;
     let res = (|| -> std::io::Result<()> {
-        let mut f = std::fs::File::create(&tmp)?;
-        if let Some(step) = step {
-            fault::io_point(&format!("fail:{name}"), step)?;
-            if fault::armed(&format!("write:{name}"), step) {
-                f.write_all(&bytes[..bytes.len() / 2])?;
-                fault::pause_point(&format!("write:{name}"), step);
-            }
+        let (mut f, p) = outdir::create_temp(dir, name)?;
+        tmp = Some(p.clone());
+        fault::io_point(&format!("fail:{name}"), step)?;
+        if fault::armed(&format!("write:{name}"), step) {
+            f.write_all(&bytes[..bytes.len() / 2])?;
+            fault::pause_point(&format!("write:{name}"), step);
         }
         f.write_all(bytes)?;
         f.sync_all()?;
         drop(f);
-        std::fs::rename(&tmp, &target)
+        std::fs::rename(&p, &target)
     })();
     if let Err(e) = res {
-        let _ = std::fs::remove_file(&tmp);
+        if let Some(p) = tmp {
+            let _ = std::fs::remove_file(p);
+        }
         return Err(io_err("cannot write", &target, e));
     }
     Ok(())
-}
-
-/// Makes a directory's entries (renames) durable. Best effort: a filesystem
-/// that cannot fsync a directory (some network mounts) is not an error.
-fn sync_dir(dir: &Path) {
-    if let Ok(d) = std::fs::File::open(dir) {
-        let _ = d.sync_all();
-    }
 }
 
 struct F32View {
@@ -188,7 +163,7 @@ pub fn resolve_dir(dir: &Path) -> PathBuf {
         dir.join("checkpoint.next"),
         dir.join("checkpoint.prev"),
     );
-    if !fin.exists() {
+    if !present(&fin) {
         // The manifest is the last file staged: with it, the staging is
         // complete (and `Verified::open` checks every byte of it anyway).
         if next.join(MANIFEST_FILE).exists() {
@@ -212,7 +187,7 @@ pub fn recover(run_dir: &Path) -> Result<()> {
         run_dir.join("checkpoint.next"),
         run_dir.join("checkpoint.prev"),
     );
-    if fin.exists() {
+    if present(&fin) {
         return Ok(());
     }
     let from = if next.join(MANIFEST_FILE).exists() && Verified::open(&next).is_ok() {
@@ -251,9 +226,7 @@ pub fn save(run_dir: &Path, model: &Llama, opt: &AdamW, state: &TrainState) -> R
     // Everything is encoded (and checked finite) before the staging area is made.
     let files = encode(run_dir, model, opt, state)?;
     let staging = run_dir.join("checkpoint.next");
-    if staging.exists() {
-        outdir::remove_ours(&staging)?;
-    }
+    outdir::remove_ours(&staging)?;
     std::fs::create_dir(&staging).map_err(|e| io_err("cannot create", &staging, e))?;
     if let Err(e) = stage(&staging, &files, step) {
         let _ = outdir::remove_ours(&staging);
@@ -314,13 +287,17 @@ fn stage(staging: &Path, files: &[(&str, Vec<u8>)], step: usize) -> Result<()> {
     // empty): a staging directory cut short, without its manifest, is still
     // recognisably tinyllm's, so the next save may clear it.
     let marker = staging.join(STAGING_MARKER);
-    std::fs::File::create(&marker).map_err(|e| io_err("cannot write", &marker, e))?;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&marker)
+        .map_err(|e| io_err("cannot write", &marker, e))?;
     let mut manifest = Manifest {
         format: FORMAT.into(),
         files: BTreeMap::new(),
     };
     for (name, bytes) in files {
-        write_atomic_at(staging, name, bytes, Some(step))?;
+        write_atomic_at(staging, name, bytes, step)?;
         fault::pause_point(&format!("wrote:{name}"), step);
         manifest.files.insert(
             name.to_string(),
@@ -332,7 +309,7 @@ fn stage(staging: &Path, files: &[(&str, Vec<u8>)], step: usize) -> Result<()> {
     }
     let mbytes =
         serde_json::to_vec_pretty(&manifest).map_err(|e| Error::checkpoint(e.to_string()))?;
-    write_atomic_at(staging, MANIFEST_FILE, &mbytes, Some(step))?;
+    write_atomic_at(staging, MANIFEST_FILE, &mbytes, step)?;
     fault::pause_point(&format!("wrote:{MANIFEST_FILE}"), step);
     // The manifest now marks the directory as tinyllm's.
     std::fs::remove_file(&marker).map_err(|e| io_err("cannot remove", &marker, e))?;
@@ -342,24 +319,29 @@ fn stage(staging: &Path, files: &[(&str, Vec<u8>)], step: usize) -> Result<()> {
     Ok(())
 }
 
+/// Whether `dir` (a missing `checkpoint/`) is between [`swap`]'s two renames:
+/// its run holds a `checkpoint.prev/` or `checkpoint.next/` beside it.
+fn mid_swap(dir: &Path) -> bool {
+    dir.file_name().is_some_and(|n| n == "checkpoint")
+        && dir.parent().is_some_and(|r| {
+            present(&r.join("checkpoint.prev")) || present(&r.join("checkpoint.next"))
+        })
+}
+
 /// checkpoint -> checkpoint.prev, checkpoint.next -> checkpoint, then the
 /// previous one removed.
 fn swap(run_dir: &Path, staging: &Path, step: usize) -> Result<PathBuf> {
     let fin = run_dir.join("checkpoint");
     let prev = run_dir.join("checkpoint.prev");
-    if prev.exists() {
-        outdir::remove_ours(&prev)?;
-    }
-    if fin.exists() {
+    outdir::remove_ours(&prev)?;
+    if present(&fin) {
         std::fs::rename(&fin, &prev).map_err(|e| io_err("cannot move aside", &fin, e))?;
     }
     fault::pause_point("swap", step);
     std::fs::rename(staging, &fin).map_err(|e| io_err("cannot move into place", staging, e))?;
     sync_dir(run_dir);
     fault::pause_point("swapped", step);
-    if prev.exists() {
-        let _ = outdir::remove_ours(&prev);
-    }
+    let _ = outdir::remove_ours(&prev);
     Ok(fin)
 }
 
@@ -371,34 +353,62 @@ pub struct Verified {
 }
 
 impl Verified {
-    /// Reads `dir`'s manifest and every file it lists, checking sizes and hashes.
+    /// Reads `dir`'s manifest and every file it lists, checking sizes and
+    /// hashes; every file must be a regular file (a FIFO or a device is
+    /// refused before it is read, and no file is read past its recorded size).
+    ///
+    /// A run may be saving into the directory while it is read (its swap
+    /// renames whole checkpoints, then deletes the old one): a read that fails
+    /// after the checkpoint it started on was replaced starts again on the
+    /// new one, so a healthy checkpoint is never reported as damaged.
     pub fn open(dir: &Path) -> Result<Verified> {
-        if !dir.exists() {
-            bail!(
-                Checkpoint,
-                "{}: no such checkpoint directory",
-                dir.display()
-            );
+        const TRIES: usize = 200;
+        for _ in 0..TRIES {
+            let at = resolve_dir(dir);
+            let (res, seen) = Self::read_once(dir, &at);
+            let Err(e) = res else { return res };
+            let now = resolve_dir(dir);
+            let saving = !present(dir) && mid_swap(dir);
+            let replaced =
+                saving || now != at || outdir::read_manifest(&now).ok().map(|(_, b)| b) != seen;
+            if !replaced {
+                return Err(e);
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
         }
-        let dir = resolve_dir(dir);
-        let shown = dir.display();
-        let mpath = dir.join(MANIFEST_FILE);
-        let mbytes = std::fs::read(&mpath).map_err(|e| {
-            Error::checkpoint(format!(
-                "{shown} is not a readable tinyllm checkpoint (no {MANIFEST_FILE}: {e})"
-            ))
-        })?;
-        if mbytes.len() > 1 << 20 {
-            bail!(
-                Checkpoint,
-                "{}: {} bytes is far too large for a manifest (corrupt?)",
-                mpath.display(),
-                mbytes.len()
-            );
+        bail!(Checkpoint,
+            "{}: the checkpoint was replaced {TRIES} times while it was read (a run is saving into it at every step?); try again, or read a copy",
+            dir.display()
+        )
+    }
+
+    /// One attempt of [`open`](Verified::open) on the resolved `at`; also the
+    /// manifest's bytes as read (`None`: unreadable).
+    fn read_once(given: &Path, at: &Path) -> (Result<Verified>, Option<Vec<u8>>) {
+        if !present(given) {
+            let e = Error::checkpoint(format!("{}: no such checkpoint directory", given.display()));
+            return (Err(e), None);
         }
-        let manifest: Manifest = serde_json::from_slice(&mbytes).map_err(|e| {
-            Error::checkpoint(format!("{}: corrupt manifest: {e}", mpath.display()))
-        })?;
+        let mpath = at.join(MANIFEST_FILE);
+        let (manifest, mbytes) = match outdir::read_manifest(at) {
+            Ok(m) => m,
+            Err(e) if !present(&mpath) => {
+                let e = Error::checkpoint(format!(
+                    "{} is not a readable tinyllm checkpoint (no {MANIFEST_FILE}: {e})",
+                    at.display()
+                ));
+                return (Err(e), None);
+            }
+            Err(e) => {
+                let e = Error::checkpoint(format!("{}: {e} (a corrupt manifest)", mpath.display()));
+                return (Err(e), None);
+            }
+        };
+        let res = Self::read_files(at, &mpath, &manifest);
+        (res, Some(mbytes))
+    }
+
+    fn read_files(dir: &Path, mpath: &Path, manifest: &Manifest) -> Result<Verified> {
         if manifest.format != FORMAT {
             bail!(
                 Checkpoint,
@@ -426,33 +436,23 @@ impl Verified {
         let mut files = HashMap::new();
         for (name, entry) in &manifest.files {
             let p = dir.join(name);
-            // Sizes first, so a wrong file is refused before it is read.
-            let len = std::fs::metadata(&p)
-                .map_err(|e| io_err("checkpoint file missing or unreadable:", &p, e))?
-                .len();
-            if len != entry.bytes {
-                bail!(Checkpoint,
-                    "{}: {len} bytes, the manifest records {} (truncated or partly written); nothing was loaded",
-                    p.display(),
-                    entry.bytes
-                );
-            }
-            let bytes = std::fs::read(&p)
-                .map_err(|e| io_err("checkpoint file missing or unreadable:", &p, e))?;
-            if bytes.len() as u64 != entry.bytes {
-                bail!(Checkpoint,
-                    "{}: {} bytes, the manifest records {} (truncated or partly written); nothing was loaded",
-                    p.display(),
-                    bytes.len(),
-                    entry.bytes
-                );
-            }
+            // Sizes first (and only regular files), so a wrong file is
+            // refused before it is read.
+            let bytes = outdir::read_regular(&p, Some(entry.bytes), 0).map_err(|e| {
+                Error::checkpoint(format!(
+                    "checkpoint file missing or unreadable: {}: {e}; nothing was loaded",
+                    p.display()
+                ))
+            })?;
             if Sha256::digest_hex(&bytes) != entry.sha256 {
                 bail!(Checkpoint, "{}: SHA-256 does not match the manifest (the file is corrupted or was modified); nothing was loaded", p.display());
             }
             files.insert(name.clone(), bytes);
         }
-        Ok(Verified { dir, files })
+        Ok(Verified {
+            dir: dir.to_path_buf(),
+            files,
+        })
     }
 
     fn file(&self, name: &str) -> Result<&[u8]> {
@@ -471,6 +471,15 @@ impl Verified {
         let cfg = LlamaConfig::from_hf_json(&v).map_err(|e| e.context(self.dir.display()))?;
         crate::train::config::check_model_size(&cfg)
             .map_err(|e| e.context(format!("{}/{CONFIG_FILE}", self.dir.display())))?;
+        let bytes = crate::train::data::ByteTokenizer::VOCAB;
+        if cfg.vocab_size != bytes {
+            bail!(Checkpoint,
+                "{}/{CONFIG_FILE}: vocab_size {} cannot be used: tinyllm's tokenizer is bytes, {bytes} ids (0..={})",
+                self.dir.display(),
+                cfg.vocab_size,
+                bytes - 1
+            );
+        }
         // A model far larger than the weights file that should hold it is
         // refused before it is allocated (the exact check is per tensor, later).
         let have = self.file(MODEL_FILE)?.len();
@@ -509,6 +518,29 @@ impl Verified {
                 self.dir.display()
             ))
         })?;
+        // Counters a run could have reached: AdamW's step counts never pass
+        // the optimizer steps taken, which never pass the run's limit.
+        let max = crate::train::config::MAX_STEPS;
+        let field = |f: &str, v: u64, most: u64, what: &str| -> Result<()> {
+            if v > most {
+                bail!(Checkpoint,
+                    "{}/{STATE_FILE}: {f} is {v}, more than {what} ({most}); the file is corrupt or was edited",
+                    self.dir.display()
+                );
+            }
+            Ok(())
+        };
+        field("step", st.step as u64, max as u64, "any run takes")?;
+        for (i, k) in st.adam_steps.iter().enumerate() {
+            if let Some(k) = *k {
+                field(
+                    &format!("adam_steps[{i}]"),
+                    k,
+                    st.step as u64,
+                    "the optimizer steps the run has taken",
+                )?;
+            }
+        }
         Ok(st)
     }
 
@@ -587,7 +619,19 @@ fn assign(t: &Tensor, v: Vec<f32>, device: Device) -> Result<()> {
 /// and `generate`).
 pub fn load_model(dir: &Path, device: Device) -> Result<Llama> {
     let ck = Verified::open(dir)?;
-    let model = Llama::new(&ck.config()?, 0, device)?;
+    let cfg = ck.config()?;
+    // The weights twice at most (the file's values, then the model's).
+    let need = 8 * cfg.num_params() as u64;
+    if let Some(have) = crate::train::plan::host_available().filter(|&h| need > h) {
+        bail!(Config,
+            "{}: the model's {} parameters need {} MiB to load, but only {} MiB of host memory is available",
+            ck.dir.display(),
+            cfg.num_params(),
+            need >> 20,
+            have >> 20
+        );
+    }
+    let model = Llama::new(&cfg, 0, device)?;
     let weights = ck.weights_for(&model)?;
     for (p, w) in model.parameters().iter().zip(weights) {
         assign(p, w, device)?;

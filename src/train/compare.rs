@@ -183,6 +183,38 @@ pub fn compare(
         out: out.join("fp32"),
         ..mixed_cfg.clone()
     };
+    crate::train::outdir::check_not_in_checkpoint(&out)?;
+    for side in [&fp32_cfg.out, &mixed_cfg.out] {
+        if crate::train::outdir::is_link(side) {
+            crate::bail!(Config,
+                "{} is a symbolic link: compare writes its sides into --out itself and never through a link; remove it, or give another --out",
+                side.display()
+            );
+        }
+    }
+    // A side already saved continues its own recipe: what this call gives
+    // is checked against it as `train --resume` checks, and refused by name.
+    let (fp32_cfg, mixed_cfg) = if existing == Existing::Resume {
+        let fp32_opts = TrainOptions {
+            micro_batch: None,
+            accum: None,
+            checkpoint_activations: None,
+            ckpt_budget: None,
+            precision: None,
+            out: Some(fp32_cfg.out.clone()),
+            ..o.clone()
+        };
+        let mixed_opts = TrainOptions {
+            out: Some(mixed_cfg.out.clone()),
+            ..o.clone()
+        };
+        (
+            saved_recipe(fp32_cfg, &fp32_opts)?,
+            saved_recipe(mixed_cfg, &mixed_opts)?,
+        )
+    } else {
+        (fp32_cfg, mixed_cfg)
+    };
     if existing == Existing::Refuse {
         for cfg in [&fp32_cfg, &mixed_cfg] {
             if let Some(what) = crate::train::outdir::existing_run(&cfg.out) {
@@ -349,6 +381,25 @@ fn machine_peak(s: &RunSummary) -> Option<(usize, &'static str)> {
         crate::Device::Gpu => s.device_peak_bytes.map(|b| (b, "device")),
         crate::Device::Cpu => s.process_peak_bytes.map(|b| (b, "process")),
     }
+}
+
+/// A side's config when its directory holds a run: the saved recipe with
+/// what `opts` may change ([`TrainConfig::resume`]); else `cfg` as resolved.
+fn saved_recipe(cfg: TrainConfig, opts: &TrainOptions) -> Result<TrainConfig> {
+    if crate::train::outdir::existing_run(&cfg.out).is_none() {
+        return Ok(cfg);
+    }
+    let dir = crate::train::checkpoint::resolve_dir(&cfg.out);
+    let saved = crate::train::checkpoint::Verified::open(&dir)
+        .and_then(|ck| ck.train_state())
+        .map_err(|e| e.context(format!("compare --resume: {}", cfg.out.display())))?
+        .config;
+    TrainConfig::resume(&saved, opts).map_err(|e| {
+        e.context(format!(
+            "compare --resume: the side in {} was trained with another recipe",
+            cfg.out.display()
+        ))
+    })
 }
 
 /// One side: trained here when `train` (fresh, or continued when resuming),

@@ -161,6 +161,10 @@ pub const MAX_MODEL_BYTES: usize = 16 << 30;
 /// The most tokens one optimizer step may read.
 pub const MAX_TOKENS_PER_STEP: usize = 1 << 24;
 
+/// The most optimizer steps a run may ask for (far more than any run takes,
+/// and small enough that every count derived from it fits).
+pub const MAX_STEPS: usize = 1 << 40;
+
 /// The longest context a config may ask for, in tokens.
 pub const MAX_CONTEXT: usize = 1 << 16;
 
@@ -495,6 +499,13 @@ impl TrainConfig {
         check_model_size(&c.model)?;
         if c.steps == 0 {
             bail!(Config, "--steps must be at least 1 (got 0)");
+        }
+        if c.steps > MAX_STEPS || c.schedule_steps > MAX_STEPS {
+            bail!(
+                Config,
+                "--steps must be at most {MAX_STEPS} (got {})",
+                c.steps.max(c.schedule_steps)
+            );
         }
         if c.schedule_steps == 0 {
             bail!(Config, "schedule_steps must be at least 1 (got 0)");

@@ -67,6 +67,8 @@ pub fn eval_text(
     }
     let t = model.cfg.context.min(toks.len() - 1);
     let windows = (toks.len() - 1) / t;
+    let rows = EVAL_CHUNK.min(windows);
+    crate::train::plan::admit_inference(&model.cfg, rows, t, model.device(), "eval")?;
     let _ng = crate::no_grad();
     let _ac = autocast(precision.format());
     let _eval = EvalMode::new(model);
@@ -116,6 +118,7 @@ pub fn heldout(dir: &std::path::Path, device: crate::Device) -> Result<HeldOut> 
     }
     let data = crate::train::data::Dataset::new(&corpus, model.cfg.context, st.config.seed)?;
     let batch = data.val_batch(st.config.eval_rows);
+    crate::train::plan::admit_inference(&model.cfg, batch.rows.min(8), batch.t, device, "eval")?;
     Ok(HeldOut {
         // chunks of 8 rows whatever the run's micro-batch: the same sum for every run
         loss: evaluate(&model, &batch, Precision::Fp32, 8)?,
@@ -156,6 +159,8 @@ pub fn generate_with(
     gen: &Generator,
     mut each: impl FnMut(u32) -> ControlFlow<()>,
 ) -> Result<()> {
+    let longest = model.cfg.context.min(prompt.len().max(1).saturating_add(n));
+    crate::train::plan::admit_inference(&model.cfg, 1, longest, model.device(), "generate")?;
     let _ng = crate::no_grad();
     let _eval = EvalMode::new(model);
     let mut ids: Vec<u32> = if prompt.is_empty() {

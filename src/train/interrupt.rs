@@ -1,4 +1,4 @@
-//! Ctrl-C and SIGTERM during a run. The first signal only sets a flag: the
+//! Ctrl-C, SIGTERM and SIGHUP (a closed terminal) during a run. The first signal only sets a flag: the
 //! trainer finishes the step it is in, writes a checkpoint and returns (the
 //! CLI then prints how to resume and exits with 128 + the signal's number). A
 //! second signal exits at once, as an impatient user expects: checkpoints are
@@ -13,6 +13,12 @@ static SIGNAL: AtomicI32 = AtomicI32::new(0);
 pub const SIGINT: i32 = 2;
 /// SIGTERM (`kill`, a job scheduler's stop).
 pub const SIGTERM: i32 = 15;
+/// SIGHUP (the terminal the run was started from closed).
+pub const SIGHUP: i32 = 1;
+
+/// The signals that stop a run cleanly.
+#[cfg(unix)]
+const STOPPING: [libc::c_int; 3] = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP];
 
 /// The signal that asked the run to stop, if one did.
 pub fn requested() -> Option<i32> {
@@ -27,11 +33,12 @@ pub fn name(sig: i32) -> &'static str {
     match sig {
         SIGINT => "SIGINT",
         SIGTERM => "SIGTERM",
+        SIGHUP => "SIGHUP",
         _ => "a signal",
     }
 }
 
-/// Routes SIGINT and SIGTERM to the flag above for the rest of the process
+/// Routes SIGINT, SIGTERM and SIGHUP to the flag above for the rest of the process
 /// (the CLI's `train`). Without it they keep their default action.
 #[cfg(unix)]
 pub fn install() -> crate::Result<()> {
@@ -43,7 +50,7 @@ pub fn install() -> crate::Result<()> {
         let msg = b"\ntinyllm: stopping after this step to write a checkpoint (signal again to quit at once)\n";
         unsafe { libc::write(2, msg.as_ptr().cast(), msg.len()) };
     }
-    for sig in [libc::SIGINT, libc::SIGTERM] {
+    for sig in STOPPING {
         // SA_RESTART: a file write interrupted by the signal carries on.
         let ok = unsafe {
             let mut sa: libc::sigaction = std::mem::zeroed();
@@ -62,11 +69,11 @@ pub fn install() -> crate::Result<()> {
     Ok(())
 }
 
-/// Gives SIGINT and SIGTERM their default action back: once a run has
+/// Gives SIGINT, SIGTERM and SIGHUP their default action back: once a run has
 /// returned (everything saved), a signal ends the process at once.
 #[cfg(unix)]
 pub fn uninstall() {
-    for sig in [libc::SIGINT, libc::SIGTERM] {
+    for sig in STOPPING {
         unsafe { libc::signal(sig, libc::SIG_DFL) };
     }
 }

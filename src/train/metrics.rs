@@ -51,6 +51,9 @@ pub struct StepMetrics {
     /// The first step of a process that resumed the run from a checkpoint.
     #[serde(skip_serializing_if = "std::ops::Not::not", default)]
     pub resumed: bool,
+    /// The run's identity (see [`TrainState::run_id`](super::checkpoint::TrainState::run_id)).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub run: Option<String>,
 }
 
 fn f32_or_nan<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<f32, D::Error> {
@@ -83,9 +86,7 @@ impl MetricsLog {
         // Rewritten atomically: a crash here must not lose the kept history.
         let text: String = kept.iter().map(|l| format!("{l}\n")).collect();
         crate::train::checkpoint::write_atomic(dir, "metrics.jsonl", text.as_bytes())?;
-        let file = std::fs::OpenOptions::new()
-            .append(true)
-            .open(&path)
+        let file = crate::train::outdir::open_append(&path)
             .map_err(|e| crate::Error::io(format!("cannot write {}", path.display()), e))?;
         Ok(MetricsLog { path, file })
     }

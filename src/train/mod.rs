@@ -9,7 +9,7 @@
 //! * [`step`] — one optimizer step: scale → backward → accumulate → unscale
 //!   → clip → step ([`train_step_mixed`](step::train_step_mixed));
 //! * [`trainer`] — the loop around it: reporting, evaluation, saving, and
-//!   stopping cleanly ([`interrupt`]: Ctrl-C / SIGTERM); [`outdir`] — the
+//!   stopping cleanly ([`interrupt`]: Ctrl-C / SIGTERM / SIGHUP); [`outdir`] — the
 //!   output directory's lock and what may be replaced in it;
 //! * [`infer`] — validation loss, `eval` of a text, `generate`;
 //! * [`checkpoint`] — Hugging Face-named safetensors, atomic writes, a SHA-256

@@ -314,6 +314,86 @@ pub fn admit(cfg: &TrainConfig, limit: MemoryLimit) -> Result<()> {
     })
 }
 
+/// What `device` can give: host memory for the CPU; a GPU's buffer limit,
+/// and host memory too for a software adapter (its buffers are host
+/// memory). A hardware GPU's total memory is not known to wgpu.
+pub fn memory_limits(device: crate::Device) -> Result<Vec<MemoryLimit>> {
+    let host = MemoryLimit::Host(host_available().unwrap_or(u64::MAX));
+    Ok(match device {
+        crate::Device::Cpu => vec![host],
+        #[cfg(not(feature = "gpu"))]
+        crate::Device::Gpu => return Err(crate::backend::no_gpu()),
+        #[cfg(feature = "gpu")]
+        crate::Device::Gpu => {
+            let c = crate::backend::gpu::context::ctx()?;
+            let buffer = MemoryLimit::GpuBuffer(c.max_binding());
+            if c.info.device_type == wgpu::DeviceType::Cpu {
+                vec![host, buffer]
+            } else {
+                vec![buffer]
+            }
+        }
+    })
+}
+
+/// Bytes a forward pass without a graph (evaluation, sampling) holds at its
+/// peak besides the weights, for `rows` sequences of `t` tokens: a block's
+/// float32 values at once (its input, norm, q, k, v, attention output, the
+/// MLP's three `F`-wide values; the attention's scores, probabilities and
+/// their masked copy, `3·H·T²`), then the logits and the loss's softmax.
+pub fn inference_bytes(cfg: &LlamaConfig, rows: usize, t: usize) -> u64 {
+    let (c, f, h, v) = (
+        cfg.d_model as u64,
+        cfg.hidden as u64,
+        cfg.n_heads as u64,
+        cfg.vocab_size as u64,
+    );
+    let (rows, t) = (rows as u64, t as u64);
+    let block = 6 * t * c + 3 * t * f + 3 * h * t * t;
+    let head = 2 * t * v + t * c;
+    rows.saturating_mul(4 * block.max(head))
+}
+
+/// Refuses a forward pass without a graph that cannot fit (`what`: `eval`,
+/// `generate`) before it allocates anything: [`inference_bytes`] against the
+/// host's available memory, its largest tensor against a GPU's buffer limit.
+/// The error names the model's context, the bytes and the limit.
+pub fn admit_inference(
+    cfg: &LlamaConfig,
+    rows: usize,
+    t: usize,
+    device: crate::Device,
+    what: &str,
+) -> Result<()> {
+    for limit in memory_limits(device)? {
+        let (need, have, of) = match limit {
+            MemoryLimit::Host(b) => (
+                inference_bytes(cfg, rows, t),
+                b,
+                "available host memory (MemAvailable and any cgroup limit)",
+            ),
+            MemoryLimit::GpuBuffer(b) => (
+                largest_tensor(cfg, rows, t) as u64,
+                b,
+                "the largest buffer the GPU adapter allows",
+            ),
+        };
+        if need > have {
+            let msg = format!(
+                "{what}: {rows} sequence(s) of {t} tokens (the model's context is {}) need {} at once besides the weights, but {of} is {}; this model cannot run that context on this machine",
+                cfg.context,
+                mib(need.min(usize::MAX as u64) as usize),
+                mib(have.min(usize::MAX as u64) as usize)
+            );
+            return Err(match limit {
+                MemoryLimit::Host(_) => crate::Error::config(msg),
+                MemoryLimit::GpuBuffer(_) => crate::Error::device(msg),
+            });
+        }
+    }
+    Ok(())
+}
+
 /// `b` bytes in MiB with one decimal, e.g. `79.1 MiB`.
 pub fn mib(b: usize) -> String {
     format!("{:.1} MiB", b as f64 / (1024.0 * 1024.0))

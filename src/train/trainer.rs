@@ -30,7 +30,7 @@ use crate::train::infer::{self, EvalMode};
 use crate::train::interrupt;
 use crate::train::metrics::{MetricsLog, StepMetrics};
 use crate::train::outdir::{self, DirLock};
-use crate::train::plan::{self, memory_plan, mib, MemoryLimit, MemoryPlan};
+use crate::train::plan::{self, memory_plan, mib, MemoryPlan};
 use crate::train::plot::{chart_svg, Panel, Series};
 use crate::train::step::MixedStep;
 use crate::{bail, Error, Result, Tensor};
@@ -100,6 +100,9 @@ pub struct Trainer {
     pub loss_hook: Option<LossHook>,
     /// The last step's batch (to tell why its loss was not finite).
     last_batch: Option<Batch>,
+    /// The run's identity: drawn when it starts, kept by its resumes in its
+    /// own directory, written into every checkpoint and metrics line.
+    run_id: String,
 }
 
 impl Trainer {
@@ -136,6 +139,7 @@ impl Trainer {
             plan,
             loss_hook: fault::loss_hook(),
             last_batch: None,
+            run_id: outdir::new_run_id(),
         })
     }
 
@@ -163,16 +167,25 @@ impl Trainer {
         }
         let mut t = Trainer::new(cfg, device, corpus)?;
         let st = checkpoint::restore(&ck, &t.model, &mut t.opt)?;
+        let state_file = || format!("{}/{}", ck.dir.display(), checkpoint::STATE_FILE);
         match (&mut t.scaler, &st.scaler) {
-            (Some(s), Some(saved)) => s.load_state_dict(saved).map_err(|e| {
-                e.context(format!("{}/{}", ck.dir.display(), checkpoint::STATE_FILE))
-            })?,
+            (Some(s), Some(saved)) => s
+                .load_state_dict(saved)
+                .map_err(|e| e.context(state_file()))?,
             (None, None) => {}
+            (Some(_), None) if st.config.precision == Precision::Fp16 => bail!(
+                Checkpoint,
+                "{}: an fp16 run's state has no \"scaler\" entry (the loss scaler's scale and counters); the checkpoint is incomplete",
+                state_file()
+            ),
             _ => bail!(
                 Config,
                 "--resume: the checkpoint's precision ({}) differs from this run's",
                 st.config.precision.name()
             ),
+        }
+        if !st.run_id.is_empty() {
+            t.run_id = st.run_id.clone();
         }
         t.model.rng.set_state(st.model_rng);
         t.data_rng.set_state(st.data_rng);
@@ -194,7 +207,13 @@ impl Trainer {
                 .collect(),
             data_name: self.corpus_name.clone(),
             data_fingerprint: self.fingerprint.clone(),
+            run_id: self.run_id.clone(),
         }
+    }
+
+    /// The run's identity (see [`TrainState::run_id`]).
+    pub fn run_id(&self) -> &str {
+        &self.run_id
     }
 
     /// Writes `run_dir/checkpoint/`.
@@ -247,6 +266,7 @@ impl Trainer {
             process_peak_bytes: memory::process_peak_rss(),
             device_peak_bytes: crate::backend::device_peak_bytes(self.device),
             resumed: false, // the run loop knows where it started
+            run: Some(self.run_id.clone()),
         })
     }
 
@@ -357,7 +377,7 @@ pub struct RunSummary {
     pub checkpoint: Option<PathBuf>,
     /// The step that checkpoint holds.
     pub checkpoint_step: usize,
-    /// The signal (SIGINT, SIGTERM) that stopped the run before `cfg.steps`.
+    /// The signal (SIGINT, SIGTERM, SIGHUP) that stopped the run before `cfg.steps`.
     pub interrupted: Option<i32>,
     /// Every step's metrics, a resumed run's earlier steps included.
     pub history: Vec<StepMetrics>,
@@ -495,7 +515,7 @@ pub trait StepCheck {
 
 /// Runs (or continues) a training run to `cfg.steps`, writing metrics, plot
 /// and checkpoints under `cfg.out`, which it holds locked for the whole run.
-/// On SIGINT/SIGTERM (once [`interrupt::install`]ed) it finishes the current
+/// On SIGINT/SIGTERM/SIGHUP (once [`interrupt::install`]ed) it finishes the current
 /// step, saves, and returns a summary saying so.
 ///
 /// Train the `tiny` Llama for a few steps in bf16, then load its checkpoint
@@ -540,20 +560,40 @@ pub fn run_checked(
     // training steps only: everything else here is paused.
     let _not_profiled = crate::profile::pause();
     // The files first: a missing --data is reported before any device probe.
-    let corpus = Corpus::load(cfg.data.as_ref())?;
+    let corpus = Corpus::load(cfg.data.as_ref()).map_err(|e| match (start, &cfg.data) {
+        (Start::Resume(_), Some(p)) if !p.exists() => e.context(format!(
+            "the run was trained on {}, which is no longer there; if it moved, give --data with its new path (the text is recognised by its SHA-256)",
+            p.display()
+        )),
+        _ => e,
+    })?;
     let (device, note) = select_device(cfg.device)?;
     if let Some(n) = note {
         say(progress, &n);
     }
     let _lock = DirLock::acquire(&cfg.out)?;
-    prepare_out(&cfg, start)?;
-    for limit in memory_limits(device)? {
+    let own = prepare_out(&cfg, start)?;
+    for limit in plan::memory_limits(device)? {
         plan::admit(&cfg, limit)?;
     }
     let mut tr = match start {
-        Start::Resume(dir) => Trainer::resume(cfg.clone(), device, &corpus, dir)?,
+        Start::Resume(dir) => {
+            let mut tr = Trainer::resume(cfg.clone(), device, &corpus, dir)?;
+            if own {
+                check_same_run(&cfg.out, &tr)?;
+            } else {
+                // A checkpoint continued in another directory is a new run.
+                tr.run_id = outdir::new_run_id();
+            }
+            tr
+        }
         _ => Trainer::new(cfg.clone(), device, &corpus)?,
     };
+    // Everything that can refuse the run has passed: only now is the old
+    // one deleted.
+    if start == Start::Overwrite {
+        outdir::clear_run(&cfg.out)?;
+    }
     describe_run(&tr, &corpus, start, progress);
     if tr.step >= cfg.steps {
         bail!(
@@ -627,52 +667,62 @@ pub fn finished_run(cfg: &TrainConfig) -> Result<Option<RunSummary>> {
     }))
 }
 
-/// Checks the output directory before anything is written to it: nothing
-/// there that is not tinyllm's under a checkpoint's name, no earlier run
-/// unless resumed or overwritten.
-fn prepare_out(cfg: &TrainConfig, start: Start) -> Result<()> {
+/// Checks the output directory before anything is written to it: not inside
+/// a checkpoint, nothing there that is not tinyllm's under the names a run
+/// writes, no earlier run unless it is the one resumed or is to be
+/// overwritten. Returns whether a resume continues the directory's own run
+/// (its checkpoint is the directory's current one); a resume of any other
+/// checkpoint is a new run and needs a directory without one.
+fn prepare_out(cfg: &TrainConfig, start: Start) -> Result<bool> {
     let out = &cfg.out;
+    outdir::check_not_in_checkpoint(out)?;
     outdir::check_no_foreign(out)?;
-    // A resumed run continues its own directory, or starts a new one.
-    let fresh = match start {
-        Start::Fresh => true,
-        Start::Overwrite => return outdir::clear_run(out),
-        Start::Resume(dir) => {
-            let ck = checkpoint::resolve_dir(dir);
-            let own = ck.parent().unwrap_or(&ck);
-            own.canonicalize().ok() != out.canonicalize().ok()
-        }
+    let resumed = match start {
+        Start::Fresh => None,
+        Start::Overwrite => return Ok(false),
+        Start::Resume(dir) => Some(checkpoint::resolve_dir(dir)),
     };
-    if let Some(what) = outdir::existing_run(out).filter(|_| fresh) {
+    let canon = |p: &Path| p.canonicalize().ok();
+    let current = checkpoint::resolve_dir(out);
+    let own = resumed
+        .as_deref()
+        .is_some_and(|ck| canon(ck).is_some() && canon(ck) == canon(&current));
+    if let Some(what) = outdir::existing_run(out).filter(|_| !own) {
+        let quoted = shell_quote(&out.display().to_string());
+        if let Some(ck) = &resumed {
+            bail!(Config,
+                "--out {} already holds a run ({what}), and --resume {} is not its current checkpoint: continuing that one there would replace the run. Continue it as a new run with --out NEW_DIR, or continue the run in {} with `tinyllm train --resume {quoted} --steps N`",
+                out.display(),
+                ck.display(),
+                out.display()
+            );
+        }
         bail!(Config,
-            "--out {} already holds a run ({what}): continue it with `tinyllm train --resume {} --steps N`, replace it with --overwrite, or give another --out",
-            out.display(),
-            shell_quote(&out.display().to_string())
+            "--out {} already holds a run ({what}): continue it with `tinyllm train --resume {quoted} --steps N`, replace it with --overwrite, or give another --out",
+            out.display()
         );
     }
-    Ok(())
+    Ok(own)
 }
 
-/// What the device can give a run: host memory for the CPU; a GPU's buffer
-/// limit, and host memory too for a software adapter (its buffers are host
-/// memory). A hardware GPU's total memory is not known to wgpu.
-fn memory_limits(device: Device) -> Result<Vec<MemoryLimit>> {
-    let host = MemoryLimit::Host(plan::host_available().unwrap_or(u64::MAX));
-    Ok(match device {
-        Device::Cpu => vec![host],
-        #[cfg(not(feature = "gpu"))]
-        Device::Gpu => return Err(crate::backend::no_gpu()),
-        #[cfg(feature = "gpu")]
-        Device::Gpu => {
-            let c = crate::backend::gpu::context::ctx()?;
-            let buffer = MemoryLimit::GpuBuffer(c.max_binding());
-            if c.info.device_type == wgpu::DeviceType::Cpu {
-                vec![host, buffer]
-            } else {
-                vec![buffer]
-            }
-        }
-    })
+/// Refuses a checkpoint that belongs to another run than the metrics beside
+/// it (a checkpoint directory copied in from elsewhere): continuing it would
+/// splice two runs' histories.
+fn check_same_run(out: &Path, tr: &Trainer) -> Result<()> {
+    let path = out.join(outdir::METRICS_FILE);
+    let Ok(history) = MetricsLog::read(&path) else {
+        return Ok(());
+    };
+    let logged = history.iter().rev().find_map(|m| m.run.clone());
+    match logged {
+        Some(id) if id != tr.run_id => bail!(Config,
+            "{}/checkpoint belongs to run {} but {} to run {id}: the checkpoint was copied in from another run. Continue it as a run of its own with --out NEW_DIR, or move it back",
+            out.display(),
+            tr.run_id,
+            path.display()
+        ),
+        _ => Ok(()),
+    }
 }
 
 fn describe_run(tr: &Trainer, corpus: &Corpus, start: Start, progress: Progress) {
