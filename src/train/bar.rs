@@ -1,7 +1,6 @@
 //! The progress bar a run draws on a terminal: one line, redrawn in place,
 //! `[#########.........] 120/300 loss 1.9 … 4m10s<5m48s`.
 
-use crate::train::trainer::duration;
 use std::io::Write;
 
 /// One line on stderr, redrawn at each update; the caller checks that
@@ -51,6 +50,16 @@ impl Bar {
     }
 }
 
+/// Seconds as `42s`, `12m05s` or `3h07m`.
+pub(crate) fn duration(secs: f64) -> String {
+    let s = secs.max(0.0).round() as u64;
+    match s {
+        0..60 => format!("{s}s"),
+        60..3600 => format!("{}m{:02}s", s / 60, s % 60),
+        _ => format!("{}h{:02}m", s / 3600, s % 3600 / 60),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -66,5 +75,14 @@ mod tests {
         );
         assert!(b.line(100, "", 0.0).ends_with("0s<?"));
         assert_eq!(b.line(300, "", 1.0).matches('#').count(), 30);
+    }
+
+    #[test]
+    fn durations_read_as_a_person_would_say_them() {
+        let d = super::duration;
+        assert_eq!(
+            [d(0.4), d(59.4), d(60.0), d(725.0), d(3599.0), d(11_220.0)],
+            ["0s", "59s", "1m00s", "12m05s", "59m59s", "3h07m"]
+        );
     }
 }

@@ -22,6 +22,7 @@ use crate::ops::cross_entropy;
 use crate::optim::{AdamW, AdamWConfig, Optimizer};
 use crate::precision::{autocast, DynamicLossScaler, Precision};
 use crate::rng::Generator;
+use crate::train::bar::duration;
 use crate::train::checkpoint::{self, TrainState, Verified};
 use crate::train::config::{DeviceChoice, TrainConfig};
 use crate::train::data::{Batch, Corpus, Dataset};
@@ -1086,16 +1087,6 @@ impl Loop {
     }
 }
 
-/// Seconds as `42s`, `12m05s` or `3h07m`.
-pub fn duration(secs: f64) -> String {
-    let s = secs.max(0.0).round() as u64;
-    match s {
-        0..60 => format!("{s}s"),
-        60..3600 => format!("{}m{:02}s", s / 60, s % 60),
-        _ => format!("{}h{:02}m", s / 3600, s % 3600 / 60),
-    }
-}
-
 /// `s` as one word for a POSIX shell (quoted only when it needs to be).
 pub fn shell_quote(s: &str) -> String {
     let plain = |c: char| c.is_ascii_alphanumeric() || "/._-+=:,@%".contains(c);
@@ -1103,17 +1094,5 @@ pub fn shell_quote(s: &str) -> String {
         s.to_string()
     } else {
         format!("'{}'", s.replace('\'', r"'\''"))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn durations_read_as_a_person_would_say_them() {
-        let d = super::duration;
-        assert_eq!(
-            [d(0.4), d(59.4), d(60.0), d(725.0), d(3599.0), d(11_220.0)],
-            ["0s", "59s", "1m00s", "12m05s", "59m59s", "3h07m"]
-        );
     }
 }
