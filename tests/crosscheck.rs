@@ -549,6 +549,21 @@ fn training_with_crosscheck_every_stops_at_the_divergence() {
     ];
     let (code, _, err) = run_bin(&r, &[]);
     assert_eq!(code, 0, "{err}");
+    // a link planted where the kept state would go is refused, its target
+    // left empty
+    #[cfg(unix)]
+    {
+        let (linked, victim) = (dir.join("linked"), dir.join("victim"));
+        std::fs::create_dir_all(&linked).unwrap();
+        std::fs::create_dir_all(&victim).unwrap();
+        std::os::unix::fs::symlink(&victim, linked.join("crosscheck-step-2")).unwrap();
+        let a = train_args(&linked, "4", "2");
+        let a: Vec<&str> = a.iter().map(String::as_str).collect();
+        let (code, _, err) = run_bin(&a, &[("TINYLLM_GPU_FAULT", "swiglu#3")]);
+        assert_eq!(code, 1, "{err}");
+        assert!(err.contains("symbolic link"), "{err}");
+        assert!(std::fs::read_dir(&victim).unwrap().next().is_none());
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -105,3 +105,48 @@ fn every_example_named_exists() {
         assert!(std::path::Path::new(&path).exists(), "README names {path}");
     }
 }
+
+/// The README's CPU `train` lines without `--out` or `--resume` run one after
+/// another in one directory (as a new user types them), each into a new
+/// run directory, with `runs/latest` at the newest; `--resume runs/latest`
+/// then continues that one. Steps are cut to 2 (the README's own step
+/// counts are what each preset trains).
+#[test]
+fn the_train_lines_without_out_run_in_order() {
+    let bin = env!("CARGO_BIN_EXE_tinyllm");
+    let cwd = std::env::temp_dir().join(format!("tinyllm-readme-order-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&cwd);
+    std::fs::create_dir_all(&cwd).unwrap();
+    let lines: Vec<Vec<&str>> = README
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("cargo run --release -- train"))
+        .map(|r| r.split('#').next().unwrap().split_whitespace().collect())
+        // (the GPU line is the crosscheck test's; on lavapipe it takes a minute)
+        .filter(|a: &Vec<&str>| !a.iter().any(|f| ["--out", "--resume", "gpu"].contains(f)))
+        .collect();
+    assert!(lines.len() >= 2, "{lines:?}");
+    let run = |args: &[&str], steps: &str| {
+        let o = std::process::Command::new(bin)
+            .current_dir(&cwd)
+            .arg("train")
+            .args(args)
+            .args(["--steps", steps, "--sample-len", "0", "--plain"])
+            .env_remove("CARGO")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert!(o.status.success(), "train {args:?}:\n{err}");
+    };
+    for (i, args) in lines.iter().enumerate() {
+        run(args, "2");
+        let latest = std::fs::read_link(cwd.join("runs/latest")).unwrap();
+        let dirs = std::fs::read_dir(cwd.join("runs"))
+            .unwrap()
+            .filter(|e| e.as_ref().unwrap().file_type().unwrap().is_dir())
+            .count();
+        assert_eq!(dirs, i + 1, "one new run directory per line");
+        assert!(cwd.join("runs").join(&latest).join("checkpoint").is_dir());
+    }
+    run(&["--resume", "runs/latest"], "3");
+    let _ = std::fs::remove_dir_all(&cwd);
+}

@@ -369,8 +369,13 @@ fn cmd_train(a: TrainArgs) -> tinyllm::Result<ExitCode> {
     check_sample_len("--sample-len", a.sample_len)?;
     let (cfg, _lock) = match &a.resume {
         Some(dir) => resume_config(&a, dir).map_err(|e| e.context("--resume"))?,
-        None => (TrainConfig::resolve(&train_options(&a))?, None),
+        None => {
+            let mut o = train_options(&a);
+            o.out = o.out.or_else(|| Some(fresh_run_dir()));
+            (TrainConfig::resolve(&o)?, None)
+        }
     };
+    let default_out = a.resume.is_none() && a.run.out.is_none();
     let start = match (&a.resume, a.overwrite) {
         (Some(dir), _) => Start::Resume(dir),
         (None, true) => Start::Overwrite,
@@ -386,6 +391,9 @@ fn cmd_train(a: TrainArgs) -> tinyllm::Result<ExitCode> {
     }
     let check = replay.as_mut().map(|r| r as &mut dyn StepCheck);
     let summary = tinyllm::train::run_checked(cfg.clone(), start, a.run.progress(), check);
+    if default_out && cfg.out.is_dir() {
+        point_latest(&cfg.out);
+    }
     // The run is saved: from here on a signal (say, during the closing
     // sample) ends the process at once.
     interrupt::uninstall();
@@ -481,6 +489,57 @@ fn cmd_train(a: TrainArgs) -> tinyllm::Result<ExitCode> {
         );
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Where a `train` without `--out` writes: a new `runs/<date>-<n>/` for each
+/// run (the date in UTC), so a second run never collides with the first;
+/// `runs/latest` then points at it ([`point_latest`]).
+fn fresh_run_dir() -> PathBuf {
+    let days = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() / 86_400) as i64;
+    // Days since 1970-01-01 to a civil date (the proleptic Gregorian calendar).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    (1..)
+        .map(|n| PathBuf::from(format!("runs/{y:04}-{m:02}-{d:02}-{n}")))
+        .find(|p| !tinyllm::train::outdir::present(p))
+        .unwrap_or_else(|| PathBuf::from("runs/latest"))
+}
+
+/// Points `runs/latest` at `dir` (one of `runs/`): a link replaced
+/// atomically. A `runs/latest` that is not a link (a run an older version
+/// kept there) is left as it is, with a note.
+fn point_latest(dir: &Path) {
+    let latest = Path::new("runs/latest");
+    if tinyllm::train::outdir::present(latest) && !tinyllm::train::outdir::is_link(latest) {
+        note!(
+            "note: runs/latest is a directory, not a link, so it still holds an earlier run; this run is in {}",
+            dir.display()
+        );
+        return;
+    }
+    #[cfg(unix)]
+    if let Some(name) = dir.file_name() {
+        let tmp = Path::new("runs").join(format!(".latest.tmp-{}", std::process::id()));
+        let _ = std::fs::remove_file(&tmp);
+        let done =
+            std::os::unix::fs::symlink(name, &tmp).and_then(|()| std::fs::rename(&tmp, latest));
+        if let Err(e) = done {
+            let _ = std::fs::remove_file(&tmp);
+            note!(
+                "note: could not point runs/latest at {}: {e}",
+                dir.display()
+            );
+        }
+    }
 }
 
 /// How to run this binary again, for the commands a hint prints: under
