@@ -6,7 +6,6 @@ use std::fmt;
 /// What went wrong. The message (`Display`) names the file, flag, op or
 /// device involved and, where there is one, what to do about it.
 #[non_exhaustive]
-#[derive(Debug)]
 pub enum Error {
     /// Operands that do not fit an operation: shapes, dtypes, devices, ids.
     Shape(String),
@@ -95,6 +94,32 @@ impl Error {
     pub fn message(&self) -> String {
         self.to_string()
     }
+
+    /// The variant's name: `Config`, `Io`, ….
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Error::Shape(_) => "Shape",
+            Error::Device(_) => "Device",
+            Error::Io { .. } => "Io",
+            Error::Checkpoint(_) => "Checkpoint",
+            Error::Config(_) => "Config",
+            Error::Data(_) => "Data",
+            Error::Numerical(_) => "Numerical",
+            Error::Divergence(_) => "Divergence",
+        }
+    }
+}
+
+/// `{:?}` is the message, as `Display` writes it, so a
+/// `fn main() -> tinyllm::Result<()>` that fails prints `Error: <message>`;
+/// `{:#?}` adds the kind (`Config: <message>`).
+impl fmt::Debug for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if f.alternate() {
+            write!(f, "{}: ", self.kind())?;
+        }
+        fmt::Display::fmt(self, f)
+    }
 }
 
 impl fmt::Display for Error {
@@ -135,6 +160,16 @@ macro_rules! bail {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn debug_reads_as_the_message() {
+        let e = Error::config("--lr must be positive, got -1");
+        assert_eq!(format!("{e:?}"), "--lr must be positive, got -1");
+        assert_eq!(format!("{e:#?}"), "Config: --lr must be positive, got -1");
+        // what `main` returning this error prints after `Error: `
+        let main = || -> Result<()> { Err(Error::data("x.txt: empty")) };
+        assert_eq!(format!("{:?}", main().unwrap_err()), "x.txt: empty");
+    }
 
     #[test]
     fn context_keeps_the_kind_and_io_keeps_its_source() {

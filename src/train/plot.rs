@@ -116,7 +116,13 @@ fn draw_panel(s: &mut String, p: &Panel, top: f64, (x0, x1): (f64, f64)) {
     } else {
         (f0, f1)
     };
-    for ty in nice_ticks(lo, hi, if h < 200.0 { 4 } else { 6 }) {
+    let n = if h < 200.0 { 4 } else { 6 };
+    let ticks = if p.log_y {
+        log_ticks(lo, hi, n)
+    } else {
+        nice_ticks(lo, hi, n)
+    };
+    for ty in ticks {
         if p.log_y && ty <= 0.0 {
             continue;
         }
@@ -244,6 +250,28 @@ fn nice_ticks(lo: f64, hi: f64, n: usize) -> Vec<f64> {
     out
 }
 
+/// Ticks of a log axis: 1, 2 and 5 times each power of ten in `[lo, hi]`;
+/// the powers of ten alone when those are too many (more than `2n`); the
+/// linear ticks when fewer than three fall inside (a range within a decade).
+fn log_ticks(lo: f64, hi: f64, n: usize) -> Vec<f64> {
+    let per_decade = |m: &[f64]| -> Vec<f64> {
+        let (k0, k1) = (lo.log10().floor() as i32, hi.log10().ceil() as i32);
+        (k0..=k1)
+            .flat_map(|k| m.iter().map(move |x| x * 10f64.powi(k)))
+            .filter(|&t| t >= lo * (1.0 - 1e-9) && t <= hi * (1.0 + 1e-9))
+            .collect()
+    };
+    let fine = per_decade(&[1.0, 2.0, 5.0]);
+    if fine.len() >= 3 && fine.len() <= 2 * n {
+        return fine;
+    }
+    let coarse = per_decade(&[1.0]);
+    if fine.len() > 2 * n && coarse.len() >= 2 {
+        return coarse;
+    }
+    nice_ticks(lo, hi, n)
+}
+
 fn fmt_tick(v: f64) -> String {
     if v.abs() >= 100.0 || v == v.round() {
         format!("{v:.0}")
@@ -309,6 +337,27 @@ mod tests {
             .map(|p| p.split(',').nth(1).unwrap().parse().unwrap())
             .collect();
         assert!(((ys[0] - ys[1]) - (ys[1] - ys[2])).abs() < 0.2, "{ys:?}");
+    }
+
+    /// Labels on a log axis are 1-2-5 per decade, not a linear axis's steps.
+    #[test]
+    fn a_log_axis_is_labelled_one_two_five() {
+        let curve = Series {
+            name: "train",
+            color: "#111111",
+            points: vec![(1.0, 5.6), (150.0, 1.3), (300.0, 0.42)],
+            dots: false,
+        };
+        let svg = chart_svg("t", &[panel(true, vec![curve])]);
+        let labels: Vec<&str> = svg
+            .split(r#"text-anchor="end">"#)
+            .skip(1)
+            .map(|t| t.split('<').next().unwrap())
+            .collect();
+        assert_eq!(labels, ["0.5", "1", "2", "5"], "{svg}");
+        // over many decades: the powers of ten; within one: linear steps
+        assert_eq!(log_ticks(1e-3, 1e3, 6).len(), 7);
+        assert_eq!(log_ticks(1.8, 2.6, 6), nice_ticks(1.8, 2.6, 6));
     }
 
     #[test]
