@@ -141,6 +141,8 @@ fn outcome(out: &Path) -> Outcome {
     state["config"].as_object_mut().unwrap().remove("out");
     // each process that starts a run draws its own id
     state.as_object_mut().unwrap().remove("run_id");
+    // and records its build once per process (a resumed run has more)
+    state.as_object_mut().unwrap().remove("builds");
     let losses = MetricsLog::read(&out.join("metrics.jsonl"))
         .unwrap()
         .iter()

@@ -642,6 +642,35 @@ fn flags_are_validated_with_what_is_allowed() {
 
 // ------------------------------------------------- run, compare, eval ----
 
+/// Every process of a run records its build and device: on its first
+/// metrics line, and appended to the checkpoint's list.
+#[test]
+fn each_process_of_a_run_records_its_build() {
+    let out = tmpdir("provenance");
+    let opts = |steps| TrainOptions {
+        steps: Some(steps),
+        out: Some(out.clone()),
+        ..Default::default()
+    };
+    tinyllm::train::run(tiny(opts(2)), Start::Fresh, Progress::Quiet).unwrap();
+    tinyllm::train::run(tiny(opts(4)), Start::Resume(&out), Progress::Quiet).unwrap();
+    let rows = tinyllm::train::metrics::MetricsLog::read(&out.join("metrics.jsonl")).unwrap();
+    let with: Vec<usize> = rows
+        .iter()
+        .filter(|m| m.provenance.is_some())
+        .map(|m| m.step)
+        .collect();
+    assert_eq!(with, [1, 3], "the first step of each process");
+    let p = rows[0].provenance.clone().unwrap();
+    assert_eq!(p.version, env!("CARGO_PKG_VERSION"));
+    assert_eq!((p.device.as_str(), p.adapter.as_deref()), ("cpu", None));
+    assert!(p.threads >= 1 && !p.cpu_kernels.is_empty());
+    let st = Verified::open(&out).unwrap().train_state().unwrap();
+    assert_eq!(st.builds, [p.clone(), p]);
+    let ids: Vec<_> = rows.iter().map(|m| m.run.clone().unwrap()).collect();
+    assert!(ids.iter().all(|i| *i == st.run_id), "one run id throughout");
+}
+
 /// metrics.jsonl counts the tokens seen and the run's wall seconds, both
 /// carried across a resume (the seconds keep rising, not restart at 0).
 #[test]

@@ -84,6 +84,10 @@ pub struct TrainState {
     /// directory keeps it; a checkpoint continued elsewhere starts a new one.
     #[serde(default)]
     pub run_id: String,
+    /// The build and device of each process that trained the run, in order
+    /// (one entry per start or resume; empty in older checkpoints).
+    #[serde(default)]
+    pub builds: Vec<crate::train::provenance::Provenance>,
 }
 
 fn io_err(what: &str, p: &Path, e: std::io::Error) -> Error {

@@ -54,6 +54,9 @@ pub struct StepMetrics {
     /// The run's identity (see [`TrainState::run_id`](super::checkpoint::TrainState::run_id)).
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub run: Option<String>,
+    /// The build and device, on the first step of each process of the run.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub provenance: Option<crate::train::provenance::Provenance>,
 }
 
 fn f32_or_nan<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<f32, D::Error> {

@@ -15,6 +15,7 @@
 //! * [`checkpoint`] — Hugging Face-named safetensors, atomic writes, a SHA-256
 //!   manifest ([`sha256`]) verified before anything loads;
 //! * [`metrics`], [`plot`] — `metrics.jsonl` and the SVG loss curves;
+//!   [`provenance`] — the build and device of every process of a run;
 //! * [`compare`] — float32 against bf16 + accumulation + checkpointing;
 //! * `fault` — test-only fault injection (`TINYLLM_FAULT`, with the
 //!   `test-hooks` feature).
@@ -32,6 +33,7 @@ pub mod metrics;
 pub mod outdir;
 pub mod plan;
 pub mod plot;
+pub mod provenance;
 pub mod sha256;
 pub mod step;
 pub mod trainer;

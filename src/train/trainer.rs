@@ -33,6 +33,7 @@ use crate::train::metrics::{MetricsLog, StepMetrics};
 use crate::train::outdir::{self, DirLock};
 use crate::train::plan::{self, memory_plan, mib, MemoryPlan};
 use crate::train::plot::{chart_svg, Panel, Series};
+use crate::train::provenance::Provenance;
 use crate::train::step::MixedStep;
 use crate::{bail, Error, Result, Tensor};
 use std::io::{IsTerminal, Write};
@@ -104,6 +105,8 @@ pub struct Trainer {
     /// The run's identity: drawn when it starts, kept by its resumes in its
     /// own directory, written into every checkpoint and metrics line.
     run_id: String,
+    /// The build and device of every process of the run, this one last.
+    builds: Vec<Provenance>,
 }
 
 impl Trainer {
@@ -141,6 +144,7 @@ impl Trainer {
             loss_hook: fault::loss_hook(),
             last_batch: None,
             run_id: outdir::new_run_id(),
+            builds: vec![Provenance::here(device)],
         })
     }
 
@@ -188,6 +192,7 @@ impl Trainer {
         if !st.run_id.is_empty() {
             t.run_id = st.run_id.clone();
         }
+        t.builds = st.builds.iter().cloned().chain(t.builds).collect();
         t.model.rng.set_state(st.model_rng);
         t.data_rng.set_state(st.data_rng);
         t.step = st.step;
@@ -209,6 +214,7 @@ impl Trainer {
             data_name: self.corpus_name.clone(),
             data_fingerprint: self.fingerprint.clone(),
             run_id: self.run_id.clone(),
+            builds: self.builds.clone(),
         }
     }
 
@@ -268,6 +274,7 @@ impl Trainer {
             device_peak_bytes: crate::backend::device_peak_bytes(self.device),
             resumed: false, // the run loop knows where it started
             run: Some(self.run_id.clone()),
+            provenance: None, // the run loop knows where its process started
         })
     }
 
@@ -835,6 +842,9 @@ impl Loop {
         }
         m.elapsed_s = self.clock.1 + self.clock.0.elapsed().as_secs_f64();
         m.resumed = self.first_step > 0 && step == self.first_step + 1;
+        if step == self.first_step + 1 {
+            m.provenance = tr.builds.last().cloned();
+        }
         if let Some(c) = check {
             if let Err(e) = c.after(tr, &m) {
                 let _ = self.log.append(&m);
