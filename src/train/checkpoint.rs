@@ -97,28 +97,14 @@ fn io_err(what: &str, p: &Path, e: std::io::Error) -> Error {
 /// [`write_atomic`] without the directory sync (the caller syncs once), with
 /// the `write:NAME` fault point of checkpoint `step`.
 fn write_atomic_at(dir: &Path, name: &str, bytes: &[u8], step: usize) -> Result<()> {
-    let target = dir.join(name);
-    let mut tmp = None;
-    let res = (|| -> std::io::Result<()> {
-        let (mut f, p) = outdir::create_temp(dir, name)?;
-        tmp = Some(p.clone());
+    outdir::write_atomic_with(dir, name, |f| {
         fault::io_point(&format!("fail:{name}"), step)?;
         if fault::armed(&format!("write:{name}"), step) {
             f.write_all(&bytes[..bytes.len() / 2])?;
             fault::pause_point(&format!("write:{name}"), step);
         }
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        drop(f);
-        std::fs::rename(&p, &target)
-    })();
-    if let Err(e) = res {
-        if let Some(p) = tmp {
-            let _ = std::fs::remove_file(p);
-        }
-        return Err(io_err("cannot write", &target, e));
-    }
-    Ok(())
+        f.write_all(bytes)
+    })
 }
 
 struct F32View {

@@ -249,12 +249,25 @@ pub fn create_temp(dir: &Path, name: &str) -> std::io::Result<(File, PathBuf)> {
 /// ([`create_temp`]), fsynced, renamed over the target (a link there is
 /// replaced, never written through), then the directory fsynced.
 pub fn write_atomic(dir: &Path, name: &str, bytes: &[u8]) -> Result<()> {
+    write_atomic_with(dir, name, |f| f.write_all(bytes))?;
+    sync_dir(dir);
+    Ok(())
+}
+
+/// [`write_atomic`] with the contents written by `write` and without the
+/// directory sync (a caller writing several files syncs once). On an error
+/// the temporary file is removed and the target is as it was.
+pub fn write_atomic_with(
+    dir: &Path,
+    name: &str,
+    write: impl FnOnce(&mut File) -> std::io::Result<()>,
+) -> Result<()> {
     let target = dir.join(name);
     let mut tmp = None;
     let res = (|| -> std::io::Result<()> {
         let (mut f, p) = create_temp(dir, name)?;
         tmp = Some(p.clone());
-        f.write_all(bytes)?;
+        write(&mut f)?;
         f.sync_all()?;
         drop(f);
         std::fs::rename(&p, &target)
@@ -265,7 +278,6 @@ pub fn write_atomic(dir: &Path, name: &str, bytes: &[u8]) -> Result<()> {
         }
         return Err(Error::io(format!("cannot write {}", target.display()), e));
     }
-    sync_dir(dir);
     Ok(())
 }
 
