@@ -55,6 +55,7 @@ pub mod profile;
 pub mod recompute;
 pub mod rng;
 pub mod tensor;
+mod trace;
 pub mod train;
 
 pub use backend::cpu::set_cpu_threads;

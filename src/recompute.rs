@@ -127,7 +127,7 @@ where
             let rerun = {
                 let _gm = set_grad_enabled(true);
                 let _ac = autocast(precision);
-                let _traced = crate::crosscheck::trace::phase("recompute");
+                let _traced = crate::trace::phase("recompute");
                 f(&leaves)
             };
             for (r, s) in rngs0.iter().zip(&reached) {

@@ -25,31 +25,4 @@ pub fn gpu_fault(primitive: &str, element: usize) -> crate::backend::fault::Arme
     }))
 }
 
-thread_local! {
-    static SAVED_FLOAT32: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
-/// While alive, autograd keeps every saved tensor in float32 on this thread.
-pub struct SavedFloat32 {
-    prev: bool,
-}
-
-impl Drop for SavedFloat32 {
-    fn drop(&mut self) {
-        SAVED_FLOAT32.with(|w| w.set(self.prev));
-    }
-}
-
-/// Keeps every tensor autograd saves in float32 on this thread until the
-/// guard drops: the reference that 16-bit saved activations must match bit
-/// for bit.
-pub fn saved_in_float32() -> SavedFloat32 {
-    SavedFloat32 {
-        prev: SAVED_FLOAT32.with(|w| w.replace(true)),
-    }
-}
-
-/// Whether [`saved_in_float32`] is in force on this thread.
-pub(crate) fn saved_float32_only() -> bool {
-    SAVED_FLOAT32.with(std::cell::Cell::get)
-}
+pub use crate::tensor::saved::{saved_in_float32, SavedFloat32};

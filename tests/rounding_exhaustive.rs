@@ -432,7 +432,8 @@ fn f64_rounds_to_the_nearest_value_ties_to_even() {
 /// binades around the divisor, so quotients fall on both sides of 1.
 #[test]
 fn fast_division_equals_the_soft_one_for_every_dividend_mantissa() {
-    use tinyllm::backend::math::{div, div_lanes, LANES};
+    use tinyllm::backend::cpu::simd::LANES;
+    use tinyllm::backend::math::{div, div_lanes};
     let mut divisors: Vec<u32> = vec![
         0, 1, 2, 3, 0x7f_ffff, 0x7f_fffe, 0x40_0000, 0x40_0001, 0x3f_ffff, 0x20_0000, 0x60_0000,
         0x55_5555, 0x2a_aaaa, 0x35_04f3, 0x00_0800, 0x7f_f800,

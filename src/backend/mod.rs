@@ -312,7 +312,7 @@ pub fn gpu_families() -> [&'static gpu::pipelines::Family; 9] {
 
 /// What every primitive does with its output before returning it: the
 /// test-only [`fault`] hook may perturb it, and a running
-/// [trace](crate::crosscheck::trace) records it (read back and hashed).
+/// [trace](crate::trace) records it (read back and hashed).
 /// Neither is on outside a cross-check: then this is one thread-local read
 /// (the hook is not even compiled into a build without `test-hooks`).
 pub(crate) fn observed(
@@ -322,12 +322,12 @@ pub(crate) fn observed(
 ) -> Result<()> {
     #[cfg(feature = "test-hooks")]
     fault::perturb(name, outs)?;
-    if crate::crosscheck::trace::on() {
+    if crate::trace::on() {
         let mut values = Vec::new();
         for o in outs {
             values.extend(o.to_vec_f32()?);
         }
-        crate::crosscheck::trace::record(name, args(), values);
+        crate::trace::record(name, args(), values);
     }
     Ok(())
 }
@@ -344,13 +344,13 @@ pub(crate) fn observed_value(
     #[cfg(feature = "test-hooks")]
     let value = fault::perturb_value(name, outs, on_gpu, value)?;
     let _ = on_gpu;
-    if crate::crosscheck::trace::on() {
+    if crate::trace::on() {
         let mut values = Vec::new();
         for o in outs {
             values.extend(o.to_vec_f32()?);
         }
         values.push(value);
-        crate::crosscheck::trace::record(name, args(), values);
+        crate::trace::record(name, args(), values);
     }
     Ok(value)
 }

@@ -11,10 +11,10 @@
 //! keeping that state as a checkpoint for a bug report.
 
 use super::cases::{same, ulps};
-use super::trace::{self, Trace};
 use crate::backend::Device;
 use crate::nn::Module;
 use crate::precision::Precision;
+use crate::trace::{self, Trace};
 use crate::train::checkpoint::{self, TrainState};
 use crate::train::data::Corpus;
 use crate::train::metrics::StepMetrics;

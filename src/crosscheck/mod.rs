@@ -28,7 +28,14 @@ pub mod probe;
 mod report;
 #[cfg(feature = "gpu")]
 pub mod sweep;
-pub mod trace;
+
+/// The primitive trace: every backend primitive call in order, with the model
+/// path and phase that issued it and a hash of its output. It lives on the
+/// crate's ground floor (`src/trace.rs`, importing nothing of the crate), since
+/// the backend, the autograd and the layers record into it; it is published here.
+pub mod trace {
+    pub use crate::trace::*;
+}
 
 #[cfg(feature = "gpu")]
 pub use report::{run, Options, Report, Verdict};

@@ -7,11 +7,11 @@
 //! through [`checkpoint_sequential`] with a memory budget in layer units.
 
 use crate::backend::Device;
-use crate::crosscheck::trace;
 use crate::nn::{Embedding, Layer, Linear, Module, RmsNorm};
 use crate::ops::dropout;
 use crate::recompute::checkpoint_sequential;
 use crate::rng::Generator;
+use crate::trace;
 use crate::{bail, Result, Tensor};
 use serde::{Deserialize, Serialize};
 use std::rc::Rc;

@@ -7,17 +7,9 @@
 use crate::backend::round::Format;
 use crate::backend::{MatmulDims, Operand, Storage};
 use crate::tensor::autocast::autocast_dtype;
-use crate::tensor::saved::Saved;
+use crate::tensor::saved::{Arg, Saved};
 use crate::tensor::shape::numel;
 use crate::{bail, Result, Tensor};
-
-/// An operand of [`product`]: a buffer (values, or a 16-bit copy) and the
-/// shape it holds.
-#[derive(Clone)]
-pub(crate) struct Arg<'a> {
-    pub op: Operand,
-    pub shape: &'a [usize],
-}
 
 /// `op(a) @ op(b)` over matching leading (batch) axes; `ta`/`tb` read the last
 /// two axes transposed. `a: (.., m, k)` (or `(.., k, m)` when `ta`), `b: (.., k, n)`
@@ -193,13 +185,6 @@ fn recorded(
 }
 
 impl Tensor {
-    /// This tensor as an operand of [`product`].
-    pub(crate) fn arg(&self) -> Arg<'_> {
-        Arg {
-            op: Operand::Values(self.storage()),
-            shape: self.shape(),
-        }
-    }
     /// `self @ rhs` (batched over leading axes; a 2-d `rhs` is shared by the
     /// batch). Follows the thread's autocast state.
     pub fn matmul(&self, rhs: &Tensor) -> Result<Tensor> {

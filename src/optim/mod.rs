@@ -221,7 +221,7 @@ impl AdamW {
         let c = self.cfg;
         for (i, (p, st)) in self.params.iter().zip(self.state.iter_mut()).enumerate() {
             let Some(g) = p.grad() else { continue };
-            let _traced = crate::crosscheck::trace::path_with(|| format!("params.{i}"));
+            let _traced = crate::trace::path_with(|| format!("params.{i}"));
             check_master(p)?;
             if st.is_none() {
                 *st = Some((p.zeros_like()?, p.zeros_like()?, 0));

@@ -80,7 +80,7 @@ pub(crate) struct Node {
     pub(crate) vjp: Vjp,
     /// The model path that recorded the node, while a primitive trace runs
     /// (`None` otherwise): its backward is traced at the same path.
-    pub(crate) site: Option<crate::crosscheck::trace::Site>,
+    pub(crate) site: Option<crate::trace::Site>,
 }
 
 /// Reverse topological order of the graph under `root` (root first), iterative
@@ -135,7 +135,7 @@ pub(crate) fn backward(root: &Tensor, seed: Tensor) -> Result<()> {
     // The backward pass itself builds no graph.
     let _g = no_grad();
     // In a primitive trace, the gradient sums between nodes are backward work.
-    let _traced = crate::crosscheck::trace::phase("backward");
+    let _traced = crate::trace::phase("backward");
     let mut order = topo_order(&root.0.meta);
     let mut grads: HashMap<usize, Tensor> = HashMap::new();
     grads.insert(root.id(), seed);
@@ -162,7 +162,7 @@ pub(crate) fn backward(root: &Tensor, seed: Tensor) -> Result<()> {
             site,
         } = node;
         let pgrads = {
-            let _at = crate::crosscheck::trace::backward_at(site.as_ref());
+            let _at = crate::trace::backward_at(site.as_ref());
             let mut gathered = Gathered {
                 grads: &mut grads,
                 parents: &parents,

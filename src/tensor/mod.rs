@@ -208,7 +208,7 @@ impl Tensor {
                 name,
                 parents: parents.iter().map(|&p| p.0.meta.clone()).collect(),
                 vjp: Box::new(vjp) as Vjp,
-                site: crate::crosscheck::trace::site(),
+                site: crate::trace::site(),
             };
             Tensor::make(storage, shape, true, Some(node))
         } else {

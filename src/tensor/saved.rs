@@ -21,8 +21,25 @@ use super::Tensor;
 use crate::backend::pack::Packed;
 use crate::backend::round::Format;
 use crate::backend::Operand;
-use crate::ops::matmul::Arg;
 use crate::{bail, Result};
+
+/// An operand of a matrix product (`ops::matmul::product`): a buffer (values,
+/// or a 16-bit copy) and the shape it holds.
+#[derive(Clone)]
+pub(crate) struct Arg<'a> {
+    pub op: Operand,
+    pub shape: &'a [usize],
+}
+
+impl Tensor {
+    /// This tensor as an operand of a matrix product.
+    pub(crate) fn arg(&self) -> Arg<'_> {
+        Arg {
+            op: Operand::Values(self.storage()),
+            shape: self.shape(),
+        }
+    }
+}
 
 /// A tensor kept for backward.
 pub(crate) enum Saved {
@@ -59,7 +76,7 @@ impl Saved {
             return Ok(Saved::Full(t.detach()));
         }
         #[cfg(feature = "test-hooks")]
-        if crate::testing::saved_float32_only() {
+        if saved_float32_only() {
             return Ok(Saved::Full(t.detach()));
         }
         let cell = t.0.packed.borrow().clone();
@@ -108,6 +125,42 @@ impl Saved {
             }
         }
     }
+}
+
+// A test hook, reached through `testing`: while on, every saved tensor stays
+// in float32 (the reference 16-bit saved activations must match bit for bit).
+#[cfg(feature = "test-hooks")]
+thread_local! {
+    static SAVED_FLOAT32: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// While alive, autograd keeps every saved tensor in float32 on this thread.
+#[cfg(feature = "test-hooks")]
+pub struct SavedFloat32 {
+    prev: bool,
+}
+
+#[cfg(feature = "test-hooks")]
+impl Drop for SavedFloat32 {
+    fn drop(&mut self) {
+        SAVED_FLOAT32.with(|w| w.set(self.prev));
+    }
+}
+
+/// Keeps every tensor autograd saves in float32 on this thread until the
+/// guard drops: the reference that 16-bit saved activations must match bit
+/// for bit.
+#[cfg(feature = "test-hooks")]
+pub fn saved_in_float32() -> SavedFloat32 {
+    SavedFloat32 {
+        prev: SAVED_FLOAT32.with(|w| w.replace(true)),
+    }
+}
+
+/// Whether [`saved_in_float32`] is in force on this thread.
+#[cfg(feature = "test-hooks")]
+fn saved_float32_only() -> bool {
+    SAVED_FLOAT32.with(std::cell::Cell::get)
 }
 
 #[cfg(test)]

@@ -221,7 +221,7 @@ pub fn train_step_mixed<M: crate::nn::Module + ?Sized, B: MicroBatch>(
     };
     // The losses come back with the gradients' finite check: one readback.
     let loss_values = losses.values.storage();
-    let _traced = crate::crosscheck::trace::phase("optimizer");
+    let _traced = crate::trace::phase("optimizer");
     match scaler {
         Some(s) => {
             let (stepped, values) = s.step_reading(opt, &params, clip, Some(&loss_values))?;

@@ -344,7 +344,7 @@ fn micro_loss(
 ) -> Result<Tensor> {
     let logits = model.forward(&mb.ids, mb.rows, mb.t, ckpt)?;
     let loss = {
-        let _traced = crate::crosscheck::trace::path("loss");
+        let _traced = crate::trace::path("loss");
         cross_entropy(&logits, &mb.targets)?
     };
     match hook {

@@ -16,7 +16,7 @@
 //!   probabilities stay in cache instead of streaming `H · T²` values through
 //!   memory between primitives.
 //!
-//! A running [trace](crate::crosscheck::trace) records the batched primitives
+//! A running [trace](crate::trace) records the batched primitives
 //! one by one, so while one runs the CPU takes the GPU's schedule; the tests
 //! hold the two schedules to the same bits.
 
@@ -124,7 +124,7 @@ pub fn per_head(ops: &[&Operand; 3]) -> bool {
 /// The operands' host buffers when all are float32 words on the CPU and no
 /// trace runs (see the module docs), with their 16-bit formats.
 fn on_cpu<const N: usize>(ops: [&Operand; N]) -> Option<[(&Buf<f32>, Option<Format>); N]> {
-    if crate::crosscheck::trace::on() {
+    if crate::trace::on() {
         return None;
     }
     let mut out = Vec::with_capacity(N);

@@ -10,7 +10,8 @@ pub mod pool;
 pub mod simd;
 
 use std::mem::MaybeUninit;
-use super::math::{self, LANES};
+use super::math;
+use simd::LANES;
 use super::round::{self, Format};
 use super::{BinaryLayout, DType};
 use crate::memory::Ticket;

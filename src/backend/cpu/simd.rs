@@ -26,6 +26,13 @@
 
 use std::sync::atomic::{AtomicU8, Ordering};
 
+/// f32 lanes in one AVX2 vector: the group [`math::div_lanes`] and
+/// [`math::exp_lanes`] work on, and the kernels' row and column groups.
+///
+/// [`math::div_lanes`]: crate::backend::math::div_lanes
+/// [`math::exp_lanes`]: crate::backend::math::exp_lanes
+pub const LANES: usize = 8;
+
 /// A set of instructions the kernels may use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Level {
@@ -153,7 +160,6 @@ pub(crate) fn transpose8(a: [std::arch::x86_64::__m256; 8]) -> [std::arch::x86_6
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 pub(crate) fn row_sums_avx2<const SQUARE: bool>(x: &[f32], n: usize, lens: &[usize]) -> Vec<f32> {
-    use crate::backend::math::LANES;
     use std::arch::x86_64::*;
     assert!(x.len() >= lens.len() * n && lens.iter().all(|&l| l <= n));
     let term = |v: f32| if SQUARE { v * v } else { v };

@@ -6,7 +6,7 @@ use crate::backend::cpu::{
     both, both2, cpu_threads, for_each_run, maximum, sigmoid_into, simd, split_at_starts, split_layout,
     write_exact, write_lanes, CpuStorage, Elem,
 };
-use crate::backend::math::LANES;
+use crate::backend::cpu::simd::LANES;
 use crate::backend::BinaryLayout;
 use crate::Result;
 use std::mem::MaybeUninit;

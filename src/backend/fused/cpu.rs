@@ -5,11 +5,11 @@
 
 use super::FusedOps;
 use crate::backend::cpu::pool;
+use crate::backend::cpu::simd::LANES;
 use crate::backend::cpu::{
     assume_init_mut, cpu_threads, fold_ragged, maximum, sigmoid_into, simd, write_exact,
     CpuStorage, Elem,
 };
-use crate::backend::math::LANES;
 use crate::backend::DType;
 use crate::Result;
 use std::mem::MaybeUninit;

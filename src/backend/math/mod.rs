@@ -30,6 +30,8 @@
 //! hardware square root, see [`sqrt`]); `exp` and `log` are within about one
 //! ulp.
 
+use crate::backend::cpu::simd::LANES;
+
 /// The WGSL twin of this file.
 pub const MATHLIB_WGSL: &str = include_str!("mathlib.wgsl");
 /// A correctly rounded fma in integer arithmetic, for devices whose `fma` is not fused.
@@ -153,9 +155,6 @@ impl Divisor {
         f32::from_bits(out)
     }
 }
-
-/// Lanes [`div_lanes`] divides at once (one AVX2 vector of f32).
-pub const LANES: usize = 8;
 
 /// [`div`] for [`LANES`] pairs at once, bit for bit, mostly from the hardware
 /// division — the soft algorithm costs ~10x the whole AdamW update otherwise.

@@ -200,7 +200,7 @@ impl Operand {
     /// addend's value added, `e + c` — the bits of the product followed by
     /// the elementwise sum. The CPU adds each tile as the product writes it;
     /// the GPU runs the two primitives, and so does the CPU while a
-    /// [trace](crate::crosscheck::trace) records them. No causal mask.
+    /// [trace](crate::trace) records them. No causal mask.
     pub fn matmul_add(
         &self,
         rhs: &Operand,
@@ -215,7 +215,7 @@ impl Operand {
         let ((a, ha), (b, hb)) = (self.parts(), rhs.parts());
         super::check_same(&[a, b, addend])?;
         let cpu = match (a, b, addend) {
-            (Storage::Cpu(a), Storage::Cpu(b), Storage::Cpu(e)) if !crate::crosscheck::trace::on() => Some((a, b, e)),
+            (Storage::Cpu(a), Storage::Cpu(b), Storage::Cpu(e)) if !crate::trace::on() => Some((a, b, e)),
             _ => None,
         };
         let Some((ac, bc, ec)) = cpu else {

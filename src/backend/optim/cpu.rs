@@ -2,8 +2,9 @@
 
 use super::{AdamWConsts, OptimOps};
 use crate::backend::cpu::pool;
+use crate::backend::cpu::simd::LANES;
 use crate::backend::cpu::{cpu_threads, simd, CpuStorage};
-use crate::backend::math::{self, LANES};
+use crate::backend::math;
 use crate::backend::reduce::cpu::{chunk_sums_of_squares, SQUARES_PIECE};
 use crate::backend::reduce::NORM_CHUNK;
 use crate::Result;

@@ -6,7 +6,7 @@ use crate::backend::cpu::{
     assume_init_mut, both, both2, cpu_threads, fold_ragged, for_lanes_mut, maximum, simd,
     write_exact, write_lanes, write_zeros, CpuStorage, Elem,
 };
-use crate::backend::math::LANES;
+use crate::backend::cpu::simd::LANES;
 use crate::Result;
 use std::cell::Ref;
 use std::mem::MaybeUninit;
