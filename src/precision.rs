@@ -51,9 +51,10 @@ pub fn cast(x: &Tensor, fmt: Format) -> Result<Tensor> {
 
 // ------------------------------------------------------------- autocast ----
 
-pub use crate::tensor::autocast::{autocast, autocast_dtype, AutocastGuard};
+pub use crate::tensor::autocast::{autocast, autocast_dtype, autocast_scope, AutocastGuard};
 
 /// `autocast(Format::Bf16)`.
+#[must_use = "autocast ends when the guard is dropped: bind it to a named variable, or use autocast_scope"]
 pub fn autocast_bf16() -> AutocastGuard {
     autocast(Format::Bf16)
 }
