@@ -29,7 +29,7 @@ pub struct BenchOptions {
     /// Measure each case for at least this long (after one warm-up call).
     pub min_time_s: f64,
     /// Also time f32 matmuls (slow where the device's fma is not fused and the
-    /// integer emulation runs: about 10x slower than bf16 on lavapipe).
+    /// integer emulation runs).
     pub f32_matmul: bool,
 }
 
@@ -368,7 +368,7 @@ pub fn run_gpu(opts: &BenchOptions) -> Result<BenchReport> {
         let ag = Storage::from_f32(a, Device::Gpu)?;
         let bg = Storage::from_f32(b, Device::Gpu)?;
         let mut fmts = vec![Some(Format::Bf16), Some(Format::Fp16)];
-        // f32 through the integer fma emulation is ~10x slower: keep the
+        // f32 through the integer fma emulation is slow: keep the
         // default run short by timing it on the small squares only.
         let small = case.flops() <= 2.0 * 512f64.powi(3);
         if opts.f32_matmul && (fma == "native" || opts.full || small) {

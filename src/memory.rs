@@ -84,8 +84,7 @@ impl Drop for Ticket {
 /// for every thread (`M_ARENA_MAX` = 1: glibc deletes a thread arena's 64 MiB
 /// heaps as they empty, so the kernels' worker threads faulted their buffers
 /// back in every step) and trimming off (`M_TRIM_THRESHOLD` = -1), the heap
-/// keeps its pages and the next step's buffers come back warm (measured in
-/// BENCHMARKS.md). The process's resident size then stays near its peak,
+/// keeps its pages and the next step's buffers come back warm. The process's resident size then stays near its peak,
 /// which is what the crate's own counters ([`peak_bytes`]) report anyway.
 ///
 /// Process-wide, so it is the application's call: the `tinyllm` binary and the

@@ -1,9 +1,8 @@
 //! The threads of the large CPU kernels: one worker per core after the first,
 //! started at the first parallel call. A worker that finishes a job spins on
-//! the job counter for a while before it sleeps: a training step hands out a
-//! parallel region every few hundred microseconds, and waking a sleeping
-//! thread can cost more than many of the regions themselves (BENCHMARKS.md,
-//! fourteenth sitting).
+//! the job counter for a while before it sleeps: a training step hands out
+//! parallel regions in quick succession, and waking a sleeping thread can cost
+//! more than a region itself.
 //!
 //! A job is `tasks` calls of one closure, taken in turn by the caller and the
 //! workers. One job runs at a time: a call made while another thread's job is

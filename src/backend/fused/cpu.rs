@@ -129,8 +129,7 @@ impl FusedOps for CpuStorage {
 // The hot loops below are `for` loops over preallocated outputs, not
 // `collect`/`extend` over closures: a kernel's loop must be compiled inside its
 // AVX2 copy, and a std iterator function the compiler leaves out of line is
-// compiled for the baseline (SSE2, `mul_add` a library call): SwiGLU ran 14x
-// slower that way. The outputs are allocated, not zero-filled: each kernel
+// compiled for the baseline (SSE2, `mul_add` a library call). The outputs are allocated, not zero-filled: each kernel
 // writes every value (`write_exact`, or loops over lengths it checks) before
 // it reads any back.
 

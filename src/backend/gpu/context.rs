@@ -518,18 +518,13 @@ impl Context {
     }
 }
 
-/// Runs the device's own WGSL `fma` on triples whose fused and unfused results
-/// differ (inexact products, cancellation, subnormal results) and compares with
-/// Rust's `f32::mul_add` (always a true fma). `Ok(true)` only if every bit agrees.
 /// Elements per invocation of the elementwise optimizer kernels, per adapter.
 ///
 /// A software device (lavapipe: `DeviceType::Cpu`) runs each workgroup as a
-/// task on a thread pool, and the scheduling, not memory, limits a one-element
-/// kernel: on 4M elements the finite check + unscale took 72.9 ms with 1
-/// element per lane, 12.7 with 16, 8.7 with 64, 7.4 with 256 (`cargo bench
-/// --bench kernels -- gpu_bw`). A real GPU wants the opposite — tens of
-/// thousands of lanes in flight to hide memory latency — so a few elements per
-/// lane there (unmeasured: no GPU was available when this was tuned).
+/// task on a thread pool, so scheduling, not memory, limits a kernel with one
+/// element per lane: many elements per lane there. A real GPU wants the
+/// opposite — tens of thousands of lanes in flight to hide memory latency — so
+/// a few elements per lane.
 fn optim_per_lane(info: &wgpu::AdapterInfo) -> u32 {
     match info.device_type {
         wgpu::DeviceType::Cpu => 256,
@@ -537,6 +532,9 @@ fn optim_per_lane(info: &wgpu::AdapterInfo) -> u32 {
     }
 }
 
+/// Runs the device's own WGSL `fma` on triples whose fused and unfused results
+/// differ (inexact products, cancellation, subnormal results) and compares with
+/// Rust's `f32::mul_add` (always a true fma). `Ok(true)` only if every bit agrees.
 fn probe_native_fma(
     device: &wgpu::Device,
     queue: &wgpu::Queue,

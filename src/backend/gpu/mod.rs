@@ -11,7 +11,7 @@
 //! The contract's fused multiply-add is `fma_c` in WGSL: the device's `fma`
 //! when a start-up probe shows it is exactly fused, otherwise an integer
 //! emulation (`math/fma.wgsl`). Lavapipe's `fma` is not fused, so there the
-//! emulation is used (about 4x slower matmuls, bit-exact). `TINYLLM_GPU_FMA=soft`
+//! emulation is used (slower matmuls, the same bits). `TINYLLM_GPU_FMA=soft`
 //! or `=native` overrides the probe; `TINYLLM_ADAPTER=<substring>` picks an adapter.
 
 pub mod context;

@@ -981,8 +981,8 @@ simd::multiversion! {
     }
 }
 
-/// Products below this many multiply-adds run on one thread (~20 µs of one
-/// core's work, several times what handing out the parts costs).
+/// Products below this many multiply-adds run on one thread: handing out the
+/// parts would cost a noticeable share of so little work.
 const THREADED_MACS: usize = 1 << 21;
 
 /// The product on the CPU's widest tile.

@@ -10,12 +10,11 @@
 // they save). Out-of-range rows/columns load a clamped in-range element and
 // are never stored, so ragged shapes need no padding.
 //
-// Why 8x8 (measured on lavapipe, Mesa 22.3): llvmpipe runs 8 invocations as one
-// AVX2 vector, but every storage-buffer load is a per-lane scalar loop there,
-// even when all lanes read the same address, so the cost is the number of load
-// instructions per fma: 16 loads (8 of A, 8 of B) feed 64 fmas per k step.
-// Bigger tiles (12x12, 16x16) and unrolling k were no faster. The format and
-// the layouts are pipeline constants, so the inner loop has no branches.
+// Why 8x8: llvmpipe runs 8 invocations as one AVX2 vector, but every
+// storage-buffer load is a per-lane scalar loop there, so the cost is the
+// number of loads per fma: 16 loads (8 of A, 8 of B) feed 64 fmas per k step.
+// The format and the layouts are pipeline constants, so the inner loop has no
+// branches.
 
 struct MatmulParams {
     m: u32,

@@ -408,7 +408,7 @@ simd::multiversion! {
 
 /// The f32 softmax on AVX2 vectors: [`softmax_t`]'s passes in its order,
 /// with its exps and divisions as vector intrinsics (the generic loops pass
-/// each group through arrays on the stack: ~3x slower).
+/// each group through arrays on the stack, which is much slower).
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::*;
