@@ -11,6 +11,7 @@
 //! keeping that state as a checkpoint for a bug report.
 
 use super::cases::{same, ulps};
+use super::hex;
 use crate::backend::Device;
 use crate::nn::Module;
 use crate::precision::Precision;
@@ -103,10 +104,6 @@ impl Snapshot {
         self.restore(&mut t)?;
         Ok(t)
     }
-}
-
-fn hex(x: f32) -> String {
-    format!("{:#010x}", x.to_bits())
 }
 
 /// One buffer (or the loss, or a step count) that differs after a step.

@@ -39,3 +39,9 @@ pub mod trace {
 
 #[cfg(feature = "gpu")]
 pub use report::{run, Options, Report, Verdict};
+
+/// The bits of `x` as the reports print them (`0x3f800000`).
+#[cfg(feature = "gpu")]
+fn hex(x: f32) -> String {
+    format!("{:#010x}", x.to_bits())
+}

@@ -11,6 +11,7 @@
 //! results can differ and why (differs). Facts the kernels never rely on
 //! (the device's own `/`, `sqrt`, `exp`) are reported for information.
 
+use super::hex;
 use crate::backend::gpu::context::ctx;
 use crate::backend::gpu::probe::{self as device, ProbeOp};
 use crate::crosscheck::cases::same;
@@ -392,10 +393,6 @@ fn checks(native_fma: bool) -> Vec<Check> {
             on_success: Status::Info,
         },
     ]
-}
-
-fn hex(x: f32) -> String {
-    format!("{:#010x}", x.to_bits())
 }
 
 /// Probes the GPU backend's adapter (creating the device on first use).

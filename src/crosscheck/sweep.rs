@@ -14,6 +14,7 @@
 //! workgroup and tile sizes raggedly, and the loops that a device may cap
 //! (lavapipe stops a shader loop after 65,535 iterations) run past the cap.
 
+use super::hex;
 use crate::backend::round::Format;
 use crate::backend::{
     AdamWConsts, BinaryLayout, BinaryOp, Causal, Device, MatmulDims, Operand, ReduceOp, Storage,
@@ -143,10 +144,6 @@ struct Sweep {
     rows: Vec<Row>,
     /// Why the rounded-matmul overflow row may differ here (an unfused fma).
     unfused: Option<String>,
-}
-
-fn hex(x: f32) -> String {
-    format!("{:#010x}", x.to_bits())
 }
 
 fn up(data: &[f32], d: Device) -> Result<Storage> {

@@ -1,5 +1,5 @@
 // copy.wgsl — data movement (no arithmetic, so nothing here can change bits).
-// 1-D grids: i = (wg.y * groups.x + wg.x) * 64 + lane.
+// 1-D grids: i = grid_index(wg, groups, lane).
 
 // ---- strided copy: x viewed as (d0..d5) with element strides -> y: (d0*..*d5) contiguous ----
 // y[i] = x[offset + Σ idx[d] * strides[d]], idx the row-major multi-index of i
@@ -22,7 +22,7 @@ struct StridedParams {
 @compute @workgroup_size(64)
 fn strided_copy(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
                 @builtin(local_invocation_index) lane: u32) {
-    let i = (wg.y * groups.x + wg.x) * 64u + lane;
+    let i = grid_index(wg, groups, lane);
     if i >= st_prm.n {
         return;
     }
@@ -53,7 +53,7 @@ struct ConcatParams {
 @compute @workgroup_size(64)
 fn concat_part(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
                @builtin(local_invocation_index) lane: u32) {
-    let i = (wg.y * groups.x + wg.x) * 64u + lane;
+    let i = grid_index(wg, groups, lane);
     if i >= cc_prm.outer * cc_prm.seg {
         return;
     }

@@ -1,5 +1,5 @@
 // gather.wgsl — embedding rows (no float atomics anywhere: deterministic).
-// 1-D grids: i = (wg.y * groups.x + wg.x) * 64 + lane.
+// 1-D grids: i = grid_index(wg, groups, lane).
 
 // ---- gather: table (v, d), ids (count) -> y: (count, d), row i = table[ids[i]] ----
 
@@ -16,7 +16,7 @@ struct GatherParams {
 @compute @workgroup_size(64)
 fn gather_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
                @builtin(local_invocation_index) lane: u32) {
-    let t = (wg.y * groups.x + wg.x) * 64u + lane;
+    let t = grid_index(wg, groups, lane);
     let d = g_prm.d;
     if t >= g_prm.count * d {
         return;
@@ -52,7 +52,7 @@ struct ScatterParams {
 @compute @workgroup_size(64)
 fn scatter_add_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
                     @builtin(local_invocation_index) lane: u32) {
-    let t = (wg.y * groups.x + wg.x) * 64u + lane;
+    let t = grid_index(wg, groups, lane);
     let d = sc_prm.d;
     if t >= sc_prm.v * d {
         return;

@@ -52,7 +52,7 @@ struct DropoutParams {
 @compute @workgroup_size(64)
 fn dropout_mask(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
                 @builtin(local_invocation_index) lane: u32) {
-    let blk = (wg.y * groups.x + wg.x) * 64u + lane;
+    let blk = grid_index(wg, groups, lane);
     let n = d_prm.n;
     if blk >= (n + 3u) / 4u {
         return;

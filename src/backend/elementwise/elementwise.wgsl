@@ -1,7 +1,7 @@
 // elementwise.wgsl — unary and broadcasting binary ops (needs mathlib + cast).
 // Every op is the CPU reference's (elementwise/cpu.rs `unary_t` / `binary_t`)
 // expression for expression. 1-D problems use a 2-D grid of 64-wide
-// workgroups (65535 groups per dimension at most): i = (wg.y * groups.x + wg.x) * 64 + lane.
+// workgroups (65535 groups per dimension at most): i = grid_index(wg, groups, lane).
 
 // ---- unary: x: (n) -> y: (n) ----
 
@@ -66,7 +66,7 @@ fn unary_elem(x: f32, op: u32, c: f32, fmt: u32) -> f32 {
 @compute @workgroup_size(64)
 fn unary(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
          @builtin(local_invocation_index) lane: u32) {
-    let i = (wg.y * groups.x + wg.x) * 64u + lane;
+    let i = grid_index(wg, groups, lane);
     if i >= u_prm.n {
         return;
     }
@@ -116,7 +116,7 @@ fn binary_elem(a: f32, b: f32, op: u32) -> f32 {
 @compute @workgroup_size(64)
 fn binary(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
           @builtin(local_invocation_index) lane: u32) {
-    let i = (wg.y * groups.x + wg.x) * 64u + lane;
+    let i = grid_index(wg, groups, lane);
     if i >= b_prm.n {
         return;
     }

@@ -3,7 +3,7 @@
 // The contract is in fused/mod.rs: every formula is that of the composition of
 // single ops the primitive replaces, so every product is rounded on its own.
 // Row kernels give one invocation a whole row (its folds serial, ascending);
-// elementwise kernels one element. 1-D grids: i = (wg.y * groups.x + wg.x) * 64 + lane.
+// elementwise kernels one element. 1-D grids: i = grid_index(wg, groups, lane).
 //
 // Two guards against what a WGSL compiler may do to float code:
 // * `sep(p, zero)` passes a product on through its bits ORed with `zero`, a
@@ -41,7 +41,7 @@ struct NormParams {
 @compute @workgroup_size(64)
 fn rms_norm(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
             @builtin(local_invocation_index) lane: u32) {
-    let row = (wg.y * groups.x + wg.x) * 64u + lane;
+    let row = grid_index(wg, groups, lane);
     if row >= rn_prm.rows {
         return;
     }
@@ -83,7 +83,7 @@ struct NormBackParams {
 @compute @workgroup_size(64)
 fn rms_norm_backward_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
                           @builtin(local_invocation_index) lane: u32) {
-    let row = (wg.y * groups.x + wg.x) * 64u + lane;
+    let row = grid_index(wg, groups, lane);
     if row >= rb_prm.rows {
         return;
     }
@@ -143,7 +143,7 @@ struct DwParams {
 @compute @workgroup_size(64)
 fn rms_norm_backward_dw(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
                         @builtin(local_invocation_index) lane: u32) {
-    let j = (wg.y * groups.x + wg.x) * 64u + lane;
+    let j = grid_index(wg, groups, lane);
     let d = dw_prm.d;
     if j >= d {
         return;
@@ -195,7 +195,7 @@ struct EltParams {
 @compute @workgroup_size(64)
 fn swiglu(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
           @builtin(local_invocation_index) lane: u32) {
-    let i = (wg.y * groups.x + wg.x) * 64u + lane;
+    let i = grid_index(wg, groups, lane);
     if i >= sw_prm.n {
         return;
     }
@@ -216,7 +216,7 @@ fn swiglu(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups:
 @compute @workgroup_size(64)
 fn swiglu_backward(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
                    @builtin(local_invocation_index) lane: u32) {
-    let i = (wg.y * groups.x + wg.x) * 64u + lane;
+    let i = grid_index(wg, groups, lane);
     if i >= sb_prm.n {
         return;
     }
@@ -265,7 +265,7 @@ fn rope_from_heads(o: u32, t: u32, heads: u32) -> vec2<u32> {
 @compute @workgroup_size(64)
 fn rope(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
         @builtin(local_invocation_index) lane: u32) {
-    let i = (wg.y * groups.x + wg.x) * 64u + lane;
+    let i = grid_index(wg, groups, lane);
     if i >= ro_prm.n {
         return;
     }
@@ -296,7 +296,7 @@ fn rope(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: v
 @compute @workgroup_size(64)
 fn rope_backward(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
                  @builtin(local_invocation_index) lane: u32) {
-    let i = (wg.y * groups.x + wg.x) * 64u + lane;
+    let i = grid_index(wg, groups, lane);
     if i >= rg_prm.n {
         return;
     }
@@ -335,7 +335,7 @@ struct CeParams {
 @compute @workgroup_size(64)
 fn cross_entropy_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
                       @builtin(local_invocation_index) lane: u32) {
-    let row = (wg.y * groups.x + wg.x) * 64u + lane;
+    let row = grid_index(wg, groups, lane);
     if row >= ce_prm.rows {
         return;
     }
@@ -401,7 +401,7 @@ fn cross_entropy_mean() {
 @compute @workgroup_size(64)
 fn cross_entropy_backward(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
                           @builtin(local_invocation_index) lane: u32) {
-    let row = (wg.y * groups.x + wg.x) * 64u + lane;
+    let row = grid_index(wg, groups, lane);
     if row >= cb_prm.rows {
         return;
     }

@@ -134,7 +134,7 @@ pub fn u32_of(x: usize, what: &str) -> Result<u32> {
 
 /// Workgroups for `threads` invocations of a 64-wide 1-D kernel. Past 65535
 /// groups per dimension the grid becomes 2-D; kernels recompute the linear id
-/// as `(wg.y * groups.x + wg.x) * 64 + lane` and bounds-check it.
+/// with `grid_index` (`grid.wgsl`) and bounds-check it.
 pub fn grid1d(threads: usize) -> (u32, u32, u32) {
     let groups = threads.div_ceil(64);
     if groups == 0 {

@@ -5,15 +5,20 @@
 //! Each primitive family (`backend/<family>/`) declares one [`Family`]: its
 //! `.wgsl` sources (included with `include_str!` from beside its Rust), the
 //! constants generated from its Rust enums (op codes: one source), its entry
-//! points and its parameter structs. WGSL has no includes, so a family that
-//! uses the math library gets the prelude prepended: the `fma_c` selector,
-//! `fma.wgsl`, `mathlib.wgsl`, the format codes and `cast.wgsl`.
+//! points and its parameter structs. WGSL has no includes, so every family gets
+//! `grid.wgsl` (its invocations' linear index) prepended, and a family that
+//! uses the math library the prelude too: the `fma_c` selector, `fma.wgsl`,
+//! `mathlib.wgsl`, the format codes and `cast.wgsl`.
 //!
 //! `fma_c` is the contract's fused multiply-add: the device's `fma` when a
 //! probe at start-up shows it is exactly fused, else `fma_soft` (fma.wgsl,
 //! integer emulation). On Mesa's lavapipe `fma` is not fused.
 
 use crate::backend::{math, round};
+
+/// `grid_index`, the linear index of an invocation in a 1-D grid (see
+/// [`grid1d`](super::grid1d)), written once for every family.
+pub const GRID_WGSL: &str = include_str!("grid.wgsl");
 
 /// The byte layout of a `#[repr(C)]` parameter struct and the name of its
 /// WGSL twin, so a test can hold the two against naga's reflection.
@@ -116,11 +121,10 @@ pub fn prelude(native_fma: bool) -> String {
 
 /// The full source of a family as the backend compiles it.
 pub fn compose(f: &Family, native_fma: bool) -> String {
-    let mut s = if f.needs_math {
-        prelude(native_fma)
-    } else {
-        String::new()
-    };
+    let mut s = String::from(GRID_WGSL);
+    if f.needs_math {
+        s.push_str(&prelude(native_fma));
+    }
     s.push_str(&(f.consts)());
     for src in f.sources {
         s.push_str(src);

@@ -12,12 +12,12 @@
 // one element per lane left the scheduling, not the memory, setting the pace;
 // a few on a real GPU, which wants many lanes in flight. The parameters are
 // read once per invocation. The SGD kernels keep one element per lane:
-// i = (wg.y * groups.x + wg.x) * 64 + lane.
+// i = grid_index(wg, groups, lane).
 
 override PER_LANE: u32 = 4u;
 
 fn chunk_base(wg: vec3<u32>, groups: vec3<u32>) -> u32 {
-    return (wg.y * groups.x + wg.x) * 64u * PER_LANE;
+    return grid_index(wg, groups, 0u) * PER_LANE;
 }
 
 // ---- scale in place: x: (n), x = x * c (gradient clipping) ----
@@ -48,7 +48,7 @@ fn scale_in_place(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups)
 // ---- finite check + unscale + sum of squares: grad: (n) in place; flag: one u32
 // shared by all buffers; partials: one f32 per chunk of `chunk` values, this
 // buffer's from `offset` ----
-// One invocation per chunk: i = (wg.y * groups.x + wg.x) * 64 + lane walks
+// One invocation per chunk: i = grid_index(wg, groups, lane) walks
 // chunk i in order (the sum of squares' order, reduce.wgsl chunk_sum_squares).
 // Each value is tested *before* the multiply on its exponent bits (all ones =
 // inf or NaN; WGSL has no isNan/isInf), then multiplied by inv_scale (a power
@@ -71,7 +71,7 @@ struct CheckParams {
 @compute @workgroup_size(64)
 fn finite_check_unscale(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
                         @builtin(local_invocation_index) lane: u32) {
-    let chunk = (wg.y * groups.x + wg.x) * 64u + lane;
+    let chunk = grid_index(wg, groups, lane);
     let n = fc_prm.n;
     let start = chunk * fc_prm.chunk;
     if start >= n {
@@ -172,7 +172,7 @@ struct SgdParams {
 @compute @workgroup_size(64)
 fn sgd_step(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
             @builtin(local_invocation_index) lane: u32) {
-    let i = (wg.y * groups.x + wg.x) * 64u + lane;
+    let i = grid_index(wg, groups, lane);
     if i >= sg_prm.n {
         return;
     }
@@ -184,7 +184,7 @@ fn sgd_step(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) group
 @compute @workgroup_size(64)
 fn sgd_momentum_step(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
                      @builtin(local_invocation_index) lane: u32) {
-    let i = (wg.y * groups.x + wg.x) * 64u + lane;
+    let i = grid_index(wg, groups, lane);
     if i >= sg_prm.n {
         return;
     }

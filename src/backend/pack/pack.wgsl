@@ -2,7 +2,7 @@
 // `widen_bits`): the twin of pack/mod.rs `half_bits` and pack/cpu.rs,
 // integer steps only.
 // Word i holds value 2i in its low half and value 2i + 1 in its high half.
-// 1-D grids of 64-wide workgroups: i = (wg.y * groups.x + wg.x) * 64 + lane.
+// 1-D grids of 64-wide workgroups: i = grid_index(wg, groups, lane).
 
 struct PackParams {
     n: u32,   // values
@@ -41,7 +41,7 @@ fn half_bits(x: f32, fmt: u32) -> u32 {
 @compute @workgroup_size(64)
 fn pack(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
         @builtin(local_invocation_index) lane: u32) {
-    let i = (wg.y * groups.x + wg.x) * 64u + lane;
+    let i = grid_index(wg, groups, lane);
     let n = p_prm.n;
     if 2u * i >= n {
         return;
@@ -62,7 +62,7 @@ fn pack(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: v
 @compute @workgroup_size(64)
 fn unpack(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
           @builtin(local_invocation_index) lane: u32) {
-    let i = (wg.y * groups.x + wg.x) * 64u + lane;
+    let i = grid_index(wg, groups, lane);
     if i >= u_prm.n {
         return;
     }

@@ -1,7 +1,7 @@
 // reduce.wgsl — reductions in the contract's fixed order (needs mathlib).
 // One invocation per output runs its whole reduction serially, so the order is
 // exactly the CPU reference's (ascending), whatever the grid.
-// 1-D grids: i = (wg.y * groups.x + wg.x) * 64 + lane.
+// 1-D grids: i = grid_index(wg, groups, lane).
 
 // ---- reduce: x: (outer, r, inner) -> y: (outer, inner) ----
 // Sum: acc = -0.0 (the exact identity), acc = acc + x ascending.
@@ -27,7 +27,7 @@ struct ReduceParams {
 @compute @workgroup_size(64)
 fn reduce(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
           @builtin(local_invocation_index) lane: u32) {
-    let t = (wg.y * groups.x + wg.x) * 64u + lane;
+    let t = grid_index(wg, groups, lane);
     let inner = r_prm.inner;
     if t >= r_prm.outer * inner {
         return;
@@ -85,7 +85,7 @@ fn sm_value(x: f32, j: u32, i: u32) -> f32 {
 @compute @workgroup_size(64)
 fn softmax_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
                 @builtin(local_invocation_index) lane: u32) {
-    let row = (wg.y * groups.x + wg.x) * 64u + lane;
+    let row = grid_index(wg, groups, lane);
     if row >= s_prm.rows {
         return;
     }
@@ -118,7 +118,7 @@ fn softmax_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) g
 @compute @workgroup_size(64)
 fn softmax_rows_backward(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
                          @builtin(local_invocation_index) lane: u32) {
-    let row = (wg.y * groups.x + wg.x) * 64u + lane;
+    let row = grid_index(wg, groups, lane);
     if row >= sb_prm.rows {
         return;
     }
@@ -155,7 +155,7 @@ struct ChunkParams {
 @compute @workgroup_size(64)
 fn chunk_sum_squares(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
                      @builtin(local_invocation_index) lane: u32) {
-    let c = (wg.y * groups.x + wg.x) * 64u + lane;
+    let c = grid_index(wg, groups, lane);
     let n = q_prm.n;
     let start = c * q_prm.chunk;
     if start >= n {
