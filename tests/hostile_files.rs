@@ -92,6 +92,14 @@ fn train(extra: &[&str]) -> (i32, String, String) {
     bin(&a)
 }
 
+/// `train --resume DIR --steps N` (the tiny flags above) with `extra` flags.
+fn resume(dir: &Path, steps: &str, extra: &[&str]) -> (i32, String, String) {
+    let mut a = TRAIN.to_vec();
+    a.extend(["--resume", s(dir), "--steps", steps]);
+    a.extend(extra);
+    bin(&a)
+}
+
 fn ok(r: (i32, String, String)) -> String {
     assert_eq!(r.0, 0, "expected success:\n{}", r.2);
     r.2
@@ -202,9 +210,7 @@ fn checkpoint_links_are_never_deleted_or_written_through() {
             &[name, "symbolic link"],
         );
         assert_eq!(snapshot(&best), before, "--overwrite with {name} linked");
-        let mut a = TRAIN.to_vec();
-        a.extend(["--resume", s(&out), "--steps", "4"]);
-        assert_ne!(bin(&a).0, 0, "--resume with {name} linked");
+        assert_ne!(resume(&out, "4", &[]).0, 0, "--resume with {name} linked");
         assert_eq!(snapshot(&best), before, "--resume with {name} linked");
         assert!(outdir::is_link(&out.join(name)), "the link itself stays");
     }
@@ -332,9 +338,7 @@ fn special_files_in_a_checkpoint_are_refused_without_blocking() {
     let c = std::ffi::CString::new(s(&m)).unwrap();
     assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
     refused(bin(&["eval", "--checkpoint", s(&run)]), &["FIFO"]);
-    let mut a = TRAIN.to_vec();
-    a.extend(["--resume", s(&run), "--steps", "4"]);
-    refused(bin(&a), &["manifest.json"]);
+    refused(resume(&run, "4", &[]), &["manifest.json"]);
     // model.safetensors a link to /dev/zero: refused, not read until memory ends
     let run = root.join("zero");
     finished_run(&run);
@@ -515,9 +519,7 @@ fn an_out_inside_a_checkpoint_is_refused() {
     }
     assert_eq!(snapshot(&run.join("checkpoint")), before);
     assert!(!run.join("checkpoint.next").exists());
-    let mut a = TRAIN.to_vec();
-    a.extend(["--resume", s(&run), "--steps", "3"]);
-    ok(bin(&a));
+    ok(resume(&run, "3", &[]));
 }
 
 // ------------------------------------------ 10. compare --resume's recipe
@@ -719,9 +721,10 @@ fn restored_counters_and_sizes_are_range_checked() {
         st["adam_steps"][0] = bad.into();
         std::fs::write(&spath, serde_json::to_vec(&st).unwrap()).unwrap();
         rehash(&ck);
-        let mut a = TRAIN.to_vec();
-        a.extend(["--resume", s(&run), "--steps", "4"]);
-        refused(bin(&a), &["trainer_state.json", "adam_steps[0]"]);
+        refused(
+            resume(&run, "4", &[]),
+            &["trainer_state.json", "adam_steps[0]"],
+        );
     }
     std::fs::write(&spath, &orig).unwrap();
     rehash(&ck);
@@ -746,9 +749,7 @@ fn restored_counters_and_sizes_are_range_checked() {
         train(&["--steps", &huge, "--out", s(&root.join("huge"))]),
         &["--steps"],
     );
-    let mut a = TRAIN.to_vec();
-    a.extend(["--resume", s(&run), "--steps", &huge]);
-    refused(bin(&a), &["--steps"]);
+    refused(resume(&run, &huge, &[]), &["--steps"]);
     assert_eq!(step_of(&run), 2);
 }
 
@@ -767,9 +768,7 @@ fn a_missing_scaler_moved_data_and_swapped_runs_are_named() {
     st.as_object_mut().unwrap().remove("scaler");
     std::fs::write(&spath, serde_json::to_vec(&st).unwrap()).unwrap();
     rehash(&ck);
-    let mut a = TRAIN.to_vec();
-    a.extend(["--resume", s(&run), "--steps", "4"]);
-    refused(bin(&a), &["no \"scaler\" entry"]);
+    refused(resume(&run, "4", &[]), &["no \"scaler\" entry"]);
 
     // the corpus moved after the run
     let text = root.join("text.txt");
@@ -789,11 +788,8 @@ fn a_missing_scaler_moved_data_and_swapped_runs_are_named() {
     ]));
     let moved = root.join("moved.txt");
     std::fs::rename(&text, &moved).unwrap();
-    let mut a = TRAIN.to_vec();
-    a.extend(["--resume", s(&run), "--steps", "3"]);
-    refused(bin(&a), &["give --data with its new path"]);
-    a.extend(["--data", s(&moved)]);
-    ok(bin(&a));
+    refused(resume(&run, "3", &[]), &["give --data with its new path"]);
+    ok(resume(&run, "3", &["--data", s(&moved)]));
 
     // a checkpoint swapped in from another run
     let (a_run, b_run) = (root.join("a"), root.join("b"));
@@ -801,11 +797,8 @@ fn a_missing_scaler_moved_data_and_swapped_runs_are_named() {
     ok(train(&["--steps", "3", "--seed", "2", "--out", s(&b_run)]));
     std::fs::rename(a_run.join("checkpoint"), root.join("a-checkpoint")).unwrap();
     std::fs::rename(b_run.join("checkpoint"), a_run.join("checkpoint")).unwrap();
-    let mut a = TRAIN.to_vec();
-    a.extend(["--resume", s(&a_run), "--steps", "5"]);
-    refused(bin(&a), &["another run"]);
+    refused(resume(&a_run, "5", &[]), &["another run"]);
     let other = root.join("continued");
-    a.extend(["--out", s(&other)]);
-    ok(bin(&a));
+    ok(resume(&a_run, "5", &["--out", s(&other)]));
     assert_eq!(step_of(&other), 5);
 }
