@@ -244,7 +244,7 @@ fn bandwidth_groups(c: &mut Criterion, n: usize, have_gpu: bool) {
                     sync()
                 })
             }),
-            Device::Cpu => {
+            Device::Cpu | Device::Spec => {
                 let mut d = vec![0.0f32; n];
                 g.bench_function("copy", |bn| {
                     bn.iter(|| {

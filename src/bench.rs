@@ -297,7 +297,7 @@ fn prec_name(f: Option<Format>) -> &'static str {
 fn gpu_buf(s: &Storage) -> &gpu::GpuStorage {
     match s {
         Storage::Gpu(g) => g,
-        Storage::Cpu(_) => unreachable!("a GPU storage"),
+        _ => unreachable!("a GPU storage"),
     }
 }
 

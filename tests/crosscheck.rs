@@ -86,14 +86,14 @@ fn the_trace_names_each_call_by_model_path_and_phase() {
         ("forward", "embed_tokens.gather rows"),
         ("forward", "layers.0.input_layernorm.rms norm"),
         ("forward", "layers.0.self_attn.q_proj.matmul"),
-        ("forward", "layers.0.self_attn.softmax"),
+        ("forward", "layers.0.self_attn.attention"),
         ("forward", "layers.3.mlp.swiglu"),
         ("forward", "lm_head.matmul"),
         ("forward", "loss.cross-entropy"),
         // layers 0 and 1 are checkpointed (tiny's budget): rerun in backward
-        ("recompute", "layers.1.self_attn.softmax"),
-        ("backward", "layers.1.self_attn.softmax backward"),
-        ("backward", "layers.3.self_attn.softmax backward"),
+        ("recompute", "layers.1.self_attn.attention"),
+        ("backward", "layers.1.self_attn.attention backward"),
+        ("backward", "layers.3.self_attn.attention backward"),
         ("backward", "embed_tokens.scatter-add rows"),
         ("optimizer", "sum of squares"),
         ("optimizer", "params.0.adamw"),
@@ -183,7 +183,7 @@ fn the_sweep_names_a_one_ulp_fault() {
         ("adamw", 0, Family::Optim),
     ] {
         let _fault = tinyllm::testing::gpu_fault(primitive, element);
-        let rows = sweep::run(&[family], &mut |_| {}).unwrap();
+        let rows = sweep::run(&[Device::Gpu], &[family], &mut |_| {}).unwrap();
         let bad: Vec<_> = rows.iter().filter(|r| !r.bit_identical()).collect();
         assert_eq!(bad.len(), 1, "{primitive}: {bad:#?}");
         let r = bad[0];
@@ -197,7 +197,7 @@ fn the_sweep_names_a_one_ulp_fault() {
         }
     }
     // disarmed: the same family is identical again
-    let rows = sweep::run(&[Family::Elementwise], &mut |_| {}).unwrap();
+    let rows = sweep::run(&[Device::Gpu], &[Family::Elementwise], &mut |_| {}).unwrap();
     assert!(rows.iter().all(|r| r.bit_identical()));
 }
 
@@ -245,11 +245,11 @@ fn the_lockstep_trace_names_the_perturbed_call() {
 #[test]
 fn the_lockstep_trace_attributes_backward_calls_to_their_layer() {
     require_gpu!();
-    // element 17: row 1 of the first head (row 0's gradient is exactly 0,
-    // and a subnormal there is lost downstream: no divergence to find)
-    let d = faulty_lockstep("softmax backward", 17);
+    // element 17 of dq: row 1 of the first head (row 0's gradient is
+    // exactly 0, and a subnormal there is lost downstream: no divergence)
+    let d = faulty_lockstep("attention backward", 17);
     let c = d.first_call.as_ref().expect("a traced first call");
-    assert_eq!(c.site, "layers.3.self_attn.softmax backward", "{d}");
+    assert_eq!(c.site, "layers.3.self_attn.attention backward", "{d}");
     assert_eq!(c.phase, "backward");
     assert_eq!(c.position, Some(17));
 }
@@ -423,7 +423,7 @@ fn the_command_exits_1_and_names_the_fault() {
     assert_eq!(code, 1, "{out}\n{err}");
     for s in [
         "verdict: DIFFERS",
-        "sweep swiglu: 5 of 1576 values differ",
+        "sweep gpu: swiglu: 5 of 1576 values differ",
         "first divergence at step 1",
         "call #",
         "(forward): layers.0.mlp.swiglu",

@@ -95,7 +95,7 @@ fn check(
 ) -> Result<()> {
     let dtypes: &[DType] = match dev {
         Device::Cpu => &[DType::F32, DType::F64],
-        Device::Gpu => &[DType::F32],
+        Device::Gpu | Device::Spec => &[DType::F32],
     };
     for &dt in dtypes {
         let a = run(dev, dt, inputs, weights, fused)?;

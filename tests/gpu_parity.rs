@@ -67,13 +67,14 @@ fn vals(s: &Storage) -> Vec<f32> {
 
 // ------------------------------------------------------------- sweep ----
 
-/// Runs one family of the library's sweep: every row bit-identical, except
-/// the row the probe explains (bf16 products outside f32's normal range under
-/// an unfused fma), which must be bit-identical wherever the fma is fused.
-fn sweep_family(f: Family) {
-    let rows = sweep::run(&[f], &mut |_| {}).unwrap();
+/// Runs one family of the library's sweep with `device` held to the
+/// executable spec: every row bit-identical, except the row the probe
+/// explains (bf16 products outside f32's normal range under an unfused fma),
+/// which must be bit-identical wherever the GPU's fma is fused.
+fn sweep_family(device: Device, f: Family) {
+    let rows = sweep::run(&[device], &[f], &mut |_| {}).unwrap();
     assert!(!rows.is_empty());
-    let fused = tinyllm::backend::gpu::fma_mode().unwrap() == "native";
+    let fused = device == Device::Cpu || tinyllm::backend::gpu::fma_mode().unwrap() == "native";
     let mut failures = Vec::new();
     for r in &rows {
         eprintln!(
@@ -95,47 +96,33 @@ fn sweep_family(f: Family) {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
-#[test]
-fn sweep_elementwise_and_rounding() {
-    require_gpu!();
-    sweep_family(Family::Elementwise);
+/// `sweep!(name, Family)`: the family's sweep, the fast CPU kernels against
+/// the spec (every run, GPU or not) and the GPU against the spec.
+macro_rules! sweep {
+    ($name:ident, $family:expr) => {
+        mod $name {
+            use super::*;
+            #[test]
+            fn cpu() {
+                sweep_family(Device::Cpu, $family);
+            }
+            #[test]
+            fn gpu() {
+                require_gpu!();
+                sweep_family(Device::Gpu, $family);
+            }
+        }
+    };
 }
 
-#[test]
-fn sweep_reductions() {
-    require_gpu!();
-    sweep_family(Family::Reduce);
-}
-
-#[test]
-fn sweep_softmax() {
-    require_gpu!();
-    sweep_family(Family::Softmax);
-}
-
-#[test]
-fn sweep_matmul() {
-    require_gpu!();
-    sweep_family(Family::Matmul);
-}
-
-#[test]
-fn sweep_copies() {
-    require_gpu!();
-    sweep_family(Family::Copy);
-}
-
-#[test]
-fn sweep_dropout() {
-    require_gpu!();
-    sweep_family(Family::Dropout);
-}
-
-#[test]
-fn sweep_optimizer_kernels() {
-    require_gpu!();
-    sweep_family(Family::Optim);
-}
+sweep!(sweep_elementwise_and_rounding, Family::Elementwise);
+sweep!(sweep_reductions, Family::Reduce);
+sweep!(sweep_softmax, Family::Softmax);
+sweep!(sweep_matmul, Family::Matmul);
+sweep!(sweep_fused, Family::Fused);
+sweep!(sweep_copies, Family::Copy);
+sweep!(sweep_dropout, Family::Dropout);
+sweep!(sweep_optimizer_kernels, Family::Optim);
 
 // ------------------------------------ the CPU side against references ----
 

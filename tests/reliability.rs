@@ -1401,7 +1401,7 @@ fn every_flag_is_validated_with_what_is_allowed() {
         ),
         (
             vec!["train", "--preset", "tiny", "--device", "tpu"],
-            "expected auto, cpu or gpu",
+            "expected auto, cpu, gpu or spec",
         ),
         (t(&["--precision", "fp8"]), "expected fp32, bf16 or fp16"),
         (t(&["--fp16", "--bf16"]), "cannot be used with"),
@@ -1493,7 +1493,7 @@ fn every_flag_is_validated_with_what_is_allowed() {
                 "--device",
                 "tpu",
             ],
-            "expected auto, cpu or gpu",
+            "expected auto, cpu, gpu or spec",
         ),
         (
             vec!["compare", "--preset", "tiny", "--micro-batch", "0"],

@@ -138,6 +138,35 @@ fn cpu_and_gpu_runs_are_identical() {
     assert_same_snapshot(&runs[0].1, &runs[1].1);
 }
 
+/// Whole runs on the executable spec give the fast CPU kernels' bits in all
+/// three precisions (bf16 and fp16 with 16-bit saved activations, fp16 with
+/// its loss scaler), dropout and activation checkpointing on: losses,
+/// weights and AdamW moments after every step.
+#[test]
+fn spec_and_cpu_runs_are_identical() {
+    let corpus = Corpus::embedded();
+    for precision in ["fp32", "bf16", "fp16"] {
+        let cfg = tiny(TrainOptions {
+            steps: Some(2),
+            dropout: Some(0.1),
+            precision: Some(precision.into()),
+            checkpoint_activations: Some(true),
+            ..Default::default()
+        });
+        let mut cpu = Trainer::new(cfg.clone(), Device::Cpu, &corpus).unwrap();
+        let mut spec = Trainer::new(cfg, Device::Spec, &corpus).unwrap();
+        for step in 1..=2 {
+            let (a, b) = (cpu.train_step().unwrap(), spec.train_step().unwrap());
+            assert_eq!(
+                a.loss.to_bits(),
+                b.loss.to_bits(),
+                "{precision} step {step}: losses"
+            );
+            assert_same_snapshot(&cpu.snapshot().unwrap(), &spec.snapshot().unwrap());
+        }
+    }
+}
+
 // -------------------------------------------------------- checkpoints ----
 
 fn saved_tiny(name: &str) -> (PathBuf, TrainConfig) {

@@ -1,15 +1,19 @@
 //! The backend: a closed, small set of primitives over contiguous row-major
-//! buffers, each implemented twice — on the CPU (the reference) and on the GPU
-//! (wgpu/WGSL) — under one numerics contract, so both give the same bits.
+//! buffers, each implemented three times under one numerics contract — the
+//! executable spec (plain Rust, the oracle), the fast CPU kernels and the GPU
+//! (wgpu/WGSL) — so all three give the same bits.
 //!
 //! The code is organised **by primitive family**. Each family is one folder
 //! holding everything about its primitives side by side:
 //!
 //! * `mod.rs` — the contract (the exact algorithm and order, in the doc
 //!   comments), the family's trait (one method per primitive, implemented by
-//!   both devices, so the compiler keeps them in step) and the [`Storage`]
+//!   every device, so the compiler keeps them in step) and the [`Storage`]
 //!   methods that dispatch to it;
-//! * `cpu.rs` — the CPU reference;
+//! * `spec.rs` — the executable spec ([`spec`]): the contract written out
+//!   plainly, scalar and single-threaded, the oracle the other two are held
+//!   to (the sweep and the parity suite compare both with it, bit for bit);
+//! * `cpu.rs` — the fast CPU kernels (SIMD, threads);
 //! * `gpu.rs` — the launcher: `#[repr(C)]` parameter structs mirroring the
 //!   WGSL ones (checked against naga's reflection), grid sizes, passes;
 //! * `*.wgsl` — the GPU twin.
@@ -34,15 +38,17 @@
 //! a running primitive trace (the cross-check's) records it, and in the
 //! crate's own tests the `fault` hook may perturb it.
 //!
-//! [`Storage`] is an enum dispatched in one place, the [`on_device!`] macro:
-//! autograd sits above it and never looks inside. f64 storage exists on the
-//! CPU only (for finite-difference gradient checks).
+//! [`Storage`] is an enum over the three devices (CPU, GPU, spec),
+//! dispatched in one place, the [`on_device!`] macro: autograd sits above it
+//! and never looks inside. f64 storage exists on the CPU only (for
+//! finite-difference gradient checks).
 
 pub mod cpu;
 #[cfg(feature = "gpu")]
 pub mod gpu;
 pub mod math;
 pub mod round;
+pub mod spec;
 
 pub mod attention;
 pub mod copy;
@@ -63,6 +69,7 @@ pub use reduce::ReduceOp;
 
 use crate::{bail, Result};
 use cpu::CpuStorage;
+use spec::SpecStorage;
 #[cfg(feature = "gpu")]
 use gpu::GpuStorage;
 use std::rc::Rc;
@@ -89,11 +96,15 @@ impl DType {
 /// Where a tensor lives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Device {
-    /// The CPU reference backend (host memory).
+    /// The fast CPU kernels (host memory), held to the spec bit for bit.
     Cpu,
     /// The wgpu backend (the device is created on first use). In a build
     /// without the `gpu` feature, asking for it is an error.
     Gpu,
+    /// The executable spec: every primitive as its contract states it,
+    /// scalar and single-threaded — the oracle the other two are checked
+    /// against. Slow; for checking, not for training.
+    Spec,
 }
 
 impl std::fmt::Display for Device {
@@ -101,6 +112,7 @@ impl std::fmt::Display for Device {
         f.write_str(match self {
             Device::Cpu => "cpu",
             Device::Gpu => "gpu",
+            Device::Spec => "spec",
         })
     }
 }
@@ -137,6 +149,7 @@ pub enum Storage {
     Cpu(Rc<CpuStorage>),
     #[cfg(feature = "gpu")]
     Gpu(Rc<GpuStorage>),
+    Spec(Rc<SpecStorage>),
 }
 
 impl std::fmt::Debug for Storage {
@@ -173,6 +186,13 @@ impl Lift for GpuStorage {
     }
 }
 
+impl Lift for SpecStorage {
+    type Out = Storage;
+    fn lift(self) -> Storage {
+        Storage::Spec(Rc::new(self))
+    }
+}
+
 macro_rules! lift_as_is {
     ($($t:ty),*) => { $(impl Lift for $t { type Out = $t; fn lift(self) -> $t { self } })* };
 }
@@ -181,6 +201,13 @@ lift_as_is!((), bool, usize, Vec<f32>, Vec<f64>);
 /// Primitives with several outputs (some optional) lift each one.
 impl<A: Lift> Lift for Option<A> {
     type Out = Option<A::Out>;
+    fn lift(self) -> Self::Out {
+        self.map(Lift::lift)
+    }
+}
+
+impl<A: Lift, const N: usize> Lift for [A; N] {
+    type Out = [A::Out; N];
     fn lift(self) -> Self::Out {
         self.map(Lift::lift)
     }
@@ -225,6 +252,10 @@ macro_rules! on_device {
                 let [$($x),+] = [$($arg),+].map(|s: &$crate::backend::Storage| s.gpu());
                 $crate::backend::Lift::lift($body?)
             }
+            $crate::backend::Storage::Spec(_) => {
+                let [$($x),+] = [$($arg),+].map(|s: &$crate::backend::Storage| s.spec());
+                $crate::backend::Lift::lift($body?)
+            }
         }
     }};
     (slice $parts:expr => |$xs:ident| $body:expr) => {{
@@ -238,6 +269,10 @@ macro_rules! on_device {
             #[cfg(feature = "gpu")]
             $crate::backend::Storage::Gpu(_) => {
                 let $xs: Vec<_> = parts.iter().map(|s| s.gpu()).collect();
+                $crate::backend::Lift::lift($body?)
+            }
+            $crate::backend::Storage::Spec(_) => {
+                let $xs: Vec<_> = parts.iter().map(|s| s.spec()).collect();
                 $crate::backend::Lift::lift($body?)
             }
         }
@@ -255,6 +290,10 @@ macro_rules! on_device {
             }
             #[cfg(not(feature = "gpu"))]
             $crate::backend::Device::Gpu => return Err($crate::backend::no_gpu()),
+            $crate::backend::Device::Spec => {
+                type $s = $crate::backend::spec::SpecStorage;
+                $crate::backend::Lift::lift($body?)
+            }
         }
     }};
 }
@@ -280,7 +319,7 @@ pub(crate) fn adapter_name() -> Result<String> {
 /// (see [`gpu::device_peak_bytes`]); `None` on the CPU.
 pub(crate) fn device_peak_bytes(device: Device) -> Option<usize> {
     match device {
-        Device::Cpu => None,
+        Device::Cpu | Device::Spec => None,
         #[cfg(feature = "gpu")]
         Device::Gpu => gpu::device_peak_bytes(),
         #[cfg(not(feature = "gpu"))]
@@ -389,26 +428,27 @@ impl Storage {
             Device::Gpu => GpuStorage::upload(&data)?.lift(),
             #[cfg(not(feature = "gpu"))]
             Device::Gpu => return Err(no_gpu()),
+            Device::Spec => SpecStorage::new(data).lift(),
         })
     }
     pub fn from_f64(data: Vec<f64>, device: Device) -> Result<Storage> {
         match device {
             Device::Cpu => Ok(CpuStorage::from_f64(data).lift()),
-            Device::Gpu => {
-                bail!(Shape, "f64 tensors live on the CPU only (the GPU backend is f32)")
+            Device::Gpu | Device::Spec => {
+                bail!(Shape, "f64 tensors live on the CPU only (the {device} backend is f32)")
             }
         }
     }
     /// `n` copies of `value`.
     pub fn full(n: usize, value: f64, dtype: DType, device: Device) -> Result<Storage> {
         match (device, dtype) {
-            (Device::Cpu, DType::F32) => Self::from_f32(vec![value as f32; n], device),
+            (Device::Cpu | Device::Spec, DType::F32) => Self::from_f32(vec![value as f32; n], device),
             (Device::Cpu, DType::F64) => Self::from_f64(vec![value; n], device),
             #[cfg(feature = "gpu")]
             (Device::Gpu, DType::F32) => Ok(GpuStorage::full(n, value as f32)?.lift()),
             #[cfg(not(feature = "gpu"))]
             (Device::Gpu, DType::F32) => Err(no_gpu()),
-            (Device::Gpu, DType::F64) => bail!(Shape, "f64 tensors live on the CPU only"),
+            (Device::Gpu | Device::Spec, DType::F64) => bail!(Shape, "f64 tensors live on the CPU only"),
         }
     }
     pub fn device(&self) -> Device {
@@ -416,6 +456,7 @@ impl Storage {
             Storage::Cpu(_) => Device::Cpu,
             #[cfg(feature = "gpu")]
             Storage::Gpu(_) => Device::Gpu,
+            Storage::Spec(_) => Device::Spec,
         }
     }
     pub fn dtype(&self) -> DType {
@@ -423,6 +464,7 @@ impl Storage {
             Storage::Cpu(s) => s.dtype(),
             #[cfg(feature = "gpu")]
             Storage::Gpu(_) => DType::F32,
+            Storage::Spec(_) => DType::F32,
         }
     }
     pub fn len(&self) -> usize {
@@ -430,6 +472,7 @@ impl Storage {
             Storage::Cpu(s) => s.len(),
             #[cfg(feature = "gpu")]
             Storage::Gpu(g) => g.len(),
+            Storage::Spec(s) => s.len(),
         }
     }
     pub fn is_empty(&self) -> bool {
@@ -441,6 +484,7 @@ impl Storage {
             Storage::Cpu(s) => s,
             #[cfg(feature = "gpu")]
             Storage::Gpu(_) => unreachable!("a GPU buffer where the CPU was checked"),
+            Storage::Spec(_) => unreachable!("a spec buffer where the CPU was checked"),
         }
     }
     /// The GPU buffer (the caller has checked the device).
@@ -448,7 +492,14 @@ impl Storage {
     pub fn gpu(&self) -> &GpuStorage {
         match self {
             Storage::Gpu(g) => g,
-            Storage::Cpu(_) => unreachable!("a CPU buffer where the GPU was checked"),
+            _ => unreachable!("another device's buffer where the GPU was checked"),
+        }
+    }
+    /// The spec device's buffer (the caller has checked the device).
+    pub fn spec(&self) -> &SpecStorage {
+        match self {
+            Storage::Spec(s) => s,
+            _ => unreachable!("another device's buffer where the spec was checked"),
         }
     }
     /// Whether the buffer is shared with another handle (in-place updates
@@ -458,6 +509,7 @@ impl Storage {
             Storage::Cpu(c) => Rc::strong_count(c) > 1,
             #[cfg(feature = "gpu")]
             Storage::Gpu(g) => Rc::strong_count(g) > 1,
+            Storage::Spec(s) => Rc::strong_count(s) > 1,
         }
     }
     /// The values as f32 (f64 storage is narrowed). Reads the GPU back.
@@ -466,6 +518,7 @@ impl Storage {
             Storage::Cpu(s) => Ok(s.to_vec_f32()),
             #[cfg(feature = "gpu")]
             Storage::Gpu(g) => g.download(),
+            Storage::Spec(s) => Ok(s.get().clone()),
         }
     }
     /// The values as f64 (f32 storage is widened exactly). Reads the GPU back.
@@ -474,6 +527,7 @@ impl Storage {
             Storage::Cpu(s) => Ok(s.to_vec_f64()),
             #[cfg(feature = "gpu")]
             Storage::Gpu(g) => Ok(g.download()?.into_iter().map(f64::from).collect()),
+            Storage::Spec(s) => Ok(s.get().iter().map(|&x| f64::from(x)).collect()),
         }
     }
     /// A copy on `device`.

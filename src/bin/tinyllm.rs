@@ -100,7 +100,8 @@ struct RunFlags {
     /// Seed of the initial weights, the data order and dropout (default 1337).
     #[arg(long, value_parser = count_u64, allow_negative_numbers = true)]
     seed: Option<u64>,
-    /// auto (GPU if an adapter exists), cpu or gpu.
+    /// auto (GPU if an adapter exists), cpu, gpu or spec (the executable
+    /// spec: slow, for checking).
     #[arg(long)]
     device: Option<String>,
     /// Sequences per optimizer step.

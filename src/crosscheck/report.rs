@@ -6,7 +6,7 @@ use super::probe::{Probe, Status};
 use super::sweep::{Family, Row};
 use super::{lockstep, probe, sweep};
 use crate::precision::Precision;
-use crate::Result;
+use crate::{Device, Result};
 use serde::Serialize;
 use std::fmt::Write as _;
 use std::time::Instant;
@@ -82,7 +82,11 @@ pub fn run(o: &Options, progress: &mut dyn FnMut(&str)) -> Result<Report> {
     let t = Instant::now();
     let sweep = if o.sweep {
         let mut tell = |f: Family| progress(&format!("sweep: {}", f.name()));
-        Some(sweep::run(&Family::ALL, &mut tell)?)
+        Some(sweep::run(
+            &[Device::Cpu, Device::Gpu],
+            &Family::ALL,
+            &mut tell,
+        )?)
     } else {
         None
     };
@@ -123,8 +127,8 @@ fn verdict(probe: &Probe, sweep: Option<&[Row]>, steps: &[Lockstep]) -> Verdict 
         }
         let first = r.first.as_ref().map_or(String::new(), |m| {
             format!(
-                "; first in {} at [{}]: cpu {} gpu {}",
-                m.case, m.position, m.cpu, m.gpu
+                "; first in {} at [{}]: spec {} {} {}",
+                m.case, m.position, m.spec, r.device, m.device
             )
         });
         let line = format!(
@@ -242,16 +246,25 @@ impl Report {
             Some(rows) => {
                 let cases: usize = rows.iter().map(|r| r.cases).sum();
                 let values: usize = rows.iter().map(|r| r.values).sum();
+                let mut pairs: Vec<&str> = rows.iter().map(|r| r.device).collect();
+                pairs.sort_unstable();
+                pairs.dedup();
                 let _ = writeln!(
                     s,
-                    "== primitive sweep: {} rows, {cases} cases, {values} values, CPU vs GPU bit for bit ({:.0} s)",
+                    "== primitive sweep: {} rows, {cases} cases, {values} values; compared bit for bit: {} ({:.0} s)",
                     rows.len(),
+                    pairs.iter().map(|d| format!("{d} vs spec")).collect::<Vec<_>>().join(", "),
                     self.sweep_seconds
                 );
                 let _ = writeln!(
                     s,
                     "{:<52} {:>6} {:>9} {:>9} {:>9} {:>8}",
-                    "primitive [variant]", "cases", "identical", "values", "differing", "max ulp"
+                    "device: primitive [variant]",
+                    "cases",
+                    "identical",
+                    "values",
+                    "differing",
+                    "max ulp"
                 );
                 for r in rows {
                     let ulp = if r.nan_vs_number {
@@ -284,8 +297,8 @@ impl Report {
                         };
                         let _ = writeln!(
                             s,
-                            "    first: {} at [{}]: cpu {} gpu {}{inputs}",
-                            m.case, m.position, m.cpu, m.gpu
+                            "    first: {} at [{}]: spec {} {} {}{inputs}",
+                            m.case, m.position, m.spec, r.device, m.device
                         );
                     }
                 }

@@ -1,14 +1,17 @@
-//! The primitive sweep: every backend primitive run on the CPU reference and
-//! on the GPU over random inputs and the hard cases ([`cases`](super::cases)), outputs
-//! compared bit for bit (a NaN equals a NaN of any payload). What the parity
-//! suite checks in CI, shipped in the library so it runs on the user's adapter
-//! (the parity tests run these very families).
+//! The primitive sweep: every backend primitive run on the executable spec
+//! ([`Device::Spec`]) and on each device asked for — the fast CPU kernels, the
+//! GPU — over random inputs and the hard cases ([`cases`](super::cases)),
+//! each device's outputs compared with the spec's bit for bit (a NaN equals a
+//! NaN of any payload). What the parity suite checks in CI, shipped in the
+//! library so it runs on the user's adapter (the parity tests run these very
+//! families).
 //!
-//! A [`Row`] per primitive and variant (a matmul's format and layout, a causal
-//! mask, a rounding format): cases run, cases whose every output was
-//! identical, values compared and differing, the largest difference in ulps,
-//! and the first differing case (its shapes and parameters, the position,
-//! both values in hex, and the inputs there when they line up with the output).
+//! A [`Row`] per primitive, variant (a matmul's format and layout, a causal
+//! mask, a rounding format) and device: cases run, cases whose every output
+//! was identical to the spec's, values compared and differing, the largest
+//! difference in ulps, and the first differing case (its shapes and
+//! parameters, the position, both values in hex, and the inputs there when
+//! they line up with the output).
 //!
 //! Shapes are small (a software adapter is slow) but cross every kernel's
 //! workgroup and tile sizes raggedly, and the loops that a device may cap
@@ -87,12 +90,12 @@ pub struct Mismatch {
     pub case: String,
     /// Position in the case's output (outputs concatenated in order).
     pub position: usize,
-    /// The CPU's value, as an f32 bit pattern in hex (`-` where its output
+    /// The spec's value, as an f32 bit pattern in hex (`-` where its output
     /// was shorter).
-    pub cpu: String,
-    /// The GPU's value, as an f32 bit pattern in hex (`-` where its output
-    /// was shorter).
-    pub gpu: String,
+    pub spec: String,
+    /// The device's value, as an f32 bit pattern in hex (`-` where its
+    /// output was shorter).
+    pub device: String,
     /// The inputs at that position, where they line up with the output.
     pub inputs: Vec<String>,
 }
@@ -104,6 +107,8 @@ pub struct Row {
     pub primitive: &'static str,
     /// The variant (format, layout, mask); empty for none.
     pub variant: String,
+    /// The device held to the spec: `cpu` or `gpu`.
+    pub device: &'static str,
     /// Cases run.
     pub cases: usize,
     /// Cases whose every output value was identical.
@@ -125,12 +130,12 @@ pub struct Row {
 }
 
 impl Row {
-    /// `matmul [bf16 Aᵀ·B]`.
+    /// `gpu: matmul [bf16 Aᵀ·B]`.
     pub fn label(&self) -> String {
         if self.variant.is_empty() {
-            self.primitive.to_string()
+            format!("{}: {}", self.device, self.primitive)
         } else {
-            format!("{} [{}]", self.primitive, self.variant)
+            format!("{}: {} [{}]", self.device, self.primitive, self.variant)
         }
     }
     /// Whether every value of every case was identical.
@@ -141,6 +146,8 @@ impl Row {
 
 /// The rows, filled case by case.
 struct Sweep {
+    /// The devices held to the spec.
+    devices: Vec<Device>,
     rows: Vec<Row>,
     /// Why the rounded-matmul overflow row may differ here (an unfused fma).
     unfused: Option<String>,
@@ -151,15 +158,17 @@ fn up(data: &[f32], d: Device) -> Result<Storage> {
 }
 
 impl Sweep {
-    fn row(&mut self, primitive: &'static str, variant: &str) -> &mut Row {
+    fn row(&mut self, primitive: &'static str, variant: &str, device: Device) -> &mut Row {
+        let device = device_name(device);
         let at = self
             .rows
             .iter()
-            .position(|r| r.primitive == primitive && r.variant == variant);
+            .position(|r| r.primitive == primitive && r.variant == variant && r.device == device);
         let i = at.unwrap_or_else(|| {
             self.rows.push(Row {
                 primitive,
                 variant: variant.to_string(),
+                device,
                 cases: 0,
                 identical: 0,
                 values: 0,
@@ -174,8 +183,9 @@ impl Sweep {
         &mut self.rows[i]
     }
 
-    /// Runs one case on both devices and records it in its row. `inputs` are
-    /// shown beside a mismatch when they have the output's length.
+    /// Runs one case on the spec and on every device, and records each
+    /// device's comparison in its row. `inputs` are shown beside a mismatch
+    /// when they have the output's length.
     fn check(
         &mut self,
         primitive: &'static str,
@@ -184,19 +194,45 @@ impl Sweep {
         inputs: &[&[f32]],
         run: impl Fn(Device) -> Result<Vec<f32>>,
     ) -> Result<()> {
-        let cpu = run(Device::Cpu)?;
-        let gpu = run(Device::Gpu)?;
-        let row = self.row(primitive, variant);
+        let spec = run(Device::Spec)?;
+        for device in self.devices.clone() {
+            let out = run(device)?;
+            self.record(
+                primitive,
+                variant,
+                device,
+                case.clone(),
+                inputs,
+                &spec,
+                &out,
+            );
+        }
+        Ok(())
+    }
+
+    /// One device's outputs `out` against the spec's.
+    #[allow(clippy::too_many_arguments)]
+    fn record(
+        &mut self,
+        primitive: &'static str,
+        variant: &str,
+        device: Device,
+        case: String,
+        inputs: &[&[f32]],
+        spec: &[f32],
+        out: &[f32],
+    ) {
+        let row = self.row(primitive, variant, device);
         row.cases += 1;
-        row.values += cpu.len().max(gpu.len());
-        let n = cpu.len().min(gpu.len());
+        row.values += spec.len().max(out.len());
+        let n = spec.len().min(out.len());
         let mut first = None;
-        let mut differing = cpu.len().abs_diff(gpu.len());
+        let mut differing = spec.len().abs_diff(out.len());
         for i in 0..n {
-            if !same(cpu[i], gpu[i]) {
+            if !same(spec[i], out[i]) {
                 differing += 1;
                 first.get_or_insert(i);
-                match ulps(cpu[i], gpu[i]) {
+                match ulps(spec[i], out[i]) {
                     Some(u) => row.max_ulps = row.max_ulps.max(u),
                     None => row.nan_vs_number = true,
                 }
@@ -204,7 +240,7 @@ impl Sweep {
         }
         if differing == 0 {
             row.identical += 1;
-            return Ok(());
+            return;
         }
         row.differing += differing;
         if row.first.is_none() {
@@ -213,28 +249,45 @@ impl Sweep {
             row.first = Some(Mismatch {
                 case,
                 position: at,
-                cpu: val(&cpu),
-                gpu: val(&gpu),
+                spec: val(spec),
+                device: val(out),
                 inputs: inputs
                     .iter()
-                    .filter(|x| x.len() == cpu.len())
+                    .filter(|x| x.len() == spec.len())
                     .map(|x| hex(x[at]))
                     .collect(),
             });
         }
-        Ok(())
     }
 }
 
-/// Runs the sweep's `families` (all of [`Family::ALL`] for the command),
-/// telling `progress` as each begins. Needs a GPU adapter.
-pub fn run(families: &[Family], progress: &mut dyn FnMut(Family)) -> Result<Vec<Row>> {
-    let unfused = (crate::backend::gpu::fma_mode()? == "soft").then(|| {
-        "this device's fma is not fused (the probe's fma_fused): rounded matmuls use it, \
-         exact only for products inside f32's normal range"
-            .to_string()
-    });
+/// The name a row gives its device.
+fn device_name(d: Device) -> &'static str {
+    match d {
+        Device::Cpu => "cpu",
+        Device::Gpu => "gpu",
+        Device::Spec => "spec",
+    }
+}
+
+/// Runs the sweep's `families` (all of [`Family::ALL`] for the command) on
+/// the spec and each of `devices` (`Cpu`, `Gpu`: the GPU needs an adapter),
+/// every device held to the spec, telling `progress` as each family begins.
+pub fn run(
+    devices: &[Device],
+    families: &[Family],
+    progress: &mut dyn FnMut(Family),
+) -> Result<Vec<Row>> {
+    let unfused = match devices.contains(&Device::Gpu) {
+        true => (crate::backend::gpu::fma_mode()? == "soft").then(|| {
+            "this device's fma is not fused (the probe's fma_fused): rounded matmuls use it, \
+             exact only for products inside f32's normal range"
+                .to_string()
+        }),
+        false => None,
+    };
     let mut sw = Sweep {
+        devices: devices.to_vec(),
         rows: Vec::new(),
         unfused,
     };
@@ -1014,8 +1067,10 @@ fn matmul_known(sw: &mut Sweep) -> Result<()> {
         Some(Format::Bf16),
         "(c, t, x)·(1, 1, y) = fma(x, y, c + t): ",
     )?;
-    let known = sw.unfused.clone();
-    sw.row("matmul", variant).known = known;
+    if sw.devices.contains(&Device::Gpu) {
+        let known = sw.unfused.clone();
+        sw.row("matmul", variant, Device::Gpu).known = known;
+    }
     Ok(())
 }
 

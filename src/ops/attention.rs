@@ -19,7 +19,7 @@
 //! 16 bits, under autocast — and recomputes the probabilities from them with
 //! the forward's primitives (the composition keeps the probabilities too).
 
-use crate::backend::attention::{per_head, Attention};
+use crate::backend::attention::Attention;
 use crate::backend::{Operand, Storage};
 use crate::tensor::autocast::autocast_dtype;
 use crate::tensor::is_grad_enabled;
@@ -50,9 +50,8 @@ impl Tensor {
     /// output token-major, as projections write and read them: `q = self, k:
     /// (B, H, T, D)`, `v: (B, T, H, D) -> (B, T, H, D)`. Bit for bit
     /// `q.causal_attention(k, &v.permute(&[0, 2, 1, 3])?, scale)?.permute(&[0,
-    /// 2, 1, 3])`: the CPU's per-head schedule reads `v` and writes `y` (and
-    /// their gradients) in place of those permutes; elsewhere it is that
-    /// composition.
+    /// 2, 1, 3])`; the CPU's per-head schedule reads `v` and writes `y` (and
+    /// their gradients) in place of those permutes.
     pub fn causal_attention_tokens(&self, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
         let q = self;
         let qs = q.shape();
@@ -64,11 +63,6 @@ impl Tensor {
                 k.shape(),
                 v.shape()
             );
-        }
-        let ops = [&q.arg().op, &k.arg().op, &Operand::Values(v.storage())];
-        if !per_head(&ops) {
-            let heads = v.permute(&[0, 2, 1, 3])?;
-            return q.causal_attention(k, &heads, scale)?.permute(&[0, 2, 1, 3]);
         }
         q.attention(k, v, scale, Some(qs[1]))
     }

@@ -427,12 +427,7 @@ impl Tensor {
     }
     pub(crate) fn shares_storage(&self) -> bool {
         let s = self.0.storage.borrow();
-        Rc::strong_count(&self.0) > 1
-            || match &*s {
-                Storage::Cpu(c) => Rc::strong_count(c) > 1,
-                #[cfg(feature = "gpu")]
-                Storage::Gpu(g) => Rc::strong_count(g) > 1,
-            }
+        Rc::strong_count(&self.0) > 1 || s.is_shared()
     }
     /// A constant copy with its own buffer, on the same device.
     pub fn copy(&self) -> Result<Tensor> {

@@ -379,7 +379,7 @@ pub fn compare(
 fn machine_peak(s: &RunSummary) -> Option<(usize, &'static str)> {
     match s.device {
         crate::Device::Gpu => s.device_peak_bytes.map(|b| (b, "device")),
-        crate::Device::Cpu => s.process_peak_bytes.map(|b| (b, "process")),
+        crate::Device::Cpu | crate::Device::Spec => s.process_peak_bytes.map(|b| (b, "process")),
     }
 }
 

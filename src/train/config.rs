@@ -18,16 +18,20 @@ pub enum DeviceChoice {
     Cpu,
     /// The GPU backend; a run fails when no adapter exists.
     Gpu,
+    /// The executable spec: every primitive as its contract states it, one
+    /// thread, no SIMD — slow; for checking a run against the contract.
+    Spec,
 }
 
 impl DeviceChoice {
-    /// The choice as the `--device` flag spells it: `auto`, `cpu` or `gpu`
+    /// The choice as the `--device` flag spells it: `auto`, `cpu`, `gpu` or `spec`
     /// (what [`str::parse`] reads back).
     pub fn name(self) -> &'static str {
         match self {
             DeviceChoice::Auto => "auto",
             DeviceChoice::Cpu => "cpu",
             DeviceChoice::Gpu => "gpu",
+            DeviceChoice::Spec => "spec",
         }
     }
 }
@@ -39,7 +43,11 @@ impl std::str::FromStr for DeviceChoice {
             "auto" => Ok(DeviceChoice::Auto),
             "cpu" => Ok(DeviceChoice::Cpu),
             "gpu" => Ok(DeviceChoice::Gpu),
-            _ => bail!(Config, "unknown device {s:?}: expected auto, cpu or gpu"),
+            "spec" => Ok(DeviceChoice::Spec),
+            _ => bail!(
+                Config,
+                "unknown device {s:?}: expected auto, cpu, gpu or spec"
+            ),
         }
     }
 }

@@ -320,7 +320,7 @@ pub fn admit(cfg: &TrainConfig, limit: MemoryLimit) -> Result<()> {
 pub fn memory_limits(device: crate::Device) -> Result<Vec<MemoryLimit>> {
     let host = MemoryLimit::Host(host_available().unwrap_or(u64::MAX));
     Ok(match device {
-        crate::Device::Cpu => vec![host],
+        crate::Device::Cpu | crate::Device::Spec => vec![host],
         #[cfg(not(feature = "gpu"))]
         crate::Device::Gpu => return Err(crate::backend::no_gpu()),
         #[cfg(feature = "gpu")]

@@ -48,6 +48,10 @@ const DATA_KEY: u64 = 0x0ba7_c4e5_0000;
 pub fn select_device(choice: DeviceChoice) -> Result<(Device, Option<String>)> {
     match choice {
         DeviceChoice::Cpu => Ok((Device::Cpu, None)),
+        DeviceChoice::Spec => Ok((
+            Device::Spec,
+            Some("device: the executable spec (every primitive as its contract states it; slow)".into()),
+        )),
         DeviceChoice::Gpu => match crate::backend::adapter_name() {
             Ok(name) => Ok((Device::Gpu, Some(format!("device: GPU {name}")))),
             Err(e) => bail!(Device, "--device gpu: no GPU adapter is available ({e}); use --device cpu or auto"),

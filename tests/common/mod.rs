@@ -3,7 +3,8 @@
 
 pub use tinyllm::{Device, Result, Tensor};
 
-/// `device_test!(name, |dev| { ... })` defines `name::cpu` and `name::gpu`.
+/// `device_test!(name, |dev| { ... })` defines `name::cpu`, `name::gpu` and
+/// `name::spec` (the executable spec, a device like the others).
 /// The body returns `Result<()>`. The GPU variant skips (with a message) when
 /// no adapter exists, and fails instead when `TINYLLM_REQUIRE_GPU=1` (CI).
 #[macro_export]
@@ -26,6 +27,10 @@ macro_rules! device_test {
                 if tinyllm::testing::gpu_available() {
                     run(tinyllm::Device::Gpu).unwrap();
                 }
+            }
+            #[test]
+            fn spec() {
+                run(tinyllm::Device::Spec).unwrap();
             }
         }
     };

@@ -3,7 +3,8 @@
 //! heads split over the threads in contiguous groups. The products and the
 //! softmax are the batched primitives' own kernels, on one head.
 
-use super::Attention;
+use super::{batched, Arg, Attention, AttentionOps};
+use crate::backend::cpu::{CpuStorage, Elem};
 use crate::backend::cpu::pool;
 use crate::backend::cpu::cpu_threads;
 use crate::backend::matmul::cpu::matmul_f32_one_thread;
@@ -13,6 +14,32 @@ use crate::backend::{Causal, MatmulDims};
 use crate::profile::{self, Product};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
+use crate::Result;
+
+impl AttentionOps for CpuStorage {
+    fn attention(a: &Attention, q: Arg<Self>, k: Arg<Self>, v: Arg<Self>) -> Result<Self> {
+        let [Some(qb), Some(kb), Some(vb)] = [q, k, v].map(f32s) else {
+            return batched::forward(a, q, k, v); // f64 storage
+        };
+        Ok(f32::wrap(forward(a, (&qb, q.1), (&kb, k.1), (&vb, v.1))))
+    }
+
+    fn attention_backward(a: &Attention, q: Arg<Self>, k: Arg<Self>, v: Arg<Self>, g: &Self) -> Result<[Self; 3]> {
+        let [Some(qb), Some(kb), Some(vb), Some(gb)] = [q, k, v, (g, None)].map(f32s) else {
+            return batched::backward(a, q, k, v, g);
+        };
+        let grads = backward(a, (&qb, q.1), (&kb, k.1), (&vb, v.1), &gb);
+        Ok(grads.map(f32::wrap))
+    }
+}
+
+/// An operand's float32 words, `None` for f64 storage.
+fn f32s((x, _): Arg<'_, CpuStorage>) -> Option<std::cell::Ref<'_, Vec<f32>>> {
+    match x {
+        CpuStorage::F32(b) => Some(b.get()),
+        CpuStorage::F64(_) => None,
+    }
+}
 
 /// An operand as a head's products read it: float32 values, or the words of
 /// a 16-bit copy in that format (two values per word).
@@ -62,7 +89,7 @@ fn value_rows<'a>((x, half): Host<'a>, a: &Attention, h: usize) -> Rows<'a> {
 
 /// `y (heads, T, D)` — or token-major (see [`Attention::tokens`]) — as
 /// [`Attention::forward`] defines it.
-pub(super) fn forward(a: &Attention, q: Host, k: Host, v: Host) -> Vec<f32> {
+fn forward(a: &Attention, q: Host, k: Host, v: Host) -> Vec<f32> {
     let (t, d) = (a.t, a.d);
     let clock = Clock::new(a, &[Part::Scores, Part::Softmax, Part::Pv]);
     let [y] = per_head(a, [true], 2, |h| {
@@ -75,7 +102,7 @@ pub(super) fn forward(a: &Attention, q: Host, k: Host, v: Host) -> Vec<f32> {
 
 /// `[dq, dk, dv]` as [`Attention::backward`] defines them (`g` and `dv`
 /// laid out as `y` and `v`).
-pub(super) fn backward(a: &Attention, q: Host, k: Host, v: Host, g: &[f32]) -> [Vec<f32>; 3] {
+fn backward(a: &Attention, q: Host, k: Host, v: Host, g: &[f32]) -> [Vec<f32>; 3] {
     let (t, d) = (a.t, a.d);
     let parts = [
         Part::Scores,

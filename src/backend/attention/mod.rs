@@ -1,31 +1,42 @@
 //! Causal self-attention's products and softmax over many heads: one
 //! schedule per device of the same primitives.
 //!
-//! The contract is the composition, head by head (`Tensor::causal_attention`
-//! states it): `p = causal_softmax(q kᵀ · scale)` and `y = p v`, backward
-//! `dv = pᵀ dy`, `dp = dy vᵀ`, `ds = softmax_backward(p, dp) · scale`,
-//! `dq = ds k`, `dk = dsᵀ q`, each product with its `Causal` mode and the
-//! autocast rounding of [`matmul`](crate::backend::matmul), the softmax and
-//! its backward those of [`reduce`](crate::backend::reduce). Heads share
-//! nothing, so the order they run in changes no bit.
+//! ## Contract
+//! The composition, head by head (`Tensor::causal_attention` states it):
+//! `p = causal_softmax(q kᵀ · scale)` and `y = p v`, backward `dv = pᵀ dy`,
+//! `dp = dy vᵀ`, `ds = softmax_backward(p, dp) · scale`, `dq = ds k`,
+//! `dk = dsᵀ q`, each product with its `Causal` mode and the autocast
+//! rounding of [`matmul`](crate::backend::matmul), the softmax and its
+//! backward those of [`reduce`](crate::backend::reduce). Heads share
+//! nothing, so the order they run in changes no bit. Token-major values
+//! ([`Attention::tokens`]) are the same computation on `v` permuted to
+//! head-major, `y` and the gradients permuted back.
 //!
-//! * The GPU runs the batched primitives over all heads at once: a few
-//!   dispatches per call.
-//! * The CPU runs one head's whole chain at a time on one thread, the heads
+//! Attention is one primitive per direction ([`AttentionOps`]), dispatched
+//! like every other, so a running [trace](crate::trace) records one entry on
+//! every device and never changes which schedule runs:
+//!
+//! * the spec and the GPU run the batched composition ([`batched`]): a few
+//!   primitives over all heads at once;
+//! * the CPU runs one head's whole chain at a time on one thread, the heads
 //!   split over the threads ([`cpu`]): a head's `T × T` scores and
 //!   probabilities stay in cache instead of streaming `H · T²` values through
-//!   memory between primitives.
-//!
-//! A running [trace](crate::trace) records the batched primitives
-//! one by one, so while one runs the CPU takes the GPU's schedule; the tests
-//! hold the two schedules to the same bits.
+//!   memory between primitives, and token-major `v` and `y` are read and
+//!   written in place of the permutes.
 
 pub(crate) mod cpu;
+#[cfg(feature = "gpu")]
+mod gpu;
+mod spec;
 
-use crate::backend::cpu::{Buf, Elem};
+use crate::backend::copy::CopyOps;
+use crate::backend::matmul::{Halves, MatmulOps};
+use crate::backend::pack::PackOps;
+use crate::backend::reduce::ReduceOps;
 use crate::backend::round::Format;
-use crate::backend::{Causal, CpuStorage, Lift, MatmulDims, Operand, Storage};
-use crate::{bail, Result};
+use crate::backend::{observed, on_device};
+use crate::backend::{Causal, MatmulDims, Operand, Storage};
+use crate::Result;
 
 /// Attention over `heads` heads of `(t, d)` queries, keys and values.
 #[derive(Clone, Copy, Debug)]
@@ -38,10 +49,21 @@ pub struct Attention {
     /// Autocast's rounding of every product.
     pub round: Option<Format>,
     /// `Some(h)`: `v`, `y` and their gradients are token-major `(B, T, h,
-    /// D)` (`heads = B·h`) instead of `(heads, T, D)` — read and written in
-    /// place of the permutes around attention. Only the CPU's per-head
-    /// schedule takes it (see [`per_head`]).
+    /// D)` (`heads = B·h`) instead of `(heads, T, D)` — as projections write
+    /// and read them.
     pub tokens: Option<usize>,
+}
+
+/// An operand as a device holds it: its buffer, and the format of its words
+/// when it is a 16-bit copy.
+pub type Arg<'a, S> = (&'a S, Option<Format>);
+
+/// The devices' attention (see the module docs for the contract).
+pub trait AttentionOps: Sized {
+    /// `y`, laid out as `v` is.
+    fn attention(a: &Attention, q: Arg<Self>, k: Arg<Self>, v: Arg<Self>) -> Result<Self>;
+    /// `[dq, dk, dv]` from the upstream gradient `g` (laid out as `y`).
+    fn attention_backward(a: &Attention, q: Arg<Self>, k: Arg<Self>, v: Arg<Self>, g: &Self) -> Result<[Self; 3]>;
 }
 
 impl Attention {
@@ -60,84 +82,116 @@ impl Attention {
         }
     }
 
-    /// `p (heads, T, T)`: the causal softmax of `q kᵀ`, on and below the
-    /// diagonal.
-    fn probs(&self, q: &Operand, k: &Operand) -> Result<Storage> {
-        let (t, d) = (self.t, self.d);
-        let scores = q.matmul(k, self.dims((t, d, t), false, true, Causal::Outputs), self.round)?;
-        scores.softmax_rows(self.heads * t, t, self.scale, true)
+    fn describe(&self) -> String {
+        let (h, t, d, s) = (self.heads, self.t, self.d, self.scale);
+        let fmt = self.round.map_or("f32", Format::name);
+        format!("heads {h} t {t} d {d} scale {s:e} {fmt} tokens {:?}", self.tokens)
     }
 
-    /// `y (heads, T, D) = p v`, row `i` summing keys `j ≤ i`.
+    /// `y (heads, T, D)` (or token-major, see [`tokens`](Self::tokens)).
     pub fn forward(&self, q: &Operand, k: &Operand, v: &Operand) -> Result<Storage> {
-        if let Some([q, k, v]) = on_cpu([q, k, v]) {
-            let (qb, kb, vb) = (q.0.get(), k.0.get(), v.0.get());
-            let y = cpu::forward(self, (&qb, q.1), (&kb, k.1), (&vb, v.1));
-            return Ok(f32::wrap(y).lift());
-        }
-        self.batched()?;
-        let (t, d) = (self.t, self.d);
-        let p = self.probs(q, k)?;
-        Operand::Values(p).matmul(v, self.dims((t, t, d), false, false, Causal::TermsUpToRow), self.round)
-    }
-
-    /// The batched schedule takes head-major operands only.
-    fn batched(&self) -> Result<()> {
-        if self.tokens.is_some() {
-            bail!(Shape, "attention: token-major values only in the CPU's per-head schedule");
-        }
-        Ok(())
+        let _prof = crate::profile::scope("attention");
+        let ((q, hq), (k, hk), (v, hv)) = (q.parts(), k.parts(), v.parts());
+        let y = on_device!([q, k, v] => |q, k, v| AttentionOps::attention(self, (q, hq), (k, hk), (v, hv)));
+        observed("attention", || self.describe(), &[&y])?;
+        Ok(y)
     }
 
     /// `[dq, dk, dv]` from the operands as the forward's products read them
     /// and the gradient `g` of `y`; `p` is recomputed, not kept.
     pub fn backward(&self, q: &Operand, k: &Operand, v: &Operand, g: &Storage) -> Result<[Storage; 3]> {
-        let go = Operand::Values(g.clone());
-        if let Some([q, k, v, g]) = on_cpu([q, k, v, &go]) {
-            let (qb, kb, vb, gb) = (q.0.get(), k.0.get(), v.0.get(), g.0.get());
-            let grads = cpu::backward(self, (&qb, q.1), (&kb, k.1), (&vb, v.1), &gb);
-            return Ok(grads.map(|x| f32::wrap(x).lift()));
+        let _prof = crate::profile::scope("attention backward");
+        let ((q, hq), (k, hk), (v, hv)) = (q.parts(), k.parts(), v.parts());
+        let grads = on_device!([q, k, v, g] => |q, k, v, g| {
+            AttentionOps::attention_backward(self, (q, hq), (k, hk), (v, hv), g)
+        });
+        let [dq, dk, dv] = &grads;
+        observed("attention backward", || self.describe(), &[dq, dk, dv])?;
+        Ok(grads)
+    }
+}
+
+/// The batched composition on any device with the primitives it needs: the
+/// contract itself (the spec and the GPU run it).
+pub mod batched {
+    use super::*;
+
+    /// What the composition needs of a device.
+    pub trait Device: MatmulOps + ReduceOps + CopyOps + PackOps {}
+    impl<S: MatmulOps + ReduceOps + CopyOps + PackOps> Device for S {}
+
+    fn product<S: Device>(a: &Attention, x: Arg<S>, y: Arg<S>, dims: MatmulDims) -> Result<S> {
+        x.0.matmul(y.0, dims, Halves { a: x.1, b: y.1 }, a.round)
+    }
+
+    /// Token-major `(B, T, h, D)` as head-major `(B, h, T, D)`, or back
+    /// (`to_tokens`): a strided copy. A 16-bit copy is widened first (its
+    /// words pair neighbouring values), which changes no value a product reads.
+    fn permuted<S: Device>(a: &Attention, x: Arg<S>, to_tokens: bool) -> Result<(S, Option<Format>)> {
+        let h = a.tokens.expect("token-major");
+        let (b, t, d) = (a.heads / h.max(1), a.t, a.d);
+        let widened;
+        let x = match x.1 {
+            Some(fmt) => {
+                widened = x.0.unpack(fmt, a.heads * t * d)?;
+                &widened
+            }
+            None => x.0,
+        };
+        // strides of the source, per axis of the output
+        let (shape, strides) = match to_tokens {
+            false => ([b, h, t, d], [t * h * d, d, h * d, 1]),
+            true => ([b, t, h, d], [h * t * d, d, t * d, 1]),
+        };
+        Ok((x.strided_copy(&shape, &strides, 0)?, None))
+    }
+
+    /// `v` head-major.
+    fn values<S: Device>(a: &Attention, v: Arg<S>) -> Result<Option<(S, Option<Format>)>> {
+        a.tokens.map(|_| permuted(a, v, false)).transpose()
+    }
+
+    /// A head-major result laid out as `v`.
+    fn laid_out<S: Device>(a: &Attention, x: S) -> Result<S> {
+        match a.tokens {
+            Some(_) => Ok(permuted(a, (&x, None), true)?.0),
+            None => Ok(x),
         }
-        self.batched()?;
-        let (t, d, round) = (self.t, self.d, self.round);
-        let p = self.probs(q, k)?;
+    }
+
+    /// `p (heads, T, T)`: the causal softmax of `q kᵀ`, on and below the diagonal.
+    fn probs<S: Device>(a: &Attention, q: Arg<S>, k: Arg<S>) -> Result<S> {
+        let t = a.t;
+        let scores = product(a, q, k, a.dims((t, a.d, t), false, true, Causal::Outputs))?;
+        scores.softmax_rows(a.heads * t, t, a.scale, true)
+    }
+
+    /// `y = p v`, row `i` summing keys `j ≤ i`.
+    pub fn forward<S: Device>(a: &Attention, q: Arg<S>, k: Arg<S>, v: Arg<S>) -> Result<S> {
+        let (t, d) = (a.t, a.d);
+        let p = probs(a, q, k)?;
+        let vh = values(a, v)?;
+        let v = vh.as_ref().map_or(v, |(x, f)| (x, *f));
+        let y = product(a, (&p, None), v, a.dims((t, t, d), false, false, Causal::TermsUpToRow))?;
+        laid_out(a, y)
+    }
+
+    /// `[dq, dk, dv]`.
+    pub fn backward<S: Device>(a: &Attention, q: Arg<S>, k: Arg<S>, v: Arg<S>, g: &S) -> Result<[S; 3]> {
+        let (t, d) = (a.t, a.d);
+        let p = probs(a, q, k)?;
+        let (vh, gh) = (values(a, v)?, values(a, (g, None))?);
+        let v = vh.as_ref().map_or(v, |(x, f)| (x, *f));
+        let g = gh.as_ref().map_or((g, None), |(x, f)| (x, *f));
         // dv = pᵀ dy: key row j sums queries i ≥ j
-        let dv = p.matmul(g, self.dims((t, t, d), true, false, Causal::TermsFromRow), round)?;
+        let dv = product(a, (&p, None), g, a.dims((t, t, d), true, false, Causal::TermsFromRow))?;
         // dp = dy vᵀ on and below the diagonal; ds = softmax backward · scale
-        let dp = go.matmul(v, self.dims((t, d, t), false, true, Causal::Outputs), round)?;
-        let ds = p.softmax_rows_backward(&dp, self.heads * t, t, self.scale)?;
+        let dp = product(a, g, v, a.dims((t, d, t), false, true, Causal::Outputs))?;
+        let ds = p.softmax_rows_backward(&dp, a.heads * t, t, a.scale)?;
         drop((dp, p));
         // dq = ds k: row i sums keys j ≤ i; dk = dsᵀ q: key row j sums queries i ≥ j
-        let ds = Operand::Values(ds);
-        let dq = ds.matmul(k, self.dims((t, t, d), false, false, Causal::TermsUpToRow), round)?;
-        let dk = ds.matmul(q, self.dims((t, t, d), true, false, Causal::TermsFromRow), round)?;
-        Ok([dq, dk, dv])
+        let dq = product(a, (&ds, None), k, a.dims((t, t, d), false, false, Causal::TermsUpToRow))?;
+        let dk = product(a, (&ds, None), q, a.dims((t, t, d), true, false, Causal::TermsFromRow))?;
+        Ok([dq, dk, laid_out(a, dv)?])
     }
-}
-
-/// Whether attention over these operands runs the CPU's per-head schedule
-/// (which also takes token-major values).
-pub fn per_head(ops: &[&Operand; 3]) -> bool {
-    on_cpu(*ops).is_some()
-}
-
-/// The operands' host buffers when all are float32 words on the CPU and no
-/// trace runs (see the module docs), with their 16-bit formats.
-fn on_cpu<const N: usize>(ops: [&Operand; N]) -> Option<[(&Buf<f32>, Option<Format>); N]> {
-    if crate::trace::on() {
-        return None;
-    }
-    let mut out = Vec::with_capacity(N);
-    for op in ops {
-        let (s, half) = op.parts();
-        match s {
-            Storage::Cpu(c) => match &**c {
-                CpuStorage::F32(b) => out.push((b, half)),
-                CpuStorage::F64(_) => return None,
-            },
-            #[cfg(feature = "gpu")]
-            Storage::Gpu(_) => return None,
-        }
-    }
-    out.try_into().ok()
 }

@@ -13,6 +13,7 @@
 //!   (no float atomics anywhere: deterministic on every device).
 
 mod cpu;
+pub(crate) mod spec;
 #[cfg(feature = "gpu")]
 pub(crate) mod gpu;
 

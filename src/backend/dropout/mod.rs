@@ -7,6 +7,7 @@
 //! `uniform01(draw_u32(seed, offset, i)) >= p`, else `0`.
 
 mod cpu;
+pub(crate) mod spec;
 #[cfg(feature = "gpu")]
 pub(crate) mod gpu;
 

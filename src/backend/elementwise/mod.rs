@@ -18,6 +18,7 @@
 //! named constants are generated into the WGSL ([`wgsl_consts`]).
 
 mod cpu;
+pub(crate) mod spec;
 #[cfg(feature = "gpu")]
 pub(crate) mod gpu;
 

@@ -78,6 +78,7 @@
 //! change bits).
 
 mod cpu;
+pub(crate) mod spec;
 #[cfg(feature = "gpu")]
 pub(crate) mod gpu;
 

@@ -17,21 +17,19 @@ impl MatmulOps for CpuStorage {
     fn matmul(&self, rhs: &CpuStorage, d: MatmulDims, halves: Halves, round: Option<Format>) -> Result<CpuStorage> {
         Ok(self.product(rhs, d, halves, round, None))
     }
-}
-
-impl CpuStorage {
-    /// The product with `addend` added to its outputs (see
-    /// [`Operand::matmul_add`](super::Operand::matmul_add)).
-    pub(crate) fn matmul_add(
+    fn matmul_add(
         &self,
         rhs: &CpuStorage,
         d: MatmulDims,
         halves: Halves,
         round: Option<Format>,
         addend: &CpuStorage,
-    ) -> CpuStorage {
-        self.product(rhs, d, halves, round, Some(addend))
+    ) -> Result<CpuStorage> {
+        Ok(self.product(rhs, d, halves, round, Some(addend)))
     }
+}
+
+impl CpuStorage {
 
     fn product(
         &self,

@@ -3,6 +3,8 @@
 //! batches past 65535 and `k` past [`LOOP_PASS`] split into dispatches.
 
 use super::{Halves, MatmulDims, MatmulOps};
+use crate::backend::elementwise::ElementwiseOps;
+use crate::backend::{BinaryLayout, BinaryOp};
 use crate::backend::gpu::context::ctx;
 use crate::backend::gpu::pipelines::{gpu_params, no_consts, Family, Kernel};
 use crate::backend::gpu::{u32_of, GpuStorage, LOOP_PASS};
@@ -42,6 +44,18 @@ const MATMUL_COLS: usize = 64;
 const MATMUL_ROWS: usize = 64;
 
 impl MatmulOps for GpuStorage {
+    fn matmul_add(
+        &self,
+        rhs: &GpuStorage,
+        d: MatmulDims,
+        halves: Halves,
+        round: Option<Format>,
+        addend: &GpuStorage,
+    ) -> Result<GpuStorage> {
+        let c = self.matmul(rhs, d, halves, round)?;
+        let layout = BinaryLayout { shape: vec![c.len()], lhs_strides: vec![1], rhs_strides: vec![1] };
+        addend.binary(&c, BinaryOp::Add, &layout)
+    }
     fn matmul(&self, rhs: &GpuStorage, d: MatmulDims, halves: Halves, round: Option<Format>) -> Result<GpuStorage> {
         let c = ctx()?;
         let n_out = d.batch * d.m * d.n;

@@ -24,11 +24,12 @@
 pub(crate) mod cpu;
 #[cfg(feature = "gpu")]
 pub(crate) mod gpu;
+mod spec;
 
 use super::pack::Packed;
 use super::round::Format;
-use super::{observed, on_device, Lift};
-use super::{BinaryLayout, BinaryOp, Storage};
+use super::{observed, on_device};
+use super::Storage;
 use crate::{bail, Result};
 
 /// A batched matmul `C[b] = op(A[b]) @ op(B[b])`, `op(A)` of shape (m, k),
@@ -166,19 +167,16 @@ impl Operand {
     }
 }
 
-/// The two devices' products (see the module docs for the contract).
+/// The devices' products (see the module docs for the contract).
 pub trait MatmulOps: Sized {
     fn matmul(&self, rhs: &Self, d: MatmulDims, halves: Halves, round: Option<Format>) -> Result<Self>;
+    /// `e + c` for every output `c` of [`matmul`](Self::matmul) (no causal
+    /// mask): the product's bits, then the elementwise sum's, `addend` first.
+    fn matmul_add(&self, rhs: &Self, d: MatmulDims, halves: Halves, round: Option<Format>, addend: &Self)
+        -> Result<Self>;
 }
 
 impl Storage {
-    /// `e + self`, elementwise over equal lengths: the sum
-    /// [`Operand::matmul_add`] forms, as its own primitive.
-    fn add_to(&self, e: &Storage) -> Result<Storage> {
-        let layout = BinaryLayout { lhs_strides: vec![1], rhs_strides: vec![1], shape: vec![self.len()] };
-        e.binary(self, BinaryOp::Add, &layout)
-    }
-
     /// The contract's matmul; `self` is A, `rhs` is B.
     pub fn matmul(&self, rhs: &Storage, dims: MatmulDims, round: Option<Format>) -> Result<Storage> {
         Operand::Values(self.clone()).matmul(&Operand::Values(rhs.clone()), dims, round)
@@ -198,9 +196,8 @@ impl Operand {
 
     /// `addend + self @ rhs`: every output of the contract's matmul with the
     /// addend's value added, `e + c` — the bits of the product followed by
-    /// the elementwise sum. The CPU adds each tile as the product writes it;
-    /// the GPU runs the two primitives, and so does the CPU while a
-    /// [trace](crate::trace) records them. No causal mask.
+    /// the elementwise sum (the CPU adds each tile as the product writes it).
+    /// No causal mask.
     pub fn matmul_add(
         &self,
         rhs: &Operand,
@@ -212,19 +209,11 @@ impl Operand {
         if dims.causal != Causal::No || addend.len() != len {
             bail!(Shape, "matmul_add: an addend of {} values for {len} outputs ({:?})", addend.len(), dims.causal);
         }
-        let ((a, ha), (b, hb)) = (self.parts(), rhs.parts());
-        super::check_same(&[a, b, addend])?;
-        let cpu = match (a, b, addend) {
-            (Storage::Cpu(a), Storage::Cpu(b), Storage::Cpu(e)) if !crate::trace::on() => Some((a, b, e)),
-            _ => None,
-        };
-        let Some((ac, bc, ec)) = cpu else {
-            return self.matmul(rhs, dims, round)?.add_to(addend);
-        };
         let _prof = crate::profile::product_scope(dims.profiled());
+        let ((a, ha), (b, hb)) = (self.parts(), rhs.parts());
         let halves = Halves { a: ha, b: hb };
-        let c = ac.matmul_add(bc, dims, halves, round, ec).lift();
-        observed("matmul", || dims.describe(round), &[&c])?;
+        let c = on_device!([a, b, addend] => |a, b, e| a.matmul_add(b, dims, halves, round, e));
+        observed("matmul add", || dims.describe(round), &[&c])?;
         Ok(c)
     }
 }

@@ -26,6 +26,7 @@
 //!   per buffer, every invocation walking one chunk in order).
 
 mod cpu;
+pub(crate) mod spec;
 #[cfg(feature = "gpu")]
 pub(crate) mod gpu;
 

@@ -23,6 +23,7 @@
 //! slots hold bit patterns, never arithmetic.
 
 mod cpu;
+pub(crate) mod spec;
 #[cfg(feature = "gpu")]
 pub(crate) mod gpu;
 

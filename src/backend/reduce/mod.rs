@@ -23,6 +23,7 @@
 //!   chunk partials added in order on the host.
 
 pub(crate) mod cpu;
+pub(crate) mod spec;
 #[cfg(feature = "gpu")]
 pub(crate) mod gpu;
 
