@@ -299,6 +299,77 @@ macro_rules! on_device {
 }
 pub(crate) use on_device;
 
+/// A primitive's call, everything around it in one place: its profile
+/// scope, the device check and dispatch (any of [`on_device!`]'s forms), and
+/// [`observed`] on what it produced. Three forms:
+///
+/// * `primitive!(name, describe, <dispatch>)` — `name` a `&'static str`,
+///   `describe` a closure giving the call's shapes and parameters (run only
+///   while a trace records); the outputs observed are the storages in the
+///   value ([`Outputs`]);
+/// * `primitive!(writes [a, b], name, describe, <dispatch>)` — an in-place
+///   primitive: the buffers it wrote are observed;
+/// * `primitive!(profile scope, name, describe, <dispatch>)` — with its own
+///   profile scope (the products', which count their multiply-adds).
+///
+/// The value is the dispatch's.
+macro_rules! primitive {
+    (writes [$($w:expr),+], $name:expr, $describe:expr, $($dispatch:tt)+) => {{
+        let name: &'static str = $name;
+        let _prof = $crate::profile::scope(name);
+        let out = $crate::backend::on_device!($($dispatch)+);
+        $crate::backend::observed(name, $describe, &[$($w),+])?;
+        out
+    }};
+    (profile $prof:expr, $name:expr, $describe:expr, $($dispatch:tt)+) => {{
+        let _prof = $prof;
+        let out = $crate::backend::on_device!($($dispatch)+);
+        $crate::backend::observed($name, $describe, &$crate::backend::Outputs::storages(&out))?;
+        out
+    }};
+    ($name:expr, $describe:expr, $($dispatch:tt)+) => {{
+        let name: &'static str = $name;
+        $crate::backend::primitive!(profile $crate::profile::scope(name), name, $describe, $($dispatch)+)
+    }};
+}
+pub(crate) use primitive;
+
+/// The storages in a primitive's value, in order (what [`observed`] sees).
+pub(crate) trait Outputs {
+    fn storages(&self) -> Vec<&Storage>;
+}
+
+impl Outputs for Storage {
+    fn storages(&self) -> Vec<&Storage> {
+        vec![self]
+    }
+}
+
+macro_rules! no_outputs {
+    ($($t:ty),*) => { $(impl Outputs for $t { fn storages(&self) -> Vec<&Storage> { Vec::new() } })* };
+}
+no_outputs!((), bool, usize);
+
+impl<A: Outputs> Outputs for Option<A> {
+    fn storages(&self) -> Vec<&Storage> {
+        self.iter().flat_map(Outputs::storages).collect()
+    }
+}
+
+impl<A: Outputs, const N: usize> Outputs for [A; N] {
+    fn storages(&self) -> Vec<&Storage> {
+        self.iter().flat_map(Outputs::storages).collect()
+    }
+}
+
+impl<A: Outputs, B: Outputs> Outputs for (A, B) {
+    fn storages(&self) -> Vec<&Storage> {
+        let mut v = self.0.storages();
+        v.extend(self.1.storages());
+        v
+    }
+}
+
 /// The error of a build without the GPU backend asked for the GPU.
 #[cfg(not(feature = "gpu"))]
 pub(crate) fn no_gpu() -> crate::Error {

@@ -34,7 +34,7 @@ use crate::backend::matmul::{Halves, MatmulOps};
 use crate::backend::pack::PackOps;
 use crate::backend::reduce::ReduceOps;
 use crate::backend::round::Format;
-use crate::backend::{observed, on_device};
+use crate::backend::primitive;
 use crate::backend::{Causal, MatmulDims, Operand, Storage};
 use crate::Result;
 
@@ -90,24 +90,19 @@ impl Attention {
 
     /// `y (heads, T, D)` (or token-major, see [`tokens`](Self::tokens)).
     pub fn forward(&self, q: &Operand, k: &Operand, v: &Operand) -> Result<Storage> {
-        let _prof = crate::profile::scope("attention");
         let ((q, hq), (k, hk), (v, hv)) = (q.parts(), k.parts(), v.parts());
-        let y = on_device!([q, k, v] => |q, k, v| AttentionOps::attention(self, (q, hq), (k, hk), (v, hv)));
-        observed("attention", || self.describe(), &[&y])?;
-        Ok(y)
+        Ok(primitive!("attention", || self.describe(), [q, k, v] => |q, k, v| {
+            AttentionOps::attention(self, (q, hq), (k, hk), (v, hv))
+        }))
     }
 
     /// `[dq, dk, dv]` from the operands as the forward's products read them
     /// and the gradient `g` of `y`; `p` is recomputed, not kept.
     pub fn backward(&self, q: &Operand, k: &Operand, v: &Operand, g: &Storage) -> Result<[Storage; 3]> {
-        let _prof = crate::profile::scope("attention backward");
         let ((q, hq), (k, hk), (v, hv)) = (q.parts(), k.parts(), v.parts());
-        let grads = on_device!([q, k, v, g] => |q, k, v, g| {
+        Ok(primitive!("attention backward", || self.describe(), [q, k, v, g] => |q, k, v, g| {
             AttentionOps::attention_backward(self, (q, hq), (k, hk), (v, hv), g)
-        });
-        let [dq, dk, dv] = &grads;
-        observed("attention backward", || self.describe(), &[dq, dk, dv])?;
-        Ok(grads)
+        }))
     }
 }
 

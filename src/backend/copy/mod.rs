@@ -17,7 +17,7 @@ pub(crate) mod spec;
 #[cfg(feature = "gpu")]
 pub(crate) mod gpu;
 
-use super::{observed, on_device};
+use super::primitive;
 use super::{Storage, MAX_DIMS};
 use crate::{bail, Result};
 
@@ -41,7 +41,6 @@ fn check_ids(ids: &[u32], v: usize) -> Result<()> {
 impl Storage {
     /// Gathers a strided view into a new contiguous buffer.
     pub fn strided_copy(&self, shape: &[usize], strides: &[usize], offset: usize) -> Result<Storage> {
-        let _prof = crate::profile::scope("strided copy");
         if shape.len() > MAX_DIMS {
             bail!(
                 Shape,
@@ -49,46 +48,31 @@ impl Storage {
                 shape.len()
             );
         }
-        let y = on_device!([self] => |x| x.strided_copy(shape, strides, offset));
-        observed(
-            "strided copy",
-            || format!("shape {shape:?} strides {strides:?} offset {offset}"),
-            &[&y],
-        )?;
-        Ok(y)
+        let describe = || format!("shape {shape:?} strides {strides:?} offset {offset}");
+        Ok(primitive!("strided copy", describe, [self] => |x| x.strided_copy(shape, strides, offset)))
     }
 
     /// Concatenates `(outer, sizes[i], inner)` views along the middle axis.
     pub fn concat(parts: &[&Storage], outer: usize, sizes: &[usize], inner: usize) -> Result<Storage> {
-        let _prof = crate::profile::scope("concat");
         if parts.is_empty() {
             bail!(Shape, "concat of no tensors");
         }
-        let y = on_device!(slice parts => |xs| CopyOps::concat(&xs, outer, sizes, inner));
-        observed("concat", || format!("({outer}, {sizes:?}, {inner})"), &[&y])?;
-        Ok(y)
+        let describe = || format!("({outer}, {sizes:?}, {inner})");
+        Ok(primitive!("concat", describe, slice parts => |xs| CopyOps::concat(&xs, outer, sizes, inner)))
     }
 
     /// Embedding lookup: `self` is a table `(v, d)`; returns `(ids.len(), d)`.
     pub fn gather_rows(&self, ids: &[u32], d: usize) -> Result<Storage> {
-        let _prof = crate::profile::scope("gather rows");
         check_ids(ids, self.len() / d.max(1))?;
-        let y = on_device!([self] => |x| x.gather_rows(ids, d));
-        observed("gather rows", || format!("{} ids, rows of {d}", ids.len()), &[&y])?;
-        Ok(y)
+        let describe = || format!("{} ids, rows of {d}", ids.len());
+        Ok(primitive!("gather rows", describe, [self] => |x| x.gather_rows(ids, d)))
     }
 
     /// The backward of [`gather_rows`](Self::gather_rows): `self` is
     /// `(ids.len(), d)`; returns `(v, d)`.
     pub fn scatter_add_rows(&self, ids: &[u32], v: usize, d: usize) -> Result<Storage> {
-        let _prof = crate::profile::scope("scatter-add rows");
         check_ids(ids, v)?;
-        let y = on_device!([self] => |g| g.scatter_add_rows(ids, v, d));
-        observed(
-            "scatter-add rows",
-            || format!("{} ids into ({v}, {d})", ids.len()),
-            &[&y],
-        )?;
-        Ok(y)
+        let describe = || format!("{} ids into ({v}, {d})", ids.len());
+        Ok(primitive!("scatter-add rows", describe, [self] => |g| g.scatter_add_rows(ids, v, d)))
     }
 }

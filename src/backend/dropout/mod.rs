@@ -11,7 +11,7 @@ pub(crate) mod spec;
 #[cfg(feature = "gpu")]
 pub(crate) mod gpu;
 
-use super::{observed, on_device};
+use super::primitive;
 use super::{Device, Storage};
 use crate::Result;
 
@@ -30,13 +30,7 @@ impl Storage {
         offset: u64,
         device: Device,
     ) -> Result<Storage> {
-        let _prof = crate::profile::scope("dropout mask");
-        let mask = on_device!(device device => |S| S::dropout_mask(n, p, scale, seed, offset));
-        observed(
-            "dropout mask",
-            || format!("n {n} p {p:e} scale {scale:e} seed {seed:#x} offset {offset:#x}"),
-            &[&mask],
-        )?;
-        Ok(mask)
+        let describe = || format!("n {n} p {p:e} scale {scale:e} seed {seed:#x} offset {offset:#x}");
+        Ok(primitive!("dropout mask", describe, device device => |S| S::dropout_mask(n, p, scale, seed, offset)))
     }
 }

@@ -23,7 +23,7 @@ pub(crate) mod spec;
 pub(crate) mod gpu;
 
 use super::round::Format;
-use super::{observed, on_device};
+use super::primitive;
 use super::{BinaryLayout, Storage, MAX_DIMS};
 use crate::{bail, Result};
 
@@ -211,15 +211,11 @@ pub trait ElementwiseOps: Sized {
 impl Storage {
     /// `y = f(x)` elementwise; see [`UnaryOp`] and the module's contract.
     pub fn unary(&self, op: UnaryOp) -> Result<Storage> {
-        let _prof = crate::profile::scope(op.name());
-        let y = on_device!([self] => |x| x.unary(op));
-        observed(op.name(), || format!("{op:?} n {}", self.len()), &[&y])?;
-        Ok(y)
+        Ok(primitive!(op.name(), || format!("{op:?} n {}", self.len()), [self] => |x| x.unary(op)))
     }
 
     /// `y[i] = lhs[li] op rhs[ri]` over a broadcast layout.
     pub fn binary(&self, rhs: &Storage, op: BinaryOp, layout: &BinaryLayout) -> Result<Storage> {
-        let _prof = crate::profile::scope(op.name());
         if layout.shape.len() > MAX_DIMS {
             bail!(
                 Shape,
@@ -227,9 +223,7 @@ impl Storage {
                 layout.shape.len()
             );
         }
-        let y = on_device!([self, rhs] => |a, b| a.binary(b, op, layout));
-        observed(op.name(), || format!("{op:?} {layout}"), &[&y])?;
-        Ok(y)
+        Ok(primitive!(op.name(), || format!("{op:?} {layout}"), [self, rhs] => |a, b| a.binary(b, op, layout)))
     }
 }
 

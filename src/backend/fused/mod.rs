@@ -82,7 +82,7 @@ pub(crate) mod spec;
 #[cfg(feature = "gpu")]
 pub(crate) mod gpu;
 
-use super::{observed, on_device};
+use super::primitive;
 use super::Storage;
 use crate::{bail, Result};
 
@@ -167,12 +167,10 @@ impl Storage {
     /// RMSNorm over the rows of `self: (rows, d)` with weight `w: (d)`;
     /// returns `(y, rstd)` (see the contract).
     pub fn rms_norm(&self, w: &Storage, rows: usize, d: usize, eps: f64) -> Result<(Storage, Storage)> {
-        let _prof = crate::profile::scope("rms norm");
         check_len("rms_norm", self, rows * d, "x")?;
         check_len("rms_norm", w, d, "the weight")?;
-        let (y, r) = on_device!([self, w] => |x, w| x.rms_norm(w, rows, d, eps));
-        observed("rms norm", || format!("rows {rows} d {d} eps {eps:e}"), &[&y, &r])?;
-        Ok((y, r))
+        let describe = || format!("rows {rows} d {d} eps {eps:e}");
+        Ok(primitive!("rms norm", describe, [self, w] => |x, w| x.rms_norm(w, rows, d, eps)))
     }
 
     /// RMSNorm's backward: `self` is `x: (rows, d)` with leading axes `lead`
@@ -190,7 +188,6 @@ impl Storage {
         want_dx: bool,
         want_dw: bool,
     ) -> Result<(Option<Storage>, Option<Storage>)> {
-        let _prof = crate::profile::scope("rms norm backward");
         let rows: usize = lead.iter().product();
         check_len("rms_norm backward", self, rows * d, "x")?;
         check_len("rms_norm backward", g, rows * d, "the gradient")?;
@@ -202,66 +199,52 @@ impl Storage {
             parts.push(e);
         }
         let spans = dw_spans(lead);
-        let (dx, dw) = on_device!(slice &parts => |xs| {
+        Ok(primitive!("rms norm backward", || format!("lead {lead:?} d {d}"), slice &parts => |xs| {
             xs[0].rms_norm_backward(xs[1], xs[2], xs[3], xs.get(4).copied(), &spans, d, want_dx, want_dw)
-        });
-        let outs: Vec<&Storage> = [&dx, &dw].into_iter().flatten().collect();
-        observed("rms norm backward", || format!("lead {lead:?} d {d}"), &outs)?;
-        Ok((dx, dw))
+        }))
     }
 
     /// SwiGLU `silu(self) · up` elementwise (`self` is the gate).
     pub fn swiglu(&self, up: &Storage) -> Result<Storage> {
-        let _prof = crate::profile::scope("swiglu");
         check_len("swiglu", up, self.len(), "up")?;
-        let y = on_device!([self, up] => |a, b| a.swiglu(b));
-        observed("swiglu", || format!("n {}", self.len()), &[&y])?;
-        Ok(y)
+        Ok(primitive!("swiglu", || format!("n {}", self.len()), [self, up] => |a, b| a.swiglu(b)))
     }
 
     /// SwiGLU's backward: `(d_gate, d_up)` from the gate `self`, `up` and the
     /// upstream gradient.
     pub fn swiglu_backward(&self, up: &Storage, g: &Storage) -> Result<(Storage, Storage)> {
-        let _prof = crate::profile::scope("swiglu backward");
         check_len("swiglu backward", up, self.len(), "up")?;
         check_len("swiglu backward", g, self.len(), "the gradient")?;
-        let (da, db) = on_device!([self, up, g] => |a, b, g| a.swiglu_backward(b, g));
-        observed("swiglu backward", || format!("n {}", self.len()), &[&da, &db])?;
-        Ok((da, db))
+        let describe = || format!("n {}", self.len());
+        Ok(primitive!("swiglu backward", describe, [self, up, g] => |a, b, g| a.swiglu_backward(b, g)))
     }
 
     /// RoPE on the rows of `self: (B, t, heads, d)` with the tables `cos,
     /// sin: (t, d)`, into `(B, heads, t, d)` (see the contract; with one head,
     /// row `i` at position `i mod t`).
     pub fn rope(&self, cos: &Storage, sin: &Storage, t: usize, d: usize, heads: usize) -> Result<Storage> {
-        let _prof = crate::profile::scope("rope");
         check_rope(self, cos, sin, t, d, heads)?;
-        let y = on_device!([self, cos, sin] => |x, c, s| x.rope(c, s, t, d, heads));
-        let args = || format!("rows {} t {t} d {d} heads {heads}", self.len() / d.max(1));
-        observed("rope", args, &[&y])?;
-        Ok(y)
+        let describe = || format!("rows {} t {t} d {d} heads {heads}", self.len() / d.max(1));
+        Ok(primitive!("rope", describe, [self, cos, sin] => |x, c, s| x.rope(c, s, t, d, heads)))
     }
 
     /// RoPE's backward from the upstream gradient `self: (B, heads, t, d)`,
     /// into `(B, t, heads, d)`.
     pub fn rope_backward(&self, cos: &Storage, sin: &Storage, t: usize, d: usize, heads: usize) -> Result<Storage> {
-        let _prof = crate::profile::scope("rope backward");
         check_rope(self, cos, sin, t, d, heads)?;
-        let dx = on_device!([self, cos, sin] => |g, c, s| g.rope_backward(c, s, t, d, heads));
-        let args = || format!("rows {} t {t} d {d} heads {heads}", self.len() / d.max(1));
-        observed("rope backward", args, &[&dx])?;
-        Ok(dx)
+        let describe = || format!("rows {} t {t} d {d} heads {heads}", self.len() / d.max(1));
+        Ok(primitive!("rope backward", describe, [self, cos, sin] => |g, c, s| {
+            g.rope_backward(c, s, t, d, heads)
+        }))
     }
 
     /// Softmax cross-entropy of the rows of `self: (rows, v)` against
     /// `targets` (one id `< v` per row); returns `(loss (1), stats (rows, 2))`.
     pub fn cross_entropy(&self, targets: &[u32], v: usize) -> Result<(Storage, Storage)> {
-        let _prof = crate::profile::scope("cross-entropy");
         check_len("cross_entropy", self, targets.len() * v, "the logits")?;
         check_targets(targets, v)?;
-        let (loss, stats) = on_device!([self] => |x| x.cross_entropy(targets, v));
-        observed("cross-entropy", || format!("rows {} v {v}", targets.len()), &[&loss, &stats])?;
-        Ok((loss, stats))
+        let describe = || format!("rows {} v {v}", targets.len());
+        Ok(primitive!("cross-entropy", describe, [self] => |x| x.cross_entropy(targets, v)))
     }
 
     /// Cross-entropy's backward: the logits' gradient `(rows, v)` from the
@@ -273,14 +256,14 @@ impl Storage {
         g: &Storage,
         v: usize,
     ) -> Result<Storage> {
-        let _prof = crate::profile::scope("cross-entropy backward");
         check_len("cross_entropy backward", self, targets.len() * v, "the logits")?;
         check_len("cross_entropy backward", stats, 2 * targets.len(), "stats")?;
         check_len("cross_entropy backward", g, 1, "the upstream gradient")?;
         check_targets(targets, v)?;
-        let dx = on_device!([self, stats, g] => |x, s, g| x.cross_entropy_backward(targets, s, g, v));
-        observed("cross-entropy backward", || format!("rows {} v {v}", targets.len()), &[&dx])?;
-        Ok(dx)
+        let describe = || format!("rows {} v {v}", targets.len());
+        Ok(primitive!("cross-entropy backward", describe, [self, stats, g] => |x, s, g| {
+            x.cross_entropy_backward(targets, s, g, v)
+        }))
     }
 }
 

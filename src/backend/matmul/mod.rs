@@ -28,7 +28,7 @@ mod spec;
 
 use super::pack::Packed;
 use super::round::Format;
-use super::{observed, on_device};
+use super::primitive;
 use super::Storage;
 use crate::{bail, Result};
 
@@ -186,12 +186,12 @@ impl Storage {
 impl Operand {
     /// The contract's matmul; `self` is A, `rhs` is B.
     pub fn matmul(&self, rhs: &Operand, dims: MatmulDims, round: Option<Format>) -> Result<Storage> {
-        let _prof = crate::profile::product_scope(dims.profiled());
         let ((a, ha), (b, hb)) = (self.parts(), rhs.parts());
         let halves = Halves { a: ha, b: hb };
-        let c = on_device!([a, b] => |a, b| a.matmul(b, dims, halves, round));
-        observed("matmul", || dims.describe(round), &[&c])?;
-        Ok(c)
+        let scope = crate::profile::product_scope(dims.profiled());
+        Ok(primitive!(profile scope, "matmul", || dims.describe(round), [a, b] => |a, b| {
+            a.matmul(b, dims, halves, round)
+        }))
     }
 
     /// `addend + self @ rhs`: every output of the contract's matmul with the
@@ -209,11 +209,11 @@ impl Operand {
         if dims.causal != Causal::No || addend.len() != len {
             bail!(Shape, "matmul_add: an addend of {} values for {len} outputs ({:?})", addend.len(), dims.causal);
         }
-        let _prof = crate::profile::product_scope(dims.profiled());
         let ((a, ha), (b, hb)) = (self.parts(), rhs.parts());
         let halves = Halves { a: ha, b: hb };
-        let c = on_device!([a, b, addend] => |a, b, e| a.matmul_add(b, dims, halves, round, e));
-        observed("matmul add", || dims.describe(round), &[&c])?;
-        Ok(c)
+        let scope = crate::profile::product_scope(dims.profiled());
+        Ok(primitive!(profile scope, "matmul add", || dims.describe(round), [a, b, addend] => |a, b, e| {
+            a.matmul_add(b, dims, halves, round, e)
+        }))
     }
 }

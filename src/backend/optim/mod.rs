@@ -31,7 +31,7 @@ pub(crate) mod spec;
 pub(crate) mod gpu;
 
 use super::reduce::fold_partials;
-use super::{observed, observed_value, on_device};
+use super::{observed_value, on_device, primitive};
 use super::{Device, Storage};
 use crate::{bail, Result};
 
@@ -153,21 +153,25 @@ impl Storage {
 
     /// In place: `self *= c` (clipping).
     pub fn scale_in_place(&self, c: f32) -> Result<()> {
-        let _prof = crate::profile::scope("scale in place");
-        on_device!([self] => |x| x.scale_in_place(c));
-        observed("scale in place", || format!("n {} times {c:e}", self.len()), &[self])
+        let describe = || format!("n {} times {c:e}", self.len());
+        primitive!(writes [self], "scale in place", describe, [self] => |x| x.scale_in_place(c));
+        Ok(())
     }
 
     /// In-place AdamW on the parameter `self`, its gradient and moments.
     pub fn adamw_step(&self, grad: &Storage, m: &Storage, v: &Storage, c: &AdamWConsts) -> Result<()> {
-        let _prof = crate::profile::scope("adamw");
         check_len("AdamW", self, &[grad, m, v])?;
-        on_device!([self, grad, m, v] => |p, g, m, v| p.adamw_step(g, m, v, c));
-        let changed: &[&Storage] = match c.grad_scale {
-            Some(_) => &[self, m, v, grad],
-            None => &[self, m, v],
-        };
-        observed("adamw", || format!("n {} {c:?}", self.len()), changed)
+        let describe = || format!("n {} {c:?}", self.len());
+        // with a grad_scale the gradient is scaled in place too
+        match c.grad_scale {
+            Some(_) => primitive!(writes [self, m, v, grad], "adamw", describe, [self, grad, m, v] => |p, g, m, v| {
+                p.adamw_step(g, m, v, c)
+            }),
+            None => primitive!(writes [self, m, v], "adamw", describe, [self, grad, m, v] => |p, g, m, v| {
+                p.adamw_step(g, m, v, c)
+            }),
+        }
+        Ok(())
     }
 
     /// In-place SGD on the parameter `self`.
@@ -180,21 +184,23 @@ impl Storage {
         wd: f32,
         first: bool,
     ) -> Result<()> {
-        let _prof = crate::profile::scope("sgd");
         match buf {
             None => {
                 check_len("SGD", self, &[grad])?;
-                on_device!([self, grad] => |p, g| p.sgd_step(g, None, lr, momentum, wd, first));
-                observed("sgd", || format!("n {} lr {lr:e} wd {wd:e}", self.len()), &[self])?;
+                let describe = || format!("n {} lr {lr:e} wd {wd:e}", self.len());
+                primitive!(writes [self], "sgd", describe, [self, grad] => |p, g| {
+                    p.sgd_step(g, None, lr, momentum, wd, first)
+                })
             }
             Some(b) => {
                 check_len("SGD", self, &[grad, b])?;
-                on_device!([self, grad, b] => |p, g, b| p.sgd_step(g, Some(b), lr, momentum, wd, first));
-                let args = || {
+                let describe = || {
                     let n = self.len();
                     format!("n {n} lr {lr:e} momentum {momentum:e} wd {wd:e} first {first}")
                 };
-                observed("sgd", args, &[self, b])?;
+                primitive!(writes [self, b], "sgd", describe, [self, grad, b] => |p, g, b| {
+                    p.sgd_step(g, Some(b), lr, momentum, wd, first)
+                })
             }
         }
         Ok(())

@@ -28,7 +28,7 @@ pub(crate) mod spec;
 pub(crate) mod gpu;
 
 use super::round::Format;
-use super::{observed, on_device, Storage};
+use super::{primitive, Storage};
 use crate::Result;
 
 /// A buffer of `len` values of `format`, two per 32-bit word.
@@ -52,12 +52,11 @@ impl Storage {
     /// Every value rounded to `fmt` and kept in 16 bits; with it, on the CPU,
     /// the number of values the rounding changed (`None` on the GPU).
     pub fn pack(&self, fmt: Format) -> Result<(Packed, Option<usize>)> {
-        let _prof = crate::profile::scope("pack 16-bit");
         if self.dtype() != super::DType::F32 {
             crate::bail!(Shape, "16-bit storage packs f32 buffers (got {:?})", self.dtype());
         }
-        let (words, changed) = on_device!([self] => |x| x.pack(fmt));
-        observed("pack 16-bit", || format!("{fmt} n {}", self.len()), &[&words])?;
+        let describe = || format!("{fmt} n {}", self.len());
+        let (words, changed) = primitive!("pack 16-bit", describe, [self] => |x| x.pack(fmt));
         let p = Packed {
             format: fmt,
             len: self.len(),
@@ -70,11 +69,8 @@ impl Storage {
 impl Packed {
     /// The float32 values, widened exactly.
     pub fn unpack(&self) -> Result<Storage> {
-        let _prof = crate::profile::scope("unpack 16-bit");
         let (fmt, n) = (self.format, self.len);
-        let y = on_device!([&self.words] => |w| w.unpack(fmt, n));
-        observed("unpack 16-bit", || format!("{fmt} n {n}"), &[&y])?;
-        Ok(y)
+        Ok(primitive!("unpack 16-bit", || format!("{fmt} n {n}"), [&self.words] => |w| w.unpack(fmt, n)))
     }
     /// The format of the values.
     pub fn format(&self) -> Format {

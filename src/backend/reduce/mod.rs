@@ -27,7 +27,7 @@ pub(crate) mod spec;
 #[cfg(feature = "gpu")]
 pub(crate) mod gpu;
 
-use super::{observed, observed_value, on_device};
+use super::{observed_value, on_device, primitive};
 use super::{Device, Storage};
 use crate::Result;
 
@@ -87,26 +87,18 @@ pub trait ReduceOps: Sized {
 impl Storage {
     /// Reduces the middle axis of an `(outer, r, inner)` view to `(outer, inner)`.
     pub fn reduce(&self, op: ReduceOp, outer: usize, r: usize, inner: usize) -> Result<Storage> {
-        let _prof = crate::profile::scope(op.name());
         debug_assert_eq!(outer * r * inner, self.len());
-        let y = on_device!([self] => |x| x.reduce(op, outer, r, inner));
-        observed(op.name(), || format!("({outer}, {r}, {inner}) -> ({outer}, {inner})"), &[&y])?;
-        Ok(y)
+        let describe = || format!("({outer}, {r}, {inner}) -> ({outer}, {inner})");
+        Ok(primitive!(op.name(), describe, [self] => |x| x.reduce(op, outer, r, inner)))
     }
 
     /// Row softmax over the last axis of `(rows, n)` of `x · scale` (`scale >
     /// 0`), with keys after the query position masked when `causal` (see the
     /// contract).
     pub fn softmax_rows(&self, rows: usize, n: usize, scale: f32, causal: bool) -> Result<Storage> {
-        let _prof = crate::profile::scope("softmax");
         debug_assert!(scale > 0.0 && scale.is_finite());
-        let y = on_device!([self] => |x| x.softmax_rows(rows, n, scale, causal));
-        observed(
-            "softmax",
-            || format!("rows {rows} n {n} scale {scale:e} causal {causal}"),
-            &[&y],
-        )?;
-        Ok(y)
+        let describe = || format!("rows {rows} n {n} scale {scale:e} causal {causal}");
+        Ok(primitive!("softmax", describe, [self] => |x| x.softmax_rows(rows, n, scale, causal)))
     }
 
     /// Softmax backward from its output `self` and the upstream gradient,
@@ -118,14 +110,10 @@ impl Storage {
         n: usize,
         scale: f32,
     ) -> Result<Storage> {
-        let _prof = crate::profile::scope("softmax backward");
-        let dx = on_device!([self, grad] => |y, g| y.softmax_rows_backward(g, rows, n, scale));
-        observed(
-            "softmax backward",
-            || format!("rows {rows} n {n} scale {scale:e}"),
-            &[&dx],
-        )?;
-        Ok(dx)
+        let describe = || format!("rows {rows} n {n} scale {scale:e}");
+        Ok(primitive!("softmax backward", describe, [self, grad] => |y, g| {
+            y.softmax_rows_backward(g, rows, n, scale)
+        }))
     }
 
     /// Sum of squares of all elements of all buffers, as f32 (see the
