@@ -575,9 +575,12 @@ fn reduce(sw: &mut Sweep) -> Result<()> {
     let b: Vec<f32> = vec![1e-30, 3.0e19];
     let e: Vec<f32> = vec![];
     let dd: Vec<f32> = (0..1025).map(|_| rng.unif(-1e-20, 1e-20)).collect();
+    // long enough for the CPU's chunks-abreast loop (8 chunks at a time)
+    let long: Vec<f32> = (0..20 * 1024 + 77).map(|_| rng.moderate()).collect();
     for (what, bufs) in [
         ("4 buffers", vec![&a, &b, &e, &dd]),
         ("subnormal squares", vec![&dd]),
+        ("a long buffer", vec![&long, &a]),
     ] {
         let lens: Vec<usize> = bufs.iter().map(|b| b.len()).collect();
         sw.check(
