@@ -106,47 +106,140 @@ fn every_example_named_exists() {
     }
 }
 
-/// The README's CPU `train` lines without `--out` or `--resume` run one after
-/// another in one directory (as a new user types them), each into a new
-/// run directory, with `runs/latest` at the newest; `--resume runs/latest`
-/// then continues that one. Steps are cut to 2 (the README's own step
-/// counts are what each preset trains).
+/// A command line's words, as a shell splits them (double quotes only).
+fn words(line: &str) -> Vec<String> {
+    let (mut out, mut cur, mut quoted, mut any) = (Vec::new(), String::new(), false, false);
+    for c in line.chars() {
+        match c {
+            '"' => (quoted, any) = (!quoted, true),
+            c if c.is_whitespace() && !quoted => {
+                if any {
+                    out.push(std::mem::take(&mut cur));
+                }
+                any = false;
+            }
+            c => (cur, any) = (cur + &c.to_string(), true),
+        }
+    }
+    if any {
+        out.push(cur);
+    }
+    out
+}
+
+/// `n` steps of a README line, cut for the test: a hundredth, at least one
+/// (300 and 600 become 3 and 6, so a resume still finishes and an extension
+/// still extends).
+fn cut(n: &str) -> String {
+    number(n).div_ceil(100).to_string()
+}
+
+/// Every `cargo run --release -- …` line of the README, run one after
+/// another in one fresh directory, as a new user types them: each must
+/// succeed (exit status 0; `crosscheck` then means bit-identical). Step
+/// counts are cut to a hundredth (a line without one runs 2 steps), `train`
+/// skips its closing sample (`--sample-len 0`), a line the README repeats
+/// runs once; the files the lines name (`input.txt`, `my.txt`) are the
+/// embedded corpus. The GPU lines need an adapter (CI has lavapipe). Lines
+/// without `--out` each make a new run directory with `runs/latest` at the
+/// newest, and `--resume runs/latest` continues the first.
 #[test]
-fn the_train_lines_without_out_run_in_order() {
+fn every_command_runs_in_order() {
     let bin = env!("CARGO_BIN_EXE_tinyllm");
+    let gpu = tinyllm::testing::gpu_available();
     let cwd = std::env::temp_dir().join(format!("tinyllm-readme-order-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&cwd);
     std::fs::create_dir_all(&cwd).unwrap();
-    let lines: Vec<Vec<&str>> = README
-        .lines()
-        .filter_map(|l| l.trim().strip_prefix("cargo run --release -- train"))
-        .map(|r| r.split('#').next().unwrap().split_whitespace().collect())
-        // (the GPU line is the crosscheck test's; on lavapipe it takes a minute)
-        .filter(|a: &Vec<&str>| !a.iter().any(|f| ["--out", "--resume", "gpu"].contains(f)))
-        .collect();
-    assert!(lines.len() >= 2, "{lines:?}");
-    let run = |args: &[&str], steps: &str| {
+    let text = tinyllm::train::data::Corpus::embedded();
+    for name in ["input.txt", "my.txt"] {
+        std::fs::write(cwd.join(name), text.tokens.as_slice()).unwrap();
+    }
+    let run = |args: &[String]| {
         let o = std::process::Command::new(bin)
             .current_dir(&cwd)
-            .arg("train")
             .args(args)
-            .args(["--steps", steps, "--sample-len", "0", "--plain"])
             .env_remove("CARGO")
             .output()
             .unwrap();
-        let err = String::from_utf8_lossy(&o.stderr).into_owned();
-        assert!(o.status.success(), "train {args:?}:\n{err}");
+        let (out, err) = (
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr),
+        );
+        assert!(
+            o.status.success(),
+            "tinyllm {args:?}: exit {:?}\n{out}\n{err}",
+            o.status.code()
+        );
     };
-    for (i, args) in lines.iter().enumerate() {
-        run(args, "2");
-        let latest = std::fs::read_link(cwd.join("runs/latest")).unwrap();
-        let dirs = std::fs::read_dir(cwd.join("runs"))
-            .unwrap()
-            .filter(|e| e.as_ref().unwrap().file_type().unwrap().is_dir())
-            .count();
-        assert_eq!(dirs, i + 1, "one new run directory per line");
-        assert!(cwd.join("runs").join(&latest).join("checkpoint").is_dir());
+    let mut fresh = 0;
+    let mut ran = 0;
+    let mut seen = std::collections::HashSet::new();
+    for line in README.lines() {
+        let Some(rest) = line.trim().strip_prefix("cargo run --release -- ") else {
+            continue;
+        };
+        let rest = rest.split('#').next().unwrap().trim();
+        if !seen.insert(rest) {
+            continue;
+        }
+        let mut args = words(rest);
+        let cmd = args[0].clone();
+        let on_gpu =
+            ["bench", "crosscheck"].contains(&cmd.as_str()) || args.iter().any(|a| a == "gpu");
+        if on_gpu && !gpu {
+            continue;
+        }
+        match args.iter().position(|a| a == "--steps") {
+            Some(i) => args[i + 1] = cut(&args[i + 1]),
+            None if ["train", "compare", "crosscheck"].contains(&cmd.as_str()) => {
+                args.extend(["--steps".into(), "2".into()])
+            }
+            None => {}
+        }
+        if let Some(i) = args.iter().position(|a| a == "--crosscheck-every") {
+            args[i + 1] = "1".into();
+        }
+        if cmd == "train" {
+            args.extend(["--sample-len".into(), "0".into()]);
+        }
+        let t = std::time::Instant::now();
+        run(&args);
+        eprintln!(
+            "{:>6.1} s  tinyllm {}",
+            t.elapsed().as_secs_f64(),
+            args.join(" ")
+        );
+        ran += 1;
+        if cmd == "train" && !args.iter().any(|a| a == "--out" || a == "--resume") {
+            fresh += 1;
+            let latest = std::fs::read_link(cwd.join("runs/latest")).unwrap();
+            let dirs = std::fs::read_dir(cwd.join("runs"))
+                .unwrap()
+                .filter(|e| {
+                    let e = e.as_ref().unwrap();
+                    e.file_type().unwrap().is_dir()
+                        && e.file_name().to_string_lossy().starts_with("20")
+                })
+                .count();
+            assert_eq!(dirs, fresh, "one new run directory per line without --out");
+            assert!(cwd.join("runs").join(&latest).join("checkpoint").is_dir());
+            if fresh == 1 {
+                let resume = [
+                    "train",
+                    "--resume",
+                    "runs/latest",
+                    "--steps",
+                    "3",
+                    "--sample-len",
+                    "0",
+                ];
+                run(&resume.map(String::from));
+            }
+        }
     }
-    run(&["--resume", "runs/latest"], "3");
+    assert!(
+        ran >= if gpu { 14 } else { 9 },
+        "only {ran} command lines ran"
+    );
     let _ = std::fs::remove_dir_all(&cwd);
 }

@@ -1511,13 +1511,28 @@ fn every_flag_is_validated_with_what_is_allowed() {
             "{args:?} left a checkpoint behind"
         );
     }
-    // A finished run refuses to "continue" to fewer steps, and a resume may
-    // not change the recipe.
+    // Resuming a finished run to its own length has nothing to do and
+    // changes nothing; to fewer steps it is refused; a resume may not change
+    // the recipe.
     let (ok, _, err) = run_bin(&t(&["--steps", "2", "--sample-len", "0", "--plain"]), &[]);
     assert!(ok, "{err}");
-    let (ok, _, err) = run_bin(&["train", "--resume", o, "--steps", "2"], &[]);
+    let metrics = std::fs::read(out.join("metrics.jsonl")).unwrap();
+    let (ok, _, err) = run_bin(
+        &["train", "--resume", o, "--steps", "2", "--sample-len", "0"],
+        &[],
+    );
     assert!(
-        !ok && err.contains("already at step 2 of 2") && err.contains("larger --steps"),
+        ok && err.contains("already finished at step 2 of 2: nothing to do"),
+        "{err}"
+    );
+    assert_eq!(
+        std::fs::read(out.join("metrics.jsonl")).unwrap(),
+        metrics,
+        "the finished run was touched"
+    );
+    let (ok, _, err) = run_bin(&["train", "--resume", o, "--steps", "1"], &[]);
+    assert!(
+        !ok && err.contains("already at step 2 of 1") && err.contains("larger --steps"),
         "{err}"
     );
     let (ok, _, err) = run_bin(

@@ -608,6 +608,15 @@ pub fn run_checked(
     }
     describe_run(&tr, &corpus, start, progress);
     if tr.step >= cfg.steps {
+        // Resuming a finished run to its own length is done already: say so
+        // and report it, as a run that was never interrupted would have.
+        if own && tr.step == cfg.steps {
+            if let Some(done) = finished_run(&cfg)? {
+                let (s, steps) = (tr.step, cfg.steps);
+                say(progress, &format!("the run already finished at step {s} of {steps}: nothing to do (a larger --steps extends it)"));
+                return Ok(done);
+            }
+        }
         bail!(
             Config,
             "the run is already at step {} of {}: give a larger --steps to continue it",
