@@ -30,6 +30,8 @@ pub enum Error {
     /// The GPU's results differ from the CPU reference's (found by a
     /// cross-check); the message is the report.
     Divergence(String),
+    /// A broken invariant of tinyllm itself (a bug to report, not bad input).
+    Internal(String),
 }
 
 impl Error {
@@ -56,6 +58,10 @@ impl Error {
     /// An [`Error::Numerical`] (non-finite values, a collapsed loss scale) with message `msg`.
     pub fn numerical(msg: impl Into<String>) -> Self {
         Error::Numerical(msg.into())
+    }
+    /// An [`Error::Internal`] (a broken invariant: a bug) carrying the message `msg`.
+    pub fn internal(msg: impl Into<String>) -> Self {
+        Error::Internal(msg.into())
     }
     /// An I/O failure, `context` saying what was being done to which path.
     pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
@@ -87,6 +93,7 @@ impl Error {
             Error::Data(m) => Error::Data(pre(m)),
             Error::Numerical(m) => Error::Numerical(pre(m)),
             Error::Divergence(m) => Error::Divergence(pre(m)),
+            Error::Internal(m) => Error::Internal(pre(m)),
         }
     }
 
@@ -106,6 +113,7 @@ impl Error {
             Error::Data(_) => "Data",
             Error::Numerical(_) => "Numerical",
             Error::Divergence(_) => "Divergence",
+            Error::Internal(_) => "Internal",
         }
     }
 }
@@ -131,7 +139,8 @@ impl fmt::Display for Error {
             | Error::Config(m)
             | Error::Data(m)
             | Error::Numerical(m)
-            | Error::Divergence(m) => f.write_str(m),
+            | Error::Divergence(m)
+            | Error::Internal(m) => f.write_str(m),
             Error::Io { context, source } => write!(f, "{context}: {source}"),
         }
     }

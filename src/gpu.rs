@@ -4,6 +4,6 @@
 
 pub use crate::backend::gpu::{
     adapter, adapter_name, device_peak_bytes, flush, gpu_pool_bytes as pool_bytes,
-    restart_device_peak, sync, AdapterInfo,
+    restart_device_peak, sync, use_backend, AdapterInfo, Backend,
 };
 pub use crate::profile::GpuCounters;

@@ -606,3 +606,60 @@ fn zero_lockstep_steps_are_refused() {
     assert_eq!(code, 2, "{out}\n{err}");
     assert!(err.contains("at least 1 step"), "{err}");
 }
+
+/// Lavapipe through both of its front ends, picked with `--backend`: the
+/// probe and the three-precision lockstep are bit-identical through GL (WGSL
+/// compiled to GLSL) as through Vulkan (hardened SPIR-V, whose float
+/// controls the probe reports); a backend without an adapter is a clear
+/// error (exit 2). (The sweep on GL is CI's `WGPU_BACKEND=gl` run of the
+/// parity tests.)
+#[test]
+fn both_front_ends_of_one_device_give_the_reference_bits() {
+    require_gpu!();
+    let (code, out, err) = run_bin(
+        &[
+            "crosscheck",
+            "--backend",
+            "gl",
+            "--skip-sweep",
+            "--steps",
+            "2",
+        ],
+        &[],
+    );
+    assert_eq!(code, 0, "{out}\n{err}");
+    for s in [
+        "(Gl, ",
+        "shaders   WGSL",
+        "verdict: BIT-IDENTICAL",
+        "fp16  2/2 steps bit-identical",
+    ] {
+        assert!(out.contains(s), "the report lacks {s:?}:\n{out}");
+    }
+    let (code, out, err) = run_bin(
+        &[
+            "crosscheck",
+            "--backend",
+            "vulkan",
+            "--skip-sweep",
+            "--steps",
+            "2",
+        ],
+        &[],
+    );
+    assert_eq!(code, 0, "{out}\n{err}");
+    for s in [
+        "(Vulkan, ",
+        "shaders   SPIR-V passthrough",
+        "granted SignedZeroInfNanPreserve32",
+        "verdict: BIT-IDENTICAL",
+    ] {
+        assert!(out.contains(s), "the report lacks {s:?}:\n{out}");
+    }
+    let (code, _, err) = run_bin(&["crosscheck", "--backend", "metal", "--skip-sweep"], &[]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("no GPU adapter found on the metal backend"),
+        "{err}"
+    );
+}

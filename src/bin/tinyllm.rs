@@ -65,6 +65,10 @@ struct CrosscheckArgs {
     /// Leave out the primitive sweep (probe and lockstep only).
     #[arg(long)]
     skip_sweep: bool,
+    /// The GPU backend to check: vulkan, gl, metal or dx12 (default: the
+    /// first that has an adapter; one device may be reachable through two).
+    #[arg(long)]
+    backend: Option<String>,
     /// Print one JSON object instead of the report.
     #[arg(long)]
     json: bool,
@@ -766,6 +770,12 @@ fn cmd_crosscheck(a: CrosscheckArgs) -> ExitCode {
             None => tinyllm::crosscheck::Options::default().precisions,
         };
         tinyllm::nn::llama::LlamaConfig::preset(&a.preset).map_err(|e| e.context("--preset"))?;
+        if let Some(b) = &a.backend {
+            let b: tinyllm::gpu::Backend = b
+                .parse()
+                .map_err(|e: tinyllm::Error| e.context("--backend"))?;
+            tinyllm::gpu::use_backend(b)?;
+        }
         Ok(tinyllm::crosscheck::Options {
             preset: a.preset.clone(),
             steps: a.steps,

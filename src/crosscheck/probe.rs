@@ -101,6 +101,9 @@ pub struct Probe {
     /// The multiply-add the kernels use: `native` (the device's, fused) or
     /// `soft` (the integer emulation).
     pub fma_path: &'static str,
+    /// How the kernels reach the driver: hardened SPIR-V (with the float
+    /// controls requested and granted) or WGSL, and why.
+    pub shaders: String,
     /// The limits the backend depends on, by wgpu's names.
     pub limits: BTreeMap<&'static str, u64>,
     /// One finding per checked assumption, in a fixed order (`fma_fused` first).
@@ -453,6 +456,7 @@ pub fn run() -> Result<Probe> {
         driver: info.driver,
         driver_info: info.driver_info,
         fma_path: info.fma,
+        shaders: info.shaders,
         limits: BTreeMap::from([
             (
                 "max_storage_buffer_binding_size",

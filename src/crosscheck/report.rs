@@ -213,6 +213,7 @@ impl Report {
             "soft (integer emulation: the device's fma is not fused)"
         };
         let _ = writeln!(s, "fma path  {fma}");
+        let _ = writeln!(s, "shaders   {}", p.shaders);
         let limits: Vec<String> = p.limits.iter().map(|(n, v)| format!("{n} {v}")).collect();
         let _ = writeln!(s, "limits    {}", limits.join(", "));
         for f in &p.findings {

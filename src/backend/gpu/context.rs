@@ -17,6 +17,7 @@
 //! and a `copy_buffer_to_buffer` recorded in the pending encoder, in order.
 
 use super::pipelines::{self, Kernel};
+use super::spirv::{self, FloatControls};
 use bytemuck::Pod;
 use crate::{Error, Result};
 use std::collections::HashMap;
@@ -37,6 +38,8 @@ pub struct Context {
     /// Elements per invocation of the optimizer kernels (optim.wgsl's
     /// `PER_LANE` override), chosen per adapter: see [`optim_per_lane`].
     pub optim_per_lane: u32,
+    /// How kernels reach the driver (see [`Shaders`]).
+    pub shaders: Shaders,
     slot: u64,
     pending: Mutex<Pending>,
     pipelines: Mutex<HashMap<Kernel, wgpu::ComputePipeline>>,
@@ -44,6 +47,85 @@ pub struct Context {
     pub(super) pool: Mutex<super::pool::Pool>,
     /// The first device error seen (validation, out of memory, device lost).
     error: Arc<Mutex<Option<String>>>,
+}
+
+/// How the kernels reach the driver.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Shaders {
+    /// Hardened SPIR-V, passed through (Vulkan; see [`spirv`]): every float
+    /// operation `NoContraction`, and the float-control modes the device
+    /// `granted` of the ones the contract `requested` ([`FloatControls::ALL`]).
+    Spirv { requested: FloatControls, granted: FloatControls },
+    /// WGSL, compiled by wgpu for the backend: nothing forbids a driver to
+    /// contract, flush or assume no inf/NaN (`why` not hardened).
+    Wgsl { why: &'static str },
+}
+
+impl Shaders {
+    /// One line for a report.
+    pub fn describe(&self) -> String {
+        match self {
+            Shaders::Spirv { requested, granted } => format!(
+                "SPIR-V passthrough: NoContraction on every float operation; float controls requested {}, granted {}",
+                requested.names().join(" "),
+                match granted.names() {
+                    g if g.is_empty() => "none".to_string(),
+                    g => g.join(" "),
+                }
+            ),
+            Shaders::Wgsl { why } => format!("WGSL compiled by the backend, not hardened ({why})"),
+        }
+    }
+}
+
+/// The float controls a Vulkan adapter grants for 32-bit floats (none below
+/// Vulkan 1.2, where `SPV_KHR_float_controls` is not core), or `None` when
+/// the adapter is not a Vulkan one.
+#[cfg(any(target_os = "linux", target_os = "windows", target_os = "android", target_os = "freebsd"))]
+fn vulkan_float_controls(adapter: &wgpu::Adapter) -> Option<FloatControls> {
+    use ash::vk;
+    // SAFETY: the hal adapter is only read (its instance and physical device
+    // handles) while `adapter` keeps it alive, and the query writes only the
+    // structs passed to it.
+    unsafe {
+        let hal = adapter.as_hal::<wgpu::hal::api::Vulkan>()?;
+        let instance = hal.shared_instance().raw_instance();
+        let pd = hal.raw_physical_device();
+        if instance.get_physical_device_properties(pd).api_version < vk::API_VERSION_1_2 {
+            return Some(FloatControls::default());
+        }
+        let mut fc = vk::PhysicalDeviceFloatControlsProperties::default();
+        let mut p2 = vk::PhysicalDeviceProperties2::default().push_next(&mut fc);
+        instance.get_physical_device_properties2(pd, &mut p2);
+        Some(FloatControls {
+            signed_zero_inf_nan_preserve: fc.shader_signed_zero_inf_nan_preserve_float32 == vk::TRUE,
+            rounding_mode_rte: fc.shader_rounding_mode_rte_float32 == vk::TRUE,
+            denorm_preserve: fc.shader_denorm_preserve_float32 == vk::TRUE,
+        })
+    }
+}
+
+#[cfg(not(any(target_os = "linux", target_os = "windows", target_os = "android", target_os = "freebsd")))]
+fn vulkan_float_controls(_: &wgpu::Adapter) -> Option<FloatControls> {
+    None
+}
+
+/// The path the kernels take on `adapter`, and the features it needs.
+fn choose_shaders(adapter: &wgpu::Adapter) -> (Shaders, wgpu::Features) {
+    let info = adapter.get_info();
+    if info.backend != wgpu::Backend::Vulkan {
+        return (Shaders::Wgsl { why: "hardened SPIR-V needs the Vulkan backend" }, wgpu::Features::empty());
+    }
+    if !adapter.features().contains(wgpu::Features::PASSTHROUGH_SHADERS) {
+        return (Shaders::Wgsl { why: "the adapter does not offer SPIR-V passthrough" }, wgpu::Features::empty());
+    }
+    match vulkan_float_controls(adapter) {
+        Some(granted) => (
+            Shaders::Spirv { requested: FloatControls::ALL, granted },
+            wgpu::Features::PASSTHROUGH_SHADERS,
+        ),
+        None => (Shaders::Wgsl { why: "the Vulkan adapter could not be queried" }, wgpu::Features::empty()),
+    }
 }
 
 #[derive(Default)]
@@ -55,6 +137,9 @@ struct Pending {
 }
 
 static CONTEXT: OnceLock<std::result::Result<Context, String>> = OnceLock::new();
+
+/// The one backend asked for ([`use_backend`](super::use_backend)), if any.
+pub(super) static PREFERRED: OnceLock<super::Backend> = OnceLock::new();
 
 /// The global context, created on first use.
 pub fn ctx() -> Result<&'static Context> {
@@ -104,8 +189,13 @@ impl Context {
     }
 
     fn create_inner() -> std::result::Result<Context, String> {
-        // Default backends (Vulkan, Metal, DX12, GL); wgpu's WGPU_BACKEND variable may narrow them.
-        let backends = wgpu::Backends::from_env().unwrap_or(wgpu::Backends::all());
+        // The backend asked for, else the default ones (Vulkan, Metal, DX12,
+        // GL), which wgpu's WGPU_BACKEND variable may narrow.
+        let preferred = PREFERRED.get();
+        let backends = match preferred {
+            Some(b) => b.wgpu(),
+            None => wgpu::Backends::from_env().unwrap_or(wgpu::Backends::all()),
+        };
         let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
         desc.backends = backends;
         let instance = wgpu::Instance::new(desc);
@@ -119,6 +209,13 @@ impl Context {
                 .collect::<Vec<_>>()
                 .join(", ")
         };
+        if let (true, Some(b)) = (adapters.is_empty(), preferred) {
+            return Err(format!(
+                "no GPU adapter found on the {} backend (asked for with --backend {})",
+                b.name(),
+                b.name()
+            ));
+        }
         if adapters.is_empty() {
             return Err(
                 "no GPU adapter found: wgpu found no Vulkan, Metal, DX12 or GL device; \
@@ -151,9 +248,13 @@ impl Context {
         let info = adapter.get_info();
         // Ask for everything the adapter offers (large storage buffers above all).
         let limits = adapter.limits();
+        let (shaders, features) = match std::env::var("TINYLLM_GPU_SHADERS").as_deref() {
+            Ok("wgsl") => (Shaders::Wgsl { why: "TINYLLM_GPU_SHADERS=wgsl" }, wgpu::Features::empty()),
+            _ => choose_shaders(&adapter),
+        };
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("tinyllm"),
-            required_features: wgpu::Features::empty(),
+            required_features: features,
             required_limits: limits.clone(),
             experimental_features: wgpu::ExperimentalFeatures::disabled(),
             memory_hints: wgpu::MemoryHints::Performance,
@@ -195,6 +296,7 @@ impl Context {
         }
         Ok(Context {
             optim_per_lane: optim_per_lane(&info),
+            shaders,
             device,
             queue,
             info,
@@ -232,6 +334,18 @@ impl Context {
         // Validation errors of shader/pipeline creation are caught in a scope
         // (on this thread, synchronously) and become an Error, not a panic.
         let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
+        if let Shaders::Spirv { granted, .. } = self.shaders {
+            let p = self.spirv_pipeline(k, granted);
+            if let Some(e) = pollster::block_on(scope.pop()) {
+                return Err(Error::device(format!(
+                    "GPU kernel {}::{entry} failed to compile: {e}",
+                    family.name
+                )));
+            }
+            let p = p?;
+            self.pipelines.lock().unwrap().insert(*k, p.clone());
+            return Ok(p);
+        }
         let module = {
             let mut mods = self.modules.lock().unwrap();
             mods.entry(family.name)
@@ -266,6 +380,63 @@ impl Context {
         }
         self.pipelines.lock().unwrap().insert(*k, p.clone());
         Ok(p)
+    }
+
+    /// `k` as hardened SPIR-V (see [`spirv`]) with the float controls the
+    /// device `granted`, its bind-group layout from naga's reflection.
+    fn spirv_pipeline(&self, k: &Kernel, granted: FloatControls) -> Result<wgpu::ComputePipeline> {
+        let src = pipelines::compose(k.family, self.native_fma);
+        let c = spirv::compile(&src, k.entry, &k.constants(), granted)?;
+        if c.hardened.modes != granted {
+            return Err(Error::internal(format!("kernel {}: the float controls were not declared", k.entry)));
+        }
+        let entry = wgpu::PassthroughShaderEntryPoint {
+            name: k.entry.into(),
+            workgroup_size: (c.workgroup_size[0], c.workgroup_size[1], c.workgroup_size[2]),
+        };
+        // SAFETY: the words are naga's own SPIR-V for this entry point (naga
+        // validated the module), with decorations and execution modes added
+        // that spirv-val accepts (a test checks every kernel) and only the
+        // modes the device reports it supports.
+        let module = unsafe {
+            self.device.create_shader_module_passthrough(wgpu::ShaderModuleDescriptorPassthrough {
+                label: Some(k.entry),
+                entry_points: vec![entry].into(),
+                spirv: Some(c.words.into()),
+                ..Default::default()
+            })
+        };
+        let entries: Vec<wgpu::BindGroupLayoutEntry> = c
+            .bindings
+            .iter()
+            .map(|b| wgpu::BindGroupLayoutEntry {
+                binding: b.binding,
+                visibility: wgpu::ShaderStages::COMPUTE,
+                ty: wgpu::BindingType::Buffer {
+                    ty: match b.storage {
+                        Some(read_only) => wgpu::BufferBindingType::Storage { read_only },
+                        None => wgpu::BufferBindingType::Uniform,
+                    },
+                    has_dynamic_offset: false,
+                    min_binding_size: None,
+                },
+                count: None,
+            })
+            .collect();
+        let bgl = self.device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor { label: None, entries: &entries });
+        let layout = self.device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+            label: None,
+            bind_group_layouts: &[Some(&bgl)],
+            immediate_size: 0,
+        });
+        Ok(self.device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+            label: Some(k.entry),
+            layout: Some(&layout),
+            module: &module,
+            entry_point: Some(k.entry),
+            compilation_options: wgpu::PipelineCompilationOptions::default(),
+            cache: None,
+        }))
     }
 
     /// Records one dispatch of `k` over `groups` workgroups. `params` (the

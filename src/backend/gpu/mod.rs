@@ -18,6 +18,7 @@ pub mod context;
 pub mod pipelines;
 pub mod pool;
 pub mod probe;
+pub mod spirv;
 
 use super::MAX_DIMS;
 use crate::memory::Ticket;
@@ -70,6 +71,67 @@ pub struct AdapterInfo {
     pub software: bool,
     /// "native" when the device's `fma` is exactly fused, else "soft" (emulated).
     pub fma: &'static str,
+    /// How the kernels reach the driver: hardened SPIR-V with the float
+    /// controls requested and granted, or WGSL and why.
+    pub shaders: String,
+}
+
+/// A graphics API the GPU backend can run on (wgpu's backends). Lavapipe is
+/// reachable through two of them — Vulkan and, through Mesa's GL, GL — and
+/// the adapter's name does not tell them apart.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    /// Vulkan (Linux, Windows, Android): kernels as hardened SPIR-V.
+    Vulkan,
+    /// OpenGL (ES), through wgpu's GLSL: a second shader front end.
+    Gl,
+    /// Metal (macOS, iOS).
+    Metal,
+    /// Direct3D 12 (Windows).
+    Dx12,
+}
+
+impl Backend {
+    /// As `--backend` spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Vulkan => "vulkan",
+            Backend::Gl => "gl",
+            Backend::Metal => "metal",
+            Backend::Dx12 => "dx12",
+        }
+    }
+    pub(crate) fn wgpu(self) -> wgpu::Backends {
+        match self {
+            Backend::Vulkan => wgpu::Backends::VULKAN,
+            Backend::Gl => wgpu::Backends::GL,
+            Backend::Metal => wgpu::Backends::METAL,
+            Backend::Dx12 => wgpu::Backends::DX12,
+        }
+    }
+}
+
+impl std::str::FromStr for Backend {
+    type Err = crate::Error;
+    fn from_str(s: &str) -> Result<Backend> {
+        match s {
+            "vulkan" => Ok(Backend::Vulkan),
+            "gl" => Ok(Backend::Gl),
+            "metal" => Ok(Backend::Metal),
+            "dx12" => Ok(Backend::Dx12),
+            _ => crate::bail!(Config, "unknown GPU backend {s:?}: expected vulkan, gl, metal or dx12"),
+        }
+    }
+}
+
+/// Runs the GPU backend on `backend` only (else every backend wgpu offers,
+/// or those `WGPU_BACKEND` names). Must come before the first GPU use: an
+/// error once the device exists.
+pub fn use_backend(backend: Backend) -> Result<()> {
+    if context::PREFERRED.set(backend).is_err() || context::ctx_if_created().is_some() {
+        crate::bail!(Config, "the GPU backend is chosen before the GPU is first used");
+    }
+    Ok(())
 }
 
 /// The adapter the GPU backend uses, creating the device on first call.
@@ -82,6 +144,7 @@ pub fn adapter() -> Result<AdapterInfo> {
         driver_info: c.info.driver_info.clone(),
         software: c.info.device_type == wgpu::DeviceType::Cpu,
         fma: if c.native_fma { "native" } else { "soft" },
+        shaders: c.shaders.describe(),
     })
 }
 
