@@ -197,7 +197,7 @@ impl Report {
         let p = &self.probe;
         let _ = writeln!(
             s,
-            "tinyllm {} crosscheck: is this GPU bit-exact with the CPU reference?\n",
+            "tinyllm {} crosscheck: is this GPU bit-exact with the reference (the spec, the CPU)?\n",
             self.tinyllm
         );
         let _ = writeln!(s, "== device probe");
@@ -339,7 +339,7 @@ impl Report {
         if v.bit_identical {
             let _ = writeln!(
                 s,
-                "verdict: BIT-IDENTICAL: every check gave the CPU reference's bits{}",
+                "verdict: BIT-IDENTICAL: every check gave the reference's bits{}",
                 if v.known_differences.is_empty() {
                     String::new()
                 } else {
