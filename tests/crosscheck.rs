@@ -167,6 +167,7 @@ fn the_probe_on_this_adapter() {
         let fma = p.findings.iter().find(|f| f.check == "fma_fused").unwrap();
         assert_eq!(fma.status, Status::Handled);
         assert!(fma.known_difference.is_some());
+        assert_eq!(p.subnormals, "kept", "the start-up probe agrees");
     }
 }
 
