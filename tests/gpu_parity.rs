@@ -74,7 +74,7 @@ fn vals(s: &Storage) -> Vec<f32> {
 fn sweep_family(device: Device, f: Family) {
     let rows = sweep::run(&[device], &[f], &mut |_| {}).unwrap();
     assert!(!rows.is_empty());
-    let fused = device == Device::Cpu || tinyllm::backend::gpu::fma_mode().unwrap() == "native";
+    let fused = device == Device::Cpu || tinyllm::backend::gpu::adapter().unwrap().fma_fused;
     let mut failures = Vec::new();
     for r in &rows {
         eprintln!(
@@ -461,7 +461,19 @@ fn reports_the_adapter() {
     require_gpu!();
     let name = tinyllm::backend::gpu::adapter_name().unwrap();
     let fma = tinyllm::backend::gpu::fma_mode().unwrap();
-    eprintln!("GPU adapter: {name}; fma: {fma}");
+    let a = tinyllm::backend::gpu::adapter().unwrap();
+    eprintln!(
+        "GPU adapter: {name}; fma: {fma} (fused: {}); subnormals: {}",
+        a.fma_fused, a.subnormals
+    );
+    if std::env::var("TINYLLM_GPU_FMA").is_err() {
+        // the route follows the probe's fma finding alone
+        assert_eq!(fma == "native", a.fma_fused);
+    }
+    if name.contains("llvmpipe") {
+        assert!(!a.fma_fused, "lavapipe's fma is not fused");
+        assert_eq!(a.subnormals, "kept", "lavapipe keeps subnormals");
+    }
     assert!(!name.is_empty());
 }
 

@@ -12,6 +12,7 @@
 //! (the device's own `/`, `sqrt`, `exp`) are reported for information.
 
 use super::hex;
+use crate::backend::gpu::arith;
 use crate::backend::gpu::context::ctx;
 use crate::backend::gpu::probe::{self as device, ProbeOp};
 use crate::crosscheck::cases::same;
@@ -104,6 +105,9 @@ pub struct Probe {
     /// How the kernels reach the driver: hardened SPIR-V (with the float
     /// controls requested and granted) or WGSL, and why.
     pub shaders: String,
+    /// What the start-up probe found of f32 subnormals under `*`, `+` and
+    /// `fma`: `kept` or `flushed` (the findings `subnormal_*` say where).
+    pub subnormals: &'static str,
     /// The limits the backend depends on, by wgpu's names.
     pub limits: BTreeMap<&'static str, u64>,
     /// One finding per checked assumption, in a fixed order (`fma_fused` first).
@@ -140,22 +144,11 @@ fn with(op: ProbeOp, v: &[[f32; 3]]) -> Cases {
     v.iter().map(|&x| (op, x)).collect()
 }
 
-/// Triples whose fused and unfused results differ (inexact products,
-/// cancellation, a subnormal result, an overflowing product): the start-up
-/// probe's, plus more.
+/// Triples whose fused and unfused results differ, on normal operands with
+/// normal results (so a device that fuses but flushes subnormals passes): the
+/// start-up probe's ([`arith::fused_fma_cases`]).
 fn fma_triples() -> Vec<[f32; 3]> {
-    vec![
-        [1.0 + p2(-12), 1.0 + p2(-12), -1.0],
-        [1.0 + p2(-23), 1.0 - p2(-23), -1.0],
-        [0.1, 10.0, -1.0],
-        [1.0 / 3.0, 3.0, -1.0],
-        [1.234_567_9, 7.654_321, -9.449_772],
-        [p2(-70) * 1.5, p2(-70) * 1.25, p2(-140)],
-        [p2(-75) * 1.000_000_1, p2(-75), -p2(-149)],
-        [3.0e38, 2.0, -3.0e38],
-        [-0.0, 5.0, 0.0],
-        [p2(64), p2(64), -1.5 * p2(127)],
-    ]
+    arith::fused_fma_cases()
 }
 
 /// Every finding's cases, assumption and what follows when it fails.
@@ -179,22 +172,43 @@ fn checks(native_fma: bool) -> Vec<Check> {
             format!(
                 "results can differ wherever {what} meets f32 subnormals (|x| < 2^-126): \
                  the device flushes them to zero, the contract keeps gradual underflow \
-                 (exp, softmax and division of tiny values, gradients that underflow)"
+                 (tiny activations, gradients that underflow, products of small values); \
+                 the crate's division, square root, exp and log and the bf16/fp16 roundings \
+                 take integer steps where subnormals occur and are not affected"
             ),
         )
     };
-    let mut subnormal_fma = with(
-        Fma,
+    // The device's fma on triples whose fma is the same fused or not (the
+    // start-up probe's: subnormals alone), and the kernels' fma_c on those and
+    // on subnormal results that need the fusion (fma_c is fused either way).
+    let exact = arith::subnormal_cases();
+    let mut subnormal_fma = with(Fma, &exact);
+    subnormal_fma.extend(with(FmaC, &exact));
+    subnormal_fma.extend(with(
+        FmaC,
         &[
-            [p2(-70), p2(-70), 0.0],
-            [smid, 1.0, s1],
-            [s1, 1.0, 0.0],
-            [min, 0.5, 0.0],
-            [p2(-100), p2(-40), -p2(-141)],
+            [p2(-70) * 1.5, p2(-70) * 1.25, p2(-140)],
+            [p2(-75) * 1.000_000_1, p2(-75), -p2(-149)],
         ],
+    ));
+    let fma_route = if native_fma {
+        "the kernels keep the device's fma (fma_c), as it is fused: the integer fma would keep \
+         the subnormals of the multiply-adds alone, not those of the kernels' own * and +, at \
+         ten times the cost of all f32 work; so f32 multiply-adds whose values fall below \
+         2^-126 (matmul sums, the optimizers' updates) can differ"
+    } else {
+        "the kernels' f32 multiply-adds use fma_c = the integer emulation (the device's fma is \
+         not fused), which keeps subnormals; the device's own fma remains"
+    };
+    let subnormal_fma_failure = (
+        Status::Differs,
+        format!(
+            "the device's fma flushes f32 subnormals (|x| < 2^-126): {fma_route}; the rounded \
+             (bf16/fp16) matmuls always use the device's fma, so their outputs can differ \
+             wherever a product or a running sum falls below 2^-126 (no guarded path is taken \
+             for them)"
+        ),
     );
-    let fmac: Cases = subnormal_fma.iter().map(|&(_, v)| (FmaC, v)).collect();
-    subnormal_fma.extend(fmac);
     let unfused_caveat =
         "rounded (bf16/fp16) matmuls use the device's fma for speed, which is exact \
          when the product of two rounded operands is exact in f32; a bf16 product that \
@@ -204,7 +218,7 @@ fn checks(native_fma: bool) -> Vec<Check> {
     vec![
         Check {
             key: "fma_fused",
-            assumption: "fma(a, b, c) is one correctly rounded operation (fused)",
+            assumption: "fma(a, b, c) is one correctly rounded operation (fused), on normal operands",
             cases: with(Fma, &fma_triples()),
             on_failure: (
                 if native_fma {
@@ -227,7 +241,7 @@ fn checks(native_fma: bool) -> Vec<Check> {
         },
         Check {
             key: "fma_contract",
-            assumption: "the kernels' fma_c is one correctly rounded fma, subnormals and overflow included",
+            assumption: "the kernels' fma_c is one correctly rounded fma on normal operands, overflow included",
             cases: with(FmaC, &fma_triples()),
             on_failure: (
                 Status::Differs,
@@ -271,7 +285,7 @@ fn checks(native_fma: bool) -> Vec<Check> {
             key: "subnormal_fma",
             assumption: "fma (the device's and fma_c) keeps subnormal operands and results",
             cases: subnormal_fma,
-            on_failure: flush("a multiply-add"),
+            on_failure: subnormal_fma_failure,
             on_success: Status::Holds,
         },
         Check {
@@ -281,7 +295,14 @@ fn checks(native_fma: bool) -> Vec<Check> {
                 Div,
                 &[[smid, 1.0, 0.0], [1.0, 1.5 * p2(127), 0.0], [s1, 2.0, 0.0], [sub(3), 2.0, 0.0], [smax, min, 0.0], [1e-38, 3.0, 0.0], [smax, 3.0, 0.0], [3.0, smid, 0.0]],
             ),
-            on_failure: flush("a division"),
+            on_failure: (
+                Status::Differs,
+                "the crate's division takes its exponents in and out by integer steps and works \
+                 on mantissas in [1, 2), so no subnormal meets float arithmetic in it: a failure \
+                 here is a device fault beyond flushing, and every division (softmax, norms, \
+                 AdamW) can differ"
+                    .into(),
+            ),
             on_success: Status::Holds,
         },
         Check {
@@ -457,6 +478,7 @@ pub fn run() -> Result<Probe> {
         driver_info: info.driver_info,
         fma_path: info.fma,
         shaders: info.shaders,
+        subnormals: info.subnormals,
         limits: BTreeMap::from([
             (
                 "max_storage_buffer_binding_size",
@@ -486,4 +508,50 @@ pub fn run() -> Result<Probe> {
         ]),
         findings,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(native_fma: bool, key: &str) -> Check {
+        checks(native_fma)
+            .into_iter()
+            .find(|c| c.key == key)
+            .unwrap_or_else(|| panic!("no check {key}"))
+    }
+
+    /// The fusion checks ask about fusion alone: no subnormal operand or
+    /// result, so a device that fuses but flushes passes them.
+    #[test]
+    fn the_fusion_checks_stay_in_the_normal_range() {
+        let subnormal = |x: f32| x != 0.0 && x.abs() < f32::MIN_POSITIVE;
+        for key in ["fma_fused", "fma_contract"] {
+            for (op, [a, b, c]) in check(false, key).cases {
+                let r = op.reference(a, b, c);
+                assert!(
+                    ![a, b, c, r].into_iter().any(subnormal),
+                    "{key}: {op:?}({a:e}, {b:e}, {c:e})"
+                );
+            }
+        }
+    }
+
+    /// A flushing device's subnormal fma finding names the route the
+    /// backend takes — the device's fused fma kept, or the integer one — and
+    /// the rounded matmuls, which use the device's fma either way.
+    #[test]
+    fn the_subnormal_fma_finding_names_the_route() {
+        let native = check(true, "subnormal_fma").on_failure;
+        let soft = check(false, "subnormal_fma").on_failure;
+        assert_eq!((native.0, soft.0), (Status::Differs, Status::Differs));
+        assert!(native.1.contains("keep the device's fma"), "{}", native.1);
+        assert!(soft.1.contains("integer emulation"), "{}", soft.1);
+        for text in [&native.1, &soft.1] {
+            assert!(
+                text.contains("bf16/fp16") && text.contains("2^-126"),
+                "{text}"
+            );
+        }
+    }
 }

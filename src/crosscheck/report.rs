@@ -214,6 +214,11 @@ impl Report {
         };
         let _ = writeln!(s, "fma path  {fma}");
         let _ = writeln!(s, "shaders   {}", p.shaders);
+        let _ = writeln!(
+            s,
+            "subnormals {} (start-up probe: *, + and fma; a fused fma is kept either way)",
+            p.subnormals
+        );
         let limits: Vec<String> = p.limits.iter().map(|(n, v)| format!("{n} {v}")).collect();
         let _ = writeln!(s, "limits    {}", limits.join(", "));
         for f in &p.findings {

@@ -279,7 +279,7 @@ pub fn run(
     progress: &mut dyn FnMut(Family),
 ) -> Result<Vec<Row>> {
     let unfused = match devices.contains(&Device::Gpu) {
-        true => (crate::backend::gpu::fma_mode()? == "soft").then(|| {
+        true => (!crate::backend::gpu::adapter()?.fma_fused).then(|| {
             "this device's fma is not fused (the probe's fma_fused): rounded matmuls use it, \
              exact only for products inside f32's normal range"
                 .to_string()

@@ -1,7 +1,9 @@
 // elementwise.wgsl — unary and broadcasting binary ops (needs mathlib + cast).
 // Every op is the CPU reference's (elementwise/cpu.rs `unary_t` / `binary_t`)
-// expression for expression. 1-D problems use a 2-D grid of 64-wide
-// workgroups (65535 groups per dimension at most): i = grid_index(wg, groups, lane).
+// expression for expression, but where a result is decided on bits instead, to
+// the same bits (abs; sigmoid where exp overflows, in mathlib's m_sigmoid).
+// 1-D problems use a 2-D grid of 64-wide workgroups (65535 groups per
+// dimension at most): i = grid_index(wg, groups, lane).
 
 // ---- unary: x: (n) -> y: (n) ----
 
@@ -26,16 +28,21 @@ fn unary_elem(x: f32, op: u32, c: f32, fmt: u32) -> f32 {
         case U_SQRT: { return m_sqrt(x); }
         case U_RSQRT: { return m_div(1.0, m_sqrt(x)); }
         case U_RECIP: { return m_div(1.0, x); }
-        case U_SIGMOID: { return m_div(1.0, 1.0 + m_exp(-0.0 - x)); }
-        case U_SILU: { return x * m_div(1.0, 1.0 + m_exp(-0.0 - x)); }
+        case U_SIGMOID: { return m_sigmoid(x); }
+        case U_SILU: { return x * m_sigmoid(x); }
         case U_SILU_GRAD: {
-            let s = m_div(1.0, 1.0 + m_exp(-0.0 - x));
+            let s = m_sigmoid(x);
             // s * (1 + x * (1 - s)) = s * fma_c(x, 1 - s, 1)
             return s * fma_c(x, 1.0 - s, 1.0);
         }
         case U_ABS: {
-            if x < 0.0 || (x == 0.0 && m_div(1.0, x) < 0.0) {
-                return -0.0 - x;
+            // -0 - x for x < 0 and x = -0, else x (NaN kept as it is): the
+            // sign bit cleared, decided on bits. (Testing -0 by 1 / x < 0
+            // compared a constant infinity; a negative subnormal through
+            // -0 - x would meet a flushing subtraction.)
+            let b = bitcast<u32>(x);
+            if (b & 0x80000000u) != 0u && !is_nan_bits(b) {
+                return bitcast<f32>(b & 0x7fffffffu);
             }
             return x;
         }

@@ -17,10 +17,6 @@ fn sep(p: f32, zero: u32) -> f32 {
     return bitcast<f32>(bitcast<u32>(p) | zero);
 }
 
-fn f_neg_inf() -> f32 {
-    return bitcast<f32>(0xff800000u);
-}
-
 // ---- RMSNorm: x: (rows, d), w: (d) -> y: (rows, d), rstd: (rows) ----
 // ss = Σ x·x (ascending from -0), r = div(1, sqrt(div(ss, d) + eps)), y = (x·r)·w.
 
@@ -317,7 +313,10 @@ fn rope_backward(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) 
 }
 
 // ---- cross-entropy, per row: x: (rows, v), targets: (rows) u32 -> stats: (rows, 2), row losses: (rows) ----
-// m = max of the row (from -inf, maximum_c, ascending), S = Σ exp(x - m), p = (x_t - m) - log(S).
+// m = max of the row (from x_0, then maximum_c over x_1.. ascending: never from
+// a constant -inf, which a compiler assuming no infinities may fold; the same
+// bits, as maximum(-inf, x_0) = x_0; v >= 1 as every row has a target),
+// S = Σ exp(x - m), p = (x_t - m) - log(S).
 
 struct CeParams {
     rows: u32,
@@ -342,8 +341,8 @@ fn cross_entropy_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgro
     let v = ce_prm.v;
     let z = ce_prm.zero;
     let base = row * v;
-    var m = f_neg_inf();
-    for (var j = 0u; j < v; j++) {
+    var m = ce_x[base];
+    for (var j = 1u; j < v; j++) {
         m = maximum_c(m, ce_x[base + j]);
     }
     var s = -0.0;

@@ -59,8 +59,10 @@
 //!   `narrow` (its gradient padded with `+0` in front), the first half's
 //!   (padded behind) — and adding a `+0` pad turns a −0 into +0.
 //! * **`cross_entropy`** `x: (rows, v)`, `targets: (rows)` ids `< v` ->
-//!   `loss: (1)`, `stats: (rows, 2)`, per row: `m = max_j x_j` (from −inf,
-//!   `maximum`, ascending), `S = Σ_j exp(x_j − m)`,
+//!   `loss: (1)`, `stats: (rows, 2)`, per row: `m = max_j x_j` (`m = x_0`,
+//!   then `m = maximum(m, x_j)` for `j = 1..` ascending: never from a constant
+//!   −inf, the same bits as `maximum(−inf, x_0) = x_0`; `v ≥ 1`, as every row
+//!   has a target), `S = Σ_j exp(x_j − m)`,
 //!   `p = (x_t − m) − log(S)`; then `loss = −0 − div(Σ_i p_i, rows)`.
 //!   `stats` row `i` is `(m, S)`, kept for the backward. This is the
 //!   composition `log_softmax`, gather of the targets, `sum`, `div_scalar`,

@@ -143,7 +143,7 @@ impl FusedOps for SpecStorage {
         let (mut stats, mut ps) = (Vec::with_capacity(2 * rows), Vec::with_capacity(rows));
         for (i, &t) in targets.iter().enumerate() {
             let row = &x[i * v..(i + 1) * v];
-            let m = row.iter().fold(f32::NEG_INFINITY, |m, &xj| maximum(m, xj));
+            let m = row[1..].iter().fold(row[0], |m, &xj| maximum(m, xj));
             let s = sum(row.iter().map(|&xj| exp(xj - m)));
             ps.push((row[t as usize] - m) - log(s));
             stats.extend([m, s]);

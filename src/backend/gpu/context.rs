@@ -16,6 +16,7 @@
 //! old contents): they go through a fresh mapped-at-creation staging buffer
 //! and a `copy_buffer_to_buffer` recorded in the pending encoder, in order.
 
+use super::arith::{self, ArithFindings};
 use super::pipelines::{self, Kernel};
 use super::spirv::{self, FloatControls};
 use bytemuck::Pod;
@@ -33,8 +34,11 @@ pub struct Context {
     pub queue: wgpu::Queue,
     pub info: wgpu::AdapterInfo,
     pub limits: wgpu::Limits,
-    /// The device's `fma` is exactly fused (else kernels use `fma_soft`).
+    /// The kernels' `fma_c` is the device's `fma` (else `fma_soft`): see
+    /// [`arith::native_fma`].
     pub native_fma: bool,
+    /// What the start-up probe found of the device's `fma` and subnormals.
+    pub arith: ArithFindings,
     /// Elements per invocation of the optimizer kernels (optim.wgsl's
     /// `PER_LANE` override), chosen per adapter: see [`optim_per_lane`].
     pub optim_per_lane: u32,
@@ -283,11 +287,13 @@ impl Context {
             }
         });
         let slot = SLOT.max(limits.min_storage_buffer_offset_alignment as u64);
-        let native_fma = match std::env::var("TINYLLM_GPU_FMA").as_deref() {
-            Ok("soft") => false,
-            Ok("native") => true,
-            _ => probe_native_fma(&device, &queue)?,
+        let found = probe_arith(&device, &queue)?;
+        let forced = match std::env::var("TINYLLM_GPU_FMA").as_deref() {
+            Ok("soft") => Some(false),
+            Ok("native") => Some(true),
+            _ => None,
         };
+        let native_fma = arith::native_fma(found, forced);
         if let Some(e) = &*error.lock().unwrap_or_else(|p| p.into_inner()) {
             return Err(format!(
                 "GPU adapter {:?} failed its start-up probe: {e}",
@@ -302,6 +308,7 @@ impl Context {
             info,
             limits,
             native_fma,
+            arith: found,
             slot,
             pending: Mutex::new(Pending::default()),
             pipelines: Mutex::new(HashMap::new()),
@@ -703,31 +710,21 @@ fn optim_per_lane(info: &wgpu::AdapterInfo) -> u32 {
     }
 }
 
-/// Runs the device's own WGSL `fma` on triples whose fused and unfused results
-/// differ (inexact products, cancellation, subnormal results) and compares with
-/// Rust's `f32::mul_add` (always a true fma). `Ok(true)` only if every bit agrees.
-fn probe_native_fma(
+/// Runs the device's own WGSL `fma`, `*` and `+` on the start-up probe's
+/// cases ([`arith::fused_fma_cases`], [`arith::subnormal_cases`]) and
+/// compares with the contract's results (Rust's `f32::mul_add` is always a
+/// true fma): whether `fma` is fused, and whether subnormals survive.
+fn probe_arith(
     device: &wgpu::Device,
     queue: &wgpu::Queue,
-) -> std::result::Result<bool, String> {
-    let e = |k: i32| 2f32.powi(k);
-    let triples: Vec<[f32; 3]> = vec![
-        [1.0 + e(-12), 1.0 + e(-12), -1.0],
-        [1.0 + e(-23), 1.0 - e(-23), -1.0],
-        [0.1, 10.0, -1.0],
-        [1.0 / 3.0, 3.0, -1.0],
-        [1.234_567_9, 7.654_321, -9.449_772],
-        [e(-70) * 1.5, e(-70) * 1.25, e(-140)], // subnormal result
-        [e(-75) * 1.000_000_1, e(-75), -e(-149)], // rounding in the subnormal range
-        [3.0e38, 2.0, -3.0e38],                 // product overflows, sum does not
-        [-0.0, 5.0, 0.0],
-    ];
+) -> std::result::Result<ArithFindings, String> {
+    let (fused, sub) = (arith::fused_fma_cases(), arith::subnormal_cases());
     let mut data: Vec<f32> = Vec::new();
-    for t in &triples {
-        data.extend_from_slice(&[t[0], t[1], t[2], 0.0]);
+    for t in fused.iter().chain(&sub) {
+        data.extend_from_slice(&[t[0], t[1], t[2], 0.0, 0.0, 0.0]);
     }
     let buf = device.create_buffer(&wgpu::BufferDescriptor {
-        label: Some("fma probe"),
+        label: Some("arithmetic probe"),
         size: (data.len() * 4) as u64,
         usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
         mapped_at_creation: true,
@@ -741,11 +738,11 @@ fn probe_native_fma(
     }
     buf.unmap();
     let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
-        label: Some("fma probe"),
-        source: wgpu::ShaderSource::Wgsl(pipelines::FMA_PROBE.into()),
+        label: Some("arithmetic probe"),
+        source: wgpu::ShaderSource::Wgsl(arith::ARITH_PROBE.into()),
     });
     let pipeline = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-        label: Some("fma probe"),
+        label: Some("arithmetic probe"),
         layout: None,
         module: &module,
         entry_point: Some("probe"),
@@ -761,7 +758,7 @@ fn probe_native_fma(
         }],
     });
     let staging = device.create_buffer(&wgpu::BufferDescriptor {
-        label: Some("fma probe readback"),
+        label: Some("arithmetic probe readback"),
         size: (data.len() * 4) as u64,
         usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
         mapped_at_creation: false,
@@ -784,16 +781,17 @@ fn probe_native_fma(
     });
     device
         .poll(wgpu::PollType::wait_indefinitely())
-        .map_err(|e| format!("GPU fma probe failed: {e}"))?;
+        .map_err(|e| format!("GPU arithmetic probe failed: {e}"))?;
     match rx.recv() {
         Ok(Ok(())) => {}
-        _ => return Err("GPU fma probe failed: could not read the result back".to_string()),
+        _ => return Err("GPU arithmetic probe failed: could not read the result back".to_string()),
     }
     let got: Vec<f32> =
         bytemuck::pod_collect_to_vec(&staging.get_mapped_range(..).map_err(|e| e.to_string())?);
     staging.unmap();
-    Ok(triples
-        .iter()
-        .enumerate()
-        .all(|(i, t)| got[4 * i + 3].to_bits() == t[0].mul_add(t[1], t[2]).to_bits()))
+    let results: Vec<[f32; 3]> = got
+        .chunks_exact(6)
+        .map(|c| [c[3], c[4], c[5]])
+        .collect();
+    Ok(arith::findings(&fused, &sub, &results))
 }

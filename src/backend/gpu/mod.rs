@@ -9,11 +9,15 @@
 //! download, the loss scaler's finite flag, norm partials).
 //!
 //! The contract's fused multiply-add is `fma_c` in WGSL: the device's `fma`
-//! when a start-up probe shows it is exactly fused, otherwise an integer
-//! emulation (`math/fma.wgsl`). Lavapipe's `fma` is not fused, so there the
-//! emulation is used (slower matmuls, the same bits). `TINYLLM_GPU_FMA=soft`
-//! or `=native` overrides the probe; `TINYLLM_ADAPTER=<substring>` picks an adapter.
+//! when a start-up probe ([`arith`]) shows it is exactly fused, otherwise an
+//! integer emulation (`math/fma.wgsl`). Lavapipe's `fma` is not fused, so
+//! there the emulation is used (slower matmuls, the same bits). The probe
+//! also asks, apart, whether f32 subnormals survive `*`, `+` and `fma`; a
+//! fused `fma` is kept whatever the answer (see [`arith`]).
+//! `TINYLLM_GPU_FMA=soft` or `=native` overrides the choice;
+//! `TINYLLM_ADAPTER=<substring>` picks an adapter.
 
+pub mod arith;
 pub mod context;
 pub mod pipelines;
 pub mod pool;
@@ -69,11 +73,17 @@ pub struct AdapterInfo {
     pub driver_info: String,
     /// A CPU-based software implementation (Mesa's lavapipe, SwiftShader).
     pub software: bool,
-    /// "native" when the device's `fma` is exactly fused, else "soft" (emulated).
+    /// "native" when the kernels use the device's `fma` (it is exactly
+    /// fused, or `TINYLLM_GPU_FMA=native`), else "soft" (emulated).
     pub fma: &'static str,
     /// How the kernels reach the driver: hardened SPIR-V with the float
     /// controls requested and granted, or WGSL and why.
     pub shaders: String,
+    /// The start-up probe found the device's `fma` fused (on normal operands).
+    pub fma_fused: bool,
+    /// "kept" when f32 subnormals survived `*`, `+` and `fma` in the start-up
+    /// probe, else "flushed".
+    pub subnormals: &'static str,
 }
 
 /// A graphics API the GPU backend can run on (wgpu's backends). Lavapipe is
@@ -145,6 +155,8 @@ pub fn adapter() -> Result<AdapterInfo> {
         software: c.info.device_type == wgpu::DeviceType::Cpu,
         fma: if c.native_fma { "native" } else { "soft" },
         shaders: c.shaders.describe(),
+        fma_fused: c.arith.fma_fused,
+        subnormals: if c.arith.subnormals_kept { "kept" } else { "flushed" },
     })
 }
 
@@ -181,7 +193,8 @@ pub fn buffer_copy(src: &GpuStorage, dst: &GpuStorage) -> Result<()> {
 }
 
 /// Whether kernels use the device's own `fma` ("native", probed to be exactly
-/// fused) or the integer emulation of `math/fma.wgsl` ("soft").
+/// fused) or the integer emulation of `math/fma.wgsl` ("soft"); the choice is
+/// [`arith::native_fma`]'s.
 pub fn fma_mode() -> Result<&'static str> {
     Ok(adapter()?.fma)
 }

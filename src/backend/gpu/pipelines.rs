@@ -133,19 +133,6 @@ pub fn compose(f: &Family, native_fma: bool) -> String {
     s
 }
 
-/// Kernel of the start-up probe: `d[4i+3] = fma(d[4i], d[4i+1], d[4i+2])` with
-/// the device's own `fma` (operands from a buffer, so nothing can be folded).
-pub const FMA_PROBE: &str = "
-@group(0) @binding(0) var<storage, read_write> d: array<f32>;
-@compute @workgroup_size(1)
-fn probe() {
-    let n = arrayLength(&d) / 4u;
-    for (var i = 0u; i < n; i++) {
-        d[4u * i + 3u] = fma(d[4u * i], d[4u * i + 1u], d[4u * i + 2u]);
-    }
-}
-";
-
 /// `gpu_params! { /// doc  pub struct Name { field: u32, .. } }`: a
 /// `#[repr(C)]` [`bytemuck::Pod`] struct mirroring the WGSL struct `Name`,
 /// with its [`ParamsLayout`] as `Name::LAYOUT`.
@@ -171,11 +158,15 @@ pub(crate) use gpu_params;
 mod tests {
     use super::*;
 
-    /// Every family as composed for both fma variants (and the fma probe)
+    /// Every family as composed for both fma variants (and the start-up probe)
     /// parses and validates with naga, and every entry point exists.
     #[test]
     fn every_shader_validates_with_naga() {
-        let mut sources = vec![("fma probe".to_string(), FMA_PROBE.to_string(), vec!["probe"])];
+        let mut sources = vec![(
+            "arithmetic probe".to_string(),
+            crate::backend::gpu::arith::ARITH_PROBE.to_string(),
+            vec!["probe"],
+        )];
         for f in crate::backend::gpu_families() {
             for native in [false, true] {
                 sources.push((
@@ -201,6 +192,220 @@ mod tests {
                 );
             }
         }
+    }
+
+    use naga::{Expression as E, Statement as S};
+    use std::collections::HashSet;
+
+    /// Every statement of `block`, those of nested blocks included.
+    fn statements<'a>(block: &'a naga::Block, out: &mut Vec<&'a naga::Statement>) {
+        for st in block.iter() {
+            out.push(st);
+            match st {
+                S::Block(b) => statements(b, out),
+                S::If { accept, reject, .. } => {
+                    statements(accept, out);
+                    statements(reject, out);
+                }
+                S::Switch { cases, .. } => cases.iter().for_each(|c| statements(&c.body, out)),
+                S::Loop { body, continuing, .. } => {
+                    statements(body, out);
+                    statements(continuing, out);
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// The functions of `module`, entry points included, by name.
+    fn functions(module: &naga::Module) -> Vec<(String, &naga::Function)> {
+        let named = |f: &naga::Function| f.name.clone().unwrap_or_default();
+        module
+            .functions
+            .iter()
+            .map(|(_, f)| (named(f), f))
+            .chain(module.entry_points.iter().map(|ep| (ep.name.clone(), &ep.function)))
+            .collect()
+    }
+
+    /// Whether `h` in `arena` is a constant infinity or NaN: a float literal,
+    /// the bitcast of an integer literal (or of a named constant) to f32, a
+    /// named constant holding one, a select between such, or the result of a
+    /// call to one of `returners`.
+    fn nonfinite(
+        module: &naga::Module,
+        arena: &naga::Arena<naga::Expression>,
+        h: naga::Handle<naga::Expression>,
+        returners: &HashSet<naga::Handle<naga::Function>>,
+    ) -> bool {
+        let bits = |h: naga::Handle<naga::Expression>| -> Option<u32> {
+            let lit = |e: &naga::Expression| match *e {
+                E::Literal(naga::Literal::U32(b)) => Some(b),
+                E::Literal(naga::Literal::I32(i)) => Some(i as u32),
+                E::Literal(naga::Literal::AbstractInt(i)) => Some(i as u32),
+                _ => None,
+            };
+            match arena[h] {
+                E::Constant(c) => lit(&module.global_expressions[module.constants[c].init]),
+                ref e => lit(e),
+            }
+        };
+        match arena[h] {
+            E::Literal(naga::Literal::F32(v)) => !v.is_finite(),
+            E::As { expr, kind: naga::ScalarKind::Float, convert: None } => {
+                bits(expr).is_some_and(|b| !f32::from_bits(b).is_finite())
+            }
+            E::Constant(c) => {
+                let init = module.constants[c].init;
+                nonfinite(module, &module.global_expressions, init, returners)
+            }
+            E::Select { accept, reject, .. } => {
+                nonfinite(module, arena, accept, returners) || nonfinite(module, arena, reject, returners)
+            }
+            E::CallResult(f) => returners.contains(&f),
+            _ => false,
+        }
+    }
+
+    /// Where `module` computes with a constant infinity or NaN: as an operand
+    /// of arithmetic, a comparison or a built-in, a call's argument, or a
+    /// local variable's value (a starting value or a mask) — through a
+    /// function that returns one, too. Returning one or storing one to a
+    /// buffer is no computation. The math prelude's functions (`prelude`:
+    /// `m_exp`, `m_div`, `fma_soft`, …) return IEEE special results, inf for
+    /// an overflow, NaN for an invalid operation, as bit patterns; their
+    /// callers are not held to account for those (finite inputs that
+    /// overflow are not the identities and masks this guards against).
+    fn constant_nonfinite_uses(module: &naga::Module, prelude_fns: &HashSet<String>) -> Vec<String> {
+        let mut returners = HashSet::new();
+        loop {
+            let before = returners.len();
+            for (h, f) in module.functions.iter() {
+                if prelude_fns.contains(f.name.as_deref().unwrap_or_default()) {
+                    continue;
+                }
+                let mut st = Vec::new();
+                statements(&f.body, &mut st);
+                if st.iter().any(|s| {
+                    matches!(s, S::Return { value: Some(v) } if nonfinite(module, &f.expressions, *v, &returners))
+                }) {
+                    returners.insert(h);
+                }
+            }
+            if returners.len() == before {
+                break;
+            }
+        }
+        let mut found = Vec::new();
+        for (name, f) in functions(module) {
+            let bad = |h| nonfinite(module, &f.expressions, h, &returners);
+            for (h, e) in f.expressions.iter() {
+                let operands: Vec<naga::Handle<naga::Expression>> = match *e {
+                    E::Binary { left, right, .. } => vec![left, right],
+                    E::Unary { expr, .. } | E::Relational { argument: expr, .. } => vec![expr],
+                    E::Math { arg, arg1, arg2, arg3, .. } => [Some(arg), arg1, arg2, arg3].into_iter().flatten().collect(),
+                    _ => vec![],
+                };
+                if operands.into_iter().any(bad) {
+                    found.push(format!("{name}: {:?} computes with a constant inf/NaN", f.expressions[h]));
+                }
+            }
+            let mut st = Vec::new();
+            statements(&f.body, &mut st);
+            for s in st {
+                match s {
+                    S::Call { function, arguments, .. } if arguments.iter().any(|&a| bad(a)) => {
+                        let callee = module.functions[*function].name.clone().unwrap_or_default();
+                        found.push(format!("{name}: calls {callee} with a constant inf/NaN"));
+                    }
+                    S::Store { pointer, value } if bad(*value) => {
+                        let mut p = *pointer;
+                        while let E::Access { base, .. } | E::AccessIndex { base, .. } = f.expressions[p] {
+                            p = base;
+                        }
+                        if matches!(f.expressions[p], E::LocalVariable(_)) {
+                            found.push(format!("{name}: a local variable holds a constant inf/NaN"));
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            for (_, v) in f.local_variables.iter() {
+                if v.init.is_some_and(bad) {
+                    found.push(format!("{name}: local {:?} starts from a constant inf/NaN", v.name));
+                }
+            }
+        }
+        found
+    }
+
+    /// The names of the math prelude's functions.
+    fn prelude_functions() -> HashSet<String> {
+        let module = naga::front::wgsl::parse_str(&prelude(false)).expect("the prelude parses");
+        functions(&module).into_iter().map(|(n, _)| n).chain(["fma_c".to_string()]).collect()
+    }
+
+    /// No kernel computes with a constant infinity or NaN (a shader compiler
+    /// may assume there are none and fold such arithmetic away): maxima start
+    /// from a loaded value, masked softmax keys are +0 directly, an empty max
+    /// is stored as bits. The check itself finds the patterns it is for.
+    #[test]
+    fn no_kernel_computes_with_a_constant_infinity() {
+        let prelude_fns = prelude_functions();
+        let mut found = Vec::new();
+        for f in crate::backend::gpu_families() {
+            let module = naga::front::wgsl::parse_str(&compose(f, false)).expect("parses");
+            found.extend(constant_nonfinite_uses(&module, &prelude_fns).into_iter().map(|v| format!("{}: {v}", f.name)));
+        }
+        assert!(found.is_empty(), "{found:#?}");
+        // the former patterns: a max from -inf, a masked value returned as -inf
+        let old = "
+            @group(0) @binding(0) var<storage, read_write> y: array<f32>;
+            fn masked(x: f32, j: u32) -> f32 {
+                if j > 3u { return bitcast<f32>(0xff800000u); }
+                return x;
+            }
+            fn big(a: f32, b: f32) -> f32 { return select(a, b, b > a); }
+            @compute @workgroup_size(1)
+            fn k() {
+                var m = bitcast<f32>(0xff800000u);
+                for (var j = 0u; j < 8u; j++) { m = big(m, y[j]); }
+                y[0] = exp(masked(y[1], 5u) - m);
+                y[1] = bitcast<f32>(0xff800000u);
+            }";
+        let module = naga::front::wgsl::parse_str(old).expect("parses");
+        let caught = constant_nonfinite_uses(&module, &prelude_fns);
+        assert_eq!(caught.len(), 2, "{caught:#?}");
+    }
+
+    /// `frexp_abs` and `scale2` (the exponents in and out of the math
+    /// library) take no float arithmetic: every operation in them is on
+    /// integers, so a device that flushes subnormals cannot change them.
+    #[test]
+    fn exponent_steps_take_no_float_arithmetic() {
+        let module = naga::front::wgsl::parse_str(&prelude(false)).expect("parses");
+        let info = naga::valid::Validator::new(naga::valid::ValidationFlags::all(), naga::valid::Capabilities::all())
+            .validate(&module)
+            .expect("validates");
+        let mut checked = 0;
+        for (h, f) in module.functions.iter() {
+            let name = f.name.as_deref().unwrap_or_default();
+            if !["frexp_abs", "scale2"].contains(&name) {
+                continue;
+            }
+            let float = |e: naga::Handle<naga::Expression>| info[h][e].ty.inner_with(&module.types).scalar_kind() == Some(naga::ScalarKind::Float);
+            for (e, x) in f.expressions.iter() {
+                let arithmetic = match *x {
+                    E::Binary { left, .. } => float(left),
+                    E::Unary { expr, .. } => float(expr),
+                    E::Math { arg, .. } => float(arg),
+                    _ => false,
+                };
+                assert!(!arithmetic, "{name}: float arithmetic {x:?} ({e:?})");
+                checked += 1;
+            }
+        }
+        assert!(checked > 40, "{checked} expressions");
     }
 
     /// Each `#[repr(C)]` parameter struct has its WGSL twin's size and the

@@ -13,6 +13,12 @@
 //   two, or an operand of an fma), so a compiler fusing it could not change bits;
 // * special values (NaN, ±inf, ±0) are decided on bit patterns before any
 //   arithmetic (WGSL has no isNan, and fast-math compilers may fold x != x);
+// * no float arithmetic where a device may flush subnormals and an integer
+//   route exists: frexp_abs and scale2 (the exponent in and out of every
+//   division, square root, exp and log) work on the bits alone;
+// * no arithmetic on a constant infinity or NaN on a path that finite inputs
+//   take (a compiler assuming no inf/NaN may fold it): m_sigmoid returns the
+//   results of exp's overflow and NaN by bits instead of adding 1 to them;
 // * constants are written as hex float literals of the exact f32 the Rust
 //   constant expression produces (e.g. -8f32/17f32), never as decimal
 //   expressions that a WGSL compiler would evaluate in higher precision.
@@ -70,16 +76,39 @@ fn is_nonfinite_bits(b: u32) -> bool {
     return (b & 0x7f800000u) == 0x7f800000u;
 }
 
-// 2^n for n in -126..=127, built from bits.
-fn pow2i(n: i32) -> f32 {
-    return bitcast<f32>(u32(n + 127) << 23u);
-}
-
-// x * 2^n for n in -252..=254, as two exact power-of-two products (only the
-// second can round, when the result is subnormal).
+// x * 2^n, correctly rounded (nearest, ties to even), in integer steps on the
+// bits alone: no float arithmetic, so a device that flushes subnormals cannot
+// change it. Precondition: x normal, ±0, ±inf or NaN (a subnormal x reads as a
+// zero), |n| < 2^30; the callers pass a normal x near 1. ±0, ±inf and NaN
+// come back as they are. A normal result moves the exponent field; a field
+// past 254 is ±inf; a subnormal result shifts the 24-bit significand right by
+// 1 - f (clamped to 25, where the value is below half the smallest subnormal:
+// WGSL shifts by 32 or more are invalid) and rounds to nearest even on the
+// bits shifted out (a significand that rounds up to 2^23 is the smallest
+// normal, as encoded).
 fn scale2(x: f32, n: i32) -> f32 {
-    let n1 = n / 2; // truncates toward zero, like Rust's i32 division
-    return x * pow2i(n1) * pow2i(n - n1);
+    let b = bitcast<u32>(x);
+    let field = i32((b >> 23u) & 0xffu);
+    if field == 0 || field == 255 {
+        return x;
+    }
+    let sign = b & 0x80000000u;
+    let f = field + n;
+    if f >= 255 {
+        return bitcast<f32>(sign | 0x7f800000u);
+    }
+    if f >= 1 {
+        return bitcast<f32>(sign | (u32(f) << 23u) | (b & 0x007fffffu));
+    }
+    let sig = (b & 0x007fffffu) | 0x00800000u;
+    let s = u32(min(1 - f, 25));
+    var q = sig >> s;
+    let rem = sig & ((1u << s) - 1u);
+    let half = 1u << (s - 1u);
+    if rem > half || (rem == half && (q & 1u) == 1u) {
+        q = q + 1u;
+    }
+    return bitcast<f32>(sign | q);
 }
 
 struct Frexp {
@@ -88,16 +117,19 @@ struct Frexp {
 }
 
 // Splits a finite, non-zero |x| into (m, e), m in [1, 2), |x| = m * 2^e. For
-// ±0, ±inf and NaN m is still in [1, 2) (callers discard the result).
+// ±0, ±inf and NaN m is still in [1, 2) (callers discard the result; ±0 gives
+// m = 1, e = -151). Integer steps only: a subnormal is normalised by shifting
+// its leading bit up to the implicit bit (a leading-zero count), never by a
+// float multiply a flushing device would turn into 0.
 fn frexp_abs(x: f32) -> Frexp {
     var bits = bitcast<u32>(x) & 0x7fffffffu;
-    var e_adj = 0;
+    var s = 0u;
     if bits < 0x00800000u {
-        // Subnormal: scale by 2^24 first (exact) so the exponent field is meaningful.
-        bits = bitcast<u32>(bitcast<f32>(bits) * 16777216.0);
-        e_adj = -24;
+        // Subnormal: shift 1..=23 (zero: 24, which leaves field 0).
+        s = countLeadingZeros(bits) - 8u;
+        bits = bits << s;
     }
-    let e = i32(bits >> 23u) - 127 + e_adj;
+    let e = i32(bits >> 23u) - 127 - i32(s);
     let m = bitcast<f32>((bits & 0x007fffffu) | 0x3f800000u);
     return Frexp(m, e);
 }
@@ -280,9 +312,21 @@ fn m_log(x: f32) -> f32 {
     return fma_c(ef, LN2_HI, fma_c(ef, LN2_LO, lm));
 }
 
-// 1 / (1 + e^-x), with -x written -0.0 - x like the CPU's unary ops.
+// 1 / (1 + e^-x), with -x written -0.0 - x like the CPU's unary ops. Where
+// e^-x overflows (a finite x below -88.72) the formula is div(1, 1 + inf) =
+// +0, and for a NaN x it is div(1, 1 + NaN) = the quiet NaN: both are returned
+// from exp's bits, so no arithmetic sees the constant inf or NaN m_exp
+// returns (the same bits as the formula, which the Rust twin computes).
 fn m_sigmoid(x: f32) -> f32 {
-    return m_div(1.0, 1.0 + m_exp(-0.0 - x));
+    let t = m_exp(-0.0 - x);
+    let tb = bitcast<u32>(t);
+    if tb == 0x7f800000u {
+        return 0.0;
+    }
+    if is_nan_bits(tb) {
+        return bitcast<f32>(QNAN);
+    }
+    return m_div(1.0, 1.0 + t);
 }
 
 // x * sigmoid(x) (SiLU, the Llama MLP's gate activation).

@@ -6,11 +6,14 @@
 //! `fma.wgsl` emulates a fused multiply-add where a device lacks one) produce the same bits. Nothing here calls a platform `exp`, `ln`
 //! or a hardware divide whose accuracy a GPU driver may relax.
 //!
-//! Three rules keep the twins identical:
+//! Four rules keep the twins identical:
 //! * every multiply that feeds an add is an explicit `mul_add` here and an
 //!   explicit `fma` in WGSL, so a compiler's contraction choices never matter;
 //! * special values (NaN, ±inf, ±0) are decided on bit patterns, in the same
 //!   priority on both sides;
+//! * exponents go in and out by integer steps on the bits (`frexp_abs`,
+//!   [`scale2`]): no subnormal ever meets float arithmetic, so a GPU that
+//!   flushes subnormals gives the same bits;
 //! * the main path is the same sequence of operations on both sides.
 //!
 //! The WGSL returns early on special values; here every function is written
@@ -48,30 +51,63 @@ fn sel(c: bool, a: u32, b: u32) -> u32 {
     }
 }
 
-/// `2^n` for `n` in `-126..=127`, built from bits.
-#[inline(always)]
-pub fn pow2i(n: i32) -> f32 {
-    f32::from_bits((n.wrapping_add(127) as u32) << 23)
-}
-
-/// `x * 2^n` for `n` in `-252..=254`, as two exact power-of-two products (only
-/// the second can round, when the result is subnormal).
+/// `x · 2^n`, correctly rounded (to nearest, ties to even), in integer steps
+/// on the bit pattern alone — no float arithmetic, so a device that flushes
+/// subnormals (inputs or results of `*`) cannot change it.
+///
+/// Precondition: `x` is normal, ±0, ±inf or NaN (a subnormal `x` is not
+/// supported: its field 0 reads as a zero), and `|n| < 2^30`; the callers pass
+/// a normal `x` near 1 (`div`'s quotient, `exp`'s polynomial, `sqrt`'s
+/// root). ±0, ±inf and NaN come back as they are.
+///
+/// * a normal result: the exponent field moves by `n`, the significand is kept;
+/// * a field past 254: ±inf;
+/// * a subnormal result (field `f = field + n <= 0`): the 24-bit significand
+///   shifted right by `1 − f` (clamped to 25: below that the value is under
+///   half the smallest subnormal), rounded to nearest even on the bits shifted
+///   out. A significand that rounds up to 2^23 is the smallest normal, as
+///   encoded — adding to the bit pattern carries into the exponent field.
+///
+/// The former float version, `x · 2^(n/2) · 2^(n − n/2)`, rounded once (the
+/// first product is exact for the callers' `x`), so the bits are the same
+/// (`scale2_is_the_float_formula_wherever_that_is_correctly_rounded`).
 #[inline(always)]
 pub fn scale2(x: f32, n: i32) -> f32 {
-    let n1 = n / 2;
-    x * pow2i(n1) * pow2i(n - n1)
+    let b = x.to_bits();
+    let sign = b & 0x8000_0000;
+    let field = ((b >> 23) & 0xff) as i32;
+    let f = field + n;
+    let normal = sign | ((f as u32 & 0xff) << 23) | (b & 0x007f_ffff);
+    let sig = (b & 0x007f_ffff) | 0x0080_0000;
+    let s = (1 - f).clamp(1, 25) as u32;
+    let q = sig >> s;
+    let rem = sig & ((1 << s) - 1);
+    let half = 1 << (s - 1);
+    let up = (rem > half || (rem == half && q & 1 == 1)) as u32;
+    let mut out = sel(f <= 0, sign | (q + up), normal);
+    out = sel(f >= 255, sign | INF, out);
+    out = sel(field == 0 || field == 255, b, out);
+    f32::from_bits(out)
 }
 
 /// Splits `|x|` into `(m, e)` with `m` in `[1, 2)` and `|x| = m * 2^e` when `x`
 /// is finite and non-zero; for other inputs `m` is still in `[1, 2)` and `e`
 /// within `-151..=128` (meaningless, and discarded by the callers).
+///
+/// Integer steps only: a subnormal is normalised by shifting its significand
+/// left until its leading bit reaches the implicit bit (a leading-zero count),
+/// so a device that flushes subnormal inputs of `*` cannot change it. (The
+/// former version multiplied a subnormal by 2^24 in float arithmetic; the
+/// results are the same for every input, ±0 included: `m = 1`, `e = −151`.)
 #[inline(always)]
 fn frexp_abs(x: f32) -> (f32, i32) {
     let bits = x.to_bits() & 0x7fff_ffff;
-    // Subnormal: scale by 2^24 first (exact) so the exponent field is meaningful.
+    // Subnormal or zero: the shift that puts the leading bit at bit 23, 1..=23
+    // (24 for zero, which leaves 0: field 0, e = -151).
     let sub = bits < 0x0080_0000;
-    let bits = sel(sub, (f32::from_bits(bits) * 16_777_216.0).to_bits(), bits);
-    let e = ((bits >> 23) as i32) - 127 - if sub { 24 } else { 0 };
+    let s = sel(sub, bits.leading_zeros().wrapping_sub(8), 0);
+    let bits = bits << s;
+    let e = ((bits >> 23) as i32) - 127 - s as i32;
     let m = f32::from_bits((bits & 0x007f_ffff) | 0x3f80_0000);
     (m, e)
 }
@@ -376,7 +412,11 @@ pub mod avx2 {
     use std::arch::x86_64::*;
 
     /// [`exp`] of each lane: its steps in its order (clamp, reduce, the
-    /// polynomial, `scale2` as two power-of-two products, then the selects).
+    /// polynomial, `scale2`, then the selects). `scale2` is two float
+    /// products by powers of two here: the first is exact for `exp`'s `p`
+    /// and `n`, the second rounds once, as the integer `scale2` does — the
+    /// same bits on the CPU, which keeps subnormals (no FTZ/DAZ);
+    /// `exp_lanes_equals_exp_bit_for_bit` checks every subnormal result.
     #[target_feature(enable = "avx2,fma")]
     #[inline]
     pub fn exp(xv: __m256) -> __m256 {
@@ -462,8 +502,8 @@ pub mod avx512 {
         for c in &EXP_POLY[1..] {
             p = _mm512_fmadd_ps(p, r, f(*c));
         }
-        // scale2(p, n) in one instruction: p·2^n rounded once, as scale2's
-        // two products round (the first, by 2^(n/2), is exact)
+        // scale2(p, n) in one instruction: p·2^n rounded once, as scale2
+        // rounds (to nearest even, subnormals kept)
         let out = _mm512_scalef_ps(p, n);
         let out = _mm512_mask_blend_ps(_mm512_cmp_ps_mask::<_CMP_LT_OQ>(xv, f(EXP_LO)), out, _mm512_setzero_ps());
         let out = _mm512_mask_blend_ps(_mm512_cmp_ps_mask::<_CMP_GT_OQ>(xv, f(EXP_HI)), out, f(f32::INFINITY));
@@ -556,6 +596,158 @@ mod tests {
 
     fn ulps(a: f32, b: f32) -> u32 {
         (a.to_bits() as i64 - b.to_bits() as i64).unsigned_abs() as u32
+    }
+
+    /// The former `scale2`: two float products by powers of two (the first
+    /// exact for the callers' `x`, the second rounding once).
+    fn scale2_float(x: f32, n: i32) -> f32 {
+        let pow2 = |k: i32| f32::from_bits(((k + 127) as u32) << 23);
+        let n1 = n / 2;
+        x * pow2(n1) * pow2(n - n1)
+    }
+
+    /// The former `frexp_abs`: a subnormal multiplied by 2^24 in float arithmetic.
+    fn frexp_abs_float(x: f32) -> (f32, i32) {
+        let bits = x.to_bits() & 0x7fff_ffff;
+        let sub = bits < 0x0080_0000;
+        let bits = if sub { (f32::from_bits(bits) * 16_777_216.0).to_bits() } else { bits };
+        let e = ((bits >> 23) as i32) - 127 - if sub { 24 } else { 0 };
+        (f32::from_bits((bits & 0x007f_ffff) | 0x3f80_0000), e)
+    }
+
+    /// `x · 2^n` rounded once to nearest even: exact in f64 (24 bits times a
+    /// power of two well inside its range), then one rounding to f32.
+    fn scale2_exact(x: f32, n: i32) -> f32 {
+        (x as f64 * 2f64.powi(n)) as f32
+    }
+
+    /// Mantissas for the sweeps: a stride through [1, 2), the ends, the ties
+    /// of every subnormal shift (low bits 10…0, 10…1, 01…1) and a few more.
+    fn mantissas() -> Vec<u32> {
+        let mut m: Vec<u32> = (0..1u32 << 23).step_by(97).collect();
+        m.extend([0, 1, 2, 3, 0x7f_ffff, 0x7f_fffe, 0x40_0000, 0x40_0001, 0x3f_ffff, 0x20_0000, 0x60_0000]);
+        for k in 0..23 {
+            m.extend([1 << k, (1 << k) | 1, (1 << k) - 1, (1 << k) + (1 << (k + 1)), 0x7f_ffff ^ (1 << k)]);
+        }
+        m
+    }
+
+    /// The integer `scale2` is `x · 2^n` correctly rounded for every `n` of
+    /// the range, `x` across [1, 2) (both signs) and [1/2, 1); and it is the
+    /// float formula's bits wherever that one rounds once — which it does for
+    /// every `x` in [1, 2) (checked: no pair there differs).
+    #[test]
+    fn scale2_is_the_float_formula_wherever_that_is_correctly_rounded() {
+        let mut pairs = 0usize;
+        for m in mantissas() {
+            for (field, sign) in [(127u32, 0u32), (127, 0x8000_0000), (126, 0)] {
+                let x = f32::from_bits(sign | (field << 23) | m);
+                for n in -252..=254 {
+                    let (got, want, old) = (scale2(x, n), scale2_exact(x, n), scale2_float(x, n));
+                    assert_eq!(got.to_bits(), want.to_bits(), "scale2({x:e}, {n})");
+                    if field == 127 || old.to_bits() == want.to_bits() {
+                        assert_eq!(got.to_bits(), old.to_bits(), "scale2({x:e}, {n}) against the float formula");
+                    }
+                    pairs += 1;
+                }
+            }
+        }
+        assert!(pairs > 20_000_000);
+        // x of other binades, far shifts, and the special values
+        for (x, n) in [(f32::MAX, -300), (f32::MIN_POSITIVE, 300), (1.5, -1000), (1.5, 1000), (-3.0, -149), (6.0, -151)] {
+            assert_eq!(scale2(x, n).to_bits(), scale2_exact(x, n).to_bits(), "scale2({x:e}, {n})");
+        }
+        for x in [0.0f32, -0.0, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, f32::from_bits(0xffc0_1234)] {
+            for n in [-252, -1, 0, 1, 254] {
+                assert_eq!(scale2(x, n).to_bits(), x.to_bits(), "scale2({x:e}, {n})");
+            }
+        }
+    }
+
+    /// The integer `frexp_abs` gives the float version's `(m, e)` for every
+    /// subnormal (and ±0), a stride of normals and the special values.
+    #[test]
+    fn frexp_abs_is_the_float_version_for_every_subnormal() {
+        let same = |b: u32| {
+            let x = f32::from_bits(b);
+            let (got, old) = (frexp_abs(x), frexp_abs_float(x));
+            assert_eq!((got.0.to_bits(), got.1), (old.0.to_bits(), old.1), "frexp_abs({b:#010x})");
+        };
+        (0..0x0080_0000u32).for_each(same);
+        (0..=u32::MAX / 4099).map(|i| i * 4099).for_each(same);
+        for b in [0x8000_0000, 0x8000_0001, 0x807f_ffff, 0x0080_0000, 0x7f7f_ffff, 0x7f80_0000, 0xff80_0000, 0x7fc0_0000, 0xffff_ffff] {
+            same(b);
+        }
+        assert_eq!(frexp_abs(0.0), (1.0, -151), "zero: the value the callers discard");
+    }
+
+    /// Runs `f` with this thread's x86 FTZ and DAZ flags set — subnormal
+    /// results of `* + −` and `fma` written as zero, subnormal operands read as
+    /// zero: what a flushing GPU does — and restores the flags after.
+    #[cfg(target_arch = "x86_64")]
+    fn flushing<R>(f: impl FnOnce() -> R) -> R {
+        let mut old = 0u32;
+        // SAFETY: stmxcsr / ldmxcsr store and load this thread's MXCSR through
+        // valid pointers; the flags change only how subnormals are treated.
+        // `f` takes its inputs through `black_box` and gives its results to
+        // it, so its float work is ordered between the two loads.
+        unsafe { std::arch::asm!("stmxcsr [{}]", in(reg) &mut old, options(nostack)) };
+        let on = old | 0x8040;
+        unsafe { std::arch::asm!("ldmxcsr [{}]", in(reg) &on, options(nostack)) };
+        let r = f();
+        unsafe { std::arch::asm!("ldmxcsr [{}]", in(reg) &old, options(nostack)) };
+        r
+    }
+
+    /// The exponent steps (`frexp_abs`, `scale2`) take no float arithmetic,
+    /// so flushing subnormals changes none of their results, nor those of the
+    /// division, square root, exp and log built on them, where subnormals are
+    /// operands or results: every value here is the same with FTZ and DAZ set
+    /// as without. (The former float steps fail it: DAZ reads a subnormal as
+    /// 0 in `x · 2^24`, FTZ writes `scale2`'s subnormal products as 0.)
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn exponent_steps_survive_flushed_subnormals() {
+        use std::hint::black_box;
+        let subs: Vec<f32> = (1..0x0080_0000u32).map(f32::from_bits).collect();
+        let run = || {
+            let mut out: Vec<(&'static str, u32, u32)> = Vec::new();
+            let mut put = |what, x: f32, y: u32| out.push((what, x.to_bits(), black_box(y)));
+            for &x in black_box(&subs) {
+                let x = black_box(x);
+                let (m, e) = frexp_abs(x);
+                put("frexp_abs m", x, m.to_bits());
+                put("frexp_abs e", x, e as u32);
+            }
+            for &x in black_box(&subs).iter().step_by(61) {
+                let x = black_box(x);
+                put("div(x, 3)", x, div(x, 3.0).to_bits());
+                put("div(x, 0.7)", x, div(x, 0.7).to_bits());
+                put("div(1, x)", x, div(1.0, x).to_bits());
+                put("div(x, min normal)", x, div(x, f32::MIN_POSITIVE).to_bits());
+                put("sqrt", x, sqrt_soft(x).to_bits());
+                put("log", x, log(x).to_bits());
+            }
+            for i in 0..1u32 << 16 {
+                let m = black_box(f32::from_bits(0x3f80_0000 | (i * 127)));
+                let n = -(i as i32 % 26) - 125;
+                put("scale2 into the subnormals", m, scale2(m, n).to_bits());
+                put("div(1e-38, m)", m, div(1e-38, m).to_bits());
+                let x = black_box(-87.4 - 16.5 * (i as f32 / 65536.0));
+                put("exp to a subnormal", x, exp(x).to_bits());
+            }
+            out
+        };
+        let plain = run();
+        let flushed = flushing(|| {
+            // the flags are live: the smallest subnormal times 1 is 0
+            assert_eq!(black_box(f32::from_bits(1)) * black_box(1.0), 0.0);
+            run()
+        });
+        assert!(plain.iter().any(|&(w, _, y)| w == "exp to a subnormal" && y != 0 && y < 0x0080_0000));
+        for (p, f) in plain.iter().zip(&flushed) {
+            assert_eq!(p, f, "{}({:#010x}): {:#010x} unflushed, {:#010x} flushed", p.0, p.1, p.2, f.2);
+        }
     }
 
     #[test]

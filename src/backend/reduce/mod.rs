@@ -4,17 +4,27 @@
 //! ## Contract (every order fixed, the same on both devices)
 //! * `reduce(Sum)` over the middle axis of `(outer, r, inner)`:
 //!   `acc = −0; for k ascending: acc = acc + x` (−0 is the exact identity).
-//! * `reduce(Max)`: `acc = −inf; for k ascending: acc = maximum(acc, x)`
-//!   (NaN propagates, `+0` over `−0`).
+//! * `reduce(Max)`: `acc = x_0; for k = 1.. ascending: acc = maximum(acc, x_k)`
+//!   (NaN propagates, `+0` over `−0`); the empty max (`r = 0`) is −inf,
+//!   written as a bit pattern. No max starts from a constant −inf (a shader
+//!   compiler may assume no infinities and fold arithmetic on one); starting
+//!   from `x_0` is the same bits, as `maximum(−inf, x) = x` for every `x`.
 //! * `softmax_rows` over rows of `n`, with a `scale > 0` and a `causal` flag:
-//!   the row's values are `v_j = x_j · scale` (`x_j` itself when `scale` is 1),
-//!   and with `causal` row `r` is query position `i = r mod n`, whose keys
-//!   `j > i` are `v_j = −inf` whatever `x_j` holds; then `m` = the max of the
-//!   `v` by `maximum` (in any order: it decides only which NaN wins, and every
-//!   NaN `m` gives the same outputs), `e = exp(v − m)`, `s = Σ e` ascending from −0,
-//!   `y = div(e, s)`. For finite `x` this is bit for bit the composition
-//!   `softmax(x · scale + mask)` of the separate ops (`x·s + 0 = x·s` up to the
-//!   sign of a zero, which `v − m` does not see), without its two passes.
+//!   the row's values are `v_j = x_j · scale` (`x_j` itself when `scale` is 1);
+//!   its live keys are all `n`, or with `causal` (row `r` the query position
+//!   `i = r mod n`) the keys `j ≤ i`, and the masked keys `j > i` are never
+//!   read. Then `m = v_0` (key 0 is always live), `m = maximum(m, v_j)` over
+//!   the other live keys (in any order: it decides only which NaN wins, and
+//!   every NaN `m` gives the same outputs); `e_j = exp(v_j − m)` for a live
+//!   key and `+0` for a masked one; `s = Σ e_j` over the live keys ascending
+//!   from −0; `y = div(e, s)`. No constant −inf takes part: this is bit for
+//!   bit the same as masking with `v_j = −inf` and summing every key (a
+//!   masked `exp(−inf − m)` is `+0` for a finite `m`, and for a NaN or
+//!   infinite `m` some live `e` is NaN, so every `y` is NaN either way; adding
+//!   `+0` to a sum changes only a −0, and `s` is never −0 after key 0, as
+//!   `exp` never returns −0). For finite `x` it is bit for bit the composition
+//!   `softmax(x · scale + mask)` of the separate ops (`x·s + 0 = x·s` up to
+//!   the sign of a zero, which `v − m` does not see), without its two passes.
 //! * `softmax_rows_backward` from the output `y`, upstream `g` and the same
 //!   `scale`: `dot = Σ g·y` ascending from −0 as `fma(g, y, dot)` over the
 //!   whole row, `dx = y · (g − dot)`, then `dx · scale` (unless `scale` is 1).
@@ -38,7 +48,8 @@ pub const NORM_CHUNK: usize = 1024;
 pub enum ReduceOp {
     /// `acc = -0.0; for r ascending: acc = acc + x` (−0 is the exact identity)
     Sum,
-    /// `acc = -inf; for r ascending: acc = maximum(acc, x)` (NaN propagates)
+    /// `acc = x_0; for k = 1.. ascending: acc = maximum(acc, x_k)` (NaN
+    /// propagates); −inf for an empty axis
     Max,
 }
 

@@ -5,11 +5,16 @@
 
 // ---- reduce: x: (outer, r, inner) -> y: (outer, inner) ----
 // Sum: acc = -0.0 (the exact identity), acc = acc + x ascending.
-// Max: acc = -inf, acc = maximum(acc, x) ascending (NaN wins, +0 over -0).
-// One dispatch covers k in [k0, k1): the first starts from the identity, a
-// later one from the running value it left in y. Lavapipe (llvmpipe) silently
-// stops a shader after 65,535 loop iterations, so the host splits long
-// reductions into such passes; the order of the additions is unchanged.
+// Max: acc = x[0], acc = maximum(acc, x) for k = 1.. ascending (NaN wins, +0
+// over -0): it starts from a loaded value, never from a constant -inf (a
+// compiler assuming no infinities may fold that); the same bits, since
+// maximum(-inf, x) is x for every x. An empty max (r = 0) is -inf, stored as a
+// bit pattern, no arithmetic on it.
+// One dispatch covers k in [k0, k1): the first starts from the identity (the
+// first element for Max), a later one from the running value it left in y.
+// Lavapipe (llvmpipe) silently stops a shader after 65,535 loop iterations, so
+// the host splits long reductions into such passes; the order of the additions
+// is unchanged.
 
 struct ReduceParams {
     outer: u32,
@@ -45,11 +50,19 @@ fn reduce(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups:
         }
         r_y[t] = acc;
     } else {
-        var acc = bitcast<f32>(0xff800000u);
-        if r_prm.k0 > 0u {
-            acc = r_y[t];
+        if r_prm.r == 0u {
+            r_y[t] = bitcast<f32>(0xff800000u); // the empty max: -inf, as bits
+            return;
         }
-        for (var k = r_prm.k0; k < r_prm.k1; k++) {
+        var acc: f32;
+        var k = r_prm.k0;
+        if k > 0u {
+            acc = r_y[t];
+        } else {
+            acc = r_x[base];
+            k = 1u;
+        }
+        for (; k < r_prm.k1; k++) {
             acc = maximum_c(acc, r_x[base + k * inner]);
         }
         r_y[t] = acc;
@@ -57,8 +70,21 @@ fn reduce(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups:
 }
 
 // ---- softmax over rows: x: (rows, n) -> y: (rows, n) ----
-// v = x * scale (x when scale is 1); causal: v = -inf for keys j > i = row mod n.
-// m = max of v (the Max order), e = exp(v - m), s = Σ e ascending from -0, y = div(e, s).
+// v = x * scale (x when scale is 1). Causal: row r is query i = r mod n and
+// only its keys j <= i are live (all n otherwise). m = v_0 (key 0 is always
+// live), m = maximum(m, v_j) over the other live keys ascending;
+// e_j = exp(v_j - m) for live keys, +0 for masked ones; s = -0, s = s + e_j
+// over the live keys ascending; y = div(e, s).
+// No constant -inf anywhere (a compiler assuming no infinities may fold
+// arithmetic on one). This is bit for bit the former algorithm, where masked
+// keys were v_j = -inf, m started from -inf and every key was summed:
+// * maximum(-inf, v_0) = v_0 and maximum(m, -inf) = m, so m is the same;
+// * a masked e_j was exp(-inf - m): +0 for a finite m; for a NaN or infinite
+//   m (a NaN or +inf among the live keys, or all of them -inf) some live e is
+//   NaN, so s is NaN and every y = div(e, s) is the quiet NaN whatever e_j is;
+// * adding +0 changes nothing but a -0 sum, and s is never -0 after key 0
+//   (-0 + e_0 is -0 only for e_0 = -0, which exp never returns): so the
+//   masked keys, all after key 0, can be left out of the sum.
 
 struct RowsParams {
     rows: u32,
@@ -67,10 +93,7 @@ struct RowsParams {
     causal: u32, // 1: mask the keys after the query position (forward only)
 }
 
-fn sm_value(x: f32, j: u32, i: u32) -> f32 {
-    if s_prm.causal != 0u && j > i {
-        return bitcast<f32>(0xff800000u);
-    }
+fn sm_value(x: f32) -> f32 {
     let scale = bitcast<f32>(s_prm.scale);
     if scale != 1.0 {
         return x * scale;
@@ -89,18 +112,24 @@ fn softmax_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) g
     if row >= s_prm.rows {
         return;
     }
-    let n = s_prm.n;
+    let n = s_prm.n; // >= 1: the host dispatches no empty rows
     let base = row * n;
-    let i = row % n;
-    var m = bitcast<f32>(0xff800000u);
-    for (var j = 0u; j < n; j++) {
-        m = maximum_c(m, sm_value(s_x[base + j], j, i));
+    var live = n;
+    if s_prm.causal != 0u {
+        live = row % n + 1u;
+    }
+    var m = sm_value(s_x[base]);
+    for (var j = 1u; j < live; j++) {
+        m = maximum_c(m, sm_value(s_x[base + j]));
     }
     var s = -0.0;
-    for (var j = 0u; j < n; j++) {
-        let e = m_exp(sm_value(s_x[base + j], j, i) - m);
+    for (var j = 0u; j < live; j++) {
+        let e = m_exp(sm_value(s_x[base + j]) - m);
         s_y[base + j] = e;
         s = s + e;
+    }
+    for (var j = live; j < n; j++) {
+        s_y[base + j] = 0.0;
     }
     for (var j = 0u; j < n; j++) {
         s_y[base + j] = m_div(s_y[base + j], s);

@@ -7,23 +7,22 @@ use crate::backend::math::{div, exp};
 use crate::backend::spec::{fma, maximum, SpecStorage};
 use crate::Result;
 
+/// The empty max, −inf, as a bit pattern (never an operand of arithmetic).
+const NEG_INF_BITS: u32 = 0xff80_0000;
+
 impl ReduceOps for SpecStorage {
     fn reduce(&self, op: ReduceOp, outer: usize, r: usize, inner: usize) -> Result<SpecStorage> {
         let x = self.get();
         let mut y = Vec::with_capacity(outer * inner);
         for o in 0..outer {
             for i in 0..inner {
-                let mut acc = match op {
-                    ReduceOp::Sum => -0.0,
-                    ReduceOp::Max => f32::NEG_INFINITY,
+                let at = |k: usize| x[(o * r + k) * inner + i];
+                let acc = match op {
+                    ReduceOp::Sum => (0..r).fold(-0.0, |acc, k| acc + at(k)),
+                    // from the first element; the empty max is -inf, written as bits
+                    ReduceOp::Max if r == 0 => f32::from_bits(NEG_INF_BITS),
+                    ReduceOp::Max => (1..r).fold(at(0), |acc, k| maximum(acc, at(k))),
                 };
-                for k in 0..r {
-                    let v = x[(o * r + k) * inner + i];
-                    acc = match op {
-                        ReduceOp::Sum => acc + v,
-                        ReduceOp::Max => maximum(acc, v),
-                    };
-                }
                 y.push(acc);
             }
         }
@@ -33,18 +32,16 @@ impl ReduceOps for SpecStorage {
     fn softmax_rows(&self, rows: usize, n: usize, scale: f32, causal: bool) -> Result<SpecStorage> {
         let x = self.get();
         let mut y = Vec::with_capacity(rows * n);
+        if n == 0 {
+            return Ok(SpecStorage::new(y));
+        }
         for r in 0..rows {
-            let query = r % n.max(1);
-            let v: Vec<f32> = (0..n)
-                .map(|j| match () {
-                    _ if causal && j > query => f32::NEG_INFINITY,
-                    _ if scale == 1.0 => x[r * n + j],
-                    _ => x[r * n + j] * scale,
-                })
-                .collect();
-            let m = v.iter().fold(f32::NEG_INFINITY, |m, &vj| maximum(m, vj));
-            let e: Vec<f32> = v.iter().map(|&vj| exp(vj - m)).collect();
-            let s = e.iter().fold(-0.0, |s, &ej| s + ej);
+            // the live keys: all n, or with causal those up to the query position
+            let live = if causal { r % n + 1 } else { n };
+            let v = |j: usize| if scale == 1.0 { x[r * n + j] } else { x[r * n + j] * scale };
+            let m = (1..live).fold(v(0), |m, j| maximum(m, v(j)));
+            let e: Vec<f32> = (0..n).map(|j| if j < live { exp(v(j) - m) } else { 0.0 }).collect();
+            let s = e[..live].iter().fold(-0.0, |s, &ej| s + ej);
             y.extend(e.iter().map(|&ej| div(ej, s)));
         }
         Ok(SpecStorage::new(y))
