@@ -277,37 +277,24 @@ impl DynamicLossScaler {
         params: &[Tensor],
         clip: Option<f32>,
     ) -> Result<bool> {
-        Ok(self.step_reading(opt, params, clip, None)?.0)
+        Ok(LossScaling::Dynamic(self)
+            .step(opt, params, clip, None)?
+            .stepped)
     }
 
-    /// [`step`](Self::step), reading `also`'s values back with the finite
-    /// check (one GPU sync for both: the training step's losses ride along).
-    pub(crate) fn step_reading(
-        &mut self,
-        opt: &mut dyn Optimizer,
-        params: &[Tensor],
-        clip: Option<f32>,
-        also: Option<&Storage>,
-    ) -> Result<(bool, Vec<f64>)> {
-        self.last_grad_norm = None;
-        let grads = grad_storages(params);
-        let refs: Vec<&Storage> = grads.iter().collect();
-        let inv = crate::backend::math::div(1.0, self.scale);
-        let check = Storage::finite_check_unscale_reading(&refs, inv, also)?;
-        let values = check.also;
-        let Some(sum_squares) = check.sum_squares else {
-            // Skip: drop the poisoned gradients so nothing adds onto them, back off.
-            for p in params {
-                p.zero_grad();
-            }
-            self.scale *= self.backoff;
-            self.good_steps = 0;
-            if self.scale < MIN_SCALE {
-                bail!(Numerical, "loss scale fell to {:e} after repeated overflows: the gradients are non-finite at any scale (a NaN in the model or the data?)", self.scale);
-            }
-            return Ok((false, values));
-        };
-        self.last_grad_norm = clip_and_step(opt, params, sum_squares, clip)?;
+    /// An overflow: back off, or fail once no scale can help.
+    fn back_off(&mut self) -> Result<()> {
+        self.scale *= self.backoff;
+        self.good_steps = 0;
+        if self.scale < MIN_SCALE {
+            bail!(Numerical, "loss scale fell to {:e} after repeated overflows: the gradients are non-finite at any scale (a NaN in the model or the data?)", self.scale);
+        }
+        Ok(())
+    }
+
+    /// A good step: count it, and grow `S` after `interval` of them.
+    fn count_good_step(&mut self, grad_norm: Option<f32>) {
+        self.last_grad_norm = grad_norm;
         self.good_steps += 1;
         if self.good_steps >= self.interval {
             // Never grow to inf: an infinite scale would poison every step and
@@ -318,7 +305,6 @@ impl DynamicLossScaler {
             }
             self.good_steps = 0;
         }
-        Ok((true, values))
     }
 
     /// The scale, factors and good-step count, for a checkpoint.
@@ -353,5 +339,125 @@ impl DynamicLossScaler {
             last_grad_norm: None,
         };
         Ok(())
+    }
+}
+
+// ------------------------------------------------------------- the step ----
+
+/// The loss scale of a training step, and what an overflow does: the one
+/// thing that differs between training with and without a loss scaler. The
+/// step itself, [`LossScaling::step`], is written once for both.
+pub(crate) enum LossScaling<'s> {
+    /// No scaler: a fixed scale of 1 (the loss is not multiplied), which never
+    /// grows or backs off. An overflow — non-finite gradients, or a
+    /// non-finite loss — is an error ([`Error::Numerical`]): the gradients are
+    /// dropped and no update is made.
+    Fixed,
+    /// The dynamic scaler: non-finite gradients skip the update, drop the
+    /// gradients and back `S` off; good steps let it grow. The loss is only
+    /// reported (the trainer ends a run whose losses stay non-finite).
+    Dynamic(&'s mut DynamicLossScaler),
+}
+
+/// Values read back with the finite check (one GPU sync for both: the
+/// training step's losses), and the loss they make.
+pub(crate) type Readback<'a> = (&'a Storage, &'a dyn Fn(&[f64]) -> Result<f32>);
+
+/// What [`LossScaling::step`] did.
+pub(crate) struct Stepped {
+    /// False when the update was skipped (the dynamic scaler's overflow).
+    pub stepped: bool,
+    /// The global gradient norm before clipping, when it clipped.
+    pub grad_norm: Option<f32>,
+    /// The loss made from the values read back, when some were.
+    pub loss: Option<f32>,
+}
+
+impl LossScaling<'_> {
+    /// The scale `S` the loss is multiplied by: 1 when fixed.
+    pub(crate) fn scale(&self) -> f32 {
+        match self {
+            LossScaling::Fixed => 1.0,
+            LossScaling::Dynamic(s) => s.scale,
+        }
+    }
+
+    /// The scaler, when the scale is dynamic (it scales the losses before
+    /// backward; a fixed scale leaves them as they are).
+    pub(crate) fn scaler(&self) -> Option<&DynamicLossScaler> {
+        match self {
+            LossScaling::Fixed => None,
+            LossScaling::Dynamic(s) => Some(s),
+        }
+    }
+
+    /// The step after backward: check every gradient of `params` for
+    /// non-finite values while unscaling it by `1/S` (one fused primitive: on
+    /// the GPU one kernel per buffer and one readback, which brings
+    /// `readback`'s values along), then on an overflow the policy's answer
+    /// (error, or skip and back off), else clip to `clip` (in true units),
+    /// step `opt` and count the good step. A scale of 1 makes the unscale an
+    /// exact no-op.
+    pub(crate) fn step(
+        &mut self,
+        opt: &mut dyn Optimizer,
+        params: &[Tensor],
+        clip: Option<f32>,
+        readback: Option<Readback<'_>>,
+    ) -> Result<Stepped> {
+        if let LossScaling::Dynamic(s) = self {
+            s.last_grad_norm = None;
+        }
+        let grads = grad_storages(params);
+        let refs: Vec<&Storage> = grads.iter().collect();
+        let inv = crate::backend::math::div(1.0, self.scale());
+        let check = Storage::finite_check_unscale_reading(&refs, inv, readback.map(|r| r.0))?;
+        let loss = match readback {
+            Some((_, loss_of)) => Some(loss_of(&check.also)?),
+            None => None,
+        };
+        let sum_squares = check.sum_squares.filter(|_| !self.loss_overflows(loss));
+        let Some(sum_squares) = sum_squares else {
+            // Drop the poisoned gradients so nothing adds onto them.
+            for p in params {
+                p.zero_grad();
+            }
+            match self {
+                LossScaling::Fixed => {
+                    let what = match loss {
+                        Some(l) if !l.is_finite() => "loss",
+                        _ => "gradients",
+                    };
+                    let loss = loss.map_or(String::new(), |l| format!(" (loss {l})"));
+                    bail!(
+                        Numerical,
+                        "non-finite {what}{loss} without a loss scaler: no update was made"
+                    );
+                }
+                LossScaling::Dynamic(s) => s.back_off()?,
+            }
+            return Ok(Stepped {
+                stepped: false,
+                grad_norm: None,
+                loss,
+            });
+        };
+        let grad_norm = clip_and_step(opt, params, sum_squares, clip)?;
+        if let LossScaling::Dynamic(s) = self {
+            s.count_good_step(grad_norm);
+        }
+        Ok(Stepped {
+            stepped: true,
+            grad_norm,
+            loss,
+        })
+    }
+
+    /// Whether a non-finite `loss` is an overflow even with finite gradients:
+    /// for the fixed scale, which has no scale to lower and stops at the first
+    /// sign of trouble; not for the dynamic scaler, whose gradients decide
+    /// (the trainer ends a run whose losses stay non-finite).
+    fn loss_overflows(&self, loss: Option<f32>) -> bool {
+        matches!(self, LossScaling::Fixed) && loss.is_some_and(|l| !l.is_finite())
     }
 }

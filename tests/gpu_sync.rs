@@ -32,7 +32,7 @@ fn grad_accumulate_reads_the_losses_back_once() {
         .map(|b| b.0.shape()[0] as f64 / 16.0 * loss_fn(b).unwrap().item().unwrap())
         .sum();
     let before = GpuCounters::now();
-    let loss = grad_accumulate(&model, &micro, loss_fn, None).unwrap();
+    let loss = grad_accumulate(&micro, loss_fn, None).unwrap();
     let work = GpuCounters::now().since(before);
     assert_eq!(work.readbacks, 1, "{work:?}");
     assert!(work.dispatches > 0, "{work:?}");
@@ -63,7 +63,7 @@ fn a_training_step_reads_back_once() {
             .map(|&(at, len)| (x.narrow(0, at, len).unwrap(), y.narrow(0, at, len).unwrap()))
             .collect();
         let loss_fn = |(x, y): &(Tensor, Tensor)| mse(&model.forward(x)?, y);
-        let expected = grad_accumulate(&model, &micro, loss_fn, None).unwrap();
+        let expected = grad_accumulate(&micro, loss_fn, None).unwrap();
         let mut opt = AdamW::new(model.parameters(), AdamWConfig::new(1e-3)).unwrap();
         let mut scaler = DynamicLossScaler::new(1.0, 2.0, 0.5, 10).unwrap();
         let before = GpuCounters::now();

@@ -143,7 +143,6 @@ device_test!(hand_example_bf16_matmul, |dev| {
 device_test!(hand_example_accumulation, |dev| {
     // One weight w = 1, x = [1, 2, 3, 4], targets 2x, loss mean((w x - 2x)^2).
     let w = param(&[1.0], &[1], dev);
-    let model = Params(vec![w.clone()]);
     let loss_fn = |(x, y): &(Tensor, Tensor)| mse(&x.mul(&w)?, y);
     let batch = |xs: &[f32]| {
         let ys: Vec<f32> = xs.iter().map(|x| 2.0 * x).collect();
@@ -152,7 +151,7 @@ device_test!(hand_example_accumulation, |dev| {
 
     // One batch: loss 7.5, gradient -15.
     let one = [batch(&[1.0, 2.0, 3.0, 4.0])];
-    let l = grad_accumulate(&model, &one, loss_fn, None)?;
+    let l = grad_accumulate(&one, loss_fn, None)?;
     assert_eq!(l, 7.5);
     assert_eq!(grad(&w), vec![-15.0]);
     w.zero_grad();
@@ -161,7 +160,7 @@ device_test!(hand_example_accumulation, |dev| {
     // gradient (weighting 1/2 would give -10.67, not weighting -21.3; only the
     // last micro-batch would give -14.5; the unweighted mean loss is 5.33).
     let micro = [batch(&[1.0]), batch(&[2.0, 3.0, 4.0])];
-    let l = grad_accumulate(&model, &micro, loss_fn, None)?;
+    let l = grad_accumulate(&micro, loss_fn, None)?;
     assert!(
         (l - 7.5).abs() <= 1e-6,
         "accumulated loss {l}, expected 7.5"
@@ -186,13 +185,13 @@ device_test!(hand_example_accumulation, |dev| {
 
     // It adds onto what .grad already holds (no zeroing inside).
     w.set_grad(Some(t(&[100.0], &[1], dev)));
-    grad_accumulate(&model, &micro, loss_fn, None)?;
+    grad_accumulate(&micro, loss_fn, None)?;
     assert!((grad(&w)[0] - 85.0).abs() <= 1e-5);
     w.zero_grad();
 
     // With a scaler the gradient is S times larger, the loss reported unscaled.
     let s = DynamicLossScaler::new(8.0, 2.0, 0.5, 10)?;
-    let l = grad_accumulate(&model, &micro, loss_fn, Some(&s))?;
+    let l = grad_accumulate(&micro, loss_fn, Some(&s))?;
     assert!((l - 7.5).abs() <= 1e-6, "loss reported unscaled, got {l}");
     assert!((grad(&w)[0] + 120.0).abs() <= 1e-4, "got {:?}", grad(&w));
 });
@@ -986,7 +985,7 @@ device_test!(accumulation_equals_one_big_batch, |dev| {
     let lf = |(x, y): &(Tensor, Tensor)| mse(&model.forward(x)?, y);
 
     let one = [(x.clone(), y.clone())];
-    let l_one = grad_accumulate(&model, &one, lf, None)?;
+    let l_one = grad_accumulate(&one, lf, None)?;
     let g_one: Vec<Vec<f32>> = params.iter().map(grad).collect();
     let direct = mse(&model.forward(&x)?, &y)?.item()? as f32;
     assert_eq!(l_one, direct);
@@ -1000,7 +999,7 @@ device_test!(accumulation_equals_one_big_batch, |dev| {
         micro.push((x.narrow(0, start, n)?, y.narrow(0, start, n)?));
         start += n;
     }
-    let l = grad_accumulate(&model, &micro, lf, None)?;
+    let l = grad_accumulate(&micro, lf, None)?;
     assert!((l - l_one).abs() <= 1e-6, "loss {l} vs one batch {l_one}");
     let mut worst = 0.0f32;
     for (p, g1) in params.iter().zip(&g_one) {

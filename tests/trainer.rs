@@ -594,7 +594,7 @@ fn flags_are_validated_with_what_is_allowed() {
         ..t()
     });
     assert!(
-        e.contains("--device") && e.contains("auto, cpu or gpu"),
+        e.contains("--device") && e.contains("auto, cpu, gpu or spec"),
         "{e}"
     );
     let e = resolve_err(TrainOptions {

@@ -370,6 +370,112 @@ impl<A: Outputs, B: Outputs> Outputs for (A, B) {
     }
 }
 
+/// Declares an enum of operations from one table, one row per variant, and
+/// derives from that table everything that lists the variants, so adding a
+/// variant cannot leave one of the lists behind:
+///
+/// * the enum itself (attributes and variant docs pass through);
+/// * `ALL`: one value of each variant, in table order. A variant with an
+///   argument names its sample arguments in `[..]` and appears once per
+///   sample (a row with an argument and no samples, or samples and no
+///   argument, does not compile);
+/// * `code()`: the variant's position in the table, so the codes are `0..n`,
+///   dense and distinct by construction (the WGSL constants are generated
+///   from them);
+/// * `name()`: the row's name.
+///
+/// ```text
+/// op_enum! {
+///     /// Elementwise functions of one input.
+///     #[derive(Clone, Copy, Debug, PartialEq)]
+///     pub enum UnaryOp {
+///         Neg => "unary neg",
+///         AddScalar(f64) [0.75] => "unary add scalar",
+///         Round(Format) [Format::Bf16, Format::Fp16] => "unary round",
+///     }
+/// }
+/// ```
+macro_rules! op_enum {
+    (
+        $(#[$m:meta])*
+        $vis:vis enum $E:ident {
+            $(
+                $(#[$vm:meta])*
+                $V:ident $(($T:ty))? $([$($s:expr),+ $(,)?])? => $name:literal
+            ),+ $(,)?
+        }
+    ) => {
+        $(#[$m])*
+        $vis enum $E {
+            $( $(#[$vm])* $V $(($T))? ),+
+        }
+
+        impl $E {
+            /// One value of each variant, in code order (a variant with an
+            /// argument once per sample argument): what the parity tests and
+            /// the cross-check sweep run.
+            pub const ALL: [
+                $E;
+                $crate::backend::op_enum!(@all [] $($E::$V [$($($s),+)?])+).len()
+            ] = $crate::backend::op_enum!(@all [] $($E::$V [$($($s),+)?])+);
+
+            /// The variant's position in the declaration, `0..n` (the WGSL
+            /// constants are generated from it).
+            pub const fn code(self) -> u32 {
+                #[allow(dead_code)]
+                enum Code { $($V),+ }
+                match self {
+                    $( $E::$V { .. } => Code::$V as u32, )+
+                }
+            }
+
+            /// A fixed name per variant (arguments left out), for the profile
+            /// and the reports.
+            pub const fn name(self) -> &'static str {
+                match self {
+                    $( $E::$V { .. } => $name, )+
+                }
+            }
+        }
+    };
+    // ALL, one row at a time: a bare variant, or the variant once per sample
+    (@all [$($a:expr),*]) => { [$($a),*] };
+    (@all [$($a:expr),*] $V:path [] $($rest:tt)*) => {
+        $crate::backend::op_enum!(@all [$($a,)* $V] $($rest)*)
+    };
+    (@all [$($a:expr),*] $V:path [$($s:expr),+] $($rest:tt)*) => {
+        $crate::backend::op_enum!(@all [$($a,)* $($V($s)),+] $($rest)*)
+    };
+}
+pub(crate) use op_enum;
+
+/// Test of an `op_enum!` table, from its `ALL`: the codes come in order,
+/// each of `0..n` present, a variant's samples side by side under one code
+/// and one name, and the names distinct.
+#[cfg(test)]
+pub(crate) fn check_op_table<E: Copy + std::fmt::Debug>(
+    all: &[E],
+    code: fn(E) -> u32,
+    name: fn(E) -> &'static str,
+) {
+    let codes: Vec<u32> = all.iter().map(|&op| code(op)).collect();
+    let names: Vec<&str> = all.iter().map(|&op| name(op)).collect();
+    let n = *codes.last().expect("ALL is empty") as usize + 1;
+    assert!(codes.windows(2).all(|w| w[0] <= w[1]), "ALL out of code order: {all:?}");
+    for c in 0..n as u32 {
+        let at: Vec<usize> = (0..all.len()).filter(|&i| codes[i] == c).collect();
+        assert!(!at.is_empty(), "code {c} missing from ALL: {all:?}");
+        assert!(at.iter().all(|&i| names[i] == names[at[0]]), "code {c}: names {names:?}");
+    }
+    let mut distinct = names.clone();
+    distinct.dedup();
+    let mut sorted = distinct.clone();
+    sorted.sort();
+    sorted.dedup();
+    assert_eq!(sorted.len(), distinct.len(), "two codes share a name: {names:?}");
+    assert_eq!(distinct.len(), n, "{names:?}");
+}
+
 /// The error of a build without the GPU backend asked for the GPU.
 #[cfg(not(feature = "gpu"))]
 pub(crate) fn no_gpu() -> crate::Error {

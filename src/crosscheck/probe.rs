@@ -441,7 +441,7 @@ pub fn run() -> Result<Probe> {
             if !same(want, g) {
                 failed += 1;
                 first.get_or_insert_with(|| ProbeCase {
-                    op: op.formula(),
+                    op: op.name(),
                     operands: [a, b, cc].iter().map(|&x| hex(x)).collect(),
                     want: hex(want),
                     got: hex(g),

@@ -18,6 +18,7 @@
 //! (lavapipe stops a shader loop after 65,535 iterations) run past the cap.
 
 use super::hex;
+use crate::backend::op_enum;
 use crate::backend::round::Format;
 use crate::backend::{
     AdamWConsts, BinaryLayout, BinaryOp, Causal, Device, MatmulDims, Operand, ReduceOp, Storage,
@@ -27,59 +28,35 @@ use crate::crosscheck::cases::{adversarial, same, specials, ulps, Rng};
 use crate::Result;
 use serde::Serialize;
 
-/// The sweep's parts, one per primitive family (and the long loops).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Family {
-    /// Unary and binary elementwise operations (broadcasting included) and
-    /// rounding to bf16 and fp16.
-    Elementwise,
-    /// Reductions along an axis, including one longer than a device's loop
-    /// cap, and the chunked sum of squares.
-    Reduce,
-    /// Softmax and its backward: plain, scaled, and causally masked.
-    Softmax,
-    /// Matrix products in every layout and format, with and without a causal
-    /// mask.
-    Matmul,
-    /// Strided copies, concatenation, row gathers and scatter-adds, and the
-    /// 16-bit storage of saved activations (pack, unpack).
-    Copy,
-    /// Dropout masks from the counter-based generator.
-    Dropout,
-    /// The optimizer kernels (AdamW, SGD) and the loss scaler's finite check,
-    /// unscaling and scaling in place.
-    Optim,
-    /// The fused transformer primitives: RMSNorm, SwiGLU, RoPE and the
-    /// softmax cross-entropy, forward and backward.
-    Fused,
-}
-
-impl Family {
-    /// Every family, in the order the command runs them.
-    pub const ALL: [Family; 8] = [
-        Family::Elementwise,
-        Family::Reduce,
-        Family::Softmax,
-        Family::Matmul,
-        Family::Copy,
-        Family::Dropout,
-        Family::Optim,
-        Family::Fused,
-    ];
-
-    /// The family in words, for progress lines (`reductions`, `dropout masks`, …).
-    pub fn name(self) -> &'static str {
-        match self {
-            Family::Elementwise => "elementwise and rounding",
-            Family::Reduce => "reductions",
-            Family::Softmax => "softmax",
-            Family::Matmul => "matmul",
-            Family::Copy => "copies, gather and scatter, 16-bit storage",
-            Family::Dropout => "dropout masks",
-            Family::Optim => "optimizer kernels and the finite check",
-            Family::Fused => "fused transformer primitives",
-        }
+op_enum! {
+    /// The sweep's parts, one per primitive family (and the long loops); `ALL`
+    /// in the order the command runs them, the name in words for progress
+    /// lines (`reductions`, `dropout masks`, …).
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+    #[serde(rename_all = "snake_case")]
+    pub enum Family {
+        /// Unary and binary elementwise operations (broadcasting included) and
+        /// rounding to bf16 and fp16.
+        Elementwise => "elementwise and rounding",
+        /// Reductions along an axis, including one longer than a device's loop
+        /// cap, and the chunked sum of squares.
+        Reduce => "reductions",
+        /// Softmax and its backward: plain, scaled, and causally masked.
+        Softmax => "softmax",
+        /// Matrix products in every layout and format, with and without a causal
+        /// mask.
+        Matmul => "matmul",
+        /// Strided copies, concatenation, row gathers and scatter-adds, and the
+        /// 16-bit storage of saved activations (pack, unpack).
+        Copy => "copies, gather and scatter, 16-bit storage",
+        /// Dropout masks from the counter-based generator.
+        Dropout => "dropout masks",
+        /// The optimizer kernels (AdamW, SGD) and the loss scaler's finite check,
+        /// unscaling and scaling in place.
+        Optim => "optimizer kernels and the finite check",
+        /// The fused transformer primitives: RMSNorm, SwiGLU, RoPE and the
+        /// softmax cross-entropy, forward and backward.
+        Fused => "fused transformer primitives",
     }
 }
 

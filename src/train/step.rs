@@ -4,9 +4,8 @@
 //! check → clip → step → update the scale. Built on
 //! [`precision`](crate::precision)'s `autocast` and `DynamicLossScaler`.
 
-use crate::backend::Storage;
-use crate::optim::{clip_and_step, grad_storages, Optimizer};
-use crate::precision::{autocast, DynamicLossScaler, Precision};
+use crate::optim::Optimizer;
+use crate::precision::{autocast, DynamicLossScaler, LossScaling, Precision};
 use crate::{bail, Result, Tensor};
 use serde::{Deserialize, Serialize};
 
@@ -27,8 +26,7 @@ impl MicroBatch for (Tensor, Tensor) {
 /// scaler is given) without zeroing in between, so the gradients add up to
 /// exactly the gradient of one batch of `N` rows. Returns the weighted loss
 /// `Σ (n_i / N) L_i` (unscaled): the loss of that one batch.
-pub fn grad_accumulate<M: ?Sized, B: MicroBatch>(
-    _model: &M,
+pub fn grad_accumulate<B: MicroBatch>(
     micro_batches: &[B],
     loss_fn: impl FnMut(&B) -> Result<Tensor>,
     scaler: Option<&DynamicLossScaler>,
@@ -192,10 +190,11 @@ impl<'s> MixedStep<'s> {
 
 /// One training step in mixed precision: zero the gradients, accumulate the
 /// micro-batches under `autocast(precision)` (none for fp32: an autocast the
-/// caller opened stays in force), then either the scaler's step (unscale,
-/// check, clip, step, or skip and lower the scale), or, without a scaler, a
-/// finite check of the loss and the gradients (an error before any update,
-/// the gradients zeroed), clipping to `clip` and the optimizer's step.
+/// caller opened stays in force), then one step: check and unscale, clip to
+/// `clip`, the optimizer's step. The scaler decides what an overflow does: it
+/// skips the update and lowers the scale; without a scaler the scale is fixed
+/// at 1, and non-finite gradients or a non-finite loss are an error before
+/// any update, the gradients zeroed.
 ///
 /// The reference design's positional call; [`MixedStep`] names the
 /// settings. Returns what the step did ([`StepReport`]). Errors: the micro-batches
@@ -215,54 +214,28 @@ pub fn train_step_mixed<M: crate::nn::Module + ?Sized, B: MicroBatch>(
     for p in &params {
         p.zero_grad();
     }
+    // Without a scaler the scale is fixed at 1: the loss goes into backward
+    // as it is, and an overflow is an error instead of a skipped step.
+    let mut scaling = match scaler {
+        Some(s) => LossScaling::Dynamic(s),
+        None => LossScaling::Fixed,
+    };
     let losses = {
         let _ac = precision.format().map(autocast);
-        backward_all(micro_batches, loss_fn, scaler.as_deref())?
+        backward_all(micro_batches, loss_fn, scaling.scaler())?
     };
     // The losses come back with the gradients' finite check: one readback.
+    // A finite loss can still have non-finite gradients (an op whose
+    // derivative blows up): the check finds them before clipping or the
+    // optimizer spreads them into every weight.
     let loss_values = losses.values.storage();
+    let total = |values: &[f64]| losses.total(values);
     let _traced = crate::trace::phase("optimizer");
-    match scaler {
-        Some(s) => {
-            let (stepped, values) = s.step_reading(opt, &params, clip, Some(&loss_values))?;
-            Ok(StepReport {
-                loss: losses.total(&values)?,
-                skipped: !stepped,
-                scale: s.loss_scale(),
-                grad_norm: s.last_grad_norm(),
-            })
-        }
-        None => {
-            // A finite loss can still have non-finite gradients (an op whose
-            // derivative blows up); clipping or AdamW would spread them into
-            // every weight. The scaler's fused check with a scale of 1 (an
-            // exact no-op multiply) finds them in one pass.
-            let grads = grad_storages(&params);
-            let refs: Vec<&Storage> = grads.iter().collect();
-            let check = Storage::finite_check_unscale_reading(&refs, 1.0, Some(&loss_values))?;
-            let loss = losses.total(&check.also)?;
-            let sum_squares = check.sum_squares.filter(|_| loss.is_finite());
-            let Some(sum_squares) = sum_squares else {
-                for p in &params {
-                    p.zero_grad();
-                }
-                let what = if loss.is_finite() {
-                    "gradients"
-                } else {
-                    "loss"
-                };
-                bail!(
-                    Numerical,
-                    "non-finite {what} (loss {loss}) without a loss scaler: no update was made"
-                );
-            };
-            let grad_norm = clip_and_step(opt, &params, sum_squares, clip)?;
-            Ok(StepReport {
-                loss,
-                skipped: false,
-                scale: 1.0,
-                grad_norm,
-            })
-        }
-    }
+    let done = scaling.step(opt, &params, clip, Some((&loss_values, &total)))?;
+    Ok(StepReport {
+        loss: done.loss.expect("the losses are read back with the check"),
+        skipped: !done.stepped,
+        scale: scaling.scale(),
+        grad_norm: done.grad_norm,
+    })
 }

@@ -44,14 +44,27 @@ impl ElementwiseOps for GpuStorage {
         let c = ctx()?;
         let n = self.len();
         let out = GpuStorage::alloc(c, n)?;
-        // scalars narrowed to f32 once, on the host, like the CPU's T::from_f64
+        // scalars narrowed to f32 once, on the host, like the CPU's T::from_f64;
+        // every op listed, so a new op with an argument must say where it goes
         let (scalar, fmt) = match op {
             UnaryOp::AddScalar(s)
             | UnaryOp::MulScalar(s)
             | UnaryOp::DivScalar(s)
             | UnaryOp::RDivScalar(s) => (s as f32, 0),
             UnaryOp::Round(f) => (0.0, fmt_code(Some(f))),
-            _ => (0.0, 0),
+            UnaryOp::Neg
+            | UnaryOp::Exp
+            | UnaryOp::Log
+            | UnaryOp::Sqrt
+            | UnaryOp::Rsqrt
+            | UnaryOp::Recip
+            | UnaryOp::Sigmoid
+            | UnaryOp::Silu
+            | UnaryOp::SiluGrad
+            | UnaryOp::Abs
+            | UnaryOp::Relu
+            | UnaryOp::Step
+            | UnaryOp::Square => (0.0, 0),
         };
         let prm = UnaryParams {
             n: u32_of(n, "length")?,

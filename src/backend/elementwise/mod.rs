@@ -14,8 +14,10 @@
 //! * Scalars are f64 and narrowed to the storage type once, on the host.
 //! * Rounding is the integer round-to-nearest-even of [`round`](super::round).
 //!
-//! Op codes have one source: [`UnaryOp::code`] / [`BinaryOp::code`], whose
-//! named constants are generated into the WGSL ([`wgsl_consts`]).
+//! Each op enum is one table (`op_enum!`, in the backend's `mod.rs`): its `ALL`,
+//! `name` and `code` are derived from it, and the named constants of the codes
+//! are generated into the WGSL ([`wgsl_consts`]), where a test holds every
+//! constant to a `case` of the shader's switch.
 
 mod cpu;
 pub(crate) mod spec;
@@ -23,157 +25,52 @@ pub(crate) mod spec;
 pub(crate) mod gpu;
 
 use super::round::Format;
-use super::primitive;
+use super::{op_enum, primitive};
 use super::{BinaryLayout, Storage, MAX_DIMS};
 use crate::{bail, Result};
 
-/// Elementwise functions of one input.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum UnaryOp {
-    Neg,
-    Exp,
-    Log,
-    Sqrt,
-    Rsqrt,
-    Recip,
-    Sigmoid,
-    Silu,
-    /// d silu / dx = s (1 + x (1 - s)), s = sigmoid(x)
-    SiluGrad,
-    Abs,
-    Relu,
-    /// 1 where x > 0, else 0 (relu's derivative)
-    Step,
-    Square,
-    AddScalar(f64),
-    MulScalar(f64),
-    /// `x / c` through the crate's division
-    DivScalar(f64),
-    /// `c / x` through the crate's division
-    RDivScalar(f64),
-    Round(Format),
-}
-
-impl UnaryOp {
-    /// One of each op (scalar ops with a sample scalar, both roundings): what
-    /// the parity tests and the cross-check sweep run.
-    pub const ALL: [UnaryOp; 19] = [
-        UnaryOp::Neg,
-        UnaryOp::Exp,
-        UnaryOp::Log,
-        UnaryOp::Sqrt,
-        UnaryOp::Rsqrt,
-        UnaryOp::Recip,
-        UnaryOp::Sigmoid,
-        UnaryOp::Silu,
-        UnaryOp::SiluGrad,
-        UnaryOp::Abs,
-        UnaryOp::Relu,
-        UnaryOp::Step,
-        UnaryOp::Square,
-        UnaryOp::AddScalar(0.75),
-        UnaryOp::MulScalar(-1.5),
-        UnaryOp::DivScalar(3.0),
-        UnaryOp::RDivScalar(-0.3),
-        UnaryOp::Round(Format::Bf16),
-        UnaryOp::Round(Format::Fp16),
-    ];
-
-    /// A fixed name per op (scalar arguments left out), for the profile.
-    pub fn name(&self) -> &'static str {
-        match self {
-            UnaryOp::Neg => "unary neg",
-            UnaryOp::Exp => "unary exp",
-            UnaryOp::Log => "unary log",
-            UnaryOp::Sqrt => "unary sqrt",
-            UnaryOp::Rsqrt => "unary rsqrt",
-            UnaryOp::Recip => "unary recip",
-            UnaryOp::Sigmoid => "unary sigmoid",
-            UnaryOp::Silu => "unary silu",
-            UnaryOp::SiluGrad => "unary silu grad",
-            UnaryOp::Abs => "unary abs",
-            UnaryOp::Relu => "unary relu",
-            UnaryOp::Step => "unary step",
-            UnaryOp::Square => "unary square",
-            UnaryOp::AddScalar(_) => "unary add scalar",
-            UnaryOp::MulScalar(_) => "unary mul scalar",
-            UnaryOp::DivScalar(_) => "unary div scalar",
-            UnaryOp::RDivScalar(_) => "unary scalar div",
-            UnaryOp::Round(_) => "unary round",
-        }
-    }
-
-    /// The op's code in `elementwise.wgsl` (`U_*` constants, generated from
-    /// this function by [`wgsl_consts`]).
-    pub fn code(&self) -> u32 {
-        match self {
-            UnaryOp::Neg => 0,
-            UnaryOp::Exp => 1,
-            UnaryOp::Log => 2,
-            UnaryOp::Sqrt => 3,
-            UnaryOp::Rsqrt => 4,
-            UnaryOp::Recip => 5,
-            UnaryOp::Sigmoid => 6,
-            UnaryOp::Silu => 7,
-            UnaryOp::SiluGrad => 8,
-            UnaryOp::Abs => 9,
-            UnaryOp::Relu => 10,
-            UnaryOp::Step => 11,
-            UnaryOp::Square => 12,
-            UnaryOp::AddScalar(_) => 13,
-            UnaryOp::MulScalar(_) => 14,
-            UnaryOp::DivScalar(_) => 15,
-            UnaryOp::RDivScalar(_) => 16,
-            UnaryOp::Round(_) => 17,
-        }
+op_enum! {
+    /// Elementwise functions of one input. `ALL` holds the scalar ops with a
+    /// sample scalar and both roundings.
+    #[derive(Clone, Copy, Debug, PartialEq)]
+    pub enum UnaryOp {
+        Neg => "unary neg",
+        Exp => "unary exp",
+        Log => "unary log",
+        Sqrt => "unary sqrt",
+        Rsqrt => "unary rsqrt",
+        Recip => "unary recip",
+        Sigmoid => "unary sigmoid",
+        Silu => "unary silu",
+        /// d silu / dx = s (1 + x (1 - s)), s = sigmoid(x)
+        SiluGrad => "unary silu grad",
+        Abs => "unary abs",
+        Relu => "unary relu",
+        /// 1 where x > 0, else 0 (relu's derivative)
+        Step => "unary step",
+        Square => "unary square",
+        AddScalar(f64) [0.75] => "unary add scalar",
+        MulScalar(f64) [-1.5] => "unary mul scalar",
+        /// `x / c` through the crate's division
+        DivScalar(f64) [3.0] => "unary div scalar",
+        /// `c / x` through the crate's division
+        RDivScalar(f64) [-0.3] => "unary scalar div",
+        Round(Format) [Format::Bf16, Format::Fp16] => "unary round",
     }
 }
 
-/// Elementwise functions of two inputs (with broadcasting, see [`BinaryLayout`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum BinaryOp {
-    Add,
-    Sub,
-    Mul,
-    Div,
-    /// NaN if either is NaN, else the larger (`+0` over `-0`)
-    Maximum,
-    /// 1.0 where equal (IEEE: NaN ≠ NaN, +0 = -0), else 0.0
-    Eq,
-}
-
-impl BinaryOp {
-    pub const ALL: [BinaryOp; 6] = [
-        BinaryOp::Add,
-        BinaryOp::Sub,
-        BinaryOp::Mul,
-        BinaryOp::Div,
-        BinaryOp::Maximum,
-        BinaryOp::Eq,
-    ];
-
-    /// A fixed name per op, for the profile.
-    pub fn name(&self) -> &'static str {
-        match self {
-            BinaryOp::Add => "binary add",
-            BinaryOp::Sub => "binary sub",
-            BinaryOp::Mul => "binary mul",
-            BinaryOp::Div => "binary div",
-            BinaryOp::Maximum => "binary maximum",
-            BinaryOp::Eq => "binary eq",
-        }
-    }
-
-    /// The op's code in `elementwise.wgsl` (`B_*` constants).
-    pub fn code(&self) -> u32 {
-        match self {
-            BinaryOp::Add => 0,
-            BinaryOp::Sub => 1,
-            BinaryOp::Mul => 2,
-            BinaryOp::Div => 3,
-            BinaryOp::Maximum => 4,
-            BinaryOp::Eq => 5,
-        }
+op_enum! {
+    /// Elementwise functions of two inputs (with broadcasting, see [`BinaryLayout`]).
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum BinaryOp {
+        Add => "binary add",
+        Sub => "binary sub",
+        Mul => "binary mul",
+        Div => "binary div",
+        /// NaN if either is NaN, else the larger (`+0` over `-0`)
+        Maximum => "binary maximum",
+        /// 1.0 where equal (IEEE: NaN ≠ NaN, +0 = -0), else 0.0
+        Eq => "binary eq",
     }
 }
 
@@ -186,8 +83,9 @@ fn wgsl_const(prefix: &str, name: &str) -> String {
 /// The `U_*` and `B_*` op-code constants, prepended to `elementwise.wgsl`.
 pub fn wgsl_consts() -> String {
     let mut s = String::from("// generated from UnaryOp::code and BinaryOp::code\n");
-    for op in UnaryOp::ALL {
-        if op != UnaryOp::Round(Format::Fp16) {
+    for (i, op) in UnaryOp::ALL.iter().enumerate() {
+        // a variant with several samples (the two roundings) is one constant
+        if i == 0 || UnaryOp::ALL[i - 1].code() != op.code() {
             let line = format!("const {}: u32 = {}u;\n", wgsl_const("U", op.name()), op.code());
             s.push_str(&line);
         }
@@ -230,21 +128,20 @@ impl Storage {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::check_op_table;
 
     #[test]
-    fn op_codes_are_distinct_and_named_once() {
-        let mut codes: Vec<u32> = UnaryOp::ALL.iter().map(UnaryOp::code).collect();
-        codes.dedup(); // the two roundings share one code, side by side in ALL
-        let n = codes.len();
-        codes.sort();
-        codes.dedup();
-        assert_eq!(codes.len(), n, "unary codes collide");
-        assert_eq!(codes, (0..n as u32).collect::<Vec<_>>());
-        let mut b: Vec<u32> = BinaryOp::ALL.iter().map(BinaryOp::code).collect();
-        b.sort();
-        assert_eq!(b, (0..BinaryOp::ALL.len() as u32).collect::<Vec<_>>());
+    fn op_codes_are_dense_and_named_once() {
+        check_op_table(&UnaryOp::ALL, UnaryOp::code, UnaryOp::name);
+        check_op_table(&BinaryOp::ALL, BinaryOp::code, BinaryOp::name);
         let consts = wgsl_consts();
         assert!(consts.contains("const U_SILU_GRAD: u32 = 8u;"), "{consts}");
+        assert!(consts.contains("const U_ROUND: u32 = 17u;"), "{consts}");
         assert!(consts.contains("const B_MAXIMUM: u32 = 4u;"), "{consts}");
+        let n = |all: &[u32]| *all.last().unwrap() as usize + 1;
+        let codes: Vec<u32> = UnaryOp::ALL.iter().map(|op| op.code()).collect();
+        assert_eq!(consts.matches("const U_").count(), n(&codes), "{consts}");
+        let codes: Vec<u32> = BinaryOp::ALL.iter().map(|op| op.code()).collect();
+        assert_eq!(consts.matches("const B_").count(), n(&codes), "{consts}");
     }
 }

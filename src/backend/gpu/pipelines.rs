@@ -408,6 +408,41 @@ mod tests {
         assert!(checked > 40, "{checked} expressions");
     }
 
+    /// The selectors of every `case` in a WGSL source (comments left out).
+    fn case_labels(src: &str) -> Vec<String> {
+        let code: Vec<&str> = src.lines().map(|l| l.split("//").next().unwrap_or("")).collect();
+        let mut labels = Vec::new();
+        for part in code.join("\n").split("case ").skip(1) {
+            let sel = part.split(':').next().unwrap_or("");
+            labels.extend(sel.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()));
+        }
+        labels
+    }
+
+    /// Every op-code constant a family generates (`const U_EXP: u32 = 1u;`)
+    /// is a `case` of a switch in the family's sources: an op added on the
+    /// Rust side and not in the shader fails here, not as a NaN (or a zero)
+    /// from the switch's default at run time.
+    #[test]
+    fn every_generated_op_code_has_a_wgsl_case() {
+        let mut checked = 0;
+        for f in crate::backend::gpu_families() {
+            let cases = case_labels(&f.sources.join("\n"));
+            for line in (f.consts)().lines() {
+                let Some(rest) = line.strip_prefix("const ") else { continue };
+                let name = rest.split(':').next().unwrap().trim();
+                assert!(
+                    cases.iter().any(|c| c == name),
+                    "{}: no `case {name}:` in its WGSL (cases: {cases:?})",
+                    f.name
+                );
+                checked += 1;
+            }
+        }
+        // the probe's 15, elementwise's 18 + 6, reduce's 2
+        assert!(checked >= 41, "only {checked} op codes checked");
+    }
+
     /// Each `#[repr(C)]` parameter struct has its WGSL twin's size and the
     /// same fields at the same offsets, as naga lays the WGSL struct out.
     #[test]

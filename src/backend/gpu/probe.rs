@@ -9,86 +9,45 @@
 use super::context::ctx;
 use super::pipelines::{gpu_params, Family, Kernel};
 use super::{grid1d, u32_of, GpuStorage};
-use crate::backend::{math, round};
+use crate::backend::{math, op_enum, round};
 use crate::Result;
 
-/// One operation of the probe kernel, on `(a, b, c)`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum ProbeOp {
-    /// `a`, loaded and stored.
-    Copy,
-    /// `a`'s bits xor `b`'s, through `bitcast` (integer tricks on floats).
-    Bits,
-    Add,
-    Sub,
-    Mul,
-    /// The device's `fma(a, b, c)`.
-    Fma,
-    /// The contract's `fma_c(a, b, c)` (the device's `fma` or the emulation).
-    FmaC,
-    /// `p = a * b; p + c`, written as two operations.
-    MulThenAdd,
-    /// The crate's division `m_div(a, b)`.
-    Div,
-    /// The crate's rounding to bf16.
-    Bf16,
-    /// The crate's rounding to fp16.
-    Fp16,
-    /// `(a + 2^23) − 2^23` with the constants in the source.
-    Fold,
-    /// The device's own `a / b` (the kernels never use it).
-    NativeDiv,
-    /// The device's own `sqrt(a)` (never used either).
-    NativeSqrt,
-    /// The device's own `exp(a)` (never used either).
-    NativeExp,
+op_enum! {
+    /// One operation of the probe kernel, on `(a, b, c)`; its name is how a
+    /// report writes it.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+    pub enum ProbeOp {
+        /// `a`, loaded and stored.
+        Copy => "load/store a",
+        /// `a`'s bits xor `b`'s, through `bitcast` (integer tricks on floats).
+        Bits => "bitcast(bits(a) ^ bits(b))",
+        Add => "a + b",
+        Sub => "a - b",
+        Mul => "a * b",
+        /// The device's `fma(a, b, c)`.
+        Fma => "fma(a, b, c)",
+        /// The contract's `fma_c(a, b, c)` (the device's `fma` or the emulation).
+        FmaC => "fma_c(a, b, c)",
+        /// `p = a * b; p + c`, written as two operations.
+        MulThenAdd => "p = a * b; p + c",
+        /// The crate's division `m_div(a, b)`.
+        Div => "m_div(a, b)",
+        /// The crate's rounding to bf16.
+        Bf16 => "bf16_f32(a)",
+        /// The crate's rounding to fp16.
+        Fp16 => "fp16_f32(a)",
+        /// `(a + 2^23) − 2^23` with the constants in the source.
+        Fold => "(a + 2^23) - 2^23",
+        /// The device's own `a / b` (the kernels never use it).
+        NativeDiv => "a / b (native)",
+        /// The device's own `sqrt(a)` (never used either).
+        NativeSqrt => "sqrt(a) (native)",
+        /// The device's own `exp(a)` (never used either).
+        NativeExp => "exp(a) (native)",
+    }
 }
 
 impl ProbeOp {
-    pub const ALL: [ProbeOp; 15] = [
-        ProbeOp::Copy,
-        ProbeOp::Bits,
-        ProbeOp::Add,
-        ProbeOp::Sub,
-        ProbeOp::Mul,
-        ProbeOp::Fma,
-        ProbeOp::FmaC,
-        ProbeOp::MulThenAdd,
-        ProbeOp::Div,
-        ProbeOp::Bf16,
-        ProbeOp::Fp16,
-        ProbeOp::Fold,
-        ProbeOp::NativeDiv,
-        ProbeOp::NativeSqrt,
-        ProbeOp::NativeExp,
-    ];
-
-    /// The code in `probe.wgsl` (`P_*`, generated).
-    pub fn code(self) -> u32 {
-        self as u32
-    }
-
-    /// How a report writes the operation.
-    pub fn formula(self) -> &'static str {
-        match self {
-            ProbeOp::Copy => "load/store a",
-            ProbeOp::Bits => "bitcast(bits(a) ^ bits(b))",
-            ProbeOp::Add => "a + b",
-            ProbeOp::Sub => "a - b",
-            ProbeOp::Mul => "a * b",
-            ProbeOp::Fma => "fma(a, b, c)",
-            ProbeOp::FmaC => "fma_c(a, b, c)",
-            ProbeOp::MulThenAdd => "p = a * b; p + c",
-            ProbeOp::Div => "m_div(a, b)",
-            ProbeOp::Bf16 => "bf16_f32(a)",
-            ProbeOp::Fp16 => "fp16_f32(a)",
-            ProbeOp::Fold => "(a + 2^23) - 2^23",
-            ProbeOp::NativeDiv => "a / b (native)",
-            ProbeOp::NativeSqrt => "sqrt(a) (native)",
-            ProbeOp::NativeExp => "exp(a) (native)",
-        }
-    }
-
     /// The result the contract (IEEE single precision, rounding to nearest,
     /// gradual underflow, one rounding per operation, nothing reassociated)
     /// gives, computed on the CPU.
@@ -173,6 +132,7 @@ mod tests {
 
     #[test]
     fn op_constants_are_generated_once_each() {
+        crate::backend::check_op_table(&ProbeOp::ALL, ProbeOp::code, ProbeOp::name);
         let c = wgsl_consts();
         assert!(c.contains("const P_MUL_THEN_ADD: u32 = 7u;"), "{c}");
         assert!(c.contains("const P_NATIVE_EXP: u32 = 14u;"), "{c}");

@@ -40,32 +40,37 @@ fn reduce(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups:
     let o = t / inner;
     let j = t % inner;
     let base = o * r_prm.r * inner + j;
-    if r_prm.op == R_SUM {
-        var acc = -0.0;
-        if r_prm.k0 > 0u {
-            acc = r_y[t];
+    switch r_prm.op {
+        case R_SUM: {
+            var acc = -0.0;
+            if r_prm.k0 > 0u {
+                acc = r_y[t];
+            }
+            for (var k = r_prm.k0; k < r_prm.k1; k++) {
+                acc = acc + r_x[base + k * inner];
+            }
+            r_y[t] = acc;
         }
-        for (var k = r_prm.k0; k < r_prm.k1; k++) {
-            acc = acc + r_x[base + k * inner];
+        case R_MAX: {
+            if r_prm.r == 0u {
+                r_y[t] = bitcast<f32>(0xff800000u); // the empty max: -inf, as bits
+                return;
+            }
+            var acc: f32;
+            var k = r_prm.k0;
+            if k > 0u {
+                acc = r_y[t];
+            } else {
+                acc = r_x[base];
+                k = 1u;
+            }
+            for (; k < r_prm.k1; k++) {
+                acc = maximum_c(acc, r_x[base + k * inner]);
+            }
+            r_y[t] = acc;
         }
-        r_y[t] = acc;
-    } else {
-        if r_prm.r == 0u {
-            r_y[t] = bitcast<f32>(0xff800000u); // the empty max: -inf, as bits
-            return;
-        }
-        var acc: f32;
-        var k = r_prm.k0;
-        if k > 0u {
-            acc = r_y[t];
-        } else {
-            acc = r_x[base];
-            k = 1u;
-        }
-        for (; k < r_prm.k1; k++) {
-            acc = maximum_c(acc, r_x[base + k * inner]);
-        }
-        r_y[t] = acc;
+        // unreachable: a test holds every generated R_* to a case here
+        default: { r_y[t] = bitcast<f32>(QNAN); }
     }
 }
 
