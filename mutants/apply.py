@@ -12,7 +12,7 @@ A mutant file (mutants/NAME.mutant) is:
     (more find/replace pairs)
 
 Each find block must occur exactly once in the whole crate (src/**/*.rs and
-*.wgsl), compared line by line with leading and trailing whitespace ignored:
+shaders/*.wgsl), compared line by line with leading and trailing whitespace ignored:
 no file name and no line number, so moving code between files, reformatting
 it or editing elsewhere does not break a mutant. A block found nowhere or
 more than once is an error (exit 2), never a silent no-op; the test suite
@@ -54,7 +54,7 @@ def occurrences(lines, block):
 
 def main():
     mutant, tree = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
-    files = sorted(p for p in (tree / "src").rglob("*") if p.suffix in (".rs", ".wgsl"))
+    files = sorted(p for d in ("src", "shaders") for p in (tree / d).rglob("*") if p.suffix in (".rs", ".wgsl"))
     texts = {p: p.read_text().split("\n") for p in files}
     for find, repl in parse(mutant.read_text()):
         hits = [(p, i) for p in files for i in occurrences(texts[p], find)]

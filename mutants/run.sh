@@ -2,7 +2,7 @@
 # Pitfall mutants: each mutants/NAME.mutant (sNN: the spec's pitfall NN in the
 # crate; gNN: the same pitfall in its WGSL kernel) is a set of anchored
 # find/replace blocks that mutants/apply.py applies (see its header: blocks
-# are found by their text anywhere in src/, so ordinary edits and moves do not
+# are found by their text anywhere in src/ and shaders/, so edits and moves do not
 # break them). The FIRST line names the test that must catch the mutant:
 #
 #     # test: <test file stem> <test filter> [more filters]

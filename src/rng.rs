@@ -1,7 +1,7 @@
 //! A counter-based generator: Philox4x32-10 (Salmon et al., 2011).
 //!
 //! The whole state is `(seed, offset)`. Draw `i` of a call is a pure function
-//! of `(seed, offset + i/4, i%4)`, so the CPU and the GPU (`backend/dropout/rng.wgsl`)
+//! of `(seed, offset + i/4, i%4)`, so the CPU and the GPU (`shaders/dropout.wgsl`)
 //! produce the same stream, and saving, replaying and restoring a generator is
 //! copying two integers — which is what activation checkpointing needs to
 //! rerun a dropout layer with the same mask.

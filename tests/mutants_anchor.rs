@@ -1,5 +1,5 @@
 //! Every pitfall mutant still finds its code: each `@@ find` block of
-//! `mutants/*.mutant` occurs exactly once in `src/` (line by line, leading and
+//! `mutants/*.mutant` occurs exactly once in `src/` and `shaders/` (line by line, leading and
 //! trailing whitespace ignored — the rule `mutants/apply.py` applies them by).
 //! Whether the tests kill them is `mutants/run.sh`'s job; this keeps an
 //! ordinary edit from silently turning a mutant into an error.
@@ -39,6 +39,7 @@ fn every_mutant_finds_its_code_exactly_once() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut files = Vec::new();
     sources(&root.join("src"), &mut files);
+    sources(&root.join("shaders"), &mut files);
     let texts: Vec<(PathBuf, Vec<String>)> = files
         .into_iter()
         .map(|p| {

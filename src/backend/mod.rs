@@ -16,7 +16,7 @@
 //! * `cpu.rs` — the fast CPU kernels (SIMD, threads);
 //! * `gpu.rs` — the launcher: `#[repr(C)]` parameter structs mirroring the
 //!   WGSL ones (checked against naga's reflection), grid sizes, passes;
-//! * `*.wgsl` — the GPU twin.
+//! * `shaders/<family>.wgsl` (at the top of the repository) — the GPU twin.
 //!
 //! | family | primitives |
 //! |---|---|

@@ -233,7 +233,7 @@ fn checks(native_fma: bool) -> Vec<Check> {
                 } else {
                     format!(
                         "the kernels' f32 multiply-adds use fma_c = the integer emulation \
-                         (fma.wgsl), which is bit-exact; known device difference: {unfused_caveat}"
+                         (math.wgsl), which is bit-exact; known device difference: {unfused_caveat}"
                     )
                 },
             ),
@@ -327,7 +327,7 @@ fn checks(native_fma: bool) -> Vec<Check> {
                 Status::Handled,
                 "the compiler fuses a * b + c: the kernels write every multiply-add that matters \
                  as an explicit fma_c, and where they write a product then a sum the product is \
-                 exact (mathlib.wgsl's rules), so contraction cannot change their bits; the sweep \
+                 exact (math.wgsl's rules), so contraction cannot change their bits; the sweep \
                  is the evidence"
                     .into(),
             ),
@@ -393,7 +393,7 @@ fn checks(native_fma: bool) -> Vec<Check> {
             on_failure: (
                 Status::Handled,
                 "the compiler regroups float constants: the kernels never rely on the grouping \
-                 of constant operations (cast.wgsl rounds fp16 subnormals with integer steps, \
+                 of constant operations (round.wgsl rounds fp16 subnormals with integer steps, \
                  where the CPU uses this very expression)"
                     .into(),
             ),
@@ -411,7 +411,7 @@ fn checks(native_fma: bool) -> Vec<Check> {
             on_failure: (
                 Status::Info,
                 "not used: the kernels divide, take roots and exponentials with the crate's own \
-                 routines (mathlib.wgsl), built from + − × fma and bit operations"
+                 routines (math.wgsl), built from + − × fma and bit operations"
                     .into(),
             ),
             on_success: Status::Info,

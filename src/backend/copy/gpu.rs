@@ -1,5 +1,4 @@
-//! The GPU launchers of the data movement primitives (`copy.wgsl`,
-//! `gather.wgsl`).
+//! The GPU launchers of the data movement primitives (`shaders/copy.wgsl`).
 
 use super::CopyOps;
 use crate::backend::gpu::context::ctx;
@@ -27,19 +26,19 @@ gpu_params! {
 }
 
 gpu_params! {
-    /// `gather.wgsl` `GatherParams`: `count` rows of `d`.
+    /// `copy.wgsl` `GatherParams`: `count` rows of `d`.
     pub struct GatherParams { count: u32, d: u32 }
 }
 
 gpu_params! {
-    /// `gather.wgsl` `ScatterParams`: this pass sums list entries
+    /// `copy.wgsl` `ScatterParams`: this pass sums list entries
     /// `[rowptr[r] + skip, + chunk)` of each output row.
     pub struct ScatterParams { v: u32, d: u32, skip: u32, chunk: u32 }
 }
 
 pub const FAMILY: Family = Family {
     name: "copy",
-    sources: &[include_str!("copy.wgsl"), include_str!("gather.wgsl")],
+    sources: &[include_str!("../../../shaders/copy.wgsl")],
     needs_math: false,
     consts: no_consts,
     entries: &["strided_copy", "concat_part", "gather_rows", "scatter_add_rows"],
@@ -135,7 +134,7 @@ impl CopyOps for GpuStorage {
         }
         let rp = c.buffer_with(bytemuck::cast_slice(&rowptr));
         let ls = c.buffer_with(bytemuck::cast_slice(&list));
-        // Rows with more contributions than LOOP_PASS take several passes (gather.wgsl).
+        // Rows with more contributions than LOOP_PASS take several passes (copy.wgsl).
         let longest = (0..v)
             .map(|r| (rowptr[r + 1] - rowptr[r]) as usize)
             .max()

@@ -1,4 +1,4 @@
-//! The GPU launcher of the dropout mask (`rng.wgsl`): one invocation per four
+//! The GPU launcher of the dropout mask (`dropout.wgsl`): one invocation per four
 //! elements (one Philox block).
 
 use super::DropoutOps;
@@ -8,7 +8,7 @@ use crate::backend::gpu::{grid1d, u32_of, GpuStorage};
 use crate::Result;
 
 gpu_params! {
-    /// `rng.wgsl` `DropoutParams` (`p`, `scale` as f32 bits; 64-bit seed and
+    /// `dropout.wgsl` `DropoutParams` (`p`, `scale` as f32 bits; 64-bit seed and
     /// offset as halves).
     pub struct DropoutParams {
         n: u32,
@@ -23,7 +23,7 @@ gpu_params! {
 
 pub const FAMILY: Family = Family {
     name: "rng",
-    sources: &[include_str!("rng.wgsl")],
+    sources: &[include_str!("../../../shaders/dropout.wgsl")],
     needs_math: true,
     consts: no_consts,
     entries: &["dropout_mask"],

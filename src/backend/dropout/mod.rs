@@ -1,5 +1,5 @@
 //! Dropout masks from the counter-based Philox4x32-10 generator
-//! ([`rng`](crate::rng), `rng.wgsl` its twin): the same bits on every device,
+//! ([`rng`](crate::rng), `dropout.wgsl` its twin): the same bits on every device,
 //! and a generator state `(seed, offset)` that is trivially saved and replayed.
 //!
 //! ## Contract

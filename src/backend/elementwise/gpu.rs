@@ -29,7 +29,7 @@ gpu_params! {
 
 pub const FAMILY: Family = Family {
     name: "elementwise",
-    sources: &[include_str!("elementwise.wgsl")],
+    sources: &[include_str!("../../../shaders/elementwise.wgsl")],
     needs_math: true,
     consts: super::wgsl_consts,
     entries: &["unary", "binary"],

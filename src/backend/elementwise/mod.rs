@@ -6,7 +6,7 @@
 //! * `+ − ×` and `fma` are the exactly rounded IEEE operations on both devices;
 //!   negation is `−0 − x` (the sign of zero flips like IEEE negation).
 //! * Division, square root, `exp`, `log`, sigmoid and SiLU are the crate's own
-//!   routines ([`math`](super::math), `mathlib.wgsl`): sigmoid is
+//!   routines ([`math`](super::math), `math.wgsl`): sigmoid is
 //!   `div(1, 1 + exp(−0 − x))`, SiLU `x · sigmoid(x)`, SiLU's gradient
 //!   `s · fma(x, 1 − s, 1)` with `s = sigmoid(x)`; rsqrt is `div(1, sqrt(x))`.
 //! * `maximum` is NaN if either is NaN (the first one), else the larger, `+0`

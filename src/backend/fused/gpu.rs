@@ -58,7 +58,7 @@ gpu_params! {
 
 pub const FAMILY: Family = Family {
     name: "fused",
-    sources: &[include_str!("fused.wgsl")],
+    sources: &[include_str!("../../../shaders/fused.wgsl")],
     needs_math: true,
     consts: no_consts,
     entries: &[

@@ -4,7 +4,7 @@
 //! Two questions, asked apart because a device can fail either one alone:
 //! * **is `fma` fused** — one rounding — on normal operands whose exact
 //!   product needs the fusion ([`fused_fma_cases`])? Then `fma_c` is the
-//!   device's `fma`; else the integer emulation `fma_soft` (`math/fma.wgsl`,
+//!   device's `fma`; else the integer emulation `fma_soft` (`shaders/math.wgsl`,
 //!   bit-exact, about 10× slower).
 //! * **do f32 subnormals survive** `*`, `+` and `fma`, as operands and as
 //!   results ([`subnormal_cases`])? Real drivers may flush them (Mesa's AMD and
@@ -18,7 +18,7 @@
 //! does change is a finding of the cross-check's probe (`crosscheck::probe`),
 //! which names the route taken. The crate's division, square root, `exp`,
 //! `log` and the bf16/fp16 roundings take integer steps wherever a subnormal
-//! can occur (`frexp_abs`, `scale2`, `cast.wgsl`), so flushing leaves them as
+//! can occur (`frexp_abs`, `scale2`, `round.wgsl`), so flushing leaves them as
 //! they are.
 
 /// What the start-up probe found.

@@ -3,14 +3,14 @@
 //! (device, batched submission, readback, errors), the [`pipelines`]
 //! description (families, composition, kernels), the cross-check's device
 //! [`probe`] kernel, and grid helpers. Each primitive's launcher lives in its
-//! family's `gpu.rs`, beside its `.wgsl`.
+//! family's `gpu.rs`; its kernels in `shaders/<family>.wgsl`.
 //!
 //! Tensors stay on the device; the host reads back only what it must (a
 //! download, the loss scaler's finite flag, norm partials).
 //!
 //! The contract's fused multiply-add is `fma_c` in WGSL: the device's `fma`
 //! when a start-up probe ([`arith`]) shows it is exactly fused, otherwise an
-//! integer emulation (`math/fma.wgsl`). Lavapipe's `fma` is not fused, so
+//! integer emulation (`shaders/math.wgsl`). Lavapipe's `fma` is not fused, so
 //! there the emulation is used (slower matmuls, the same bits). The probe
 //! also asks, apart, whether f32 subnormals survive `*`, `+` and `fma`; a
 //! fused `fma` is kept whatever the answer (see [`arith`]).
@@ -193,7 +193,7 @@ pub fn buffer_copy(src: &GpuStorage, dst: &GpuStorage) -> Result<()> {
 }
 
 /// Whether kernels use the device's own `fma` ("native", probed to be exactly
-/// fused) or the integer emulation of `math/fma.wgsl` ("soft"); the choice is
+/// fused) or the integer emulation of `shaders/math.wgsl` ("soft"); the choice is
 /// [`arith::native_fma`]'s.
 pub fn fma_mode() -> Result<&'static str> {
     Ok(adapter()?.fma)

@@ -3,22 +3,23 @@
 //! compiles what this describes.
 //!
 //! Each primitive family (`backend/<family>/`) declares one [`Family`]: its
-//! `.wgsl` sources (included with `include_str!` from beside its Rust), the
-//! constants generated from its Rust enums (op codes: one source), its entry
-//! points and its parameter structs. WGSL has no includes, so every family gets
-//! `grid.wgsl` (its invocations' linear index) prepended, and a family that
-//! uses the math library the prelude too: the `fma_c` selector, `fma.wgsl`,
-//! `mathlib.wgsl`, the format codes and `cast.wgsl`.
+//! WGSL source (`shaders/<family>.wgsl` at the top of the repository,
+//! included with `include_str!`), the constants generated from its Rust enums
+//! (op codes: one source), its entry points and its parameter structs. WGSL
+//! has no includes, so every family gets `shaders/grid.wgsl` (its
+//! invocations' linear index) prepended, and a family that uses the math
+//! library the prelude too: the `fma_c` selector, `shaders/math.wgsl`, the
+//! format codes and `shaders/round.wgsl`.
 //!
 //! `fma_c` is the contract's fused multiply-add: the device's `fma` when a
-//! probe at start-up shows it is exactly fused, else `fma_soft` (fma.wgsl,
+//! probe at start-up shows it is exactly fused, else `fma_soft` (math.wgsl,
 //! integer emulation). On Mesa's lavapipe `fma` is not fused.
 
 use crate::backend::{math, round};
 
 /// `grid_index`, the linear index of an invocation in a 1-D grid (see
 /// [`grid1d`](super::grid1d)), written once for every family.
-pub const GRID_WGSL: &str = include_str!("grid.wgsl");
+pub const GRID_WGSL: &str = include_str!("../../../shaders/grid.wgsl");
 
 /// The byte layout of a `#[repr(C)]` parameter struct and the name of its
 /// WGSL twin, so a test can hold the two against naga's reflection.
@@ -111,9 +112,8 @@ pub fn prelude(native_fma: bool) -> String {
          fn fma_c(a: f32, b: f32, c: f32) -> f32 { return fma_soft(a, b, c); }"
     };
     format!(
-        "{sel}\n{}\n{}\n{}{}\n",
-        math::FMA_WGSL,
-        math::MATHLIB_WGSL,
+        "{sel}\n{}\n{}{}\n",
+        math::MATH_WGSL,
         round::wgsl_consts(),
         round::CAST_WGSL
     )

@@ -102,7 +102,7 @@ gpu_params! {
 
 pub const FAMILY: Family = Family {
     name: "probe",
-    sources: &[include_str!("probe.wgsl")],
+    sources: &[include_str!("../../../shaders/probe.wgsl")],
     needs_math: true,
     consts: wgsl_consts,
     entries: &["probe"],

@@ -2,8 +2,8 @@
 //!
 //! Division, square root, exp, log and sigmoid are built here from operations
 //! that are exactly rounded everywhere (`+ - *`, `fma`, `floor`, bit casts), so
-//! the CPU reference and the WGSL kernels (`mathlib.wgsl` beside this file, its twin;
-//! `fma.wgsl` emulates a fused multiply-add where a device lacks one) produce the same bits. Nothing here calls a platform `exp`, `ln`
+//! the CPU reference and the WGSL kernels (`shaders/math.wgsl`, its twin, which
+//! also emulates a fused multiply-add where a device lacks one) produce the same bits. Nothing here calls a platform `exp`, `ln`
 //! or a hardware divide whose accuracy a GPU driver may relax.
 //!
 //! Four rules keep the twins identical:
@@ -35,10 +35,10 @@
 
 use crate::backend::cpu::simd::LANES;
 
-/// The WGSL twin of this file.
-pub const MATHLIB_WGSL: &str = include_str!("mathlib.wgsl");
-/// A correctly rounded fma in integer arithmetic, for devices whose `fma` is not fused.
-pub const FMA_WGSL: &str = include_str!("fma.wgsl");
+/// The WGSL twin of this file (`shaders/math.wgsl`), with `fma_soft`: a
+/// correctly rounded fma in integer arithmetic, for devices whose `fma` is
+/// not fused.
+pub const MATH_WGSL: &str = include_str!("../../../shaders/math.wgsl");
 
 /// `if c { a } else { b }` on bit patterns; with both sides already computed
 /// this compiles to a blend, never a branch.

@@ -31,7 +31,7 @@ gpu_params! {
 
 pub const FAMILY: Family = Family {
     name: "matmul",
-    sources: &[include_str!("matmul.wgsl")],
+    sources: &[include_str!("../../../shaders/matmul.wgsl")],
     needs_math: true,
     consts: no_consts,
     entries: &["matmul"],

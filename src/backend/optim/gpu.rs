@@ -44,7 +44,7 @@ gpu_params! {
 
 pub const FAMILY: Family = Family {
     name: "optim",
-    sources: &[include_str!("optim.wgsl")],
+    sources: &[include_str!("../../../shaders/optim.wgsl")],
     needs_math: true,
     consts: no_consts,
     entries: &[

@@ -14,7 +14,7 @@ gpu_params! {
 
 pub const FAMILY: Family = Family {
     name: "pack",
-    sources: &[include_str!("pack.wgsl")],
+    sources: &[include_str!("../../../shaders/pack.wgsl")],
     needs_math: true,
     consts: no_consts,
     entries: &["pack", "unpack"],

@@ -25,7 +25,7 @@ gpu_params! {
 
 pub const FAMILY: Family = Family {
     name: "reduce",
-    sources: &[include_str!("reduce.wgsl")],
+    sources: &[include_str!("../../../shaders/reduce.wgsl")],
     needs_math: true,
     consts: super::wgsl_consts,
     entries: &[

@@ -3,7 +3,7 @@
 //! Both functions return a value of the *input's* type whose every bit pattern
 //! is a value of the 16-bit format, chosen by round-to-nearest, ties-to-even.
 //! They never go through a platform conversion (WGSL's f32→f16 has no specified
-//! rounding mode); `cast.wgsl` beside this file implements the same integer steps.
+//! rounding mode); `shaders/round.wgsl` implements the same integer steps.
 
 /// The two emulated storage formats.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
@@ -39,7 +39,7 @@ impl std::str::FromStr for Format {
 }
 
 /// The WGSL twin of this file's f32 functions.
-pub const CAST_WGSL: &str = include_str!("cast.wgsl");
+pub const CAST_WGSL: &str = include_str!("../../../shaders/round.wgsl");
 
 /// A rounding format as the kernels take it (`FMT_*` in WGSL): 0 none, 1 bf16, 2 fp16.
 pub fn fmt_code(f: Option<Format>) -> u32 {
