@@ -48,7 +48,7 @@ pub struct Context {
     pending: Mutex<Pending>,
     pipelines: Mutex<HashMap<Kernel, wgpu::ComputePipeline>>,
     modules: Mutex<HashMap<&'static str, wgpu::ShaderModule>>,
-    pub(super) pool: Mutex<super::pool::Pool>,
+    pub(super) pool: Mutex<super::buffers::Pool>,
     /// The first device error seen (validation, out of memory, device lost).
     error: Arc<Mutex<Option<String>>>,
 }
@@ -313,7 +313,7 @@ impl Context {
             pending: Mutex::new(Pending::default()),
             pipelines: Mutex::new(HashMap::new()),
             modules: Mutex::new(HashMap::new()),
-            pool: Mutex::new(super::pool::Pool::default()),
+            pool: Mutex::new(super::buffers::Pool::default()),
             error,
         })
     }

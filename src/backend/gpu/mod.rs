@@ -20,7 +20,7 @@
 pub mod arith;
 pub mod context;
 pub mod pipelines;
-pub mod pool;
+pub mod buffers;
 pub mod probe;
 pub mod spirv;
 
@@ -256,7 +256,7 @@ impl GpuStorage {
     /// An uninitialised buffer of `len` f32s (from the pool when possible).
     pub fn alloc(c: &Context, len: usize) -> Result<GpuStorage> {
         let bytes = (len as u64) * 4;
-        let class = pool::size_class(bytes.max(4));
+        let class = buffers::size_class(bytes.max(4));
         if class > c.max_binding() {
             bail!(
                 Device,
