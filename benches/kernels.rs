@@ -283,12 +283,16 @@ fn bandwidth_groups(c: &mut Criterion, n: usize, have_gpu: bool) {
 fn recipes(preset: &str, dev: Device) -> [(&'static str, TrainOptions); 2] {
     let mixed = TrainOptions {
         preset: Some(preset.into()),
-        device: Some(if dev == Device::Gpu { "gpu" } else { "cpu" }.into()),
+        device: Some(if dev == Device::Gpu {
+            tinyllm::train::DeviceChoice::Gpu
+        } else {
+            tinyllm::train::DeviceChoice::Cpu
+        }),
         ..Default::default()
     };
     let batch = TrainConfig::resolve(&mixed).unwrap().batch;
     let fp32 = TrainOptions {
-        precision: Some("fp32".into()),
+        precision: Some(tinyllm::precision::Precision::Fp32),
         batch: Some(batch),
         micro_batch: Some(batch),
         checkpoint_activations: Some(false),

@@ -12,14 +12,14 @@
 
 use std::process::ExitCode;
 use tinyllm::train::data::Corpus;
-use tinyllm::train::{TrainConfig, TrainOptions, Trainer};
+use tinyllm::train::{DeviceChoice, TrainConfig, TrainOptions, Trainer};
 use tinyllm::{Device, Result};
 
 fn trainer(device: Device, precision: &str, steps: usize) -> Result<Trainer> {
     let cfg = TrainConfig::resolve(&TrainOptions {
         preset: Some("tiny".into()),
-        device: Some(device.to_string()),
-        precision: Some(precision.into()),
+        device: Some(device.to_string().parse::<DeviceChoice>()?),
+        precision: Some(precision.parse()?),
         steps: Some(steps),
         ..Default::default()
     })?;

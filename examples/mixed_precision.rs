@@ -12,7 +12,7 @@
 //! Default: 40 steps (a few seconds on a laptop CPU).
 
 use tinyllm::train::data::Corpus;
-use tinyllm::train::{TrainConfig, TrainOptions, Trainer};
+use tinyllm::train::{DeviceChoice, TrainConfig, TrainOptions, Trainer};
 use tinyllm::{Device, Result};
 
 fn trainer(
@@ -23,8 +23,8 @@ fn trainer(
 ) -> Result<Trainer> {
     let cfg = TrainConfig::resolve(&TrainOptions {
         preset: Some("tiny".into()),
-        device: Some("cpu".into()),
-        precision: Some(precision.into()),
+        device: Some(DeviceChoice::Cpu),
+        precision: Some(precision.parse()?),
         steps: Some(steps),
         batch: Some(8),
         micro_batch: Some(micro_batch),

@@ -35,7 +35,7 @@ fn main() -> Result<()> {
     let (rows, budget) = (num(1, 8), num(2, 5));
     let cfg = LlamaConfig::preset(preset)?;
     let t = cfg.context;
-    let m = Llama::new(&cfg, 0, Device::Cpu)?;
+    let mut m = Llama::new(&cfg, 0, Device::Cpu)?;
     let ids: Vec<u32> = (0..rows * t).map(|i| (i * 7919 % 251) as u32).collect();
     println!("{preset}: micro-batch {rows} × {t} tokens, checkpointing budget {budget} layers\n");
     println!(
@@ -45,10 +45,11 @@ fn main() -> Result<()> {
     let mut held_by = Vec::new();
     for p in [Precision::Fp32, Precision::Bf16, Precision::Fp16] {
         // Without checkpointing: what the graph keeps between forward and backward.
+        m.set_recompute(None)?;
         let base = memory::live_bytes();
         let loss = {
             let _ac = autocast(p.format());
-            cross_entropy(&m.forward(&ids, rows, t, None)?, &ids)?
+            cross_entropy(&m.forward(&ids, rows, t)?, &ids)?
         };
         let held = memory::live_bytes() - base - 4; // less the loss itself
         drop(loss);
@@ -56,12 +57,13 @@ fn main() -> Result<()> {
 
         // With checkpointing: the peak of a whole forward and backward.
         zero_grad(&m);
+        m.set_recompute(Some(budget))?;
         let base = memory::live_bytes();
         memory::reset_peak();
         let t0 = Instant::now();
         {
             let _ac = autocast(p.format());
-            cross_entropy(&m.forward(&ids, rows, t, Some(budget))?, &ids)?.backward()?;
+            cross_entropy(&m.forward(&ids, rows, t)?, &ids)?.backward()?;
         }
         let secs = t0.elapsed().as_secs_f64();
         let peak = memory::peak_bytes() - base;

@@ -57,6 +57,53 @@ pub fn checkpoint_schedule(n_layers: usize, budget: usize) -> Result<Vec<usize>>
     bail!(Config, "a memory budget of {budget} layer(s) is too small for {n_layers} layers: the smallest achievable peak is {best}")
 }
 
+/// The smallest checkpoint budget `n` layers can have: the lowest peak of
+/// activation memory any checkpoint schedule reaches, in layer units (the
+/// saved inputs of all segments but one, plus the layers of the largest
+/// segment). It is the default of `tinyllm train --checkpoint-activations`,
+/// the most memory checkpointing can save.
+///
+/// ```
+/// use tinyllm::recompute::{budget_range, min_ckpt_budget};
+/// assert_eq!(min_ckpt_budget(4), 3); // [0, 2]: one saved input + 2 layers
+/// assert_eq!(min_ckpt_budget(8), 5);
+/// assert_eq!(budget_range(4), 3..=4);
+/// ```
+pub fn min_ckpt_budget(n: usize) -> usize {
+    (1..=n).map(|k| (k - 1) + n.div_ceil(k)).min().unwrap_or(1)
+}
+
+/// The checkpoint budgets a stack of `n_layers` layers can run with:
+/// `min_ckpt_budget(n_layers)..=n_layers`. The largest, `n_layers`, is one
+/// segment: every layer's activations kept, nothing recomputed.
+pub fn budget_range(n_layers: usize) -> std::ops::RangeInclusive<usize> {
+    min_ckpt_budget(n_layers)..=n_layers
+}
+
+/// Checks that `budget` is in [`budget_range`]`(n_layers)`. The error
+/// ([`Error::Config`](crate::Error::Config)) names the valid range and, for
+/// too small a budget, the smallest achievable peak.
+pub fn check_budget(n_layers: usize, budget: usize) -> Result<()> {
+    if n_layers == 0 {
+        bail!(Config, "activation checkpointing: no layers");
+    }
+    let range = budget_range(n_layers);
+    if budget < *range.start() {
+        bail!(Config,
+            "a memory budget of {budget} layer(s) is too small for {n_layers} layers: the smallest achievable peak is {} (budgets for {n_layers} layers: {}..={n_layers})",
+            range.start(),
+            range.start()
+        );
+    }
+    if budget > n_layers {
+        bail!(Config,
+            "a memory budget of {budget} layers is more than the {n_layers} layers there are: budgets for {n_layers} layers are {}..={n_layers} ({n_layers}: every activation kept, nothing recomputed)",
+            range.start()
+        );
+    }
+    Ok(())
+}
+
 /// Runs `f(args)` without recording its inside, as one node that recomputes
 /// it during backward (see the module docs). `params` are the trainable
 /// tensors `f` reads (leaves: their gradients accumulate directly during the

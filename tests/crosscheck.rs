@@ -23,8 +23,8 @@ const BIN: &str = env!("CARGO_BIN_EXE_tinyllm");
 fn tiny(precision: &str) -> TrainConfig {
     TrainConfig::resolve(&TrainOptions {
         preset: Some("tiny".into()),
-        device: Some("cpu".into()),
-        precision: Some(precision.into()),
+        device: Some(tinyllm::train::DeviceChoice::Cpu),
+        precision: Some(precision.parse().unwrap()),
         ..Default::default()
     })
     .unwrap()

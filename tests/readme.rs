@@ -30,7 +30,7 @@ fn the_presets_table_is_the_presets() {
             .trim_matches('`');
         let cfg = TrainConfig::resolve(&TrainOptions {
             preset: Some(name.into()),
-            device: Some("cpu".into()),
+            device: Some(tinyllm::train::DeviceChoice::Cpu),
             ..Default::default()
         })
         .unwrap();

@@ -830,3 +830,50 @@ device_test!(checkpoint_lowers_peak_memory, |dev| {
     );
     assert!(plain_seg.fwd_peak >= 12 * act);
 });
+
+// ------------------------------------------- the Llama's recompute setting ----
+
+/// Checkpointing is a setting of the Llama, checked when it is set (the
+/// valid budgets named), never mid-forward; every budget it accepts gives the
+/// gradients of the plain model, bit for bit, with dropout on.
+#[test]
+fn the_llama_recompute_setting_keeps_every_bit() {
+    use tinyllm::nn::llama::{Llama, LlamaConfig};
+    use tinyllm::recompute::{budget_range, min_ckpt_budget};
+    let mut cfg = LlamaConfig::preset("tiny").unwrap();
+    cfg.n_layers = 5;
+    cfg.dropout = 0.1;
+    assert_eq!(budget_range(5), min_ckpt_budget(5)..=5);
+    let ids: Vec<u32> = (0..2 * cfg.context)
+        .map(|i| (i * 37 % 256) as u32)
+        .collect();
+    let grads = |budget: Option<usize>| {
+        let m = Llama::new(&cfg, 3, Device::Cpu)
+            .unwrap()
+            .with_recompute(budget)
+            .unwrap();
+        let logits = m.forward(&ids, 2, cfg.context).unwrap();
+        tinyllm::ops::cross_entropy(&logits, &ids)
+            .unwrap()
+            .backward()
+            .unwrap();
+        m.parameters()
+            .iter()
+            .map(|p| bits(&grad(p)))
+            .collect::<Vec<_>>()
+    };
+    let plain = grads(None);
+    for b in budget_range(5) {
+        assert!(grads(Some(b)) == plain, "budget {b}");
+    }
+    let mut m = Llama::new(&cfg, 3, Device::Cpu).unwrap();
+    m.set_recompute(Some(4)).unwrap();
+    for bad in [0, min_ckpt_budget(5) - 1, 6] {
+        let e = m.set_recompute(Some(bad)).unwrap_err().to_string();
+        assert!(
+            e.contains(&format!("{}..=5", min_ckpt_budget(5))),
+            "{bad}: {e}"
+        );
+        assert_eq!(m.recompute(), Some(4), "a refused budget changes nothing");
+    }
+}

@@ -23,7 +23,7 @@ use tinyllm::nn::{Layer, Linear, Module};
 use tinyllm::optim::{AdamW, AdamWConfig};
 use tinyllm::precision::{DynamicLossScaler, Precision, MIN_SCALE};
 use tinyllm::train::checkpoint::{self, Verified};
-use tinyllm::train::config::{TrainConfig, TrainOptions};
+use tinyllm::train::config::{DeviceChoice, TrainConfig, TrainOptions};
 use tinyllm::train::data::Corpus;
 use tinyllm::train::metrics::{MetricsLog, StepMetrics};
 use tinyllm::train::{Start, Trainer};
@@ -449,7 +449,7 @@ fn copy_dir(from: &Path, to: &Path) {
 fn tiny(extra: TrainOptions) -> TrainConfig {
     TrainConfig::resolve(&TrainOptions {
         preset: Some("tiny".into()),
-        device: Some("cpu".into()),
+        device: Some(DeviceChoice::Cpu),
         ..extra
     })
     .unwrap()
@@ -460,7 +460,7 @@ fn saved_tiny(name: &str, steps: usize) -> (PathBuf, TrainConfig) {
     let corpus = Corpus::embedded();
     let cfg = tiny(TrainOptions {
         steps: Some(10),
-        precision: Some("fp16".into()),
+        precision: Some(Precision::Fp16),
         ..Default::default()
     });
     let mut t = Trainer::new(cfg.clone(), Device::Cpu, &corpus).unwrap();
@@ -1253,8 +1253,11 @@ fn fuzz_configs() {
             steps: n(&mut rng),
             lr: f(&mut rng),
             seed: rng.chance(0.3).then(|| rng.next()),
-            device: s(&mut rng, &["cpu", "gpu", "auto", "tpu"]),
-            precision: s(&mut rng, &["fp32", "bf16", "fp16", "fp8", "float16"]),
+            // typed: the strings the CLI would parse (an unknown one never
+            // reaches resolve)
+            device: s(&mut rng, &["cpu", "gpu", "auto", "tpu"]).and_then(|d| d.parse().ok()),
+            precision: s(&mut rng, &["fp32", "bf16", "fp16", "fp8", "float16"])
+                .and_then(|p| p.parse().ok()),
             batch: n(&mut rng),
             micro_batch: n(&mut rng),
             accum: n(&mut rng),
@@ -2151,8 +2154,8 @@ fn interrupt_resumes_to_the_same_bits(device: &str, precisions: &[&str], steps: 
         let reference = tmpdir(&format!("sig-ref-{device}{prec}"));
         let cfg = TrainConfig::resolve(&TrainOptions {
             preset: Some("tiny".into()),
-            device: Some(device.into()),
-            precision: Some(prec.trim_start_matches("--").into()),
+            device: Some(device.parse().unwrap()),
+            precision: Some(prec.trim_start_matches("--").parse().unwrap()),
             eval_every: Some(0),
             steps: Some(steps),
             out: Some(reference.clone()),

@@ -6,8 +6,10 @@ use common::{rehash, tmpdir};
 use std::path::{Path, PathBuf};
 use tinyllm::nn::llama::{apply_rope, rope_tables, rotate_half, Llama, LlamaConfig};
 use tinyllm::nn::Module;
+use tinyllm::precision::Precision;
+use tinyllm::recompute::min_ckpt_budget;
 use tinyllm::train::checkpoint::{self, Verified};
-use tinyllm::train::config::{min_ckpt_budget, TrainConfig, TrainOptions};
+use tinyllm::train::config::{DeviceChoice, TrainConfig, TrainOptions};
 use tinyllm::train::data::{ByteTokenizer, Corpus, Dataset};
 use tinyllm::train::{Progress, Start, Trainer};
 use tinyllm::{Device, Generator, Tensor};
@@ -15,7 +17,7 @@ use tinyllm::{Device, Generator, Tensor};
 fn tiny(extra: TrainOptions) -> TrainConfig {
     TrainConfig::resolve(&TrainOptions {
         preset: Some("tiny".into()),
-        device: Some("cpu".into()),
+        device: Some(DeviceChoice::Cpu),
         ..extra
     })
     .unwrap()
@@ -98,7 +100,7 @@ fn resume_is_bit_for_bit_bf16_with_dropout_and_checkpointing() {
 fn resume_is_bit_for_bit_fp16_with_loss_scaler() {
     resume_matches(
         TrainOptions {
-            precision: Some("fp16".into()),
+            precision: Some(Precision::Fp16),
             checkpoint_activations: Some(false),
             ..Default::default()
         },
@@ -149,7 +151,7 @@ fn spec_and_cpu_runs_are_identical() {
         let cfg = tiny(TrainOptions {
             steps: Some(2),
             dropout: Some(0.1),
-            precision: Some(precision.into()),
+            precision: Some(precision.parse().unwrap()),
             checkpoint_activations: Some(true),
             ..Default::default()
         });
@@ -310,6 +312,84 @@ fn wrong_shapes_are_refused_before_anything_loads() {
     assert!(e.contains("shape") && e.contains("mlp"), "{e}");
 }
 
+/// A training state built by hand is checked against its model and
+/// optimizer: by the builder, and again by `checkpoint::save`, which writes
+/// nothing for a state that does not match. One that matches resumes.
+#[test]
+fn train_states_are_checked_against_the_model_and_optimizer() {
+    use tinyllm::optim::{AdamW, AdamWConfig, Optimizer};
+    use tinyllm::train::TrainState;
+    let corpus = Corpus::embedded();
+    let cfg = tiny(TrainOptions {
+        steps: Some(4),
+        ..Default::default()
+    });
+    let model = Llama::new(&cfg.model, cfg.seed, Device::Cpu).unwrap();
+    let adamw = |lr: f32| AdamWConfig {
+        weight_decay: cfg.weight_decay,
+        ..AdamWConfig::new(lr)
+    };
+    let opt = AdamW::new(model.parameters(), adamw(cfg.lr)).unwrap();
+    let build = |opt: &AdamW, fingerprint: &str| {
+        TrainState::builder(cfg.clone(), &model, opt)
+            .data("embedded", fingerprint)
+            .build()
+    };
+    let e = build(&opt, "").unwrap_err();
+    assert!(
+        matches!(e, tinyllm::Error::Config(_)) && e.to_string().contains("SHA-256"),
+        "{e}"
+    );
+    let e = build(&opt, &"G".repeat(64)).unwrap_err().to_string();
+    assert!(e.contains("64 lowercase hex digits"), "{e}");
+    let wrong_lr = AdamW::new(model.parameters(), adamw(cfg.lr * 2.0)).unwrap();
+    let e = build(&wrong_lr, &corpus.fingerprint).unwrap_err();
+    assert!(
+        matches!(e, tinyllm::Error::Checkpoint(_)) && e.to_string().contains("learning rate"),
+        "{e}"
+    );
+    let other = Llama::new(&cfg.model, 1, Device::Cpu).unwrap();
+    let foreign = AdamW::new(other.parameters(), adamw(cfg.lr)).unwrap();
+    let e = build(&foreign, &corpus.fingerprint)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("not the model's"), "{e}");
+    let fp16 = TrainConfig {
+        precision: Precision::Fp16,
+        ..cfg.clone()
+    };
+    let e = TrainState::builder(fp16, &model, &opt)
+        .corpus(&corpus)
+        .build()
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("loss scaler"), "{e}");
+
+    // A state that matches saves and resumes.
+    let st = build(&opt, &corpus.fingerprint).unwrap();
+    let dir = tmpdir("built-state");
+    checkpoint::save(&dir, &model, &opt, &st).unwrap();
+    let t = Trainer::resume(cfg.clone(), Device::Cpu, &corpus, &dir).unwrap();
+    assert_eq!(t.step, 0);
+
+    // The trainer's own state, with the optimizer's rate changed behind its
+    // back: refused by save, and the checkpoint on disk is as it was.
+    let mut t = Trainer::new(cfg.clone(), Device::Cpu, &corpus).unwrap();
+    t.train_step().unwrap();
+    let before = std::fs::read(dir.join("checkpoint/manifest.json")).unwrap();
+    let state = t.state();
+    t.opt.set_lr(0.5);
+    let e = checkpoint::save(&dir, &t.model, &t.opt, &state)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("refusing") && e.contains("learning rate"), "{e}");
+    assert_eq!(
+        std::fs::read(dir.join("checkpoint/manifest.json")).unwrap(),
+        before
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn a_config_that_does_not_match_is_refused() {
     let (dir, cfg) = saved_tiny("config");
@@ -344,7 +424,7 @@ fn nan_loss_without_scaler_stops_with_last_checkpoint_intact() {
         steps: Some(20),
         lr: Some(1e30),
         warmup: Some(0),
-        precision: Some("fp32".into()),
+        precision: Some(Precision::Fp32),
         eval_every: Some(0),
         save_every: Some(1),
         out: Some(out.clone()),
@@ -589,22 +669,11 @@ fn flags_are_validated_with_what_is_allowed() {
         e.contains("--preset") && e.contains("capstone, small or tiny"),
         "{e}"
     );
-    let e = resolve_err(TrainOptions {
-        device: Some("tpu".into()),
-        ..t()
-    });
-    assert!(
-        e.contains("--device") && e.contains("auto, cpu, gpu or spec"),
-        "{e}"
-    );
-    let e = resolve_err(TrainOptions {
-        precision: Some("fp8".into()),
-        ..t()
-    });
-    assert!(
-        e.contains("--precision") && e.contains("fp32, bf16 or fp16"),
-        "{e}"
-    );
+    // Device and precision are typed; the CLI parses its strings into them.
+    let e = "tpu".parse::<DeviceChoice>().unwrap_err().to_string();
+    assert!(e.contains("auto, cpu, gpu or spec"), "{e}");
+    let e = "fp8".parse::<Precision>().unwrap_err().to_string();
+    assert!(e.contains("fp32, bf16 or fp16"), "{e}");
     assert!(resolve_err(TrainOptions {
         lr: Some(-1.0),
         ..t()
@@ -894,7 +963,7 @@ fn a_run_writes_metrics_plot_checkpoint_and_compare_passes() {
     let e = tinyllm::train::compare::compare(
         &TrainOptions {
             preset: Some("tiny".into()),
-            precision: Some("fp32".into()),
+            precision: Some(Precision::Fp32),
             out: Some(out.join("cmp-fp32")),
             ..Default::default()
         },
@@ -953,7 +1022,7 @@ fn evaluation_and_sampling_restore_training_mode() {
     // In training mode a forward pass draws dropout masks: the stream moves.
     let training = |m: &Llama| {
         let before = m.rng.state();
-        m.forward(&ids, 1, 16, None).unwrap();
+        m.forward(&ids, 1, 16).unwrap();
         m.rng.state() != before
     };
     assert!(training(&m));
@@ -1014,7 +1083,7 @@ fn compare_tiny(
     let c = tinyllm::train::compare::compare(
         &TrainOptions {
             preset: Some("tiny".into()),
-            device: Some(device.into()),
+            device: Some(device.parse().unwrap()),
             steps: Some(steps),
             out: Some(out.to_path_buf()),
             ..Default::default()
@@ -1041,7 +1110,7 @@ fn sixteen_bit_saving_changes_no_bit(dev: Device) {
     for (precision, dropout) in [("bf16", 0.0), ("fp16", 0.1)] {
         let cfg = tiny(TrainOptions {
             steps: Some(3),
-            precision: Some(precision.into()),
+            precision: Some(precision.parse().unwrap()),
             dropout: Some(dropout),
             ..Default::default()
         });

@@ -11,6 +11,7 @@ use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use tinyllm::crosscheck::lockstep::Replay;
+use tinyllm::precision::Precision;
 use tinyllm::train::checkpoint::{self, Verified};
 use tinyllm::train::config::{DeviceChoice, TrainConfig, TrainOptions};
 use tinyllm::train::data::{ByteTokenizer, Corpus};
@@ -276,15 +277,24 @@ fn check_sample_len(flag: &str, n: usize) -> tinyllm::Result<()> {
     Ok(())
 }
 
+/// A flag's string parsed into its type, the error naming the flag.
+fn parse_flag<T: std::str::FromStr<Err = tinyllm::Error>>(
+    flag: &str,
+    v: Option<&str>,
+) -> tinyllm::Result<Option<T>> {
+    v.map(|s| s.parse::<T>().map_err(|e| e.context(flag)))
+        .transpose()
+}
+
 impl RunFlags {
-    fn options(&self) -> TrainOptions {
-        TrainOptions {
+    fn options(&self) -> tinyllm::Result<TrainOptions> {
+        Ok(TrainOptions {
             preset: self.preset.clone(),
             data: self.data.clone(),
             steps: self.steps,
             lr: self.lr,
             seed: self.seed,
-            device: self.device.clone(),
+            device: parse_flag("--device", self.device.as_deref())?,
             batch: self.batch,
             micro_batch: self.micro_batch,
             accum: self.accum,
@@ -296,7 +306,7 @@ impl RunFlags {
             dropout: self.dropout,
             out: self.out.clone(),
             ..TrainOptions::default()
-        }
+        })
     }
     fn progress(&self) -> Progress {
         if self.plain {
@@ -307,17 +317,17 @@ impl RunFlags {
     }
 }
 
-fn train_options(a: &TrainArgs) -> TrainOptions {
+fn train_options(a: &TrainArgs) -> tinyllm::Result<TrainOptions> {
     let precision = if a.fp32 {
-        Some("fp32".to_string())
+        Some(Precision::Fp32)
     } else if a.fp16 {
-        Some("fp16".to_string())
+        Some(Precision::Fp16)
     } else if a.bf16 {
-        Some("bf16".to_string())
+        Some(Precision::Bf16)
     } else {
-        a.precision.clone()
+        parse_flag("--precision", a.precision.as_deref())?
     };
-    TrainOptions {
+    Ok(TrainOptions {
         precision,
         checkpoint_activations: if a.no_checkpoint_activations {
             Some(false)
@@ -326,8 +336,8 @@ fn train_options(a: &TrainArgs) -> TrainOptions {
         } else {
             None
         },
-        ..a.run.options()
-    }
+        ..a.run.options()?
+    })
 }
 
 /// For `--resume`: the saved run's config with the flags a continuation may
@@ -336,9 +346,17 @@ fn train_options(a: &TrainArgs) -> TrainOptions {
 /// is read, so a second process hears that it is in use, not some symptom of
 /// the first one's half-finished work.
 fn resume_config(a: &TrainArgs, dir: &Path) -> tinyllm::Result<(TrainConfig, Option<DirLock>)> {
-    let o = train_options(a);
+    let o = train_options(a)?;
+    let resolved = checkpoint::resolve_dir(dir);
+    if resolved.join(checkpoint::CONFIG_FILE).exists()
+        && !resolved.join(checkpoint::STATE_FILE).exists()
+    {
+        // A model folder, not a run's checkpoint: said before a lock file is
+        // made beside it.
+        Verified::open(dir)?.train_state()?;
+    }
     // `--resume checkpoint` from inside the run: its parent is `.`.
-    let run_dir = match checkpoint::resolve_dir(dir).parent() {
+    let run_dir = match resolved.parent() {
         Some(p) if p.as_os_str().is_empty() => PathBuf::from("."),
         Some(p) => p.to_path_buf(),
         None => PathBuf::from("."),
@@ -375,7 +393,7 @@ fn cmd_train(a: TrainArgs) -> tinyllm::Result<ExitCode> {
     let (cfg, _lock) = match &a.resume {
         Some(dir) => resume_config(&a, dir).map_err(|e| e.context("--resume"))?,
         None => {
-            let mut o = train_options(&a);
+            let mut o = train_options(&a)?;
             o.out = o.out.or_else(|| Some(fresh_run_dir()));
             (TrainConfig::resolve(&o)?, None)
         }
@@ -468,7 +486,7 @@ fn cmd_train(a: TrainArgs) -> tinyllm::Result<ExitCode> {
         summary.out.join("metrics.jsonl").display()
     );
     out!("  loss plot   {}", summary.out.join("loss.svg").display());
-    out!("  checkpoint  {}/ (model.safetensors, config.json, optimizer.safetensors, trainer_state.json, manifest.json)", ck.display());
+    out!("  checkpoint  {}/ (a Hugging Face folder: model.safetensors, config.json, tokenizer; with optimizer.safetensors, trainer_state.json, manifest.json)", ck.display());
     let dir = shell_quote(&summary.out.display().to_string());
     if cfg.steps < cfg.schedule_steps {
         out!(
@@ -600,7 +618,7 @@ fn cmd_compare(a: CompareArgs) -> tinyllm::Result<ExitCode> {
     };
     // a signal finishes the current step and saves it, for --resume
     interrupt::install()?;
-    let c = compare::compare(&a.run.options(), existing, sides, progress);
+    let c = compare::compare(&a.run.options()?, existing, sides, progress);
     interrupt::uninstall();
     // An interrupted side is saved; the exit status says which signal, as
     // `train`'s does.

@@ -95,6 +95,8 @@ impl Snapshot {
         t.model.rng.set_state(self.state.model_rng);
         t.data_rng.set_state(self.state.data_rng);
         t.step = self.state.step;
+        // The rate of the last step taken, as a checkpoint of it records.
+        crate::optim::Optimizer::set_lr(&mut t.opt, t.cfg.lr_after(t.step));
         Ok(())
     }
 
@@ -511,9 +513,9 @@ pub fn run(o: &LockstepOptions, progress: &mut dyn FnMut(&str)) -> Result<Lockst
     let cfg = TrainConfig::resolve(&TrainOptions {
         preset: Some(o.preset.clone()),
         steps: Some(o.steps),
-        precision: Some(o.precision.name().to_string()),
+        precision: Some(o.precision),
         seed: o.seed,
-        device: Some("gpu".into()),
+        device: Some(crate::train::DeviceChoice::Gpu),
         ..TrainOptions::default()
     })?;
     let corpus = Corpus::load(cfg.data.as_ref())?;

@@ -4,12 +4,16 @@
 //! layout, so a checkpoint's tensors carry HF's names and shapes.
 //!
 //! Every block is a [`Layer`] `x: (B,T,C) -> (B,T,C)`, so the stack can run
-//! through [`checkpoint_sequential`] with a memory budget in layer units.
+//! through [`checkpoint_sequential`] with a memory budget in layer units: a
+//! setting of the model ([`Llama::set_recompute`]), checked when it is set.
+//!
+//! Saving and loading: [`save_model`](crate::train::save_model) writes a
+//! Hugging Face folder, [`load_model`](crate::train::load_model) reads one.
 
 use crate::backend::Device;
 use crate::nn::{Embedding, Layer, Linear, Module, RmsNorm};
 use crate::ops::dropout;
-use crate::recompute::checkpoint_sequential;
+use crate::recompute::{budget_range, check_budget, checkpoint_sequential};
 use crate::rng::Generator;
 use crate::trace;
 use crate::{bail, Result, Tensor};
@@ -158,11 +162,13 @@ impl LlamaConfig {
 
     /// Reads a Hugging Face `config.json` written by [`to_hf_json`](Self::to_hf_json)
     /// (or any plain Llama config without grouped-query attention).
-    /// `rms_norm_eps`, `rope_theta` and the dropout default to `1e-5`, `10000`
-    /// and 0 when absent. Errors ([`Error::Config`](crate::Error::Config)) on a
-    /// missing or non-numeric size, another `model_type`, grouped-query
-    /// attention, tied embeddings, an inconsistent `head_dim`, or a config
-    /// [`validate`](Self::validate) rejects.
+    /// `rms_norm_eps`, `rope_theta` and the dropout default to Hugging Face's
+    /// `LlamaConfig` defaults, `1e-6`, `10000` and 0, when absent. Errors
+    /// ([`Error::Config`](crate::Error::Config)) on a missing or non-numeric
+    /// size, another `model_type`, grouped-query attention, tied embeddings,
+    /// an inconsistent `head_dim`, anything this Llama does not compute (a
+    /// `hidden_act` other than `silu`, `rope_scaling`, attention or MLP
+    /// biases), or a config [`validate`](Self::validate) rejects.
     pub fn from_hf_json(v: &serde_json::Value) -> Result<LlamaConfig> {
         let num = |k: &str| -> Result<usize> {
             v.get(k)
@@ -196,6 +202,29 @@ impl LlamaConfig {
                 bail!(Config, "config.json: grouped-query attention ({kv} key/value heads for {n_heads} heads) is not supported");
             }
         }
+        // What would change the function: refused, never ignored.
+        if let Some(act) = v.get("hidden_act").filter(|a| !a.is_null()) {
+            if act.as_str() != Some("silu") {
+                bail!(
+                    Config,
+                    "config.json: hidden_act {act} is not supported (this Llama's MLP is SwiGLU: \"silu\")"
+                );
+            }
+        }
+        if let Some(rs) = v.get("rope_scaling").filter(|x| !x.is_null()) {
+            bail!(
+                Config,
+                "config.json: rope_scaling {rs} is not supported (plain RoPE only)"
+            );
+        }
+        for k in ["attention_bias", "mlp_bias"] {
+            if v.get(k).and_then(|x| x.as_bool()) == Some(true) {
+                bail!(
+                    Config,
+                    "config.json: {k} is true; this Llama's projections have no bias"
+                );
+            }
+        }
         if v.get("tie_word_embeddings").and_then(|x| x.as_bool()) == Some(true) {
             bail!(
                 Config,
@@ -209,7 +238,7 @@ impl LlamaConfig {
             n_heads,
             hidden: num("intermediate_size")?,
             context: num("max_position_embeddings")?,
-            rms_eps: flt("rms_norm_eps", 1e-5),
+            rms_eps: flt("rms_norm_eps", 1e-6),
             rope_theta: flt("rope_theta", 10000.0),
             dropout: flt("tinyllm_dropout", flt("attention_dropout", 0.0)) as f32,
         };
@@ -494,6 +523,9 @@ pub struct Llama {
     /// The dropout stream (shared by every block; replayed by checkpointing).
     pub rng: Generator,
     device: Device,
+    /// The activation-checkpointing budget of every forward pass (`None`:
+    /// off); always in [`budget_range`] of the layer count.
+    recompute: Option<usize>,
 }
 
 impl Llama {
@@ -513,7 +545,7 @@ impl Llama {
     /// let model = Llama::new(&cfg, 0, Device::Cpu)?;
     /// // 2 sequences of 8 byte tokens -> one row of 256 logits per token
     /// let ids: Vec<u32> = b"hello, world! hi".iter().map(|&b| b as u32).collect();
-    /// let logits = model.forward(&ids, 2, 8, None)?;
+    /// let logits = model.forward(&ids, 2, 8)?;
     /// assert_eq!(logits.shape(), &[16, 256]);
     /// assert!(logits.to_vec_f32()?.iter().all(|x| x.is_finite()));
     /// # Ok::<(), tinyllm::Error>(())
@@ -564,12 +596,63 @@ impl Llama {
             lm_head,
             rng,
             device,
+            recompute: None,
         })
     }
 
     /// Where the parameters live.
     pub fn device(&self) -> Device {
         self.device
+    }
+
+    /// Turns activation checkpointing on for every later forward pass that
+    /// records a graph, with a memory budget of `budget` layers of
+    /// activations (`None`: off, every activation kept). The blocks then run
+    /// through [`checkpoint_sequential`] on the schedule
+    /// [`checkpoint_schedule`](crate::recompute::checkpoint_schedule)`(n_layers, budget)`:
+    /// the gradients are the same bits, the peak memory lower, the forward
+    /// pass of all but the last segment run twice.
+    ///
+    /// The budget must be in [`recompute_budgets`](Self::recompute_budgets),
+    /// `min_ckpt_budget(n_layers)..=n_layers`; anything else is an
+    /// [`Error::Config`](crate::Error::Config) naming that range, and the
+    /// setting is left as it was.
+    ///
+    /// ```
+    /// use tinyllm::nn::llama::{Llama, LlamaConfig};
+    /// use tinyllm::Device;
+    /// let mut model = Llama::new(&LlamaConfig::preset("tiny")?, 0, Device::Cpu)?;
+    /// assert_eq!(model.recompute_budgets(), 3..=4); // 4 layers
+    /// let e = model.set_recompute(Some(2)).unwrap_err();
+    /// assert!(e.to_string().contains("3..=4"), "{e}");
+    /// model.set_recompute(Some(3))?; // segments [0, 2): 3 layers of activations at the peak
+    /// assert_eq!(model.recompute(), Some(3));
+    /// # Ok::<(), tinyllm::Error>(())
+    /// ```
+    pub fn set_recompute(&mut self, budget: Option<usize>) -> Result<()> {
+        if let Some(b) = budget {
+            check_budget(self.cfg.n_layers, b).map_err(|e| e.context("Llama::set_recompute"))?;
+        }
+        self.recompute = budget;
+        Ok(())
+    }
+
+    /// [`set_recompute`](Self::set_recompute), builder style:
+    /// `Llama::new(&cfg, seed, device)?.with_recompute(Some(3))?`.
+    pub fn with_recompute(mut self, budget: Option<usize>) -> Result<Llama> {
+        self.set_recompute(budget)?;
+        Ok(self)
+    }
+
+    /// The activation-checkpointing budget (`None`: off).
+    pub fn recompute(&self) -> Option<usize> {
+        self.recompute
+    }
+
+    /// The budgets [`set_recompute`](Self::set_recompute) accepts for this
+    /// model: [`min_ckpt_budget`](crate::recompute::min_ckpt_budget)`(n_layers)..=n_layers`.
+    pub fn recompute_budgets(&self) -> std::ops::RangeInclusive<usize> {
+        budget_range(self.cfg.n_layers)
     }
 
     /// Every parameter with its Hugging Face `LlamaForCausalLM` name, in
@@ -598,17 +681,12 @@ impl Llama {
     }
 
     /// Logits for `ids`, `b` sequences of `t` tokens each (row-major):
-    /// `ids: (B·T) -> logits (B·T, V)`. With `ckpt_budget`, the blocks run
-    /// through [`checkpoint_sequential`] with that many layers of activations.
+    /// `ids: (B·T) -> logits (B·T, V)`. With a checkpoint budget set
+    /// ([`set_recompute`](Self::set_recompute)), the blocks run through
+    /// [`checkpoint_sequential`] with that many layers of activations.
     /// Errors if `ids.len() != b·t`, `b` or `t` is 0, `t` exceeds the context,
     /// or an id is not below `vocab_size`.
-    pub fn forward(
-        &self,
-        ids: &[u32],
-        b: usize,
-        t: usize,
-        ckpt_budget: Option<usize>,
-    ) -> Result<Tensor> {
+    pub fn forward(&self, ids: &[u32], b: usize, t: usize) -> Result<Tensor> {
         if ids.len() != b * t || b == 0 || t == 0 {
             bail!(
                 Shape,
@@ -635,7 +713,7 @@ impl Llama {
             let _traced = trace::path("embed_tokens");
             self.embed_tokens.forward(ids)?.reshape(&[b, t, c])?
         };
-        let x = match ckpt_budget {
+        let x = match self.recompute {
             Some(budget) => {
                 let layers: Vec<Rc<dyn Layer>> = self
                     .layers

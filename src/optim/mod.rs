@@ -184,6 +184,11 @@ impl AdamW {
         })
     }
 
+    /// The parameters it updates, in the order it was given them.
+    pub fn params(&self) -> &[Tensor] {
+        &self.params
+    }
+
     /// The moments `(m, v)` and step count of parameter `i`, if it has been
     /// updated (`None` also for an `i` out of range).
     pub fn state(&self, i: usize) -> Option<&(Tensor, Tensor, u64)> {

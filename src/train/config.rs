@@ -4,7 +4,7 @@
 
 use crate::nn::llama::LlamaConfig;
 use crate::precision::Precision;
-use crate::recompute::checkpoint_schedule;
+use crate::recompute::{check_budget, checkpoint_schedule, min_ckpt_budget};
 use crate::{bail, Error, Result};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
@@ -68,11 +68,13 @@ pub struct TrainOptions {
     /// Seeds the initial weights, dropout, the train/validation split and
     /// the batch order (default 1337).
     pub seed: Option<u64>,
-    /// `auto`, `cpu` or `gpu` (default `auto`; see [`DeviceChoice`]).
-    pub device: Option<String>,
-    /// `fp32`, `bf16` or `fp16` (also `float32`, `bfloat16`, `float16`;
-    /// default `bf16`).
-    pub precision: Option<String>,
+    /// Where to run (default [`DeviceChoice::Auto`]). The CLI's `--device`
+    /// string parses into one (`"cpu".parse()`).
+    pub device: Option<DeviceChoice>,
+    /// The precision recipe (default [`Precision::Bf16`]). The CLI's
+    /// `--precision` string parses into one (`"fp16".parse()`; also
+    /// `float32`, `bfloat16`, `float16`).
+    pub precision: Option<Precision>,
     /// Sequences per optimizer step.
     pub batch: Option<usize>,
     /// Sequences per forward and backward pass. Any two of `batch`,
@@ -85,7 +87,8 @@ pub struct TrainOptions {
     /// `Some(false)` turns the default checkpointing off.
     pub checkpoint_activations: Option<bool>,
     /// The activation-checkpointing budget, in layers of activations held at
-    /// the peak (default: the smallest the model allows, see
+    /// the peak, in [`budget_range`](crate::recompute::budget_range) of the
+    /// layer count (default: the smallest the model allows,
     /// [`min_ckpt_budget`]). Needs checkpointing on.
     pub ckpt_budget: Option<usize>,
     /// Gradient-norm clip (default 1.0); 0 turns clipping off.
@@ -158,6 +161,10 @@ pub struct TrainConfig {
     /// The output directory.
     pub out: PathBuf,
 }
+
+/// The key the batch-order stream's seed is drawn with (`seed ^ DATA_KEY`),
+/// so it differs from the weights' and dropout's streams of the same seed.
+const DATA_KEY: u64 = 0x0ba7_c4e5_0000;
 
 /// The largest batch, in sequences (a larger one is a typo, not a plan).
 pub const MAX_BATCH_SEQUENCES: usize = 1 << 16;
@@ -248,15 +255,6 @@ fn recipe(preset: &str) -> Recipe {
     }
 }
 
-/// The smallest checkpoint budget `n` layers can have: the lowest peak of
-/// activation memory any checkpoint schedule reaches, in layer units (the
-/// saved inputs of all segments but one, plus the layers of the largest
-/// segment). It is the default of `--checkpoint-activations`, the most memory
-/// checkpointing can save.
-pub fn min_ckpt_budget(n: usize) -> usize {
-    (1..=n).map(|k| (k - 1) + n.div_ceil(k)).min().unwrap_or(1)
-}
-
 impl TrainConfig {
     /// Resolves `o` against its preset's recipe (the `train` defaults: the
     /// `small` preset, bf16, micro-batches with accumulation, activation
@@ -270,18 +268,8 @@ impl TrainConfig {
         }
         let r = recipe(&preset);
         let steps = o.steps.unwrap_or(r.steps);
-        let device: DeviceChoice = o
-            .device
-            .as_deref()
-            .unwrap_or("auto")
-            .parse()
-            .map_err(|e: Error| e.context("--device"))?;
-        let precision: Precision = o
-            .precision
-            .as_deref()
-            .unwrap_or("bf16")
-            .parse()
-            .map_err(|e: Error| e.context("--precision"))?;
+        let device = o.device.unwrap_or(DeviceChoice::Auto);
+        let precision = o.precision.unwrap_or(Precision::Bf16);
 
         // Any two of batch, micro-batch and accum fix the third; the batch is
         // split into ceil(batch / micro) micro-batches (the last may be
@@ -370,8 +358,8 @@ impl TrainConfig {
             steps: Some(saved.schedule_steps),
             lr: o.lr.or(Some(saved.lr)),
             seed: o.seed.or(Some(saved.seed)),
-            device: Some(o.device.clone().unwrap_or(saved.device.name().into())),
-            precision: Some(o.precision.clone().unwrap_or(saved.precision.name().into())),
+            device: Some(o.device.unwrap_or(saved.device)),
+            precision: Some(o.precision.unwrap_or(saved.precision)),
             batch: match batch_flags {
                 0 => Some(saved.batch),
                 1 => o.batch.or(Some(saved.batch)),
@@ -574,7 +562,7 @@ impl TrainConfig {
             );
         }
         if let Some(b) = c.ckpt_budget {
-            checkpoint_schedule(c.model.n_layers, b).map_err(|e| e.context("--ckpt-budget"))?;
+            check_budget(c.model.n_layers, b).map_err(|e| e.context("--ckpt-budget"))?;
         }
         if let Some(clip) = c.clip {
             if !(clip.is_finite() && clip > 0.0) {
@@ -610,6 +598,26 @@ impl TrainConfig {
         let progress = ((step - self.warmup) as f64 / span).min(1.0);
         let floor = lr * self.min_lr_frac as f64;
         (floor + (lr - floor) * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos())) as f32
+    }
+
+    /// The learning rate an optimizer holds after `step` steps of this run:
+    /// [`lr`](Self::lr) before the first (what the trainer builds AdamW
+    /// with), then the rate of the last step taken, [`lr_at`](Self::lr_at)`(step)`.
+    /// A checkpoint's optimizer must hold it
+    /// ([`TrainState::check`](crate::train::checkpoint::TrainState::check)).
+    pub fn lr_after(&self, step: usize) -> f32 {
+        if step == 0 {
+            self.lr
+        } else {
+            self.lr_at(step)
+        }
+    }
+
+    /// The batch-order stream a run starts with (seeded from
+    /// [`seed`](Self::seed)): the trainer draws its batches from it, and a
+    /// checkpoint records where it got to.
+    pub fn data_order(&self) -> crate::rng::Generator {
+        crate::rng::Generator::new(self.seed ^ DATA_KEY)
     }
 
     /// Tokens per optimizer step.
@@ -681,5 +689,9 @@ mod tests {
         assert_eq!(min_ckpt_budget(4), 3);
         assert_eq!(min_ckpt_budget(8), 5);
         assert_eq!(min_ckpt_budget(1), 1);
+        assert!(check_budget(4, 5)
+            .unwrap_err()
+            .to_string()
+            .contains("3..=4"));
     }
 }

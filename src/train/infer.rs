@@ -37,7 +37,7 @@ pub fn evaluate(model: &Llama, batch: &Batch, precision: Precision, chunk: usize
     let _eval = EvalMode::new(model);
     let mut total = 0.0f64;
     for mb in batch.split(chunk) {
-        let logits = model.forward(&mb.ids, mb.rows, mb.t, None)?;
+        let logits = model.forward(&mb.ids, mb.rows, mb.t)?;
         total += cross_entropy(&logits, &mb.targets)?.item()? * mb.rows as f64;
     }
     Ok((total / batch.rows as f64) as f32)
@@ -78,7 +78,7 @@ pub fn eval_text(
         let span = &toks[w0 * t..(w0 + rows) * t + 1];
         let ids: Vec<u32> = span[..rows * t].iter().map(|&b| u32::from(b)).collect();
         let targets: Vec<u32> = span[1..].iter().map(|&b| u32::from(b)).collect();
-        let logits = model.forward(&ids, rows, t, None)?;
+        let logits = model.forward(&ids, rows, t)?;
         total += cross_entropy(&logits, &targets)?.item()? * rows as f64;
         progress(w0 + rows, windows);
     }
@@ -100,9 +100,10 @@ pub struct HeldOut {
 /// trained on: the same split (context, seed) and rows as its runs'
 /// validation loss, evaluated in float32 on `device`. The text is found
 /// where the run's config says and must be the same by its SHA-256; an error
-/// says so when it is not there.
+/// says so when it is not there, and when `dir` holds a model without its
+/// training state (a model folder: evaluate a text with [`eval_text`]).
 pub fn heldout(dir: &std::path::Path, device: crate::Device) -> Result<HeldOut> {
-    let ck = crate::train::checkpoint::Verified::open(dir)?;
+    let ck = crate::train::checkpoint::Verified::open_model(dir)?;
     let st = ck.train_state()?;
     let model = crate::train::checkpoint::load_model(dir, device)?;
     let corpus = Corpus::load(st.config.data.as_ref())?;
@@ -172,7 +173,7 @@ pub fn generate_with(
     for _ in 0..n {
         let start = ids.len().saturating_sub(model.cfg.context);
         let window = &ids[start..];
-        let logits = model.forward(window, 1, window.len(), None)?;
+        let logits = model.forward(window, 1, window.len())?;
         let last = logits.narrow(0, window.len() - 1, 1)?.to_vec_f32()?;
         let next = if temperature <= 0.0 {
             greedy_without_repeats(&last[..v], window, NO_REPEAT)

@@ -13,7 +13,10 @@
 //!   output directory's lock and what may be replaced in it;
 //! * [`infer`] — validation loss, `eval` of a text, `generate`;
 //! * [`checkpoint`] — Hugging Face-named safetensors, atomic writes, a SHA-256
-//!   manifest ([`sha256`]) verified before anything loads;
+//!   manifest ([`sha256`]) verified before anything loads; for a loop of
+//!   your own, [`save_model`] / [`load_model`] (a Hugging Face model folder,
+//!   the files [`hf`] describes beside the weights) and
+//!   [`TrainState::builder`] (a resumable checkpoint's state, checked);
 //! * [`metrics`], [`plot`] — `metrics.jsonl` and the SVG loss curves;
 //!   [`provenance`] — the build and device of every process of a run;
 //! * [`compare`] — float32 against bf16 + accumulation + checkpointing;
@@ -27,6 +30,7 @@ pub mod config;
 pub mod corpus;
 pub mod data;
 pub(crate) mod fault;
+pub mod hf;
 pub mod infer;
 pub mod interrupt;
 pub mod metrics;
@@ -38,5 +42,6 @@ pub mod sha256;
 pub mod step;
 pub mod trainer;
 
+pub use checkpoint::{load_model, save_model, TrainState, TrainStateBuilder};
 pub use config::{DeviceChoice, TrainConfig, TrainOptions};
 pub use trainer::{run, run_checked, Progress, RunSummary, Start, StepCheck, Trainer};

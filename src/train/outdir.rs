@@ -48,7 +48,13 @@ pub const MANIFEST_FILE: &str = "manifest.json";
 /// The checkpoint format this version writes and reads, recorded in the
 /// manifest and the trainer state; any other is refused.
 pub const FORMAT: &str = "tinyllm-checkpoint-1";
-/// The files a checkpoint holds besides its manifest.
+/// The format of a model folder's manifest (weights and config only, as
+/// [`save_model`](super::checkpoint::save_model) writes them): a folder of
+/// this format is never a run's checkpoint.
+pub const MODEL_FORMAT: &str = "tinyllm-model-1";
+/// The files a checkpoint holds besides its manifest (and the Hugging Face
+/// files beside the weights, [`HF_FILES`](super::hf::HF_FILES), which a
+/// checkpoint written before them lacks).
 pub const CHECKPOINT_FILES: [&str; 4] = [
     "model.safetensors",
     "config.json",
@@ -434,7 +440,11 @@ pub fn inspect(p: &Path) -> Entry {
     // directory cut short) any checkpoint file.
     let allowed: Vec<&str> = match &manifest {
         Some((m, _)) => m.files.keys().map(String::as_str).collect(),
-        None if has(STAGING_MARKER) => CHECKPOINT_FILES.to_vec(),
+        None if has(STAGING_MARKER) => CHECKPOINT_FILES
+            .iter()
+            .chain(&super::hf::HF_FILES)
+            .copied()
+            .collect(),
         None if names.is_empty() => vec![],
         None => return Entry::Foreign(format!("holds no tinyllm {MANIFEST_FILE}")),
     };
@@ -537,6 +547,19 @@ pub fn check_no_foreign(dir: &Path) -> Result<()> {
 /// checkpoint beside a run's lock file): a run's files there would break its
 /// owner's next save.
 pub fn check_not_in_checkpoint(out: &Path) -> Result<()> {
+    if let Some(a) = checkpoint_containing(out) {
+        bail!(Config,
+            "--out {} is inside the checkpoint {}: a run's own files may not go into a checkpoint (its run's next save would replace them); give an --out outside it",
+            out.display(),
+            a.display()
+        );
+    }
+    Ok(())
+}
+
+/// The checkpoint `p` is or lies inside, if any (see
+/// [`check_not_in_checkpoint`]).
+pub fn checkpoint_containing(out: &Path) -> Option<PathBuf> {
     // The path as it resolves: the part that exists, canonical, then the rest.
     let mut base = out.to_path_buf();
     let mut rest = Vec::new();
@@ -550,11 +573,11 @@ pub fn check_not_in_checkpoint(out: &Path) -> Result<()> {
                     q.to_path_buf()
                 };
             }
-            _ => return Ok(()),
+            _ => return None,
         }
     }
     let Ok(mut full) = base.canonicalize() else {
-        return Ok(());
+        return None;
     };
     full.extend(rest.iter().rev());
     for a in full.ancestors() {
@@ -568,14 +591,10 @@ pub fn check_not_in_checkpoint(out: &Path) -> Result<()> {
             .is_some_and(|n| CHECKPOINT_DIRS.contains(&n))
             && a.parent().is_some_and(|r| present(&r.join(LOCK_FILE)));
         if named || ours(MANIFEST_FILE) || ours(STAGING_MARKER) {
-            bail!(Config,
-                "--out {} is inside the checkpoint {}: a run's own files may not go into a checkpoint (its run's next save would replace them); give an --out outside it",
-                out.display(),
-                a.display()
-            );
+            return Some(a.to_path_buf());
         }
     }
-    Ok(())
+    None
 }
 
 /// What `dir` holds of an earlier run, in words (`None`: nothing).

@@ -262,9 +262,7 @@ pub fn admit(cfg: &TrainConfig, limit: MemoryLimit) -> Result<()> {
     )?;
     let ckpt = cfg
         .ckpt_budget
-        .or(Some(crate::train::config::min_ckpt_budget(
-            cfg.model.n_layers,
-        )));
+        .or(Some(crate::recompute::min_ckpt_budget(cfg.model.n_layers)));
     let mut fix = Vec::new();
     if cfg.ckpt_budget.is_none() && need(cfg.micro_batch, ckpt)? as u64 <= have {
         fix.push(format!(
@@ -489,7 +487,7 @@ mod tests {
                 && e.contains("memory plan ("),
             "{e}"
         );
-        let ck = crate::train::config::min_ckpt_budget(cfg.model.n_layers);
+        let ck = crate::recompute::min_ckpt_budget(cfg.model.n_layers);
         let with_ck = memory_plan(&cfg.model, 64, t, cfg.precision, Some(ck))
             .unwrap()
             .total;
@@ -525,7 +523,7 @@ mod tests {
                 let base = memory::live_bytes();
                 let loss = {
                     let _ac = autocast(precision.format());
-                    let logits = m.forward(&ids, b, t, None).unwrap();
+                    let logits = m.forward(&ids, b, t).unwrap();
                     crate::ops::cross_entropy(&logits, &ids).unwrap()
                 };
                 let held = memory::live_bytes() - base;

@@ -40,9 +40,6 @@ use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-/// The batch-order stream's key, xored into the seed.
-const DATA_KEY: u64 = 0x0ba7_c4e5_0000;
-
 /// Picks the device for `choice`: `auto` takes the GPU when an adapter exists
 /// and falls back to the CPU with a one-line note; `gpu` without one is an error.
 pub fn select_device(choice: DeviceChoice) -> Result<(Device, Option<String>)> {
@@ -117,7 +114,9 @@ impl Trainer {
     /// A fresh run on `device` over `corpus`.
     pub fn new(cfg: TrainConfig, device: Device, corpus: &Corpus) -> Result<Trainer> {
         let data = Dataset::new(corpus, cfg.model.context, cfg.seed)?;
-        let model = Llama::new(&cfg.model, cfg.seed, device)?;
+        let model = Llama::new(&cfg.model, cfg.seed, device)?
+            .with_recompute(cfg.ckpt_budget)
+            .map_err(|e| e.context("--ckpt-budget"))?;
         let opt = AdamW::new(
             model.parameters(),
             AdamWConfig {
@@ -134,7 +133,7 @@ impl Trainer {
             cfg.ckpt_budget,
         )?;
         Ok(Trainer {
-            data_rng: Generator::new(cfg.seed ^ DATA_KEY),
+            data_rng: cfg.data_order(),
             cfg,
             device,
             model,
@@ -200,6 +199,8 @@ impl Trainer {
         t.model.rng.set_state(st.model_rng);
         t.data_rng.set_state(st.data_rng);
         t.step = st.step;
+        // The rate of the last step taken (the next step sets its own).
+        t.opt.set_lr(t.cfg.lr_after(t.step));
         Ok(t)
     }
 
@@ -242,7 +243,7 @@ impl Trainer {
         let micro = batch.split(self.cfg.micro_batch);
         let lr = self.cfg.lr_at(step);
         self.opt.set_lr(lr);
-        let (model, ckpt, hook) = (&self.model, self.cfg.ckpt_budget, self.loss_hook);
+        let (model, hook) = (&self.model, self.loss_hook);
         let mut first = true;
         let settings = MixedStep {
             precision: self.cfg.precision,
@@ -254,11 +255,15 @@ impl Trainer {
             &micro,
             |mb: &Batch| {
                 let hook = hook.filter(|_| std::mem::take(&mut first));
-                micro_loss(model, mb, ckpt, hook.map(|h| (h, step)))
+                micro_loss(model, mb, hook.map(|h| (h, step)))
             },
             &mut self.opt,
         );
         self.last_batch = Some(batch);
+        if report.is_err() {
+            // No step was taken: the optimizer keeps the last step's rate.
+            self.opt.set_lr(self.cfg.lr_after(self.step));
+        }
         let report = report?;
         self.step = step;
         let secs = t0.elapsed().as_secs_f64().max(1e-9);
@@ -306,7 +311,7 @@ impl Trainer {
             let _ac = autocast(None);
             let _eval = EvalMode::new(&self.model);
             let hook = self.loss_hook.map(|h| (h, self.step.max(1)));
-            micro_loss(&self.model, mb, self.cfg.ckpt_budget, hook)?.item()
+            micro_loss(&self.model, mb, hook)?.item()
         })();
         match (self.cfg.precision, f32_loss) {
             (_, Err(e)) => format!("(the float32 check failed: {e})"),
@@ -340,13 +345,8 @@ impl Trainer {
 
 /// One micro-batch's cross-entropy, through `hook` (a test fault, with its
 /// step) when one is given.
-fn micro_loss(
-    model: &Llama,
-    mb: &Batch,
-    ckpt: Option<usize>,
-    hook: Option<(LossHook, usize)>,
-) -> Result<Tensor> {
-    let logits = model.forward(&mb.ids, mb.rows, mb.t, ckpt)?;
+fn micro_loss(model: &Llama, mb: &Batch, hook: Option<(LossHook, usize)>) -> Result<Tensor> {
+    let logits = model.forward(&mb.ids, mb.rows, mb.t)?;
     let loss = {
         let _traced = crate::trace::path("loss");
         cross_entropy(&logits, &mb.targets)?
@@ -540,7 +540,7 @@ pub trait StepCheck {
 /// let out = std::env::temp_dir().join(format!("tinyllm-doc-run-{}", std::process::id()));
 /// let cfg = TrainConfig::resolve(&TrainOptions {
 ///     preset: Some("tiny".into()),
-///     device: Some("cpu".into()),
+///     device: Some(tinyllm::train::DeviceChoice::Cpu),
 ///     steps: Some(6),
 ///     out: Some(out.clone()),
 ///     ..Default::default()
