@@ -829,35 +829,7 @@ fn cmd_crosscheck(a: CrosscheckArgs) -> ExitCode {
     }
 }
 
-/// Mesa's Vulkan loader (through libwayland) prints `error: XDG_RUNTIME_DIR
-/// is invalid or not set in the environment` at every GPU probe when the
-/// variable is unset, which reads like an error of tinyllm's. Unset, it is
-/// pointed at `$TMPDIR/tinyllm-runtime-<uid>`: a directory of this user's
-/// alone (created 0700 and used only when it is still a real directory, ours,
-/// with that mode), kept for the next run, so nothing is left per process.
-#[cfg(unix)]
-fn private_runtime_dir() {
-    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
-    if std::env::var_os("XDG_RUNTIME_DIR").is_some() {
-        return;
-    }
-    let uid = unsafe { libc::getuid() };
-    let dir = std::env::temp_dir().join(format!("tinyllm-runtime-{uid}"));
-    let _ = std::fs::DirBuilder::new().mode(0o700).create(&dir);
-    let private = dir
-        .symlink_metadata()
-        .is_ok_and(|m| m.is_dir() && m.uid() == uid && m.mode() & 0o777 == 0o700);
-    if private {
-        // Safe here: main has not started any other thread yet.
-        std::env::set_var("XDG_RUNTIME_DIR", &dir);
-    }
-}
-
-#[cfg(not(unix))]
-fn private_runtime_dir() {}
-
 fn main() -> ExitCode {
-    private_runtime_dir();
     let cli = Cli::parse();
     let _ = tinyllm::memory::keep_freed_host_memory();
     // TINYLLM_THREADS=n caps the CPU's threads for large products and AdamW

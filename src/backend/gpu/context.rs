@@ -146,6 +146,24 @@ static CONTEXT: OnceLock<std::result::Result<Context, String>> = OnceLock::new()
 pub(super) static PREFERRED: OnceLock<super::Backend> = OnceLock::new();
 
 /// The global context, created on first use.
+/// Mesa's Vulkan device-select layer connects to Wayland to find the display
+/// GPU and, with no session (`XDG_RUNTIME_DIR` unset), prints `error:
+/// XDG_RUNTIME_DIR is invalid or not set in the environment` at every
+/// instance — read as an error of the program using this library. With no
+/// Wayland or X11 session and no `MESA_VK_DEVICE_SELECT` it has nothing to
+/// select by (adapters are picked in [`Context::create`] anyway), so it is
+/// switched off with its own variable, `NODEVICE_SELECT=1`, before the one
+/// instance is created. A user's own setting of it is kept.
+fn quiet_device_select() {
+    let unset = |v: &str| std::env::var_os(v).is_none();
+    if ["XDG_RUNTIME_DIR", "WAYLAND_DISPLAY", "DISPLAY", "MESA_VK_DEVICE_SELECT", "NODEVICE_SELECT"]
+        .iter()
+        .all(|v| unset(v))
+    {
+        std::env::set_var("NODEVICE_SELECT", "1");
+    }
+}
+
 pub fn ctx() -> Result<&'static Context> {
     match CONTEXT.get_or_init(Context::create) {
         Ok(c) => {
@@ -200,6 +218,7 @@ impl Context {
             Some(b) => b.wgpu(),
             None => wgpu::Backends::from_env().unwrap_or(wgpu::Backends::all()),
         };
+        quiet_device_select();
         let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
         desc.backends = backends;
         let instance = wgpu::Instance::new(desc);
