@@ -22,8 +22,12 @@ use tinyllm::nn::llama::{Llama, LlamaConfig};
 use tinyllm::nn::Module;
 use tinyllm::ops::cross_entropy;
 use tinyllm::precision::{autocast, Precision};
-use tinyllm::train::plan::{memory_plan, mib};
+use tinyllm::train::plan::memory_plan;
 use tinyllm::{memory, Device, Result};
+
+fn mib(b: usize) -> String {
+    format!("{:.1} MiB", b as f64 / (1024.0 * 1024.0))
+}
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();

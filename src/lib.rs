@@ -34,6 +34,21 @@ macro_rules! internal {
     )*};
 }
 internal!(backend);
+
+/// Modules the `tinyllm` binary and the crate's tests use but a library user
+/// does not (the run directory, signals, plots, the metrics file, hashing):
+/// public, and hidden from the docs, only with the `cli` or `test-hooks`
+/// feature. Without them, what only the binary calls goes unused.
+macro_rules! cli_internal {
+    ($($m:ident),*) => {$(
+        #[cfg(any(feature = "cli", feature = "test-hooks"))]
+        #[doc(hidden)]
+        pub mod $m;
+        #[cfg(not(any(feature = "cli", feature = "test-hooks")))]
+        #[allow(dead_code)]
+        pub(crate) mod $m;
+    )*};
+}
 #[cfg(feature = "test-hooks")]
 #[doc(hidden)]
 pub mod testing;

@@ -32,6 +32,7 @@ impl SpecStorage {
     pub fn len(&self) -> usize {
         self.0.get().len()
     }
+    #[cfg(feature = "test-hooks")]
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }

@@ -10,7 +10,7 @@
 //! * [`probe`] — the adapter, its limits, and what the numerics contract
 //!   assumes of a device, measured on it (fused `fma`, subnormals, contraction, …);
 //! * [`sweep`] — every backend primitive on both devices over random inputs
-//!   and the hard cases of [`cases`], compared bit for bit;
+//!   and the hard cases of `cases`, compared bit for bit;
 //! * [`lockstep`] — a preset trained on both devices from one seed, compared
 //!   after every step; the first diverging step is replayed with the
 //!   [`trace`] on, which names the first primitive call that differs.
@@ -19,7 +19,7 @@
 //! one thread-local read per primitive then.
 
 #[cfg(feature = "gpu")]
-pub mod cases;
+cli_internal!(cases);
 #[cfg(feature = "gpu")]
 pub mod lockstep;
 #[cfg(feature = "gpu")]

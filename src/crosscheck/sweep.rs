@@ -1,6 +1,6 @@
 //! The primitive sweep: every backend primitive run on the executable spec
 //! ([`Device::Spec`]) and on each device asked for — the fast CPU kernels, the
-//! GPU — over random inputs and the hard cases ([`cases`](super::cases)),
+//! GPU — over random inputs and the hard cases (`cases`),
 //! each device's outputs compared with the spec's bit for bit (a NaN equals a
 //! NaN of any payload). What the parity suite checks in CI, shipped in the
 //! library so it runs on the user's adapter (the parity tests run these very

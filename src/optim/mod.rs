@@ -275,7 +275,7 @@ impl Optimizer for AdamW {
 
 /// The buffers of the parameters' gradients, in parameter order (those with
 /// none are left out): what the scaler checks, clipping measures and scales.
-pub fn grad_storages(params: &[Tensor]) -> Vec<Storage> {
+pub(crate) fn grad_storages(params: &[Tensor]) -> Vec<Storage> {
     params
         .iter()
         .filter_map(|p| p.grad().map(|g| g.storage()))

@@ -4,7 +4,7 @@
 //! folder: the weights, `config.json`, the files HF tools expect beside them
 //! ([`hf`]: `generation_config.json`, a byte-level `tokenizer.json`,
 //! `tokenizer_config.json`) and a `manifest.json` of their SHA-256 hashes
-//! (format [`MODEL_FORMAT`]). [`load_model`]
+//! (format `MODEL_FORMAT`). [`load_model`]
 //! also reads a plain Hugging Face folder without a manifest
 //! (`config.json` and a float32 `model.safetensors` of a `LlamaForCausalLM`
 //! without grouped-query attention, biases, tied embeddings or RoPE scaling,
@@ -35,7 +35,7 @@
 //! moments that are not finite are never written over a good checkpoint, a
 //! failed save removes its staging directory, and a save holds the output
 //! directory's lock and never deletes a directory that is not tinyllm's
-//! (see [`outdir`]).
+//! (see `train::outdir`).
 //!
 //! **Loading.** The manifest is checked first (every listed file present, of
 //! the recorded size and hash), then every tensor's name, dtype and shape
@@ -593,7 +593,7 @@ fn model_files(
 /// `model.safetensors` (float32, `LlamaForCausalLM` names), `config.json`,
 /// `generation_config.json`, `tokenizer.json` and `tokenizer_config.json`
 /// (the byte tokenizer: see [`hf`]), then `manifest.json` with the
-/// SHA-256 of each (format [`MODEL_FORMAT`]). [`load_model`] reads it back,
+/// SHA-256 of each (format `MODEL_FORMAT`). [`load_model`] reads it back,
 /// `tinyllm eval`/`generate --checkpoint DIR` and `transformers` load it.
 /// Weights only: no optimizer or training state (a run's checkpoint,
 /// [`save`], has those).

@@ -60,7 +60,7 @@ impl Corpus {
         }
     }
 
-    /// The embedded default corpus (see [`corpus`](super::corpus)).
+    /// The embedded default corpus (`train::corpus`).
     pub fn embedded() -> Corpus {
         Corpus::from_text("embedded", super::corpus::default_text())
     }

@@ -3,21 +3,21 @@
 //! `generate`.
 //!
 //! * [`data`] — byte tokenizer, corpus loading, seeded split and batch order;
-//!   [`corpus`] — the embedded default text;
+//!   `corpus` — the embedded default text;
 //! * [`config`] — flags resolved against a preset's recipe and validated;
 //! * [`plan`] — the memory plan: the bytes a step needs, checked before a run;
 //! * [`step`] — one optimizer step: scale → backward → accumulate → unscale
 //!   → clip → step ([`train_step_mixed`](step::train_step_mixed));
 //! * [`trainer`] — the loop around it: reporting, evaluation, saving, and
-//!   stopping cleanly ([`interrupt`]: Ctrl-C / SIGTERM / SIGHUP); [`outdir`] — the
+//!   stopping cleanly (`interrupt`: Ctrl-C / SIGTERM / SIGHUP); `outdir` — the
 //!   output directory's lock and what may be replaced in it;
 //! * [`infer`] — validation loss, `eval` of a text, `generate`;
 //! * [`checkpoint`] — Hugging Face-named safetensors, atomic writes, a SHA-256
-//!   manifest ([`sha256`]) verified before anything loads; for a loop of
+//!   manifest (`sha256`) verified before anything loads; for a loop of
 //!   your own, [`save_model`] / [`load_model`] (a Hugging Face model folder,
 //!   the files [`hf`] describes beside the weights) and
 //!   [`TrainState::builder`] (a resumable checkpoint's state, checked);
-//! * [`metrics`], [`plot`] — `metrics.jsonl` and the SVG loss curves;
+//! * `metrics`, `plot` — `metrics.jsonl` and the SVG loss curves;
 //!   [`provenance`] — the build and device of every process of a run;
 //! * [`compare`] — float32 against bf16 + accumulation + checkpointing;
 //! * `fault` — test-only fault injection (`TINYLLM_FAULT`, with the
@@ -27,20 +27,15 @@ mod bar;
 pub mod checkpoint;
 pub mod compare;
 pub mod config;
-pub mod corpus;
 pub mod data;
 pub(crate) mod fault;
 pub mod hf;
 pub mod infer;
-pub mod interrupt;
-pub mod metrics;
-pub mod outdir;
 pub mod plan;
-pub mod plot;
 pub mod provenance;
-pub mod sha256;
 pub mod step;
 pub mod trainer;
+cli_internal!(corpus, interrupt, metrics, outdir, plot, sha256);
 
 pub use checkpoint::{load_model, save_model, TrainState, TrainStateBuilder};
 pub use config::{DeviceChoice, TrainConfig, TrainOptions};

@@ -252,7 +252,7 @@ pub fn create_temp(dir: &Path, name: &str) -> std::io::Result<(File, PathBuf)> {
 }
 
 /// Writes `bytes` to `dir/name` atomically: a new temporary file in `dir`
-/// ([`create_temp`]), fsynced, renamed over the target (a link there is
+/// (`create_temp`), fsynced, renamed over the target (a link there is
 /// replaced, never written through), then the directory fsynced.
 pub fn write_atomic(dir: &Path, name: &str, bytes: &[u8]) -> Result<()> {
     write_atomic_with(dir, name, |f| f.write_all(bytes))?;

@@ -393,7 +393,7 @@ pub fn admit_inference(
 }
 
 /// `b` bytes in MiB with one decimal, e.g. `79.1 MiB`.
-pub fn mib(b: usize) -> String {
+pub(crate) fn mib(b: usize) -> String {
     format!("{:.1} MiB", b as f64 / (1024.0 * 1024.0))
 }
 

@@ -473,7 +473,7 @@ pub fn resume_marks(history: &[StepMetrics]) -> Vec<(f64, String)> {
 
 /// One line on stderr unless quiet. A closed or full stderr is not an error:
 /// the run goes on (its metrics and checkpoints are its record).
-pub fn say(progress: Progress, msg: &str) {
+pub(crate) fn say(progress: Progress, msg: &str) {
     if progress != Progress::Quiet {
         let _ = writeln!(std::io::stderr(), "{msg}");
     }
@@ -527,7 +527,7 @@ pub trait StepCheck {
 
 /// Runs (or continues) a training run to `cfg.steps`, writing metrics, plot
 /// and checkpoints under `cfg.out`, which it holds locked for the whole run.
-/// On SIGINT/SIGTERM/SIGHUP (once [`interrupt::install`]ed) it finishes the current
+/// On SIGINT/SIGTERM/SIGHUP (once `interrupt::install`ed) it finishes the current
 /// step, saves, and returns a summary saying so.
 ///
 /// Train the `tiny` Llama for a few steps in bf16, then load its checkpoint

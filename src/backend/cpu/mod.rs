@@ -570,6 +570,7 @@ impl CpuStorage {
             CpuStorage::F64(b) => b.get().len(),
         }
     }
+    #[cfg(feature = "test-hooks")]
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }

@@ -576,7 +576,8 @@ impl Context {
     }
 
     /// Records a copy of the first `bytes` of `src` into `dst`, in order with
-    /// the pending dispatches.
+    /// the pending dispatches. The benchmarks' bandwidth baseline.
+    #[cfg(any(feature = "cli", feature = "test-hooks"))]
     pub fn copy(&self, src: &wgpu::Buffer, dst: &wgpu::Buffer, bytes: u64) -> Result<()> {
         if bytes == 0 {
             return Ok(());

@@ -180,6 +180,7 @@ pub fn sync() -> Result<()> {
 /// Records a device-side copy of `src` into `dst` (`copy_buffer_to_buffer`, in
 /// order with pending dispatches); both must hold the same number of elements.
 /// The benchmarks' bandwidth baseline.
+#[cfg(any(feature = "cli", feature = "test-hooks"))]
 pub fn buffer_copy(src: &GpuStorage, dst: &GpuStorage) -> Result<()> {
     if src.len != dst.len {
         bail!(
@@ -194,7 +195,8 @@ pub fn buffer_copy(src: &GpuStorage, dst: &GpuStorage) -> Result<()> {
 
 /// Whether kernels use the device's own `fma` ("native", probed to be exactly
 /// fused) or the integer emulation of `shaders/math.wgsl` ("soft"); the choice is
-/// [`arith::native_fma`]'s.
+/// [`arith::native_fma`]'s. For the benchmarks' report.
+#[cfg(any(feature = "cli", feature = "test-hooks"))]
 pub fn fma_mode() -> Result<&'static str> {
     Ok(adapter()?.fma)
 }

@@ -24,14 +24,16 @@ pub const GRID_WGSL: &str = include_str!("../../../shaders/grid.wgsl");
 /// The byte layout of a `#[repr(C)]` parameter struct and the name of its
 /// WGSL twin, so a test can hold the two against naga's reflection.
 #[derive(Debug)]
+#[cfg_attr(not(any(test, feature = "test-hooks")), allow(dead_code))]
 pub struct ParamsLayout {
     pub wgsl: &'static str,
     pub size: usize,
     pub fields: &'static [(&'static str, usize)],
 }
 
-/// One family's shaders.
+/// One family's shaders (`entries` and `params` are for the tests).
 #[derive(Debug)]
+#[cfg_attr(not(any(test, feature = "test-hooks")), allow(dead_code))]
 pub struct Family {
     pub name: &'static str,
     pub sources: &'static [&'static str],

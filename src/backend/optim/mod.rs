@@ -106,14 +106,16 @@ pub struct GradCheck {
 }
 
 impl Storage {
-    /// The loss scaler's fused check and unscale over every gradient buffer.
+    /// The loss scaler's fused check and unscale over every gradient buffer
+    /// (the tests' and benchmarks' entry point).
+    #[cfg(any(feature = "cli", feature = "test-hooks"))]
     pub fn finite_check_unscale(grads: &[&Storage], inv_scale: f32) -> Result<bool> {
         Ok(Storage::finite_check_unscale_reading(grads, inv_scale, None)?.finite)
     }
 
-    /// [`finite_check_unscale`](Self::finite_check_unscale) with the sum of
-    /// squares of the unscaled gradients, reading `also`'s values back with
-    /// the verdict: one GPU sync for all three.
+    /// The loss scaler's fused check and unscale over every gradient buffer,
+    /// with the sum of squares of the unscaled gradients, reading `also`'s
+    /// values back with the verdict: one GPU sync for all three.
     pub fn finite_check_unscale_reading(
         grads: &[&Storage],
         inv_scale: f32,

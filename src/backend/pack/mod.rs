@@ -77,14 +77,17 @@ impl Packed {
         self.format
     }
     /// The number of values.
+    #[cfg(any(test, feature = "test-hooks"))]
     pub fn len(&self) -> usize {
         self.len
     }
     /// Whether there are no values.
+    #[cfg(any(test, feature = "test-hooks"))]
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
     /// Bytes the buffer holds (4 per word).
+    #[cfg(any(test, feature = "test-hooks"))]
     pub fn bytes(&self) -> usize {
         self.words.len() * 4
     }

@@ -5,6 +5,7 @@
 //! `--crosscheck-every` find a real difference and name the primitive and
 //! the call. Shapes are the `tiny` preset's (lavapipe is slow).
 
+#[path = "../../tests/common/mod.rs"]
 mod common;
 use common::tmpdir;
 

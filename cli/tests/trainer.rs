@@ -1,5 +1,6 @@
 //! The trainer, its checkpoints, data and CLI (all on the `tiny` preset).
 
+#[path = "../../tests/common/mod.rs"]
 mod common;
 use common::{rehash, tmpdir};
 

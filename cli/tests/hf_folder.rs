@@ -9,6 +9,7 @@
 //! python3-numpy`): without one they print a message and skip, unless
 //! `TINYLLM_REQUIRE_NUMPY=1` (CI), which makes that a failure.
 
+#[path = "../../tests/common/mod.rs"]
 mod common;
 
 use common::tmpdir;

@@ -9,6 +9,7 @@
 //! `TINYLLM_FUZZ_ITERS` inputs each (default: a few hundred to a few thousand,
 //! about 20 s in all); they print how many ran, loaded, were refused, panicked.
 
+#[path = "../../tests/common/mod.rs"]
 mod common;
 use common::{rehash, tmpdir, Rng};
 

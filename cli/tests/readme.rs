@@ -4,7 +4,7 @@
 
 use tinyllm::train::{TrainConfig, TrainOptions};
 
-const README: &str = include_str!("../README.md");
+const README: &str = include_str!("../../README.md");
 
 fn number(s: &str) -> usize {
     s.trim()
@@ -101,7 +101,7 @@ fn every_example_named_exists() {
         .collect();
     assert!(names.len() >= 4, "{names:?}");
     for n in names {
-        let path = format!("{}/examples/{n}.rs", env!("CARGO_MANIFEST_DIR"));
+        let path = format!("{}/../examples/{n}.rs", env!("CARGO_MANIFEST_DIR"));
         assert!(std::path::Path::new(&path).exists(), "README names {path}");
     }
 }

@@ -6,6 +6,7 @@
 //! checkpoint outside `--out`, compared byte for byte before and after).
 #![cfg(unix)]
 
+#[path = "../../tests/common/mod.rs"]
 mod common;
 use common::{rehash, tmpdir};
 
