@@ -210,6 +210,10 @@ struct CompareArgs {
     /// stderr).
     #[arg(long)]
     json: bool,
+    /// Compare sides whose builds differ in numerics (by default refused:
+    /// their losses would not be one experiment).
+    #[arg(long)]
+    allow_mixed_builds: bool,
 }
 
 #[derive(Args)]
@@ -618,7 +622,12 @@ fn cmd_compare(a: CompareArgs) -> tinyllm::Result<ExitCode> {
     };
     // a signal finishes the current step and saves it, for --resume
     interrupt::install()?;
-    let c = compare::compare(&a.run.options()?, existing, sides, progress);
+    let builds = if a.allow_mixed_builds {
+        compare::MixedBuilds::Allow
+    } else {
+        compare::MixedBuilds::Refuse
+    };
+    let c = compare::compare(&a.run.options()?, existing, sides, builds, progress);
     interrupt::uninstall();
     // An interrupted side is saved; the exit status says which signal, as
     // `train`'s does.

@@ -970,6 +970,7 @@ fn a_run_writes_metrics_plot_checkpoint_and_compare_passes() {
         },
         tinyllm::train::compare::Existing::Refuse,
         tinyllm::train::compare::Sides::Both,
+        tinyllm::train::compare::MixedBuilds::Refuse,
         Progress::Quiet,
     );
     assert!(e.is_err_and(|e| e.to_string().contains("16-bit recipe")));
@@ -1075,6 +1076,46 @@ fn compare_on_the_gpu_judges_the_device_memory() {
     let _ = std::fs::remove_dir_all(&out);
 }
 
+/// Sides trained by builds whose numerics differ are no comparison: refused
+/// (before training anything more, and when both have finished) unless
+/// asked for, and then said so; one build's sides say they are one build.
+#[test]
+fn compare_holds_both_sides_to_one_numerics_build() {
+    use tinyllm::train::compare::{compare, Existing, MixedBuilds, Outcome, Sides};
+    let out = tmpdir("cmp-builds");
+    let c = compare_tiny("cpu", 2, &out);
+    assert_eq!(c.numerics.len(), 1, "{:?}", c.numerics);
+    assert!(c.table().contains("builds: one "), "{}", c.table());
+    // The mixed side as if a build with other numerics had written it.
+    let ck = out.join("mixed/checkpoint");
+    let path = ck.join("trainer_state.json");
+    let mut st: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    st["builds"][0]["numerics"] = "0123456789abcdef".into();
+    std::fs::write(&path, serde_json::to_vec(&st).unwrap()).unwrap();
+    rehash(&ck);
+    let opts = TrainOptions {
+        preset: Some("tiny".into()),
+        device: Some(DeviceChoice::Cpu),
+        steps: Some(2),
+        out: Some(out.clone()),
+        ..Default::default()
+    };
+    let run = |b| compare(&opts, Existing::Resume, Sides::Both, b, Progress::Quiet);
+    let e = run(MixedBuilds::Refuse).unwrap_err().to_string();
+    assert!(
+        e.contains("numerics differ")
+            && e.contains("0123456789abcdef")
+            && e.contains("--allow-mixed-builds"),
+        "{e}"
+    );
+    let Outcome::Compared(c) = run(MixedBuilds::Allow).unwrap() else {
+        panic!("both sides have finished")
+    };
+    assert_eq!(c.numerics.len(), 2, "{:?}", c.numerics);
+    assert!(c.table().contains("compared as asked"), "{}", c.table());
+    let _ = std::fs::remove_dir_all(&out);
+}
+
 /// Both sides of a `tiny` comparison on `device`, into `out`.
 fn compare_tiny(
     device: &str,
@@ -1091,6 +1132,7 @@ fn compare_tiny(
         },
         tinyllm::train::compare::Existing::Refuse,
         tinyllm::train::compare::Sides::Both,
+        tinyllm::train::compare::MixedBuilds::Refuse,
         Progress::Quiet,
     )
     .unwrap();

@@ -15,6 +15,7 @@ use crate::precision::Precision;
 use crate::train::config::{TrainConfig, TrainOptions};
 use crate::train::plan::mib;
 use crate::train::plot::{chart_svg, Panel, Series};
+use crate::train::provenance::Provenance;
 use crate::train::trainer::{finished_run, run, say, Progress, RunSummary, Start};
 use crate::Result;
 use serde::Serialize;
@@ -77,6 +78,13 @@ pub struct Comparison {
     pub pass: bool,
     /// The path of the loss plot, `compare.svg`.
     pub plot: String,
+    /// The distinct numerics fingerprints of every process of both sides
+    /// (`unknown` for records older than the fingerprint): one entry when
+    /// the two sides are one experiment.
+    pub numerics: Vec<String>,
+    /// The distinct builds (commit, `+dirty` when the tree differed from it)
+    /// of every process of both sides.
+    pub commits: Vec<String>,
 }
 
 fn side(label: &str, cfg: &TrainConfig, s: &RunSummary, heldout_loss: f32) -> Side {
@@ -115,6 +123,17 @@ pub enum Sides {
     Fp32,
     /// Only the mixed-precision side.
     Mixed,
+}
+
+/// Whether [`compare`] compares sides trained by builds whose numerics
+/// differ (their [`Provenance::numerics`] fingerprints): losses from two
+/// different contracts are not one experiment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MixedBuilds {
+    /// Refuse, naming the builds (the default).
+    Refuse,
+    /// Compare, and say so in the report.
+    Allow,
 }
 
 /// How [`compare`] treats the runs `--out` already holds.
@@ -160,6 +179,7 @@ pub fn compare(
     opts: &TrainOptions,
     existing: Existing,
     sides: Sides,
+    builds: MixedBuilds,
     progress: Progress,
 ) -> Result<Outcome> {
     let mut o = opts.clone();
@@ -225,6 +245,21 @@ pub fn compare(
             }
         }
     }
+    // Before any training: the builds that wrote the sides so far, and this
+    // one where it trains a side now.
+    if builds == MixedBuilds::Refuse && existing == Existing::Resume {
+        let mut seen = Vec::new();
+        for (cfg, trains) in [
+            (&fp32_cfg, sides != Sides::Mixed),
+            (&mixed_cfg, sides != Sides::Fp32),
+        ] {
+            seen.extend(saved_builds(&cfg.out)?);
+            if trains {
+                seen.push(Provenance::here(crate::Device::Cpu));
+            }
+        }
+        check_one_numerics(&seen)?;
+    }
     let fp32_title = format!("float32, full batch of {}", fp32_cfg.batch);
     let mixed_title = format!(
         "{}, {} micro-batches of {}, checkpointing",
@@ -268,6 +303,10 @@ pub fn compare(
             out.display()
         ),
     };
+    let all: Vec<Provenance> = a.builds.iter().chain(&b.builds).cloned().collect();
+    if builds == MixedBuilds::Refuse {
+        check_one_numerics(&all)?;
+    }
     let (ha, hb) = (heldout_loss(&a)?, heldout_loss(&b)?);
     let rel = ((hb - ha) / ha).abs();
     let peaks = |s: &RunSummary| match s.process_peak_bytes {
@@ -371,7 +410,68 @@ pub fn compare(
         lower_peak: lower,
         pass: within && lower,
         plot: plot.display().to_string(),
+        numerics: distinct(&all, numerics_of),
+        commits: distinct(&all, commit_of),
     })))
+}
+
+fn numerics_of(p: &Provenance) -> String {
+    p.numerics.clone().unwrap_or_else(|| "unknown".into())
+}
+
+fn commit_of(p: &Provenance) -> String {
+    let c = p.commit.as_deref().unwrap_or("no git commit");
+    format!("{c}{}", if p.dirty { "+dirty" } else { "" })
+}
+
+/// The distinct values of `key` over `builds`, in first-seen order.
+fn distinct(builds: &[Provenance], key: fn(&Provenance) -> String) -> Vec<String> {
+    let mut v: Vec<String> = Vec::new();
+    for k in builds.iter().map(key) {
+        if !v.contains(&k) {
+            v.push(k);
+        }
+    }
+    v
+}
+
+/// The builds recorded in a side's checkpoint (none: no run there yet).
+fn saved_builds(out: &std::path::Path) -> Result<Vec<Provenance>> {
+    if crate::train::outdir::existing_run(out).is_none() {
+        return Ok(Vec::new());
+    }
+    let dir = crate::train::checkpoint::resolve_dir(out);
+    Ok(crate::train::checkpoint::Verified::open(&dir)
+        .and_then(|ck| ck.train_state())
+        .map_err(|e| e.context(format!("compare --resume: {}", out.display())))?
+        .builds)
+}
+
+/// An error naming the fingerprints when `builds` do not share one.
+fn check_one_numerics(builds: &[Provenance]) -> Result<()> {
+    let fps = distinct(builds, numerics_of);
+    if fps.len() > 1 {
+        let named: Vec<String> = builds
+            .iter()
+            .map(|p| format!("{} ({})", numerics_of(p), commit_of(p)))
+            .collect();
+        crate::bail!(
+            Config,
+            "compare: the sides come from builds whose numerics differ ({}): their losses are not one experiment. Train both sides with one build (--overwrite), or compare them anyway with --allow-mixed-builds",
+            distinct_strs(&named).join(", ")
+        );
+    }
+    Ok(())
+}
+
+fn distinct_strs(v: &[String]) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for s in v {
+        if !out.contains(s) {
+            out.push(s.clone());
+        }
+    }
+    out
 }
 
 /// The memory the machine saw for a side: the GPU's tensor buffers (pool
@@ -512,15 +612,32 @@ impl Comparison {
              both final models in float32 on the same held-out windows; device peak: the GPU's \
              tensor buffers, pooled ones included)\n\
              relative difference of held-out losses: {:.2}% ({} 2%)\n\
-             {which} peak memory: {} → {} ({})\nverdict: {}\nplot: {}\n",
+             {which} peak memory: {} → {} ({})\nbuilds: {}\nverdict: {}\nplot: {}\n",
             100.0 * self.rel_diff,
             if self.within_2_percent { "within" } else { "NOT within" },
             mib(pa),
             mib(pb),
             if self.lower_peak { "lower" } else { "NOT lower" },
+            self.builds_line(),
             if self.pass { "PASS" } else { "FAIL" },
             self.plot
         );
         t
+    }
+
+    /// Which builds trained the two sides, as the report says it.
+    fn builds_line(&self) -> String {
+        match (self.numerics.as_slice(), self.commits.as_slice()) {
+            ([n], [c]) if !c.ends_with("+dirty") && c != "no git commit" => {
+                format!("one build of the same code, commit {c} (numerics {n})")
+            }
+            ([n], cs) => format!("one numerics fingerprint {n}, over builds {}", cs.join(", ")),
+            (ns, cs) => format!(
+                "{} numerics fingerprints ({}) over builds {}: compared as asked (--allow-mixed-builds)",
+                ns.len(),
+                ns.join(", "),
+                cs.join(", ")
+            ),
+        }
     }
 }

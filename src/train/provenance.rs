@@ -14,6 +14,12 @@ pub struct Provenance {
     pub commit: Option<String>,
     /// Whether tracked files differed from that commit.
     pub dirty: bool,
+    /// A fingerprint of the sources that decide a run's bits (kernels,
+    /// shaders, ops, model, optimizer, precision, the step and the batches):
+    /// two builds with the same one give the same bits. `None` in records
+    /// written before it existed.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub numerics: Option<String>,
     /// The CPU kernels' instruction set (`portable`, `avx2+fma`, …).
     pub cpu_kernels: String,
     /// The CPU kernels' threads.
@@ -33,6 +39,7 @@ impl Provenance {
             version: env!("CARGO_PKG_VERSION").into(),
             commit: option_env!("TINYLLM_GIT_COMMIT").map(Into::into),
             dirty: option_env!("TINYLLM_GIT_DIRTY") == Some("true"),
+            numerics: Some(env!("TINYLLM_NUMERICS").into()),
             cpu_kernels: crate::backend::cpu::simd::level().name().into(),
             threads: crate::backend::cpu::cpu_threads(),
             device: if gpu { "gpu" } else { "cpu" }.into(),

@@ -418,6 +418,9 @@ pub struct RunSummary {
     /// The device the run trained on (from [`finished_run`]: the device its
     /// config selects now).
     pub device: Device,
+    /// The build and device of every process of the run, oldest first (its
+    /// start and each resume).
+    pub builds: Vec<Provenance>,
 }
 
 /// Mean of the last few losses (the compare table's "final loss").
@@ -655,7 +658,8 @@ pub fn finished_run(cfg: &TrainConfig) -> Result<Option<RunSummary>> {
     let Ok(ck) = Verified::open(&dir) else {
         return Ok(None);
     };
-    let step = ck.train_state()?.step;
+    let state = ck.train_state()?;
+    let step = state.step;
     if step < cfg.steps {
         return Ok(None);
     }
@@ -685,6 +689,7 @@ pub fn finished_run(cfg: &TrainConfig) -> Result<Option<RunSummary>> {
         seconds: history.last().map_or(0.0, |m| m.elapsed_s),
         device,
         history,
+        builds: state.builds,
     }))
 }
 
@@ -1097,6 +1102,7 @@ impl Loop {
             device,
             history: self.history,
             out: self.out,
+            builds: tr.builds.clone(),
         };
         say(
             self.progress,
