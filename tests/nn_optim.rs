@@ -468,3 +468,91 @@ device_test!(causal_softmax_is_the_scaled_masked_softmax, |dev| {
 fn x_err(x: &Tensor) -> String {
     x.causal_softmax(0.5).unwrap_err().to_string()
 }
+
+/// A training job moved through [`HostState`] to a worker thread and back
+/// takes the steps it would have taken in place: the same weights, AdamW
+/// moments and dropout stream, bit for bit (bf16 autocast, dropout on,
+/// checkpointing on). `HostState` is `Send`.
+fn a_job_moved_to_a_worker_thread_keeps_its_bits(dev: Device) {
+    use tinyllm::nn::llama::{Llama, LlamaConfig};
+    use tinyllm::precision::Precision;
+    use tinyllm::train::data::{Batch, ByteTokenizer};
+    use tinyllm::train::HostState;
+    use tinyllm::MixedStep;
+    fn send<T: Send + 'static>(_: &T) {}
+    let mut cfg = LlamaConfig::preset("tiny").unwrap();
+    cfg.dropout = 0.1;
+    let t = cfg.context;
+    let ids = ByteTokenizer::encode(&"a job on the move. ".repeat(2 * t));
+    let batch = Batch {
+        ids: ids[..4 * t].to_vec(),
+        targets: ids[1..4 * t + 1].to_vec(),
+        rows: 4,
+        t,
+    };
+    let micro = batch.split(2);
+    let steps = |model: &Llama, opt: &mut AdamW, n: usize| {
+        for _ in 0..n {
+            MixedStep::new(Precision::Bf16)
+                .clip(1.0)
+                .run(
+                    model,
+                    &micro,
+                    |mb: &Batch| {
+                        tinyllm::ops::cross_entropy(
+                            &model.forward(&mb.ids, mb.rows, mb.t)?,
+                            &mb.targets,
+                        )
+                    },
+                    opt,
+                )
+                .unwrap();
+        }
+    };
+    let fresh = || {
+        let m = Llama::new(&cfg, 7, dev)
+            .unwrap()
+            .with_recompute(Some(3))
+            .unwrap();
+        let o = AdamW::new(m.parameters(), AdamWConfig::new(1e-2)).unwrap();
+        (m, o)
+    };
+    // In place: four steps.
+    let (model, mut opt) = fresh();
+    steps(&model, &mut opt, 4);
+    let want = HostState::new(&model, Some(&opt)).unwrap();
+    // Two steps here, two in a worker (on the CPU there), then back.
+    let (model, mut opt) = fresh();
+    steps(&model, &mut opt, 2);
+    let job = HostState::new(&model, Some(&opt)).unwrap();
+    send(&job);
+    let job = std::thread::scope(|s| {
+        s.spawn(|| {
+            let (model, opt) = job.into_model(Device::Cpu).unwrap();
+            let mut opt = opt.unwrap();
+            steps(&model, &mut opt, 2);
+            HostState::new(&model, Some(&opt)).unwrap()
+        })
+        .join()
+        .unwrap()
+    });
+    let (model, opt) = job.into_model(dev).unwrap();
+    let got = HostState::new(&model, opt.as_ref()).unwrap();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for ((n, w), (_, g)) in want.weights.iter().zip(&got.weights) {
+        assert_eq!(bits(w), bits(g), "{n}");
+    }
+    let (wa, ga) = (want.adamw.unwrap(), got.adamw.unwrap());
+    for (i, (w, g)) in wa.moments.iter().zip(&ga.moments).enumerate() {
+        let (w, g) = (w.as_ref().unwrap(), g.as_ref().unwrap());
+        assert_eq!(
+            (bits(&w.0), bits(&w.1), w.2),
+            (bits(&g.0), bits(&g.1), g.2),
+            "moments {i}"
+        );
+    }
+    assert_eq!(want.dropout_rng, got.dropout_rng);
+}
+device_test!(a_job_moves_through_host_state, |dev| {
+    a_job_moved_to_a_worker_thread_keeps_its_bits(dev);
+});

@@ -359,6 +359,12 @@ impl Tensor {
         self.set_storage(s)
     }
 
+    /// Whether `self` and `other` are the same tensor (not equal values: the
+    /// same node).
+    pub(crate) fn same(&self, other: &Tensor) -> bool {
+        Rc::ptr_eq(&self.0, &other.0)
+    }
+
     /// Replaces the values of a leaf in place (loading a checkpoint, tests).
     pub(crate) fn set_storage(&self, s: Storage) -> Result<()> {
         if s.len() != self.numel() || s.dtype() != self.dtype() {

@@ -30,6 +30,7 @@ pub mod config;
 pub mod data;
 pub(crate) mod fault;
 pub mod hf;
+pub mod host;
 pub mod infer;
 pub mod plan;
 pub mod provenance;
@@ -39,4 +40,5 @@ cli_internal!(corpus, interrupt, metrics, outdir, plot, sha256);
 
 pub use checkpoint::{load_model, save_model, TrainState, TrainStateBuilder};
 pub use config::{DeviceChoice, TrainConfig, TrainOptions};
+pub use host::{HostAdamW, HostState};
 pub use trainer::{run, run_checked, Progress, RunSummary, Start, StepCheck, Trainer};
