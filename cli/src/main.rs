@@ -5,6 +5,8 @@
 //! drops the output and the work goes on (a run still saves its checkpoint);
 //! `generate` stops early when its reader goes away.
 
+mod device_check;
+
 use clap::{Args, Parser, Subcommand};
 use std::io::Write;
 use std::ops::ControlFlow;
@@ -50,6 +52,32 @@ enum Cmd {
     /// primitive on both devices, and training in lockstep. Exit status 0:
     /// bit-identical; 1: something differs (the report says what); 2: an error.
     Crosscheck(CrosscheckArgs),
+    /// Everything to ask a new GPU, in one JSON report: the cross-check on
+    /// every backend the machine offers, the kernel benchmarks, and a few
+    /// steps of the capstone recipe with --profile on the GPU and the CPU.
+    DeviceCheck(DeviceCheckArgs),
+}
+
+#[derive(Args)]
+struct DeviceCheckArgs {
+    /// A new directory for report.json and the two profiled runs.
+    #[arg(long, default_value = "runs/device-check")]
+    out: PathBuf,
+    /// The profiled runs' model: capstone, small or tiny.
+    #[arg(long, default_value = "capstone")]
+    preset: String,
+    /// Optimizer steps of each profiled run (the first is left out of the
+    /// profile, as always).
+    #[arg(long, default_value_t = 3, value_parser = count, allow_negative_numbers = true)]
+    steps: usize,
+    /// Comma-separated backends to cross-check (default: vulkan,metal,dx12,gl;
+    /// one the machine lacks is recorded as such).
+    #[arg(long)]
+    backends: Option<String>,
+    /// Seconds each part may take before it is stopped and recorded as
+    /// timed out.
+    #[arg(long, default_value_t = 300)]
+    part_seconds: u64,
 }
 
 #[derive(Args)]
@@ -786,6 +814,20 @@ fn cmd_bench(a: BenchArgs) -> tinyllm::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+fn cmd_device_check(a: DeviceCheckArgs) -> tinyllm::Result<ExitCode> {
+    tinyllm::nn::llama::LlamaConfig::preset(&a.preset).map_err(|e| e.context("--preset"))?;
+    let plan = device_check::Plan {
+        out: a.out,
+        preset: a.preset,
+        steps: a.steps,
+        backends: device_check::backends(a.backends.as_deref())?,
+        limit: std::time::Duration::from_secs(a.part_seconds.max(1)),
+    };
+    let path = device_check::run(&plan, &|msg| note!("device-check: {msg}"))?;
+    out!("report: {}", path.display());
+    Ok(ExitCode::SUCCESS)
+}
+
 /// `tinyllm crosscheck`: the report on stdout (or one JSON object), progress
 /// on stderr. Errors exit with status 2, not 1, so "differs" is unambiguous.
 fn cmd_crosscheck(a: CrosscheckArgs) -> ExitCode {
@@ -859,6 +901,7 @@ fn main() -> ExitCode {
         Cmd::Generate(a) => cmd_generate(a),
         Cmd::Bench(a) => cmd_bench(a),
         Cmd::Crosscheck(a) => return cmd_crosscheck(a),
+        Cmd::DeviceCheck(a) => cmd_device_check(a),
     };
     match res {
         Ok(code) => code,

@@ -669,3 +669,63 @@ fn both_front_ends_of_one_device_give_the_reference_bits() {
         "{err}"
     );
 }
+
+/// `device-check` writes one report with every part: the cross-check per
+/// backend asked (one the machine lacks recorded with its error, not
+/// fatal), the benchmarks, and the profiled recipe on the GPU and the CPU.
+/// It never writes into a directory that exists.
+#[test]
+fn device_check_writes_one_report_of_every_part() {
+    if !tinyllm::testing::gpu_available() {
+        return;
+    }
+    let dir = tmpdir("device-check");
+    let out = dir.join("report");
+    let run = || {
+        Command::new(BIN)
+            .args([
+                "device-check",
+                "--preset",
+                "tiny",
+                "--steps",
+                "2",
+                "--backends",
+                "gl,metal",
+                "--out",
+            ])
+            .arg(&out)
+            .output()
+            .unwrap()
+    };
+    let o = run();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    let r: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("report.json")).unwrap()).unwrap();
+    let gl = &r["crosscheck"]["gl"];
+    assert_eq!(gl["exit_code"], 0, "{gl}");
+    assert_eq!(gl["report"]["verdict"]["bit_identical"], true, "{gl}");
+    // no Metal on this machine: recorded as an error of that part
+    let metal = &r["crosscheck"]["metal"];
+    assert_eq!(metal["exit_code"], 2, "{metal}");
+    assert!(
+        metal["report"]["error"]
+            .as_str()
+            .is_some_and(|e| !e.is_empty()),
+        "{metal}"
+    );
+    assert_eq!(r["bench"]["exit_code"], 0, "{}", r["bench"]);
+    assert!(r["bench"]["report"]["rows"]
+        .as_array()
+        .is_some_and(|v| !v.is_empty()));
+    for device in ["gpu", "cpu"] {
+        let p = &r["profile"][device];
+        assert_eq!(p["exit_code"], 0, "{p}");
+        assert!(p["stdout"].as_str().unwrap().contains("profile"), "{p}");
+    }
+    // a second run refuses the directory it would overwrite
+    let o = run();
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("already exists"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
