@@ -2115,6 +2115,7 @@ fn wait_for(rx: &std::sync::mpsc::Receiver<String>, prefix: &str) -> Vec<String>
 }
 
 fn send_signal(child: &std::process::Child, sig: i32) {
+    // SAFETY: kill(2) takes plain integers; the child is the caller's and not yet reaped.
     assert_eq!(unsafe { libc::kill(child.id() as i32, sig) }, 0);
 }
 
@@ -2663,6 +2664,8 @@ fn run_capped(args: &[&str], secs: u64) -> (bool, bool, String, u64) {
         .env_remove("CARGO")
         .stdout(Stdio::null())
         .stderr(Stdio::piped());
+    // SAFETY: between fork and exec the closure only calls setrlimit(2),
+    // which is async-signal-safe, on a limit struct on its own stack.
     unsafe {
         c.pre_exec(|| {
             let lim = libc::rlimit {
@@ -2715,6 +2718,7 @@ fn the_corpus_is_read_with_bounds() {
     let d = tmpdir("corpus-bounds");
     let fifo = d.join("fifo");
     let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: `c` is a NUL-terminated path that outlives the call.
     assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
     let huge = d.join("huge.txt");
     std::fs::File::create(&huge)
@@ -2916,6 +2920,7 @@ fn no_xdg_runtime_dir_noise_on_a_gpu_probe() {
     assert!(o.status.success() && err.contains("device: GPU"), "{err}");
     assert!(!err.contains("XDG_RUNTIME_DIR"), "{err}");
     use std::os::unix::fs::MetadataExt;
+    // SAFETY: getuid(2) has no preconditions and cannot fail.
     let uid = unsafe { libc::getuid() };
     let dir = std::env::temp_dir().join(format!("tinyllm-runtime-{uid}"));
     let m = std::fs::symlink_metadata(dir).unwrap();

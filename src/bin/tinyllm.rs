@@ -823,6 +823,7 @@ fn private_runtime_dir() {
     if std::env::var_os("XDG_RUNTIME_DIR").is_some() {
         return;
     }
+    // SAFETY: getuid(2) has no preconditions and cannot fail.
     let uid = unsafe { libc::getuid() };
     let dir = std::env::temp_dir().join(format!("tinyllm-runtime-{uid}"));
     let _ = std::fs::DirBuilder::new().mode(0o700).create(&dir);
