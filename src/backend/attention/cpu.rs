@@ -72,14 +72,11 @@ fn place(a: &Attention, h: usize) -> (usize, usize) {
     }
 }
 
-/// The head whose row is row `r` of all heads' rows, laid out as `v` and `y`
-/// are (`place` turned round) where `like_y`, else head-major.
-fn row_head(a: &Attention, like_y: bool, r: usize) -> usize {
-    match a.tokens.filter(|_| like_y) {
-        None => r / a.t,
-        // r = ((b·t + i)·hs + j) for head b·hs + j
-        Some(hs) => r / (a.t * hs) * hs + r % hs,
-    }
+/// The head whose row is row `r` of all heads' rows laid out token-major as
+/// `y` is, `hs` heads a sequence (`place` turned round): r = ((b·t + i)·hs + j)
+/// for head b·hs + j.
+fn token_row_head(t: usize, hs: usize, r: usize) -> usize {
+    r / (t * hs) * hs + r % hs
 }
 
 /// Head `h`'s rows of `x` laid out as `v` and `y` are (see [`place`]).
@@ -153,8 +150,8 @@ fn product(a: &Attention, (x, lx): Rows, (y, ly): Rows, part: Part) -> Vec<f32> 
     matmul_f32_one_thread(x, y, MatmulDims { batch: 1, ..d }, a.round, [lx, ly])
 }
 
-/// Rows of an output, each with its row number in it.
-type Placed<'a, T> = Vec<(usize, &'a mut [T])>;
+/// A head's parts of one output, in the order of its values.
+type Parts<'a, T> = Vec<&'a mut [T]>;
 
 /// `f(h)` (a head's `N` outputs, `(T, D)` each) for every head, written
 /// into `N` outputs of all heads — head-major, or laid out as `y` where
@@ -181,41 +178,41 @@ fn per_head<const N: usize>(
     let per = heads.div_ceil(threads);
     // No zero fill: every head's rows are copied in below.
     new_vecs([heads * len; N], |outs, written| {
-        // each output's rows (with their places), dealt to the heads they belong to
-        let mut rows: Vec<[Placed<'_, MaybeUninit<f32>>; N]> =
-            (0..heads).map(|_| std::array::from_fn(|_| Vec::with_capacity(t))).collect();
+        // each output's parts, dealt to the heads they belong to: a head's
+        // `len` values where the output is head-major, its `t` rows of `d`
+        // where it is laid out as `y` and that is token-major
+        let mut parts: Vec<[Parts<'_, MaybeUninit<f32>>; N]> =
+            (0..heads).map(|_| std::array::from_fn(|_| Vec::new())).collect();
         for (o, (out, &y)) in outs.into_iter().zip(&like_y).enumerate() {
-            for (r, row) in out.chunks_exact_mut(d).enumerate() {
-                rows[row_head(a, y, r)][o].push((r, row));
+            match a.tokens.filter(|_| y) {
+                Some(hs) => out.chunks_exact_mut(d).enumerate().for_each(|(r, row)| parts[token_row_head(t, hs, r)][o].push(row)),
+                None => out.chunks_exact_mut(len).enumerate().for_each(|(h, head)| parts[h][o].push(head)),
             }
         }
-        // a group of heads, its rows written (for each output, with their places)
+        // a group of heads, each output's parts written
         let run = |(g, group): (usize, &mut [[Vec<_>; N]])| {
-            let mut done: [Vec<(usize, &mut [f32])>; N] = std::array::from_fn(|_| Vec::with_capacity(group.len() * t));
-            for (i, head_rows) in group.iter_mut().enumerate() {
+            let mut done: [Vec<&mut [f32]>; N] = std::array::from_fn(|_| Vec::new());
+            for (i, head_parts) in group.iter_mut().enumerate() {
                 let outputs = f(g * per + i);
-                for ((v, head_rows), done) in outputs.iter().zip(head_rows).zip(&mut done) {
+                for ((v, head_parts), done) in outputs.iter().zip(head_parts).zip(&mut done) {
                     assert_eq!(v.len(), len, "a head's output");
-                    for ((r, row), vr) in std::mem::take(head_rows).into_iter().zip(v.chunks_exact(d)) {
-                        done.push((r, write_exact(row, vr.iter().copied())));
+                    let mut rest = &v[..];
+                    let head_parts: Parts<'_, MaybeUninit<f32>> = std::mem::take(head_parts);
+                    for part in head_parts {
+                        let (now, later) = rest.split_at(part.len());
+                        rest = later;
+                        done.push(write_exact(part, now.iter().copied()));
                     }
                 }
             }
             done
         };
-        let groups = rows.chunks_mut(per).enumerate();
-        let done: Vec<[Vec<_>; N]> = if threads > 1 { pool::map(groups, run) } else { groups.map(run).collect() };
-        // each output's written rows back in their order
-        let mut placed: [Vec<Option<&mut [f32]>>; N] = std::array::from_fn(|_| (0..heads * t).map(|_| None).collect());
+        let groups = parts.chunks_mut(per).enumerate();
+        let done: Vec<[Parts<'_, f32>; N]> = if threads > 1 { pool::map(groups, run) } else { groups.map(run).collect() };
         for group in done {
-            for (p, rows) in placed.iter_mut().zip(group) {
-                for (r, row) in rows {
-                    p[r] = Some(row);
-                }
+            for (w, parts) in written.iter_mut().zip(group) {
+                w.add_all(parts);
             }
-        }
-        for (w, p) in written.iter_mut().zip(placed) {
-            w.add_all(p.into_iter().map(|row| row.expect("every row written")));
         }
     })
 }

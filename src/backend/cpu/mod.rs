@@ -306,18 +306,20 @@ pub fn fold_ragged<T: Elem>(
 // product). What says that every value was written is [`fill`]: a writer hands
 // back the values it wrote as `&mut [T]`, which safe code can only make over
 // initialised values (`write_exact`, `write_lanes`, `write_zeros`, or a SIMD
-// writer's own `assume_init_mut`), and `fill` checks that those parts tile the
-// output. [`new_vec`] allocates an output that way; nothing else sets a
+// writer's own `assume_init_mut`), and `fill` checks that those parts cover
+// the output. [`new_vec`] allocates an output that way; nothing else sets a
 // vector's length over values it has not seen written.
 
-/// The parts of an output that a [`fill`] writer has written: each part it
-/// adds must start where the one before ended, at the output's start for the
-/// first, and `fill` checks that they end at the output's end.
+/// The parts of an output that a [`fill`] writer has written, in any order:
+/// each must lie inside the output, and `fill` checks that they add up to
+/// all of it.
 pub struct Written<'a, T> {
-    /// The address the next part starts at.
-    next: usize,
+    /// The output's first address.
+    start: usize,
     /// The output's end.
     end: usize,
+    /// The bytes of the parts so far.
+    bytes: usize,
     _parts: std::marker::PhantomData<&'a mut [T]>,
 }
 
@@ -326,19 +328,23 @@ impl<'a, T> Written<'a, T> {
     fn at(out: &[MaybeUninit<T>]) -> Self {
         // addresses tell parts apart only if values take room
         const { assert!(std::mem::size_of::<T>() > 0, "outputs of a zero-sized type") };
-        let next = out.as_ptr() as usize;
-        Written { next, end: next + std::mem::size_of_val(out), _parts: std::marker::PhantomData }
+        let start = out.as_ptr() as usize;
+        Written { start, end: start + std::mem::size_of_val(out), bytes: 0, _parts: std::marker::PhantomData }
     }
 
-    /// Counts `part`, the next values of the output, as written; panics if it
-    /// does not start where the parts before it end.
+    /// Counts `part`, values of the output, as written; panics if it does not
+    /// lie inside the output.
     #[inline(always)]
     pub fn add(&mut self, part: &'a mut [T]) {
-        assert!(part.as_ptr() as usize == self.next, "a written part out of its place in the output");
-        self.next += std::mem::size_of_val(part);
+        if part.is_empty() {
+            return;
+        }
+        let (at, bytes) = (part.as_ptr() as usize, std::mem::size_of_val(part));
+        assert!(at >= self.start && at + bytes <= self.end, "a written part outside the output");
+        self.bytes += bytes;
     }
 
-    /// [`Written::add`] of each part, in order.
+    /// [`Written::add`] of each part.
     #[inline(always)]
     pub fn add_all(&mut self, parts: impl IntoIterator<Item = &'a mut [T]>) {
         for p in parts {
@@ -346,9 +352,9 @@ impl<'a, T> Written<'a, T> {
         }
     }
 
-    /// Panics unless the parts reach the output's end.
+    /// Panics unless the parts add up to the whole output.
     fn check(&self) {
-        assert!(self.next == self.end, "an output not written in full");
+        assert!(self.bytes == self.end - self.start, "an output not written in full");
     }
 }
 
@@ -357,11 +363,11 @@ impl<'a, T> Written<'a, T> {
 // `&'a mut [T]`, so its values are initialised (safe code cannot make one
 // over uninitialised memory), and it borrows what it covers for all of 'a,
 // which outlasts the writer: nothing written after the part was made can have
-// undone that. The parts start at the output's start, each where the last
-// ended, and the last ends at the output's end, so they are exactly the
-// output (a `&mut` into the output's memory can only come from the reborrow
-// the writer got: the output is borrowed exclusively, or owned; and `T` is
-// not zero-sized, so each part's address range is its own).
+// undone that. Two such borrows alive for all of 'a cannot overlap (a
+// `&mut` into the output's memory can only come from the reborrow the writer
+// got: the output is borrowed exclusively, or owned), and `T` is not
+// zero-sized, so the parts' address ranges are disjoint; each lies inside the
+// output, and together they are as large as the output: they are all of it.
 
 /// `dst` written by `write`, which gets its values to write and adds what it
 /// wrote to the [`Written`] (in order, as `&mut [T]`); panics unless those
