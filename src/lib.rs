@@ -73,7 +73,7 @@ pub mod tensor;
 mod trace;
 pub mod train;
 
-pub use backend::cpu::set_cpu_threads;
+pub use backend::cpu::{cpu_spin, set_cpu_spin, set_cpu_threads};
 pub use backend::round::Format;
 pub use backend::{DType, Device};
 pub use error::{Error, Result};

@@ -338,6 +338,7 @@ fn special_files_in_a_checkpoint_are_refused_without_blocking() {
     let m = run.join("checkpoint/manifest.json");
     std::fs::remove_file(&m).unwrap();
     let c = std::ffi::CString::new(s(&m)).unwrap();
+    // SAFETY: `c` is a NUL-terminated path that outlives the call.
     assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
     refused(bin(&["eval", "--checkpoint", s(&run)]), &["FIFO"]);
     refused(resume(&run, "4", &[]), &["manifest.json"]);
@@ -624,6 +625,7 @@ fn signal_at_pause(
             break;
         }
     }
+    // SAFETY: kill(2) takes plain integers; the child is ours and not yet reaped.
     assert_eq!(unsafe { libc::kill(child.id() as i32, sig) }, 0);
     let st = child.wait().unwrap();
     let rest: Vec<String> = rx.try_iter().collect();

@@ -2119,6 +2119,7 @@ fn wait_for(rx: &std::sync::mpsc::Receiver<String>, prefix: &str) -> Vec<String>
 }
 
 fn send_signal(child: &std::process::Child, sig: i32) {
+    // SAFETY: kill(2) takes plain integers; the child is the caller's and not yet reaped.
     assert_eq!(unsafe { libc::kill(child.id() as i32, sig) }, 0);
 }
 
@@ -2667,6 +2668,8 @@ fn run_capped(args: &[&str], secs: u64) -> (bool, bool, String, u64) {
         .env_remove("CARGO")
         .stdout(Stdio::null())
         .stderr(Stdio::piped());
+    // SAFETY: between fork and exec the closure only calls setrlimit(2),
+    // which is async-signal-safe, on a limit struct on its own stack.
     unsafe {
         c.pre_exec(|| {
             let lim = libc::rlimit {
@@ -2719,6 +2722,7 @@ fn the_corpus_is_read_with_bounds() {
     let d = tmpdir("corpus-bounds");
     let fifo = d.join("fifo");
     let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: `c` is a NUL-terminated path that outlives the call.
     assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
     let huge = d.join("huge.txt");
     std::fs::File::create(&huge)
@@ -3094,4 +3098,51 @@ fn hints_speak_the_way_the_binary_was_run() {
         "{stdout}"
     );
     let _ = std::fs::remove_dir_all(&out);
+}
+
+// ------------------------------------------ the CPU kernels' outputs and threads
+
+/// A kernel's output is allocated without a zero fill and handed out only once
+/// the parts its writer handed back written cover it: a gap, or a part from
+/// elsewhere, is a panic rather than uninitialised values in a tensor.
+#[test]
+fn a_cpu_kernel_output_must_be_written_in_full() {
+    use tinyllm::backend::cpu::{new_vec, write_exact};
+    // parts in any order
+    let full = new_vec(8, |out, w| {
+        let (a, b) = out.split_at_mut(4);
+        w.add(write_exact(b, [2.0f32; 4]));
+        w.add(write_exact(a, [1.0; 4]));
+    });
+    assert_eq!(full, [1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0]);
+    let gap = catch_unwind(|| new_vec(8, |out, w| w.add(write_exact(&mut out[..4], [1.0f32; 4]))));
+    assert!(gap.is_err(), "half an output handed out");
+    let elsewhere =
+        catch_unwind(|| new_vec::<f32>(4, |_, w| w.add(Box::leak(Box::new([0.0f32; 4])))));
+    assert!(elsewhere.is_err(), "a part outside the output counted");
+}
+
+/// The CPU threads call the caller's closure, which it only borrows: a job
+/// whose task panics still waits, before the caller goes on (and the closure
+/// and what it borrows go away), for the tasks other threads are running.
+#[test]
+fn a_cpu_job_waits_for_its_tasks_even_when_one_panics() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use tinyllm::backend::cpu::pool;
+    for _ in 0..20 {
+        let running = AtomicUsize::new(0);
+        let values: Vec<usize> = (0..64).collect();
+        let r = catch_unwind(AssertUnwindSafe(|| {
+            pool::run(16, &|i| {
+                running.fetch_add(1, Ordering::SeqCst);
+                assert!(i != 0, "the first task fails");
+                std::thread::sleep(Duration::from_micros(300));
+                assert_eq!(values.iter().sum::<usize>(), 63 * 64 / 2);
+                running.fetch_sub(1, Ordering::SeqCst);
+            })
+        }));
+        assert!(r.is_err());
+        // every task but the failed one left before the caller went on
+        assert_eq!(running.load(Ordering::SeqCst), 1);
+    }
 }

@@ -6,12 +6,13 @@
 use super::{batched, Arg, Attention, AttentionOps};
 use crate::backend::cpu::{CpuStorage, Elem};
 use crate::backend::cpu::pool;
-use crate::backend::cpu::cpu_threads;
+use crate::backend::cpu::{cpu_threads, new_vecs, write_exact};
 use crate::backend::matmul::cpu::matmul_f32_one_thread;
 use crate::backend::reduce::cpu::{softmax_backward_f32_one_thread, softmax_f32_one_thread};
 use crate::backend::round::Format;
 use crate::backend::{Causal, MatmulDims};
 use crate::profile::{self, Product};
+use std::mem::MaybeUninit;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 use crate::Result;
@@ -69,6 +70,13 @@ fn place(a: &Attention, h: usize) -> (usize, usize) {
         None => (h * t * d, d),
         Some(hs) => ((h / hs * t * hs + h % hs) * d, hs * d),
     }
+}
+
+/// The head whose row is row `r` of all heads' rows laid out token-major as
+/// `y` is, `hs` heads a sequence (`place` turned round): r = ((b·t + i)·hs + j)
+/// for head b·hs + j.
+fn token_row_head(t: usize, hs: usize, r: usize) -> usize {
+    r / (t * hs) * hs + r % hs
 }
 
 /// Head `h`'s rows of `x` laid out as `v` and `y` are (see [`place`]).
@@ -142,11 +150,8 @@ fn product(a: &Attention, (x, lx): Rows, (y, ly): Rows, part: Part) -> Vec<f32> 
     matmul_f32_one_thread(x, y, MatmulDims { batch: 1, ..d }, a.round, [lx, ly])
 }
 
-/// A buffer the heads write their rows into from several threads.
-struct Shared(*mut f32);
-// SAFETY: the heads write disjoint rows (see `per_head`), and the buffer
-// outlives the threads' work.
-unsafe impl Sync for Shared {}
+/// A head's parts of one output, in the order of its values.
+type Parts<'a, T> = Vec<&'a mut [T]>;
 
 /// `f(h)` (a head's `N` outputs, `(T, D)` each) for every head, written
 /// into `N` outputs of all heads — head-major, or laid out as `y` where
@@ -164,9 +169,6 @@ fn per_head<const N: usize>(
     if heads == 0 || len == 0 {
         return std::array::from_fn(|_| vec![0.0; heads * len]);
     }
-    // No zero fill: every head's rows are copied in below.
-    let mut outs: [Vec<f32>; N] = std::array::from_fn(|_| Vec::with_capacity(heads * len));
-    let bufs: [Shared; N] = std::array::from_fn(|i| Shared(outs[i].as_mut_ptr()));
     let threads = if heads * t * t >= pool::SPLIT_VALUES {
         cpu_threads().clamp(1, heads)
     } else {
@@ -174,31 +176,45 @@ fn per_head<const N: usize>(
     };
     let _scratch = crate::memory::Ticket::new(threads * squares * t * t * 4);
     let per = heads.div_ceil(threads);
-    let run = |h0: usize| {
-        for h in h0..(h0 + per).min(heads) {
-            for ((buf, v), &y) in bufs.iter().zip(f(h)).zip(&like_y) {
-                assert_eq!(v.len(), len, "a head's output");
-                let (start, stride) = if y { place(a, h) } else { (h * len, d) };
-                for (i, row) in v.chunks_exact(d).enumerate() {
-                    // SAFETY: rows of distinct heads are distinct ranges of
-                    // the `heads · len` values reserved (head-major: `h·len ..`,
-                    // token-major: position i of head h); each is written once.
-                    unsafe { std::ptr::copy_nonoverlapping(row.as_ptr(), buf.0.add(start + i * stride), d) };
-                }
+    // No zero fill: every head's rows are copied in below.
+    new_vecs([heads * len; N], |outs, written| {
+        // each output's parts, dealt to the heads they belong to: a head's
+        // `len` values where the output is head-major, its `t` rows of `d`
+        // where it is laid out as `y` and that is token-major
+        let mut parts: Vec<[Parts<'_, MaybeUninit<f32>>; N]> =
+            (0..heads).map(|_| std::array::from_fn(|_| Vec::new())).collect();
+        for (o, (out, &y)) in outs.into_iter().zip(&like_y).enumerate() {
+            match a.tokens.filter(|_| y) {
+                Some(hs) => out.chunks_exact_mut(d).enumerate().for_each(|(r, row)| parts[token_row_head(t, hs, r)][o].push(row)),
+                None => out.chunks_exact_mut(len).enumerate().for_each(|(h, head)| parts[h][o].push(head)),
             }
         }
-    };
-    let groups: Vec<usize> = (0..heads).step_by(per).collect();
-    if threads > 1 {
-        pool::each(groups, run);
-    } else {
-        groups.into_iter().for_each(run);
-    }
-    for o in &mut outs {
-        // SAFETY: the groups cover all heads, and every head wrote its `len` values.
-        unsafe { o.set_len(heads * len) };
-    }
-    outs
+        // a group of heads, each output's parts written
+        let run = |(g, group): (usize, &mut [[Vec<_>; N]])| {
+            let mut done: [Vec<&mut [f32]>; N] = std::array::from_fn(|_| Vec::new());
+            for (i, head_parts) in group.iter_mut().enumerate() {
+                let outputs = f(g * per + i);
+                for ((v, head_parts), done) in outputs.iter().zip(head_parts).zip(&mut done) {
+                    assert_eq!(v.len(), len, "a head's output");
+                    let mut rest = &v[..];
+                    let head_parts: Parts<'_, MaybeUninit<f32>> = std::mem::take(head_parts);
+                    for part in head_parts {
+                        let (now, later) = rest.split_at(part.len());
+                        rest = later;
+                        done.push(write_exact(part, now.iter().copied()));
+                    }
+                }
+            }
+            done
+        };
+        let groups = parts.chunks_mut(per).enumerate();
+        let done: Vec<[Parts<'_, f32>; N]> = if threads > 1 { pool::map(groups, run) } else { groups.map(run).collect() };
+        for group in done {
+            for (w, parts) in written.iter_mut().zip(group) {
+                w.add_all(parts);
+            }
+        }
+    })
 }
 
 /// A step of a head's chain.

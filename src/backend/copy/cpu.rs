@@ -3,7 +3,8 @@
 use super::CopyOps;
 use crate::backend::cpu::pool;
 use crate::backend::cpu::{
-    both, cpu_threads, for_each_run, simd, split_at_starts, split_layout, write_exact, CpuStorage, Elem,
+    both, cpu_threads, fill, for_each_run, new_vec, simd, split_at_starts, split_layout, write_exact,
+    CpuStorage, Elem,
 };
 use crate::backend::BinaryLayout;
 use crate::Result;
@@ -61,9 +62,8 @@ impl CopyOps for CpuStorage {
 /// threads.
 fn strided_copy_t<T: Elem>(x: &[T], shape: &[usize], strides: &[usize], offset: usize) -> Vec<T> {
     let n: usize = shape.iter().product();
-    let mut out = Vec::with_capacity(n);
     if n == 0 {
-        return out;
+        return Vec::new();
     }
     let layout = BinaryLayout {
         shape: shape.to_vec(),
@@ -72,29 +72,30 @@ fn strided_copy_t<T: Elem>(x: &[T], shape: &[usize], strides: &[usize], offset: 
     };
     let x = &x[offset..];
     let pieces = split_layout(&layout, cpu_threads());
-    let outs = split_at_starts(&mut out.spare_capacity_mut()[..n], &pieces);
-    pool::each(outs.into_iter().zip(&pieces), |(o, (_, start, _, piece))| {
-        copy_piece(o, &x[*start..], piece)
-    });
-    // SAFETY: the pieces cover the output, and each wrote all of its values.
-    unsafe { out.set_len(n) };
-    out
+    new_vec(n, |out, written| {
+        let outs = split_at_starts(out, &pieces);
+        written.add_all(pool::map(outs.into_iter().zip(&pieces), |(o, (_, start, _, piece))| {
+            copy_piece(o, &x[*start..], piece)
+        }));
+    })
 }
 
 simd::multiversion! {
-    /// One piece of a strided view into `o` (the piece's size).
-    fn copy_piece<T: Elem>(o: &mut [MaybeUninit<T>], x: &[T], piece: &BinaryLayout) {
-        let mut at = 0;
-        for_each_run(piece, |li, _, len, lst, _| {
-            let o = &mut o[at..at + len];
-            at += len;
-            if lst == 1 {
-                write_exact(o, x[li..li + len].iter().copied());
-            } else {
-                write_exact(o, (0..len).map(|t| x[li + t * lst]));
-            }
-        });
-        assert_eq!(at, o.len(), "the view covers the output");
+    /// One piece of a strided view into `o` (the piece's size), handed back written.
+    fn copy_piece<'o, T: Elem>(o: &'o mut [MaybeUninit<T>], x: &[T], piece: &BinaryLayout) -> &'o mut [T] {
+        fill(o, |o, written| {
+            let mut rest = o;
+            for_each_run(piece, |li, _, len, lst, _| {
+                let (o, tail) = std::mem::take(&mut rest).split_at_mut(len);
+                rest = tail;
+                written.add(if lst == 1 {
+                    write_exact(o, x[li..li + len].iter().copied())
+                } else {
+                    write_exact(o, (0..len).map(|t| x[li + t * lst]))
+                });
+            });
+            assert!(rest.is_empty(), "the view covers the output");
+        })
     }
 }
 

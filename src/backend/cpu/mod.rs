@@ -299,6 +299,128 @@ pub fn fold_ragged<T: Elem>(
     out
 }
 
+// ---------------------------------------------------------------- outputs ----
+//
+// The kernels write their outputs once, into buffers that were allocated and
+// not zero-filled (a zero fill of a large output is a measurable share of a
+// product). What says that every value was written is [`fill`]: a writer hands
+// back the values it wrote as `&mut [T]`, which safe code can only make over
+// initialised values (`write_exact`, `write_lanes`, `write_zeros`, or a SIMD
+// writer's own `assume_init_mut`), and `fill` checks that those parts cover
+// the output. [`new_vec`] allocates an output that way; nothing else sets a
+// vector's length over values it has not seen written.
+
+/// The parts of an output that a [`fill`] writer has written, in any order:
+/// each must lie inside the output, and `fill` checks that they add up to
+/// all of it.
+pub struct Written<'a, T> {
+    /// The output's first address.
+    start: usize,
+    /// The output's end.
+    end: usize,
+    /// The bytes of the parts so far.
+    bytes: usize,
+    _parts: std::marker::PhantomData<&'a mut [T]>,
+}
+
+impl<'a, T> Written<'a, T> {
+    /// Nothing written yet of `out`.
+    fn at(out: &[MaybeUninit<T>]) -> Self {
+        // addresses tell parts apart only if values take room
+        const { assert!(std::mem::size_of::<T>() > 0, "outputs of a zero-sized type") };
+        let start = out.as_ptr() as usize;
+        Written { start, end: start + std::mem::size_of_val(out), bytes: 0, _parts: std::marker::PhantomData }
+    }
+
+    /// Counts `part`, values of the output, as written; panics if it does not
+    /// lie inside the output.
+    #[inline(always)]
+    pub fn add(&mut self, part: &'a mut [T]) {
+        if part.is_empty() {
+            return;
+        }
+        let (at, bytes) = (part.as_ptr() as usize, std::mem::size_of_val(part));
+        assert!(at >= self.start && at + bytes <= self.end, "a written part outside the output");
+        self.bytes += bytes;
+    }
+
+    /// [`Written::add`] of each part.
+    #[inline(always)]
+    pub fn add_all(&mut self, parts: impl IntoIterator<Item = &'a mut [T]>) {
+        for p in parts {
+            self.add(p);
+        }
+    }
+
+    /// Panics unless the parts add up to the whole output.
+    fn check(&self) {
+        assert!(self.bytes == self.end - self.start, "an output not written in full");
+    }
+}
+
+// Why a writer's parts prove its output written, for the two places below
+// that take them as proof: each part added to a `Written<'a, T>` is a
+// `&'a mut [T]`, so its values are initialised (safe code cannot make one
+// over uninitialised memory), and it borrows what it covers for all of 'a,
+// which outlasts the writer: nothing written after the part was made can have
+// undone that. Two such borrows alive for all of 'a cannot overlap (a
+// `&mut` into the output's memory can only come from the reborrow the writer
+// got: the output is borrowed exclusively, or owned), and `T` is not
+// zero-sized, so the parts' address ranges are disjoint; each lies inside the
+// output, and together they are as large as the output: they are all of it.
+
+/// `dst` written by `write`, which gets its values to write and adds what it
+/// wrote to the [`Written`] (in order, as `&mut [T]`); panics unless those
+/// parts are all of `dst`.
+#[inline(always)]
+pub fn fill<'d, T>(
+    dst: &'d mut [MaybeUninit<T>],
+    write: impl for<'a> FnOnce(&'a mut [MaybeUninit<T>], &mut Written<'a, T>),
+) -> &'d mut [T] {
+    let mut written = Written::at(dst);
+    write(&mut *dst, &mut written);
+    written.check();
+    // SAFETY: the parts written are all of `dst` (checked), so every value
+    // is initialised (see above).
+    unsafe { assume_init_mut(dst) }
+}
+
+/// `N` vectors of `lens` values, written in place by `write` together, each
+/// as [`fill`] has it (no zero fill first); panics unless each output's parts
+/// are all of it.
+#[inline(always)]
+pub fn new_vecs<T, const N: usize>(
+    lens: [usize; N],
+    write: impl for<'a> FnOnce([&'a mut [MaybeUninit<T>]; N], &mut [Written<'a, T>; N]),
+) -> [Vec<T>; N] {
+    let mut vecs = lens.map(Vec::with_capacity);
+    let mut i = 0;
+    let slots = vecs.each_mut().map(|v| {
+        i += 1;
+        &mut v.spare_capacity_mut()[..lens[i - 1]]
+    });
+    let mut written = slots.each_ref().map(|s| Written::at(s));
+    write(slots, &mut written);
+    for w in &written {
+        w.check();
+    }
+    for (v, n) in vecs.iter_mut().zip(lens) {
+        // SAFETY: the capacity is at least `n`, and the parts written are
+        // all of the first `n` values (checked), so they are initialised
+        // (see above).
+        unsafe { v.set_len(n) };
+    }
+    vecs
+}
+
+/// A vector of `n` values written in place by `write`, as [`fill`] has it
+/// (no zero fill first).
+#[inline(always)]
+pub fn new_vec<T>(n: usize, write: impl for<'a> FnOnce(&'a mut [MaybeUninit<T>], &mut Written<'a, T>)) -> Vec<T> {
+    let [v] = new_vecs([n], |[out], [written]| write(out, written));
+    v
+}
+
 /// Writes the first `dst.len()` of `values` into `dst` and returns it
 /// initialised, for kernels that write their output once with no zero fill
 /// before; panics if `values` runs out first.
@@ -317,7 +439,8 @@ pub fn write_exact<T>(dst: &mut [MaybeUninit<T>], values: impl IntoIterator<Item
 /// Writes +0 into every element of `dst` (one `memset`: the +0 of both
 /// element types, f32 and f64, is all zero bits).
 pub fn write_zeros<T: Elem>(dst: &mut [MaybeUninit<T>]) -> &mut [T] {
-    // SAFETY: `dst` is valid for `dst.len()` writes, and all-zero bytes are +0.
+    // SAFETY: `dst` is valid for `dst.len()` writes, and all-zero bytes are
+    // +0 of both element types; so every element is written and valid.
     unsafe {
         std::ptr::write_bytes(dst.as_mut_ptr(), 0, dst.len());
         assume_init_mut(dst)
@@ -339,9 +462,10 @@ simd::multiversion! {
     /// passes of vector operations: the exps, then the divisions. (Its own
     /// AVX2 copy: its closures must have the features the vector exp needs to
     /// inline; as one pass a group's work is too large to inline at all.)
-    pub fn sigmoid_into<T: Elem>(s: &mut [MaybeUninit<T>], x: &[T]) {
+    pub fn sigmoid_into<'s, T: Elem>(s: &'s mut [MaybeUninit<T>], x: &[T]) -> &'s mut [T] {
         let s = write_lanes(s, x, |v| T::exp_lanes(v.map(|v| T::NEG_ZERO.sub(v))).map(|e| T::ONE.add(e)));
         for_lanes_mut(s, |d| T::div_lanes([T::ONE; LANES], d));
+        s
     }
 }
 
@@ -511,6 +635,35 @@ pub fn cpu_threads() -> usize {
     match CPU_THREADS.load(std::sync::atomic::Ordering::Relaxed) {
         0 => std::thread::available_parallelism().map_or(1, |t| t.get()),
         t => t,
+    }
+}
+
+/// How long an idle CPU thread watches for the next parallel pass by default.
+const DEFAULT_SPIN: std::time::Duration = std::time::Duration::from_millis(2);
+
+/// The idle threads' watch in nanoseconds; `u64::MAX` = [`DEFAULT_SPIN`].
+static CPU_SPIN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(u64::MAX);
+
+/// Sets how long a thread of the CPU kernels keeps watching for the next
+/// parallel pass after finishing one, before it sleeps (`None` = the
+/// default, 2 ms). A training step hands out passes in quick succession and
+/// waking a sleeping thread can cost more than a pass, so the threads spin
+/// meanwhile: that burns CPU time in an application that does other work
+/// between the library's calls. `Some(Duration::ZERO)` turns the spin off (a
+/// thread sleeps as soon as it has nothing to do; the passes then wait for
+/// their threads to wake). Takes effect at once, on the threads' next look;
+/// results never depend on it.
+pub fn set_cpu_spin(spin: Option<std::time::Duration>) {
+    let nanos = spin.map_or(u64::MAX, |d| d.as_nanos().min(u64::MAX as u128 - 1) as u64);
+    CPU_SPIN.store(nanos, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// How long an idle thread of the CPU kernels watches for the next parallel
+/// pass before it sleeps: the time set by [`set_cpu_spin`], else 2 ms.
+pub fn cpu_spin() -> std::time::Duration {
+    match CPU_SPIN.load(std::sync::atomic::Ordering::Relaxed) {
+        u64::MAX => DEFAULT_SPIN,
+        n => std::time::Duration::from_nanos(n),
     }
 }
 

@@ -1,25 +1,27 @@
 //! The threads of the large CPU kernels: one worker per core after the first,
 //! started at the first parallel call. A worker that finishes a job spins on
-//! the job counter for a while before it sleeps: a training step hands out
-//! parallel regions in quick succession, and waking a sleeping thread can cost
-//! more than a region itself.
+//! the job counter for a while before it sleeps ([`cpu_spin`]: a training
+//! step hands out parallel regions in quick succession, and waking a sleeping
+//! thread can cost more than a region itself).
 //!
 //! A job is `tasks` calls of one closure, taken in turn by the caller and the
 //! workers. One job runs at a time: a call made while another thread's job is
 //! in flight, or from inside a task, runs its tasks itself, in order. The
 //! kernels split their work the same way whichever thread runs a part, so no
 //! result depends on it.
+//!
+//! The closure is borrowed, and the workers outlive it: they reach it through
+//! a pointer whose lifetime is erased. What keeps that sound is [`Posted`],
+//! which closes the job and waits for every call that started before it lets
+//! the borrow end — when the caller's part returns and when it unwinds alike.
 
-use super::cpu_threads;
+use super::{cpu_spin, cpu_threads};
 use std::any::Any;
 use std::cell::Cell;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, OnceLock};
-use std::time::{Duration, Instant};
-
-/// How long an idle worker watches for the next job before it sleeps.
-const SPIN: Duration = Duration::from_millis(2);
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+use std::time::Instant;
 
 /// A pass over fewer values than this runs on one thread: its parts would
 /// take about as long as handing them out (a few microseconds).
@@ -56,7 +58,7 @@ pub fn run(tasks: usize, f: &(dyn Fn(usize) + Sync)) {
         Some(p) => p.busy.try_lock().ok().map(|g| (p, g)),
         None => None,
     };
-    let Some((pool, _busy)) = busy else {
+    let Some((pool, busy)) = busy else {
         let _inside = InTask::enter();
         let mut panic = None;
         for i in 0..tasks {
@@ -66,30 +68,24 @@ pub fn run(tasks: usize, f: &(dyn Fn(usize) + Sync)) {
         }
         return panic.map_or((), |p| resume_unwind(p));
     };
-    // SAFETY: `f` is called only for task numbers below `tasks`, and every
-    // such call has returned before this function does (the wait on `done`
-    // below), so no worker calls it after its borrow ends. A worker still
-    // holding the job afterwards only finds its task counter exhausted.
-    let f: &'static (dyn Fn(usize) + Sync) = unsafe { std::mem::transmute(f) };
     let job = Arc::new(Job {
-        f,
+        f: (&f as *const &(dyn Fn(usize) + Sync)).cast(),
         tasks,
         seats: AtomicUsize::new(helpers),
         next: AtomicUsize::new(0),
         done: AtomicUsize::new(0),
         panic: Mutex::new(None),
     });
+    // Posted before the workers can see the job, dropped before `f`'s borrow
+    // (and this frame, which holds the `&dyn` that `job.f` points at) ends.
+    let posted = Posted { pool, job: job.clone(), _busy: busy };
     *lock(&pool.job) = Some(job.clone());
     pool.generation.fetch_add(1, Ordering::Release);
     if *lock(&pool.sleepers) > 0 {
         pool.wake.notify_all();
     }
     job.work();
-    let mut spins = 0u32;
-    while job.done.load(Ordering::Acquire) < tasks {
-        pause(&mut spins);
-    }
-    *lock(&pool.job) = None;
+    drop(posted);
     let panic = lock(&job.panic).take();
     if let Some(p) = panic {
         resume_unwind(p);
@@ -97,15 +93,29 @@ pub fn run(tasks: usize, f: &(dyn Fn(usize) + Sync)) {
 }
 
 struct Job {
-    f: &'static (dyn Fn(usize) + Sync),
+    /// Where the caller of [`run`] holds its `&(dyn Fn(usize) + Sync)`: a
+    /// thin pointer without its lifetime, read only by [`Job::work`] for a
+    /// task it has claimed (see [`Posted`]).
+    f: *const (),
     tasks: usize,
     /// How many more workers may join.
     seats: AtomicUsize,
+    /// The next task to claim; [`Posted`] closes the job by setting it to
+    /// `tasks`.
     next: AtomicUsize,
+    /// How many claimed tasks have finished (returned or panicked).
     done: AtomicUsize,
     /// The first panic of a task, raised in the caller.
     panic: Mutex<Option<Box<dyn Any + Send>>>,
 }
+
+// SAFETY: `f` is the only field that is not Send and Sync by itself. It
+// points at a `&(dyn Fn(usize) + Sync)`: calling that closure from several
+// threads at once is what `Sync` allows, and a `&T` with `T: Sync` may be
+// read from any thread. When it may be read is `Posted`'s to ensure.
+unsafe impl Send for Job {}
+// SAFETY: as for Send.
+unsafe impl Sync for Job {}
 
 impl Job {
     /// Takes tasks until none is left; each finished one counts in `done`.
@@ -116,11 +126,52 @@ impl Job {
             if i >= self.tasks {
                 return;
             }
-            if let Err(p) = catch_unwind(AssertUnwindSafe(|| (self.f)(i))) {
+            // counts the task even if what follows unwinds
+            let _done = Done(&self.done);
+            // SAFETY: task `i < tasks` was claimed before the job was closed
+            // (a claim after `Posted` closes it gets a number past the last),
+            // so `Posted` waits for `_done` before the caller's frame, and
+            // the borrow of the closure in it, can end: the `&dyn` `f`
+            // points at is still there, and so is the closure.
+            let f = unsafe { *self.f.cast::<&(dyn Fn(usize) + Sync)>() };
+            if let Err(p) = catch_unwind(AssertUnwindSafe(|| f(i))) {
                 lock(&self.panic).get_or_insert(p);
             }
-            self.done.fetch_add(1, Ordering::Release);
         }
+    }
+}
+
+/// Adds one to a job's `done` when dropped: once a claimed task has run, or
+/// is unwinding.
+struct Done<'a>(&'a AtomicUsize);
+
+impl Drop for Done<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_add(1, Ordering::Release);
+    }
+}
+
+/// A job handed to the workers; dropping it closes the job and waits until
+/// every task claimed before has finished, so that no worker reads the
+/// caller's closure afterwards. [`run`] drops it before it returns, and on
+/// the way out if anything in it panics; only then does it release `busy`
+/// (the next job may be posted).
+struct Posted<'p> {
+    pool: &'static Pool,
+    job: Arc<Job>,
+    _busy: MutexGuard<'p, ()>,
+}
+
+impl Drop for Posted<'_> {
+    fn drop(&mut self) {
+        let job = &self.job;
+        // No task starts after this: a claim now gets `tasks` or more.
+        let claimed = job.next.swap(job.tasks, Ordering::AcqRel).min(job.tasks);
+        let mut spins = 0u32;
+        while job.done.load(Ordering::Acquire) < claimed {
+            pause(&mut spins);
+        }
+        *lock(&self.pool.job) = None;
     }
 }
 
@@ -132,6 +183,18 @@ struct Pool {
     generation: AtomicU64,
     sleepers: Mutex<usize>,
     wake: Condvar,
+}
+
+impl Pool {
+    fn new() -> Pool {
+        Pool {
+            busy: Mutex::new(()),
+            job: Mutex::new(None),
+            generation: AtomicU64::new(0),
+            sleepers: Mutex::new(0),
+            wake: Condvar::new(),
+        }
+    }
 }
 
 thread_local! {
@@ -166,13 +229,7 @@ fn pool() -> Option<&'static Pool> {
         if cores < 2 {
             return None;
         }
-        let pool: &'static Pool = Box::leak(Box::new(Pool {
-            busy: Mutex::new(()),
-            job: Mutex::new(None),
-            generation: AtomicU64::new(0),
-            sleepers: Mutex::new(0),
-            wake: Condvar::new(),
-        }));
+        let pool: &'static Pool = Box::leak(Box::new(Pool::new()));
         let started = (1..cores)
             .filter(|w| {
                 let spawned = std::thread::Builder::new()
@@ -211,18 +268,19 @@ fn pause(spins: &mut u32) {
     }
 }
 
-/// Waits until the generation differs from `seen` — spinning for [`SPIN`],
-/// then asleep — and returns it.
+/// Waits until the generation differs from `seen` — spinning for
+/// [`cpu_spin`] (read as it goes: a change takes effect at once), then
+/// asleep — and returns it.
 fn next_generation(pool: &Pool, seen: u64) -> u64 {
     let start = Instant::now();
     let mut spins = 0u32;
-    loop {
+    while !cpu_spin().is_zero() {
         let g = pool.generation.load(Ordering::Acquire);
         if g != seen {
             return g;
         }
         pause(&mut spins);
-        if spins.is_multiple_of(256) && start.elapsed() > SPIN {
+        if spins.is_multiple_of(256) && start.elapsed() > cpu_spin() {
             break;
         }
     }
@@ -282,5 +340,64 @@ mod tests {
             n.fetch_add(1, Ordering::Relaxed);
         });
         assert_eq!(n.load(Ordering::Relaxed), 4);
+    }
+
+    /// A task that panics while other threads are inside theirs: the caller
+    /// raises the panic only once they are done with the closure, which is
+    /// still there for them (its borrow outlasts every call).
+    #[test]
+    fn a_panic_waits_for_the_other_tasks_to_finish_with_the_closure() {
+        crate::backend::cpu::set_cpu_threads(Some(4));
+        for _ in 0..20 {
+            let running = AtomicUsize::new(0);
+            let values: Vec<usize> = (0..64).collect();
+            let r = catch_unwind(AssertUnwindSafe(|| {
+                run(16, &|i| {
+                    running.fetch_add(1, Ordering::SeqCst);
+                    if i == 0 {
+                        panic!("the first task fails");
+                    }
+                    std::thread::sleep(std::time::Duration::from_micros(200));
+                    assert_eq!(values.iter().sum::<usize>(), 63 * 64 / 2);
+                    running.fetch_sub(1, Ordering::SeqCst);
+                })
+            }));
+            assert!(r.is_err());
+            // every task but the failed one left before the caller went on
+            assert_eq!(running.load(Ordering::SeqCst), 1);
+        }
+        crate::backend::cpu::set_cpu_threads(None);
+    }
+
+    /// The spin setting takes effect: an idle worker (here watching a pool of
+    /// its own) that would watch for a minute is still awake after 100 ms;
+    /// with the spin set to zero it goes to sleep at once, and a new job wakes
+    /// it.
+    #[test]
+    fn with_the_spin_off_an_idle_worker_sleeps() {
+        use crate::backend::cpu::{cpu_spin, set_cpu_spin};
+        use std::time::Duration;
+        let pool: &'static Pool = Box::leak(Box::new(Pool::new()));
+        let asleep = || *lock(&pool.sleepers);
+        set_cpu_spin(Some(Duration::from_secs(60)));
+        assert_eq!(cpu_spin(), Duration::from_secs(60));
+        let watcher = std::thread::spawn(move || next_generation(pool, 0));
+        std::thread::sleep(Duration::from_millis(100));
+        assert_eq!(asleep(), 0, "a worker slept while it should spin");
+        set_cpu_spin(Some(Duration::ZERO));
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while asleep() == 0 {
+            assert!(Instant::now() < deadline, "with the spin off the worker never slept");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        // a new job, posted as `run` posts one
+        pool.generation.fetch_add(1, Ordering::Release);
+        if *lock(&pool.sleepers) > 0 {
+            pool.wake.notify_all();
+        }
+        assert_eq!(watcher.join().unwrap(), 1);
+        assert_eq!(asleep(), 0);
+        set_cpu_spin(None);
+        assert_eq!(cpu_spin(), Duration::from_millis(2));
     }
 }

@@ -223,6 +223,13 @@ macro_rules! multiversion {
         $crate::backend::cpu::simd::multiversion!(@emit [$(#[$m])*] [$vis] $name
             [$(<$($g: $b),+>)?] [] ($($a: $t),*) [$(-> $r)?] $body);
     };
+    // lifetimes (the outputs', which the kernel hands back written) and
+    // type parameters, inferred from the arguments
+    ($(#[$m:meta])* $vis:vis fn $name:ident <$($l:lifetime),+ $(, $g:ident: $b:path)*>
+        ($($a:ident: $t:ty),* $(,)?) $(-> $r:ty)? $body:block) => {
+        $crate::backend::cpu::simd::multiversion!(@emit [$(#[$m])*] [$vis] $name
+            [<$($l),+ $(, $g: $b)*>] [] ($($a: $t),*) [$(-> $r)?] $body);
+    };
     // one const parameter, which the calls name
     ($(#[$m:meta])* $vis:vis fn $name:ident <const $c:ident: usize>
         ($($a:ident: $t:ty),* $(,)?) $(-> $r:ty)? $body:block) => {

@@ -3,8 +3,8 @@
 use super::{BinaryOp, ElementwiseOps, UnaryOp};
 use crate::backend::cpu::pool;
 use crate::backend::cpu::{
-    both, both2, cpu_threads, for_each_run, maximum, sigmoid_into, simd, split_at_starts, split_layout,
-    write_exact, write_lanes, CpuStorage, Elem,
+    both, both2, cpu_threads, fill, for_each_run, maximum, new_vec, sigmoid_into, simd, split_at_starts,
+    split_layout, write_exact, write_lanes, CpuStorage, Elem,
 };
 use crate::backend::cpu::simd::LANES;
 use crate::backend::BinaryLayout;
@@ -34,19 +34,9 @@ simd::multiversion! {
         /// time, so each is one vector operation ([`Elem::div_lanes`]).
         #[inline(always)]
         fn map_lanes<T: Elem>(x: &[T], f: impl Fn([T; LANES]) -> [T; LANES]) -> Vec<T> {
-            let mut out = Vec::with_capacity(x.len());
-            write_lanes(&mut out.spare_capacity_mut()[..x.len()], x, f);
-            // SAFETY: write_lanes wrote every value.
-            unsafe { out.set_len(x.len()) };
-            out
+            new_vec(x.len(), |out, written| written.add(write_lanes(out, x, f)))
         }
-        let sigmoid = |x: &[T]| {
-            let mut s = Vec::with_capacity(x.len());
-            sigmoid_into(&mut s.spare_capacity_mut()[..x.len()], x);
-            // SAFETY: sigmoid_into wrote every value.
-            unsafe { s.set_len(x.len()) };
-            s
-        };
+        let sigmoid = |x: &[T]| new_vec(x.len(), |s, written| written.add(sigmoid_into(s, x)));
         match op {
             UnaryOp::Neg => map(x, |v| T::NEG_ZERO.sub(v)),
             UnaryOp::Exp => map_lanes(x, |v| T::exp_lanes(v)),
@@ -110,22 +100,26 @@ simd::multiversion! {
 /// depend on the split.
 fn binary_t<T: Elem>(a: &[T], b: &[T], op: BinaryOp, layout: &BinaryLayout) -> Vec<T> {
     let n: usize = layout.shape.iter().product();
-    let mut out = Vec::with_capacity(n);
-    if n == 0 {
-        return out;
-    }
-    let pieces = split_layout(layout, cpu_threads());
-    let outs = split_at_starts(&mut out.spare_capacity_mut()[..n], &pieces);
-    pool::each(outs.into_iter().zip(&pieces), |(o, (_, l0, r0, piece))| {
-        binary_into(o, &a[*l0..], &b[*r0..], op, piece)
-    });
-    // SAFETY: the pieces cover the output, and each wrote all of its values.
-    unsafe { out.set_len(n) };
-    out
+    new_vec(n, |out, written| {
+        if n == 0 {
+            return;
+        }
+        let pieces = split_layout(layout, cpu_threads());
+        let outs = split_at_starts(out, &pieces);
+        written.add_all(pool::map(outs.into_iter().zip(&pieces), |(o, (_, l0, r0, piece))| {
+            binary_into(o, &a[*l0..], &b[*r0..], op, piece)
+        }));
+    })
 }
 
 simd::multiversion! {
-    fn binary_into<T: Elem>(o: &mut [MaybeUninit<T>], a: &[T], b: &[T], op: BinaryOp, layout: &BinaryLayout) {
+    fn binary_into<'o, T: Elem>(
+        o: &'o mut [MaybeUninit<T>],
+        a: &[T],
+        b: &[T],
+        op: BinaryOp,
+        layout: &BinaryLayout,
+    ) -> &'o mut [T] {
         match op {
             BinaryOp::Add => broadcast_into(o, a, b, layout, |x, y| x.add(y)),
             BinaryOp::Sub => broadcast_into(o, a, b, layout, |x, y| x.sub(y)),
@@ -137,46 +131,40 @@ simd::multiversion! {
     }
 }
 
-/// `f` over a broadcast layout into `out` (the layout's size): each run a
-/// slice loop (both contiguous, or one side a broadcast scalar) whenever the
-/// strides allow.
+/// `f` over a broadcast layout into `out` (the layout's size), handed back
+/// written: each run a slice loop (both contiguous, or one side a broadcast
+/// scalar) whenever the strides allow.
 #[inline(always)]
-fn broadcast_into<T: Elem>(
-    out: &mut [MaybeUninit<T>],
+fn broadcast_into<'o, T: Elem>(
+    out: &'o mut [MaybeUninit<T>],
     a: &[T],
     b: &[T],
     layout: &BinaryLayout,
     f: impl Fn(T, T) -> T,
-) {
-    let mut at = 0;
-    for_each_run(layout, |li, ri, len, lst, rst| {
-        let o = &mut out[at..at + len];
-        at += len;
-        match (lst, rst) {
-            (1, 1) => {
-                let (x, y) = (&a[li..li + len], &b[ri..ri + len]);
-                for i in 0..len {
-                    o[i].write(f(x[i], y[i]));
+) -> &'o mut [T] {
+    fill(out, |out, written| {
+        let mut rest = out;
+        for_each_run(layout, |li, ri, len, lst, rst| {
+            let (o, tail) = std::mem::take(&mut rest).split_at_mut(len);
+            rest = tail;
+            written.add(match (lst, rst) {
+                (1, 1) => {
+                    let (x, y) = (&a[li..li + len], &b[ri..ri + len]);
+                    write_exact(o, x.iter().zip(y).map(|(&x, &y)| f(x, y)))
                 }
-            }
-            (1, 0) => {
-                let (x, y) = (&a[li..li + len], b[ri]);
-                for i in 0..len {
-                    o[i].write(f(x[i], y));
+                (1, 0) => {
+                    let (x, y) = (&a[li..li + len], b[ri]);
+                    write_exact(o, x.iter().map(|&x| f(x, y)))
                 }
-            }
-            (0, 1) => {
-                let (x, y) = (a[li], &b[ri..ri + len]);
-                for i in 0..len {
-                    o[i].write(f(x, y[i]));
+                (0, 1) => {
+                    let (x, y) = (a[li], &b[ri..ri + len]);
+                    write_exact(o, y.iter().map(|&y| f(x, y)))
                 }
-            }
-            _ => {
-                write_exact(o, (0..len).map(|t| f(a[li + t * lst], b[ri + t * rst])));
-            }
-        }
-    });
-    assert_eq!(at, out.len(), "the layout covers the output");
+                _ => write_exact(o, (0..len).map(|t| f(a[li + t * lst], b[ri + t * rst]))),
+            });
+        });
+        assert!(rest.is_empty(), "the layout covers the output");
+    })
 }
 
 #[cfg(test)]

@@ -7,8 +7,8 @@ use super::FusedOps;
 use crate::backend::cpu::pool;
 use crate::backend::cpu::simd::LANES;
 use crate::backend::cpu::{
-    assume_init_mut, cpu_threads, fold_ragged, maximum, sigmoid_into, simd, write_exact,
-    CpuStorage, Elem,
+    assume_init_mut, cpu_threads, fill, fold_ragged, maximum, new_vec, new_vecs, sigmoid_into, simd,
+    write_exact, CpuStorage, Elem,
 };
 use crate::backend::DType;
 use crate::Result;
@@ -130,40 +130,40 @@ impl FusedOps for CpuStorage {
 // `collect`/`extend` over closures: a kernel's loop must be compiled inside its
 // AVX2 copy, and a std iterator function the compiler leaves out of line is
 // compiled for the baseline (SSE2, `mul_add` a library call). The outputs are allocated, not zero-filled: each kernel
-// writes every value (`write_exact`, or loops over lengths it checks) before
-// it reads any back.
+// writes every value before it reads any back, and hands its output back
+// written (`new_vec`, `fill`).
 
 // ---------------------------------------------------------------- RMSNorm ----
 
 /// x: (rows, d), w: (d) -> y: (rows, d), rstd: (rows)
 fn rms_norm_t<T: Elem>(x: &[T], w: &[T], rows: usize, d: usize, eps: T) -> (Vec<T>, Vec<T>) {
-    let (mut y, mut rstd) = (Vec::with_capacity(rows * d), Vec::with_capacity(rows));
-    let (yo, ro) = (&mut y.spare_capacity_mut()[..rows * d], &mut rstd.spare_capacity_mut()[..rows]);
-    if d == 0 {
-        rms_norm_rows(yo, ro, &[], w, 0, eps);
-    } else {
+    let [y, rstd] = new_vecs([rows * d, rows], |[yo, ro], [wy, wr]| {
+        if d == 0 {
+            let (y, r) = rms_norm_rows(yo, ro, &[], w, 0, eps);
+            wy.add(y);
+            wr.add(r);
+            return;
+        }
         let per = per_thread(rows, d);
         let blocks = yo.chunks_mut(per * d).zip(ro.chunks_mut(per)).zip(x[..rows * d].chunks(per * d));
-        pool::each(blocks, |((y, r), x)| rms_norm_rows(y, r, x, w, d, eps));
-    }
-    // SAFETY: rms_norm_rows writes every value of its rows.
-    unsafe {
-        y.set_len(rows * d);
-        rstd.set_len(rows);
-    }
+        for (y, r) in pool::map(blocks, |((y, r), x)| rms_norm_rows(y, r, x, w, d, eps)) {
+            wy.add(y);
+            wr.add(r);
+        }
+    });
     (y, rstd)
 }
 
 simd::multiversion! {
     /// A block of whole rows: x, y: (rows, d), rstd: (rows).
-    fn rms_norm_rows<T: Elem>(
-        y: &mut [MaybeUninit<T>],
-        rstd: &mut [MaybeUninit<T>],
+    fn rms_norm_rows<'y, 'r, T: Elem>(
+        y: &'y mut [MaybeUninit<T>],
+        rstd: &'r mut [MaybeUninit<T>],
         x: &[T],
         w: &[T],
         d: usize,
         eps: T,
-    ) {
+    ) -> (&'y mut [T], &'r mut [T]) {
         assert_eq!(y.len(), rstd.len() * d);
         assert_eq!(x.len(), y.len());
         let dn = T::from_f64(d as f64);
@@ -177,34 +177,36 @@ simd::multiversion! {
         // mean, + eps, rsqrt = div(1, sqrt(·)): one of each per row
         let rstd = write_exact(rstd, ss.into_iter().map(|s| T::ONE.div(s.div(dn).add(eps).sqrt())));
         if d == 0 {
-            return;
+            return (write_exact(y, []), rstd);
         }
-        for ((yr, xr), &r) in y.chunks_exact_mut(d).zip(x.chunks_exact(d)).zip(rstd.iter()) {
-            write_exact(yr, xr.iter().zip(w).map(|(&v, &wj)| v.mul(r).mul(wj)));
-        }
+        let y = fill(y, |y, written| {
+            for ((yr, xr), &r) in y.chunks_exact_mut(d).zip(x.chunks_exact(d)).zip(rstd.iter()) {
+                written.add(write_exact(yr, xr.iter().zip(w).map(|(&v, &wj)| v.mul(r).mul(wj))));
+            }
+        });
+        (y, rstd)
     }
 }
 
 /// x, g, earlier: (rows, d), w: (d), rstd: (rows) -> dx: (rows, d)
 fn rms_norm_dx_t<T: Elem>(x: &[T], w: &[T], rstd: &[T], g: &[T], earlier: Option<&[T]>, d: usize) -> Vec<T> {
     let rows = rstd.len();
-    let mut dx = Vec::with_capacity(rows * d);
-    if d > 0 {
+    new_vec(rows * d, |dx, written| {
+        if d == 0 {
+            return;
+        }
         let per = per_thread(rows, d);
-        let blocks = dx.spare_capacity_mut()[..rows * d]
+        let blocks = dx
             .chunks_mut(per * d)
             .zip(x[..rows * d].chunks(per * d))
             .zip(g[..rows * d].chunks(per * d))
             .zip(rstd.chunks(per))
             .enumerate();
-        pool::each(blocks, |(b, (((dx, x), g), r))| {
+        written.add_all(pool::map(blocks, |(b, (((dx, x), g), r))| {
             let e = earlier.map(|e| &e[b * per * d..][..dx.len()]);
             rms_norm_dx_rows(dx, x, w, r, g, e, d)
-        });
-    }
-    // SAFETY: rms_norm_dx_rows writes every value of its rows.
-    unsafe { dx.set_len(rows * d) };
-    dx
+        }));
+    })
 }
 
 /// Rows of an RMSNorm backward worked on together: their `g·w·x` stay in
@@ -214,15 +216,15 @@ const DX_BLOCK_ROWS: usize = 16;
 simd::multiversion! {
     /// A block of whole rows (`d > 0`): x, g, dx, earlier: (rows, d),
     /// rstd: (rows).
-    fn rms_norm_dx_rows<T: Elem>(
-        dx: &mut [MaybeUninit<T>],
+    fn rms_norm_dx_rows<'o, T: Elem>(
+        dx: &'o mut [MaybeUninit<T>],
         x: &[T],
         w: &[T],
         rstd: &[T],
         g: &[T],
         earlier: Option<&[T]>,
         d: usize,
-    ) {
+    ) -> &'o mut [T] {
         let len = rstd.len() * d;
         assert!(dx.len() == len && x.len() == len && g.len() == len && w.len() == d);
         assert!(earlier.is_none_or(|e| e.len() == len));
@@ -230,7 +232,7 @@ simd::multiversion! {
         let mut gwx = vec![T::ZERO; DX_BLOCK_ROWS.min(rstd.len()) * d];
         for (b, r) in rstd.chunks(DX_BLOCK_ROWS).enumerate() {
             let span = b * DX_BLOCK_ROWS * d..(b * DX_BLOCK_ROWS + r.len()) * d;
-            let (x, g, dx) = (&x[span.clone()], &g[span.clone()], &mut dx[span.clone()]);
+            let (x, g, dxb) = (&x[span.clone()], &g[span.clone()], &mut dx[span.clone()]);
             let gwx = &mut gwx[..r.len() * d];
             for ((o, gr), xr) in gwx.chunks_exact_mut(d).zip(g.chunks_exact(d)).zip(x.chunks_exact(d)) {
                 for (((o, &gv), &wv), &xv) in o.iter_mut().zip(gr).zip(w).zip(xr) {
@@ -240,7 +242,7 @@ simd::multiversion! {
             // each row's Σ g·w·x: the sequential fold of the reduction that
             // sums x·r's broadcast gradient, eight rows a vector
             let grs = T::row_sums(gwx, d, r.len(), false);
-            let rows = dx.chunks_exact_mut(d).zip(g.chunks_exact(d)).zip(x.chunks_exact(d)).zip(grs.iter().zip(r));
+            let rows = dxb.chunks_exact_mut(d).zip(g.chunks_exact(d)).zip(x.chunks_exact(d)).zip(grs.iter().zip(r));
             for (i, (((o, gr), xr), (&s, &r))) in rows.enumerate() {
                 // rsqrt's backward (g·y·y·y·(−0.5)), add_scalar's (g), mean's (div by d)
                 let gs = s.mul(r).mul(r).mul(r).mul(minus_half).div(dn);
@@ -261,6 +263,14 @@ simd::multiversion! {
                 }
             }
         }
+        // SAFETY: the blocks of `rstd` cover all its rows, so their spans
+        // cover `dx` (its length is asserted above); each block's rows are
+        // written in full: `grs` has a sum for each of them, and the row's
+        // `o`, `gr`, `w`, `xr` (and `earlier`'s row) all hold `d` values
+        // (the lengths asserted above), so its loop writes all `d`. (The
+        // loops write through `MaybeUninit`, not `write_exact`: in this form
+        // they vectorise.)
+        unsafe { assume_init_mut(dx) }
     }
 }
 
@@ -295,74 +305,70 @@ simd::multiversion! {
 
 // ----------------------------------------------------------------- SwiGLU ----
 
-/// A SwiGLU pass over one slice of elements: `(y, gate, up)`.
-type SwigluSlices<T> = fn(&mut [MaybeUninit<T>], &[T], &[T]);
-/// A SwiGLU backward pass over one slice of elements: `(dg, du, gate, up, g)`.
-type SwigluBackwardSlices<T> = fn(&mut [MaybeUninit<T>], &mut [MaybeUninit<T>], &[T], &[T], &[T]);
+/// A SwiGLU pass over one slice of elements: `(y, gate, up)`, `y` handed back written.
+type SwigluSlices<T> = for<'y> fn(&'y mut [MaybeUninit<T>], &[T], &[T]) -> &'y mut [T];
+/// A SwiGLU backward pass over one slice of elements: `(dg, du, gate, up, g)`,
+/// `dg` and `du` handed back written.
+type SwigluBackwardSlices<T> =
+    for<'g, 'u> fn(&'g mut [MaybeUninit<T>], &'u mut [MaybeUninit<T>], &[T], &[T], &[T]) -> (&'g mut [T], &'u mut [T]);
 
 /// gate, up: (n) -> y: (n), `kernel` on each thread's slice
 fn swiglu_t<T: Elem>(gate: &[T], up: &[T], kernel: SwigluSlices<T>) -> Vec<T> {
     let n = gate.len();
-    let mut y = Vec::with_capacity(n);
     let per = per_thread(n, 1);
-    let slices = y.spare_capacity_mut()[..n].chunks_mut(per).zip(gate.chunks(per)).zip(up.chunks(per));
-    pool::each(slices, |((y, gate), up)| kernel(y, gate, up));
-    // SAFETY: the kernel writes every value of its slice.
-    unsafe { y.set_len(n) };
-    y
+    new_vec(n, |y, written| {
+        let slices = y.chunks_mut(per).zip(gate.chunks(per)).zip(up.chunks(per));
+        written.add_all(pool::map(slices, |((y, gate), up)| kernel(y, gate, up)));
+    })
 }
 
 simd::multiversion! {
-    fn swiglu_slices<T: Elem>(y: &mut [MaybeUninit<T>], gate: &[T], up: &[T]) {
-        sigmoid_into(y, gate);
-        // SAFETY: sigmoid_into wrote every value.
-        let y = unsafe { assume_init_mut(y) };
+    fn swiglu_slices<'y, T: Elem>(y: &'y mut [MaybeUninit<T>], gate: &[T], up: &[T]) -> &'y mut [T] {
+        let y = sigmoid_into(y, gate);
         // silu = gate·σ, then · up
         for ((s, &x), &u) in y.iter_mut().zip(gate).zip(up) {
             *s = x.mul(*s).mul(u);
         }
+        y
     }
 }
 
 /// gate, up, g: (n) -> d_gate, d_up: (n), `kernel` on each thread's slices
 fn swiglu_backward_t<T: Elem>(gate: &[T], up: &[T], g: &[T], kernel: SwigluBackwardSlices<T>) -> (Vec<T>, Vec<T>) {
     let n = gate.len();
-    let (mut dg, mut du) = (Vec::with_capacity(n), Vec::with_capacity(n));
     let per = per_thread(n, 1);
-    let slices = dg.spare_capacity_mut()[..n]
-        .chunks_mut(per)
-        .zip(du.spare_capacity_mut()[..n].chunks_mut(per))
-        .zip(gate.chunks(per))
-        .zip(up.chunks(per))
-        .zip(g.chunks(per));
-    pool::each(slices, |((((dg, du), gate), up), g)| kernel(dg, du, gate, up, g));
-    // SAFETY: the kernel writes every value of its slices.
-    unsafe {
-        dg.set_len(n);
-        du.set_len(n);
-    }
+    let [dg, du] = new_vecs([n, n], |[dg, du], [wg, wu]| {
+        let slices = dg.chunks_mut(per).zip(du.chunks_mut(per)).zip(gate.chunks(per)).zip(up.chunks(per)).zip(g.chunks(per));
+        for (dg, du) in pool::map(slices, |((((dg, du), gate), up), g)| kernel(dg, du, gate, up, g)) {
+            wg.add(dg);
+            wu.add(du);
+        }
+    });
     (dg, du)
 }
 
 simd::multiversion! {
-    fn swiglu_backward_slices<T: Elem>(
-        dg: &mut [MaybeUninit<T>],
-        du: &mut [MaybeUninit<T>],
+    fn swiglu_backward_slices<'g, 'u, T: Elem>(
+        dg: &'g mut [MaybeUninit<T>],
+        du: &'u mut [MaybeUninit<T>],
         gate: &[T],
         up: &[T],
         g: &[T],
-    ) {
+    ) -> (&'g mut [T], &'u mut [T]) {
         // du is written by the zip below: every length must agree
         assert!(du.len() == dg.len() && up.len() == dg.len() && g.len() == dg.len());
-        sigmoid_into(dg, gate);
-        // SAFETY: sigmoid_into wrote every value.
-        let dg = unsafe { assume_init_mut(dg) };
-        for ((((s, o), &x), &u), &gv) in dg.iter_mut().zip(du.iter_mut()).zip(gate).zip(up).zip(g) {
-            let sv = *s;
-            o.write(gv.mul(x.mul(sv)));
-            // the product's gradient g·up, through silu's: σ·fma(x, 1 − σ, 1)
-            *s = gv.mul(u).mul(sv.mul(x.fma(T::ONE.sub(sv), T::ONE)));
-        }
+        let dg = sigmoid_into(dg, gate);
+        // `dg` updated in place as `du` is written, in one pass
+        let du = write_exact(
+            du,
+            dg.iter_mut().zip(gate).zip(up).zip(g).map(|(((s, &x), &u), &gv)| {
+                let sv = *s;
+                // the product's gradient g·up, through silu's: σ·fma(x, 1 − σ, 1)
+                *s = gv.mul(u).mul(sv.mul(x.fma(T::ONE.sub(sv), T::ONE)));
+                gv.mul(x.mul(sv))
+            }),
+        );
+        (dg, du)
     }
 }
 
@@ -372,6 +378,7 @@ simd::multiversion! {
 /// `swiglu_backward_slices` lane by lane.
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
+    use crate::backend::cpu::assume_init_mut;
     use crate::backend::cpu::simd::first_lanes;
     use crate::backend::math::avx512::{div, exp};
     use std::arch::x86_64::*;
@@ -386,16 +393,16 @@ mod avx512 {
     }
 
     /// gate, up: (n) -> y: (n), every value written
-    pub fn swiglu(y: &mut [MaybeUninit<f32>], gate: &[f32], up: &[f32]) {
+    pub fn swiglu<'y>(y: &'y mut [MaybeUninit<f32>], gate: &[f32], up: &[f32]) -> &'y mut [f32] {
         assert!(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("fma"));
         // SAFETY: the CPU has AVX-512F, AVX2 and FMA (checked above).
         unsafe { swiglu_wide(y, gate, up) }
     }
 
     #[target_feature(enable = "avx512f,avx2,fma")]
-    fn swiglu_wide(y: &mut [MaybeUninit<f32>], gate: &[f32], up: &[f32]) {
+    fn swiglu_wide<'y>(y: &'y mut [MaybeUninit<f32>], gate: &[f32], up: &[f32]) -> &'y mut [f32] {
         assert!(gate.len() == y.len() && up.len() == y.len());
-        let y = y.as_mut_ptr().cast::<f32>();
+        let yp = y.as_mut_ptr().cast::<f32>();
         for i in (0..gate.len()).step_by(16) {
             let m = first_lanes(gate.len() - i);
             // SAFETY: lanes of `m` lie within the three slices (equal lengths).
@@ -403,35 +410,38 @@ mod avx512 {
                 let x = _mm512_maskz_loadu_ps(m, gate.as_ptr().add(i));
                 let u = _mm512_maskz_loadu_ps(m, up.as_ptr().add(i));
                 // silu = gate·σ, then · up
-                _mm512_mask_storeu_ps(y.add(i), m, _mm512_mul_ps(_mm512_mul_ps(x, sigmoid(x)), u));
+                _mm512_mask_storeu_ps(yp.add(i), m, _mm512_mul_ps(_mm512_mul_ps(x, sigmoid(x)), u));
             }
         }
+        // SAFETY: the stores above cover 0..len: one for each 16 values,
+        // masked to those that remain at the end.
+        unsafe { assume_init_mut(y) }
     }
 
     /// gate, up, g: (n) -> dg, du: (n), every value written
-    pub fn swiglu_backward(
-        dg: &mut [MaybeUninit<f32>],
-        du: &mut [MaybeUninit<f32>],
+    pub fn swiglu_backward<'g, 'u>(
+        dg: &'g mut [MaybeUninit<f32>],
+        du: &'u mut [MaybeUninit<f32>],
         gate: &[f32],
         up: &[f32],
         g: &[f32],
-    ) {
+    ) -> (&'g mut [f32], &'u mut [f32]) {
         assert!(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("fma"));
         // SAFETY: the CPU has AVX-512F, AVX2 and FMA (checked above).
         unsafe { swiglu_backward_wide(dg, du, gate, up, g) }
     }
 
     #[target_feature(enable = "avx512f,avx2,fma")]
-    fn swiglu_backward_wide(
-        dg: &mut [MaybeUninit<f32>],
-        du: &mut [MaybeUninit<f32>],
+    fn swiglu_backward_wide<'g, 'u>(
+        dg: &'g mut [MaybeUninit<f32>],
+        du: &'u mut [MaybeUninit<f32>],
         gate: &[f32],
         up: &[f32],
         g: &[f32],
-    ) {
+    ) -> (&'g mut [f32], &'u mut [f32]) {
         let n = dg.len();
         assert!(du.len() == n && gate.len() == n && up.len() == n && g.len() == n);
-        let (dg, du) = (dg.as_mut_ptr().cast::<f32>(), du.as_mut_ptr().cast::<f32>());
+        let (dgp, dup) = (dg.as_mut_ptr().cast::<f32>(), du.as_mut_ptr().cast::<f32>());
         let one = _mm512_set1_ps(1.0);
         for i in (0..n).step_by(16) {
             let m = first_lanes(n - i);
@@ -441,12 +451,15 @@ mod avx512 {
                 let u = _mm512_maskz_loadu_ps(m, up.as_ptr().add(i));
                 let gv = _mm512_maskz_loadu_ps(m, g.as_ptr().add(i));
                 let s = sigmoid(x);
-                _mm512_mask_storeu_ps(du.add(i), m, _mm512_mul_ps(gv, _mm512_mul_ps(x, s)));
+                _mm512_mask_storeu_ps(dup.add(i), m, _mm512_mul_ps(gv, _mm512_mul_ps(x, s)));
                 // the product's gradient g·up, through silu's: σ·fma(x, 1 − σ, 1)
                 let ds = _mm512_mul_ps(s, _mm512_fmadd_ps(x, _mm512_sub_ps(one, s), one));
-                _mm512_mask_storeu_ps(dg.add(i), m, _mm512_mul_ps(_mm512_mul_ps(gv, u), ds));
+                _mm512_mask_storeu_ps(dgp.add(i), m, _mm512_mul_ps(_mm512_mul_ps(gv, u), ds));
             }
         }
+        // SAFETY: the stores above cover 0..n of both: one for each 16
+        // values, masked to those that remain at the end.
+        unsafe { (assume_init_mut(dg), assume_init_mut(du)) }
     }
 }
 
@@ -487,24 +500,30 @@ fn rope_t<T: Elem>(x: &[T], cos: &[T], sin: &[T], d: usize, rows: RopeRows) -> V
     }
     // each row's halves are written pair by pair: d is even, x whole rows
     assert!(d.is_multiple_of(2) && x.len().is_multiple_of(d));
-    let mut y = Vec::with_capacity(x.len());
     let per = per_thread(x.len() / d, d);
-    pool::each(y.spare_capacity_mut()[..x.len()].chunks_mut(per * d).enumerate(), |(b, y)| {
+    new_vec(x.len(), |y, written| {
+        written.add_all(pool::map(y.chunks_mut(per * d).enumerate(), |(b, y)| {
             let first = b * per;
             if rows.backward {
                 rope_backward_rows(y, x, cos, sin, first, d, rows)
             } else {
                 rope_rows(y, x, cos, sin, first, d, rows)
             }
-        });
-    // SAFETY: the row kernels write both halves of every row.
-    unsafe { y.set_len(x.len()) };
-    y
+        }));
+    })
 }
 
 simd::multiversion! {
     /// Output rows `first ..` (`d > 0`) from the rows of `x` they read.
-    fn rope_rows<T: Elem>(y: &mut [MaybeUninit<T>], x: &[T], cos: &[T], sin: &[T], first: usize, d: usize, rows: RopeRows) {
+    fn rope_rows<'y, T: Elem>(
+        y: &'y mut [MaybeUninit<T>],
+        x: &[T],
+        cos: &[T],
+        sin: &[T],
+        first: usize,
+        d: usize,
+        rows: RopeRows,
+    ) -> &'y mut [T] {
         assert!(d.is_multiple_of(2) && y.len().is_multiple_of(d));
         let h = d / 2;
         for (i, yr) in y.chunks_exact_mut(d).enumerate() {
@@ -528,21 +547,27 @@ simd::multiversion! {
                 o2.write(b.mul(c2).add(a.mul(s2)));
             }
         }
+        // SAFETY: `y` is whole rows (asserted above), and each row's loop
+        // writes both its halves in full: `y1`, `y2` and the halves of `x`,
+        // `cos` and `sin` it zips hold `h = d / 2` values each (the slices
+        // of `d` values above). (One loop writing both halves is the form
+        // that vectorises; `write_exact` would take a half at a time.)
+        unsafe { assume_init_mut(y) }
     }
 }
 
 simd::multiversion! {
     /// The backward of output rows `first ..` (`d > 0`) from the rows of the
     /// upstream gradient `g` they read.
-    fn rope_backward_rows<T: Elem>(
-        dx: &mut [MaybeUninit<T>],
+    fn rope_backward_rows<'o, T: Elem>(
+        dx: &'o mut [MaybeUninit<T>],
         g: &[T],
         cos: &[T],
         sin: &[T],
         first: usize,
         d: usize,
         rows: RopeRows,
-    ) {
+    ) -> &'o mut [T] {
         assert!(d.is_multiple_of(2) && dx.len().is_multiple_of(d));
         let h = d / 2;
         for (i, or) in dx.chunks_exact_mut(d).enumerate() {
@@ -568,6 +593,9 @@ simd::multiversion! {
                 o2.write(b.mul(c2).add(T::NEG_ZERO.sub(a.mul(s))).add(T::ZERO));
             }
         }
+        // SAFETY: as in `rope_rows`: whole rows, each loop over `h` values
+        // of both halves.
+        unsafe { assume_init_mut(dx) }
     }
 }
 

@@ -400,7 +400,8 @@ pub fn exp_lanes(x: [f32; LANES]) -> [f32; LANES] {
 unsafe fn exp_avx2(x: [f32; LANES]) -> [f32; LANES] {
     use std::arch::x86_64::*;
     let mut y = [0.0f32; LANES];
-    _mm256_storeu_ps(y.as_mut_ptr(), avx2::exp(_mm256_loadu_ps(x.as_ptr())));
+    // SAFETY: `x` and `y` hold LANES = 8 values each.
+    unsafe { _mm256_storeu_ps(y.as_mut_ptr(), avx2::exp(_mm256_loadu_ps(x.as_ptr()))) };
     y
 }
 
@@ -693,8 +694,10 @@ mod tests {
         // it, so its float work is ordered between the two loads.
         unsafe { std::arch::asm!("stmxcsr [{}]", in(reg) &mut old, options(nostack)) };
         let on = old | 0x8040;
+        // SAFETY: as above (FTZ = bit 15, DAZ = bit 6 of MXCSR, both valid to set).
         unsafe { std::arch::asm!("ldmxcsr [{}]", in(reg) &on, options(nostack)) };
         let r = f();
+        // SAFETY: as above; `old` is the MXCSR value stored at the start.
         unsafe { std::arch::asm!("ldmxcsr [{}]", in(reg) &old, options(nostack)) };
         r
     }

@@ -7,7 +7,7 @@ use super::{Causal, Halves, MatmulDims, MatmulOps};
 use crate::backend::pack::widen_bits;
 use crate::backend::cpu::simd::{self, Level};
 use crate::backend::cpu::pool;
-use crate::backend::cpu::{cpu_threads, CpuStorage, Elem};
+use crate::backend::cpu::{assume_init_mut, cpu_threads, new_vec, CpuStorage, Elem};
 use crate::backend::round::{self, Format};
 use crate::Result;
 use std::cell::RefCell;
@@ -200,7 +200,9 @@ unsafe fn gather_f32_avx2<const W: usize>(panel: &mut [f32], rows: &[&[f32]; W],
         }
     };
     let load = |r: usize, p: usize| {
-        let a = _mm256_loadu_ps(rows[r].as_ptr().add(p));
+        // SAFETY: transpose_rows loads terms p .. p + 8 only for p + 8 <= len,
+        // and every row holds `len` values (asserted above).
+        let a = unsafe { _mm256_loadu_ps(rows[r].as_ptr().add(p)) };
         if bf16 {
             round::bf16_lanes_avx2(a)
         } else {
@@ -215,7 +217,9 @@ unsafe fn gather_f32_avx2<const W: usize>(panel: &mut [f32], rows: &[&[f32]; W],
             v
         }
     };
-    transpose_rows::<W>(panel, len, prefetch, load, at);
+    // SAFETY: the CPU has AVX2 (this function's contract); `panel` holds
+    // `len · W` values, and `load` reads inside the rows for p + 8 <= len.
+    unsafe { transpose_rows::<W>(panel, len, prefetch, load, at) };
 }
 
 /// [`gather_f32_avx2`] of bf16 patterns, widened exactly (no rounding).
@@ -229,11 +233,14 @@ unsafe fn gather_bf16_avx2<const W: usize>(panel: &mut [f32], rows: &[&[u16]; W]
     let len = panel.len() / W;
     assert!(rows.iter().all(|r| r.len() >= len));
     let load = |r: usize, p: usize| {
-        let h = _mm_loadu_si128(rows[r].as_ptr().add(p) as *const __m128i);
+        // SAFETY: transpose_rows loads terms p .. p + 8 (16 bytes of halves)
+        // only for p + 8 <= len, and every row holds `len` (asserted above).
+        let h = unsafe { _mm_loadu_si128(rows[r].as_ptr().add(p) as *const __m128i) };
         _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
     };
     let at = |r: usize, p: usize| f32::from_bits((rows[r][p] as u32) << 16);
-    transpose_rows::<W>(panel, len, |_| {}, load, at);
+    // SAFETY: as in gather_f32_avx2.
+    unsafe { transpose_rows::<W>(panel, len, |_| {}, load, at) };
 }
 
 /// `panel[p · W + r] = row r's term p` for `p < len`, from `load(r, p)` (the
@@ -286,13 +293,18 @@ unsafe fn transpose_rows<const W: usize>(
                     } else {
                         (_mm256_extractf128_ps::<1>(head[i]), _mm256_extractf128_ps::<1>(tail[i]))
                     };
-                    let dst = out.add((base + i) * MR);
-                    _mm_storeu_ps(dst, h);
                     let t = _mm_castps_pd(t);
-                    if i % 2 == 0 {
-                        _mm_store_sd(dst.add(4) as *mut f64, t);
-                    } else {
-                        _mm_storeh_pd(dst.add(4) as *mut f64, t);
+                    // SAFETY: term base + i < p + 8 <= len, so its MR = 6
+                    // values (4 here, 2 after) lie inside the `len · W` of
+                    // `panel` (asserted above).
+                    unsafe {
+                        let dst = out.add((base + i) * MR);
+                        _mm_storeu_ps(dst, h);
+                        if i % 2 == 0 {
+                            _mm_store_sd(dst.add(4) as *mut f64, t);
+                        } else {
+                            _mm_storeh_pd(dst.add(4) as *mut f64, t);
+                        }
                     }
                 }
             }
@@ -310,7 +322,9 @@ unsafe fn transpose_rows<const W: usize>(
                     load(r + 7, p),
                 ];
                 for (q, c) in simd::transpose8(a).into_iter().enumerate() {
-                    _mm256_storeu_ps(out.add((p + q) * W + g * 8), c);
+                    // SAFETY: term p + q < len, and lanes g·8 .. g·8 + 8 of
+                    // its W lie inside `panel` (asserted above).
+                    unsafe { _mm256_storeu_ps(out.add((p + q) * W + g * 8), c) };
                 }
             }
         }
@@ -318,7 +332,8 @@ unsafe fn transpose_rows<const W: usize>(
     }
     for p in p..len {
         for r in 0..W {
-            *out.add(p * W + r) = at(r, p);
+            // SAFETY: p < len and r < W: inside `panel` (asserted above).
+            unsafe { *out.add(p * W + r) = at(r, p) };
         }
     }
 }
@@ -337,15 +352,22 @@ unsafe fn copy_runs_avx2(panels: &mut [f32], row: &[f32], kc: usize, p: usize, b
     assert!(runs == 0 || panels.len() >= ((runs - 1) * kc + p + 1) * MR);
     for i in 0..runs {
         // values 0..4 and 4..6 of the run (masked moves were slower)
-        let src = row.as_ptr().add(i * MR);
-        let (mut lo, mut hi) = (_mm_loadu_ps(src), _mm_castpd_ps(_mm_load_sd(src.add(4) as *const f64)));
+        // SAFETY: run i < runs = row.len() / MR lies inside `row`.
+        let (mut lo, mut hi) = unsafe {
+            let src = row.as_ptr().add(i * MR);
+            (_mm_loadu_ps(src), _mm_castpd_ps(_mm_load_sd(src.add(4) as *const f64)))
+        };
         if bf16 {
             let v = round::bf16_lanes_avx2(_mm256_set_m128(hi, lo));
             (lo, hi) = (_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
         }
-        let dst = panels.as_mut_ptr().add((i * kc + p) * MR);
-        _mm_storeu_ps(dst, lo);
-        _mm_store_sd(dst.add(4) as *mut f64, _mm_castps_pd(hi));
+        // SAFETY: panel row p of panel i (i < runs) lies inside `panels`
+        // (asserted above).
+        unsafe {
+            let dst = panels.as_mut_ptr().add((i * kc + p) * MR);
+            _mm_storeu_ps(dst, lo);
+            _mm_store_sd(dst.add(4) as *mut f64, _mm_castps_pd(hi));
+        }
     }
 }
 
@@ -604,22 +626,25 @@ unsafe fn micro_kernel<const NR: usize>(
         // the rows' pass below
         let bf16 = round == Some(Format::Bf16);
         let vector = match kernel {
-            // SAFETY: a level is only chosen where the CPU has its instructions
-            // (`simd::available`); the pointers are valid per this fn's contract,
-            // and each kernel is only used with its own width.
             Level::Avx2 if NR == 16 => {
-                micro_kernel_avx2(ap, bp, kc, c, ldc, first, ragged, bf16);
+                // SAFETY: a level is only chosen where the CPU has its
+                // instructions (`simd::available`); the pointers are valid per
+                // this fn's contract, and each kernel is only used with its
+                // own width.
+                unsafe { micro_kernel_avx2(ap, bp, kc, c, ldc, first, ragged, bf16) };
                 true
             }
             Level::Avx512 if NR == 32 => {
-                micro_kernel_avx512(ap, bp, kc, c, ldc, first, ragged, bf16);
+                // SAFETY: as above.
+                unsafe { micro_kernel_avx512(ap, bp, kc, c, ldc, first, ragged, bf16) };
                 true
             }
             _ => false,
         };
         if vector {
             if let Some(f) = round.filter(|_| !bf16) {
-                round_rows::<NR>(c, ldc, f);
+                // SAFETY: the tile's rows at `c`, valid per this fn's contract.
+                unsafe { round_rows::<NR>(c, ldc, f) };
             }
             return;
         }
@@ -627,7 +652,8 @@ unsafe fn micro_kernel<const NR: usize>(
     let mut acc = [[0.0f32; NR]; MR];
     if !first {
         for (r, row) in acc.iter_mut().enumerate() {
-            std::ptr::copy_nonoverlapping(c.add(r * ldc), row.as_mut_ptr(), NR);
+            // SAFETY: row r of the tile, valid for reads unless `first`.
+            unsafe { std::ptr::copy_nonoverlapping(c.add(r * ldc), row.as_mut_ptr(), NR) };
         }
     }
     for p in 0..kc {
@@ -635,17 +661,21 @@ unsafe fn micro_kernel<const NR: usize>(
             if !ragged.keeps(r, p, kc) {
                 continue;
             }
-            let a = *ap.add(p * MR + r);
+            // SAFETY: p < kc and r < MR: inside the `kc · MR` values of `ap`.
+            let a = unsafe { *ap.add(p * MR + r) };
             for (j, v) in row.iter_mut().enumerate() {
-                *v = a.mul_add(*bp.add(p * NR + j), *v);
+                // SAFETY: p < kc and j < NR: inside the `kc · NR` values of `bp`.
+                *v = a.mul_add(unsafe { *bp.add(p * NR + j) }, *v);
             }
         }
     }
     for (r, row) in acc.iter().enumerate() {
-        std::ptr::copy_nonoverlapping(row.as_ptr(), c.add(r * ldc), NR);
+        // SAFETY: row r of the tile, valid for writes.
+        unsafe { std::ptr::copy_nonoverlapping(row.as_ptr(), c.add(r * ldc), NR) };
     }
     if let Some(f) = round {
-        round_rows::<NR>(c, ldc, f);
+        // SAFETY: the tile's rows at `c`, just written.
+        unsafe { round_rows::<NR>(c, ldc, f) };
     }
 }
 
@@ -656,7 +686,9 @@ unsafe fn micro_kernel<const NR: usize>(
 #[inline(always)]
 unsafe fn round_rows<const NR: usize>(c: *mut f32, ldc: usize, f: Format) {
     for r in 0..MR {
-        round::round_slice(std::slice::from_raw_parts_mut(c.add(r * ldc), NR), f);
+        // SAFETY: row r's `NR` values, valid for reads and writes (the
+        // caller's promise), and no other reference to them is in use.
+        round::round_slice(unsafe { std::slice::from_raw_parts_mut(c.add(r * ldc), NR) }, f);
     }
 }
 
@@ -686,8 +718,12 @@ macro_rules! vector_kernel {
             let mut acc: [[$v; 2]; MR] = [[$zero(); 2]; MR];
             if !first {
                 for (r, row) in acc.iter_mut().enumerate() {
-                    row[0] = $load(c.add(r * ldc));
-                    row[1] = $load(c.add(r * ldc + $w));
+                    // SAFETY: row r's NR = 2·$w values, valid for reads
+                    // unless `first` (the caller's promise).
+                    unsafe {
+                        row[0] = $load(c.add(r * ldc));
+                        row[1] = $load(c.add(r * ldc + $w));
+                    }
                 }
             }
             // The next tile down (the caller's next call) starts by loading its C rows,
@@ -700,11 +736,12 @@ macro_rules! vector_kernel {
             // One k-step: B's row p against the 6 rows' values of A at p, for
             // the rows `keep` admits (constant masks: the tests fold away).
             let step = |acc: &mut [[$v; 2]; MR], p: usize, keep: [bool; MR]| {
-                let b0 = $load(bp.add(p * NR));
-                let b1 = $load(bp.add(p * NR + $w));
+                // SAFETY: p < kc: row p of B's panel, inside its `kc · NR` values.
+                let (b0, b1) = unsafe { ($load(bp.add(p * NR)), $load(bp.add(p * NR + $w))) };
                 for (r, row) in acc.iter_mut().enumerate() {
                     if keep[r] {
-                        let a = $set1(*ap.add(p * MR + r));
+                        // SAFETY: p < kc and r < MR: inside A's `kc · MR` values.
+                        let a = $set1(unsafe { *ap.add(p * MR + r) });
                         row[0] = $fmadd(a, b0, row[0]);
                         row[1] = $fmadd(a, b1, row[1]);
                     }
@@ -745,8 +782,11 @@ macro_rules! vector_kernel {
                 }
             }
             for (r, row) in acc.iter().enumerate() {
-                $store(c.add(r * ldc), row[0]);
-                $store(c.add(r * ldc + $w), row[1]);
+                // SAFETY: row r's NR values, valid for writes (the caller's promise).
+                unsafe {
+                    $store(c.add(r * ldc), row[0]);
+                    $store(c.add(r * ldc + $w), row[1]);
+                }
             }
         }
     };
@@ -983,6 +1023,14 @@ simd::multiversion! {
 /// parts would cost a noticeable share of so little work.
 const THREADED_MACS: usize = 1 << 21;
 
+/// `f` as the writer of a part of a product: `f(batch entry, first row, out)`
+/// hands `out` back written (the bound names the lifetime that a closure's
+/// own signature cannot).
+#[inline(always)]
+fn part_writer<F: for<'c> Fn(usize, usize, &'c mut [MaybeUninit<f32>]) -> &'c mut [f32]>(f: F) -> F {
+    f
+}
+
 /// The product on the CPU's widest tile.
 fn matmul_f32(a: Src, b: Src, d: MatmulDims, round: Option<Format>, addend: Option<&[f32]>) -> Vec<f32> {
     matmul_f32_on(simd::level(), a, b, d, round, cpu_threads(), Around { ld: [None; 2], addend })
@@ -1051,15 +1099,13 @@ simd::multiversion! {
             // empty sums are +0
             return addend.map_or_else(|| vec![0.0f32; len], |e| e.iter().map(|&e| e + 0.0).collect());
         }
-        // No zero fill: every element is written by its first k-block.
-        let mut out_vec = Vec::<f32>::with_capacity(len);
-        let out = &mut out_vec.spare_capacity_mut()[..len];
         let threads = if batch * m * n * k >= THREADED_MACS { threads } else { 1 };
         // Rows `[r0, r0 + rows)` of one batch entry, k-block by k-block: pack
         // the block of both operands (rounding each element once), then every
         // tile of C over it — the running sums stay in C between blocks, in
-        // the contract's order.
-        let one = |bi: usize, r0: usize, c: &mut [MaybeUninit<f32>]| {
+        // the contract's order. No zero fill: every element is written by its
+        // first k-block.
+        let one = part_writer(|bi, r0, c| {
             let rows = c.len() / n;
             let e = addend.map(|e| &e[bi * m * n + r0 * n..][..c.len()]);
             let (a, b) = (a.from(bi * d.a_batch_stride), b.from(bi * d.b_batch_stride));
@@ -1083,33 +1129,37 @@ simd::multiversion! {
                 kb += depth;
             }
             PACKED.with_borrow_mut(|p| *p = (ap_buf, bp_buf));
-        };
-        if threads > 1 && batch >= threads {
-            // Many small products (attention heads): split the batch.
-            let per = batch.div_ceil(threads);
-            pool::each(out.chunks_mut(per * m * n).enumerate(), |(t, chunk)| {
-                for (i, c) in chunk.chunks_mut(m * n).enumerate() {
-                    one(t * per + i, 0, c);
-                }
-            });
-        } else {
-            // Whole row panels per thread, each thread the whole product over
-            // its rows (its own packing of B: no wait between k-blocks).
-            // Each output's k-loop is untouched, so results do not depend on
-            // the thread count.
-            let rows_per_thread = m.div_ceil(MR).div_ceil(threads) * MR;
-            for (bi, c) in out.chunks_mut(m * n).enumerate() {
-                if threads == 1 {
-                    one(bi, 0, c);
-                } else {
-                    let panels = c.chunks_mut(rows_per_thread * n).enumerate();
-                    pool::each(panels, |(t, chunk)| one(bi, t * rows_per_thread, chunk));
+            // SAFETY: every tile of these rows was written by the first
+            // k-block that sums terms into it (which starts from +0 instead of
+            // reading C), or, where no block sums any, set to +0 by
+            // `zero_from` in the first block (`matmul_block`).
+            unsafe { assume_init_mut(c) }
+        });
+        new_vec(len, |out, written| {
+            if threads > 1 && batch >= threads {
+                // Many small products (attention heads): split the batch.
+                let per = batch.div_ceil(threads);
+                let parts = pool::map(out.chunks_mut(per * m * n).enumerate(), |(t, chunk)| {
+                    let entries = chunk.chunks_mut(m * n).enumerate();
+                    entries.map(|(i, c)| one(t * per + i, 0, c)).collect::<Vec<_>>()
+                });
+                written.add_all(parts.into_iter().flatten());
+            } else {
+                // Whole row panels per thread, each thread the whole product over
+                // its rows (its own packing of B: no wait between k-blocks).
+                // Each output's k-loop is untouched, so results do not depend on
+                // the thread count.
+                let rows_per_thread = m.div_ceil(MR).div_ceil(threads) * MR;
+                for (bi, c) in out.chunks_mut(m * n).enumerate() {
+                    if threads == 1 {
+                        written.add(one(bi, 0, c));
+                    } else {
+                        let panels = c.chunks_mut(rows_per_thread * n).enumerate();
+                        written.add_all(pool::map(panels, |(t, chunk)| one(bi, t * rows_per_thread, chunk)));
+                    }
                 }
             }
-        }
-        // SAFETY: every batch entry's rows were all written by their first k-block above.
-        unsafe { out_vec.set_len(len) };
-        out_vec
+        })
     }
 }
 

@@ -5,7 +5,7 @@
 
 use super::{pattern, widen_bits, PackOps};
 use crate::backend::cpu::pool;
-use crate::backend::cpu::{cpu_threads, simd, CpuStorage};
+use crate::backend::cpu::{assume_init_mut, cpu_threads, fill, new_vec, simd, write_exact, CpuStorage};
 use crate::backend::round::{bf16_f32, fp16_f32, round_f32, Format};
 use crate::Result;
 use std::mem::MaybeUninit;
@@ -23,88 +23,102 @@ impl PackOps for CpuStorage {
     fn pack(&self, fmt: Format) -> Result<(CpuStorage, Option<usize>)> {
         let x = self.f32s();
         let words = x.len().div_ceil(2);
-        // No zero fill: the pass writes every word (pairs, then an odd tail).
-        let mut w_vec = Vec::<f32>::with_capacity(words);
-        let w = &mut w_vec.spare_capacity_mut()[..words];
-        let kernel = match fmt {
+        let kernel: PackWords = match fmt {
             #[cfg(target_arch = "x86_64")]
             Format::Bf16 if simd::level() == simd::Level::Avx512 => avx512::pack_bf16,
             _ => pack_words,
         };
         let c = chunk_words(words);
-        let changed = if c >= words {
-            kernel(w, &x, fmt)
-        } else {
-            pool::map(w.chunks_mut(c).zip(x.chunks(2 * c)), |(w, x)| kernel(w, x, fmt))
-                .into_iter()
-                .sum()
-        };
-        // SAFETY: the kernel wrote all `words` words of every chunk.
-        unsafe { w_vec.set_len(words) };
-        Ok((CpuStorage::from_f32(w_vec), Some(changed)))
+        let mut changed = 0;
+        // No zero fill: the pass writes every word (pairs, then an odd tail).
+        let w = new_vec(words, |w, written| {
+            if c >= words {
+                let (w, n) = kernel(w, &x, fmt);
+                written.add(w);
+                changed = n;
+            } else {
+                for (w, n) in pool::map(w.chunks_mut(c).zip(x.chunks(2 * c)), |(w, x)| kernel(w, x, fmt)) {
+                    written.add(w);
+                    changed += n;
+                }
+            }
+        });
+        Ok((CpuStorage::from_f32(w), Some(changed)))
     }
 
     fn unpack(&self, fmt: Format, n: usize) -> Result<CpuStorage> {
         let w = self.f32s();
         // the words hold exactly n values, or some outputs would go unwritten
         assert_eq!(w.len(), n.div_ceil(2), "16-bit storage of {n} values");
-        // No zero fill: the pass writes every value (pairs, then an odd tail).
-        let mut y_vec = Vec::<f32>::with_capacity(n);
-        let y = &mut y_vec.spare_capacity_mut()[..n];
-        let kernel = match fmt {
+        let kernel: UnpackWords = match fmt {
             #[cfg(target_arch = "x86_64")]
             Format::Bf16 if simd::level() == simd::Level::Avx512 => avx512::unpack_bf16,
             _ => unpack_words,
         };
         let c = chunk_words(w.len());
-        if c >= w.len() {
-            kernel(y, &w, fmt);
-        } else {
-            pool::each(y.chunks_mut(2 * c).zip(w.chunks(c)), |(y, w)| kernel(y, w, fmt));
-        }
-        // SAFETY: the kernel wrote all `n` values of every chunk.
-        unsafe { y_vec.set_len(n) };
-        Ok(CpuStorage::from_f32(y_vec))
+        // No zero fill: the pass writes every value (pairs, then an odd tail).
+        let y = new_vec(n, |y, written| {
+            if c >= w.len() {
+                written.add(kernel(y, &w, fmt));
+            } else {
+                written.add_all(pool::map(y.chunks_mut(2 * c).zip(w.chunks(c)), |(y, w)| kernel(y, w, fmt)));
+            }
+        });
+        Ok(CpuStorage::from_f32(y))
     }
 }
 
+/// A pack pass over one chunk: `(words, values, format)`, the words handed
+/// back written with how many values rounding changed.
+type PackWords = for<'w> fn(&'w mut [MaybeUninit<f32>], &[f32], Format) -> (&'w mut [f32], usize);
+/// An unpack pass over one chunk: `(values, words, format)`, the values
+/// handed back written.
+type UnpackWords = for<'y> fn(&'y mut [MaybeUninit<f32>], &[f32], Format) -> &'y mut [f32];
+
 simd::multiversion! {
-    /// x: (n) -> w: (⌈n/2⌉), every word written; returns how many values
-    /// rounding changed (NaNs aside).
-    fn pack_words(w: &mut [MaybeUninit<f32>], x: &[f32], fmt: Format) -> usize {
+    /// x: (n) -> w: (⌈n/2⌉), every word written and handed back, with how
+    /// many values rounding changed (NaNs aside).
+    fn pack_words<'w>(w: &'w mut [MaybeUninit<f32>], x: &[f32], fmt: Format) -> (&'w mut [f32], usize) {
         let differs = |r: f32, v: f32| u32::from(r.to_bits() != v.to_bits() && !v.is_nan());
         let mut changed = 0u32;
         let pairs = x.len() / 2;
-        match fmt {
-            // branch-free, so the loop vectorises: the pattern is the top half
-            Format::Bf16 => {
-                for (w, p) in w.iter_mut().zip(x.chunks_exact(2)) {
-                    let (a, b) = (bf16_f32(p[0]), bf16_f32(p[1]));
-                    changed += differs(a, p[0]) + differs(b, p[1]);
-                    w.write(f32::from_bits((a.to_bits() >> 16) | (b.to_bits() & 0xffff_0000)));
-                }
+        let w = fill(w, |w, written| {
+            let (whole, tail) = w.split_at_mut(pairs);
+            let x2 = x.chunks_exact(2);
+            written.add(match fmt {
+                // branch-free, so the loop vectorises: the pattern is the top half
+                Format::Bf16 => write_exact(
+                    whole,
+                    x2.map(|p| {
+                        let (a, b) = (bf16_f32(p[0]), bf16_f32(p[1]));
+                        changed += differs(a, p[0]) + differs(b, p[1]);
+                        f32::from_bits((a.to_bits() >> 16) | (b.to_bits() & 0xffff_0000))
+                    }),
+                ),
+                Format::Fp16 => write_exact(
+                    whole,
+                    x2.map(|p| {
+                        let (a, b) = (fp16_f32(p[0]), fp16_f32(p[1]));
+                        changed += differs(a, p[0]) + differs(b, p[1]);
+                        f32::from_bits(pattern(a, fmt) | (pattern(b, fmt) << 16))
+                    }),
+                ),
+            });
+            if x.len() % 2 == 1 {
+                let v = x[x.len() - 1];
+                let r = round_f32(v, fmt);
+                changed += differs(r, v);
+                written.add(write_exact(tail, [f32::from_bits(pattern(r, fmt))]));
             }
-            Format::Fp16 => {
-                for (w, p) in w.iter_mut().zip(x.chunks_exact(2)) {
-                    let (a, b) = (fp16_f32(p[0]), fp16_f32(p[1]));
-                    changed += differs(a, p[0]) + differs(b, p[1]);
-                    w.write(f32::from_bits(pattern(a, fmt) | (pattern(b, fmt) << 16)));
-                }
-            }
-        }
-        if x.len() % 2 == 1 {
-            let v = x[x.len() - 1];
-            let r = round_f32(v, fmt);
-            changed += differs(r, v);
-            w[pairs].write(f32::from_bits(pattern(r, fmt)));
-        }
-        changed as usize
+        });
+        (w, changed as usize)
     }
 }
 
 simd::multiversion! {
-    /// w: (⌈n/2⌉) -> y: (n), every value written
-    fn unpack_words(y: &mut [MaybeUninit<f32>], w: &[f32], fmt: Format) {
+    /// w: (⌈n/2⌉) -> y: (n), every value written and handed back
+    fn unpack_words<'y>(y: &'y mut [MaybeUninit<f32>], w: &[f32], fmt: Format) -> &'y mut [f32] {
+        assert_eq!(w.len(), y.len().div_ceil(2), "a word for every two values");
         let pairs = y.len() / 2;
         match fmt {
             Format::Bf16 => {
@@ -125,6 +139,11 @@ simd::multiversion! {
         if y.len() % 2 == 1 {
             y[y.len() - 1].write(f32::from_bits(widen_bits(w[pairs].to_bits() & 0xffff, fmt)));
         }
+        // SAFETY: the loop wrote both values of each of the `pairs` pairs
+        // (there are as many words, asserted above), and the odd last value
+        // was written after it: every value of `y`. (Pairs written as arrays
+        // of two keep this loop as it vectorises.)
+        unsafe { assume_init_mut(y) }
     }
 }
 
@@ -136,19 +155,29 @@ simd::multiversion! {
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use super::{pack_words, unpack_words};
+    use crate::backend::cpu::{assume_init_mut, fill};
     use crate::backend::round::{bf16_lanes_avx512, Format};
     use std::arch::x86_64::*;
     use std::mem::MaybeUninit;
 
     /// [`pack_words`] for bf16 (`fmt` is bf16).
-    pub(super) fn pack_bf16(w: &mut [MaybeUninit<f32>], x: &[f32], fmt: Format) -> usize {
+    pub(super) fn pack_bf16<'w>(w: &'w mut [MaybeUninit<f32>], x: &[f32], fmt: Format) -> (&'w mut [f32], usize) {
         assert!(fmt == Format::Bf16 && is_x86_feature_detected!("avx512f"));
         assert_eq!(w.len(), x.len().div_ceil(2));
         let groups = x.len() / 16;
-        // SAFETY: the CPU has AVX-512F (checked above); `groups` groups of 16
-        // values fill the first `8 · groups` words.
-        let changed = unsafe { pack_groups(w[..8 * groups].as_mut_ptr().cast(), &x[..16 * groups]) };
-        changed + pack_words(&mut w[8 * groups..], &x[16 * groups..], fmt)
+        let mut changed = 0;
+        let w = fill(w, |w, written| {
+            let (head, rest) = w.split_at_mut(8 * groups);
+            // SAFETY: the CPU has AVX-512F (checked above); `groups` groups of
+            // 16 values fill the `8 · groups` words of `head`.
+            changed = unsafe { pack_groups(head.as_mut_ptr().cast(), &x[..16 * groups]) };
+            // SAFETY: pack_groups wrote every half of `head`'s words.
+            written.add(unsafe { assume_init_mut(head) });
+            let (rest, n) = pack_words(rest, &x[16 * groups..], fmt);
+            written.add(rest);
+            changed += n;
+        });
+        (w, changed)
     }
 
     /// `x`'s rounded patterns (whole groups of 16), in order, into the halves
@@ -173,23 +202,27 @@ mod avx512 {
     }
 
     /// [`unpack_words`] for bf16 (`fmt` is bf16).
-    pub(super) fn unpack_bf16(y: &mut [MaybeUninit<f32>], w: &[f32], fmt: Format) {
+    pub(super) fn unpack_bf16<'y>(y: &'y mut [MaybeUninit<f32>], w: &[f32], fmt: Format) -> &'y mut [f32] {
         assert!(fmt == Format::Bf16 && is_x86_feature_detected!("avx512f"));
         assert_eq!(w.len(), y.len().div_ceil(2));
         let groups = y.len() / 16;
-        // SAFETY: the CPU has AVX-512F (checked above); the first `8 · groups`
-        // words hold the groups' halves.
-        unsafe { unpack_groups(&mut y[..16 * groups], w[..8 * groups].as_ptr().cast()) };
-        unpack_words(&mut y[16 * groups..], &w[8 * groups..], fmt);
+        fill(y, |y, written| {
+            let (head, rest) = y.split_at_mut(16 * groups);
+            // SAFETY: the CPU has AVX-512F (checked above); the first `8 · groups`
+            // words hold the groups' halves.
+            written.add(unsafe { unpack_groups(head, w[..8 * groups].as_ptr().cast()) });
+            written.add(unpack_words(rest, &w[8 * groups..], fmt));
+        })
     }
 
     /// `y[i]` the float32 of half `i` at `h`, whole groups of 16 (every value
-    /// written).
+    /// written, `y` handed back).
     ///
     /// # Safety
     /// AVX-512F; `h` is valid for `y.len()` halves.
     #[target_feature(enable = "avx512f")]
-    unsafe fn unpack_groups(y: &mut [MaybeUninit<f32>], h: *const u16) {
+    unsafe fn unpack_groups(y: &mut [MaybeUninit<f32>], h: *const u16) -> &mut [f32] {
+        assert!(y.len().is_multiple_of(16), "whole groups of 16");
         for (i, g) in y.chunks_exact_mut(16).enumerate() {
             // SAFETY: `g` holds 16 values; `h` holds 16 halves per group.
             unsafe {
@@ -198,5 +231,8 @@ mod avx512 {
                 _mm512_storeu_ps(g.as_mut_ptr().cast(), _mm512_castsi512_ps(v));
             }
         }
+        // SAFETY: `y` is whole groups of 16 (asserted above), and the loop
+        // stored all 16 values of each.
+        unsafe { assume_init_mut(y) }
     }
 }

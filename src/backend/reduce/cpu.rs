@@ -3,8 +3,8 @@
 use super::{ReduceOp, ReduceOps, NORM_CHUNK};
 use crate::backend::cpu::pool;
 use crate::backend::cpu::{
-    assume_init_mut, both, both2, cpu_threads, fold_ragged, for_lanes_mut, maximum, simd,
-    write_exact, write_lanes, write_zeros, CpuStorage, Elem,
+    both, both2, cpu_threads, fill, fold_ragged, for_lanes_mut, maximum, new_vec, simd, write_exact,
+    write_lanes, write_zeros, CpuStorage, Elem,
 };
 use crate::backend::cpu::simd::LANES;
 use crate::Result;
@@ -98,27 +98,24 @@ simd::multiversion! {
 }
 
 /// The `(rows, n)` output of `f(first_row, rows, out)`, which writes every
-/// value of its rows' `out`: one block of whole rows per thread (from
-/// [`pool::SPLIT_VALUES`] values; each row is independent of the others, so
-/// the bits do not depend on the split), each written in place.
+/// value of its rows' `out` and hands it back: one block of whole rows per
+/// thread (from [`pool::SPLIT_VALUES`] values; each row is independent of the
+/// others, so the bits do not depend on the split), each written in place.
 fn by_row_blocks<T: Elem>(
     rows: usize,
     n: usize,
-    f: impl Fn(usize, usize, &mut [MaybeUninit<T>]) + Sync,
+    f: impl for<'o> Fn(usize, usize, &'o mut [MaybeUninit<T>]) -> &'o mut [T] + Sync,
 ) -> Vec<T> {
     let len = rows * n;
-    let mut out_vec = Vec::with_capacity(len);
-    let out = &mut out_vec.spare_capacity_mut()[..len];
     let threads = cpu_threads();
-    if len < pool::SPLIT_VALUES || rows < 2 || threads == 1 {
-        f(0, rows, out);
-    } else {
-        let per = rows.div_ceil(threads);
-        pool::each(out.chunks_mut(per * n).enumerate(), |(b, o)| f(b * per, o.len() / n, o));
-    }
-    // SAFETY: `f` wrote every value of each block.
-    unsafe { out_vec.set_len(len) };
-    out_vec
+    new_vec(len, |out, written| {
+        if len < pool::SPLIT_VALUES || rows < 2 || threads == 1 {
+            written.add(f(0, rows, out));
+        } else {
+            let per = rows.div_ceil(threads);
+            written.add_all(pool::map(out.chunks_mut(per * n).enumerate(), |(b, o)| f(b * per, o.len() / n, o)));
+        }
+    })
 }
 
 simd::multiversion! {
@@ -157,7 +154,14 @@ simd::multiversion! {
 
 /// The f32 softmax of rows `first_row ..` (`n` wide) into `out`: the
 /// AVX2 kernel where the CPU has it, else [`softmax_t`].
-fn softmax_f32(x: &[f32], first_row: usize, n: usize, scale: f32, causal: bool, out: &mut [MaybeUninit<f32>]) {
+fn softmax_f32<'o>(
+    x: &[f32],
+    first_row: usize,
+    n: usize,
+    scale: f32,
+    causal: bool,
+    out: &'o mut [MaybeUninit<f32>],
+) -> &'o mut [f32] {
     #[cfg(target_arch = "x86_64")]
     if simd::level() >= simd::Level::Avx2 {
         // SAFETY: the level is only Avx2 or above where the CPU has AVX2 and FMA.
@@ -171,15 +175,15 @@ fn softmax_f32(x: &[f32], first_row: usize, n: usize, scale: f32, causal: bool, 
 
 /// The f32 softmax backward of `rows` rows (`n` wide) into `out`: the AVX2
 /// kernel where the CPU has it, else [`softmax_backward_t`].
-fn softmax_backward_f32(
+fn softmax_backward_f32<'o>(
     y: &[f32],
     g: &[f32],
     rows: usize,
     n: usize,
     scale: f32,
     causal: bool,
-    out: &mut [MaybeUninit<f32>],
-) {
+    out: &'o mut [MaybeUninit<f32>],
+) -> &'o mut [f32] {
     #[cfg(target_arch = "x86_64")]
     if simd::level() >= simd::Level::Avx2 {
         // SAFETY: the level is only Avx2 or above where the CPU has AVX2 and FMA.
@@ -191,21 +195,13 @@ fn softmax_backward_f32(
 /// [`ReduceOps::softmax_rows`] of f32 rows on the calling thread, for a
 /// caller that runs one head per thread itself (attention).
 pub(crate) fn softmax_f32_one_thread(x: &[f32], n: usize, scale: f32, causal: bool) -> Vec<f32> {
-    let mut out = Vec::with_capacity(x.len());
-    softmax_f32(x, 0, n, scale, causal, &mut out.spare_capacity_mut()[..x.len()]);
-    // SAFETY: the softmax wrote every value.
-    unsafe { out.set_len(x.len()) };
-    out
+    new_vec(x.len(), |out, written| written.add(softmax_f32(x, 0, n, scale, causal, out)))
 }
 
 /// [`ReduceOps::softmax_rows_backward`] of f32 rows on the calling thread;
 /// `causal` as [`softmax_backward_t`] takes it.
 pub(crate) fn softmax_backward_f32_one_thread(y: &[f32], g: &[f32], n: usize, scale: f32, causal: bool) -> Vec<f32> {
-    let mut out = Vec::with_capacity(y.len());
-    softmax_backward_f32(y, g, y.len() / n, n, scale, causal, &mut out.spare_capacity_mut()[..y.len()]);
-    // SAFETY: the softmax backward wrote every value.
-    unsafe { out.set_len(y.len()) };
-    out
+    new_vec(y.len(), |out, written| written.add(softmax_backward_f32(y, g, y.len() / n, n, scale, causal, out)))
 }
 
 /// Values per row block of a softmax (64 KiB of f32 in, as much out).
@@ -268,15 +264,15 @@ simd::multiversion! {
     /// The softmax of the rows of `x` (`n` wide) into `out`, the same
     /// length; they are rows `first_row ..` of the whole (which places the
     /// causal mask), taken in blocks of about `block_elems` values.
-    fn softmax_t<T: Elem>(
+    fn softmax_t<'o, T: Elem>(
         x: &[T],
         first_row: usize,
         n: usize,
         scale: f32,
         causal: bool,
         block_elems: usize,
-        out: &mut [MaybeUninit<T>],
-    ) {
+        out: &'o mut [MaybeUninit<T>],
+    ) -> &'o mut [T] {
         assert_eq!(x.len(), out.len());
         let s = T::from_f64(scale as f64);
         let scaled = |v: T| if scale == 1.0 { v } else { v.mul(s) };
@@ -284,7 +280,7 @@ simd::multiversion! {
         // rest are −inf (`lim`).
         let lim = |r: usize| if causal { (first_row + r) % n + 1 } else { n };
         if n == 0 {
-            return;
+            return write_exact(out, []);
         }
         // Row sums are sequential folds (the contract's order), four rows at a
         // time; row maxima fold by lanes (`max_by_lanes`: the same outputs). The
@@ -306,48 +302,51 @@ simd::multiversion! {
         // the whole tensor through memory. Rows are independent, so the bits
         // are the same.
         let block = (block_elems / n).max(1);
-        for (b, (xb, ob)) in x.chunks(block * n).zip(out.chunks_mut(block * n)).enumerate() {
-            let r0 = b * block;
-            let unmasked: Vec<usize> = xb
-                .chunks_exact(n)
-                .enumerate()
-                .map(|(r, row)| live_len(&row[..lim(r0 + r)]))
-                .collect();
-            let maxes: Vec<T> = xb
-                .chunks_exact(n)
-                .zip(&unmasked)
-                .map(|(row, &l)| scaled(max_by_lanes(&row[..l])))
-                .collect();
-            let live: Vec<usize> = unmasked
-                .iter()
-                .zip(&maxes)
-                .map(|(&l, m)| if m.is_finite() { l } else { n })
-                .collect();
-            let rows_out = ob.chunks_exact_mut(n);
-            for (r, ((row, o), (&m, &l))) in xb.chunks_exact(n).zip(rows_out).zip(maxes.iter().zip(&live)).enumerate() {
-                // a non-finite max computes the whole row: the masked keys as −inf
-                let k = l.min(lim(r0 + r));
-                let (exps, rest) = o.split_at_mut(k);
-                // two loops, not a branch in one: each stays a vectorised exp
-                if scale == 1.0 {
-                    write_lanes(exps, &row[..k], |g| T::exp_lanes(g.map(|v| v.sub(m))));
-                } else {
-                    write_lanes(exps, &row[..k], |g| T::exp_lanes(g.map(|v| v.mul(s).sub(m))));
+        fill(out, |out, written| {
+            for (b, (xb, ob)) in x.chunks(block * n).zip(out.chunks_mut(block * n)).enumerate() {
+                let r0 = b * block;
+                let unmasked: Vec<usize> = xb
+                    .chunks_exact(n)
+                    .enumerate()
+                    .map(|(r, row)| live_len(&row[..lim(r0 + r)]))
+                    .collect();
+                let maxes: Vec<T> = xb
+                    .chunks_exact(n)
+                    .zip(&unmasked)
+                    .map(|(row, &l)| scaled(max_by_lanes(&row[..l])))
+                    .collect();
+                let live: Vec<usize> = unmasked
+                    .iter()
+                    .zip(&maxes)
+                    .map(|(&l, m)| if m.is_finite() { l } else { n })
+                    .collect();
+                let ob = fill(ob, |ob, rows_written| {
+                    let rows_out = ob.chunks_exact_mut(n);
+                    for (r, ((row, o), (&m, &l))) in xb.chunks_exact(n).zip(rows_out).zip(maxes.iter().zip(&live)).enumerate() {
+                        // a non-finite max computes the whole row: the masked keys as −inf
+                        let k = l.min(lim(r0 + r));
+                        let (exps, rest) = o.split_at_mut(k);
+                        // two loops, not a branch in one: each stays a vectorised exp
+                        rows_written.add(if scale == 1.0 {
+                            write_lanes(exps, &row[..k], |g| T::exp_lanes(g.map(|v| v.sub(m))))
+                        } else {
+                            write_lanes(exps, &row[..k], |g| T::exp_lanes(g.map(|v| v.mul(s).sub(m))))
+                        });
+                        let (masked, zeros) = rest.split_at_mut(l - k);
+                        if l > k {
+                            // a non-finite max: the masked keys' exp (not worked out for other rows)
+                            rows_written.add(write_exact(masked, std::iter::repeat_n(T::NEG_INF.sub(m).exp(), l - k)));
+                        }
+                        rows_written.add(write_zeros(zeros));
+                    }
+                });
+                let sums = fold_ragged(ob, n, &live, T::NEG_ZERO, |a, y| a.add(y));
+                for ((o, &s), &l) in ob.chunks_exact_mut(n).zip(&sums).zip(&live) {
+                    for_lanes_mut(&mut o[..l], |y| T::div_lanes(y, [s; LANES]));
                 }
-                let (masked, zeros) = rest.split_at_mut(l - k);
-                if l > k {
-                    // a non-finite max: the masked keys' exp (not worked out for other rows)
-                    write_exact(masked, std::iter::repeat_n(T::NEG_INF.sub(m).exp(), l - k));
-                }
-                write_zeros(zeros);
+                written.add(ob);
             }
-            // SAFETY: every row of the block was written in full just above.
-            let ob = unsafe { assume_init_mut(ob) };
-            let sums = fold_ragged(ob, n, &live, T::NEG_ZERO, |a, y| a.add(y));
-            for ((o, &s), &l) in ob.chunks_exact_mut(n).zip(&sums).zip(&live) {
-                for_lanes_mut(&mut o[..l], |y| T::div_lanes(y, [s; LANES]));
-            }
-        }
+        })
     }
 }
 
@@ -373,36 +372,38 @@ simd::multiversion! {
     /// −0 sum into +0, so one `+ 0` stands for all of them and the dot keeps
     /// its bits. The outputs above the diagonal, which the head's causal
     /// products never read, are written as +0.
-    fn softmax_backward_t<T: Elem>(
+    fn softmax_backward_t<'o, T: Elem>(
         y: &[T],
         g: &[T],
         rows: usize,
         n: usize,
         scale: f32,
         causal: bool,
-        out: &mut [MaybeUninit<T>],
-    ) {
+        out: &'o mut [MaybeUninit<T>],
+    ) -> &'o mut [T] {
         let s = T::from_f64(scale as f64);
         assert_eq!(out.len(), rows * n);
         if n == 0 {
-            return;
+            return write_exact(out, []);
         }
-        let rows_out = out.chunks_exact_mut(n);
-        for (r, ((yr, gr), o)) in y[..rows * n].chunks_exact(n).zip(g.chunks_exact(n)).zip(rows_out).enumerate() {
-            let live = backward_live(r, n, causal);
-            let (yr, gr) = (&yr[..live], &gr[..live]);
-            let mut dot = yr.iter().zip(gr).fold(T::NEG_ZERO, |a, (&yv, &gv)| gv.fma(yv, a));
-            if live < n {
-                dot = dot.add(T::ZERO);
+        fill(out, |out, written| {
+            let rows_out = out.chunks_exact_mut(n);
+            for (r, ((yr, gr), o)) in y[..rows * n].chunks_exact(n).zip(g.chunks_exact(n)).zip(rows_out).enumerate() {
+                let live = backward_live(r, n, causal);
+                let (yr, gr) = (&yr[..live], &gr[..live]);
+                let mut dot = yr.iter().zip(gr).fold(T::NEG_ZERO, |a, (&yv, &gv)| gv.fma(yv, a));
+                if live < n {
+                    dot = dot.add(T::ZERO);
+                }
+                let (o, masked) = o.split_at_mut(live);
+                written.add(if scale == 1.0 {
+                    write_exact(o, yr.iter().zip(gr).map(|(&yv, &gv)| yv.mul(gv.sub(dot))))
+                } else {
+                    write_exact(o, yr.iter().zip(gr).map(|(&yv, &gv)| yv.mul(gv.sub(dot)).mul(s)))
+                });
+                written.add(write_zeros(masked));
             }
-            let (o, masked) = o.split_at_mut(live);
-            if scale == 1.0 {
-                write_exact(o, yr.iter().zip(gr).map(|(&yv, &gv)| yv.mul(gv.sub(dot))));
-            } else {
-                write_exact(o, yr.iter().zip(gr).map(|(&yv, &gv)| yv.mul(gv.sub(dot)).mul(s)));
-            }
-            write_zeros(masked);
-        }
+        })
     }
 }
 
@@ -412,6 +413,7 @@ simd::multiversion! {
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::*;
+    use crate::backend::cpu::assume_init_mut;
     use crate::backend::cpu::simd::{first_lanes, row_sums_avx2, transpose8};
     use crate::backend::math::avx2::{div, exp};
     use std::arch::x86_64::*;
@@ -450,10 +452,11 @@ mod avx2 {
         v.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b))
     }
 
-    /// `out[i] = f(x[i])` a vector at a time; the ragged tail goes through
-    /// `f` padded with zeros (their results dropped).
+    /// `out[i] = f(x[i])` a vector at a time, `out` handed back written;
+    /// the ragged tail goes through `f` padded with zeros (their results
+    /// dropped).
     #[target_feature(enable = "avx2,fma")]
-    fn map_lanes(out: &mut [MaybeUninit<f32>], x: &[f32], f: impl Fn(__m256) -> __m256) {
+    fn map_lanes<'o>(out: &'o mut [MaybeUninit<f32>], x: &[f32], f: impl Fn(__m256) -> __m256) -> &'o mut [f32] {
         assert_eq!(out.len(), x.len());
         let mut groups = out.chunks_exact_mut(LANES);
         let mut inputs = x.chunks_exact(LANES);
@@ -469,6 +472,9 @@ mod avx2 {
             unsafe { _mm256_storeu_ps(v.as_mut_ptr(), f(_mm256_loadu_ps(v.as_ptr()))) };
             write_exact(tail, v);
         }
+        // SAFETY: the loop stored every whole group of LANES values and
+        // write_exact the tail after them, so every value of `out` is written.
+        unsafe { assume_init_mut(out) }
     }
 
     /// `x[i] = f(x[i])` in place, as [`map_lanes`].
@@ -497,65 +503,69 @@ mod avx2 {
     /// With `wide`, the CPU has AVX-512F.
     #[target_feature(enable = "avx2,fma")]
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn softmax_f32(
+    pub unsafe fn softmax_f32<'o>(
         x: &[f32],
         first_row: usize,
         n: usize,
         scale: f32,
         causal: bool,
         block_elems: usize,
-        out: &mut [MaybeUninit<f32>],
+        out: &'o mut [MaybeUninit<f32>],
         wide: bool,
-    ) {
+    ) -> &'o mut [f32] {
         assert_eq!(x.len(), out.len());
         if n == 0 {
-            return;
+            return write_exact(out, []);
         }
         let lim = |r: usize| if causal { (first_row + r) % n + 1 } else { n };
         let sv = _mm256_set1_ps(scale);
         let block = (block_elems / n).max(1);
-        for (b, (xb, ob)) in x.chunks(block * n).zip(out.chunks_mut(block * n)).enumerate() {
-            let r0 = b * block;
-            let mut live = Vec::with_capacity(xb.len() / n);
-            for (r, (row, o)) in xb.chunks_exact(n).zip(ob.chunks_exact_mut(n)).enumerate() {
-                let unmasked = live_len(&row[..lim(r0 + r)]);
-                // SAFETY: `wide` only where the CPU has AVX-512F (the caller's promise).
-                let m = if wide { unsafe { wide_row_max(&row[..unmasked]) } } else { row_max(&row[..unmasked]) };
-                let m = if scale == 1.0 { m } else { m * scale };
-                // a non-finite max computes the whole row: the masked keys as −inf
-                let l = if m.is_finite() { unmasked } else { n };
-                let k = l.min(lim(r0 + r));
-                let (exps, rest) = o.split_at_mut(k);
-                let mv = _mm256_set1_ps(m);
-                if wide {
-                    // SAFETY: `wide` only where the CPU has AVX-512F (the caller's promise).
-                    unsafe { wide_exps(exps, &row[..k], scale, m) };
-                } else if scale == 1.0 {
-                    map_lanes(exps, &row[..k], |v| exp(_mm256_sub_ps(v, mv)));
-                } else {
-                    map_lanes(exps, &row[..k], |v| exp(_mm256_sub_ps(_mm256_mul_ps(v, sv), mv)));
+        fill(out, |out, written| {
+            for (b, (xb, ob)) in x.chunks(block * n).zip(out.chunks_mut(block * n)).enumerate() {
+                let r0 = b * block;
+                let mut live = Vec::with_capacity(xb.len() / n);
+                let ob = fill(ob, |ob, rows_written| {
+                    for (r, (row, o)) in xb.chunks_exact(n).zip(ob.chunks_exact_mut(n)).enumerate() {
+                        let unmasked = live_len(&row[..lim(r0 + r)]);
+                        // SAFETY: `wide` only where the CPU has AVX-512F (the caller's promise).
+                        let m = if wide { unsafe { wide_row_max(&row[..unmasked]) } } else { row_max(&row[..unmasked]) };
+                        let m = if scale == 1.0 { m } else { m * scale };
+                        // a non-finite max computes the whole row: the masked keys as −inf
+                        let l = if m.is_finite() { unmasked } else { n };
+                        let k = l.min(lim(r0 + r));
+                        let (exps, rest) = o.split_at_mut(k);
+                        let mv = _mm256_set1_ps(m);
+                        rows_written.add(if wide {
+                            // SAFETY: `wide` only where the CPU has AVX-512F (the caller's promise).
+                            unsafe { wide_exps(exps, &row[..k], scale, m) }
+                        } else if scale == 1.0 {
+                            map_lanes(exps, &row[..k], |v| exp(_mm256_sub_ps(v, mv)))
+                        } else {
+                            map_lanes(exps, &row[..k], |v| exp(_mm256_sub_ps(_mm256_mul_ps(v, sv), mv)))
+                        });
+                        let (masked, zeros) = rest.split_at_mut(l - k);
+                        if l > k {
+                            // a non-finite max: the masked keys' exp (not worked out for other rows)
+                            let e = crate::backend::math::exp(f32::NEG_INFINITY - m);
+                            rows_written.add(write_exact(masked, std::iter::repeat_n(e, l - k)));
+                        }
+                        rows_written.add(write_zeros(zeros));
+                        live.push(l);
+                    }
+                });
+                let sums = row_sums_avx2::<false>(ob, n, &live);
+                for ((o, &s), &l) in ob.chunks_exact_mut(n).zip(&sums).zip(&live) {
+                    if wide {
+                        // SAFETY: as above.
+                        unsafe { wide_divs(&mut o[..l], s) };
+                    } else {
+                        let sv = _mm256_set1_ps(s);
+                        map_lanes_mut(&mut o[..l], |y| div(y, sv));
+                    }
                 }
-                let (masked, zeros) = rest.split_at_mut(l - k);
-                if l > k {
-                    // a non-finite max: the masked keys' exp (not worked out for other rows)
-                    write_exact(masked, std::iter::repeat_n(crate::backend::math::exp(f32::NEG_INFINITY - m), l - k));
-                }
-                write_zeros(zeros);
-                live.push(l);
+                written.add(ob);
             }
-            // SAFETY: every row of the block was written in full just above.
-            let ob = unsafe { assume_init_mut(ob) };
-            let sums = row_sums_avx2::<false>(ob, n, &live);
-            for ((o, &s), &l) in ob.chunks_exact_mut(n).zip(&sums).zip(&live) {
-                if wide {
-                    // SAFETY: as above.
-                    unsafe { wide_divs(&mut o[..l], s) };
-                } else {
-                    let sv = _mm256_set1_ps(s);
-                    map_lanes_mut(&mut o[..l], |y| div(y, sv));
-                }
-            }
-        }
+        })
     }
 
     /// [`row_max`] on 16 lanes, the ragged end masked (−inf past it).
@@ -585,9 +595,10 @@ mod avx2 {
     }
 
     /// The exp pass of [`softmax_f32`] on 16 lanes: `out[i] = exp(x[i] − m)`,
-    /// or `exp(x[i] · scale − m)`; the ragged end's lanes masked.
+    /// or `exp(x[i] · scale − m)`, `out` handed back written; the ragged
+    /// end's lanes masked.
     #[target_feature(enable = "avx512f,avx2,fma")]
-    fn wide_exps(out: &mut [MaybeUninit<f32>], x: &[f32], scale: f32, m: f32) {
+    fn wide_exps<'o>(out: &'o mut [MaybeUninit<f32>], x: &[f32], scale: f32, m: f32) -> &'o mut [f32] {
         use crate::backend::math::avx512;
         assert_eq!(out.len(), x.len());
         let (sv, mv) = (_mm512_set1_ps(scale), _mm512_set1_ps(m));
@@ -601,6 +612,9 @@ mod avx2 {
             // SAFETY: the mask's lanes lie inside `x` and `out` (equal lengths).
             unsafe { _mm512_mask_storeu_ps(o.add(i), k, f(_mm512_maskz_loadu_ps(k, x.as_ptr().add(i)))) };
         }
+        // SAFETY: the stores above cover 0..len: one for each 16 values,
+        // masked to those that remain at the end.
+        unsafe { assume_init_mut(out) }
     }
 
     /// The division pass of [`softmax_f32`] on 16 lanes: `x[i] = x[i] / s`;
@@ -625,19 +639,19 @@ mod avx2 {
     /// end where the last of them stops; the masked terms it takes for the
     /// others are the +0 products the full row would add.
     #[target_feature(enable = "avx2,fma")]
-    pub fn softmax_backward_f32(
+    pub fn softmax_backward_f32<'o>(
         y: &[f32],
         g: &[f32],
         rows: usize,
         n: usize,
         scale: f32,
         causal: bool,
-        out: &mut [MaybeUninit<f32>],
-    ) {
+        out: &'o mut [MaybeUninit<f32>],
+    ) -> &'o mut [f32] {
         assert_eq!(out.len(), rows * n);
         assert!(y.len() >= rows * n && g.len() >= rows * n);
         if n == 0 {
-            return;
+            return write_exact(out, []);
         }
         let live = |r: usize| backward_live(r, n, causal);
         // row r's terms [from, live) after `a`, then its masked ones (+ 0)
@@ -657,9 +671,11 @@ mod avx2 {
             let mut acc = _mm256_set1_ps(-0.0);
             let mut j = 0;
             while j + LANES <= last {
-                // SAFETY: rows r0 .. r0 + 8 hold the values j .. j + 8 (asserted above).
                 let load = |x: &[f32]| {
-                    transpose8(std::array::from_fn(|i| unsafe { _mm256_loadu_ps(x.as_ptr().add((r0 + i) * n + j)) }))
+                    transpose8(std::array::from_fn(|i| {
+                        // SAFETY: rows r0 .. r0 + 8 hold the values j .. j + 8 (asserted above).
+                        unsafe { _mm256_loadu_ps(x.as_ptr().add((r0 + i) * n + j)) }
+                    }))
                 };
                 let (yc, gc) = (load(y), load(g));
                 for q in 0..LANES {
@@ -678,28 +694,30 @@ mod avx2 {
             *d = chain(r, 0, -0.0);
         }
         let s = scale;
-        let rows_out = y.chunks_exact(n).zip(g.chunks_exact(n)).zip(out.chunks_exact_mut(n)).zip(&dots);
-        for (r, (((yr, gr), o), &dot)) in rows_out.enumerate() {
-            let l = live(r);
-            let (yr, gr) = (&yr[..l], &gr[..l]);
-            let (o, masked) = o.split_at_mut(l);
-            if scale == 1.0 {
-                write_exact(o, yr.iter().zip(gr).map(|(&yv, &gv)| yv * (gv - dot)));
-            } else {
-                write_exact(o, yr.iter().zip(gr).map(|(&yv, &gv)| yv * (gv - dot) * s));
+        fill(out, |out, written| {
+            let rows_out = y.chunks_exact(n).zip(g.chunks_exact(n)).zip(out.chunks_exact_mut(n)).zip(&dots);
+            for (r, (((yr, gr), o), &dot)) in rows_out.enumerate() {
+                let l = live(r);
+                let (yr, gr) = (&yr[..l], &gr[..l]);
+                let (o, masked) = o.split_at_mut(l);
+                written.add(if scale == 1.0 {
+                    write_exact(o, yr.iter().zip(gr).map(|(&yv, &gv)| yv * (gv - dot)))
+                } else {
+                    write_exact(o, yr.iter().zip(gr).map(|(&yv, &gv)| yv * (gv - dot) * s))
+                });
+                written.add(write_zeros(masked));
             }
-            write_zeros(masked);
-        }
+        })
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use crate::backend::cpu::set_cpu_threads;
+    use crate::backend::cpu::{new_vec, set_cpu_threads};
     use crate::backend::{Device, Storage};
     use std::mem::MaybeUninit;
 
-    type SoftmaxF32 = fn(&[f32], usize, usize, f32, bool, usize, &mut [MaybeUninit<f32>]);
+    type SoftmaxF32 = for<'o> fn(&[f32], usize, usize, f32, bool, usize, &'o mut [MaybeUninit<f32>]) -> &'o mut [f32];
 
     /// The chunked sums of squares — eight chunks side by side, buffers cut
     /// into parts for the threads — against each chunk folded alone, bit for
@@ -733,7 +751,8 @@ mod tests {
         }
         set_cpu_threads(None);
     }
-    type SoftmaxBackwardF32 = fn(&[f32], &[f32], usize, usize, f32, bool, &mut [MaybeUninit<f32>]);
+    type SoftmaxBackwardF32 =
+        for<'o> fn(&[f32], &[f32], usize, usize, f32, bool, &'o mut [MaybeUninit<f32>]) -> &'o mut [f32];
 
     /// Every f32 softmax this CPU can run: the generic loops, and the AVX2
     /// kernel where the CPU has it (the dispatch prefers it for f32).
@@ -816,18 +835,12 @@ mod tests {
                 v.into_iter().map(|b| if f32::from_bits(b).is_nan() { 0x7fc0_0000 } else { b }).collect()
             };
             for (name, softmax) in f32_softmaxes() {
-                let mut y = vec![MaybeUninit::<f32>::uninit(); rows * n];
-                softmax(&x, 0, n, scale, causal, super::SOFTMAX_BLOCK_ELEMS, &mut y);
-                // SAFETY: the kernels write every value (write_exact checks each run).
-                let y = unsafe { super::assume_init_mut(&mut y) };
+                let y = new_vec(rows * n, |o, w| w.add(softmax(&x, 0, n, scale, causal, super::SOFTMAX_BLOCK_ELEMS, o)));
                 let at = format!("{name}, scale {scale} causal {causal}");
-                assert!(canon(bits(y)) == canon(bits(&want_y)), "forward, {at}");
+                assert!(canon(bits(&y)) == canon(bits(&want_y)), "forward, {at}");
                 for (back, backward) in f32_softmax_backwards() {
-                    let mut dx = vec![MaybeUninit::<f32>::uninit(); rows * n];
-                    backward(y, &g, rows, n, scale, false, &mut dx);
-                    // SAFETY: as above.
-                    let dx = unsafe { super::assume_init_mut(&mut dx) };
-                    assert!(canon(bits(dx)) == canon(bits(&want_dx)), "backward {back}, {at}");
+                    let dx = new_vec(rows * n, |o, w| w.add(backward(&y, &g, rows, n, scale, false, o)));
+                    assert!(canon(bits(&dx)) == canon(bits(&want_dx)), "backward {back}, {at}");
                 }
             }
         }
@@ -876,17 +889,9 @@ mod tests {
             let canon = |v: &[f32]| -> Vec<u32> {
                 v.iter().map(|v| if v.is_nan() { 0x7fc0_0000 } else { v.to_bits() }).collect()
             };
-            let mut y = vec![MaybeUninit::<f32>::uninit(); rows * n];
-            super::softmax_t(&x, 0, n, 0.125, true, super::SOFTMAX_BLOCK_ELEMS, &mut y);
-            // SAFETY: the softmax writes every value.
-            let y = unsafe { super::assume_init_mut(&mut y) };
+            let y = new_vec(rows * n, |o, w| w.add(super::softmax_t(&x, 0, n, 0.125, true, super::SOFTMAX_BLOCK_ELEMS, o)));
             for (name, backward) in f32_softmax_backwards() {
-                let run = |causal: bool| {
-                    let mut dx = vec![MaybeUninit::<f32>::uninit(); rows * n];
-                    backward(y, &g, rows, n, 0.125, causal, &mut dx);
-                    // SAFETY: the kernels write every value.
-                    canon(unsafe { super::assume_init_mut(&mut dx) })
-                };
+                let run = |causal: bool| canon(&new_vec(rows * n, |o, w| w.add(backward(&y, &g, rows, n, 0.125, causal, o))));
                 let (full, stopped) = (run(false), run(true));
                 for r in 0..rows {
                     let (keep, row) = (r % n + 1, r * n);
@@ -916,10 +921,7 @@ mod tests {
         x[700 * n..701 * n].fill(f32::NEG_INFINITY);
         for (name, softmax) in f32_softmaxes() {
             let soft = |first_row, scale, causal, block| -> Vec<u32> {
-                let mut y = vec![MaybeUninit::<f32>::uninit(); rows * n];
-                softmax(&x, first_row, n, scale, causal, block, &mut y);
-                // SAFETY: the kernels write every value (write_exact checks each run).
-                let y = unsafe { super::assume_init_mut(&mut y) };
+                let y = new_vec(rows * n, |o, w| w.add(softmax(&x, first_row, n, scale, causal, block, o)));
                 y.iter().map(|v| v.to_bits()).collect()
             };
             for (first_row, scale, causal) in [(0, 0.125, true), (17, 1.0, true), (0, 0.5, false)] {
