@@ -3146,3 +3146,52 @@ fn a_cpu_job_waits_for_its_tasks_even_when_one_panics() {
         assert_eq!(running.load(Ordering::SeqCst), 1);
     }
 }
+
+/// `TINYLLM_PIPELINE_CACHE=DIR` keeps the driver's compiled pipelines in one
+/// file per adapter in DIR (on Vulkan, which offers it), replaced atomically:
+/// a link planted at that name is replaced, never written through.
+#[test]
+fn the_pipeline_cache_is_one_file_in_the_directory_named() {
+    if !tinyllm::testing::gpu_available() || std::env::var("WGPU_BACKEND").is_ok_and(|b| b == "gl")
+    {
+        return;
+    }
+    let out = tmpdir("pipeline-cache");
+    let (ok, _, err) = run_bin(&strs(&train_args(&out.join("run"), 1)), &[]);
+    assert!(ok, "{err}");
+    let cache = out.join("cache");
+    std::fs::create_dir_all(&cache).unwrap();
+    let generate = || {
+        let o = Command::new(BIN)
+            .args(["generate", "--device", "gpu", "--len", "4", "--checkpoint"])
+            .arg(out.join("run"))
+            .env("TINYLLM_PIPELINE_CACHE", &cache)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    };
+    generate();
+    let files: Vec<_> = std::fs::read_dir(&cache)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(files.len(), 1, "{files:?}");
+    let file = &files[0];
+    assert!(file
+        .file_name()
+        .unwrap()
+        .to_string_lossy()
+        .starts_with("wgpu_pipeline_cache_vulkan"));
+    assert!(std::fs::symlink_metadata(file).unwrap().is_file());
+    // A link where the file goes: replaced, its target untouched.
+    let victim = out.join("victim");
+    std::fs::write(&victim, b"keep").unwrap();
+    std::fs::remove_file(file).unwrap();
+    std::os::unix::fs::symlink(&victim, file).unwrap();
+    generate();
+    assert_eq!(std::fs::read(&victim).unwrap(), b"keep");
+    assert!(std::fs::symlink_metadata(file).unwrap().is_file());
+    let _ = std::fs::remove_dir_all(&out);
+}

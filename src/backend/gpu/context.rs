@@ -49,6 +49,8 @@ pub struct Context {
     pipelines: Mutex<HashMap<Kernel, wgpu::ComputePipeline>>,
     modules: Mutex<HashMap<&'static str, wgpu::ShaderModule>>,
     pub(super) pool: Mutex<super::buffers::Pool>,
+    /// The compiled pipelines on disk, where asked for (see [`cache`](super::cache)).
+    disk_cache: Option<super::cache::DiskCache>,
     /// The first device error seen (validation, out of memory, device lost).
     error: Arc<Mutex<Option<String>>>,
 }
@@ -275,6 +277,7 @@ impl Context {
             Ok("wgsl") => (Shaders::Wgsl { why: "TINYLLM_GPU_SHADERS=wgsl" }, wgpu::Features::empty()),
             _ => choose_shaders(&adapter),
         };
+        let features = features | super::cache::feature(&adapter);
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("tinyllm"),
             required_features: features,
@@ -319,6 +322,7 @@ impl Context {
                 info.name
             ));
         }
+        let disk_cache = super::cache::DiskCache::open(&device, &info);
         Ok(Context {
             optim_per_lane: optim_per_lane(&info),
             shaders,
@@ -333,6 +337,7 @@ impl Context {
             pipelines: Mutex::new(HashMap::new()),
             modules: Mutex::new(HashMap::new()),
             pool: Mutex::new(super::buffers::Pool::default()),
+            disk_cache,
             error,
         })
     }
@@ -396,7 +401,7 @@ impl Context {
                     constants: &k.constants(),
                     ..Default::default()
                 },
-                cache: None,
+                cache: self.disk_cache.as_ref().map(|c| c.for_new_pipeline()),
             });
         if let Some(e) = pollster::block_on(scope.pop()) {
             return Err(Error::device(format!(
@@ -461,7 +466,7 @@ impl Context {
             module: &module,
             entry_point: Some(k.entry),
             compilation_options: wgpu::PipelineCompilationOptions::default(),
-            cache: None,
+            cache: self.disk_cache.as_ref().map(|c| c.for_new_pipeline()),
         }))
     }
 
@@ -659,6 +664,10 @@ impl Context {
             return Ok(vec![Vec::new(); parts.len()]);
         }
         crate::profile::note_gpu(crate::profile::GpuEvent::Readback);
+        // A readback ends a step's first use of its kernels: keep them.
+        if let Some(c) = &self.disk_cache {
+            c.save_if_dirty();
+        }
         let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("readback"),
             size,

@@ -21,6 +21,7 @@ pub mod arith;
 pub mod context;
 pub mod pipelines;
 pub mod buffers;
+pub mod cache;
 pub mod probe;
 pub mod spirv;
 
