@@ -1,7 +1,7 @@
 //! A model and its optimizer as plain host values, so training can move to
 //! another thread and back.
 //!
-//! A [`Tensor`](crate::Tensor), and so a [`Llama`], is not `Send`: its
+//! A [`Tensor`], and so a [`Llama`], is not `Send`: its
 //! storage, gradient and graph node sit behind reference counts and cells
 //! that one thread owns, and autocast and grad mode are per thread. Making
 //! every tensor `Send` would put an atomic count and a lock on every access
