@@ -66,6 +66,7 @@ fn unary_elem(x: f32, op: u32, c: f32, fmt: u32) -> f32 {
         case U_DIV_SCALAR: { return m_div(x, c); }
         case U_SCALAR_DIV: { return m_div(c, x); }
         case U_ROUND: { return round_fmt(x, fmt); }
+        case U_ROUND_FP8: { return round_fp8(x, fmt); }
         default: { return bitcast<f32>(QNAN); }
     }
 }

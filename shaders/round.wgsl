@@ -97,3 +97,66 @@ fn widen_bits(h: u32, fmt: u32) -> u32 {
     let p = firstLeadingBit(m);
     return sign | ((p + 103u) << 23u) | ((m << (23u - p)) & 0x007fffffu);
 }
+
+// ---- fp8: the twin of round/mod.rs's e4m3_f32, e5m2_f32 (integer steps only).
+// FP8_E4M3, FP8_E5M2: generated from round::Fp8::code (the prelude).
+
+// |x|'s bits `a` (not NaN) rounded to nearest even with `m` mantissa bits and
+// normals from 2^emin; no overflow handling.
+fn fp8_magnitude(a: u32, m: u32, emin: i32) -> u32 {
+    let e = i32(a >> 23u) - 127;
+    if e >= emin {
+        let s = 23u - m;
+        let lsb = (a >> s) & 1u;
+        return (a + ((1u << (s - 1u)) - 1u + lsb)) & ~((1u << s) - 1u);
+    }
+    if a < 0x00800000u {
+        return 0u;
+    }
+    let mant = (a & 0x007fffffu) | 0x00800000u;
+    let s = u32(emin - e) + (23u - m);
+    if s >= 25u {
+        return 0u;
+    }
+    let lsb = (mant >> s) & 1u;
+    let n = (mant + (1u << (s - 1u)) - 1u + lsb) >> s;
+    if n == 0u {
+        return 0u;
+    }
+    let p = firstLeadingBit(n);
+    let ex = u32(emin - i32(m) + i32(p) + 127);
+    return (ex << 23u) | ((n << (23u - p)) & 0x007fffffu);
+}
+
+// f32 -> nearest E4M3 value; past ±448 (±inf too) saturates; NaN stays NaN.
+fn e4m3_f32(x: f32) -> f32 {
+    let b = bitcast<u32>(x);
+    let sign = b & 0x80000000u;
+    let a = b & 0x7fffffffu;
+    if a > 0x7f800000u {
+        return bitcast<f32>(b | 0x00400000u);
+    }
+    return bitcast<f32>(sign | min(fp8_magnitude(a, 3u, -6), 0x43e00000u));
+}
+
+// f32 -> nearest E5M2 value; from 61440 on ±inf; NaN stays NaN.
+fn e5m2_f32(x: f32) -> f32 {
+    let b = bitcast<u32>(x);
+    let sign = b & 0x80000000u;
+    let a = b & 0x7fffffffu;
+    if a > 0x7f800000u {
+        return bitcast<f32>(b | 0x00400000u);
+    }
+    var r = fp8_magnitude(a, 2u, -14);
+    if r >= 0x47800000u {
+        r = 0x7f800000u;
+    }
+    return bitcast<f32>(sign | r);
+}
+
+fn round_fp8(x: f32, f: u32) -> f32 {
+    if f == FP8_E4M3 {
+        return e4m3_f32(x);
+    }
+    return e5m2_f32(x);
+}

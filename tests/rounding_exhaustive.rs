@@ -12,7 +12,9 @@
 //! exhaustive sweeps take a few seconds each there.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use tinyllm::backend::round::{bf16_f32, fp16_f32, round_f32, round_f64, Format};
+use tinyllm::backend::round::{
+    bf16_f32, e4m3_f32, e5m2_f32, fp16_f32, fp8_f32, fp8_f64, round_f32, round_f64, Format, Fp8,
+};
 
 const FORMATS: [Format; 2] = [Format::Bf16, Format::Fp16];
 
@@ -108,6 +110,65 @@ fn bf16_every_f32_bit_pattern_matches_half() {
         })
         .collect();
     assert_eq!(bad, 0, "bf16 mismatches, e.g. {show:#?}");
+}
+
+/// The float8 crate's conversion (saturating: past the largest finite it
+/// gives ±max), with this crate's rule for overflow on top: E4M3 saturates
+/// too, E5M2 rounds to ±inf from 61440 on (halfway to 2^16).
+fn fp8_reference(x: f32, e5m2: bool) -> f32 {
+    if e5m2 {
+        if x.abs() >= 61440.0 {
+            return f32::INFINITY.copysign(x);
+        }
+        float8::F8E5M2::from_f32(x).to_f32()
+    } else {
+        float8::F8E4M3::from_f32(x).to_f32()
+    }
+}
+
+/// Every f32 bit pattern rounded to E4M3 and to E5M2 (spec: going further's
+/// fp8): round to nearest even, subnormals, saturation or inf, NaN, signed
+/// zero — against the float8 crate.
+#[test]
+fn fp8_every_f32_bit_pattern_matches_float8() {
+    for (name, e5m2, ours) in [
+        ("e4m3", false, e4m3_f32 as fn(f32) -> f32),
+        ("e5m2", true, e5m2_f32 as fn(f32) -> f32),
+    ] {
+        let (bad, ex) = sweep(1 << 32, |i| {
+            let x = f32::from_bits(i as u32);
+            same32(ours(x), fp8_reference(x, e5m2))
+        });
+        let show: Vec<String> = ex
+            .iter()
+            .map(|&i| {
+                let x = f32::from_bits(i as u32);
+                format!(
+                    "{i:#010x} ({x:e}): ours {:e}, float8 {:e}",
+                    ours(x),
+                    fp8_reference(x, e5m2)
+                )
+            })
+            .collect();
+        assert_eq!(bad, 0, "{name} mismatches, e.g. {show:#?}");
+    }
+}
+
+/// The f64 path of the fp8 rounding gives the f32 path's value on f32
+/// values: every pattern of the top 20 bits, with the low 12 bits 0, 1,
+/// 0x800 or 0xfff. fp8 keeps at most 3 of f32's 23 mantissa bits, so every
+/// tie and rounding boundary lies at bit 19 or above and the low 12 bits
+/// only ever count as "some bits set" (sticky): these four cover them.
+#[test]
+fn fp8_f64_path_equals_f32_path_on_f32_values() {
+    const LOW: [u32; 4] = [0, 1, 0x800, 0xfff];
+    for f in [Fp8::E4M3, Fp8::E5M2] {
+        let (bad, ex) = sweep(4 << 20, |i| {
+            let x = f32::from_bits(((i as u32 >> 2) << 12) | LOW[i as usize & 3]);
+            same64(fp8_f64(f64::from(x), f), f64::from(fp8_f32(x, f)))
+        });
+        assert_eq!(bad, 0, "{f:?}: f64 path differs at {ex:#x?}");
+    }
 }
 
 #[test]

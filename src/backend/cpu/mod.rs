@@ -12,7 +12,7 @@ pub mod simd;
 use std::mem::MaybeUninit;
 use super::math;
 use simd::LANES;
-use super::round::{self, Format};
+use super::round::{self, Format, Fp8};
 use super::{BinaryLayout, DType};
 use crate::memory::Ticket;
 use std::cell::{Ref, RefCell, RefMut};
@@ -78,6 +78,7 @@ pub trait Elem: Copy + PartialOrd + std::fmt::Debug + Send + Sync + 'static {
     fn is_nan(self) -> bool;
     fn is_finite(self) -> bool;
     fn round_to(self, f: Format) -> Self;
+    fn round_fp8(self, f: Fp8) -> Self;
     fn wrap(v: Vec<Self>) -> CpuStorage;
     /// The values of a storage of this type (the dispatch has checked the dtype).
     fn view(s: &CpuStorage) -> Ref<'_, Vec<Self>>;
@@ -146,6 +147,9 @@ impl Elem for f32 {
         f32::is_finite(self)
     }
     #[inline(always)]
+    fn round_fp8(self, f: Fp8) -> f32 {
+        crate::backend::round::fp8_f32(self, f)
+    }
     fn round_to(self, f: Format) -> f32 {
         round::round_f32(self, f)
     }
@@ -218,6 +222,9 @@ impl Elem for f64 {
     }
     fn is_finite(self) -> bool {
         f64::is_finite(self)
+    }
+    fn round_fp8(self, f: Fp8) -> f64 {
+        crate::backend::round::fp8_f64(self, f)
     }
     fn round_to(self, f: Format) -> f64 {
         round::round_f64(self, f)

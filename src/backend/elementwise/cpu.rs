@@ -91,6 +91,7 @@ simd::multiversion! {
                 map(x, |v| c.div(v))
             }
             UnaryOp::Round(f) => map(x, |v| v.round_to(f)),
+            UnaryOp::RoundFp8(f) => map(x, |v| v.round_fp8(f)),
         }
     }
 }

@@ -52,6 +52,7 @@ impl ElementwiseOps for GpuStorage {
             | UnaryOp::DivScalar(s)
             | UnaryOp::RDivScalar(s) => (s as f32, 0),
             UnaryOp::Round(f) => (0.0, fmt_code(Some(f))),
+            UnaryOp::RoundFp8(f) => (0.0, f.code()),
             UnaryOp::Neg
             | UnaryOp::Exp
             | UnaryOp::Log

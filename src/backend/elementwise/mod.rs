@@ -24,7 +24,7 @@ pub(crate) mod spec;
 #[cfg(feature = "gpu")]
 pub(crate) mod gpu;
 
-use super::round::Format;
+use super::round::{Format, Fp8};
 use super::{op_enum, primitive};
 use super::{BinaryLayout, Storage, MAX_DIMS};
 use crate::{bail, Result};
@@ -56,6 +56,8 @@ op_enum! {
         /// `c / x` through the crate's division
         RDivScalar(f64) [-0.3] => "unary scalar div",
         Round(Format) [Format::Bf16, Format::Fp16] => "unary round",
+        /// To the nearest E4M3 or E5M2 value (see [`round`](super::round)).
+        RoundFp8(Fp8) [Fp8::E4M3, Fp8::E5M2] => "unary round fp8",
     }
 }
 

@@ -55,6 +55,7 @@ fn unary(op: UnaryOp, x: f32) -> f32 {
         UnaryOp::DivScalar(c) => div(x, c as f32),
         UnaryOp::RDivScalar(c) => div(c as f32, x),
         UnaryOp::Round(f) => round_f32(x, f),
+        UnaryOp::RoundFp8(f) => crate::backend::round::fp8_f32(x, f),
     }
 }
 

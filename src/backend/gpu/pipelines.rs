@@ -114,9 +114,10 @@ pub fn prelude(native_fma: bool) -> String {
          fn fma_c(a: f32, b: f32, c: f32) -> f32 { return fma_soft(a, b, c); }"
     };
     format!(
-        "{sel}\n{}\n{}{}\n",
+        "{sel}\n{}\n{}{}{}\n",
         math::MATH_WGSL,
         round::wgsl_consts(),
+        round::wgsl_fp8_consts(),
         round::CAST_WGSL
     )
 }

@@ -119,6 +119,153 @@ pub fn round_f32(x: f32, fmt: Format) -> f32 {
     }
 }
 
+/// The 8-bit formats (OCP FP8): E4M3 for weights and activations, E5M2 for
+/// gradients. Values are kept in f32s, like the 16-bit formats.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub enum Fp8 {
+    /// 4 exponent bits (bias 7), 3 mantissa bits: max 448, subnormals down
+    /// to 2^-9, no infinities — a value past 448 saturates to ±448.
+    E4M3,
+    /// 5 exponent bits (bias 15), 2 mantissa bits: max 57344, subnormals
+    /// down to 2^-16, with ±inf (overflow rounds to it) and NaN.
+    E5M2,
+}
+
+impl Fp8 {
+    /// `"e4m3"` or `"e5m2"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Fp8::E4M3 => "e4m3",
+            Fp8::E5M2 => "e5m2",
+        }
+    }
+    /// The format as the kernels take it (`FP8_*` in WGSL).
+    pub fn code(self) -> u32 {
+        match self {
+            Fp8::E4M3 => 0,
+            Fp8::E5M2 => 1,
+        }
+    }
+    /// The largest finite value.
+    pub fn max(self) -> f32 {
+        match self {
+            Fp8::E4M3 => 448.0,
+            Fp8::E5M2 => 57344.0,
+        }
+    }
+}
+
+/// The `FP8_*` constants, generated from [`Fp8::code`] into the WGSL prelude.
+pub fn wgsl_fp8_consts() -> String {
+    [Fp8::E4M3, Fp8::E5M2]
+        .iter()
+        .map(|f| format!("const FP8_{}: u32 = {}u;\n", f.name().to_uppercase(), f.code()))
+        .collect()
+}
+
+/// `|x|`'s bits (`a`, not NaN) rounded to nearest even with `m` mantissa bits
+/// and normals from 2^`emin`, on integers only (a flushing or contracting
+/// device computes the same): a normal of the format drops `23 − m` bits with
+/// bf16's add-and-mask trick; below 2^`emin` the quantum is 2^(`emin` − m),
+/// and the quanta count `n` is the integer mantissa shifted right with the
+/// same tie rule, rebuilt as `n · 2^(emin − m)`. No overflow handling.
+#[inline(always)]
+fn fp8_magnitude(a: u32, m: u32, emin: i32) -> u32 {
+    let e = (a >> 23) as i32 - 127;
+    if e >= emin {
+        let s = 23 - m;
+        let lsb = (a >> s) & 1;
+        return a.wrapping_add((1 << (s - 1)) - 1 + lsb) & !((1 << s) - 1);
+    }
+    // f32 normals with their implicit bit; an f32 subnormal is below every
+    // fp8 quantum's half, so it goes to 0 with any mantissa.
+    if a < 0x0080_0000 {
+        return 0;
+    }
+    let mant = (a & 0x007f_ffff) | 0x0080_0000;
+    let s = (emin - e) as u32 + (23 - m); // > 23 - m
+    if s >= 25 {
+        return 0; // below half the smallest quantum (mant < 2^24)
+    }
+    let lsb = (mant >> s) & 1;
+    let n = (mant + (1 << (s - 1)) - 1 + lsb) >> s;
+    if n == 0 {
+        return 0;
+    }
+    // n · 2^(emin − m): the leading bit's place p gives the exponent.
+    let p = 31 - n.leading_zeros();
+    let exp = (emin - m as i32 + p as i32 + 127) as u32;
+    (exp << 23) | ((n << (23 - p)) & 0x007f_ffff)
+}
+
+/// f32 → nearest E4M3 value (kept in an f32), ties to even; past ±448
+/// (±inf included) it saturates to ±448; NaN stays NaN (quieted).
+#[inline(always)]
+pub fn e4m3_f32(x: f32) -> f32 {
+    let b = x.to_bits();
+    let (sign, a) = (b & 0x8000_0000, b & 0x7fff_ffff);
+    if a > 0x7f80_0000 {
+        return f32::from_bits(b | 0x0040_0000);
+    }
+    let r = fp8_magnitude(a, 3, -6);
+    // 448 = 0x43e0_0000; a value rounding past it (or any above) saturates
+    f32::from_bits(sign | r.min(0x43e0_0000))
+}
+
+/// f32 → nearest E5M2 value (kept in an f32), ties to even: from 61440
+/// (halfway between 57344 and 2^16, whose tie goes to the even 2^16) it is
+/// ±inf; NaN stays NaN (quieted).
+#[inline(always)]
+pub fn e5m2_f32(x: f32) -> f32 {
+    let b = x.to_bits();
+    let (sign, a) = (b & 0x8000_0000, b & 0x7fff_ffff);
+    if a > 0x7f80_0000 {
+        return f32::from_bits(b | 0x0040_0000);
+    }
+    let r = fp8_magnitude(a, 2, -14);
+    // 2^16 = 0x4780_0000 and above is past the largest finite: inf
+    f32::from_bits(sign | if r >= 0x4780_0000 { 0x7f80_0000 } else { r })
+}
+
+/// [`e4m3_f32`] or [`e5m2_f32`].
+#[inline(always)]
+pub fn fp8_f32(x: f32, f: Fp8) -> f32 {
+    match f {
+        Fp8::E4M3 => e4m3_f32(x),
+        Fp8::E5M2 => e5m2_f32(x),
+    }
+}
+
+/// f64 → nearest value of an fp8 format, from the f64 directly (as
+/// [`round_f64`]): the same rounding as [`fp8_f32`], the same overflow rule.
+pub fn fp8_f64(x: f64, f: Fp8) -> f64 {
+    if x.is_nan() {
+        return x;
+    }
+    let (mant, emin) = match f {
+        Fp8::E4M3 => (3, -6),
+        Fp8::E5M2 => (2, -14),
+    };
+    let max = f64::from(f.max());
+    let a = x.abs();
+    let v = if a.is_infinite() || a == 0.0 {
+        a
+    } else {
+        let e = (((a.to_bits() >> 52) & 0x7ff) as i32 - 1023).max(emin);
+        let quantum = 2f64.powi(e - mant);
+        let y = a / quantum; // exact: division by a power of two
+        let two52 = 4_503_599_627_370_496.0;
+        let r = if y < two52 { (y + two52) - two52 } else { y };
+        r * quantum
+    };
+    let v = match f {
+        Fp8::E4M3 => v.min(max),
+        Fp8::E5M2 if v > max => f64::INFINITY,
+        Fp8::E5M2 => v,
+    };
+    v.copysign(x)
+}
+
 /// [`bf16_f32`] on 8 lanes: the same integer steps.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
