@@ -1,8 +1,51 @@
 #![warn(missing_docs)]
 // Without the GPU backend its WGSL sources and launch helpers go unused.
 #![cfg_attr(not(feature = "gpu"), allow(dead_code))]
-// The crate's front page is the README (its example runs as a doctest).
-#![doc = include_str!("../README.md")]
+//! Train small Llama-style language models with mixed precision you can
+//! trust: bf16/fp16 autocast, dynamic loss scaling, gradient accumulation
+//! weighted `n_i/N` and activation checkpointing, on the CPU or any GPU
+//! through wgpu — and every GPU kernel held bit for bit to a CPU reference
+//! and an executable spec under one numerics contract.
+//!
+//! ```toml
+//! [dependencies]
+//! tinyllm = { path = "../tinyllm" }   # the library and the GPU; default-features = false: CPU only
+//! ```
+//!
+//! A model, an optimizer and one mixed-precision step per batch of
+//! micro-batches ([`MixedStep`] names the settings of [`train_step_mixed`]):
+//!
+//! ```
+//! use tinyllm::nn::{Layer, Linear, Module};
+//! use tinyllm::optim::{AdamW, AdamWConfig};
+//! use tinyllm::precision::{DynamicLossScaler, Precision};
+//! use tinyllm::{ops::mse, Device, Generator, MixedStep, Tensor};
+//!
+//! let dev = Device::Cpu; // or Device::Gpu: the same bits
+//! let gen = Generator::new(0);
+//! let model = Linear::new(4, 1, true, &gen, dev)?;
+//! let mut opt = AdamW::new(model.parameters(), AdamWConfig::new(1e-2))?;
+//! let mut scaler = DynamicLossScaler::default();
+//! let x = Tensor::randn(&[32, 4], 1.0, &gen, dev)?;
+//! let y = x.sum(-1, true)?;
+//! // four micro-batches of 8 rows: one batch of 32
+//! let micro: Vec<(Tensor, Tensor)> = (0..4)
+//!     .map(|i| Ok((x.narrow(0, 8 * i, 8)?, y.narrow(0, 8 * i, 8)?)))
+//!     .collect::<tinyllm::Result<_>>()?;
+//! for _ in 0..20 {
+//!     MixedStep::new(Precision::Fp16)
+//!         .scaler(&mut scaler)
+//!         .clip(1.0)
+//!         .run(&model, &micro, |(x, y)| mse(&model.forward(x)?, y), &mut opt)?;
+//! }
+//! # Ok::<(), tinyllm::Error>(())
+//! ```
+//!
+//! A Llama in a loop of your own, saved as a Hugging Face folder:
+//! [`train::save_model`], [`train::load_model`], [`train::TrainState`];
+//! training in a worker thread: [`train::HostState`]. The `tinyllm` command
+//! (train, compare, eval, generate, crosscheck, bench, device-check) is the
+//! `tinyllm-cli` package beside this one; its README is the guide.
 //!
 //! ## The modules
 //!
@@ -21,6 +64,11 @@
 //! * [`optim`] updates the float32 master weights (SGD, AdamW, gradient clipping);
 //! * [`crosscheck`] asks whether the GPU gives the reference's bits: a device
 //!   probe, a sweep of every primitive, a training lockstep, a primitive trace.
+
+// The README's Rust snippets run as doctests too.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
 
 /// The backend's primitives are internal; the `test-hooks` feature (on for
 /// the crate's own tests and benches) makes them reachable.
