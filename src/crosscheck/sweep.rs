@@ -19,7 +19,7 @@
 
 use super::hex;
 use crate::backend::op_enum;
-use crate::backend::round::Format;
+use crate::backend::round::{Format, Fp8};
 use crate::backend::{
     AdamWConsts, BinaryLayout, BinaryOp, Causal, Device, MatmulDims, Operand, ReduceOp, Storage,
     UnaryOp,
@@ -293,6 +293,7 @@ pub fn run(
 fn unary_variant(op: UnaryOp) -> &'static str {
     match op {
         UnaryOp::Round(f) => f.name(),
+        UnaryOp::RoundFp8(f) => f.name(),
         _ => "",
     }
 }
@@ -486,7 +487,49 @@ pub fn rounding_inputs() -> Vec<f32> {
     x
 }
 
+/// Every value of both fp8 formats with its neighbours one f32 ulp away and
+/// the midpoints to the next value with theirs (every tie and boundary),
+/// through the saturation and overflow edges, signed.
+pub fn fp8_rounding_inputs() -> Vec<f32> {
+    let mut x = Vec::new();
+    // (mantissa bits, exponent bias) of E4M3 and E5M2, every 8-bit pattern
+    for (m, bias) in [(3u32, 7i32), (2, 15)] {
+        let value = |p: u32| -> f32 {
+            let (e, f) = ((p >> m) as i32, (p & ((1 << m) - 1)) as f32);
+            let scale = 2f32.powi(1 - bias - m as i32);
+            if e == 0 {
+                f * scale
+            } else {
+                (f + (1 << m) as f32) * 2f32.powi(e - 1) * scale
+            }
+        };
+        for p in 0..(1u32 << (7 - m)) << m {
+            let (v, next) = (value(p), value(p + 1));
+            let mid = (v + next) / 2.0;
+            for y in [v, mid] {
+                for z in [
+                    y,
+                    f32::from_bits(y.to_bits() + 1),
+                    f32::from_bits(y.to_bits().saturating_sub(1)),
+                ] {
+                    x.push(z);
+                    x.push(-z);
+                }
+            }
+        }
+    }
+    x
+}
+
 fn rounding(sw: &mut Sweep) -> Result<()> {
+    let x8 = fp8_rounding_inputs();
+    for f in [Fp8::E4M3, Fp8::E5M2] {
+        let op = UnaryOp::RoundFp8(f);
+        let case = format!("stratified: {} values around every tie and edge", x8.len());
+        sw.check(op.name(), f.name(), case, &[&x8], |d| {
+            up(&x8, d)?.unary(op)?.to_vec_f32()
+        })?;
+    }
     let x = rounding_inputs();
     for f in [Format::Bf16, Format::Fp16] {
         let op = UnaryOp::Round(f);
