@@ -59,9 +59,9 @@ fn a_snapshot_replays_the_next_step_and_tracing_changes_nothing() {
     let t = trace::finish();
     assert_eq!(la.to_bits(), lb.unwrap().loss.to_bits());
     assert_eq!(bits(&a.snapshot().unwrap()), bits(&b.snapshot().unwrap()));
-    assert_eq!(a.model.rng.state(), b.model.rng.state());
-    assert_eq!(a.data_rng.state(), b.data_rng.state());
-    assert_eq!(b.step, 3);
+    assert_eq!(a.model().rng.state(), b.model().rng.state());
+    assert_eq!(a.data_rng().state(), b.data_rng().state());
+    assert_eq!(b.step(), 3);
     assert!(t.calls.len() > 500, "{} calls", t.calls.len());
 }
 

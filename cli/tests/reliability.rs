@@ -488,12 +488,15 @@ fn refused(dir: &Path, cfg: &TrainConfig, file: &str) -> String {
     let before = snapshot_bits(&t);
     let e = match Verified::open(dir) {
         Err(e) => e,
-        Ok(ck) => match checkpoint::restore(&ck, &t.model, &mut t.opt) {
-            Err(e) => e,
-            Ok(_) => Trainer::resume(cfg.clone(), Device::Cpu, &corpus, dir)
-                .err()
-                .expect("a bad checkpoint must not load"),
-        },
+        Ok(ck) => {
+            let (m, o) = t.model_and_optimizer_mut();
+            match checkpoint::restore(&ck, m, o) {
+                Err(e) => e,
+                Ok(_) => Trainer::resume(cfg.clone(), Device::Cpu, &corpus, dir)
+                    .err()
+                    .expect("a bad checkpoint must not load"),
+            }
+        }
     }
     .to_string();
     assert!(
@@ -1039,7 +1042,10 @@ fn fuzz_checkpoint_files() {
         let r = catch_unwind(AssertUnwindSafe(|| -> (bool, Result<(), String>) {
             let restored = match Verified::open(&dir) {
                 Err(e) => Err(e),
-                Ok(ck) => checkpoint::restore(&ck, &t.model, &mut t.opt),
+                Ok(ck) => {
+                    let (m, o) = t.model_and_optimizer_mut();
+                    checkpoint::restore(&ck, m, o)
+                }
             };
             let resumed = Trainer::resume(cfg.clone(), Device::Cpu, &corpus, &dir);
             let _model = checkpoint::load_model(&dir, Device::Cpu);
@@ -1900,7 +1906,7 @@ fn non_finite_weights_are_never_saved() {
     let run = dir.parent().unwrap();
     let corpus = Corpus::embedded();
     let t = Trainer::resume(cfg, Device::Cpu, &corpus, run).unwrap();
-    let p = &t.model.parameters()[3];
+    let p = &t.model().parameters()[3];
     let mut v = p.to_vec_f32().unwrap();
     v[0] = f32::NAN;
     p.assign(&Tensor::from_vec(v, p.shape(), Device::Cpu).unwrap())

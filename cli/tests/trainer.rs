@@ -72,16 +72,16 @@ fn resume_matches(opts: TrainOptions, name: &str) {
     b.save(&dir).unwrap();
     drop(b);
     let mut c = Trainer::resume(cfg, Device::Cpu, &corpus, &dir).unwrap();
-    assert_eq!(c.step, 3);
+    assert_eq!(c.step(), 3);
     lb.extend((0..3).map(|_| c.train_step().unwrap().loss.to_bits()));
 
     assert_eq!(la, lb, "per-step losses");
     assert_same_snapshot(&a.snapshot().unwrap(), &c.snapshot().unwrap());
-    assert_eq!(a.model.rng.state(), c.model.rng.state());
-    assert_eq!(a.data_rng.state(), c.data_rng.state());
+    assert_eq!(a.model().rng.state(), c.model().rng.state());
+    assert_eq!(a.data_rng().state(), c.data_rng().state());
     assert_eq!(
-        a.scaler.as_ref().map(|s| s.state_dict()),
-        c.scaler.as_ref().map(|s| s.state_dict())
+        a.scaler().map(|s| s.state_dict()),
+        c.scaler().map(|s| s.state_dict())
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -195,8 +195,11 @@ fn resume_fails(dir: &Path, cfg: &TrainConfig) -> String {
     let ck = Verified::open(dir);
     let err = match ck {
         Err(e) => e,
-        Ok(ck) => checkpoint::restore(&ck, &t.model, &mut t.opt)
-            .expect_err("a bad checkpoint must not load"),
+        Ok(ck) => {
+            let (m, o) = t.model_and_optimizer_mut();
+            checkpoint::restore(&ck, m, o)
+        }
+        .expect_err("a bad checkpoint must not load"),
     };
     assert_same_snapshot(&before, &t.snapshot().unwrap());
     err.to_string()
@@ -371,7 +374,7 @@ fn train_states_are_checked_against_the_model_and_optimizer() {
     let dir = tmpdir("built-state");
     checkpoint::save(&dir, &model, &opt, &st).unwrap();
     let t = Trainer::resume(cfg.clone(), Device::Cpu, &corpus, &dir).unwrap();
-    assert_eq!(t.step, 0);
+    assert_eq!(t.step(), 0);
 
     // The trainer's own state, with the optimizer's rate changed behind its
     // back: refused by save, and the checkpoint on disk is as it was.
@@ -379,8 +382,8 @@ fn train_states_are_checked_against_the_model_and_optimizer() {
     t.train_step().unwrap();
     let before = std::fs::read(dir.join("checkpoint/manifest.json")).unwrap();
     let state = t.state();
-    t.opt.set_lr(0.5);
-    let e = checkpoint::save(&dir, &t.model, &t.opt, &state)
+    t.optimizer_mut().set_lr(0.5);
+    let e = checkpoint::save(&dir, t.model(), t.optimizer(), &state)
         .unwrap_err()
         .to_string();
     assert!(e.contains("refusing") && e.contains("learning rate"), "{e}");

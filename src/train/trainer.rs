@@ -77,30 +77,30 @@ fn is_software_adapter() -> bool {
 /// A run in progress: model, optimizer, scaler, data and their positions.
 pub struct Trainer {
     /// The run's resolved config.
-    pub cfg: TrainConfig,
+    pub(crate) cfg: TrainConfig,
     /// The device the model and optimizer state live on.
-    pub device: Device,
+    pub(crate) device: Device,
     /// The model being trained (its float32 master weights).
-    pub model: Llama,
+    pub(crate) model: Llama,
     /// AdamW over the model's parameters.
-    pub opt: AdamW,
+    pub(crate) opt: AdamW,
     /// The dynamic loss scaler, for fp16 runs only (`None` otherwise).
-    pub scaler: Option<DynamicLossScaler>,
+    pub(crate) scaler: Option<DynamicLossScaler>,
     /// The corpus, split into training and validation pieces.
-    pub data: Dataset,
+    pub(crate) data: Dataset,
     /// The batch-order stream: its state is the data position.
-    pub data_rng: Generator,
+    pub(crate) data_rng: Generator,
     /// The corpus's name: `embedded` or its path.
-    pub corpus_name: String,
+    pub(crate) corpus_name: String,
     /// The corpus's SHA-256 (hex), saved in every checkpoint.
-    pub fingerprint: String,
+    pub(crate) fingerprint: String,
     /// Optimizer steps taken so far.
-    pub step: usize,
+    pub(crate) step: usize,
     /// The planned memory of one step.
-    pub plan: MemoryPlan,
+    pub(crate) plan: MemoryPlan,
     /// Applied to the first micro-batch's loss of every step: the test-only
     /// faults of `train::fault` (`None` unless `TINYLLM_FAULT` arms one).
-    pub loss_hook: Option<LossHook>,
+    pub(crate) loss_hook: Option<LossHook>,
     /// The last step's batch (to tell why its loss was not finite).
     last_batch: Option<Batch>,
     /// The run's identity: drawn when it starts, kept by its resumes in its
@@ -108,6 +108,54 @@ pub struct Trainer {
     run_id: String,
     /// The build and device of every process of the run, this one last.
     builds: Vec<Provenance>,
+}
+
+/// What a run holds, to read (and the optimizer, to adjust between steps).
+impl Trainer {
+    /// The run's resolved config.
+    pub fn config(&self) -> &TrainConfig {
+        &self.cfg
+    }
+    /// The device the model and optimizer state live on.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+    /// The model being trained (its float32 master weights).
+    pub fn model(&self) -> &Llama {
+        &self.model
+    }
+    /// AdamW over the model's parameters.
+    pub fn optimizer(&self) -> &AdamW {
+        &self.opt
+    }
+    /// AdamW, to change its settings or state between steps.
+    pub fn optimizer_mut(&mut self) -> &mut AdamW {
+        &mut self.opt
+    }
+    /// The model and its optimizer at once (restoring a checkpoint into them).
+    pub fn model_and_optimizer_mut(&mut self) -> (&Llama, &mut AdamW) {
+        (&self.model, &mut self.opt)
+    }
+    /// The dynamic loss scaler, for fp16 runs only.
+    pub fn scaler(&self) -> Option<&DynamicLossScaler> {
+        self.scaler.as_ref()
+    }
+    /// The corpus, split into training and validation pieces.
+    pub fn data(&self) -> &Dataset {
+        &self.data
+    }
+    /// The batch-order stream: its state is the data position.
+    pub fn data_rng(&self) -> &Generator {
+        &self.data_rng
+    }
+    /// Optimizer steps taken so far.
+    pub fn step(&self) -> usize {
+        self.step
+    }
+    /// The planned memory of one step.
+    pub fn plan(&self) -> &MemoryPlan {
+        &self.plan
+    }
 }
 
 impl Trainer {
