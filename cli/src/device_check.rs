@@ -142,7 +142,8 @@ pub fn run(plan: &Plan, say: &dyn Fn(&str)) -> tinyllm::Result<PathBuf> {
     let limit = plan.limit;
     let mut crosscheck = serde_json::Map::new();
     for b in &plan.backends {
-        let args = strs(&["crosscheck", "--json", "--backend", b]);
+        let steps = plan.steps.to_string();
+        let args = strs(&["crosscheck", "--json", "--steps", &steps, "--backend", b]);
         crosscheck.insert(b.clone(), json_part(&args, limit, say));
     }
     let bench = json_part(&strs(&["bench", "--json"]), limit, say);

@@ -67,7 +67,7 @@ struct DeviceCheckArgs {
     #[arg(long, default_value = "capstone")]
     preset: String,
     /// Optimizer steps of each profiled run (the first is left out of the
-    /// profile, as always).
+    /// profile, as always) and of the cross-check's lockstep per precision.
     #[arg(long, default_value_t = 3, value_parser = count, allow_negative_numbers = true)]
     steps: usize,
     /// Comma-separated backends to cross-check (default: vulkan,metal,dx12,gl;

@@ -691,6 +691,9 @@ fn device_check_writes_one_report_of_every_part() {
                 "2",
                 "--backends",
                 "gl,metal",
+                // generous: the suite's other tests share the machine
+                "--part-seconds",
+                "1800",
                 "--out",
             ])
             .arg(&out)
