@@ -57,16 +57,18 @@ fn msl_asks_for_safe_math_and_binds_as_the_layout() {
         let t = &m.source;
         // the guard and the pragmas come before anything naga writes
         assert!(t.starts_with(msl::PRELUDE), "{label}: no prelude");
-        let include = t.find("#include").unwrap();
+        // each a line of its own before the first include (the #error's
+        // message names the pragma too: a substring would not do)
+        let head: Vec<&str> = t
+            .lines()
+            .take_while(|l| !l.starts_with("#include"))
+            .collect();
         for p in [
             "#pragma METAL fp math_mode(safe)",
             "#pragma METAL fp contract(off)",
             "#if __METAL_VERSION__ < 320",
         ] {
-            assert!(
-                t.find(p).is_some_and(|i| i < include),
-                "{label}: {p} missing or late"
-            );
+            assert!(head.contains(&p), "{label}: {p} missing or late");
         }
         assert!(
             !t.contains("fast::") && !t.contains("math_mode(fast)"),
@@ -92,6 +94,12 @@ fn msl_asks_for_safe_math_and_binds_as_the_layout() {
         n += 1;
     }
     assert!(n >= 50, "only {n} kernels");
+    // the start-up check compiles the same prelude
+    let g = msl::guard_kernel();
+    assert!(
+        g.starts_with(msl::PRELUDE) && g.contains(&format!("kernel void {}()", msl::GUARD_ENTRY)),
+        "{g}"
+    );
 }
 
 /// An HLSL register: its kind (`b`, `t`, `u`) and number.

@@ -13,7 +13,7 @@
 //! both from MSL 3.2 (macOS 15, iOS 18). An older Metal compiler would only
 //! warn about an unknown pragma and keep fast math, so the prelude stops the
 //! compile there instead (`#error` below MSL 3.2) and the context, which
-//! compiles [`GUARD_KERNEL`] once at start-up, falls back to WGSL (Metal's
+//! compiles [`guard_kernel`] once at start-up, falls back to WGSL (Metal's
 //! default fast math) and says so.
 //!
 //! The text is handed to wgpu's MSL passthrough, which (wgpu 30) binds the
