@@ -463,12 +463,38 @@ fn reports_the_adapter() {
     let fma = tinyllm::backend::gpu::fma_mode().unwrap();
     let a = tinyllm::backend::gpu::adapter().unwrap();
     eprintln!(
-        "GPU adapter: {name}; fma: {fma} (fused: {}); subnormals: {}",
-        a.fma_fused, a.subnormals
+        "GPU adapter: {name}; fma: {fma} (fused: {}); subnormals: {}; shaders: {}",
+        a.fma_fused, a.subnormals, a.shaders
     );
-    if std::env::var("TINYLLM_GPU_FMA").is_err() {
+    if a.shaders.starts_with("HLSL") {
+        // HLSL has no f32 fma: the emulation whatever the probe found
+        assert_eq!(fma, "soft");
+    } else if std::env::var("TINYLLM_GPU_FMA").is_err() {
         // the route follows the probe's fma finding alone
         assert_eq!(fma == "native", a.fma_fused);
+    }
+    // each backend's hardened path, or WGSL with the reason
+    let hardened = match a.backend.as_str() {
+        "Vulkan" => "SPIR-V passthrough",
+        "Metal" => "MSL passthrough",
+        "Dx12" => "HLSL passthrough",
+        _ => "WGSL compiled by the backend, not hardened (GL: WGSL to GLSL",
+    };
+    assert!(
+        a.shaders.starts_with(hardened)
+            || a.shaders
+                .starts_with("WGSL compiled by the backend, not hardened ("),
+        "{}: {}",
+        a.backend,
+        a.shaders
+    );
+    if std::env::var("TINYLLM_GPU_SHADERS").is_err() && name.contains("llvmpipe") {
+        assert!(
+            a.shaders.starts_with(hardened),
+            "{}: {}",
+            a.backend,
+            a.shaders
+        );
     }
     if name.contains("llvmpipe") {
         assert!(!a.fma_fused, "lavapipe's fma is not fused");

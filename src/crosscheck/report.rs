@@ -209,6 +209,8 @@ impl Report {
         let _ = writeln!(s, "driver    {} {}", p.driver, p.driver_info);
         let fma = if p.fma_path == "native" {
             "native (the device's fma, probed fused)"
+        } else if p.shaders.starts_with("HLSL") {
+            "soft (integer emulation: HLSL has no f32 fma, and a precise mad is unfused)"
         } else {
             "soft (integer emulation: the device's fma is not fused)"
         };

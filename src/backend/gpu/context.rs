@@ -18,7 +18,7 @@
 
 use super::arith::{self, ArithFindings};
 use super::pipelines::{self, Kernel};
-use super::spirv::{self, FloatControls};
+use super::spirv::FloatControls;
 use bytemuck::Pod;
 use crate::{Error, Result};
 use std::collections::HashMap;
@@ -55,34 +55,7 @@ pub struct Context {
     error: Arc<Mutex<Option<String>>>,
 }
 
-/// How the kernels reach the driver.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Shaders {
-    /// Hardened SPIR-V, passed through (Vulkan; see [`spirv`]): every float
-    /// operation `NoContraction`, and the float-control modes the device
-    /// `granted` of the ones the contract `requested` ([`FloatControls::ALL`]).
-    Spirv { requested: FloatControls, granted: FloatControls },
-    /// WGSL, compiled by wgpu for the backend: nothing forbids a driver to
-    /// contract, flush or assume no inf/NaN (`why` not hardened).
-    Wgsl { why: &'static str },
-}
-
-impl Shaders {
-    /// One line for a report.
-    pub fn describe(&self) -> String {
-        match self {
-            Shaders::Spirv { requested, granted } => format!(
-                "SPIR-V passthrough: NoContraction on every float operation; float controls requested {}, granted {}",
-                requested.names().join(" "),
-                match granted.names() {
-                    g if g.is_empty() => "none".to_string(),
-                    g => g.join(" "),
-                }
-            ),
-            Shaders::Wgsl { why } => format!("WGSL compiled by the backend, not hardened ({why})"),
-        }
-    }
-}
+pub use super::passthrough::Shaders;
 
 /// The float controls a Vulkan adapter grants for 32-bit floats (none below
 /// Vulkan 1.2, where `SPV_KHR_float_controls` is not core), or `None` when
@@ -116,22 +89,31 @@ fn vulkan_float_controls(_: &wgpu::Adapter) -> Option<FloatControls> {
     None
 }
 
-/// The path the kernels take on `adapter`, and the features it needs.
+/// The path the kernels take on `adapter`, and the features it needs. An
+/// adapter without passthrough gets WGSL, and the reason names the feature.
 fn choose_shaders(adapter: &wgpu::Adapter) -> (Shaders, wgpu::Features) {
-    let info = adapter.get_info();
-    if info.backend != wgpu::Backend::Vulkan {
-        return (Shaders::Wgsl { why: "hardened SPIR-V needs the Vulkan backend" }, wgpu::Features::empty());
-    }
-    if !adapter.features().contains(wgpu::Features::PASSTHROUGH_SHADERS) {
-        return (Shaders::Wgsl { why: "the adapter does not offer SPIR-V passthrough" }, wgpu::Features::empty());
-    }
-    match vulkan_float_controls(adapter) {
-        Some(granted) => (
-            Shaders::Spirv { requested: FloatControls::ALL, granted },
-            wgpu::Features::PASSTHROUGH_SHADERS,
-        ),
-        None => (Shaders::Wgsl { why: "the Vulkan adapter could not be queried" }, wgpu::Features::empty()),
-    }
+    let passthrough = adapter.features().contains(wgpu::Features::PASSTHROUGH_SHADERS);
+    let wgsl = |why: &'static str| (Shaders::Wgsl { why }, wgpu::Features::empty());
+    let shaders = match adapter.get_info().backend {
+        wgpu::Backend::Vulkan if !passthrough => {
+            return wgsl("the Vulkan adapter lacks the feature PASSTHROUGH_SHADERS: no hardened SPIR-V")
+        }
+        wgpu::Backend::Vulkan => match vulkan_float_controls(adapter) {
+            Some(granted) => Shaders::Spirv { requested: FloatControls::ALL, granted },
+            None => return wgsl("the Vulkan adapter could not be queried"),
+        },
+        wgpu::Backend::Metal if !passthrough => {
+            return wgsl("the Metal adapter lacks the feature PASSTHROUGH_SHADERS: no safe-math MSL, Metal's default fast math")
+        }
+        wgpu::Backend::Metal => Shaders::Msl,
+        wgpu::Backend::Dx12 if !passthrough => {
+            return wgsl("the DX12 adapter lacks the feature PASSTHROUGH_SHADERS: no precise HLSL")
+        }
+        wgpu::Backend::Dx12 => Shaders::Hlsl,
+        wgpu::Backend::Gl => return wgsl("GL: WGSL to GLSL by wgpu, which can ask the driver for no exact float semantics"),
+        _ => return wgsl("no hardened path for this backend"),
+    };
+    (shaders, wgpu::Features::PASSTHROUGH_SHADERS)
 }
 
 #[derive(Default)]
@@ -315,7 +297,14 @@ impl Context {
             Ok("native") => Some(true),
             _ => None,
         };
-        let native_fma = arith::native_fma(found, forced);
+        // HLSL has no f32 fma (a precise `mad` is unfused): fma_soft there.
+        let native_fma = arith::native_fma(found, forced) && shaders != Shaders::Hlsl;
+        let shaders = match shaders {
+            Shaders::Msl if !super::passthrough::metal_takes_safe_math(&device) => {
+                Shaders::Wgsl { why: super::msl::OLDER_METAL }
+            }
+            s => s,
+        };
         if let Some(e) = &*error.lock().unwrap_or_else(|p| p.into_inner()) {
             return Err(format!(
                 "GPU adapter {:?} failed its start-up probe: {e}",
@@ -365,8 +354,8 @@ impl Context {
         // Validation errors of shader/pipeline creation are caught in a scope
         // (on this thread, synchronously) and become an Error, not a panic.
         let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
-        if let Shaders::Spirv { granted, .. } = self.shaders {
-            let p = self.spirv_pipeline(k, granted);
+        if !matches!(self.shaders, Shaders::Wgsl { .. }) {
+            let p = self.passthrough_pipeline(k);
             if let Some(e) = pollster::block_on(scope.pop()) {
                 return Err(Error::device(format!(
                     "GPU kernel {}::{entry} failed to compile: {e}",
@@ -413,32 +402,11 @@ impl Context {
         Ok(p)
     }
 
-    /// `k` as hardened SPIR-V (see [`spirv`]) with the float controls the
-    /// device `granted`, its bind-group layout from naga's reflection.
-    fn spirv_pipeline(&self, k: &Kernel, granted: FloatControls) -> Result<wgpu::ComputePipeline> {
-        let src = pipelines::compose(k.family, self.native_fma);
-        let c = spirv::compile(&src, k.entry, &k.constants(), granted)?;
-        if c.hardened.modes != granted {
-            return Err(Error::internal(format!("kernel {}: the float controls were not declared", k.entry)));
-        }
-        let entry = wgpu::PassthroughShaderEntryPoint {
-            name: k.entry.into(),
-            workgroup_size: (c.workgroup_size[0], c.workgroup_size[1], c.workgroup_size[2]),
-        };
-        // SAFETY: the words are naga's own SPIR-V for this entry point (naga
-        // validated the module), with decorations and execution modes added
-        // that spirv-val accepts (a test checks every kernel) and only the
-        // modes the device reports it supports.
-        let module = unsafe {
-            self.device.create_shader_module_passthrough(wgpu::ShaderModuleDescriptorPassthrough {
-                label: Some(k.entry),
-                entry_points: vec![entry].into(),
-                spirv: Some(c.words.into()),
-                ..Default::default()
-            })
-        };
-        let entries: Vec<wgpu::BindGroupLayoutEntry> = c
-            .bindings
+    /// `k` hardened for the context's path (see [`passthrough`](super::passthrough)),
+    /// its bind-group layout from naga's reflection.
+    fn passthrough_pipeline(&self, k: &Kernel) -> Result<wgpu::ComputePipeline> {
+        let (module, bindings) = super::passthrough::module(&self.device, self.shaders, self.native_fma, k)?;
+        let entries: Vec<wgpu::BindGroupLayoutEntry> = bindings
             .iter()
             .map(|b| wgpu::BindGroupLayoutEntry {
                 binding: b.binding,

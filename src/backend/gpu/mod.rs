@@ -16,12 +16,21 @@
 //! fused `fma` is kept whatever the answer (see [`arith`]).
 //! `TINYLLM_GPU_FMA=soft` or `=native` overrides the choice;
 //! `TINYLLM_ADAPTER=<substring>` picks an adapter.
+//!
+//! Kernels reach the driver with the contract written into them where the
+//! backend allows ([`context::Shaders`]): hardened SPIR-V on Vulkan
+//! ([`spirv`]), MSL with safe math on Metal ([`msl`]), HLSL with `precise`
+//! on DX12 ([`hlsl`]), each passed through to wgpu; GL (and
+//! `TINYLLM_GPU_SHADERS=wgsl`) gets plain WGSL.
 
 pub mod arith;
 pub mod context;
 pub mod pipelines;
 pub mod buffers;
 pub mod cache;
+pub mod hlsl;
+pub mod msl;
+mod passthrough;
 pub mod probe;
 pub mod spirv;
 

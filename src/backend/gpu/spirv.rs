@@ -223,10 +223,20 @@ pub fn compile(src: &str, entry: &str, constants: &[(&str, f64)], modes: FloatCo
     Ok(Compiled { words, hardened, ..plain })
 }
 
-/// naga's SPIR-V for `entry` alone, override constants resolved, as naga
-/// writes it (nothing added).
-fn to_spirv(src: &str, entry: &str, constants: &[(&str, f64)]) -> Result<Compiled> {
-    let fail = |what: String| Error::internal(format!("compiling kernel {entry} to SPIR-V: {what}"));
+/// One entry point of a WGSL source in naga's IR, override constants
+/// resolved: what every backend's writer starts from.
+pub(super) struct Lowered {
+    pub module: naga::Module,
+    pub info: naga::valid::ModuleInfo,
+    /// The bindings the entry point uses (group 0), by binding number.
+    pub bindings: Vec<Binding>,
+    pub workgroup_size: [u32; 3],
+}
+
+/// Parses and validates `src`, resolves the override `constants` for
+/// `entry` and reflects its bindings. `target` names the output in errors.
+pub(super) fn lower(src: &str, entry: &str, constants: &[(&str, f64)], target: &str) -> Result<Lowered> {
+    let fail = |what: String| Error::internal(format!("compiling kernel {entry} to {target}: {what}"));
     let module = naga::front::wgsl::parse_str(src).map_err(|e| fail(e.emit_to_string(src)))?;
     let mut validator = naga::valid::Validator::new(naga::valid::ValidationFlags::all(), naga::valid::Capabilities::default());
     let info = validator.validate(&module).map_err(|e| fail(format!("{e:?}")))?;
@@ -242,7 +252,6 @@ fn to_spirv(src: &str, entry: &str, constants: &[(&str, f64)]) -> Result<Compile
         .iter()
         .position(|e| e.name == entry)
         .ok_or_else(|| fail("no such entry point".into()))?;
-    let ep = &module.entry_points[index];
     let uses = info.get_entry_point(index);
     let mut bindings = Vec::new();
     for (h, g) in module.global_variables.iter() {
@@ -261,6 +270,16 @@ fn to_spirv(src: &str, entry: &str, constants: &[(&str, f64)]) -> Result<Compile
         bindings.push(Binding { binding: rb.binding, storage });
     }
     bindings.sort_by_key(|b| b.binding);
+    let workgroup_size = module.entry_points[index].workgroup_size;
+    Ok(Lowered { module: module.into_owned(), info: info.into_owned(), bindings, workgroup_size })
+}
+
+/// naga's SPIR-V for `entry` alone, override constants resolved, as naga
+/// writes it (nothing added).
+fn to_spirv(src: &str, entry: &str, constants: &[(&str, f64)]) -> Result<Compiled> {
+    let fail = |what: String| Error::internal(format!("compiling kernel {entry} to SPIR-V: {what}"));
+    let Lowered { module, info, bindings, workgroup_size, .. } = lower(src, entry, constants, "SPIR-V")?;
+    let stage = naga::ShaderStage::Compute;
     let options = naga::back::spv::Options {
         lang_version: (1, 3),
         flags: naga::back::spv::WriterFlags::empty(),
@@ -275,7 +294,7 @@ fn to_spirv(src: &str, entry: &str, constants: &[(&str, f64)]) -> Result<Compile
     };
     let pipeline = naga::back::spv::PipelineOptions { shader_stage: stage, entry_point: entry.to_string() };
     let words = naga::back::spv::write_vec(&module, &info, &options, Some(&pipeline)).map_err(|e| fail(format!("{e}")))?;
-    Ok(Compiled { words, bindings, workgroup_size: ep.workgroup_size, hardened: Hardened::default() })
+    Ok(Compiled { words, bindings, workgroup_size, hardened: Hardened::default() })
 }
 
 #[cfg(test)]
