@@ -36,6 +36,7 @@ const NAME: &str = "fop";
 
 /// One kernel's HLSL, with what the pipeline layout and the passthrough need.
 #[derive(Clone, Debug)]
+#[cfg_attr(not(any(test, feature = "test-hooks")), allow(dead_code))] // counts for the tests
 pub struct Hlsl {
     pub source: String,
     pub bindings: Vec<Binding>,
@@ -220,6 +221,7 @@ fn with_scope(text: &str) -> impl Iterator<Item = (&str, bool)> {
 /// function `precise`, every `mad` inside a `precise` declaration, and every
 /// named float operation's local `precise`. An error names the first line
 /// that breaks it.
+#[cfg(any(test, feature = "test-hooks"))]
 pub fn check(text: &str) -> std::result::Result<(), String> {
     for (k, (line, in_body)) in with_scope(text).enumerate() {
         let t = line.trim_start();
