@@ -83,3 +83,56 @@ fn a_training_step_reads_back_once() {
         assert!(report.grad_norm.is_some());
     }
 }
+
+/// The capstone's C1 recipe (`--preset capstone --bf16 --micro-batch 8
+/// --accum 4 --checkpoint-activations`) with its layer count, heads, context
+/// and recipe but tiny widths: the GPU work of one optimizer step depends on
+/// the layers, micro-batches and code paths, not on the widths (the full-size
+/// step counts the same; see BENCHMARKS.md), and this one runs in seconds on
+/// a software device.
+fn c1_narrow() -> tinyllm::train::config::TrainConfig {
+    use tinyllm::train::config::{TrainConfig, TrainOptions};
+    let mut cfg = TrainConfig::resolve(&TrainOptions {
+        preset: Some("capstone".into()),
+        device: Some("gpu".into()),
+        precision: Some("bf16".into()),
+        micro_batch: Some(8),
+        accum: Some(4),
+        checkpoint_activations: Some(true),
+        steps: Some(4),
+        ..Default::default()
+    })
+    .unwrap();
+    let m = &mut cfg.model;
+    (m.d_model, m.hidden) = (m.n_heads * 4, 24);
+    cfg
+}
+
+/// The GPU work of one C1 optimizer step (after a first step that creates
+/// the optimizer's moments): dispatches, queue submits and readbacks.
+#[test]
+fn a_c1_step_counts_its_gpu_work() {
+    use tinyllm::train::data::Corpus;
+    use tinyllm::train::Trainer;
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    if !tinyllm::testing::gpu_available() {
+        return;
+    }
+    let cfg = c1_narrow();
+    let mut t = Trainer::new(cfg, Device::Gpu, &Corpus::embedded()).unwrap();
+    t.train_step().unwrap();
+    let mut steps = Vec::new();
+    for _ in 0..2 {
+        tinyllm::profile::start();
+        let before = GpuCounters::now();
+        {
+            let _s = tinyllm::profile::step();
+            t.train_step().unwrap();
+        }
+        steps.push(GpuCounters::now().since(before));
+        let p = tinyllm::profile::take().unwrap();
+        eprintln!("{p}");
+    }
+    eprintln!("C1 step: {:?}", steps);
+    assert_eq!(steps[0], steps[1], "the counts are deterministic");
+}
