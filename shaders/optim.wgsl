@@ -198,3 +198,110 @@ fn sgd_momentum_step(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgrou
     gi = sg_buf[i];
     sg_p[i] = fma_c(-bitcast<f32>(sg_prm.lr), gi, p);
 }
+
+// ---- The multi-tensor forms: every parameter of a step in one dispatch ----
+// The host gathers the buffers of all parameters into one arena each
+// (copies, in parameter order, back to back), runs one of these, and
+// scatters the results back. Each element goes through exactly the
+// expressions of the one-buffer kernel above, so the bits are the same.
+
+// Finite check + unscale over the arena x: (total), one invocation per chunk
+// of the table fm_tab: (chunks, 2) = (start, end) in the arena, in the
+// buffers' order and each buffer's chunks in order (the one-buffer kernel's
+// chunks, the same partials at the same places).
+
+struct CheckMultiParams {
+    c: u32, // f32 bits
+    chunks: u32,
+}
+
+@group(0) @binding(0) var<storage, read> fm_prm: CheckMultiParams;
+@group(0) @binding(1) var<storage, read> fm_tab: array<u32>;
+@group(0) @binding(2) var<storage, read_write> fm_x: array<f32>;
+@group(0) @binding(3) var<storage, read_write> fm_flag: atomic<u32>;
+@group(0) @binding(4) var<storage, read_write> fm_partials: array<f32>;
+
+@compute @workgroup_size(64)
+fn finite_check_unscale_multi(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
+                              @builtin(local_invocation_index) lane: u32) {
+    let chunk = grid_index(wg, groups, lane);
+    if chunk >= fm_prm.chunks {
+        return;
+    }
+    let start = fm_tab[2u * chunk];
+    let end = fm_tab[2u * chunk + 1u];
+    let c = bitcast<f32>(fm_prm.c);
+    var bad = false;
+    var acc = -0.0;
+    for (var i = start; i < end; i++) {
+        let x = fm_x[i];
+        bad = bad || is_nonfinite_bits(bitcast<u32>(x));
+        let u = x * c;
+        fm_x[i] = u;
+        acc = fma_c(u, u, acc);
+    }
+    fm_partials[chunk] = acc;
+    if bad {
+        atomicOr(&fm_flag, 1u);
+    }
+}
+
+// AdamW over the arenas p, g, m, v: (total). am_tab holds one 16-word row per
+// parameter (segment) — start in the arena, length n, its first workgroup,
+// then AdamWParams' decay .. grad_scale — followed at `map_at` by one word per
+// workgroup: its segment. A workgroup covers 64 * PER_LANE elements of one
+// segment exactly as the one-buffer kernel covers them of its buffer.
+
+struct AdamWMultiParams {
+    groups: u32, // workgroups in the map
+    map_at: u32, // where the workgroup map starts in am_tab
+}
+
+@group(0) @binding(0) var<storage, read> am_prm: AdamWMultiParams;
+@group(0) @binding(1) var<storage, read> am_tab: array<u32>;
+@group(0) @binding(2) var<storage, read_write> am_p: array<f32>;
+@group(0) @binding(3) var<storage, read_write> am_g: array<f32>;
+@group(0) @binding(4) var<storage, read_write> am_m: array<f32>;
+@group(0) @binding(5) var<storage, read_write> am_v: array<f32>;
+
+@compute @workgroup_size(64)
+fn adamw_multi(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
+               @builtin(local_invocation_index) lane: u32) {
+    let w = grid_index(wg, groups, 0u) / 64u;
+    if w >= am_prm.groups {
+        return;
+    }
+    let s = am_tab[am_prm.map_at + w] * 16u;
+    let start = am_tab[s];
+    let n = am_tab[s + 1u];
+    let base = (w - am_tab[s + 2u]) * 64u * PER_LANE + lane;
+    let decay = bitcast<f32>(am_tab[s + 3u]);
+    let beta1 = bitcast<f32>(am_tab[s + 4u]);
+    let omb1 = bitcast<f32>(am_tab[s + 5u]);
+    let beta2 = bitcast<f32>(am_tab[s + 6u]);
+    let omb2 = bitcast<f32>(am_tab[s + 7u]);
+    let step_size = bitcast<f32>(am_tab[s + 8u]);
+    let eps = bitcast<f32>(am_tab[s + 10u]);
+    let scale_grad = am_tab[s + 11u];
+    let grad_scale = bitcast<f32>(am_tab[s + 12u]);
+    let bc2 = divisor_new(bitcast<f32>(am_tab[s + 9u]));
+    for (var t = 0u; t < PER_LANE; t++) {
+        let j = base + t * 64u;
+        if j >= n {
+            return;
+        }
+        let i = start + j;
+        var gi = am_g[i];
+        if scale_grad != 0u {
+            gi = gi * grad_scale;
+            am_g[i] = gi;
+        }
+        let p1 = am_p[i] * decay;
+        let mi = fma_c(beta1, am_m[i], omb1 * gi);
+        let vi = fma_c(beta2, am_v[i], omb2 * (gi * gi));
+        let den = divisor_div(bc2, m_sqrt(vi)) + eps;
+        am_p[i] = fma_c(-step_size, m_div(mi, den), p1);
+        am_m[i] = mi;
+        am_v[i] = vi;
+    }
+}
