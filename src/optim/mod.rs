@@ -219,11 +219,9 @@ impl AdamW {
     /// inside the update's own pass.
     fn update(&mut self, grad_scale: Option<f32>) -> Result<()> {
         let c = self.cfg;
-        // Every parameter's buffers and constants first, then one update of
-        // them all (on the GPU one kernel: see `Storage::adamw_steps`).
-        let mut held = Vec::new();
         for (i, (p, st)) in self.params.iter().zip(self.state.iter_mut()).enumerate() {
             let Some(g) = p.grad() else { continue };
+            let _traced = crate::trace::path_with(|| format!("params.{i}"));
             check_master(p)?;
             if st.is_none() {
                 *st = Some((p.zeros_like()?, p.zeros_like()?, 0));
@@ -245,13 +243,10 @@ impl AdamW {
                 eps: c.eps,
                 grad_scale,
             };
-            held.push((i, p.storage(), g.storage(), m.storage(), v.storage(), k));
+            p.storage()
+                .adamw_step(&g.storage(), &m.storage(), &v.storage(), &k)?;
         }
-        let items: Vec<_> = held
-            .iter()
-            .map(|(_, p, g, m, v, k)| (p, g, m, v, *k))
-            .collect();
-        Storage::adamw_steps(&items, |j| format!("params.{}", held[j].0))
+        Ok(())
     }
 }
 

@@ -670,18 +670,6 @@ impl Context {
         Ok(())
     }
 
-    /// Records a copy of `bytes` (a multiple of 4) from `src` at byte
-    /// `src_at` into `dst` at byte `dst_at`, in order with the pending
-    /// dispatches (the multi-tensor kernels' gathers and scatters).
-    pub fn copy_range(&self, src: &wgpu::Buffer, src_at: u64, dst: &wgpu::Buffer, dst_at: u64, bytes: u64) -> Result<()> {
-        if bytes == 0 {
-            return Ok(());
-        }
-        let mut pend = self.pending.lock().unwrap();
-        self.encoder(&mut pend).copy_buffer_to_buffer(src, src_at, dst, dst_at, bytes);
-        Ok(())
-    }
-
     /// Records a copy of `data` into `dst` (in order with pending dispatches).
     pub fn upload(&self, dst: &wgpu::Buffer, data: &[u8]) -> Result<()> {
         if data.is_empty() {

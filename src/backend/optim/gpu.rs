@@ -38,16 +38,6 @@ gpu_params! {
 }
 
 gpu_params! {
-    /// `optim.wgsl` `CheckMultiParams`: the f32 `c` (bits) and the chunks of the table.
-    pub struct CheckMultiParams { c: u32, chunks: u32 }
-}
-
-gpu_params! {
-    /// `optim.wgsl` `AdamWMultiParams`: workgroups, and where their map starts in the table.
-    pub struct AdamWMultiParams { groups: u32, map_at: u32 }
-}
-
-gpu_params! {
     /// `optim.wgsl` `SgdParams` (f32 bits; `first` 1 on the first momentum step).
     pub struct SgdParams { n: u32, lr: u32, momentum: u32, wd: u32, first: u32 }
 }
@@ -63,21 +53,16 @@ pub const FAMILY: Family = Family {
         "adamw_step",
         "sgd_step",
         "sgd_momentum_step",
-        "finite_check_unscale_multi",
-        "adamw_multi",
     ],
     params: &[
         ScaleParams::LAYOUT,
         CheckParams::LAYOUT,
         AdamWParams::LAYOUT,
         SgdParams::LAYOUT,
-        CheckMultiParams::LAYOUT,
-        AdamWMultiParams::LAYOUT,
     ],
 };
 
 const CHECK: Kernel = Kernel::new(&FAMILY, "finite_check_unscale");
-const CHECK_MULTI: Kernel = Kernel::new(&FAMILY, "finite_check_unscale_multi");
 const SGD: Kernel = Kernel::new(&FAMILY, "sgd_step");
 const SGD_MOMENTUM: Kernel = Kernel::new(&FAMILY, "sgd_momentum_step");
 
@@ -107,15 +92,17 @@ impl OptimOps for GpuStorage {
         // A fresh buffer is zero-initialised by wgpu.
         let flag = c.buffer_with(&[0u8; 4]);
         let partials = GpuStorage::alloc(c, chunks)?;
-        let live: Vec<&GpuStorage> = bufs.iter().copied().filter(|b| !b.is_empty()).collect();
-        let total: usize = live.iter().map(|b| b.len()).sum();
-        // (a buffer given twice is unscaled twice in turn: one by one)
-        let mut seen = std::collections::HashSet::new();
-        let distinct = live.iter().all(|b| seen.insert(b.buf()));
-        if live.len() > 1 && distinct && (total as u64) * 4 <= c.max_binding() {
-            check_multi(&live, inv_scale, &flag, &partials)?;
-        } else {
-            check_each(&live, inv_scale, &flag, &partials)?;
+        let mut offset = 0;
+        for b in bufs.iter().filter(|b| !b.is_empty()) {
+            let n = b.len().div_ceil(NORM_CHUNK);
+            let prm = CheckParams {
+                n: u32_of(b.len(), "length")?,
+                c: inv_scale.to_bits(),
+                chunk: NORM_CHUNK as u32,
+                offset: u32_of(offset, "offset")?,
+            };
+            c.dispatch(&CHECK, &prm, &[b.buf(), &flag, partials.buf()], grid1d(n))?;
+            offset += n;
         }
         let mut parts = vec![(&flag, 4), (partials.buf(), 4 * chunks as u64)];
         parts.extend(also.map(|a| (a.buf(), 4 * a.len() as u64)));
@@ -185,134 +172,4 @@ impl OptimOps for GpuStorage {
             Some(b) => c.dispatch(&SGD_MOMENTUM, &prm, &[self.buf(), g.buf(), b.buf()], grid),
         }
     }
-}
-
-/// The check over each buffer by itself: one kernel per buffer.
-fn check_each(bufs: &[&GpuStorage], inv_scale: f32, flag: &wgpu::Buffer, partials: &GpuStorage) -> Result<()> {
-    let c = ctx()?;
-    let mut offset = 0;
-    for b in bufs {
-        let n = b.len().div_ceil(NORM_CHUNK);
-        let prm = CheckParams {
-            n: u32_of(b.len(), "length")?,
-            c: inv_scale.to_bits(),
-            chunk: NORM_CHUNK as u32,
-            offset: u32_of(offset, "offset")?,
-        };
-        c.dispatch(&CHECK, &prm, &[b.buf(), flag, partials.buf()], grid1d(n))?;
-        offset += n;
-    }
-    Ok(())
-}
-
-/// The check over all buffers in one kernel: gathered into one arena back
-/// to back, checked and unscaled there chunk by chunk (each buffer's chunks
-/// as [`check_each`] makes them, its partials at the same places), and the
-/// unscaled values scattered back.
-fn check_multi(bufs: &[&GpuStorage], inv_scale: f32, flag: &wgpu::Buffer, partials: &GpuStorage) -> Result<()> {
-    let c = ctx()?;
-    let total: usize = bufs.iter().map(|b| b.len()).sum();
-    let arena = GpuStorage::alloc(c, total)?;
-    let mut table: Vec<u32> = Vec::new();
-    let mut at = 0;
-    for b in bufs {
-        c.copy_range(b.buf(), 0, arena.buf(), at as u64 * 4, b.len() as u64 * 4)?;
-        for s in (0..b.len()).step_by(NORM_CHUNK) {
-            table.push(u32_of(at + s, "arena offset")?);
-            table.push(u32_of(at + (s + NORM_CHUNK).min(b.len()), "arena offset")?);
-        }
-        at += b.len();
-    }
-    let chunks = table.len() / 2;
-    let tab = c.buffer_with(bytemuck::cast_slice(&table));
-    let prm = CheckMultiParams {
-        c: inv_scale.to_bits(),
-        chunks: u32_of(chunks, "chunks")?,
-    };
-    c.dispatch(&CHECK_MULTI, &prm, &[&tab, arena.buf(), flag, partials.buf()], grid1d(chunks))?;
-    let mut at = 0;
-    for b in bufs {
-        c.copy_range(arena.buf(), at as u64 * 4, b.buf(), 0, b.len() as u64 * 4)?;
-        at += b.len();
-    }
-    Ok(())
-}
-
-/// The AdamW updates of many parameters, `(p, g, m, v, constants)` each, in
-/// one kernel: the four kinds of buffer gathered into four arenas back to
-/// back, updated there (each element by the one-buffer kernel's
-/// expressions), and scattered back. `Ok(false)`: not done here (one
-/// parameter, or arenas past the device's largest binding); the caller
-/// updates them one by one.
-pub fn adamw_multi(items: &[(&GpuStorage, &GpuStorage, &GpuStorage, &GpuStorage, AdamWConsts)]) -> Result<bool> {
-    let c = ctx()?;
-    let items: Vec<_> = items.iter().filter(|it| !it.0.is_empty()).collect();
-    let total: usize = items.iter().map(|it| it.0.len()).sum();
-    if items.len() < 2 || (total as u64) * 4 > c.max_binding() {
-        return Ok(items.is_empty());
-    }
-    // A buffer in two items (a parameter given twice) is updated twice in
-    // turn one by one; gathered once, it would not be.
-    let mut seen = std::collections::HashSet::new();
-    if !items.iter().flat_map(|it| [it.0, it.1, it.2, it.3]).all(|b| seen.insert(b.buf())) {
-        return Ok(false);
-    }
-    let lanes = c.optim_per_lane as usize;
-    let per_group = 64 * lanes;
-    let arenas = [
-        GpuStorage::alloc(c, total)?,
-        GpuStorage::alloc(c, total)?,
-        GpuStorage::alloc(c, total)?,
-        GpuStorage::alloc(c, total)?,
-    ];
-    let (mut rows, mut map): (Vec<u32>, Vec<u32>) = (Vec::new(), Vec::new());
-    let mut at = 0;
-    for (s, (p, g, m, v, k)) in items.iter().enumerate() {
-        let n = p.len();
-        for (src, arena) in [p, g, m, v].iter().zip(&arenas) {
-            c.copy_range(src.buf(), 0, arena.buf(), at as u64 * 4, n as u64 * 4)?;
-        }
-        let row = [
-            u32_of(at, "arena offset")?,
-            u32_of(n, "length")?,
-            u32_of(map.len(), "workgroup")?,
-            k.decay.to_bits(),
-            k.beta1.to_bits(),
-            k.omb1.to_bits(),
-            k.beta2.to_bits(),
-            k.omb2.to_bits(),
-            k.step_size.to_bits(),
-            k.bc2_sqrt.to_bits(),
-            k.eps.to_bits(),
-            k.grad_scale.is_some() as u32,
-            k.grad_scale.unwrap_or(1.0).to_bits(),
-        ];
-        rows.extend(row);
-        rows.resize(16 * (s + 1), 0);
-        map.extend(std::iter::repeat_n(s as u32, n.div_ceil(per_group)));
-        at += n;
-    }
-    let prm = AdamWMultiParams {
-        groups: u32_of(map.len(), "workgroups")?,
-        map_at: u32_of(rows.len(), "table")?,
-    };
-    let groups = map.len();
-    rows.extend(map);
-    let tab = c.buffer_with(bytemuck::cast_slice(&rows));
-    let kernel = Kernel::new(&FAMILY, "adamw_multi").with("PER_LANE", lanes as u32);
-    let [ap, ag, am, av] = &arenas;
-    c.dispatch(&kernel, &prm, &[&tab, ap.buf(), ag.buf(), am.buf(), av.buf()], grid1d(groups * 64))?;
-    let mut at = 0;
-    for (p, g, m, v, k) in &items {
-        let n = p.len();
-        let mut back = vec![(*p, ap), (*m, am), (*v, av)];
-        if k.grad_scale.is_some() {
-            back.push((*g, ag));
-        }
-        for (dst, arena) in back {
-            c.copy_range(arena.buf(), at as u64 * 4, dst.buf(), 0, n as u64 * 4)?;
-        }
-        at += n;
-    }
-    Ok(true)
 }

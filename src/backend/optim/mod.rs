@@ -56,10 +56,6 @@ pub struct AdamWConsts {
     pub grad_scale: Option<f32>,
 }
 
-/// One parameter of [`Storage::adamw_steps`]: the parameter, its gradient,
-/// its moments `m` and `v`, and the update's constants.
-pub type AdamWItem<'a> = (&'a Storage, &'a Storage, &'a Storage, &'a Storage, AdamWConsts);
-
 /// The two devices' in-place updates (see the module docs for the contract).
 pub trait OptimOps: Sized {
     /// Unscales every buffer in place: true when all values were finite
@@ -174,46 +170,6 @@ impl Storage {
             None => primitive!(writes [self, m, v], "adamw", describe, [self, grad, m, v] => |p, g, m, v| {
                 p.adamw_step(g, m, v, c)
             }),
-        }
-        Ok(())
-    }
-
-    /// In-place AdamW on many parameters, `(parameter, gradient, m, v,
-    /// constants)` each: on the GPU one kernel for all of them (see
-    /// [`gpu::adamw_multi`]), each update then observed as
-    /// [`adamw_step`](Self::adamw_step) observes it; elsewhere, or where the
-    /// GPU cannot, one by one. `path(i)` names item `i` in a trace.
-    pub fn adamw_steps(items: &[AdamWItem<'_>], path: impl Fn(usize) -> String) -> Result<()> {
-        for (p, g, m, v, _) in items {
-            check_len("AdamW", p, &[g, m, v])?;
-        }
-        #[cfg(feature = "gpu")]
-        if items.first().is_some_and(|it| it.0.device() == Device::Gpu) {
-            let all: Vec<&Storage> = items.iter().flat_map(|&(p, g, m, v, _)| [p, g, m, v]).collect();
-            super::check_same(&all)?;
-            let fused = {
-                let _prof = crate::profile::scope("adamw");
-                let on_gpu: Vec<_> = items
-                    .iter()
-                    .map(|&(p, g, m, v, k)| (p.gpu(), g.gpu(), m.gpu(), v.gpu(), k))
-                    .collect();
-                gpu::adamw_multi(&on_gpu)?
-            };
-            if fused {
-                for (i, &(p, g, m, v, k)) in items.iter().enumerate() {
-                    let _traced = crate::trace::path_with(|| path(i));
-                    let describe = || format!("n {} {k:?}", p.len());
-                    match k.grad_scale {
-                        Some(_) => super::observed("adamw", describe, &[p, m, v, g])?,
-                        None => super::observed("adamw", describe, &[p, m, v])?,
-                    }
-                }
-                return Ok(());
-            }
-        }
-        for (i, &(p, g, m, v, k)) in items.iter().enumerate() {
-            let _traced = crate::trace::path_with(|| path(i));
-            p.adamw_step(g, m, v, &k)?;
         }
         Ok(())
     }
