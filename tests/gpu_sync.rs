@@ -83,3 +83,81 @@ fn a_training_step_reads_back_once() {
         assert!(report.grad_norm.is_some());
     }
 }
+
+/// The capstone's C1 recipe (`--preset capstone --bf16 --micro-batch 8
+/// --accum 4 --checkpoint-activations`): its layers, heads, accumulation and
+/// checkpointing, with tiny widths and `(context, micro-batch)` as given. The
+/// GPU work of a step depends on the layers, the micro-batches and the code
+/// paths, not on the widths or the rows (while the rows stay below the
+/// kernels' loop pass, 16,384): the full-size step counts the same.
+fn c1_narrow(context: usize, micro_batch: usize) -> tinyllm::train::config::TrainConfig {
+    use tinyllm::train::config::{TrainConfig, TrainOptions};
+    let mut cfg = TrainConfig::resolve(&TrainOptions {
+        preset: Some("capstone".into()),
+        device: Some(tinyllm::train::config::DeviceChoice::Gpu),
+        precision: Some(tinyllm::precision::Precision::Bf16),
+        micro_batch: Some(micro_batch),
+        accum: Some(4),
+        checkpoint_activations: Some(true),
+        steps: Some(4),
+        ..Default::default()
+    })
+    .unwrap();
+    let m = &mut cfg.model;
+    (m.d_model, m.hidden, m.context) = (m.n_heads * 4, 24, context);
+    cfg
+}
+
+/// The GPU work of the second and third C1 optimizer steps (the first
+/// creates the optimizer's moments), which must be equal.
+fn c1_counts(context: usize, micro_batch: usize) -> GpuCounters {
+    use tinyllm::train::data::Corpus;
+    use tinyllm::train::Trainer;
+    let cfg = c1_narrow(context, micro_batch);
+    let mut t = Trainer::new(cfg, Device::Gpu, &Corpus::embedded()).unwrap();
+    t.train_step().unwrap();
+    let mut steps = Vec::new();
+    for _ in 0..2 {
+        let before = GpuCounters::now();
+        t.train_step().unwrap();
+        steps.push(GpuCounters::now().since(before));
+    }
+    assert_eq!(steps[0], steps[1], "the counts are deterministic");
+    steps[0]
+}
+
+/// What one C1 optimizer step sends the GPU: dispatches (the target
+/// is 600: see BENCHMARKS.md for what would close the gap), queue submits
+/// (at most 8: a submit per 1,024 dispatches and the readback's) and one
+/// readback. Counts are exact; a change that adds GPU work fails here.
+const C1_STEP: GpuCounters = GpuCounters {
+    dispatches: 2827,
+    submits: 3,
+    readbacks: 1,
+};
+
+#[test]
+fn a_c1_step_counts_its_gpu_work() {
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    if !tinyllm::testing::gpu_available() {
+        return;
+    }
+    let got = c1_counts(64, 2);
+    eprintln!("C1 step (context 64, micro-batch 2): {got:?}");
+    assert_eq!(got, C1_STEP);
+    assert!(got.submits <= 8 && got.readbacks == 1);
+}
+
+/// The same counts at the capstone's context and micro-batch (slow on a
+/// software device: `cargo test --release --test gpu_sync -- --ignored`).
+#[test]
+#[ignore]
+fn a_full_length_c1_step_counts_the_same() {
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    if !tinyllm::testing::gpu_available() {
+        return;
+    }
+    let got = c1_counts(512, 8);
+    eprintln!("C1 step (context 512, micro-batch 8): {got:?}");
+    assert_eq!(got, C1_STEP);
+}

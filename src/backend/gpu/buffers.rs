@@ -47,13 +47,17 @@ impl Pool {
         self.peak = self.peak.max(self.held);
     }
 
-    pub fn put(&mut self, class: u64, buf: wgpu::Buffer) {
+    /// Takes `buf` back, or returns it when the pool is full: the caller
+    /// releases it (dropping the handle, once the context has forgotten it).
+    #[must_use]
+    pub fn put(&mut self, class: u64, buf: wgpu::Buffer) -> Option<wgpu::Buffer> {
         if self.free_bytes + class > MAX_POOLED {
             self.held -= class;
-            return; // dropping the handle releases it (once the GPU is done with it)
+            return Some(buf); // dropping the handle releases it (once the GPU is done with it)
         }
         self.free_bytes += class;
         self.free.entry(class).or_default().push(buf);
+        None
     }
 
     pub fn free_bytes(&self) -> u64 {
@@ -67,10 +71,13 @@ impl Pool {
 
     /// Releases every pooled buffer and starts the peak again from what
     /// the tensors alive now hold.
-    pub fn release_and_restart_peak(&mut self) {
+    /// Returns the buffers, for the caller to release.
+    #[must_use]
+    pub fn release_and_restart_peak(&mut self) -> Vec<wgpu::Buffer> {
         self.held -= self.free_bytes;
-        self.free.clear();
+        let out = self.free.drain().flat_map(|(_, v)| v).collect();
         self.free_bytes = 0;
         self.peak = self.held;
+        out
     }
 }

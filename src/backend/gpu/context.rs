@@ -7,25 +7,39 @@
 //! ## Batched submission
 //! Dispatches are recorded into one pending `CommandEncoder` and submitted
 //! together, only when needed: before a readback, when [`MAX_PENDING_DISPATCHES`] dispatches
-//! are pending, or on an explicit [`Context::flush`]. Per-dispatch parameters
-//! are packed into one params buffer per batch (a 256-byte slot per dispatch),
+//! are pending, or on an explicit [`Context::flush`]. Consecutive dispatches
+//! share one compute pass (wgpu orders a pass's dispatches like separate
+//! passes: each is its own usage scope); a copy or an upload ends the pass,
+//! and the next dispatch opens another, so copies stay in order with them.
+//!
+//! Per-dispatch parameters are packed into one persistent params buffer (a
+//! 256-byte slot per dispatch of the batch), bound with a dynamic offset and
 //! written with `queue.write_buffer` just before the submit — wgpu runs queued
 //! writes before the command buffers of the same submit and after every earlier
-//! submit, which is exactly the order we need. Tensor uploads never use
+//! submit, which is exactly the order we need. Because the params no longer
+//! change a dispatch's bindings, its bind group (kernel + buffers) is cached
+//! and reused across dispatches and steps; an entry is dropped when one of its
+//! pooled buffers is released (a pooled buffer taken again is the same buffer,
+//! so its entries stay valid), and only pooled buffers' bind groups are cached
+//! (a one-off buffer's would keep it alive). Tensor uploads never use
 //! `write_buffer` on a pooled buffer (a pending dispatch might still read its
 //! old contents): they go through a fresh mapped-at-creation staging buffer
 //! and a `copy_buffer_to_buffer` recorded in the pending encoder, in order.
 
 use super::arith::{self, ArithFindings};
 use super::pipelines::{self, Kernel};
-use super::spirv::FloatControls;
+use super::spirv::{self, FloatControls};
 use bytemuck::Pod;
 use crate::{Error, Result};
 use std::collections::HashMap;
 use std::sync::{mpsc, Arc, Mutex, OnceLock};
 
-/// Dispatches recorded before a submit is forced.
-pub const MAX_PENDING_DISPATCHES: usize = 64;
+/// Dispatches recorded before a submit is forced (a C1 training step makes
+/// a few thousand: a handful of submits).
+pub const MAX_PENDING_DISPATCHES: usize = 1024;
+/// Cached bind groups kept at most; past it the cache starts again (a bound
+/// on what many distinct buffer combinations can hold).
+const MAX_BIND_GROUPS: usize = 8192;
 /// Bytes of a params slot (a multiple of every device's storage offset alignment).
 const SLOT: u64 = 256;
 
@@ -46,7 +60,10 @@ pub struct Context {
     pub shaders: Shaders,
     slot: u64,
     pending: Mutex<Pending>,
-    pipelines: Mutex<HashMap<Kernel, wgpu::ComputePipeline>>,
+    /// The batch's parameters, one slot per dispatch (binding 0, dynamic offset).
+    params_buf: wgpu::Buffer,
+    pipelines: Mutex<HashMap<Kernel, Pipeline>>,
+    bind_groups: Mutex<BindGroups>,
     modules: Mutex<HashMap<&'static str, wgpu::ShaderModule>>,
     pub(super) pool: Mutex<super::buffers::Pool>,
     /// The compiled pipelines on disk, where asked for (see [`cache`](super::cache)).
@@ -116,12 +133,30 @@ fn choose_shaders(adapter: &wgpu::Adapter) -> (Shaders, wgpu::Features) {
     (shaders, wgpu::Features::PASSTHROUGH_SHADERS)
 }
 
+/// A compiled kernel and its bind-group layout (binding 0 with a dynamic offset).
+#[derive(Clone)]
+struct Pipeline {
+    pipeline: wgpu::ComputePipeline,
+    layout: wgpu::BindGroupLayout,
+}
+
 #[derive(Default)]
 struct Pending {
     encoder: Option<wgpu::CommandEncoder>,
-    params_buf: Option<wgpu::Buffer>,
+    /// The open compute pass of the encoder, if any (ended before a copy).
+    pass: Option<wgpu::ComputePass<'static>>,
+    /// The kernel the open pass has set last (no `set_pipeline` repeats).
+    bound: Option<Kernel>,
     params: Vec<u8>,
     dispatches: usize,
+}
+
+/// The bind-group cache: per kernel and buffers (see the module docs).
+#[derive(Default)]
+struct BindGroups {
+    /// Buffers of the pool: only these may appear in a cached bind group.
+    pooled: std::collections::HashSet<wgpu::Buffer>,
+    groups: HashMap<(Kernel, Vec<wgpu::Buffer>), wgpu::BindGroup>,
 }
 
 static CONTEXT: OnceLock<std::result::Result<Context, String>> = OnceLock::new();
@@ -291,6 +326,12 @@ impl Context {
             }
         });
         let slot = SLOT.max(limits.min_storage_buffer_offset_alignment as u64);
+        let params_buf = device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("params"),
+            size: slot * MAX_PENDING_DISPATCHES as u64,
+            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
         let found = probe_arith(&device, &queue)?;
         let forced = match std::env::var("TINYLLM_GPU_FMA").as_deref() {
             Ok("soft") => Some(false),
@@ -323,7 +364,9 @@ impl Context {
             arith: found,
             slot,
             pending: Mutex::new(Pending::default()),
+            params_buf,
             pipelines: Mutex::new(HashMap::new()),
+            bind_groups: Mutex::new(BindGroups::default()),
             modules: Mutex::new(HashMap::new()),
             pool: Mutex::new(super::buffers::Pool::default()),
             disk_cache,
@@ -346,7 +389,7 @@ impl Context {
             .min(self.limits.max_buffer_size)
     }
 
-    fn pipeline(&self, k: &Kernel) -> Result<wgpu::ComputePipeline> {
+    fn pipeline(&self, k: &Kernel) -> Result<Pipeline> {
         if let Some(p) = self.pipelines.lock().unwrap().get(k) {
             return Ok(p.clone());
         }
@@ -354,58 +397,24 @@ impl Context {
         // Validation errors of shader/pipeline creation are caught in a scope
         // (on this thread, synchronously) and become an Error, not a panic.
         let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
-        if !matches!(self.shaders, Shaders::Wgsl { .. }) {
-            let p = self.passthrough_pipeline(k);
-            if let Some(e) = pollster::block_on(scope.pop()) {
-                return Err(Error::device(format!(
-                    "GPU kernel {}::{entry} failed to compile: {e}",
-                    family.name
-                )));
-            }
-            let p = p?;
-            self.pipelines.lock().unwrap().insert(*k, p.clone());
-            return Ok(p);
-        }
-        let module = {
-            let mut mods = self.modules.lock().unwrap();
-            mods.entry(family.name)
-                .or_insert_with(|| {
-                    let src = pipelines::compose(family, self.native_fma);
-                    self.device
-                        .create_shader_module(wgpu::ShaderModuleDescriptor {
-                            label: Some(family.name),
-                            source: wgpu::ShaderSource::Wgsl(src.into()),
-                        })
-                })
-                .clone()
+        let p = match self.shaders {
+            Shaders::Wgsl { .. } => self.wgsl_pipeline(k),
+            _ => self.passthrough_pipeline(k),
         };
-        let p = self
-            .device
-            .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-                label: Some(entry),
-                layout: None,
-                module: &module,
-                entry_point: Some(entry),
-                compilation_options: wgpu::PipelineCompilationOptions {
-                    constants: &k.constants(),
-                    ..Default::default()
-                },
-                cache: self.disk_cache.as_ref().map(|c| c.for_new_pipeline()),
-            });
         if let Some(e) = pollster::block_on(scope.pop()) {
             return Err(Error::device(format!(
                 "GPU kernel {}::{entry} failed to compile: {e}",
                 family.name
             )));
         }
+        let p = p?;
         self.pipelines.lock().unwrap().insert(*k, p.clone());
         Ok(p)
     }
 
-    /// `k` hardened for the context's path (see [`passthrough`](super::passthrough)),
-    /// its bind-group layout from naga's reflection.
-    fn passthrough_pipeline(&self, k: &Kernel) -> Result<wgpu::ComputePipeline> {
-        let (module, bindings) = super::passthrough::module(&self.device, self.shaders, self.native_fma, k)?;
+    /// The bind-group and pipeline layouts of a kernel using `bindings`:
+    /// binding 0 (the parameters) at a dynamic offset into the params buffer.
+    fn layouts(&self, bindings: &[spirv::Binding]) -> (wgpu::BindGroupLayout, wgpu::PipelineLayout) {
         let entries: Vec<wgpu::BindGroupLayoutEntry> = bindings
             .iter()
             .map(|b| wgpu::BindGroupLayoutEntry {
@@ -416,7 +425,7 @@ impl Context {
                         Some(read_only) => wgpu::BufferBindingType::Storage { read_only },
                         None => wgpu::BufferBindingType::Uniform,
                     },
-                    has_dynamic_offset: false,
+                    has_dynamic_offset: b.binding == 0,
                     min_binding_size: None,
                 },
                 count: None,
@@ -428,14 +437,116 @@ impl Context {
             bind_group_layouts: &[Some(&bgl)],
             immediate_size: 0,
         });
-        Ok(self.device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+        (bgl, layout)
+    }
+
+    /// `k` as WGSL the backend compiles, its layout from naga's reflection.
+    fn wgsl_pipeline(&self, k: &Kernel) -> Result<Pipeline> {
+        let (family, entry) = (k.family, k.entry);
+        let src = pipelines::compose(family, self.native_fma);
+        let bindings = spirv::reflect_bindings(&src, entry)?;
+        let module = {
+            let mut mods = self.modules.lock().unwrap();
+            mods.entry(family.name)
+                .or_insert_with(|| {
+                    self.device
+                        .create_shader_module(wgpu::ShaderModuleDescriptor {
+                            label: Some(family.name),
+                            source: wgpu::ShaderSource::Wgsl(src.into()),
+                        })
+                })
+                .clone()
+        };
+        let (bgl, layout) = self.layouts(&bindings);
+        let pipeline = self
+            .device
+            .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                label: Some(entry),
+                layout: Some(&layout),
+                module: &module,
+                entry_point: Some(entry),
+                compilation_options: wgpu::PipelineCompilationOptions {
+                    constants: &k.constants(),
+                    ..Default::default()
+                },
+                cache: self.disk_cache.as_ref().map(|c| c.for_new_pipeline()),
+            });
+        Ok(Pipeline { pipeline, layout: bgl })
+    }
+
+    /// `k` hardened for the context's path (see [`passthrough`](super::passthrough)),
+    /// its bind-group layout from naga's reflection.
+    fn passthrough_pipeline(&self, k: &Kernel) -> Result<Pipeline> {
+        let (module, bindings) = super::passthrough::module(&self.device, self.shaders, self.native_fma, k)?;
+        let (bgl, layout) = self.layouts(&bindings);
+        let pipeline = self.device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
             label: Some(k.entry),
             layout: Some(&layout),
             module: &module,
             entry_point: Some(k.entry),
             compilation_options: wgpu::PipelineCompilationOptions::default(),
             cache: self.disk_cache.as_ref().map(|c| c.for_new_pipeline()),
-        }))
+        });
+        Ok(Pipeline { pipeline, layout: bgl })
+    }
+
+    /// The bind group of `k` over `bufs` (bindings 1, 2, ...) and the params
+    /// buffer (binding 0, its offset given at dispatch): from the cache when
+    /// every buffer is pooled.
+    fn bind_group(&self, k: &Kernel, p: &Pipeline, bufs: &[&wgpu::Buffer]) -> wgpu::BindGroup {
+        let create = || {
+            let mut entries = vec![wgpu::BindGroupEntry {
+                binding: 0,
+                resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                    buffer: &self.params_buf,
+                    offset: 0,
+                    size: wgpu::BufferSize::new(self.slot),
+                }),
+            }];
+            for (i, b) in bufs.iter().enumerate() {
+                entries.push(wgpu::BindGroupEntry {
+                    binding: i as u32 + 1,
+                    resource: b.as_entire_binding(),
+                });
+            }
+            self.device.create_bind_group(&wgpu::BindGroupDescriptor {
+                label: None,
+                layout: &p.layout,
+                entries: &entries,
+            })
+        };
+        let mut cache = self.bind_groups.lock().unwrap();
+        if !bufs.iter().all(|b| cache.pooled.contains(*b)) {
+            return create();
+        }
+        let key = (*k, bufs.iter().map(|&b| b.clone()).collect::<Vec<_>>());
+        if let Some(bg) = cache.groups.get(&key) {
+            return bg.clone();
+        }
+        if cache.groups.len() >= MAX_BIND_GROUPS {
+            cache.groups.clear();
+        }
+        let bg = create();
+        cache.groups.insert(key, bg.clone());
+        bg
+    }
+
+    /// A pool buffer was created: bind groups over it may be cached.
+    pub(super) fn pooled(&self, buf: &wgpu::Buffer) {
+        self.bind_groups.lock().unwrap().pooled.insert(buf.clone());
+    }
+
+    /// Pool buffers are being released: drop the cached bind groups that hold
+    /// them (else the cache would keep them alive).
+    pub(super) fn released(&self, bufs: &[wgpu::Buffer]) {
+        if bufs.is_empty() {
+            return;
+        }
+        let mut cache = self.bind_groups.lock().unwrap();
+        for b in bufs {
+            cache.pooled.remove(b);
+        }
+        cache.groups.retain(|(_, held), _| !held.iter().any(|h| bufs.contains(h)));
     }
 
     /// Records one dispatch of `k` over `groups` workgroups. `params` (the
@@ -450,79 +561,71 @@ impl Context {
         if groups.0 == 0 || groups.1 == 0 || groups.2 == 0 {
             return Ok(());
         }
-        let pipeline = self.pipeline(k)?;
-        let mut pend = self.pending.lock().unwrap();
-        if pend.dispatches >= MAX_PENDING_DISPATCHES {
-            self.submit(&mut pend);
-        }
-        self.ensure_batch(&mut pend);
-        let slot = pend.dispatches as u64;
-        pend.dispatches += 1;
-        crate::profile::note_gpu(crate::profile::GpuEvent::Dispatch);
-        let off = (slot * self.slot) as usize;
         let bytes: &[u8] = bytemuck::bytes_of(params);
         assert!(
             bytes.len() as u64 <= self.slot,
             "kernel params exceed a slot"
         );
+        let pipeline = self.pipeline(k)?;
+        let bg = self.bind_group(k, &pipeline, bufs);
+        let mut pend = self.pending.lock().unwrap();
+        if pend.dispatches >= MAX_PENDING_DISPATCHES {
+            self.submit(&mut pend);
+        }
+        self.ensure_encoder(&mut pend);
+        let slot = pend.dispatches as u64;
+        pend.dispatches += 1;
+        crate::profile::note_gpu(crate::profile::GpuEvent::Dispatch);
+        let off = (slot * self.slot) as usize;
         pend.params.resize(off, 0);
         pend.params.extend_from_slice(bytes);
-        let params_buf = pend.params_buf.as_ref().unwrap();
-        let mut entries = vec![wgpu::BindGroupEntry {
-            binding: 0,
-            resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
-                buffer: params_buf,
-                offset: slot * self.slot,
-                size: wgpu::BufferSize::new(self.slot),
-            }),
-        }];
-        for (i, b) in bufs.iter().enumerate() {
-            entries.push(wgpu::BindGroupEntry {
-                binding: i as u32 + 1,
-                resource: b.as_entire_binding(),
-            });
+        if pend.pass.is_none() {
+            let pass = pend
+                .encoder
+                .as_mut()
+                .unwrap()
+                .begin_compute_pass(&wgpu::ComputePassDescriptor {
+                    label: None,
+                    timestamp_writes: None,
+                })
+                .forget_lifetime();
+            pend.pass = Some(pass);
+            pend.bound = None;
         }
-        let bg = self.device.create_bind_group(&wgpu::BindGroupDescriptor {
-            label: None,
-            layout: &pipeline.get_bind_group_layout(0),
-            entries: &entries,
-        });
-        let enc = pend.encoder.as_mut().unwrap();
-        let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
-            label: None,
-            timestamp_writes: None,
-        });
-        pass.set_pipeline(&pipeline);
-        pass.set_bind_group(0, &bg, &[]);
+        let set = pend.bound.as_ref() != Some(k);
+        pend.bound = Some(*k);
+        let pass = pend.pass.as_mut().unwrap();
+        if set {
+            pass.set_pipeline(&pipeline.pipeline);
+        }
+        pass.set_bind_group(0, &bg, &[(slot * self.slot) as u32]);
         pass.dispatch_workgroups(groups.0, groups.1, groups.2);
         Ok(())
     }
 
-    fn ensure_batch(&self, pend: &mut Pending) {
+    /// The pending encoder, its compute pass ended: what a copy records into.
+    fn encoder<'p>(&self, pend: &'p mut Pending) -> &'p mut wgpu::CommandEncoder {
+        pend.pass = None;
+        self.ensure_encoder(pend);
+        pend.encoder.as_mut().unwrap()
+    }
+
+    fn ensure_encoder(&self, pend: &mut Pending) {
         if pend.encoder.is_none() {
             pend.encoder = Some(
                 self.device
                     .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None }),
             );
         }
-        if pend.params_buf.is_none() {
-            pend.params_buf = Some(self.device.create_buffer(&wgpu::BufferDescriptor {
-                label: Some("params"),
-                size: self.slot * MAX_PENDING_DISPATCHES as u64,
-                usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST,
-                mapped_at_creation: false,
-            }));
-        }
     }
 
     fn submit(&self, pend: &mut Pending) {
+        pend.pass = None;
         if let Some(enc) = pend.encoder.take() {
-            if let Some(pb) = pend.params_buf.take() {
-                if !pend.params.is_empty() {
-                    let mut bytes = std::mem::take(&mut pend.params);
-                    bytes.resize(bytes.len().next_multiple_of(4), 0);
-                    self.queue.write_buffer(&pb, 0, &bytes);
-                }
+            if !pend.params.is_empty() {
+                let mut bytes = std::mem::take(&mut pend.params);
+                bytes.resize(bytes.len().next_multiple_of(4), 0);
+                self.queue.write_buffer(&self.params_buf, 0, &bytes);
             }
             self.queue.submit([enc.finish()]);
             crate::profile::note_gpu(crate::profile::GpuEvent::Submit);
@@ -556,14 +659,8 @@ impl Context {
             return Ok(());
         }
         let mut pend = self.pending.lock().unwrap();
-        self.ensure_batch(&mut pend);
-        pend.encoder.as_mut().unwrap().copy_buffer_to_buffer(
-            src,
-            0,
-            dst,
-            0,
-            bytes.next_multiple_of(4),
-        );
+        self.encoder(&mut pend)
+            .copy_buffer_to_buffer(src, 0, dst, 0, bytes.next_multiple_of(4));
         Ok(())
     }
 
@@ -588,10 +685,7 @@ impl Context {
         }
         staging.unmap();
         let mut pend = self.pending.lock().unwrap();
-        self.ensure_batch(&mut pend);
-        pend.encoder
-            .as_mut()
-            .unwrap()
+        self.encoder(&mut pend)
             .copy_buffer_to_buffer(&staging, 0, dst, 0, size);
         Ok(())
     }
@@ -644,8 +738,7 @@ impl Context {
         });
         {
             let mut pend = self.pending.lock().unwrap();
-            self.ensure_batch(&mut pend);
-            let enc = pend.encoder.as_mut().unwrap();
+            let enc = self.encoder(&mut pend);
             let mut at = 0;
             for (&(src, _), &n) in parts.iter().zip(&sizes) {
                 if n > 0 {

@@ -65,7 +65,8 @@ pub fn device_peak_bytes() -> Option<usize> {
 /// tensors alive now (a comparison's second side starts clean).
 pub fn restart_device_peak() {
     if let Some(c) = ctx_if_created() {
-        c.pool.lock().unwrap().release_and_restart_peak();
+        let gone = c.pool.lock().unwrap().release_and_restart_peak();
+        c.released(&gone);
     }
 }
 
@@ -259,7 +260,10 @@ pub const LOOP_PASS: usize = 16_384;
 impl Drop for GpuStorage {
     fn drop(&mut self) {
         if let (Some(b), Some(c)) = (self.buf.take(), ctx_if_created()) {
-            c.pool.lock().unwrap().put(self.class, b);
+            let gone = c.pool.lock().unwrap().put(self.class, b);
+            if let Some(b) = gone {
+                c.released(&[b]);
+            }
         }
     }
 }
@@ -284,14 +288,16 @@ impl GpuStorage {
             Some(b) => b,
             None => {
                 c.pool.lock().unwrap().created(class);
-                c.device.create_buffer(&wgpu::BufferDescriptor {
+                let b = c.device.create_buffer(&wgpu::BufferDescriptor {
                     label: Some("tensor"),
                     size: class,
                     usage: wgpu::BufferUsages::STORAGE
                         | wgpu::BufferUsages::COPY_SRC
                         | wgpu::BufferUsages::COPY_DST,
                     mapped_at_creation: false,
-                })
+                });
+                c.pooled(&b);
+                b
             }
         };
         Ok(GpuStorage {

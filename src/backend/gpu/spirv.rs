@@ -252,24 +252,7 @@ pub(super) fn lower(src: &str, entry: &str, constants: &[(&str, f64)], target: &
         .iter()
         .position(|e| e.name == entry)
         .ok_or_else(|| fail("no such entry point".into()))?;
-    let uses = info.get_entry_point(index);
-    let mut bindings = Vec::new();
-    for (h, g) in module.global_variables.iter() {
-        let Some(rb) = &g.binding else { continue };
-        if uses[h].is_empty() {
-            continue;
-        }
-        if rb.group != 0 {
-            return Err(fail(format!("binding group {} (kernels use group 0 only)", rb.group)));
-        }
-        let storage = match g.space {
-            naga::AddressSpace::Uniform => None,
-            naga::AddressSpace::Storage { access } => Some(!access.contains(naga::StorageAccess::STORE)),
-            other => return Err(fail(format!("a binding in address space {other:?}"))),
-        };
-        bindings.push(Binding { binding: rb.binding, storage });
-    }
-    bindings.sort_by_key(|b| b.binding);
+    let bindings = entry_bindings(&module, &info, index).map_err(fail)?;
     let workgroup_size = module.entry_points[index].workgroup_size;
     Ok(Lowered { module: module.into_owned(), info: info.into_owned(), bindings, workgroup_size })
 }
@@ -295,6 +278,48 @@ fn to_spirv(src: &str, entry: &str, constants: &[(&str, f64)]) -> Result<Compile
     let pipeline = naga::back::spv::PipelineOptions { shader_stage: stage, entry_point: entry.to_string() };
     let words = naga::back::spv::write_vec(&module, &info, &options, Some(&pipeline)).map_err(|e| fail(format!("{e}")))?;
     Ok(Compiled { words, bindings, workgroup_size, hardened: Hardened::default() })
+}
+
+/// The group-0 bindings entry point `index` of `module` uses, by number.
+fn entry_bindings(
+    module: &naga::Module,
+    info: &naga::valid::ModuleInfo,
+    index: usize,
+) -> std::result::Result<Vec<Binding>, String> {
+    let uses = info.get_entry_point(index);
+    let mut bindings = Vec::new();
+    for (h, g) in module.global_variables.iter() {
+        let Some(rb) = &g.binding else { continue };
+        if uses[h].is_empty() {
+            continue;
+        }
+        if rb.group != 0 {
+            return Err(format!("binding group {} (kernels use group 0 only)", rb.group));
+        }
+        let storage = match g.space {
+            naga::AddressSpace::Uniform => None,
+            naga::AddressSpace::Storage { access } => Some(!access.contains(naga::StorageAccess::STORE)),
+            other => return Err(format!("a binding in address space {other:?}")),
+        };
+        bindings.push(Binding { binding: rb.binding, storage });
+    }
+    bindings.sort_by_key(|b| b.binding);
+    Ok(bindings)
+}
+
+/// The bindings `entry` of the WGSL `src` uses (the WGSL path's explicit
+/// bind-group layout: binding 0, the parameters, takes a dynamic offset).
+pub fn reflect_bindings(src: &str, entry: &str) -> Result<Vec<Binding>> {
+    let fail = |what: String| Error::internal(format!("reflecting kernel {entry}: {what}"));
+    let module = naga::front::wgsl::parse_str(src).map_err(|e| fail(e.emit_to_string(src)))?;
+    let mut validator = naga::valid::Validator::new(naga::valid::ValidationFlags::all(), naga::valid::Capabilities::default());
+    let info = validator.validate(&module).map_err(|e| fail(format!("{e:?}")))?;
+    let index = module
+        .entry_points
+        .iter()
+        .position(|e| e.name == entry)
+        .ok_or_else(|| fail("no such entry point".into()))?;
+    entry_bindings(&module, &info, index).map_err(fail)
 }
 
 #[cfg(test)]
