@@ -23,6 +23,7 @@ pub mod pipelines;
 pub mod buffers;
 pub mod probe;
 pub mod spirv;
+pub mod variant;
 
 use super::MAX_DIMS;
 use crate::memory::Ticket;
