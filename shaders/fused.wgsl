@@ -417,3 +417,228 @@ fn cross_entropy_backward(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_wor
         cb_dx[base + j] = b + sep(gs * m_exp(cb_x[base + j] - m), z);
     }
 }
+
+// ---------------------------------------------------------------------------
+// The hardware variant (backend/gpu/variant.rs) of the row kernels: the same
+// contract and bits, a workgroup per block of 64 rows. Lane l owns row
+// row0 + l and runs exactly its fold above (ascending, from -0), but from
+// workgroup memory: the block's rows are staged FW columns at a time with
+// coalesced loads (consecutive lanes, consecutive columns of a row), each
+// staged value already the fold's term, computed by the lane that loads it.
+// What follows a fold is elementwise given the row's statistics (kept in
+// workgroup memory), so consecutive lanes write consecutive elements.
+// grid: grid1d(rows); 64 invocations per workgroup (cross_entropy_mean: one
+// workgroup; cross_entropy_backward_elems: grid1d(rows * v)).
+
+const FW: u32 = 16u;     // columns staged per step
+const FPITCH: u32 = 17u; // a staged row's pitch (FW + 1: lanes folding different rows hit different banks)
+
+var<workgroup> f_tile: array<f32, 1088>; // (64 rows, FW columns), pitch FPITCH
+var<workgroup> f_row: array<f32, 64>;    // a statistic per row of the block
+var<workgroup> f_row2: array<f32, 64>;
+
+// grid: grid1d(rows); lane l: row row0 + l; y: (rows, d) elementwise by the block.
+@compute @workgroup_size(64)
+fn rms_norm_staged(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
+                   @builtin(local_invocation_index) lane: u32) {
+    let row0 = grid_index(wg, groups, 0u); // uniform: loops with barriers depend on it only
+    let rows = rn_prm.rows;
+    let d = rn_prm.d;
+    let z = rn_prm.zero;
+    let row = row0 + lane;
+    var ss = -0.0;
+    for (var c0 = 0u; c0 < d; c0 += FW) {
+        workgroupBarrier();
+        for (var q = 0u; q < FW; q++) {
+            let e = lane + 64u * q;
+            let r = e / FW;
+            let j = c0 + e % FW;
+            if row0 + r < rows && j < d {
+                let v = rn_x[(row0 + r) * d + j];
+                f_tile[r * FPITCH + e % FW] = sep(v * v, z);
+            }
+        }
+        workgroupBarrier();
+        if row < rows {
+            let w = min(FW, d - c0);
+            for (var q = 0u; q < w; q++) {
+                ss = ss + f_tile[lane * FPITCH + q];
+            }
+        }
+    }
+    let r = m_div(1.0, m_sqrt(m_div(ss, bitcast<f32>(rn_prm.d_f)) + bitcast<f32>(rn_prm.eps)));
+    f_row[lane] = r;
+    if row < rows {
+        rn_rstd[row] = r;
+    }
+    workgroupBarrier();
+    let end = min(rows - row0, 64u) * d;
+    for (var e = lane; e < end; e += 64u) {
+        let at = row0 * d + e;
+        rn_y[at] = (rn_x[at] * f_row[e / d]) * rn_w[e % d];
+    }
+}
+
+// grid: grid1d(rows); lane l folds gr of row row0 + l; dx: (rows, d) elementwise by the block.
+@compute @workgroup_size(64)
+fn rms_norm_backward_rows_staged(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
+                                 @builtin(local_invocation_index) lane: u32) {
+    let row0 = grid_index(wg, groups, 0u);
+    let rows = rb_prm.rows;
+    let d = rb_prm.d;
+    let z = rb_prm.zero;
+    let row = row0 + lane;
+    var gr = -0.0;
+    for (var c0 = 0u; c0 < d; c0 += FW) {
+        workgroupBarrier();
+        for (var q = 0u; q < FW; q++) {
+            let e = lane + 64u * q;
+            let r = e / FW;
+            let j = c0 + e % FW;
+            if row0 + r < rows && j < d {
+                let at = (row0 + r) * d + j;
+                let gw = rb_g[at] * rb_w[j];
+                f_tile[r * FPITCH + e % FW] = sep(gw * rb_x[at], z);
+            }
+        }
+        workgroupBarrier();
+        if row < rows {
+            let w = min(FW, d - c0);
+            for (var q = 0u; q < w; q++) {
+                gr = gr + f_tile[lane * FPITCH + q];
+            }
+        }
+    }
+    if row < rows {
+        let r = rb_rstd[row];
+        f_row[lane] = r;
+        f_row2[lane] = m_div(sep(sep(sep(gr * r, z) * r, z) * r, z) * -0.5, bitcast<f32>(rb_prm.d_f));
+    }
+    workgroupBarrier();
+    let end = min(rows - row0, 64u) * d;
+    for (var e = lane; e < end; e += 64u) {
+        let at = row0 * d + e;
+        let r = f_row[e / d];
+        let gs = f_row2[e / d];
+        let gw = rb_g[at] * rb_w[e % d];
+        let dx1 = sep(gw * r, z);
+        let dx2 = sep(sep(gs * rb_x[at], z) * 2.0, z);
+        if rb_prm.earlier != 0u {
+            rb_dx[at] = (rb_e[at] + dx1) + dx2;
+        } else {
+            rb_dx[at] = dx1 + dx2;
+        }
+    }
+}
+
+// grid: grid1d(rows); lane l folds row row0 + l's max, then its sum.
+@compute @workgroup_size(64)
+fn cross_entropy_rows_staged(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
+                             @builtin(local_invocation_index) lane: u32) {
+    let row0 = grid_index(wg, groups, 0u);
+    let rows = ce_prm.rows;
+    let v = ce_prm.v; // >= 1
+    let z = ce_prm.zero;
+    let row = row0 + lane;
+    var m = 0.0;
+    for (var c0 = 0u; c0 < v; c0 += FW) {
+        workgroupBarrier();
+        for (var q = 0u; q < FW; q++) {
+            let e = lane + 64u * q;
+            let r = e / FW;
+            let j = c0 + e % FW;
+            if row0 + r < rows && j < v {
+                f_tile[r * FPITCH + e % FW] = ce_x[(row0 + r) * v + j];
+            }
+        }
+        workgroupBarrier();
+        if row < rows {
+            let w = min(FW, v - c0);
+            for (var q = 0u; q < w; q++) {
+                let x = f_tile[lane * FPITCH + q];
+                if c0 + q == 0u {
+                    m = x;
+                } else {
+                    m = maximum_c(m, x);
+                }
+            }
+        }
+    }
+    f_row[lane] = m;
+    var s = -0.0;
+    for (var c0 = 0u; c0 < v; c0 += FW) {
+        workgroupBarrier();
+        for (var q = 0u; q < FW; q++) {
+            let e = lane + 64u * q;
+            let r = e / FW;
+            let j = c0 + e % FW;
+            if row0 + r < rows && j < v {
+                f_tile[r * FPITCH + e % FW] = sep(m_exp(ce_x[(row0 + r) * v + j] - f_row[r]), z);
+            }
+        }
+        workgroupBarrier();
+        if row < rows {
+            let w = min(FW, v - c0);
+            for (var q = 0u; q < w; q++) {
+                s = s + f_tile[lane * FPITCH + q];
+            }
+        }
+    }
+    if row < rows {
+        ce_stats[2u * row] = m;
+        ce_stats[2u * row + 1u] = s;
+        ce_rowloss[row] = (ce_x[row * v + ce_targets[row]] - m) - m_log(s);
+    }
+}
+
+// grid: one workgroup of 64; the fold of cross_entropy_mean, rows [k0, k1)
+// staged 64 at a time (one coalesced load per lane), lane 0 adding them in order.
+@compute @workgroup_size(64)
+fn cross_entropy_mean_staged(@builtin(local_invocation_index) lane: u32) {
+    var acc = -0.0;
+    if cs_prm.k0 > 0u {
+        acc = cs_loss[0];
+    }
+    let k1 = cs_prm.k1;
+    for (var c0 = cs_prm.k0; c0 < k1; c0 += 64u) {
+        workgroupBarrier();
+        if c0 + lane < k1 {
+            f_row[lane] = cs_rowloss[c0 + lane];
+        }
+        workgroupBarrier();
+        if lane == 0u {
+            let w = min(64u, k1 - c0);
+            for (var q = 0u; q < w; q++) {
+                acc = acc + f_row[q];
+            }
+        }
+    }
+    if lane == 0u {
+        if k1 == cs_prm.rows {
+            cs_loss[0] = -0.0 - m_div(acc, bitcast<f32>(cs_prm.rows_f));
+        } else {
+            cs_loss[0] = acc;
+        }
+    }
+}
+
+// grid: grid1d(rows * v); one invocation per element of dx (the backward has
+// no fold: each element is cross_entropy_backward's formula for its row).
+@compute @workgroup_size(64)
+fn cross_entropy_backward_elems(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
+                                @builtin(local_invocation_index) lane: u32) {
+    let i = grid_index(wg, groups, lane);
+    let v = cb_prm.v;
+    if i >= cb_prm.rows * v {
+        return;
+    }
+    let row = i / v;
+    let j = i % v;
+    let z = cb_prm.zero;
+    let pz = bitcast<f32>(z);
+    let a = pz + m_div(-0.0 - cb_g[0], bitcast<f32>(cb_prm.rows_f));
+    let m = cb_stats[2u * row];
+    let gs = m_div(-0.0 - a, cb_stats[2u * row + 1u]);
+    let b = select(pz, a, j == cb_targets[row]);
+    cb_dx[i] = b + sep(gs * m_exp(cb_x[i] - m), z);
+}

@@ -315,3 +315,201 @@ fn matmul(@builtin(global_invocation_id) gid: vec3<u32>) {
         store4(out + (i0 + 7u) * n, i0 + 7u, j0 + 4u, acc7_1);
     }
 }
+
+// ---------------------------------------------------------------------------
+// matmul_tiled: the hardware variant (backend/gpu/variant.rs), the same
+// contract and bits. A workgroup of 16x16 invocations owns a 64x64 block of
+// outputs (the grid of `matmul`); invocation (x, y) owns the 4x4 outputs at
+// rows i0 + y + 16 r and columns j0 + x + 16 c (r, c in 0..4), so the
+// workgroup's stores of one row are 16 consecutive columns. The k axis is
+// walked in tiles of TILE_K terms: the workgroup stages A's 64 x TILE_K and
+// B's TILE_K x 64 values in workgroup memory (coalesced: consecutive lanes
+// read consecutive addresses of whichever layout the operand has), each value
+// rounded once as it is staged; then every invocation runs TILE_K steps of its
+// outputs' fma chains from workgroup memory. Each output still accumulates
+// p = p0, p0 + 1, ... in order from its own register: the tiles split k into
+// consecutive runs of one chain, never the chain itself.
+//
+// Per invocation and tile: 4 + 4 staged loads (TILE_K x 16 = 256 fmas), so
+// one global load per 32 fmas (tests/gpu_parity.rs counts it in the IR).
+
+const TILE_K: u32 = 16u;  // terms staged per tile
+const TILE_MN: u32 = 64u; // output rows (and columns) of a workgroup
+// A staged row's pitch: one past TILE_MN, so the lanes staging along k write
+// to different banks.
+const PITCH: u32 = 65u;
+
+// tile_a[kk * PITCH + r] = round(A(i0 + r, t0 + kk)); tile_b[kk * PITCH + c] =
+// round(B(t0 + kk, j0 + c)): (TILE_K, TILE_MN) each. Rows and columns past the
+// matrix (and terms past k) hold clamped in-range values, never used.
+var<workgroup> tile_a: array<f32, 1040>;
+var<workgroup> tile_b: array<f32, 1040>;
+
+// Stores the columns j, j + 16, j + 32, j + 48 of output row i (at offset
+// `row`) that lie inside the matrix (see store4).
+fn store_strided(row: u32, i: u32, j: u32, v: vec4<f32>) {
+    let n = prm.n;
+    var w = v;
+    if CAUSAL == 1u {
+        w = select(v, vec4<f32>(0.0), vec4<u32>(j, j + 16u, j + 32u, j + 48u) > vec4<u32>(i));
+    }
+    if j < n {
+        c[row + j] = fin(w.x);
+    }
+    if j + 16u < n {
+        c[row + j + 16u] = fin(w.y);
+    }
+    if j + 32u < n {
+        c[row + j + 32u] = fin(w.z);
+    }
+    if j + 48u < n {
+        c[row + j + 48u] = fin(w.w);
+    }
+}
+
+// The previous pass's running sums of columns j, j + 16, j + 32, j + 48 of one
+// output row (see load4).
+fn load_strided(row: u32, j: u32) -> vec4<f32> {
+    let n = prm.n;
+    var v = vec4<f32>(0.0);
+    if prm.p0 == 0u {
+        return v;
+    }
+    if j < n {
+        v.x = c[row + j];
+    }
+    if j + 16u < n {
+        v.y = c[row + j + 16u];
+    }
+    if j + 32u < n {
+        v.z = c[row + j + 32u];
+    }
+    if j + 48u < n {
+        v.w = c[row + j + 48u];
+    }
+    return v;
+}
+
+// Where a workgroup's operands lie: A's element (i, p) at a_base + i * ia +
+// p * pa, B's (p, j) at b_base + p * pb + j * jb; its block's first row i0
+// and column j0.
+struct Tiling {
+    m: u32,
+    k: u32,
+    n: u32,
+    i0: u32,
+    j0: u32,
+    a_base: u32,
+    b_base: u32,
+    ia: u32,
+    pa: u32,
+    pb: u32,
+    jb: u32,
+}
+
+// Stages value e (0..1024) of the A and of the B tile that start at term t0,
+// rounded: consecutive lanes read consecutive addresses of whichever layout
+// each operand has.
+fn stage(g: Tiling, t0: u32, e: u32) {
+    // A: along p when p is A's contiguous axis, else along i
+    var ra = e / TILE_K;
+    var ka = e % TILE_K;
+    if TRANS_A {
+        ra = e % TILE_MN;
+        ka = e / TILE_MN;
+    }
+    tile_a[ka * PITCH + ra] =
+        rnd(load_a(g.a_base + min(g.i0 + ra, g.m - 1u) * g.ia + min(t0 + ka, g.k - 1u) * g.pa));
+    // B: along j when j is B's contiguous axis, else along p
+    var cb = e % TILE_MN;
+    var kb = e / TILE_MN;
+    if TRANS_B {
+        cb = e / TILE_K;
+        kb = e % TILE_K;
+    }
+    tile_b[kb * PITCH + cb] =
+        rnd(load_b(g.b_base + min(t0 + kb, g.k - 1u) * g.pb + min(g.j0 + cb, g.n - 1u) * g.jb));
+}
+
+// grid: (ceil(n / 64), ceil(m / 64), batches); workgroup 16x16 invocations of 4x4 outputs.
+@compute @workgroup_size(16, 16, 1)
+fn matmul_tiled(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
+    let m = prm.m;
+    let n = prm.n;
+    let k = prm.k;
+    // everything the loops and barriers depend on is uniform over the workgroup
+    let i0 = wg.y * TILE_MN;
+    let j0 = wg.x * TILE_MN;
+    let bi = prm.batch0 + wg.z;
+    let a_base = bi * prm.a_bs;
+    let b_base = bi * prm.b_bs;
+    var ia = k;
+    var pa = 1u;
+    if TRANS_A {
+        ia = 1u;
+        pa = m;
+    }
+    var pb = n;
+    var jb = 1u;
+    if TRANS_B {
+        pb = 1u;
+        jb = k;
+    }
+    let g = Tiling(m, k, n, i0, j0, a_base, b_base, ia, pa, pb, jb);
+    let lane = lid.y * 16u + lid.x;
+    // this invocation's rows (y + 16 r) and first column (x) in the block
+    let r0 = i0 + lid.y;
+    let jx = j0 + lid.x;
+    let out = bi * m * n;
+    var acc0 = load_strided(out + min(r0, m - 1u) * n, jx);
+    var acc1 = load_strided(out + min(r0 + 16u, m - 1u) * n, jx);
+    var acc2 = load_strided(out + min(r0 + 32u, m - 1u) * n, jx);
+    var acc3 = load_strided(out + min(r0 + 48u, m - 1u) * n, jx);
+    // The terms some row of the block sums (see matmul).
+    var p_lo = prm.p0;
+    var p_hi = prm.p1;
+    if CAUSAL == 1u && j0 > i0 + TILE_MN - 1u {
+        p_hi = p_lo;
+    }
+    if CAUSAL == 2u {
+        p_hi = min(p_hi, i0 + TILE_MN);
+    }
+    if CAUSAL == 3u {
+        p_lo = max(p_lo, i0);
+    }
+    p_hi = max(p_hi, p_lo);
+    for (var t0 = p_lo; t0 < p_hi; t0 += TILE_K) {
+        // the previous tile is consumed before it is overwritten
+        workgroupBarrier();
+        // 1,024 values of each operand, 4 per lane (no loop: the load count
+        // per tile is fixed, and tests count it)
+        stage(g, t0, lane);
+        stage(g, t0, lane + 256u);
+        stage(g, t0, lane + 512u);
+        stage(g, t0, lane + 768u);
+        workgroupBarrier();
+        let steps = min(TILE_K, p_hi - t0);
+        for (var kk = 0u; kk < steps; kk++) {
+            let p = t0 + kk;
+            let at = kk * PITCH;
+            let bv = vec4<f32>(tile_b[at + lid.x], tile_b[at + lid.x + 16u],
+                               tile_b[at + lid.x + 32u], tile_b[at + lid.x + 48u]);
+            acc0 = select(acc0, fma4(tile_a[at + lid.y], bv, acc0), kept(r0, p));
+            acc1 = select(acc1, fma4(tile_a[at + lid.y + 16u], bv, acc1), kept(r0 + 16u, p));
+            acc2 = select(acc2, fma4(tile_a[at + lid.y + 32u], bv, acc2), kept(r0 + 32u, p));
+            acc3 = select(acc3, fma4(tile_a[at + lid.y + 48u], bv, acc3), kept(r0 + 48u, p));
+        }
+    }
+    if r0 < m {
+        store_strided(out + r0 * n, r0, jx, acc0);
+    }
+    if r0 + 16u < m {
+        store_strided(out + (r0 + 16u) * n, r0 + 16u, jx, acc1);
+    }
+    if r0 + 32u < m {
+        store_strided(out + (r0 + 32u) * n, r0 + 32u, jx, acc2);
+    }
+    if r0 + 48u < m {
+        store_strided(out + (r0 + 48u) * n, r0 + 48u, jx, acc3);
+    }
+}

@@ -172,6 +172,155 @@ fn softmax_rows_backward(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_work
     }
 }
 
+// ---- softmax, the hardware variant (backend/gpu/variant.rs): the same
+// contract and bits, a workgroup per block of 64 rows ----
+// Lane l owns row row0 + l and runs exactly its chain above (max, then sum,
+// ascending) — but from workgroup memory: the block's rows are staged RW
+// columns at a time with coalesced loads (consecutive lanes, consecutive
+// columns of a row), each staged value already the chain's term. The outputs
+// are elementwise given the row's statistics (kept in workgroup memory), so
+// consecutive lanes write consecutive elements. exp is recomputed for the
+// output rather than read back: the same function of the same bits.
+// grid: grid1d(rows); 64 invocations per workgroup.
+
+const RW: u32 = 16u;     // columns staged per step
+const RPITCH: u32 = 17u; // a staged row's pitch (RW + 1: lanes folding different rows hit different banks)
+
+var<workgroup> rows_tile: array<f32, 1088>; // (64 rows, RW columns), pitch RPITCH
+var<workgroup> rows_tile2: array<f32, 1088>;
+var<workgroup> row_m: array<f32, 64>;       // per row of the block: max (or dot)
+var<workgroup> row_s: array<f32, 64>;       // per row: the sum
+
+// Row `row`'s live keys (causal: the query's keys up to itself).
+fn sm_live(row: u32) -> u32 {
+    let n = s_prm.n;
+    if s_prm.causal != 0u {
+        return row % n + 1u;
+    }
+    return n;
+}
+
+// Stages columns [c0, c0 + RW) of the block's rows: step 0 the scaled values,
+// step 1 the exponentials exp(v - m) (m from row_m); outside the matrix nothing.
+fn sm_stage(row0: u32, lane: u32, c0: u32, step: u32) {
+    let n = s_prm.n;
+    for (var q = 0u; q < RW; q++) {
+        let e = lane + 64u * q;
+        let r = e / RW;
+        let j = c0 + e % RW;
+        if row0 + r < s_prm.rows && j < n {
+            let v = sm_value(s_x[(row0 + r) * n + j]);
+            if step == 0u {
+                rows_tile[r * RPITCH + e % RW] = v;
+            } else {
+                rows_tile[r * RPITCH + e % RW] = m_exp(v - row_m[r]);
+            }
+        }
+    }
+}
+
+@compute @workgroup_size(64)
+fn softmax_rows_staged(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
+                       @builtin(local_invocation_index) lane: u32) {
+    let row0 = grid_index(wg, groups, 0u); // uniform: loops with barriers depend on it only
+    let rows = s_prm.rows;
+    let n = s_prm.n; // >= 1
+    let row = row0 + lane;
+    let live = sm_live(row);
+    // the columns any row of the block reads (causal: up to its last query)
+    var hi = n;
+    let last = min(row0 + 63u, rows - 1u);
+    if s_prm.causal != 0u && row0 / n == last / n {
+        hi = last % n + 1u;
+    }
+    var m = 0.0;
+    for (var c0 = 0u; c0 < hi; c0 += RW) {
+        workgroupBarrier();
+        sm_stage(row0, lane, c0, 0u);
+        workgroupBarrier();
+        if row < rows {
+            let w = min(RW, live - min(live, c0));
+            for (var q = 0u; q < w; q++) {
+                let v = rows_tile[lane * RPITCH + q];
+                if c0 + q == 0u {
+                    m = v;
+                } else {
+                    m = maximum_c(m, v);
+                }
+            }
+        }
+    }
+    row_m[lane] = m;
+    var s = -0.0;
+    for (var c0 = 0u; c0 < hi; c0 += RW) {
+        workgroupBarrier();
+        sm_stage(row0, lane, c0, 1u);
+        workgroupBarrier();
+        if row < rows {
+            let w = min(RW, live - min(live, c0));
+            for (var q = 0u; q < w; q++) {
+                s = s + rows_tile[lane * RPITCH + q];
+            }
+        }
+    }
+    row_s[lane] = s;
+    workgroupBarrier();
+    // y = div(e, s), e = +0 for masked keys: element e of the block
+    let end = min(rows - row0, 64u) * n;
+    for (var e = lane; e < end; e += 64u) {
+        let r = e / n;
+        let j = e % n;
+        var ex = 0.0;
+        if j < sm_live(row0 + r) {
+            ex = m_exp(sm_value(s_x[row0 * n + e]) - row_m[r]);
+        }
+        s_y[row0 * n + e] = m_div(ex, row_s[r]);
+    }
+}
+
+// Backward: lane l folds dot = Σ fma_c(g, y, dot) of its row from staged y
+// and g, then dx = y · (g − dot) elementwise, coalesced.
+@compute @workgroup_size(64)
+fn softmax_rows_backward_staged(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
+                                @builtin(local_invocation_index) lane: u32) {
+    let row0 = grid_index(wg, groups, 0u);
+    let rows = sb_prm.rows;
+    let n = sb_prm.n;
+    let row = row0 + lane;
+    var dot = -0.0;
+    for (var c0 = 0u; c0 < n; c0 += RW) {
+        workgroupBarrier();
+        for (var q = 0u; q < RW; q++) {
+            let e = lane + 64u * q;
+            let r = e / RW;
+            let j = c0 + e % RW;
+            if row0 + r < rows && j < n {
+                rows_tile[r * RPITCH + e % RW] = sb_y[(row0 + r) * n + j];
+                rows_tile2[r * RPITCH + e % RW] = sb_g[(row0 + r) * n + j];
+            }
+        }
+        workgroupBarrier();
+        if row < rows {
+            let w = min(RW, n - c0);
+            for (var q = 0u; q < w; q++) {
+                dot = fma_c(rows_tile2[lane * RPITCH + q], rows_tile[lane * RPITCH + q], dot);
+            }
+        }
+    }
+    row_m[lane] = dot;
+    workgroupBarrier();
+    let scale = bitcast<f32>(sb_prm.scale);
+    let end = min(rows - row0, 64u) * n;
+    for (var e = lane; e < end; e += 64u) {
+        let at = row0 * n + e;
+        var dx = sb_y[at] * (sb_g[at] - row_m[e / n]);
+        if scale != 1.0 {
+            dx = dx * scale;
+        }
+        sb_dx[at] = dx;
+    }
+}
+
 // ---- chunked sum of squares: x: (n) -> partials[offset ..][.. ceil(n / chunk)] ----
 // partial[c] = Σ_{i in chunk c} x_i² as fma_c(x, x, acc), ascending from -0
 // (the host adds the partials in order: Storage::sum_squares).

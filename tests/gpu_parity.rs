@@ -18,6 +18,7 @@
 
 mod common;
 use common::Rng;
+use tinyllm::backend::gpu::variant::{with_kernels, Kernels};
 use tinyllm::backend::round::{self, Format};
 use tinyllm::backend::{Device, MatmulDims, ReduceOp, Storage, UnaryOp};
 use tinyllm::crosscheck::cases::{adversarial, same};
@@ -96,8 +97,92 @@ fn sweep_family(device: Device, f: Family) {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
+/// The family's sweep with the hardware kernels forced. On a software
+/// adapter (lavapipe) the tiled matmul's pipelines take 30 to 60 s each to
+/// compile cold (llvmpipe builds a barrier kernel as a coroutine), so there
+/// the matmul's whole sweep (about 60 pipelines) runs only with
+/// `TINYLLM_SWEEP_HARDWARE=1`, and by default three pipelines over the
+/// tile's edge cases ([`matmul_tiled_edges`]); every other family's sweep
+/// runs whole. On a hardware adapter `gpu` already runs these kernels.
+fn sweep_hardware(f: Family) {
+    let software = tinyllm::backend::gpu::adapter().unwrap().software;
+    if f == Family::Matmul
+        && software
+        && std::env::var("TINYLLM_SWEEP_HARDWARE").as_deref() != Ok("1")
+    {
+        matmul_tiled_edges();
+    } else {
+        sweep_family(Device::Gpu, f);
+    }
+}
+
+/// The tiled matmul's edges against the CPU (itself held to the spec by
+/// `sweep_matmul::cpu`): blocks past the matrix in m and n, k below, at and
+/// across a staged tile (`TILE_K` 16), batches, both transposes, f32 (the
+/// soft fma) and bf16, a causal mask across a block's diagonal, and
+/// specials planted among the operands.
+fn matmul_tiled_edges() {
+    use tinyllm::backend::Causal;
+    let mut rng = Rng(0x711e);
+    // no products outside f32's normal range: with bf16 operands those are
+    // the unfused fma's known difference (the sweep's `matmul_known`)
+    let sp = [f32::INFINITY, f32::NEG_INFINITY, f32::NAN, 0.0, -0.0];
+    let case = |rng: &mut Rng,
+                (batch, m, k, n): (usize, usize, usize, usize),
+                ta: bool,
+                tb: bool,
+                causal: Causal,
+                round: Option<Format>| {
+        let mut a: Vec<f32> = (0..batch * m * k).map(|_| rng.moderate()).collect();
+        let b: Vec<f32> = (0..batch * k * n).map(|_| rng.moderate()).collect();
+        for (i, v) in a.iter_mut().enumerate() {
+            if i % 37 == 5 {
+                *v = sp[i % sp.len()];
+            }
+        }
+        let d = MatmulDims {
+            batch,
+            m,
+            k,
+            n,
+            trans_a: ta,
+            trans_b: tb,
+            a_batch_stride: m * k,
+            b_batch_stride: k * n,
+            causal,
+        };
+        let (ca, ga) = pair(&a);
+        let (cb, gb) = pair(&b);
+        let want = vals(&ca.matmul(&cb, d, round).unwrap());
+        let got = vals(&ga.matmul(&gb, d, round).unwrap());
+        assert_bits(&format!("tiled {}", d.describe(round)), &want, &got, &[]);
+    };
+    for shape in [
+        (2, 65, 17, 70),
+        (1, 5, 7, 3),
+        (1, 66, 16, 65),
+        (1, 130, 33, 64),
+    ] {
+        case(&mut rng, shape, true, false, Causal::No, Some(Format::Bf16));
+    }
+    for shape in [(1, 70, 33, 129), (2, 9, 1, 66)] {
+        case(&mut rng, shape, false, true, Causal::No, None);
+    }
+    case(
+        &mut rng,
+        (2, 70, 9, 70),
+        false,
+        true,
+        Causal::Outputs,
+        Some(Format::Bf16),
+    );
+}
+
 /// `sweep!(name, Family)`: the family's sweep, the fast CPU kernels against
-/// the spec (every run, GPU or not) and the GPU against the spec.
+/// the spec (every run, GPU or not) and the GPU against the spec — the
+/// kernels the adapter gets (`gpu`) and the hardware variant forced
+/// (`gpu_hardware`, see [`sweep_hardware`]: on lavapipe the software
+/// variant is the adapter's, so both are held to the spec here).
 macro_rules! sweep {
     ($name:ident, $family:expr) => {
         mod $name {
@@ -110,6 +195,11 @@ macro_rules! sweep {
             fn gpu() {
                 require_gpu!();
                 sweep_family(Device::Gpu, $family);
+            }
+            #[test]
+            fn gpu_hardware() {
+                require_gpu!();
+                with_kernels(Kernels::Hardware, || sweep_hardware($family));
             }
         }
     };
@@ -606,4 +696,295 @@ fn loops_longer_than_lavapipes_iteration_cap() {
             &[],
         );
     }
+}
+
+// ------------------------------------- the hardware matmul's tiling ----
+
+/// Global loads and fmas of a stretch of a kernel, read off naga's IR.
+#[derive(Clone, Copy, Debug, Default)]
+struct Work {
+    /// Storage-buffer loads, at most (both arms of every `if` counted).
+    loads: usize,
+    /// Fused multiply-adds, at least (the poorer arm of every `if`; a
+    /// `fma_c` call is one, a vector `fma` one per lane).
+    fmas: usize,
+}
+
+struct Ir {
+    module: naga::Module,
+    info: naga::valid::ModuleInfo,
+}
+
+impl Ir {
+    fn new(src: &str) -> Ir {
+        let module = naga::front::wgsl::parse_str(src).unwrap();
+        let info = naga::valid::Validator::new(
+            naga::valid::ValidationFlags::all(),
+            naga::valid::Capabilities::default(),
+        )
+        .validate(&module)
+        .unwrap();
+        Ir { module, info }
+    }
+
+    /// Whether `e` (in `f`) points into a storage buffer.
+    fn is_storage(&self, f: &naga::Function, mut e: naga::Handle<naga::Expression>) -> bool {
+        loop {
+            match f.expressions[e] {
+                naga::Expression::Access { base, .. }
+                | naga::Expression::AccessIndex { base, .. } => e = base,
+                naga::Expression::GlobalVariable(g) => {
+                    return matches!(
+                        self.module.global_variables[g].space,
+                        naga::AddressSpace::Storage { .. }
+                    )
+                }
+                _ => return false,
+            }
+        }
+    }
+
+    /// The work of `block` in `f` (whose analysis is `fi`), calls followed
+    /// (except into `fma_c`, one fma). A loop inside it panics: its trip
+    /// count is unknown here.
+    fn block(
+        &self,
+        f: &naga::Function,
+        fi: &naga::valid::FunctionInfo,
+        block: &naga::Block,
+    ) -> Work {
+        use naga::Statement as S;
+        let mut w = Work::default();
+        for st in block.iter() {
+            match st {
+                S::Emit(range) => {
+                    for e in range.clone() {
+                        match f.expressions[e] {
+                            naga::Expression::Load { pointer } if self.is_storage(f, pointer) => {
+                                w.loads += 1
+                            }
+                            naga::Expression::Math {
+                                fun: naga::MathFunction::Fma,
+                                ..
+                            } => {
+                                w.fmas += match fi[e].ty.inner_with(&self.module.types) {
+                                    naga::TypeInner::Vector { size, .. } => *size as usize,
+                                    _ => 1,
+                                }
+                            }
+                            _ => {}
+                        }
+                    }
+                }
+                S::Block(b) => {
+                    let x = self.block(f, fi, b);
+                    w.loads += x.loads;
+                    w.fmas += x.fmas;
+                }
+                S::If { accept, reject, .. } => {
+                    let (x, y) = (self.block(f, fi, accept), self.block(f, fi, reject));
+                    w.loads += x.loads + y.loads;
+                    w.fmas += x.fmas.min(y.fmas);
+                }
+                S::Switch { cases, .. } => {
+                    let ws: Vec<Work> = cases.iter().map(|c| self.block(f, fi, &c.body)).collect();
+                    w.loads += ws.iter().map(|x| x.loads).sum::<usize>();
+                    w.fmas += ws.iter().map(|x| x.fmas).min().unwrap_or(0);
+                }
+                S::Loop { .. } => panic!("a loop of unknown trip count inside the counted stretch"),
+                S::Call { function, .. } => {
+                    let callee = &self.module.functions[*function];
+                    if callee.name.as_deref() == Some("fma_c") {
+                        w.fmas += 1;
+                    } else {
+                        let x = self.block(callee, &self.info[*function], &callee.body);
+                        w.loads += x.loads;
+                        w.fmas += x.fmas;
+                    }
+                }
+                _ => {}
+            }
+        }
+        w
+    }
+
+    /// The k loop of entry point `entry`: the innermost loop doing fmas, and
+    /// the loop around it if any (then the inner one runs `TILE_K` times per
+    /// outer iteration). Returns the work of one outer iteration (or of one
+    /// iteration, without an outer loop) and the inner loop's trip count.
+    fn k_loop(&self, entry: &str) -> (Work, usize) {
+        let i = self
+            .module
+            .entry_points
+            .iter()
+            .position(|e| e.name == entry)
+            .unwrap();
+        let f = &self.module.entry_points[i].function;
+        let fi = self.info.get_entry_point(i);
+        // (outer loop body, inner loop body), the first loop nest found
+        fn find<'a>(
+            b: &'a naga::Block,
+            outer: Option<&'a naga::Block>,
+        ) -> Option<(Option<&'a naga::Block>, &'a naga::Block)> {
+            for st in b.iter() {
+                let hit = match st {
+                    naga::Statement::Loop { body, .. } => {
+                        // the innermost loop of the nest
+                        find(body, Some(body)).or(Some((outer, body)))
+                    }
+                    naga::Statement::Block(x) => find(x, outer),
+                    naga::Statement::If { accept, reject, .. } => {
+                        find(accept, outer).or_else(|| find(reject, outer))
+                    }
+                    _ => None,
+                };
+                if hit.is_some() {
+                    return hit;
+                }
+            }
+            None
+        }
+        let (outer, inner) = find(&f.body, None).expect("no loop");
+        let per_step = self.block(f, fi, inner);
+        let Some(outer) = outer else {
+            return (per_step, 1);
+        };
+        let tile_k = self
+            .module
+            .constants
+            .iter()
+            .find(|(_, c)| c.name.as_deref() == Some("TILE_K"))
+            .map(|(_, c)| match self.module.global_expressions[c.init] {
+                naga::Expression::Literal(naga::Literal::U32(v)) => v as usize,
+                ref e => panic!("TILE_K is {e:?}"),
+            })
+            .expect("a loop nest needs the inner trip count TILE_K");
+        // the outer body with the inner loop counted TILE_K times
+        (self.around(f, fi, outer, inner, tile_k), tile_k)
+    }
+
+    /// The work of `block`, the loop whose body is `inner` counted `times`.
+    fn around(
+        &self,
+        f: &naga::Function,
+        fi: &naga::valid::FunctionInfo,
+        block: &naga::Block,
+        inner: &naga::Block,
+        times: usize,
+    ) -> Work {
+        let mut w = Work::default();
+        for st in block.iter() {
+            let x = match st {
+                naga::Statement::Loop { body, .. } if std::ptr::eq(body, inner) => {
+                    let x = self.block(f, fi, inner);
+                    Work {
+                        loads: x.loads * times,
+                        fmas: x.fmas * times,
+                    }
+                }
+                naga::Statement::Block(b) => self.around(f, fi, b, inner, times),
+                naga::Statement::If { accept, reject, .. } => {
+                    let (x, y) = (
+                        self.around(f, fi, accept, inner, times),
+                        self.around(f, fi, reject, inner, times),
+                    );
+                    Work {
+                        loads: x.loads + y.loads,
+                        fmas: x.fmas.min(y.fmas),
+                    }
+                }
+                _ => self.block(f, fi, &naga::Block::from_vec(vec![st.clone()])),
+            };
+            w.loads += x.loads;
+            w.fmas += x.fmas;
+        }
+        w
+    }
+}
+
+/// The hardware matmul stages its operand tiles in workgroup memory: in the
+/// shipped WGSL, the k loop of `matmul_tiled` issues at most one global load
+/// per 8 fmas (counted in naga's IR: both arms of a 16-bit operand's load
+/// counted, the poorer arm of the format's fma). The register-tile kernel
+/// for lavapipe loads straight from the buffers, and would fail this.
+#[test]
+fn matmul_tiled_loads_at_most_one_global_value_per_8_fmas() {
+    let f = tinyllm::backend::gpu_families()
+        .into_iter()
+        .find(|f| f.name == "matmul")
+        .unwrap();
+    for native in [false, true] {
+        let ir = Ir::new(&tinyllm::backend::gpu::pipelines::compose(f, native));
+        let (w, tile_k) = ir.k_loop("matmul_tiled");
+        eprintln!(
+            "matmul_tiled: {} global loads per {} fmas (TILE_K {tile_k})",
+            w.loads, w.fmas
+        );
+        assert!(
+            w.fmas > 0 && w.loads * 8 <= w.fmas,
+            "matmul_tiled: {w:?} per tile of {tile_k} terms"
+        );
+        let (s, _) = ir.k_loop("matmul");
+        eprintln!(
+            "matmul (software variant): {} global loads per {} fmas",
+            s.loads, s.fmas
+        );
+        assert!(
+            s.loads * 8 > s.fmas,
+            "the count should see the untiled kernel's loads: {s:?}"
+        );
+    }
+}
+
+/// Every hardware kernel a capstone training step launches (`--preset
+/// capstone`: micro-batch 8 of context 512) runs at least `MIN_LANES`
+/// invocations per workgroup — per row block for the row kernels, per
+/// 64×64 output block for the products: the workgroup sizes are the shipped
+/// WGSL's (naga), the grids the launchers'.
+#[test]
+fn hardware_kernels_launch_at_least_64_invocations_per_workgroup_at_the_capstone() {
+    use tinyllm::backend::gpu::variant::MIN_LANES;
+    use tinyllm::backend::launches::{step_dispatches, StepShapes};
+    let cfg = tinyllm::nn::llama::LlamaConfig::preset("capstone").unwrap();
+    let micro_batch = 8;
+    let s = StepShapes {
+        tokens: micro_batch * cfg.context,
+        d: cfg.d_model,
+        hidden: cfg.hidden,
+        heads: cfg.n_heads,
+        t: cfg.context,
+        vocab: cfg.vocab_size,
+    };
+    let mut irs = std::collections::HashMap::new();
+    let mut failures = Vec::new();
+    for variant in [Kernels::Hardware, Kernels::Software] {
+        for dispatch in step_dispatches(variant, s) {
+            let family = dispatch.kernel.family;
+            let ir = irs.entry(family.name).or_insert_with(|| {
+                Ir::new(&tinyllm::backend::gpu::pipelines::compose(family, false))
+            });
+            let ep = ir
+                .module
+                .entry_points
+                .iter()
+                .find(|e| e.name == dispatch.kernel.entry)
+                .unwrap();
+            let lanes: u32 = ep.workgroup_size.iter().product();
+            let (x, y, z) = dispatch.groups;
+            eprintln!(
+                "{}: {} ({}::{}): {x}x{y}x{z} workgroups of {lanes}",
+                variant.name(),
+                dispatch.what,
+                family.name,
+                dispatch.kernel.entry
+            );
+            if variant == Kernels::Hardware && lanes < MIN_LANES {
+                failures.push(format!(
+                    "{}: {} invocations per workgroup",
+                    dispatch.kernel.entry, lanes
+                ));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{failures:?}");
 }

@@ -57,6 +57,8 @@ pub mod dropout;
 pub mod fault;
 pub mod elementwise;
 pub mod fused;
+#[cfg(feature = "gpu")]
+pub mod launches;
 pub mod matmul;
 pub mod optim;
 pub mod pack;

@@ -3,6 +3,7 @@
 use super::FusedOps;
 use crate::backend::gpu::context::{ctx, Context};
 use crate::backend::gpu::pipelines::{gpu_params, no_consts, Family, Kernel};
+use crate::backend::gpu::variant::Kernels;
 use crate::backend::gpu::{grid1d, u32_of, GpuStorage, LOOP_PASS};
 use crate::backend::MAX_DIMS;
 use crate::{bail, Result};
@@ -72,6 +73,11 @@ pub const FAMILY: Family = Family {
         "cross_entropy_rows",
         "cross_entropy_mean",
         "cross_entropy_backward",
+        "rms_norm_staged",
+        "rms_norm_backward_rows_staged",
+        "cross_entropy_rows_staged",
+        "cross_entropy_mean_staged",
+        "cross_entropy_backward_elems",
     ],
     params: &[
         NormParams::LAYOUT,
@@ -94,6 +100,46 @@ const ROPE_BACKWARD: Kernel = Kernel::new(&FAMILY, "rope_backward");
 const CE_ROWS: Kernel = Kernel::new(&FAMILY, "cross_entropy_rows");
 const CE_MEAN: Kernel = Kernel::new(&FAMILY, "cross_entropy_mean");
 const CE_BACKWARD: Kernel = Kernel::new(&FAMILY, "cross_entropy_backward");
+const RMS_NORM_STAGED: Kernel = Kernel::new(&FAMILY, "rms_norm_staged");
+const RMS_NORM_BACKWARD_ROWS_STAGED: Kernel = Kernel::new(&FAMILY, "rms_norm_backward_rows_staged");
+const CE_ROWS_STAGED: Kernel = Kernel::new(&FAMILY, "cross_entropy_rows_staged");
+const CE_MEAN_STAGED: Kernel = Kernel::new(&FAMILY, "cross_entropy_mean_staged");
+const CE_BACKWARD_ELEMS: Kernel = Kernel::new(&FAMILY, "cross_entropy_backward_elems");
+
+/// One dispatch's kernel and grid.
+pub type Launch = (Kernel, (u32, u32, u32));
+
+/// The row kernels' dispatches for `rows` rows of `width` (`variant`'s
+/// kernels, the grids the launchers below record; the mean's first pass):
+/// RMSNorm forward, its backward's rows, the cross-entropy's rows, its mean
+/// and its backward.
+pub fn row_launches(variant: Kernels, rows: usize, width: usize) -> [Launch; 5] {
+    match variant {
+        Kernels::Software => [
+            (RMS_NORM, grid1d(rows)),
+            (RMS_NORM_BACKWARD_ROWS, grid1d(rows)),
+            (CE_ROWS, grid1d(rows)),
+            (CE_MEAN, (1, 1, 1)),
+            (CE_BACKWARD, grid1d(rows)),
+        ],
+        Kernels::Hardware => [
+            (RMS_NORM_STAGED, grid1d(rows)),
+            (RMS_NORM_BACKWARD_ROWS_STAGED, grid1d(rows)),
+            (CE_ROWS_STAGED, grid1d(rows)),
+            (CE_MEAN_STAGED, (1, 1, 1)),
+            (CE_BACKWARD_ELEMS, grid1d(rows * width)),
+        ],
+    }
+}
+
+/// Loop iterations per element of a row, of the software kernels and of the
+/// staged ones (two per element and fold: staging, folding).
+fn row_loops(variant: Kernels, software: usize, folds: usize) -> usize {
+    match variant {
+        Kernels::Software => software,
+        Kernels::Hardware => 2 * folds + 2,
+    }
+}
 
 /// The row kernels run each row as one invocation's loops; on a device that
 /// caps shader loops (lavapipe) a row that long would be cut short silently,
@@ -118,7 +164,8 @@ impl FusedOps for GpuStorage {
     /// One invocation per row.
     fn rms_norm(&self, w: &GpuStorage, rows: usize, d: usize, eps: f64) -> Result<(GpuStorage, GpuStorage)> {
         let c = ctx()?;
-        check_row_loops(c, "rms_norm", d, 2)?;
+        let variant = Kernels::of(c);
+        check_row_loops(c, "rms_norm", d, row_loops(variant, 2, 1))?;
         let (y, rstd) = (GpuStorage::alloc(c, rows * d)?, GpuStorage::alloc(c, rows)?);
         let prm = NormParams {
             rows: u32_of(rows, "rows")?,
@@ -127,12 +174,8 @@ impl FusedOps for GpuStorage {
             eps: (eps as f32).to_bits(),
             zero: 0,
         };
-        c.dispatch(
-            &RMS_NORM,
-            &prm,
-            &[self.buf(), w.buf(), y.buf(), rstd.buf()],
-            grid1d(rows),
-        )?;
+        let (kernel, groups) = row_launches(variant, rows, d)[0];
+        c.dispatch(&kernel, &prm, &[self.buf(), w.buf(), y.buf(), rstd.buf()], groups)?;
         Ok((y, rstd))
     }
 
@@ -152,7 +195,8 @@ impl FusedOps for GpuStorage {
         let rows = rstd.len();
         let (mut dx, mut dw) = (None, None);
         if want_dx {
-            check_row_loops(c, "rms_norm backward", d, 2)?;
+            let variant = Kernels::of(c);
+            check_row_loops(c, "rms_norm backward", d, row_loops(variant, 2, 1))?;
             let out = GpuStorage::alloc(c, rows * d)?;
             let prm = NormBackParams {
                 rows: u32_of(rows, "rows")?,
@@ -163,12 +207,8 @@ impl FusedOps for GpuStorage {
             };
             // without an earlier gradient the kernel reads none: g stands in
             let e = earlier.unwrap_or(g);
-            c.dispatch(
-                &RMS_NORM_BACKWARD_ROWS,
-                &prm,
-                &[self.buf(), w.buf(), rstd.buf(), g.buf(), e.buf(), out.buf()],
-                grid1d(rows),
-            )?;
+            let (kernel, groups) = row_launches(variant, rows, d)[1];
+            c.dispatch(&kernel, &prm, &[self.buf(), w.buf(), rstd.buf(), g.buf(), e.buf(), out.buf()], groups)?;
             dx = Some(out);
         }
         if want_dw {
@@ -249,11 +289,14 @@ impl FusedOps for GpuStorage {
         rope_launch(&ROPE_BACKWARD, self, cos, sin, (t, d, heads))
     }
 
-    /// One invocation per row, then one that folds the row losses in order.
+    /// One invocation per row, then one that folds the row losses in order
+    /// (the hardware variant: a workgroup per 64 rows, then one workgroup).
     fn cross_entropy(&self, targets: &[u32], v: usize) -> Result<(GpuStorage, GpuStorage)> {
         let c = ctx()?;
-        check_row_loops(c, "cross_entropy", v, 2)?;
+        let variant = Kernels::of(c);
+        check_row_loops(c, "cross_entropy", v, row_loops(variant, 2, 2))?;
         let rows = targets.len();
+        let launches = row_launches(variant, rows, v);
         let (loss, stats) = (GpuStorage::alloc(c, 1)?, GpuStorage::alloc(c, 2 * rows)?);
         let rowloss = GpuStorage::alloc(c, rows)?;
         let prm = CeParams {
@@ -264,12 +307,8 @@ impl FusedOps for GpuStorage {
         };
         if rows > 0 {
             let ids = c.buffer_with(bytemuck::cast_slice(targets));
-            c.dispatch(
-                &CE_ROWS,
-                &prm,
-                &[self.buf(), &ids, stats.buf(), rowloss.buf()],
-                grid1d(rows),
-            )?;
+            let (kernel, groups) = launches[2];
+            c.dispatch(&kernel, &prm, &[self.buf(), &ids, stats.buf(), rowloss.buf()], groups)?;
         }
         // Passes of at most LOOP_PASS rows, at least one (no rows: the mean of nothing).
         let mut k0 = 0;
@@ -281,7 +320,8 @@ impl FusedOps for GpuStorage {
                 k1: k1 as u32,
                 rows_f: prm.rows_f,
             };
-            c.dispatch(&CE_MEAN, &sp, &[rowloss.buf(), loss.buf()], (1, 1, 1))?;
+            let (kernel, groups) = launches[3];
+            c.dispatch(&kernel, &sp, &[rowloss.buf(), loss.buf()], groups)?;
             k0 = k1;
             if k0 >= rows {
                 break;
@@ -299,7 +339,9 @@ impl FusedOps for GpuStorage {
         v: usize,
     ) -> Result<GpuStorage> {
         let c = ctx()?;
-        check_row_loops(c, "cross_entropy backward", v, 1)?;
+        let variant = Kernels::of(c);
+        // the hardware kernel is elementwise: no loop over the row
+        check_row_loops(c, "cross_entropy backward", v, usize::from(variant == Kernels::Software))?;
         let rows = targets.len();
         let dx = GpuStorage::alloc(c, rows * v)?;
         if rows * v == 0 {
@@ -312,12 +354,8 @@ impl FusedOps for GpuStorage {
             zero: 0,
         };
         let ids = c.buffer_with(bytemuck::cast_slice(targets));
-        c.dispatch(
-            &CE_BACKWARD,
-            &prm,
-            &[self.buf(), &ids, stats.buf(), g.buf(), dx.buf()],
-            grid1d(rows),
-        )?;
+        let (kernel, groups) = row_launches(variant, rows, v)[4];
+        c.dispatch(&kernel, &prm, &[self.buf(), &ids, stats.buf(), g.buf(), dx.buf()], groups)?;
         Ok(dx)
     }
 }

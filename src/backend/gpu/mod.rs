@@ -33,6 +33,7 @@ pub mod msl;
 mod passthrough;
 pub mod probe;
 pub mod spirv;
+pub mod variant;
 
 use super::MAX_DIMS;
 use crate::memory::Ticket;

@@ -1,12 +1,16 @@
-//! The GPU launcher of the matmul (`matmul.wgsl`): one pipeline per (format,
-//! transposes, mask, 16-bit operands), a grid of 64×64-output workgroups,
-//! batches past 65535 and `k` past [`LOOP_PASS`] split into dispatches.
+//! The GPU launcher of the matmul (`matmul.wgsl`): one pipeline per (variant,
+//! format, transposes, mask, 16-bit operands), a grid of 64×64-output
+//! workgroups, batches past 65535 and `k` past [`LOOP_PASS`] split into
+//! dispatches. The variant ([`Kernels`]) is `matmul` (register tiles, no
+//! barriers: lavapipe) or `matmul_tiled` (operand tiles in workgroup memory:
+//! hardware); both have the same grid and the same bits.
 
 use super::{Halves, MatmulDims, MatmulOps};
 use crate::backend::elementwise::ElementwiseOps;
 use crate::backend::{BinaryLayout, BinaryOp};
 use crate::backend::gpu::context::ctx;
 use crate::backend::gpu::pipelines::{gpu_params, no_consts, Family, Kernel};
+use crate::backend::gpu::variant::Kernels;
 use crate::backend::gpu::{u32_of, GpuStorage, LOOP_PASS};
 use crate::backend::round::{fmt_code, Format};
 use crate::{bail, Result};
@@ -34,14 +38,30 @@ pub const FAMILY: Family = Family {
     sources: &[include_str!("../../../shaders/matmul.wgsl")],
     needs_math: true,
     consts: no_consts,
-    entries: &["matmul"],
+    entries: &["matmul", "matmul_tiled"],
     params: &[MatmulParams::LAYOUT],
 };
 
-/// Output columns of one matmul workgroup (matmul.wgsl: one per invocation).
+/// Output columns of one matmul workgroup, either variant (matmul.wgsl: 8
+/// invocations of `COLS`, or `TILE_MN`).
 const MATMUL_COLS: usize = 64;
-/// Output rows of one matmul workgroup (matmul.wgsl `ROWS`).
+/// Output rows of one matmul workgroup (8 invocations of `ROWS`, or `TILE_MN`).
 const MATMUL_ROWS: usize = 64;
+
+/// The entry point of `variant`.
+pub fn matmul_entry(variant: Kernels) -> &'static str {
+    match variant {
+        Kernels::Software => "matmul",
+        Kernels::Hardware => "matmul_tiled",
+    }
+}
+
+/// `variant`'s kernel (no pipeline constants) and its grid for the product
+/// `d`, batches up to 65535 (x: column blocks, y: row blocks, z: batches).
+pub fn matmul_launch(variant: Kernels, d: &MatmulDims) -> (Kernel, (usize, usize, usize)) {
+    let grid = (d.n.div_ceil(MATMUL_COLS), d.m.div_ceil(MATMUL_ROWS), d.batch.min(65535));
+    (Kernel::new(&FAMILY, matmul_entry(variant)), grid)
+}
 
 impl MatmulOps for GpuStorage {
     fn matmul_add(
@@ -63,8 +83,7 @@ impl MatmulOps for GpuStorage {
         if n_out == 0 {
             return Ok(out);
         }
-        let gx = d.n.div_ceil(MATMUL_COLS);
-        let gy = d.m.div_ceil(MATMUL_ROWS);
+        let (kernel, (gx, gy, _)) = matmul_launch(Kernels::of(c), &d);
         if gx > 65535 || gy > 65535 {
             bail!(
                 Device,
@@ -74,7 +93,7 @@ impl MatmulOps for GpuStorage {
             );
         }
         // The format and layouts are pipeline constants: no branches in the k loop.
-        let kernel = Kernel::new(&FAMILY, "matmul")
+        let kernel = kernel
             .with("FMT", fmt_code(round))
             .with("TRANS_A", d.trans_a as u32)
             .with("TRANS_B", d.trans_b as u32)

@@ -3,6 +3,7 @@
 use super::{ReduceOp, ReduceOps, NORM_CHUNK};
 use crate::backend::gpu::context::{ctx, Context};
 use crate::backend::gpu::pipelines::{gpu_params, Family, Kernel};
+use crate::backend::gpu::variant::Kernels;
 use crate::backend::gpu::{grid1d, u32_of, GpuStorage, LOOP_PASS};
 use crate::{bail, Result};
 
@@ -32,6 +33,8 @@ pub const FAMILY: Family = Family {
         "reduce",
         "softmax_rows",
         "softmax_rows_backward",
+        "softmax_rows_staged",
+        "softmax_rows_backward_staged",
         "chunk_sum_squares",
     ],
     params: &[
@@ -44,21 +47,32 @@ pub const FAMILY: Family = Family {
 const REDUCE: Kernel = Kernel::new(&FAMILY, "reduce");
 const SOFTMAX: Kernel = Kernel::new(&FAMILY, "softmax_rows");
 const SOFTMAX_BACKWARD: Kernel = Kernel::new(&FAMILY, "softmax_rows_backward");
+const SOFTMAX_STAGED: Kernel = Kernel::new(&FAMILY, "softmax_rows_staged");
+const SOFTMAX_BACKWARD_STAGED: Kernel = Kernel::new(&FAMILY, "softmax_rows_backward_staged");
 const CHUNK_SUM_SQUARES: Kernel = Kernel::new(&FAMILY, "chunk_sum_squares");
 
-/// Softmax rows run as one fused loop nest per row; on a device that caps
-/// shader loops (lavapipe) a row that long would be cut short silently, so it
-/// is refused instead.
-fn check_row_loops(c: &Context, what: &str, iterations: usize) -> Result<()> {
-    if c.info.name.contains("llvmpipe") && iterations > 60_000 {
+/// Softmax rows run as one fused loop nest per row (`per_n` loop iterations
+/// per element of a row: 3 forward, 2 backward; the staged hardware variant
+/// 6 and 4); on a device that caps shader loops (lavapipe) a row that long
+/// would be cut short silently, so it is refused instead.
+fn check_row_loops(c: &Context, what: &str, n: usize, per_n: usize) -> Result<()> {
+    if c.info.name.contains("llvmpipe") && per_n * n > 60_000 {
         bail!(
             Device,
-            "{what} over rows of {} elements exceeds the loop limit of this software device ({}: 65,535 shader loop iterations)",
-            iterations / if what == "softmax" { 3 } else { 2 },
+            "{what} over rows of {n} elements exceeds the loop limit of this software device ({}: 65,535 shader loop iterations)",
             c.info.name
         );
     }
     Ok(())
+}
+
+/// The softmax kernels of `variant`: (forward, backward), and their loop
+/// iterations per element of a row (see [`check_row_loops`]).
+pub fn softmax_kernels(variant: Kernels) -> ((Kernel, usize), (Kernel, usize)) {
+    match variant {
+        Kernels::Software => ((SOFTMAX, 3), (SOFTMAX_BACKWARD, 2)),
+        Kernels::Hardware => ((SOFTMAX_STAGED, 6), (SOFTMAX_BACKWARD_STAGED, 4)),
+    }
 }
 
 impl ReduceOps for GpuStorage {
@@ -87,10 +101,12 @@ impl ReduceOps for GpuStorage {
         Ok(out)
     }
 
-    /// One invocation per row.
+    /// One invocation per row (the software variant), or a workgroup per 64
+    /// rows (the hardware one): the same grid.
     fn softmax_rows(&self, rows: usize, n: usize, scale: f32, causal: bool) -> Result<GpuStorage> {
         let c = ctx()?;
-        check_row_loops(c, "softmax", 3 * n)?;
+        let ((kernel, per_n), _) = softmax_kernels(Kernels::of(c));
+        check_row_loops(c, "softmax", n, per_n)?;
         let out = GpuStorage::alloc(c, rows * n)?;
         if n == 0 {
             return Ok(out);
@@ -101,7 +117,7 @@ impl ReduceOps for GpuStorage {
             scale: scale.to_bits(),
             causal: causal as u32,
         };
-        c.dispatch(&SOFTMAX, &prm, &[self.buf(), out.buf()], grid1d(rows))?;
+        c.dispatch(&kernel, &prm, &[self.buf(), out.buf()], grid1d(rows))?;
         Ok(out)
     }
 
@@ -113,7 +129,8 @@ impl ReduceOps for GpuStorage {
         scale: f32,
     ) -> Result<GpuStorage> {
         let c = ctx()?;
-        check_row_loops(c, "softmax backward", 2 * n)?;
+        let (_, (kernel, per_n)) = softmax_kernels(Kernels::of(c));
+        check_row_loops(c, "softmax backward", n, per_n)?;
         let out = GpuStorage::alloc(c, rows * n)?;
         if n == 0 {
             return Ok(out);
@@ -125,7 +142,7 @@ impl ReduceOps for GpuStorage {
             causal: 0,
         };
         c.dispatch(
-            &SOFTMAX_BACKWARD,
+            &kernel,
             &prm,
             &[self.buf(), g.buf(), out.buf()],
             grid1d(rows),
