@@ -15,11 +15,11 @@ pub fn gpu_available() -> bool {
     }
 }
 
-/// Arms the test-only GPU fault on this thread until the guard drops: every
+/// Arms the test-only GPU perturbation on this thread until the guard drops: every
 /// GPU call of `primitive` (as the profile names it) gets the lowest bit of
-/// output element `element` flipped, one ulp (see `backend::fault`).
-pub fn gpu_fault(primitive: &str, element: usize) -> crate::backend::fault::Armed {
-    crate::backend::fault::arm(Some(crate::backend::fault::Fault {
+/// output element `element` flipped, one ulp (see `backend::perturb`).
+pub fn gpu_perturb(primitive: &str, element: usize) -> crate::backend::perturb::Armed {
+    crate::backend::perturb::arm(Some(crate::backend::perturb::Perturbation {
         primitive: primitive.to_string(),
         element,
     }))

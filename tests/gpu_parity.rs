@@ -20,9 +20,10 @@ mod common;
 use common::Rng;
 use tinyllm::backend::gpu::variant::{with_kernels, Kernels};
 use tinyllm::backend::round::{self, Format};
+use tinyllm::backend::Family;
 use tinyllm::backend::{Device, MatmulDims, ReduceOp, Storage, UnaryOp};
 use tinyllm::crosscheck::cases::{adversarial, same};
-use tinyllm::crosscheck::sweep::{self, Family};
+use tinyllm::crosscheck::sweep;
 
 // ------------------------------------------------------------ helpers ----
 
@@ -178,14 +179,15 @@ fn matmul_tiled_edges() {
     );
 }
 
-/// `sweep!(name, Family)`: the family's sweep, the fast CPU kernels against
-/// the spec (every run, GPU or not) and the GPU against the spec — the
-/// kernels the adapter gets (`gpu`) and the hardware variant forced
-/// (`gpu_hardware`, see [`sweep_hardware`]: on lavapipe the software
-/// variant is the adapter's, so both are held to the spec here).
-macro_rules! sweep {
-    ($name:ident, $family:expr) => {
-        mod $name {
+/// `sweeps! { name => Family, … }`: each family's sweep, the fast CPU kernels
+/// against the spec (every run, GPU or not) and the GPU against the spec —
+/// the kernels the adapter gets (`gpu`) and the hardware variant forced
+/// (`gpu_hardware`, see [`sweep_hardware`]: on lavapipe the software variant
+/// is the adapter's, so both are held to the spec here) — and a test that
+/// the list names every family of the backend's one list, once.
+macro_rules! sweeps {
+    ($($name:ident => $family:expr),+ $(,)?) => {
+        $(mod $name {
             use super::*;
             #[test]
             fn cpu() {
@@ -201,18 +203,28 @@ macro_rules! sweep {
                 require_gpu!();
                 with_kernels(Kernels::Hardware, || sweep_hardware($family));
             }
+        })+
+
+        #[test]
+        fn every_family_has_a_parity_sweep() {
+            let mut listed = vec![$($family),+];
+            listed.sort_by_key(|f| f.code());
+            assert_eq!(listed, Family::ALL.to_vec());
         }
     };
 }
 
-sweep!(sweep_elementwise_and_rounding, Family::Elementwise);
-sweep!(sweep_reductions, Family::Reduce);
-sweep!(sweep_softmax, Family::Softmax);
-sweep!(sweep_matmul, Family::Matmul);
-sweep!(sweep_fused, Family::Fused);
-sweep!(sweep_copies, Family::Copy);
-sweep!(sweep_dropout, Family::Dropout);
-sweep!(sweep_optimizer_kernels, Family::Optim);
+sweeps! {
+    sweep_elementwise_and_rounding => Family::Elementwise,
+    sweep_reductions_and_softmax => Family::Reduce,
+    sweep_matmul => Family::Matmul,
+    sweep_attention => Family::Attention,
+    sweep_fused => Family::Fused,
+    sweep_copies => Family::Copy,
+    sweep_pack => Family::Pack,
+    sweep_dropout => Family::Dropout,
+    sweep_update_kernels => Family::Update,
+}
 
 // ------------------------------------ the CPU side against references ----
 
@@ -306,7 +318,7 @@ fn fused_multiply_add_triples_are_mul_add() {
 /// buffers of the sweep's shape (the sweep holds the GPU's flag to the CPU's).
 #[test]
 fn finite_check_flags() {
-    let n = sweep::N_OPTIM;
+    let n = sweep::N_UPDATE;
     let mut rng = Rng(31);
     let finite: Vec<Vec<f32>> = vec![
         (0..n).map(|_| rng.moderate() * 1e4).collect(),

@@ -1,5 +1,5 @@
 //! The cross-check: the primitive trace and its paths, the snapshot a replay
-//! starts from, the device probe, and — with the test-only fault hook, which
+//! starts from, the device probe, and — with the test-only perturbation hook, which
 //! flips one bit (one ulp) of one GPU primitive's output — proof that the
 //! sweep, the lockstep trace, the command and a training run's
 //! `--crosscheck-every` find a real difference and name the primitive and
@@ -10,9 +10,10 @@ mod common;
 use common::tmpdir;
 
 use std::process::Command;
+use tinyllm::backend::Family;
 use tinyllm::crosscheck::lockstep::{self, LockstepOptions, Snapshot};
 use tinyllm::crosscheck::probe::{self, Status};
-use tinyllm::crosscheck::sweep::{self, Family};
+use tinyllm::crosscheck::sweep;
 use tinyllm::crosscheck::trace;
 use tinyllm::precision::Precision;
 use tinyllm::train::data::Corpus;
@@ -176,19 +177,19 @@ fn the_probe_on_this_adapter() {
     }
 }
 
-// ------------------------------------------------- the fault hook ----
+// ------------------------------------------------- the perturbation hook ----
 
 /// One flipped bit in one GPU primitive's output: the sweep finds it in that
 /// primitive's row alone, one ulp, at that position. An in-place optimizer
 /// kernel too.
 #[test]
-fn the_sweep_names_a_one_ulp_fault() {
+fn the_sweep_names_a_one_ulp_perturbation() {
     require_gpu!();
     for (primitive, element, family) in [
         ("unary silu", 7, Family::Elementwise),
-        ("adamw", 0, Family::Optim),
+        ("adamw", 0, Family::Update),
     ] {
-        let _fault = tinyllm::testing::gpu_fault(primitive, element);
+        let _perturbed = tinyllm::testing::gpu_perturb(primitive, element);
         let rows = sweep::run(&[Device::Gpu], &[family], &mut |_| {}).unwrap();
         let bad: Vec<_> = rows.iter().filter(|r| !r.bit_identical()).collect();
         assert_eq!(bad.len(), 1, "{primitive}: {bad:#?}");
@@ -207,8 +208,8 @@ fn the_sweep_names_a_one_ulp_fault() {
     assert!(rows.iter().all(|r| r.bit_identical()));
 }
 
-fn faulty_lockstep(primitive: &str, element: usize) -> lockstep::Divergence {
-    let _fault = tinyllm::testing::gpu_fault(primitive, element);
+fn perturbed_lockstep(primitive: &str, element: usize) -> lockstep::Divergence {
+    let _perturbed = tinyllm::testing::gpu_perturb(primitive, element);
     let l = lockstep::run(
         &LockstepOptions {
             preset: "tiny".into(),
@@ -220,7 +221,7 @@ fn faulty_lockstep(primitive: &str, element: usize) -> lockstep::Divergence {
     )
     .unwrap();
     assert_eq!(l.identical_steps, 0);
-    l.divergence.expect("the fault makes step 1 differ")
+    l.divergence.expect("the perturbation makes step 1 differ")
 }
 
 /// The lockstep finds the perturbed step, and the traced replay names the
@@ -229,7 +230,7 @@ fn faulty_lockstep(primitive: &str, element: usize) -> lockstep::Divergence {
 #[test]
 fn the_lockstep_trace_names_the_perturbed_call() {
     require_gpu!();
-    let d = faulty_lockstep("swiglu", 3);
+    let d = perturbed_lockstep("swiglu", 3);
     assert_eq!(d.step, 1);
     assert!(d.buffers_differing > 0, "{d}");
     let c = d.first_call.as_ref().expect("a traced first call");
@@ -246,14 +247,14 @@ fn the_lockstep_trace_names_the_perturbed_call() {
     assert!(text.contains("layers.0.mlp.swiglu"), "{text}");
 }
 
-/// A fault in a backward primitive is attributed to the layer whose forward
+/// A perturbation in a backward primitive is attributed to the layer whose forward
 /// op recorded the node: softmax's backward of the last block runs first.
 #[test]
 fn the_lockstep_trace_attributes_backward_calls_to_their_layer() {
     require_gpu!();
     // element 17 of dq: row 1 of the first head (row 0's gradient is
     // exactly 0, and a subnormal there is lost downstream: no divergence)
-    let d = faulty_lockstep("attention backward", 17);
+    let d = perturbed_lockstep("attention backward", 17);
     let c = d.first_call.as_ref().expect("a traced first call");
     assert_eq!(c.site, "layers.3.self_attn.attention backward", "{d}");
     assert_eq!(c.phase, "backward");
@@ -281,7 +282,7 @@ fn run_bin(args: &[&str], envs: &[(&str, &str)]) -> (i32, String, String) {
 }
 
 /// Every primitive the backend has, as the profile and the trace name them.
-const PRIMITIVES: [&str; 43] = [
+const PRIMITIVES: [&str; 47] = [
     "unary neg",
     "unary exp",
     "unary log",
@@ -325,6 +326,10 @@ const PRIMITIVES: [&str; 43] = [
     "cross-entropy",
     "cross-entropy backward",
     "dropout mask",
+    "attention",
+    "attention backward",
+    "pack 16-bit",
+    "unpack 16-bit",
 ];
 
 /// `tinyllm crosscheck` on this adapter: every primitive swept, a 5-step
@@ -343,8 +348,8 @@ fn the_command_reports_bit_identical_here() {
         .iter()
         .map(|r| r["primitive"].as_str().unwrap())
         .collect();
-    let optim = ["finite check + unscale", "scale in place", "adamw", "sgd"];
-    for p in PRIMITIVES.iter().chain(&optim) {
+    let update = ["finite check + unscale", "scale in place", "adamw", "sgd"];
+    for p in PRIMITIVES.iter().chain(&update) {
         assert!(names.contains(p), "the sweep has no row for {p}");
     }
     for r in rows {
@@ -415,16 +420,16 @@ fn the_command_reports_bit_identical_here() {
     }
 }
 
-/// With the fault hook armed through the environment, the command exits 1
+/// With the perturbation hook armed through the environment, the command exits 1
 /// and names the perturbed primitive (its sweep row) and the first differing
 /// call of the lockstep's replay, in the report and in the JSON.
 #[test]
-fn the_command_exits_1_and_names_the_fault() {
+fn the_command_exits_1_and_names_the_perturbation() {
     require_gpu!();
-    let fault = [("TINYLLM_GPU_FAULT", "swiglu#3")];
+    let perturb = [("TINYLLM_GPU_PERTURB", "swiglu#3")];
     let (code, out, err) = run_bin(
         &["crosscheck", "--precision", "fp32", "--steps", "2"],
-        &fault,
+        &perturb,
     );
     assert_eq!(code, 1, "{out}\n{err}");
     for s in [
@@ -450,7 +455,7 @@ fn the_command_exits_1_and_names_the_fault() {
             "1",
             "--json",
         ],
-        &[("TINYLLM_GPU_FAULT", "adamw#5")],
+        &[("TINYLLM_GPU_PERTURB", "adamw#5")],
     );
     assert_eq!(code, 1);
     let j: serde_json::Value = serde_json::from_str(&out).unwrap();
@@ -488,7 +493,7 @@ fn train_args(out: &std::path::Path, steps: &str, every: &str) -> Vec<String> {
 }
 
 /// `train --device gpu --crosscheck-every K`: every K-th step is replayed on
-/// the CPU; with a fault the run stops at the first checked step that
+/// the CPU; with a perturbation the run stops at the first checked step that
 /// differs, prints the trace report and keeps the state before that step as
 /// a checkpoint (with the report beside it); without one it finishes.
 #[test]
@@ -508,7 +513,7 @@ fn training_with_crosscheck_every_stops_at_the_divergence() {
     let out = dir.join("bad");
     let a = train_args(&out, "4", "2");
     let a: Vec<&str> = a.iter().map(String::as_str).collect();
-    let (code, _, err) = run_bin(&a, &[("TINYLLM_GPU_FAULT", "swiglu#3")]);
+    let (code, _, err) = run_bin(&a, &[("TINYLLM_GPU_PERTURB", "swiglu#3")]);
     assert_eq!(code, 1, "{err}");
     for s in [
         "training stopped at step 2",
@@ -565,7 +570,7 @@ fn training_with_crosscheck_every_stops_at_the_divergence() {
         std::os::unix::fs::symlink(&victim, linked.join("crosscheck-step-2")).unwrap();
         let a = train_args(&linked, "4", "2");
         let a: Vec<&str> = a.iter().map(String::as_str).collect();
-        let (code, _, err) = run_bin(&a, &[("TINYLLM_GPU_FAULT", "swiglu#3")]);
+        let (code, _, err) = run_bin(&a, &[("TINYLLM_GPU_PERTURB", "swiglu#3")]);
         assert_eq!(code, 1, "{err}");
         assert!(err.contains("symbolic link"), "{err}");
         assert!(std::fs::read_dir(&victim).unwrap().next().is_none());

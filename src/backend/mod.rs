@@ -25,7 +25,7 @@
 //! | [`matmul`] | batched products with transposes and autocast rounding |
 //! | [`attention`] | causal attention's products and softmax, scheduled per device (per head on the CPU) |
 //! | [`copy`] | strided copies (views), concatenation, row gather and scatter-add |
-//! | [`optim`] | in-place AdamW, SGD, scaling, the loss scaler's finite check |
+//! | [`update`] | in-place AdamW, SGD, scaling, the loss scaler's finite check |
 //! | [`dropout`] | Philox dropout masks |
 //! | [`fused`] | RMSNorm, SwiGLU, RoPE, softmax cross-entropy, each way: the compositions' bits |
 //! | [`pack`] | 16-bit storage of bf16/fp16 values (saved activations), packed and widened exactly |
@@ -36,7 +36,7 @@
 //!
 //! Every primitive's output passes through `observed` before it is returned:
 //! a running primitive trace (the cross-check's) records it, and in the
-//! crate's own tests the `fault` hook may perturb it.
+//! crate's own tests the `perturb` hook may change it by one ulp.
 //!
 //! [`Storage`] is an enum over the three devices (CPU, GPU, spec),
 //! dispatched in one place, the [`on_device!`] macro: autograd sits above it
@@ -54,19 +54,19 @@ pub mod attention;
 pub mod copy;
 pub mod dropout;
 #[cfg(feature = "test-hooks")]
-pub mod fault;
+pub mod perturb;
 pub mod elementwise;
 pub mod fused;
 #[cfg(feature = "gpu")]
 pub mod launches;
 pub mod matmul;
-pub mod optim;
+pub mod update;
 pub mod pack;
 pub mod reduce;
 
 pub use elementwise::{BinaryOp, UnaryOp};
 pub use matmul::{Causal, MatmulDims, Operand};
-pub use optim::AdamWConsts;
+pub use update::AdamWConsts;
 pub use reduce::ReduceOp;
 
 use crate::{bail, Result};
@@ -512,24 +512,57 @@ pub(crate) fn restart_device_peak() {
     gpu::restart_device_peak();
 }
 
-/// Every family's shaders (for validation and the parameter-layout check).
-#[cfg(any(test, feature = "test-hooks"))]
-pub fn gpu_families() -> [&'static gpu::pipelines::Family; 9] {
-    [
-        &gpu::probe::FAMILY,
-        &elementwise::gpu::FAMILY,
-        &reduce::gpu::FAMILY,
-        &matmul::gpu::FAMILY,
-        &copy::gpu::FAMILY,
-        &optim::gpu::FAMILY,
-        &dropout::gpu::FAMILY,
-        &fused::gpu::FAMILY,
-        &pack::gpu::FAMILY,
-    ]
+op_enum! {
+    /// The primitive families, one folder each under `src/backend/`: the one
+    /// list the shader checks ([`gpu_families`]), the cross-check's sweep and
+    /// the parity tests derive theirs from (each through an exhaustive match,
+    /// so a new family that one of them forgets does not compile, or fails a
+    /// test). The name is the folder's (and its shader file's).
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+    pub enum Family {
+        Elementwise => "elementwise",
+        Reduce => "reduce",
+        Matmul => "matmul",
+        Attention => "attention",
+        Copy => "copy",
+        Update => "update",
+        Dropout => "dropout",
+        Fused => "fused",
+        Pack => "pack",
+    }
+}
+
+impl Family {
+    /// The family's GPU twin: its shaders (`shaders/<name>.wgsl`), or `None`
+    /// for a family that has none of its own — `attention`, which on the
+    /// GPU is the composition of the matmul and softmax kernels.
+    #[cfg(feature = "gpu")]
+    pub fn shaders(self) -> Option<&'static gpu::pipelines::Family> {
+        match self {
+            Family::Elementwise => Some(&elementwise::gpu::FAMILY),
+            Family::Reduce => Some(&reduce::gpu::FAMILY),
+            Family::Matmul => Some(&matmul::gpu::FAMILY),
+            Family::Attention => None,
+            Family::Copy => Some(&copy::gpu::FAMILY),
+            Family::Update => Some(&update::gpu::FAMILY),
+            Family::Dropout => Some(&dropout::gpu::FAMILY),
+            Family::Fused => Some(&fused::gpu::FAMILY),
+            Family::Pack => Some(&pack::gpu::FAMILY),
+        }
+    }
+}
+
+/// Every shader module (for validation and the parameter-layout check): the
+/// probe's, then each [`Family`]'s GPU twin in [`Family::ALL`]'s order.
+#[cfg(all(feature = "gpu", any(test, feature = "test-hooks")))]
+pub fn gpu_families() -> Vec<&'static gpu::pipelines::Family> {
+    std::iter::once(&gpu::probe_ops::FAMILY)
+        .chain(Family::ALL.iter().filter_map(|f| f.shaders()))
+        .collect()
 }
 
 /// What every primitive does with its output before returning it: the
-/// test-only [`fault`] hook may perturb it, and a running
+/// test-only [`perturb`] hook may change it by one ulp, and a running
 /// [trace](crate::trace) records it (read back and hashed).
 /// Neither is on outside a cross-check: then this is one thread-local read
 /// (the hook is not even compiled into a build without `test-hooks`).
@@ -539,7 +572,7 @@ pub(crate) fn observed(
     outs: &[&Storage],
 ) -> Result<()> {
     #[cfg(feature = "test-hooks")]
-    fault::perturb(name, outs)?;
+    perturb::perturb(name, outs)?;
     if crate::trace::on() {
         let mut values = Vec::new();
         for o in outs {
@@ -560,7 +593,7 @@ pub(crate) fn observed_value(
     value: f32,
 ) -> Result<f32> {
     #[cfg(feature = "test-hooks")]
-    let value = fault::perturb_value(name, outs, on_gpu, value)?;
+    let value = perturb::perturb_value(name, outs, on_gpu, value)?;
     let _ = on_gpu;
     if crate::trace::on() {
         let mut values = Vec::new();
@@ -727,6 +760,48 @@ impl Storage {
         match dtype {
             DType::F32 => Storage::from_f32(self.to_vec_f32()?, self.device()),
             DType::F64 => Storage::from_f64(self.to_vec_f64()?, self.device()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Family;
+
+    #[test]
+    fn the_family_table_is_consistent() {
+        super::check_op_table(&Family::ALL, Family::code, Family::name);
+    }
+
+    /// Every folder under `src/backend/` but the ground below the families
+    /// is a [`Family`], and every family a folder: the list cannot miss one.
+    #[test]
+    fn every_family_folder_is_listed() {
+        const GROUND: [&str; 4] = ["cpu", "gpu", "math", "round"];
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/src/backend");
+        let mut folders: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap())
+            .filter(|e| e.path().is_dir())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| !GROUND.contains(&n.as_str()))
+            .collect();
+        folders.sort();
+        let mut listed: Vec<String> = Family::ALL.iter().map(|f| f.name().to_string()).collect();
+        listed.sort();
+        assert_eq!(folders, listed);
+    }
+
+    /// A family's shaders are named as the family, in `shaders/<name>.wgsl`.
+    #[cfg(feature = "gpu")]
+    #[test]
+    fn each_gpu_twin_is_named_as_its_family() {
+        for f in Family::ALL {
+            if let Some(s) = f.shaders() {
+                assert_eq!(s.name, f.name());
+                let file = format!("{}/shaders/{}.wgsl", env!("CARGO_MANIFEST_DIR"), f.name());
+                assert!(std::path::Path::new(&file).is_file(), "{file}");
+            }
         }
     }
 }

@@ -1,5 +1,5 @@
 //! The device probe: which adapter the GPU backend runs on, its limits, and —
-//! measured on the device, one operation at a time (`backend/gpu/probe.wgsl`)
+//! measured on the device, one operation at a time (`shaders/probe.wgsl`, run by `backend::gpu::probe_ops`)
 //! — whether it does what the numerics contract assumes: a fused `fma`,
 //! gradual underflow in every operation the kernels use, no contraction of a
 //! product and a sum written apart, rounding to nearest even, signed zeros,
@@ -14,7 +14,7 @@
 use super::hex;
 use crate::backend::gpu::arith;
 use crate::backend::gpu::context::ctx;
-use crate::backend::gpu::probe::{self as device, ProbeOp};
+use crate::backend::gpu::probe_ops::{self as device, ProbeOp};
 use crate::crosscheck::cases::same;
 use crate::Result;
 use serde::Serialize;

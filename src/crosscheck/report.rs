@@ -3,8 +3,9 @@
 
 use super::lockstep::{Lockstep, LockstepOptions};
 use super::probe::{Probe, Status};
-use super::sweep::{Family, Row};
+use super::sweep::Row;
 use super::{lockstep, probe, sweep};
+use crate::backend::Family;
 use crate::precision::Precision;
 use crate::{Device, Result};
 use serde::Serialize;
@@ -81,7 +82,7 @@ pub fn run(o: &Options, progress: &mut dyn FnMut(&str)) -> Result<Report> {
     let probe = probe::run()?;
     let t = Instant::now();
     let sweep = if o.sweep {
-        let mut tell = |f: Family| progress(&format!("sweep: {}", f.name()));
+        let mut tell = |f: Family| progress(&format!("sweep: {}", sweep::words(f)));
         Some(sweep::run(
             &[Device::Cpu, Device::Gpu],
             &Family::ALL,

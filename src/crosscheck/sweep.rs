@@ -18,45 +18,39 @@
 //! (lavapipe stops a shader loop after 65,535 iterations) run past the cap.
 
 use super::hex;
-use crate::backend::op_enum;
+use crate::backend::attention::Attention;
 use crate::backend::round::{Format, Fp8};
 use crate::backend::{
-    AdamWConsts, BinaryLayout, BinaryOp, Causal, Device, MatmulDims, Operand, ReduceOp, Storage,
-    UnaryOp,
+    AdamWConsts, BinaryLayout, BinaryOp, Causal, Device, Family, MatmulDims, Operand, ReduceOp,
+    Storage, UnaryOp,
 };
 use crate::crosscheck::cases::{adversarial, same, specials, ulps, Rng};
 use crate::Result;
 use serde::Serialize;
 
-op_enum! {
-    /// The sweep's parts, one per primitive family (and the long loops); `ALL`
-    /// in the order the command runs them, the name in words for progress
-    /// lines (`reductions`, `dropout masks`, …).
-    #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-    #[serde(rename_all = "snake_case")]
-    pub enum Family {
-        /// Unary and binary elementwise operations (broadcasting included) and
-        /// rounding to bf16 and fp16.
-        Elementwise => "elementwise and rounding",
-        /// Reductions along an axis, including one longer than a device's loop
-        /// cap, and the chunked sum of squares.
-        Reduce => "reductions",
-        /// Softmax and its backward: plain, scaled, and causally masked.
-        Softmax => "softmax",
-        /// Matrix products in every layout and format, with and without a causal
-        /// mask.
-        Matmul => "matmul",
-        /// Strided copies, concatenation, row gathers and scatter-adds, and the
-        /// 16-bit storage of saved activations (pack, unpack).
-        Copy => "copies, gather and scatter, 16-bit storage",
-        /// Dropout masks from the counter-based generator.
-        Dropout => "dropout masks",
-        /// The optimizer kernels (AdamW, SGD) and the loss scaler's finite check,
-        /// unscaling and scaling in place.
-        Optim => "optimizer kernels and the finite check",
-        /// The fused transformer primitives: RMSNorm, SwiGLU, RoPE and the
-        /// softmax cross-entropy, forward and backward.
-        Fused => "fused transformer primitives",
+/// The sweep's part for a primitive family in words, for progress lines
+/// (`reductions and softmax`, `dropout masks`, …). The parts are the
+/// backend's own [`Family`] list: a new family must be given its part here
+/// (and its cases in [`run`]) before the crate compiles.
+pub fn words(f: Family) -> &'static str {
+    match f {
+        // rounding to bf16 and fp16 (a unary op) included
+        Family::Elementwise => "elementwise and rounding",
+        // including one longer than a device's loop cap, the chunked sum of
+        // squares, softmax (plain, scaled, causally masked) and its backward
+        Family::Reduce => "reductions and softmax",
+        // every layout and format, with and without a causal mask
+        Family::Matmul => "matmul",
+        // forward and backward, head-major and token-major, every format
+        Family::Attention => "attention",
+        // strided copies, concatenation, row gathers and scatter-adds
+        Family::Copy => "copies, gather and scatter",
+        // AdamW, SGD, and the loss scaler's finite check, unscaling and scaling
+        Family::Update => "in-place updates and the finite check",
+        Family::Dropout => "dropout masks",
+        // RMSNorm, SwiGLU, RoPE, softmax cross-entropy, forward and backward
+        Family::Fused => "fused transformer primitives",
+        Family::Pack => "16-bit storage",
     }
 }
 
@@ -276,13 +270,17 @@ pub fn run(
                 binary(&mut sw)?;
                 rounding(&mut sw)?;
             }
-            Family::Reduce => reduce(&mut sw)?,
-            Family::Softmax => softmax(&mut sw)?,
+            Family::Reduce => {
+                reduce(&mut sw)?;
+                softmax(&mut sw)?;
+            }
             Family::Matmul => matmul(&mut sw)?,
+            Family::Attention => attention(&mut sw)?,
             Family::Copy => copy(&mut sw)?,
+            Family::Update => update(&mut sw)?,
             Family::Dropout => dropout(&mut sw)?,
-            Family::Optim => optim(&mut sw)?,
             Family::Fused => fused(&mut sw)?,
+            Family::Pack => pack(&mut sw)?,
         }
     }
     Ok(sw.rows)
@@ -1108,6 +1106,55 @@ fn matmul_known(sw: &mut Sweep) -> Result<()> {
     Ok(())
 }
 
+// ------------------------------------------------------------ attention ----
+
+/// Causal attention as one primitive per direction: the CPU's per-head chain
+/// against the spec's batched composition, head-major and token-major,
+/// ragged lengths, in f32 and under both autocast formats.
+fn attention(sw: &mut Sweep) -> Result<()> {
+    let mut rng = Rng(53);
+    for (heads, t, d, tokens) in [(3, 13, 8, None), (4, 33, 16, Some(2)), (1, 70, 5, None)] {
+        for round in [None, Some(Format::Bf16), Some(Format::Fp16)] {
+            let a = Attention {
+                heads,
+                t,
+                d,
+                scale: 1.0 / (d as f32).sqrt(),
+                round,
+                tokens,
+            };
+            let n = heads * t * d;
+            let [q, k, v, g]: [Vec<f32>; 4] =
+                std::array::from_fn(|_| (0..n).map(|_| rng.moderate()).collect());
+            let variant = match tokens {
+                Some(_) => format!("{} token-major", round.map_or("f32", Format::name)),
+                None => round.map_or("f32", Format::name).to_string(),
+            };
+            let case = format!("heads {heads} t {t} d {d} tokens {tokens:?}");
+            let ops = |dev: Device| -> Result<[Operand; 3]> {
+                Ok([
+                    Operand::Values(up(&q, dev)?),
+                    Operand::Values(up(&k, dev)?),
+                    Operand::Values(up(&v, dev)?),
+                ])
+            };
+            sw.check("attention", &variant, case.clone(), &[], |dev| {
+                let [q, k, v] = ops(dev)?;
+                a.forward(&q, &k, &v)?.to_vec_f32()
+            })?;
+            sw.check("attention backward", &variant, case, &[], |dev| {
+                let [q, k, v] = ops(dev)?;
+                let mut out = Vec::new();
+                for s in a.backward(&q, &k, &v, &up(&g, dev)?)? {
+                    out.extend(s.to_vec_f32()?);
+                }
+                Ok(out)
+            })?;
+        }
+    }
+    Ok(())
+}
+
 // ----------------------------------------------------------- data moves ----
 
 fn copy(sw: &mut Sweep) -> Result<()> {
@@ -1148,30 +1195,6 @@ fn copy(sw: &mut Sweep) -> Result<()> {
             let refs: Vec<&Storage> = st.iter().collect();
             Storage::concat(&refs, outer, &sizes, inner)?.to_vec_f32()
         })?;
-    }
-    // 16-bit storage: packing rounds (an odd count of adversarial values),
-    // and every pattern of each format survives the round trip. Words and
-    // values are compared as their 16-bit halves, so NaN payloads count.
-    let halves = |v: Vec<f32>| -> Vec<f32> {
-        v.iter()
-            .flat_map(|x| [(x.to_bits() & 0xffff) as f32, (x.to_bits() >> 16) as f32])
-            .collect()
-    };
-    let x = adversarial(&mut rng, 721);
-    for fmt in [Format::Bf16, Format::Fp16] {
-        sw.check("pack 16-bit", fmt.name(), "721 values".into(), &[], |d| {
-            Ok(halves(up(&x, d)?.pack(fmt)?.0.words().to_vec_f32()?))
-        })?;
-        let every: Vec<f32> = (0..=0xffff)
-            .map(|h| f32::from_bits(crate::backend::pack::widen_bits(h, fmt)))
-            .collect();
-        sw.check(
-            "unpack 16-bit",
-            fmt.name(),
-            "every pattern".into(),
-            &[],
-            |d| Ok(halves(up(&every, d)?.pack(fmt)?.0.unpack()?.to_vec_f32()?)),
-        )?;
     }
     // repeated ids, unused rows, out of order
     let mut rng = Rng(29);
@@ -1223,6 +1246,37 @@ fn copy(sw: &mut Sweep) -> Result<()> {
     )
 }
 
+// ------------------------------------------------------- 16-bit storage ----
+
+fn pack(sw: &mut Sweep) -> Result<()> {
+    let mut rng = Rng(37);
+    // 16-bit storage: packing rounds (an odd count of adversarial values),
+    // and every pattern of each format survives the round trip. Words and
+    // values are compared as their 16-bit halves, so NaN payloads count.
+    let halves = |v: Vec<f32>| -> Vec<f32> {
+        v.iter()
+            .flat_map(|x| [(x.to_bits() & 0xffff) as f32, (x.to_bits() >> 16) as f32])
+            .collect()
+    };
+    let x = adversarial(&mut rng, 721);
+    for fmt in [Format::Bf16, Format::Fp16] {
+        sw.check("pack 16-bit", fmt.name(), "721 values".into(), &[], |d| {
+            Ok(halves(up(&x, d)?.pack(fmt)?.0.words().to_vec_f32()?))
+        })?;
+        let every: Vec<f32> = (0..=0xffff)
+            .map(|h| f32::from_bits(crate::backend::pack::widen_bits(h, fmt)))
+            .collect();
+        sw.check(
+            "unpack 16-bit",
+            fmt.name(),
+            "every pattern".into(),
+            &[],
+            |d| Ok(halves(up(&every, d)?.pack(fmt)?.0.unpack()?.to_vec_f32()?)),
+        )?;
+    }
+    Ok(())
+}
+
 // ------------------------------------------------------------ randomness ----
 
 fn dropout(sw: &mut Sweep) -> Result<()> {
@@ -1241,27 +1295,27 @@ fn dropout(sw: &mut Sweep) -> Result<()> {
     Ok(())
 }
 
-// ----------------------------------------------------- optimizer & scaler ----
+// ------------------------------------------- in-place updates & scaler ----
 
 /// Length of the optimizer kernels' buffers: two full workgroups and a ragged
 /// third at lavapipe's 256 elements per lane (many on a real GPU).
-pub const N_OPTIM: usize = 2 * 64 * 256 + 77;
+pub const N_UPDATE: usize = 2 * 64 * 256 + 77;
 
-fn optim(sw: &mut Sweep) -> Result<()> {
+fn update(sw: &mut Sweep) -> Result<()> {
     let mut rng = Rng(31);
     let inv = 2f32.powi(-16);
     // the flag and the unscaled values: finite buffers, then an inf, a NaN in
     // the last element of the last (partial) workgroup, an inf past the first
     // workgroup, an inf only in the last buffer
     let finite: Vec<Vec<f32>> = vec![
-        (0..N_OPTIM).map(|_| rng.moderate() * 1e4).collect(),
+        (0..N_UPDATE).map(|_| rng.moderate() * 1e4).collect(),
         vec![f32::MAX, -f32::MAX, 1e-45, -0.0, 3e-39],
         vec![],
     ];
     let mut with_inf = finite.clone();
     with_inf[1][2] = f32::NEG_INFINITY;
     let mut with_nan = finite.clone();
-    with_nan[0][N_OPTIM - 1] = f32::NAN;
+    with_nan[0][N_UPDATE - 1] = f32::NAN;
     let mut mid_inf = finite.clone();
     mid_inf[0][16384 + 64 * 7 + 5] = f32::INFINITY;
     let mut only_last = finite.clone();
@@ -1289,12 +1343,12 @@ fn optim(sw: &mut Sweep) -> Result<()> {
         })?;
     }
     let mut rng = Rng(37);
-    let x = adversarial(&mut rng, N_OPTIM);
+    let x = adversarial(&mut rng, N_UPDATE);
     for c in [0.5f32, 0.3, 1e-30, -7.0] {
         sw.check(
             "scale in place",
             "",
-            format!("n {N_OPTIM} times {c:e}"),
+            format!("n {N_UPDATE} times {c:e}"),
             &[&x],
             |d| {
                 let s = up(&x, d)?;
@@ -1309,7 +1363,7 @@ fn optim(sw: &mut Sweep) -> Result<()> {
 
 fn adamw(sw: &mut Sweep) -> Result<()> {
     let mut rng = Rng(41);
-    let n = N_OPTIM;
+    let n = N_UPDATE;
     let p: Vec<f32> = (0..n).map(|_| rng.moderate()).collect();
     let (lr, b1, b2, eps, wd) = (1e-3f64, 0.9f64, 0.999f64, 1e-8f64, 0.01f64);
     let steps: Vec<(Vec<f32>, AdamWConsts)> = (1..=4)

@@ -22,7 +22,7 @@ gpu_params! {
 }
 
 pub const FAMILY: Family = Family {
-    name: "rng",
+    name: "dropout",
     sources: &[include_str!("../../../shaders/dropout.wgsl")],
     needs_math: true,
     consts: no_consts,

@@ -53,9 +53,9 @@ pub struct Context {
     pub native_fma: bool,
     /// What the start-up probe found of the device's `fma` and subnormals.
     pub arith: ArithFindings,
-    /// Elements per invocation of the optimizer kernels (optim.wgsl's
-    /// `PER_LANE` override), chosen per adapter: see [`optim_per_lane`].
-    pub optim_per_lane: u32,
+    /// Elements per invocation of the optimizer kernels (update.wgsl's
+    /// `PER_LANE` override), chosen per adapter: see [`update_per_lane`].
+    pub update_per_lane: u32,
     /// How kernels reach the driver (see [`Shaders`]).
     pub shaders: Shaders,
     slot: u64,
@@ -354,7 +354,7 @@ impl Context {
         }
         let disk_cache = super::cache::DiskCache::open(&device, &info);
         Ok(Context {
-            optim_per_lane: optim_per_lane(&info),
+            update_per_lane: update_per_lane(&info),
             shaders,
             device,
             queue,
@@ -793,7 +793,7 @@ impl Context {
 /// element per lane: many elements per lane there. A real GPU wants the
 /// opposite — tens of thousands of lanes in flight to hide memory latency — so
 /// a few elements per lane.
-fn optim_per_lane(info: &wgpu::AdapterInfo) -> u32 {
+fn update_per_lane(info: &wgpu::AdapterInfo) -> u32 {
     match info.device_type {
         wgpu::DeviceType::Cpu => 256,
         _ => 4,

@@ -31,7 +31,7 @@ pub mod cache;
 pub mod hlsl;
 pub mod msl;
 mod passthrough;
-pub mod probe;
+pub mod probe_ops;
 pub mod spirv;
 pub mod variant;
 

@@ -2,13 +2,13 @@
 
 #![forbid(unsafe_code)]
 
-use super::{AdamWConsts, OptimOps};
+use super::{AdamWConsts, UpdateOps};
 use crate::backend::math::{div, sqrt};
 use crate::backend::reduce::ReduceOps;
 use crate::backend::spec::{fma, SpecStorage};
 use crate::Result;
 
-impl OptimOps for SpecStorage {
+impl UpdateOps for SpecStorage {
     fn finite_check_unscale(
         bufs: &[&SpecStorage],
         inv_scale: f32,

@@ -1,8 +1,8 @@
-//! The GPU launchers of the in-place updates (`optim.wgsl`). The elementwise
+//! The GPU launchers of the in-place updates (`update.wgsl`). The elementwise
 //! kernels take `PER_LANE` elements per invocation, an override chosen per
-//! adapter ([`Context::optim_per_lane`](crate::backend::gpu::context::Context)).
+//! adapter ([`Context::update_per_lane`](crate::backend::gpu::context::Context)).
 
-use super::{AdamWConsts, OptimOps};
+use super::{AdamWConsts, UpdateOps};
 use crate::backend::gpu::context::ctx;
 use crate::backend::gpu::pipelines::{gpu_params, no_consts, Family, Kernel};
 use crate::backend::gpu::{grid1d, u32_of, GpuStorage};
@@ -10,18 +10,18 @@ use crate::backend::reduce::NORM_CHUNK;
 use crate::Result;
 
 gpu_params! {
-    /// `optim.wgsl` `ScaleParams`: `n` elements times the f32 `c` (bits).
+    /// `update.wgsl` `ScaleParams`: `n` elements times the f32 `c` (bits).
     pub struct ScaleParams { n: u32, c: u32 }
 }
 
 gpu_params! {
-    /// `optim.wgsl` `CheckParams`: `n` elements times the f32 `c` (bits), in
+    /// `update.wgsl` `CheckParams`: `n` elements times the f32 `c` (bits), in
     /// chunks of `chunk`, this buffer's partials written from `offset`.
     pub struct CheckParams { n: u32, c: u32, chunk: u32, offset: u32 }
 }
 
 gpu_params! {
-    /// `optim.wgsl` `AdamWParams`: [`AdamWConsts`] as f32 bits.
+    /// `update.wgsl` `AdamWParams`: [`AdamWConsts`] as f32 bits.
     pub struct AdamWParams {
         n: u32,
         decay: u32,
@@ -38,13 +38,13 @@ gpu_params! {
 }
 
 gpu_params! {
-    /// `optim.wgsl` `SgdParams` (f32 bits; `first` 1 on the first momentum step).
+    /// `update.wgsl` `SgdParams` (f32 bits; `first` 1 on the first momentum step).
     pub struct SgdParams { n: u32, lr: u32, momentum: u32, wd: u32, first: u32 }
 }
 
 pub const FAMILY: Family = Family {
-    name: "optim",
-    sources: &[include_str!("../../../shaders/optim.wgsl")],
+    name: "update",
+    sources: &[include_str!("../../../shaders/update.wgsl")],
     needs_math: true,
     consts: no_consts,
     entries: &[
@@ -68,14 +68,14 @@ const SGD_MOMENTUM: Kernel = Kernel::new(&FAMILY, "sgd_momentum_step");
 
 /// A `PER_LANE` kernel specialised for this adapter, and its grid for `n` elements.
 fn per_lane(entry: &'static str, n: usize) -> Result<(Kernel, (u32, u32, u32))> {
-    let lanes = ctx()?.optim_per_lane;
+    let lanes = ctx()?.update_per_lane;
     Ok((
         Kernel::new(&FAMILY, entry).with("PER_LANE", lanes),
         grid1d(n.div_ceil(lanes as usize)),
     ))
 }
 
-impl OptimOps for GpuStorage {
+impl UpdateOps for GpuStorage {
     /// One kernel per buffer, all OR-ing into ONE 4-byte flag and writing
     /// their chunk partials into one buffer; both read back once, with `also`.
     fn finite_check_unscale(

@@ -57,7 +57,7 @@ pub struct AdamWConsts {
 }
 
 /// The two devices' in-place updates (see the module docs for the contract).
-pub trait OptimOps: Sized {
+pub trait UpdateOps: Sized {
     /// Unscales every buffer in place: true when all values were finite
     /// before, and every buffer's chunk partials of the sum of squares after,
     /// in buffer order. `also`'s values come back with the verdict (on a GPU
@@ -133,7 +133,7 @@ impl Storage {
         }
         let (finite, partials, values): (bool, Vec<f32>, Vec<f64>) = on_device!(slice &parts => |xs| {
             let (gs, rest) = xs.split_at(n);
-            OptimOps::finite_check_unscale(gs, inv_scale, rest.first().copied())
+            UpdateOps::finite_check_unscale(gs, inv_scale, rest.first().copied())
         });
         let lens = || format!("buffers {:?}", grads.iter().map(|g| g.len()).collect::<Vec<_>>());
         let on_gpu = parts[0].device() == Device::Gpu;

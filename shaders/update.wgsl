@@ -1,13 +1,13 @@
-// optim.wgsl — in-place optimizer updates and the loss scaler's fused check
+// update.wgsl — in-place optimizer updates and the loss scaler's fused check
 // (needs mathlib). Each expression has the shape of the CPU reference's
-// (src/backend/cpu.rs): explicit fma where the Rust uses mul_add, separate
+// (src/backend/update/cpu.rs): explicit fma where the Rust uses mul_add, separate
 // ops where it does two roundings.
 //
 // 1-D grids. scale_in_place and adamw_step give each
 // invocation PER_LANE elements: workgroup w covers the 64 * PER_LANE
 // consecutive elements from w * 64 * PER_LANE, lane l takes every 64th of them
 // from l (neighbouring lanes, neighbouring addresses). PER_LANE is a pipeline
-// override chosen per adapter by the host (context.rs `optim_per_lane`): many
+// override chosen per adapter by the host (context.rs `update_per_lane`): many
 // per lane on a software device, where each workgroup is a scheduled task and
 // one element per lane left the scheduling, not the memory, setting the pace;
 // a few on a real GPU, which wants many lanes in flight. The parameters are

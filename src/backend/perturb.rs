@@ -5,7 +5,7 @@
 //! feature (the release binary) has no hook at all.
 //!
 //! Armed per thread by [`arm`] (the tests' in-process runs), or for the whole
-//! process by `TINYLLM_GPU_FAULT=PRIMITIVE[#ELEMENT]` (the tests that run the
+//! process by `TINYLLM_GPU_PERTURB=PRIMITIVE[#ELEMENT]` (the tests that run the
 //! binary): every GPU call of the primitive named as the profile names it
 //! (`softmax`, `unary silu`, `matmul`, `adamw`, …) gets the lowest bit of
 //! output element `ELEMENT` (default 0, clamped to the output) flipped: the
@@ -21,24 +21,24 @@ use std::sync::OnceLock;
 
 /// Which primitive, and which element of its output.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Fault {
+pub struct Perturbation {
     pub primitive: String,
     pub element: usize,
 }
 
-impl std::str::FromStr for Fault {
+impl std::str::FromStr for Perturbation {
     type Err = crate::Error;
-    fn from_str(s: &str) -> Result<Fault> {
+    fn from_str(s: &str) -> Result<Perturbation> {
         let (name, element) = match s.rsplit_once('#') {
             Some((n, e)) => (
                 n,
                 e.trim().parse().map_err(|_| {
-                    crate::Error::config(format!("TINYLLM_GPU_FAULT={s:?}: {e:?} is not an element index"))
+                    crate::Error::config(format!("TINYLLM_GPU_PERTURB={s:?}: {e:?} is not an element index"))
                 })?,
             ),
             None => (s, 0),
         };
-        Ok(Fault {
+        Ok(Perturbation {
             primitive: name.trim().to_string(),
             element,
         })
@@ -47,13 +47,13 @@ impl std::str::FromStr for Fault {
 
 thread_local! {
     /// `Some`: this thread's setting, over the environment's.
-    static ARMED: RefCell<Option<Option<Fault>>> = const { RefCell::new(None) };
+    static ARMED: RefCell<Option<Option<Perturbation>>> = const { RefCell::new(None) };
 }
 
-fn from_env() -> Option<&'static Fault> {
-    static F: OnceLock<Option<Fault>> = OnceLock::new();
+fn from_env() -> Option<&'static Perturbation> {
+    static F: OnceLock<Option<Perturbation>> = OnceLock::new();
     F.get_or_init(|| {
-        std::env::var("TINYLLM_GPU_FAULT")
+        std::env::var("TINYLLM_GPU_PERTURB")
             .ok()
             .filter(|s| !s.trim().is_empty())
             .and_then(|s| s.parse().ok())
@@ -61,8 +61,8 @@ fn from_env() -> Option<&'static Fault> {
     .as_ref()
 }
 
-/// The fault armed for `primitive` on this thread, if any.
-fn armed_for(primitive: &str) -> Option<Fault> {
+/// The perturbation armed for `primitive` on this thread, if any.
+fn armed_for(primitive: &str) -> Option<Perturbation> {
     let own = ARMED.with_borrow(|a| a.clone());
     let f = match own {
         Some(f) => f,
@@ -71,16 +71,16 @@ fn armed_for(primitive: &str) -> Option<Fault> {
     f.filter(|f| f.primitive == primitive)
 }
 
-/// Arms `fault` (or, with `None`, disarms even the environment's) on this
+/// Arms `p` (or, with `None`, disarms even the environment's) on this
 /// thread until the guard drops.
-pub fn arm(fault: Option<Fault>) -> Armed {
-    let prev = ARMED.with_borrow_mut(|a| a.replace(fault));
+pub fn arm(p: Option<Perturbation>) -> Armed {
+    let prev = ARMED.with_borrow_mut(|a| a.replace(p));
     Armed(prev)
 }
 
 /// Restores the thread's previous setting when dropped.
 #[must_use]
-pub struct Armed(Option<Option<Fault>>);
+pub struct Armed(Option<Option<Perturbation>>);
 
 impl Drop for Armed {
     fn drop(&mut self) {
@@ -93,7 +93,7 @@ fn flip(x: f32) -> f32 {
     f32::from_bits(x.to_bits() ^ 1)
 }
 
-/// Perturbs the first of `outs` when it is on the GPU and the fault is armed
+/// Perturbs the first of `outs` when it is on the GPU and a perturbation is armed
 /// for `primitive`.
 pub fn perturb(primitive: &str, outs: &[&Storage]) -> Result<()> {
     let Some(f) = armed_for(primitive) else {

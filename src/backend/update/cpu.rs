@@ -1,6 +1,6 @@
 //! The CPU reference of the in-place updates.
 
-use super::{AdamWConsts, OptimOps};
+use super::{AdamWConsts, UpdateOps};
 use crate::backend::cpu::pool;
 use crate::backend::cpu::simd::LANES;
 use crate::backend::cpu::{cpu_threads, simd, CpuStorage};
@@ -9,7 +9,7 @@ use crate::backend::reduce::cpu::{chunk_sums_of_squares, SQUARES_PIECE};
 use crate::backend::reduce::NORM_CHUNK;
 use crate::Result;
 
-impl OptimOps for CpuStorage {
+impl UpdateOps for CpuStorage {
     fn finite_check_unscale(
         bufs: &[&CpuStorage],
         inv_scale: f32,
