@@ -7,10 +7,18 @@ use std::fmt;
 /// device involved and, where there is one, what to do about it.
 #[non_exhaustive]
 pub enum Error {
-    /// Operands that do not fit an operation: shapes, dtypes, devices, ids.
+    /// Operand shapes that do not fit an operation.
     Shape(String),
-    /// The GPU: no adapter, a device limit exceeded, a kernel that failed to
-    /// compile, a lost device, a failed readback.
+    /// Operands of different element types, or one an operation or a device
+    /// does not take (f64 off the CPU, an f64 parameter for an optimizer).
+    DType(String),
+    /// An index outside what it indexes: a token id outside the vocabulary,
+    /// a row id past a table, a class target past the logits.
+    Index(String),
+    /// Devices: operands on different devices, a device this build or
+    /// machine does not have (no `gpu` feature, no adapter), and the GPU's
+    /// failures — a device limit exceeded, a kernel that failed to compile,
+    /// a lost device, a failed readback.
     Device(String),
     /// A file or stream operation failed; `source` is the operating system's error.
     Io {
@@ -39,7 +47,16 @@ impl Error {
     pub fn shape(msg: impl Into<String>) -> Self {
         Error::Shape(msg.into())
     }
-    /// An [`Error::Device`] (a GPU failure) carrying the message `msg`.
+    /// An [`Error::DType`] (element types that do not fit) with message `msg`.
+    pub fn dtype(msg: impl Into<String>) -> Self {
+        Error::DType(msg.into())
+    }
+    /// An [`Error::Index`] (an id or index out of range) with message `msg`.
+    pub fn index(msg: impl Into<String>) -> Self {
+        Error::Index(msg.into())
+    }
+    /// An [`Error::Device`] (a device mismatch, a missing device, a GPU
+    /// failure) carrying the message `msg`.
     pub fn device(msg: impl Into<String>) -> Self {
         Error::Device(msg.into())
     }
@@ -83,6 +100,8 @@ impl Error {
         let pre = |m: String| f(&m);
         match self {
             Error::Shape(m) => Error::Shape(pre(m)),
+            Error::DType(m) => Error::DType(pre(m)),
+            Error::Index(m) => Error::Index(pre(m)),
             Error::Device(m) => Error::Device(pre(m)),
             Error::Io { context, source } => Error::Io {
                 context: pre(context),
@@ -106,6 +125,8 @@ impl Error {
     pub fn kind(&self) -> &'static str {
         match self {
             Error::Shape(_) => "Shape",
+            Error::DType(_) => "DType",
+            Error::Index(_) => "Index",
             Error::Device(_) => "Device",
             Error::Io { .. } => "Io",
             Error::Checkpoint(_) => "Checkpoint",
@@ -134,6 +155,8 @@ impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Error::Shape(m)
+            | Error::DType(m)
+            | Error::Index(m)
             | Error::Device(m)
             | Error::Checkpoint(m)
             | Error::Config(m)

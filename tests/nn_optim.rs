@@ -556,3 +556,36 @@ fn a_job_moved_to_a_worker_thread_keeps_its_bits(dev: Device) {
 device_test!(a_job_moves_through_host_state, |dev| {
     a_job_moved_to_a_worker_thread_keeps_its_bits(dev);
 });
+
+// ----------------------------------------------------------- error kinds ----
+
+/// Errors are filed under the kind a caller would match on: a dtype
+/// mismatch is `DType`, operands on two devices `Device`, a token id outside
+/// the vocabulary (the model's check and the table's) `Index`.
+#[test]
+fn mismatches_and_bad_ids_have_their_own_error_kinds() {
+    use tinyllm::nn::llama::{Llama, LlamaConfig};
+    use tinyllm::{DType, Error, Tensor};
+    let f32s = Tensor::from_vec(vec![1.0; 4], &[4], Device::Cpu).unwrap();
+    let f64s = Tensor::from_vec_f64(vec![1.0; 4], &[4], Device::Cpu).unwrap();
+    let e = f32s.add(&f64s).expect_err("f32 + f64");
+    assert!(matches!(e, Error::DType(_)), "{e:#?}");
+    let e = Tensor::zeros(&[4], DType::F64, Device::Spec).expect_err("f64 off the CPU");
+    assert!(matches!(e, Error::DType(_)), "{e:#?}");
+    let spec = Tensor::from_vec(vec![1.0; 4], &[4], Device::Spec).unwrap();
+    let e = f32s.add(&spec).expect_err("cpu + spec");
+    assert!(matches!(e, Error::Device(_)), "{e:#?}");
+
+    let cfg = LlamaConfig::preset("tiny").unwrap();
+    let m = Llama::new(&cfg, 0, Device::Cpu).unwrap();
+    let mut ids = vec![1u32; 4];
+    ids[2] = cfg.vocab_size as u32;
+    let e = m
+        .forward(&ids, 1, 4)
+        .expect_err("an id outside the vocabulary");
+    assert!(matches!(e, Error::Index(_)), "{e:#?}");
+    assert_eq!(e.kind(), "Index");
+    let table = Tensor::from_vec(vec![0.0; 6], &[3, 2], Device::Cpu).unwrap();
+    let e = table.embedding(&[0, 3]).expect_err("a row past the table");
+    assert!(matches!(e, Error::Index(_)), "{e:#?}");
+}

@@ -609,12 +609,12 @@ pub(crate) fn observed_value(
 /// Every buffer on one device with one dtype (and at least one buffer).
 pub fn check_same(args: &[&Storage]) -> Result<()> {
     let Some(first) = args.first() else {
-        bail!(Shape, "a primitive called with no buffers");
+        bail!(Internal, "a primitive called with no buffers");
     };
     for a in &args[1..] {
         if a.device() != first.device() {
             bail!(
-                Shape,
+                Device,
                 "tensors on different devices ({} and {})",
                 first.device(),
                 a.device()
@@ -622,7 +622,7 @@ pub fn check_same(args: &[&Storage]) -> Result<()> {
         }
         if a.dtype() != first.dtype() {
             bail!(
-                Shape,
+                DType,
                 "tensors of different dtypes ({:?} and {:?})",
                 first.dtype(),
                 a.dtype()
@@ -647,7 +647,7 @@ impl Storage {
         match device {
             Device::Cpu => Ok(CpuStorage::from_f64(data).lift()),
             Device::Gpu | Device::Spec => {
-                bail!(Shape, "f64 tensors live on the CPU only (the {device} backend is f32)")
+                bail!(DType, "f64 tensors live on the CPU only (the {device} backend is f32)")
             }
         }
     }
@@ -660,7 +660,7 @@ impl Storage {
             (Device::Gpu, DType::F32) => Ok(GpuStorage::full(n, value as f32)?.lift()),
             #[cfg(not(feature = "gpu"))]
             (Device::Gpu, DType::F32) => Err(no_gpu()),
-            (Device::Gpu | Device::Spec, DType::F64) => bail!(Shape, "f64 tensors live on the CPU only"),
+            (Device::Gpu | Device::Spec, DType::F64) => bail!(DType, "f64 tensors live on the CPU only"),
         }
     }
     pub fn device(&self) -> Device {
@@ -749,7 +749,7 @@ impl Storage {
         }
         match self.dtype() {
             DType::F32 => Storage::from_f32(self.to_vec_f32()?, device),
-            DType::F64 => bail!(Shape, "f64 tensors live on the CPU only"),
+            DType::F64 => bail!(DType, "f64 tensors live on the CPU only"),
         }
     }
     /// A copy with another element type (CPU only for f64).

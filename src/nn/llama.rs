@@ -703,7 +703,7 @@ impl Llama {
         }
         if let Some(&bad) = ids.iter().find(|&&i| i as usize >= self.cfg.vocab_size) {
             bail!(
-                Shape,
+                Index,
                 "Llama::forward: token id {bad} outside the vocabulary of {}",
                 self.cfg.vocab_size
             );

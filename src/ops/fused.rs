@@ -227,7 +227,7 @@ fn check_cross_entropy(logits: &Tensor, targets: &[u32]) -> Result<()> {
     let v = logits.shape()[1];
     if let Some(&t) = targets.iter().find(|&&t| t as usize >= v) {
         bail!(
-            Shape,
+            Index,
             "cross_entropy: target {t} out of range for {v} classes"
         );
     }

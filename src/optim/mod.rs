@@ -38,7 +38,7 @@ pub trait Optimizer {
 fn check_master(p: &Tensor) -> Result<()> {
     if p.dtype() != DType::F32 {
         bail!(
-            Config,
+            DType,
             "optimizers update float32 master weights; got a {:?} parameter",
             p.dtype()
         );

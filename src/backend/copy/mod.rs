@@ -33,7 +33,7 @@ pub trait CopyOps: Sized {
 
 fn check_ids(ids: &[u32], v: usize) -> Result<()> {
     if let Some(&bad) = ids.iter().find(|&&i| i as usize >= v) {
-        bail!(Shape, "index {bad} out of range for a table of {v} rows");
+        bail!(Index, "index {bad} out of range for a table of {v} rows");
     }
     Ok(())
 }

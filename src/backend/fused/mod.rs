@@ -158,7 +158,7 @@ fn check_len(what: &str, s: &Storage, want: usize, name: &str) -> Result<()> {
 fn check_targets(targets: &[u32], v: usize) -> Result<()> {
     if let Some(&t) = targets.iter().find(|&&t| t as usize >= v) {
         bail!(
-            Shape,
+            Index,
             "cross_entropy: target {t} out of range for {v} classes"
         );
     }

@@ -53,7 +53,7 @@ impl Storage {
     /// the number of values the rounding changed (`None` on the GPU).
     pub fn pack(&self, fmt: Format) -> Result<(Packed, Option<usize>)> {
         if self.dtype() != super::DType::F32 {
-            crate::bail!(Shape, "16-bit storage packs f32 buffers (got {:?})", self.dtype());
+            crate::bail!(DType, "16-bit storage packs f32 buffers (got {:?})", self.dtype());
         }
         let describe = || format!("{fmt} n {}", self.len());
         let (words, changed) = primitive!("pack 16-bit", describe, [self] => |x| x.pack(fmt));
