@@ -153,6 +153,40 @@ pub fn ulps(a: f32, b: f32) -> Option<u64> {
     Some(ord(a).abs_diff(ord(b)))
 }
 
+/// Two outputs compared value by value, as [`same`] and [`ulps`] see them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Diff {
+    /// Values that differ, a value one side lacks (the longer side's tail)
+    /// counted as differing.
+    pub differing: usize,
+    /// The first position where both have a value and the values differ.
+    pub first: Option<usize>,
+    /// The largest difference between two numbers, in ulps.
+    pub max_ulps: u64,
+    /// Whether a NaN stood against a number (no ulp distance).
+    pub nan_vs_number: bool,
+}
+
+/// `a` against `b` (the sweep's spec against a device, the lockstep's CPU
+/// against the GPU).
+pub fn diff(a: &[f32], b: &[f32]) -> Diff {
+    let mut d = Diff {
+        differing: a.len().abs_diff(b.len()),
+        ..Diff::default()
+    };
+    for (i, (&x, &y)) in a.iter().zip(b).enumerate() {
+        if !same(x, y) {
+            d.differing += 1;
+            d.first.get_or_insert(i);
+            match ulps(x, y) {
+                Some(u) => d.max_ulps = d.max_ulps.max(u),
+                None => d.nan_vs_number = true,
+            }
+        }
+    }
+    d
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -10,7 +10,7 @@
 //! from the state before it and stops the run at the first divergence,
 //! keeping that state as a checkpoint for a bug report.
 
-use super::cases::{same, ulps};
+use super::cases::diff;
 use super::hex;
 use crate::backend::Device;
 use crate::nn::Module;
@@ -138,29 +138,19 @@ fn compare(cpu: &[(String, Vec<f32>)], gpu: &[(String, Vec<f32>)]) -> Vec<Buffer
     let mut out = Vec::new();
     for ((name, c), (gname, g)) in cpu.iter().zip(gpu) {
         debug_assert_eq!(name, gname);
+        let diff = diff(c, g);
         let mut d = BufferDiff {
             name: name.clone(),
             len: c.len(),
-            differing: c.len().abs_diff(g.len()),
-            max_ulps: 0,
-            nan_vs_number: false,
+            differing: diff.differing,
+            max_ulps: diff.max_ulps,
+            nan_vs_number: diff.nan_vs_number,
             position: c.len().min(g.len()),
             cpu: "-".into(),
             gpu: "-".into(),
         };
-        let mut first = None;
-        for (i, (&x, &y)) in c.iter().zip(g).enumerate() {
-            if !same(x, y) {
-                d.differing += 1;
-                first.get_or_insert(i);
-                match ulps(x, y) {
-                    Some(u) => d.max_ulps = d.max_ulps.max(u),
-                    None => d.nan_vs_number = true,
-                }
-            }
-        }
         if d.differing > 0 {
-            if let Some(i) = first {
+            if let Some(i) = diff.first {
                 (d.position, d.cpu, d.gpu) = (i, hex(c[i]), hex(g[i]));
             }
             out.push(d);
@@ -288,34 +278,17 @@ pub fn first_differing_call(
         return Ok(None);
     };
     let (c, g) = (tc.calls.get(i), tg.calls.get(i));
-    let Some(c) = c else {
-        let g = g.expect("one trace is longer");
-        return Ok(Some(FirstCall {
-            calls: (tc.calls.len(), tg.calls.len()),
-            index: i,
-            phase: g.phase,
-            site: "(the CPU's step ended here)".into(),
-            args: String::new(),
-            gpu_call: Some(g.to_string()),
-            previous: i.checked_sub(1).map(|j| tc.calls[j].to_string()),
-            values: 0,
-            differing: 0,
-            max_ulps: 0,
-            nan_vs_number: false,
-            position: None,
-            cpu: None,
-            gpu: None,
-        }));
-    };
-    let mut fc = FirstCall {
+    // the call at `i` as the CPU made it (or where its step ended), nothing
+    // compared yet
+    let at = |phase, site, args, values| FirstCall {
         calls: (tc.calls.len(), tg.calls.len()),
         index: i,
-        phase: c.phase,
-        site: c.site(),
-        args: c.args.clone(),
+        phase,
+        site,
+        args,
         gpu_call: None,
         previous: i.checked_sub(1).map(|j| tc.calls[j].to_string()),
-        values: c.len,
+        values,
         differing: 0,
         max_ulps: 0,
         nan_vs_number: false,
@@ -323,6 +296,18 @@ pub fn first_differing_call(
         cpu: None,
         gpu: None,
     };
+    let Some(c) = c else {
+        let g = g.expect("one trace is longer");
+        let mut fc = at(
+            g.phase,
+            "(the CPU's step ended here)".into(),
+            String::new(),
+            0,
+        );
+        fc.gpu_call = Some(g.to_string());
+        return Ok(Some(fc));
+    };
+    let mut fc = at(c.phase, c.site(), c.args.clone(), c.len);
     match g {
         Some(g) if (g.name, &g.args, g.len) == (c.name, &c.args, c.len) => {
             // Same call, different output: replay once more on each device,

@@ -24,7 +24,7 @@ use crate::backend::{
     AdamWConsts, BinaryLayout, BinaryOp, Causal, Device, Family, MatmulDims, Operand, ReduceOp,
     Storage, UnaryOp,
 };
-use crate::crosscheck::cases::{adversarial, same, specials, ulps, Rng};
+use crate::crosscheck::cases::{adversarial, diff, specials, Rng};
 use crate::Result;
 use serde::Serialize;
 
@@ -196,26 +196,16 @@ impl Sweep {
         let row = self.row(primitive, variant, device);
         row.cases += 1;
         row.values += spec.len().max(out.len());
-        let n = spec.len().min(out.len());
-        let mut first = None;
-        let mut differing = spec.len().abs_diff(out.len());
-        for i in 0..n {
-            if !same(spec[i], out[i]) {
-                differing += 1;
-                first.get_or_insert(i);
-                match ulps(spec[i], out[i]) {
-                    Some(u) => row.max_ulps = row.max_ulps.max(u),
-                    None => row.nan_vs_number = true,
-                }
-            }
-        }
-        if differing == 0 {
+        let d = diff(spec, out);
+        row.max_ulps = row.max_ulps.max(d.max_ulps);
+        row.nan_vs_number |= d.nan_vs_number;
+        if d.differing == 0 {
             row.identical += 1;
             return;
         }
-        row.differing += differing;
+        row.differing += d.differing;
         if row.first.is_none() {
-            let at = first.unwrap_or(n);
+            let at = d.first.unwrap_or(spec.len().min(out.len()));
             let val = |v: &[f32]| v.get(at).map_or("-".to_string(), |&x| hex(x));
             row.first = Some(Mismatch {
                 case,

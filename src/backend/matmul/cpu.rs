@@ -1227,15 +1227,44 @@ mod tests {
         out
     }
 
-    #[test]
-    fn blocked_threaded_matmul_equals_the_plain_loop_bitwise() {
-        let mut seed = 1u64;
-        let mut next = || {
+    /// A linear congruential generator's top 31 bits, from `seed`.
+    fn lcg(mut seed: u64) -> impl FnMut() -> u32 {
+        move || {
             seed = seed
                 .wrapping_mul(6364136223846793005)
                 .wrapping_add(1442695040888963407);
             (seed >> 33) as u32
-        };
+        }
+    }
+
+    /// `batch` contiguous products `op(A): (m, k)` by `op(B): (k, n)`.
+    fn dims(batch: usize, (m, k, n): (usize, usize, usize), (ta, tb): (bool, bool), causal: Causal) -> MatmulDims {
+        MatmulDims {
+            batch,
+            m,
+            k,
+            n,
+            trans_a: ta,
+            trans_b: tb,
+            a_batch_stride: m * k,
+            b_batch_stride: k * n,
+            causal,
+        }
+    }
+
+    /// Every kernel this CPU has gives the plain loop's bits (a NaN for a NaN).
+    fn every_kernel_is_the_plain_loop(a: &[f32], b: &[f32], d: MatmulDims, round: Option<Format>) {
+        let want = naive(a, b, d, round);
+        let same = |x: &f32, y: &f32| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan());
+        for kernel in simd::available() {
+            let got = matmul_f32_on(kernel, Src::F32(a), Src::F32(b), d, round, cpu_threads(), Around { ld: [None; 2], addend: None });
+            assert!(got.iter().zip(&want).all(|(x, y)| same(x, y)), "{kernel:?} {d:?} {round:?}");
+        }
+    }
+
+    #[test]
+    fn blocked_threaded_matmul_equals_the_plain_loop_bitwise() {
+        let mut next = lcg(1);
         const { assert!(200 * 600 * 600 >= THREADED_MACS && 4 * 120 * 400 * 400 >= THREADED_MACS) };
         for &(batch, m, k, n) in &[
             (1, 1, 1, 1),
@@ -1264,27 +1293,8 @@ mod tests {
                     let b: Vec<f32> = (0..(if bstride == 0 { 1 } else { batch }) * k * n)
                         .map(|_| (next() as f32 / 4e9) - 0.5)
                         .collect();
-                    let d = MatmulDims {
-                        batch,
-                        m,
-                        k,
-                        n,
-                        trans_a: ta,
-                        trans_b: tb,
-                        a_batch_stride: m * k,
-                        b_batch_stride: bstride,
-                        causal: Default::default(),
-                    };
-                    let want = naive(&a, &b, d, round);
-                    for kernel in simd::available() {
-                        let got = matmul_f32_on(kernel, Src::F32(&a), Src::F32(&b), d, round, cpu_threads(), Around { ld: [None; 2], addend: None });
-                        assert!(
-                            got.iter()
-                                .zip(&want)
-                                .all(|(x, y)| x.to_bits() == y.to_bits()),
-                            "{kernel:?} {d:?} {round:?}"
-                        );
-                    }
+                    let d = MatmulDims { b_batch_stride: bstride, ..dims(batch, (m, k, n), (ta, tb), Causal::No) };
+                    every_kernel_is_the_plain_loop(&a, &b, d, round);
                 }
             }
         }
@@ -1339,13 +1349,7 @@ mod tests {
     /// threading and every layout.
     #[test]
     fn causal_products_skip_exactly_what_they_leave_out() {
-        let mut seed = 7u64;
-        let mut next = || {
-            seed = seed
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            (seed >> 33) as u32
-        };
+        let mut next = lcg(7);
         const { assert!(1200 * 1200 * 64 >= THREADED_MACS && 48 * 300 * 300 * 20 >= THREADED_MACS) };
         for &(batch, t, n, rounds) in &[
             (1, 1, 1, true),
@@ -1369,23 +1373,7 @@ mod tests {
                         };
                         let a: Vec<f32> = (0..batch * m * k).map(&mut val).collect();
                         let b: Vec<f32> = (0..batch * k * n).map(&mut val).collect();
-                        let d = MatmulDims {
-                            batch,
-                            m,
-                            k,
-                            n,
-                            trans_a: ta,
-                            trans_b: tb,
-                            a_batch_stride: m * k,
-                            b_batch_stride: k * n,
-                            causal,
-                        };
-                        let want = naive(&a, &b, d, round);
-                        let same = |x: &f32, y: &f32| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan());
-                        for kernel in simd::available() {
-                            let got = matmul_f32_on(kernel, Src::F32(&a), Src::F32(&b), d, round, cpu_threads(), Around { ld: [None; 2], addend: None });
-                            assert!(got.iter().zip(&want).all(|(x, y)| same(x, y)), "{kernel:?} {d:?} {round:?}");
-                        }
+                        every_kernel_is_the_plain_loop(&a, &b, dims(batch, (m, k, n), (ta, tb), causal), round);
                     }
                 }
             }
