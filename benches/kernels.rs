@@ -18,7 +18,7 @@
 //!   unscale, fused AdamW, as bytes/s;
 //! * `train_step_<preset>_<device>`: one full optimizer step (forward, backward,
 //!   AdamW) as tokens/s: float32 with the whole batch at once (the baseline) vs
-//!   bf16 + micro-batches + accumulation + activation checkpointing. The `small`
+//!   bf16 + micro-batches + accumulation + activation recompute. The `small`
 //!   preset on the CPU; on the GPU the `tiny` preset unless full (lavapipe is slow).
 //!
 //! The summary reads criterion's medians back from
@@ -279,7 +279,7 @@ fn bandwidth_groups(c: &mut Criterion, n: usize, have_gpu: bool) {
 
 /// The two recipes MS-L11 compares, as trainer options: the same batch of
 /// sequences, once whole in float32, once as the `train` default (bf16,
-/// micro-batches with accumulation, activation checkpointing).
+/// micro-batches with accumulation, activation recompute).
 fn recipes(preset: &str, dev: Device) -> [(&'static str, TrainOptions); 2] {
     let mixed = TrainOptions {
         preset: Some(preset.into()),

@@ -3,7 +3,7 @@
 //! The `tiny` preset trained twice on the embedded corpus from the same seed:
 //! float32 with the whole batch at once, and bf16 with two micro-batches
 //! (gradients accumulated, weighted by their rows) and activation
-//! checkpointing. Prints both losses at every step, then both models'
+//! recompute. Prints both losses at every step, then both models'
 //! validation losses and the peak tensor bytes of a step.
 //!
 //! ```text

@@ -1,4 +1,4 @@
-//! Activation checkpointing, planned against measured.
+//! Activation recompute (the spec's checkpointing), planned against measured.
 //!
 //! An `n`-layer stack of Linear(width → width) + SiLU blocks on the CPU, trained
 //! one step for every memory budget from `n` (no checkpointing) down to the
@@ -10,7 +10,7 @@
 //! recomputed, and whether every gradient equals the plain run's bit for bit.
 //!
 //! ```text
-//! cargo run --release --example checkpoint_memory [-- LAYERS ROWS WIDTH]
+//! cargo run --release --example recompute_memory [-- LAYERS ROWS WIDTH]
 //! ```
 //! Defaults: 8 layers, 4096 rows (e.g. 8 sequences of 512 tokens), width 512.
 

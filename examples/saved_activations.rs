@@ -5,9 +5,9 @@
 //! tensors autograd saves for backward that products read (or that are
 //! rounded products) are kept in 16 bits. For each precision it prints:
 //!
-//! * the bytes the graph holds after the forward pass without checkpointing,
+//! * the bytes the graph holds after the forward pass without recompute,
 //!   beside the plan's activation bytes (they agree exactly);
-//! * with checkpointing at the recipe's budget, the peak above the weights
+//! * with recompute at the recipe's budget, the peak above the weights
 //!   during forward and backward (activations, the backward's working set
 //!   and the weight gradients), beside the plan's;
 //! * the time of that forward and backward.
@@ -48,7 +48,7 @@ fn main() -> Result<()> {
     );
     let mut held_by = Vec::new();
     for p in [Precision::Fp32, Precision::Bf16, Precision::Fp16] {
-        // Without checkpointing: what the graph keeps between forward and backward.
+        // Without recompute: what the graph keeps between forward and backward.
         m.set_recompute(None)?;
         let base = memory::live_bytes();
         let loss = {
@@ -59,7 +59,7 @@ fn main() -> Result<()> {
         drop(loss);
         let plan = memory_plan(&cfg, rows, t, p, None)?;
 
-        // With checkpointing: the peak of a whole forward and backward.
+        // With recompute: the peak of a whole forward and backward.
         zero_grad(&m);
         m.set_recompute(Some(budget))?;
         let base = memory::live_bytes();

@@ -3,7 +3,7 @@
 #![cfg_attr(not(feature = "gpu"), allow(dead_code))]
 //! Train small Llama-style language models with mixed precision you can
 //! trust: bf16/fp16 autocast, dynamic loss scaling, gradient accumulation
-//! weighted `n_i/N` and activation checkpointing, on the CPU or any GPU
+//! weighted `n_i/N` and activation recompute, on the CPU or any GPU
 //! through wgpu — and every GPU kernel held bit for bit to a CPU reference
 //! and an executable spec under one numerics contract.
 //!
@@ -59,7 +59,7 @@
 //! * a backend executes primitives on the CPU reference or the GPU (wgpu,
 //!   WGSL), under one numerics contract so both give the same bits;
 //! * [`precision`] adds bf16/fp16 emulation (`cast`, `autocast`) and the dynamic loss
-//!   scaler; [`recompute`] adds activation checkpointing; [`train_step_mixed`]
+//!   scaler; [`recompute`] adds activation recompute; [`train_step_mixed`]
 //!   (in `train::step`) accumulates micro-batches and takes one mixed-precision step;
 //! * [`optim`] updates the float32 master weights (SGD, AdamW, gradient clipping);
 //! * [`crosscheck`] asks whether the GPU gives the reference's bits: a device

@@ -3,7 +3,7 @@
 //! The whole state is `(seed, offset)`. Draw `i` of a call is a pure function
 //! of `(seed, offset + i/4, i%4)`, so the CPU and the GPU (`shaders/dropout.wgsl`)
 //! produce the same stream, and saving, replaying and restoring a generator is
-//! copying two integers — which is what activation checkpointing needs to
+//! copying two integers — which is what activation recompute needs to
 //! rerun a dropout layer with the same mask.
 
 use serde::{Deserialize, Serialize};

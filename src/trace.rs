@@ -1,7 +1,7 @@
 //! The primitive trace: every backend primitive call in order — its name, its
 //! shapes and parameters, a hash of its output — with the model path that
 //! issued it (`layers.3.self_attn`) and the phase (forward, backward, the
-//! recomputation of a checkpointed segment, the optimizer). Two traces of the
+//! recomputation of a segment, the optimizer). Two traces of the
 //! same step, one per device, line up call for call; the first call whose
 //! output hash differs is where the devices part.
 //!

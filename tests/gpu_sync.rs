@@ -86,7 +86,7 @@ fn a_training_step_reads_back_once() {
 
 /// The capstone's C1 recipe (`--preset capstone --bf16 --micro-batch 8
 /// --accum 4 --checkpoint-activations`): its layers, heads, accumulation and
-/// checkpointing, with tiny widths and `(context, micro-batch)` as given. The
+/// recompute, with tiny widths and `(context, micro-batch)` as given. The
 /// GPU work of a step depends on the layers, the micro-batches and the code
 /// paths, not on the widths or the rows (while the rows stay below the
 /// kernels' loop pass, 16,384): the full-size step counts the same.

@@ -189,7 +189,7 @@ impl Layer for RmsNorm {
 }
 
 /// Zeroes entries with probability `p` while training; draws its masks from a
-/// shared [`Generator`] so checkpointing can replay them.
+/// shared [`Generator`] so recompute can replay them.
 pub struct Dropout {
     /// The probability of zeroing an entry, in `[0, 1)`.
     pub p: f32,

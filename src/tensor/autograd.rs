@@ -5,7 +5,7 @@
 //! reverse topological order and *consumes* it: each node's vector-Jacobian
 //! closure (and every value it saved) and its parent links are dropped the
 //! moment the node has run, so an activation's memory is released as soon as the
-//! last node that needs it is done — the property activation checkpointing
+//! last node that needs it is done — the property activation recompute
 //! relies on to lower the peak during backward.
 
 use super::{Meta, Tensor};

@@ -1,6 +1,6 @@
 //! The mixed-precision comparison: the same preset, data and seed trained
 //! twice — float32 with the whole batch at once, and bf16 with micro-batches,
-//! accumulation and activation checkpointing — then both final models
+//! accumulation and activation recompute — then both final models
 //! evaluated the same way (float32, the same held-out windows) and both peak
 //! memories side by side. It passes when the mixed-precision run ends within
 //! 2% of float32's held-out loss with a lower peak memory.
@@ -31,7 +31,7 @@ pub struct Side {
     pub micro_batch: usize,
     /// Micro-batches accumulated per optimizer step (1 for float32).
     pub accum: usize,
-    /// The activation-checkpointing budget in layer units (`None`: off, as
+    /// The activation-recompute budget in layer units (`None`: off, as
     /// on the float32 side).
     pub ckpt_budget: Option<usize>,
     /// Mean of the last training losses, in the side's own precision.
@@ -65,7 +65,7 @@ pub struct Comparison {
     pub seed: u64,
     /// The float32, full-batch side.
     pub fp32: Side,
-    /// The mixed-precision side (micro-batches, accumulation, checkpointing).
+    /// The mixed-precision side (micro-batches, accumulation, recompute).
     pub mixed: Side,
     /// |mixed − fp32| / fp32 of the float32 held-out losses.
     pub rel_diff: f32,
@@ -169,7 +169,7 @@ pub enum Outcome {
 /// per call (`sides`) and continue an interrupted side (`Existing::Resume`).
 /// Both sides take `opts` resolved as for `train` (the mixed side's
 /// precision bf16 or fp16; `fp32` is refused); the float32 side then takes
-/// the whole batch at once without checkpointing.
+/// the whole batch at once without recompute.
 ///
 /// An error when the precision asked for is float32, when `existing` is
 /// [`Existing::Refuse`] and a side's directory

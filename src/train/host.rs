@@ -43,7 +43,7 @@ use crate::{Device, Result, Tensor};
 pub struct HostState {
     /// The model's configuration.
     pub config: LlamaConfig,
-    /// Its activation-checkpointing budget ([`Llama::recompute`]).
+    /// Its activation-recompute budget ([`Llama::recompute`]).
     pub recompute: Option<usize>,
     /// Every parameter by its Hugging Face name, in [`Module::parameters`]
     /// order, as float32 values.

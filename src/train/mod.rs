@@ -19,7 +19,7 @@
 //!   [`TrainState::builder`] (a resumable checkpoint's state, checked);
 //! * `metrics`, `plot` — `metrics.jsonl` and the SVG loss curves;
 //!   [`provenance`] — the build and device of every process of a run;
-//! * [`compare`] — float32 against bf16 + accumulation + checkpointing;
+//! * [`compare`] — float32 against bf16 + accumulation + recompute;
 //! * `fault` — test-only fault injection (`TINYLLM_FAULT`, with the
 //!   `test-hooks` feature).
 
