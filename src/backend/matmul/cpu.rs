@@ -1286,7 +1286,7 @@ mod tests {
         ] {
             for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
                 for round in [None, Some(Format::Bf16), Some(Format::Fp16)] {
-                    let bstride = if next() % 2 == 0 { 0 } else { k * n };
+                    let bstride = if next().is_multiple_of(2) { 0 } else { k * n };
                     let a: Vec<f32> = (0..batch * m * k)
                         .map(|_| (next() as f32 / 4e9) - 0.5)
                         .collect();
