@@ -514,20 +514,29 @@ pub(crate) fn restart_device_peak() {
 
 op_enum! {
     /// The primitive families, one folder each under `src/backend/`: the one
-    /// list the shader checks ([`gpu_families`]), the cross-check's sweep and
+    /// list the shader checks (`gpu_families`), the cross-check's sweep and
     /// the parity tests derive theirs from (each through an exhaustive match,
     /// so a new family that one of them forgets does not compile, or fails a
     /// test). The name is the folder's (and its shader file's).
     #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
     pub enum Family {
+        /// Unary ops (incl. the bf16/fp16 cast), broadcasting binary ops.
         Elementwise => "elementwise",
+        /// Sum/max over an axis, softmax and its backward, sums of squares.
         Reduce => "reduce",
+        /// Batched products with transposes and autocast rounding.
         Matmul => "matmul",
+        /// Causal attention's products and softmax, scheduled per device.
         Attention => "attention",
+        /// Strided copies, concatenation, row gather and scatter-add.
         Copy => "copy",
+        /// In-place AdamW, SGD, scaling, the loss scaler's finite check.
         Update => "update",
+        /// Philox dropout masks.
         Dropout => "dropout",
+        /// RMSNorm, SwiGLU, RoPE, softmax cross-entropy, each way.
         Fused => "fused",
+        /// 16-bit storage of bf16/fp16 values (saved activations).
         Pack => "pack",
     }
 }

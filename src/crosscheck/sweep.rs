@@ -21,12 +21,15 @@ use super::hex;
 use crate::backend::attention::Attention;
 use crate::backend::round::{Format, Fp8};
 use crate::backend::{
-    AdamWConsts, BinaryLayout, BinaryOp, Causal, Device, Family, MatmulDims, Operand, ReduceOp,
-    Storage, UnaryOp,
+    AdamWConsts, BinaryLayout, BinaryOp, Causal, Device, MatmulDims, Operand, ReduceOp, Storage,
+    UnaryOp,
 };
 use crate::crosscheck::cases::{adversarial, diff, specials, Rng};
 use crate::Result;
 use serde::Serialize;
+
+/// The primitive families (the backend's one list), which the sweep runs.
+pub use crate::backend::Family;
 
 /// The sweep's part for a primitive family in words, for progress lines
 /// (`reductions and softmax`, `dropout masks`, …). The parts are the
