@@ -57,7 +57,7 @@ pub mod dropout;
 pub mod perturb;
 pub mod elementwise;
 pub mod fused;
-#[cfg(feature = "gpu")]
+#[cfg(all(feature = "gpu", any(test, feature = "test-hooks")))]
 pub mod launches;
 pub mod matmul;
 pub mod update;

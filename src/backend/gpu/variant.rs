@@ -28,6 +28,7 @@ pub enum Kernels {
 
 /// Invocations of every `Hardware` workgroup at least (the dispatch-geometry
 /// test holds the launchers to it at the capstone's shapes).
+#[cfg(any(test, feature = "test-hooks"))]
 pub const MIN_LANES: u32 = 64;
 
 thread_local! {
@@ -48,6 +49,7 @@ impl Kernels {
         }
     }
     /// `software` or `hardware`, as `TINYLLM_GPU_KERNELS` spells it.
+    #[cfg(any(test, feature = "test-hooks"))]
     pub fn name(self) -> &'static str {
         match self {
             Kernels::Software => "software",
@@ -58,6 +60,7 @@ impl Kernels {
 
 /// Runs `f` with this thread's launchers recording the `k` variant (whatever
 /// the adapter); the previous choice comes back afterwards, even on a panic.
+#[cfg(any(test, feature = "test-hooks"))]
 pub fn with_kernels<R>(k: Kernels, f: impl FnOnce() -> R) -> R {
     struct Restore(Option<Kernels>);
     impl Drop for Restore {
