@@ -39,6 +39,8 @@ thread_local! {
     static OWN_DISPATCHES: Cell<u64> = const { Cell::new(0) };
     static TABLE: RefCell<HashMap<&'static str, (u64, Duration, u64)>> = RefCell::new(HashMap::new());
     static PRODUCTS: RefCell<HashMap<Product, (u64, Duration)>> = RefCell::new(HashMap::new());
+    /// Forward reruns inside backward, by what they recompute ([`recompute`]).
+    static RECOMPUTE: RefCell<HashMap<&'static str, (u64, Duration)>> = RefCell::new(HashMap::new());
 }
 
 /// A matrix product's shape: `batch` products of (m×k)·(k×n), operands
@@ -169,6 +171,7 @@ pub const MATMUL: &str = "matmul";
 pub fn start() {
     TABLE.with_borrow_mut(HashMap::clear);
     PRODUCTS.with_borrow_mut(HashMap::clear);
+    RECOMPUTE.with_borrow_mut(HashMap::clear);
     WALL.with(|w| w.set(Duration::ZERO));
     GPU.with(|g| g.set(GpuCounters::default()));
     STEPS.with(|n| n.set(0));
@@ -198,11 +201,18 @@ pub fn take() -> Option<Profile> {
             .collect()
     });
     products.sort_by_key(|p| std::cmp::Reverse(p.time));
+    let mut recompute: Vec<RecomputeRow> = RECOMPUTE.with_borrow_mut(|t| {
+        t.drain()
+            .map(|(what, (calls, time))| RecomputeRow { what, calls, time })
+            .collect()
+    });
+    recompute.sort_by(|a, b| b.time.cmp(&a.time).then(a.what.cmp(b.what)));
     let wall = WALL.with(Cell::get);
     let gpu = GPU.with(Cell::get);
     Some(Profile {
         rows,
         products,
+        recompute,
         gpu: (gpu.dispatches > 0).then_some(gpu),
         wall: (wall > Duration::ZERO).then_some(wall),
         steps: STEPS.with(Cell::get),
@@ -305,6 +315,31 @@ pub(crate) fn add(name: &'static str, shape: Option<Product>, time: Duration) {
     }
 }
 
+/// Times a forward rerun inside backward (a checkpointed segment, an
+/// attention core: `what`) while a profile runs, until the guard drops. The
+/// primitives it calls keep their own rows; this is the rerun's wall time,
+/// the price of the memory recomputation saves.
+#[must_use]
+pub(crate) fn recompute(what: &'static str) -> Recomputing {
+    Recomputing(what, timing().then(Instant::now))
+}
+
+/// The guard of [`recompute`].
+pub(crate) struct Recomputing(&'static str, Option<Instant>);
+
+impl Drop for Recomputing {
+    fn drop(&mut self) {
+        if let Some(t0) = self.1 {
+            let dt = t0.elapsed();
+            RECOMPUTE.with_borrow_mut(|t| {
+                let e = t.entry(self.0).or_default();
+                e.0 += 1;
+                e.1 += dt;
+            });
+        }
+    }
+}
+
 /// [`scope`] for a matrix product, also timed per shape.
 #[must_use]
 pub(crate) fn product_scope(shape: Product) -> Scope {
@@ -377,6 +412,18 @@ impl ProductRow {
     }
 }
 
+/// The forward reruns of one kind inside backward ([`recompute`]).
+#[derive(Clone, Debug)]
+pub struct RecomputeRow {
+    /// What was rerun: `"checkpointed segments"` (whole blocks) or
+    /// `"attention core"` (selective recomputation).
+    pub what: &'static str,
+    /// How many reruns.
+    pub calls: u64,
+    /// Their total wall time (the primitives inside are in the rows too).
+    pub time: Duration,
+}
+
 /// A finished profile: rows by descending time.
 #[derive(Clone, Debug)]
 pub struct Profile {
@@ -384,6 +431,9 @@ pub struct Profile {
     pub rows: Vec<Row>,
     /// The matrix products by shape, by descending time.
     pub products: Vec<ProductRow>,
+    /// The forward reruns inside backward by kind, by descending time
+    /// (empty when nothing was recomputed).
+    pub recompute: Vec<RecomputeRow>,
     /// Wall time inside [`unpause`] guards (a trainer's steps), if any.
     pub wall: Option<Duration>,
     /// GPU dispatches, submits and readbacks inside those guards, if any
@@ -489,6 +539,27 @@ impl std::fmt::Display for Profile {
                 f,
                 "\nall products: {:.1} GFLOP/s",
                 flops / mm.max(1e-12) / 1e9
+            )?;
+        }
+        if !self.recompute.is_empty() {
+            let parts: Vec<String> = self
+                .recompute
+                .iter()
+                .map(|r| {
+                    let s = r.time.as_secs_f64();
+                    let share = self.wall.map_or(String::new(), |w| {
+                        format!(
+                            " ({:.1}% of the steps)",
+                            100.0 * s / w.as_secs_f64().max(1e-12)
+                        )
+                    });
+                    format!("{} {} reruns {:.1} ms{share}", r.what, r.calls, s * 1e3)
+                })
+                .collect();
+            write!(
+                f,
+                "\nrecomputed in backward (wall time; its primitives are in the rows above): {}",
+                parts.join(", ")
             )?;
         }
         match self.wall {

@@ -11,13 +11,120 @@
 //! (parameter gradients accumulate directly), and hands the arguments'
 //! gradients on. Same operations on the same values: the gradients equal a
 //! plain run's bit for bit.
+//!
+//! What a model recomputes is a [`Recompute`] policy (`--recompute`): whole
+//! blocks on a checkpoint schedule ([`checkpoint_sequential`]), only each
+//! attention's core (Megatron-LM's selective recomputation: the matmul
+//! outputs q, k, v are kept, the `H·T²` scores, probabilities and dropout
+//! masks are not), both, or nothing.
 
 use crate::module::Layer;
 use crate::rng::Generator;
 use crate::tensor::autocast::{autocast, autocast_dtype};
+use crate::tensor::saved::Saved;
 use crate::tensor::{is_grad_enabled, no_grad, set_grad_enabled};
-use crate::{bail, Result, Tensor};
+use crate::{bail, Error, Result, Tensor};
+use serde::{Deserialize, Serialize};
 use std::rc::Rc;
+
+/// What the backward pass recomputes instead of keeping (`tinyllm train
+/// --recompute none|attention|blocks|both`). Every policy gives the same
+/// losses and gradients, bit for bit; they differ in the memory they hold
+/// and the forward work they repeat.
+///
+/// * `None`: every activation is kept.
+/// * `Attention`: each attention's core — scores, softmax, dropout,
+///   probabilities · V — is recomputed in backward from the kept q, k and v,
+///   replaying the same dropout mask; every matmul output is kept
+///   (Megatron-LM's selective recomputation). Without dropout the fused
+///   attention op already keeps only q, k and v and recomputes its
+///   probabilities inside its backward primitive, so there this policy
+///   changes nothing.
+/// * `Blocks`: whole blocks on the schedule of a checkpoint budget
+///   ([`checkpoint_sequential`]).
+/// * `Both`: blocks, and inside each rerun block the attention core.
+///
+/// ```
+/// use tinyllm::recompute::Recompute;
+/// let p: Recompute = "both".parse()?;
+/// assert!(p.blocks() && p.attention());
+/// assert_eq!(Recompute::new(false, true), Recompute::Attention);
+/// assert!("sometimes".parse::<Recompute>().unwrap_err().to_string().contains("none, attention, blocks or both"));
+/// # Ok::<(), tinyllm::Error>(())
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Recompute {
+    /// Nothing recomputed.
+    #[default]
+    None,
+    /// The attention core only.
+    Attention,
+    /// Whole blocks (activation checkpointing).
+    Blocks,
+    /// Blocks and the attention core.
+    Both,
+}
+
+impl Recompute {
+    /// Every policy, from least to most recomputation.
+    pub const ALL: [Recompute; 4] = [
+        Recompute::None,
+        Recompute::Attention,
+        Recompute::Blocks,
+        Recompute::Both,
+    ];
+
+    /// The policy that recomputes `blocks` and/or the `attention` core.
+    pub fn new(blocks: bool, attention: bool) -> Recompute {
+        match (blocks, attention) {
+            (false, false) => Recompute::None,
+            (false, true) => Recompute::Attention,
+            (true, false) => Recompute::Blocks,
+            (true, true) => Recompute::Both,
+        }
+    }
+
+    /// Whether whole blocks are checkpointed.
+    pub fn blocks(self) -> bool {
+        matches!(self, Recompute::Blocks | Recompute::Both)
+    }
+
+    /// Whether the attention core is recomputed.
+    pub fn attention(self) -> bool {
+        matches!(self, Recompute::Attention | Recompute::Both)
+    }
+
+    /// The name `--recompute` takes: `none`, `attention`, `blocks` or `both`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Recompute::None => "none",
+            Recompute::Attention => "attention",
+            Recompute::Blocks => "blocks",
+            Recompute::Both => "both",
+        }
+    }
+}
+
+impl std::fmt::Display for Recompute {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Recompute {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        Recompute::ALL
+            .into_iter()
+            .find(|p| p.name() == s)
+            .ok_or_else(|| {
+                Error::config(format!(
+                    "unknown recompute policy {s:?}: expected none, attention, blocks or both"
+                ))
+            })
+    }
+}
 
 /// Peak activation memory of a schedule over `n` layers, in layer units:
 /// `P = (k − 1) + max_j s_j`, where `schedule` holds the `k` segments' start
@@ -140,6 +247,56 @@ pub fn checkpoint<F>(f: F, args: &[Tensor], params: &[Tensor], rngs: &[Generator
 where
     F: Fn(&[Tensor]) -> Result<Tensor> + 'static,
 {
+    recorded(f, args, params, rngs, Rerun::Segment)
+}
+
+/// What a checkpoint node reruns: how it keeps its arguments, and the
+/// profile's name for the rerun's time.
+#[derive(Clone, Copy)]
+pub(crate) enum Rerun {
+    /// Any function: its arguments kept as they are.
+    Segment,
+    /// An attention core (`(q, k, v) -> y`, no parameters): it reads its
+    /// arguments only as operands of products, so they are kept as the
+    /// products read them — rounded, in 16 bits, under autocast — as the
+    /// plain forward pass's products keep them.
+    AttentionCore,
+}
+
+impl Rerun {
+    fn name(self) -> &'static str {
+        match self {
+            Rerun::Segment => "checkpointed segments",
+            Rerun::AttentionCore => "attention core",
+        }
+    }
+}
+
+/// Runs an attention core `f(&[q, k, v])` as one node that keeps only q, k
+/// and v (as its products read them) and reruns `f` during backward with
+/// `rng` replayed, so the rerun's dropout mask is the forward pass's: the
+/// attention half of [`Recompute::Attention`]. `f` must read its arguments
+/// only as operands of matrix products (a product rounds its operands under
+/// autocast, and rounding twice is rounding once: the rerun computes the
+/// same bits from the kept 16-bit copies).
+pub(crate) fn recompute_attention<F>(f: F, qkv: &[Tensor; 3], rng: &Generator) -> Result<Tensor>
+where
+    F: Fn(&[Tensor]) -> Result<Tensor> + 'static,
+{
+    recorded(f, qkv, &[], std::slice::from_ref(rng), Rerun::AttentionCore)
+}
+
+/// [`checkpoint`] with its arguments kept as `how` says.
+fn recorded<F>(
+    f: F,
+    args: &[Tensor],
+    params: &[Tensor],
+    rngs: &[Generator],
+    how: Rerun,
+) -> Result<Tensor>
+where
+    F: Fn(&[Tensor]) -> Result<Tensor> + 'static,
+{
     if !is_grad_enabled() {
         return f(args);
     }
@@ -151,7 +308,17 @@ where
     };
     let n_params = params.len();
     let parents: Vec<&Tensor> = args.iter().chain(params.iter()).collect();
-    let (args0, rngs0) = (args.to_vec(), rngs.to_vec());
+    let kept = args
+        .iter()
+        .map(|a| {
+            let s = match how {
+                Rerun::Segment => Saved::Full(a.detach()),
+                Rerun::AttentionCore => Saved::operand(a, precision)?,
+            };
+            Ok((s, a.requires_grad()))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let rngs0 = rngs.to_vec();
     Ok(Tensor::record(
         out.storage(),
         out.shape().to_vec(),
@@ -167,14 +334,16 @@ where
             // Fresh leaves: the rerun's backward must stop here, not run into the
             // outer graph. One leaf per position, so a tensor passed twice gets one
             // gradient per use.
-            let leaves: Vec<Tensor> = args0
+            let leaves = kept
                 .iter()
-                .map(|a| a.detach().requires_grad_(a.requires_grad()))
-                .collect();
+                .map(|(s, rg)| Ok(s.get()?.detach().requires_grad_(*rg)))
+                .collect::<Result<Vec<Tensor>>>()?;
+            drop(kept);
             let rerun = {
                 let _gm = set_grad_enabled(true);
                 let _ac = autocast(precision);
                 let _traced = crate::trace::phase("recompute");
+                let _timed = crate::profile::recompute(how.name());
                 f(&leaves)
             };
             for (r, s) in rngs0.iter().zip(&reached) {
@@ -187,7 +356,7 @@ where
             // The parameters' gradients were accumulated by the rerun's backward:
             // they get `None` here.
             let mut grads: Vec<Option<Tensor>> = leaves.iter().map(|l| l.grad()).collect();
-            grads.resize(n_params + args0.len(), None);
+            grads.resize(n_params + leaves.len(), None);
             Ok(grads)
         },
     ))

@@ -877,3 +877,178 @@ fn the_llama_recompute_setting_keeps_every_bit() {
         assert_eq!(m.recompute(), Some(4), "a refused budget changes nothing");
     }
 }
+
+// ------------------------------------------ selective recomputation (policies) ----
+
+/// A tiny Llama (4 layers, T = 16) with dropout, under `policy`: the
+/// checkpoint budget of `blocks` and `both` is the smallest (3: segments
+/// [0, 2]).
+fn policy_model(
+    cfg: &tinyllm::nn::llama::LlamaConfig,
+    policy: tinyllm::recompute::Recompute,
+    dev: Device,
+) -> tinyllm::nn::llama::Llama {
+    use tinyllm::recompute::min_ckpt_budget;
+    tinyllm::nn::llama::Llama::new(cfg, 11, dev)
+        .unwrap()
+        .with_recompute(policy.blocks().then(|| min_ckpt_budget(cfg.n_layers)))
+        .unwrap()
+        .with_attention_recompute(policy.attention())
+}
+
+fn policy_ids(rows: usize, t: usize) -> Vec<u32> {
+    (0..rows * t).map(|i| ((i * 37 + 5) % 256) as u32).collect()
+}
+
+// Every recompute policy — none, attention (the attention core rerun in
+// backward from q, k, v with the dropout mask replayed), blocks, both —
+// gives the same loss and the same gradients, bit for bit, with dropout on,
+// in float32 and under bf16 autocast; the dropout stream ends where the
+// plain run's does (two steps in a row draw alike); and the profile times
+// each kind of rerun.
+device_test!(recompute_policies_keep_every_bit, |dev| {
+    use tinyllm::nn::llama::LlamaConfig;
+    use tinyllm::precision::Precision;
+    use tinyllm::recompute::Recompute;
+    let mut cfg = LlamaConfig::preset("tiny")?;
+    cfg.dropout = 0.2;
+    let (rows, t) = (2, cfg.context);
+    let ids = policy_ids(rows, t);
+    for precision in [Precision::Fp32, Precision::Bf16] {
+        let run = |policy: Recompute| {
+            let m = policy_model(&cfg, policy, dev);
+            let mut out = Vec::new();
+            tinyllm::profile::start();
+            // two passes: the second draws where the first left the stream
+            for _ in 0..2 {
+                let loss = {
+                    let _ac = autocast(precision.format());
+                    let logits = m.forward(&ids, rows, t).unwrap();
+                    tinyllm::ops::cross_entropy(&logits, &ids).unwrap()
+                };
+                loss.backward().unwrap();
+                out.push(bits(&vals(&loss)));
+                for p in m.parameters() {
+                    out.push(bits(&grad(&p)));
+                    p.zero_grad();
+                }
+            }
+            let profile = tinyllm::profile::take().unwrap();
+            let reruns = |what: &str| {
+                profile
+                    .recompute
+                    .iter()
+                    .find(|r| r.what == what)
+                    .map_or(0, |r| r.calls)
+            };
+            let counted = (reruns("attention core"), reruns("checkpointed segments"));
+            (out, m.rng.state(), counted)
+        };
+        let (plain, plain_rng, counted) = run(Recompute::None);
+        assert_eq!(counted, (0, 0), "nothing is rerun without recomputation");
+        for policy in [Recompute::Attention, Recompute::Blocks, Recompute::Both] {
+            let (got, rng, counted) = run(policy);
+            let what = format!("{} {}", policy.name(), precision.name());
+            assert_eq!(got.len(), plain.len());
+            for (i, (a, b)) in plain.iter().zip(&got).enumerate() {
+                assert!(
+                    a == b,
+                    "{what}: tensor {i} (0: the loss) differs from the plain run's"
+                );
+            }
+            assert_eq!(
+                rng, plain_rng,
+                "{what}: the dropout stream ends where the plain run's does"
+            );
+            // per pass: one rerun per block's attention; one checkpointed
+            // segment ([0, 2] of 4 layers: the first)
+            let want = (
+                if policy.attention() {
+                    2 * cfg.n_layers as u64
+                } else {
+                    0
+                },
+                if policy.blocks() { 2 } else { 0 },
+            );
+            assert_eq!(counted, want, "{what}: reruns (attention cores, segments)");
+        }
+    }
+    // The policy a model reports is the one it was given.
+    for p in Recompute::ALL {
+        assert_eq!(policy_model(&cfg, p, dev).recompute_policy(), p);
+    }
+});
+
+// The memory plan of each policy against what the forward pass really
+// holds (exactly: the plan counts every activation) and the measured peak
+// over forward and backward (the plan's backward working set is an
+// estimate, from above), at a small shape with dropout, in float32 and bf16.
+device_test!(recompute_policies_memory_matches_the_plan, |dev| {
+    use tinyllm::nn::llama::LlamaConfig;
+    use tinyllm::precision::Precision;
+    use tinyllm::recompute::{min_ckpt_budget, Recompute};
+    use tinyllm::train::plan::policy_plan;
+    let mut cfg = LlamaConfig::preset("tiny")?;
+    cfg.dropout = 0.1;
+    let (rows, t) = (3, cfg.context);
+    let ids = policy_ids(rows, t);
+    for precision in [Precision::Fp32, Precision::Bf16] {
+        let mut held_of = Vec::new();
+        for policy in Recompute::ALL {
+            let m = policy_model(&cfg, policy, dev);
+            let base = memory::live_bytes();
+            memory::reset_peak();
+            let loss = {
+                let _ac = autocast(precision.format());
+                let logits = m.forward(&ids, rows, t)?;
+                tinyllm::ops::cross_entropy(&logits, &ids)?
+            };
+            let held = memory::live_bytes() - base;
+            loss.backward()?;
+            drop(loss);
+            let peak = memory::peak_bytes() - base;
+            let plan = policy_plan(&cfg, rows, t, precision, policy, None)?;
+            // backward adds the gradients (the size of the weights) to the
+            // activations and the working set
+            let planned_peak = plan.activations + plan.backward_working + plan.grads;
+            eprintln!(
+                "{dev:?} {} {}: held {held} (planned {}), peak {peak} (planned {planned_peak}, {:.3})",
+                policy.name(),
+                precision.name(),
+                plan.activations,
+                peak as f64 / planned_peak as f64
+            );
+            // The loss value itself (4 bytes) is the only thing the plan leaves out.
+            assert_eq!(
+                held,
+                plan.activations + 4,
+                "{} {}: activations held after forward",
+                policy.name(),
+                precision.name()
+            );
+            assert!(
+                peak <= planned_peak && peak * 10 >= planned_peak * 6,
+                "{} {}: peak {peak} vs planned {planned_peak}",
+                policy.name(),
+                precision.name()
+            );
+            assert_eq!(
+                plan.layer_units,
+                if policy.blocks() {
+                    min_ckpt_budget(4)
+                } else {
+                    4
+                }
+            );
+            held_of.push(held);
+        }
+        // attention recomputation keeps less, with and without the blocks
+        let [none, attention, blocks, both] = held_of[..] else {
+            unreachable!()
+        };
+        assert!(
+            attention < none && both < blocks && blocks < none,
+            "{held_of:?}"
+        );
+    }
+});

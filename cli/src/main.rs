@@ -149,6 +149,12 @@ struct RunFlags {
     /// Memory budget of activation checkpointing, in layers.
     #[arg(long, value_parser = count, allow_negative_numbers = true)]
     ckpt_budget: Option<usize>,
+    /// What backward recomputes instead of keeping: none, attention (each
+    /// attention's scores, softmax, dropout and probabilities·V, from the
+    /// kept q, k, v), blocks (activation checkpointing at --ckpt-budget; the
+    /// default) or both. Every policy gives the same bits.
+    #[arg(long, value_name = "POLICY")]
+    recompute: Option<String>,
     /// Gradient-norm clip (0 = off; default 1).
     #[arg(long, allow_negative_numbers = true)]
     clip: Option<f32>,
@@ -193,10 +199,12 @@ struct TrainArgs {
     /// Precision by name: fp32, bf16 or fp16.
     #[arg(long, group = "prec")]
     precision: Option<String>,
-    /// Recompute activations during backward (the default).
+    /// Recompute activations during backward (the default): --recompute
+    /// blocks (with --recompute, it must agree: blocks or both).
     #[arg(long)]
     checkpoint_activations: bool,
-    /// Keep every activation instead.
+    /// Keep every activation instead: --recompute none (with --recompute, it
+    /// must agree: none or attention).
     #[arg(long, conflicts_with = "checkpoint_activations")]
     no_checkpoint_activations: bool,
     /// Continue the run saved in DIR (its checkpoint/ subdirectory or DIR
@@ -331,6 +339,7 @@ impl RunFlags {
             micro_batch: self.micro_batch,
             accum: self.accum,
             ckpt_budget: self.ckpt_budget,
+            recompute: parse_flag("--recompute", self.recompute.as_deref())?,
             clip: self.clip,
             eval_every: self.eval_every,
             save_every: self.save_every,

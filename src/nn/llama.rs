@@ -6,6 +6,9 @@
 //! Every block is a [`Layer`] `x: (B,T,C) -> (B,T,C)`, so the stack can run
 //! through [`checkpoint_sequential`] with a memory budget in layer units: a
 //! setting of the model ([`Llama::set_recompute`]), checked when it is set.
+//! Independently, each attention's core can be recomputed in backward
+//! instead of kept ([`Llama::set_attention_recompute`]); together the two
+//! settings are the model's [`Recompute`] policy.
 //!
 //! Saving and loading: [`save_model`](crate::train::save_model) writes a
 //! Hugging Face folder, [`load_model`](crate::train::load_model) reads one.
@@ -13,7 +16,9 @@
 use crate::backend::Device;
 use crate::nn::{Embedding, Layer, Linear, Module, RmsNorm};
 use crate::ops::dropout;
-use crate::recompute::{budget_range, check_budget, checkpoint_sequential};
+use crate::recompute::{
+    budget_range, check_budget, checkpoint_sequential, recompute_attention, Recompute,
+};
 use crate::rng::Generator;
 use crate::trace;
 use crate::{bail, Result, Tensor};
@@ -331,6 +336,9 @@ pub struct Attention {
     dropout: f32,
     rng: Generator,
     training: std::cell::Cell<bool>,
+    /// Whether the core (scores → softmax → dropout → · V) is recomputed in
+    /// backward from q, k and v instead of kept ([`Llama::set_attention_recompute`]).
+    recompute: std::cell::Cell<bool>,
 }
 
 impl Attention {
@@ -369,13 +377,27 @@ impl Attention {
         // (B,T,H,D) = softmax(q kᵀ / √D, future positions masked) v
         let scale = 1.0 / (d as f64).sqrt();
         let y = if self.dropout > 0.0 && self.training.get() {
-            // dropout acts on the probabilities themselves: the composition
-            let scores = q.matmul_t(&k)?.causal_softmax(scale)?;
-            let heads = v.permute(&[0, 2, 1, 3])?;
-            dropout(&scores, self.dropout, &self.rng, true)?
-                .matmul(&heads)?
-                .permute(&[0, 2, 1, 3])?
+            // dropout acts on the probabilities themselves: the composition,
+            // which keeps the probabilities, the mask and the dropped
+            // probabilities (3·H·T² values) unless recomputed
+            let (p, rng) = (self.dropout, self.rng.clone());
+            let core = move |a: &[Tensor]| {
+                let scores = a[0].matmul_t(&a[1])?.causal_softmax(scale)?;
+                let heads = a[2].permute(&[0, 2, 1, 3])?;
+                dropout(&scores, p, &rng, true)?
+                    .matmul(&heads)?
+                    .permute(&[0, 2, 1, 3])
+            };
+            if self.recompute.get() {
+                // Selective recomputation: one node keeping q, k and v; its
+                // backward reruns the core with the dropout stream replayed.
+                recompute_attention(core, &[q, k, v], &self.rng)?
+            } else {
+                core(&[q, k, v])?
+            }
         } else {
+            // The fused op keeps only q, k and v and recomputes its
+            // probabilities in backward whatever the policy.
             q.causal_attention_tokens(&k, &v, scale)?
         };
         // (B,T,H,D) -> (B,T,C)
@@ -526,6 +548,8 @@ pub struct Llama {
     /// The activation-checkpointing budget of every forward pass (`None`:
     /// off); always in [`budget_range`] of the layer count.
     recompute: Option<usize>,
+    /// Whether every block's attention core is recomputed in backward.
+    attention_recompute: bool,
 }
 
 impl Llama {
@@ -571,6 +595,7 @@ impl Llama {
                 dropout: cfg.dropout,
                 rng: rng.clone(),
                 training: std::cell::Cell::new(true),
+                recompute: std::cell::Cell::new(false),
             };
             let post_attention_layernorm = RmsNorm::new(c, cfg.rms_eps, device)?;
             let mlp = Mlp {
@@ -597,6 +622,7 @@ impl Llama {
             rng,
             device,
             recompute: None,
+            attention_recompute: false,
         })
     }
 
@@ -653,6 +679,55 @@ impl Llama {
     /// model: [`min_ckpt_budget`](crate::recompute::min_ckpt_budget)`(n_layers)..=n_layers`.
     pub fn recompute_budgets(&self) -> std::ops::RangeInclusive<usize> {
         budget_range(self.cfg.n_layers)
+    }
+
+    /// Turns selective recomputation of every block's attention core on or
+    /// off for later forward passes that record a graph (Megatron-LM's
+    /// selective recomputation; independent of the block checkpointing of
+    /// [`set_recompute`](Self::set_recompute), with which it combines).
+    ///
+    /// On, each attention keeps its matmul outputs q, k and v and not the
+    /// `H·T²` values of its core — scores, softmax probabilities, dropout mask,
+    /// dropped probabilities; backward reruns the core from q, k and v with
+    /// the dropout stream [`rng`](Self::rng) set back, so the mask is the
+    /// forward pass's, and restored afterwards. The losses and gradients are
+    /// the same bits. Without dropout (or in evaluation) the attention runs
+    /// as one fused op that keeps only q, k and v and recomputes its
+    /// probabilities in backward anyway, so the setting changes nothing there.
+    ///
+    /// ```
+    /// use tinyllm::nn::llama::{Llama, LlamaConfig};
+    /// use tinyllm::recompute::Recompute;
+    /// use tinyllm::Device;
+    /// let model = Llama::new(&LlamaConfig::preset("tiny")?, 0, Device::Cpu)?
+    ///     .with_recompute(Some(3))?
+    ///     .with_attention_recompute(true);
+    /// assert_eq!(model.recompute_policy(), Recompute::Both);
+    /// # Ok::<(), tinyllm::Error>(())
+    /// ```
+    pub fn set_attention_recompute(&mut self, on: bool) {
+        for l in &self.layers {
+            l.self_attn.recompute.set(on);
+        }
+        self.attention_recompute = on;
+    }
+
+    /// [`set_attention_recompute`](Self::set_attention_recompute), builder style.
+    pub fn with_attention_recompute(mut self, on: bool) -> Llama {
+        self.set_attention_recompute(on);
+        self
+    }
+
+    /// Whether the attention core is recomputed in backward.
+    pub fn attention_recompute(&self) -> bool {
+        self.attention_recompute
+    }
+
+    /// The recompute policy the two settings make: blocks when a checkpoint
+    /// budget is set ([`recompute`](Self::recompute)), attention when
+    /// [`attention_recompute`](Self::attention_recompute) is on.
+    pub fn recompute_policy(&self) -> Recompute {
+        Recompute::new(self.recompute.is_some(), self.attention_recompute)
     }
 
     /// Every parameter with its Hugging Face `LlamaForCausalLM` name, in

@@ -34,6 +34,8 @@ pub struct Side {
     /// The activation-recompute budget in layer units (`None`: off, as
     /// on the float32 side).
     pub ckpt_budget: Option<usize>,
+    /// What the side's backward recomputes (`none` on the float32 side).
+    pub recompute: String,
     /// Mean of the last training losses, in the side's own precision.
     pub final_loss: f32,
     /// The final model's loss on the held-out windows, evaluated in float32.
@@ -94,6 +96,7 @@ fn side(label: &str, cfg: &TrainConfig, s: &RunSummary, heldout_loss: f32) -> Si
         micro_batch: cfg.micro_batch,
         accum: cfg.accum,
         ckpt_budget: cfg.ckpt_budget,
+        recompute: cfg.recompute().name().into(),
         final_loss: s.final_loss,
         heldout_loss,
         planned_peak_bytes: s.plan.total,
@@ -184,9 +187,13 @@ pub fn compare(
 ) -> Result<Outcome> {
     let mut o = opts.clone();
     let out = o.out.take().unwrap_or_else(|| "runs/compare".into());
+    // The mixed side checkpoints its blocks unless --recompute says otherwise.
     let mixed_cfg = TrainConfig::resolve(&TrainOptions {
         out: Some(out.join("mixed")),
-        checkpoint_activations: Some(true),
+        checkpoint_activations: match o.recompute {
+            Some(_) => o.checkpoint_activations,
+            None => Some(true),
+        },
         ..o.clone()
     })?;
     if mixed_cfg.precision == Precision::Fp32 {
@@ -200,6 +207,7 @@ pub fn compare(
         micro_batch: mixed_cfg.batch,
         accum: 1,
         ckpt_budget: None,
+        recompute_attention: false,
         out: out.join("fp32"),
         ..mixed_cfg.clone()
     };
@@ -219,6 +227,7 @@ pub fn compare(
             micro_batch: None,
             accum: None,
             checkpoint_activations: None,
+            recompute: None,
             ckpt_budget: None,
             precision: None,
             out: Some(fp32_cfg.out.clone()),
@@ -262,10 +271,14 @@ pub fn compare(
     }
     let fp32_title = format!("float32, full batch of {}", fp32_cfg.batch);
     let mixed_title = format!(
-        "{}, {} micro-batches of {}, checkpointing",
+        "{}, {} micro-batches of {}, {}",
         mixed_cfg.precision.name(),
         mixed_cfg.accum,
-        mixed_cfg.micro_batch
+        mixed_cfg.micro_batch,
+        match mixed_cfg.recompute() {
+            crate::recompute::Recompute::Blocks => "checkpointing".to_string(),
+            p => format!("recompute {p}"),
+        }
     );
     let a = one_side(
         &fp32_cfg,
@@ -574,6 +587,11 @@ impl Comparison {
                 s.ckpt_budget
                     .map(|b| format!(", ckpt {b}"))
                     .unwrap_or_default()
+                    + if s.recompute == "attention" || s.recompute == "both" {
+                        ", attn recompute"
+                    } else {
+                        ""
+                    }
             );
             format!(
                 "| {:<24} | {:>10.4} | {:>13.4} | {:>12} | {:>12} | {:>12} | {:>12} |\n",

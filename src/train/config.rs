@@ -4,7 +4,8 @@
 
 use crate::nn::llama::LlamaConfig;
 use crate::precision::Precision;
-use crate::recompute::{check_budget, checkpoint_schedule, min_ckpt_budget};
+use crate::recompute::{check_budget, checkpoint_schedule, min_ckpt_budget, Recompute};
+use crate::train::plan::{memory_plan_with, MemoryPlan};
 use crate::{bail, Error, Result};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
@@ -84,8 +85,17 @@ pub struct TrainOptions {
     /// Micro-batches accumulated per optimizer step; it must equal
     /// `batch / micro_batch` rounded up.
     pub accum: Option<usize>,
-    /// `Some(false)` turns the default checkpointing off.
+    /// `Some(false)` turns the default checkpointing off; `Some(true)` asks
+    /// for it (the default). It means the block half of
+    /// [`recompute`](Self::recompute): with a policy given as well, the two
+    /// must agree (`Some(true)` with `blocks` or `both`, `Some(false)` with
+    /// `none` or `attention`), else resolving is an error naming both flags.
     pub checkpoint_activations: Option<bool>,
+    /// What backward recomputes (`--recompute none|attention|blocks|both`;
+    /// default `blocks`, today's activation checkpointing). `blocks` and
+    /// `both` checkpoint the blocks at [`ckpt_budget`](Self::ckpt_budget);
+    /// `attention` and `both` recompute every attention's core.
+    pub recompute: Option<Recompute>,
     /// The activation-checkpointing budget, in layers of activations held at
     /// the peak, in [`budget_range`](crate::recompute::budget_range) of the
     /// layer count (default: the smallest the model allows,
@@ -150,6 +160,13 @@ pub struct TrainConfig {
     /// Layer units of activations kept, when checkpointing (`None`:
     /// activation checkpointing off).
     pub ckpt_budget: Option<usize>,
+    /// Whether every attention's core is recomputed in backward
+    /// ([`Llama::set_attention_recompute`](crate::nn::llama::Llama::set_attention_recompute));
+    /// with [`ckpt_budget`](Self::ckpt_budget) it makes the run's
+    /// [`recompute`](Self::recompute) policy. (Absent in checkpoints written
+    /// before it existed, and in those of runs without it: off.)
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub recompute_attention: bool,
     /// The gradient-norm clip (`None`: no clipping).
     pub clip: Option<f32>,
     /// Validation every N steps; 0 = only at the end.
@@ -287,13 +304,37 @@ impl TrainConfig {
         let accum = o.accum.unwrap_or(batch.div_ceil(micro.max(1)));
 
         // Options that contradict each other (not a config's invariant).
-        let ckpt_on = o.checkpoint_activations.unwrap_or(true);
+        // --checkpoint-activations / --no-checkpoint-activations are the block
+        // half of --recompute: given both, they must agree.
+        let ckpt_on = match (o.recompute, o.checkpoint_activations) {
+            (None, c) => c.unwrap_or(true),
+            (Some(p), None) => p.blocks(),
+            (Some(p), Some(c)) if p.blocks() == c => c,
+            (Some(p), Some(c)) => {
+                let (flag, says) = match c {
+                    true => ("--checkpoint-activations", "checkpoints no blocks"),
+                    false => ("--no-checkpoint-activations", "checkpoints blocks"),
+                };
+                bail!(
+                    Config,
+                    "{flag} contradicts --recompute {p} (which {says}): give --recompute {} alone",
+                    Recompute::new(c, p.attention())
+                )
+            }
+        };
         if !ckpt_on && o.ckpt_budget.is_some() {
-            bail!(
-                Config,
-                "--ckpt-budget needs activation checkpointing (drop --no-checkpoint-activations)"
-            );
+            match o.recompute {
+                Some(p) => bail!(
+                    Config,
+                    "--ckpt-budget needs activation checkpointing: --recompute {p} checkpoints no blocks (use --recompute blocks or both)"
+                ),
+                None => bail!(
+                    Config,
+                    "--ckpt-budget needs activation checkpointing (drop --no-checkpoint-activations)"
+                ),
+            }
         }
+        let recompute_attention = o.recompute.is_some_and(Recompute::attention);
         let ckpt_budget = ckpt_on.then(|| {
             o.ckpt_budget
                 .unwrap_or_else(|| min_ckpt_budget(model.n_layers))
@@ -323,6 +364,7 @@ impl TrainConfig {
             micro_batch: micro,
             accum,
             ckpt_budget,
+            recompute_attention,
             clip,
             eval_every: o.eval_every.unwrap_or(r.eval_every),
             eval_rows: r.eval_rows,
@@ -371,12 +413,26 @@ impl TrainConfig {
                 _ => o.micro_batch,
             },
             accum: o.accum,
-            checkpoint_activations: o
-                .checkpoint_activations
-                .or(Some(saved.ckpt_budget.is_some())),
-            ckpt_budget: match o.checkpoint_activations {
-                Some(false) => o.ckpt_budget,
-                _ => o.ckpt_budget.or(saved.ckpt_budget),
+            // A policy given is resolved as given (checked against the saved
+            // one below); otherwise the saved policy, with the blocks as
+            // --checkpoint-activations says if given.
+            checkpoint_activations: match o.recompute {
+                Some(_) => o.checkpoint_activations,
+                None => o
+                    .checkpoint_activations
+                    .or(Some(saved.ckpt_budget.is_some())),
+            },
+            recompute: o.recompute.or_else(|| {
+                let blocks = o
+                    .checkpoint_activations
+                    .unwrap_or(saved.ckpt_budget.is_some());
+                Some(Recompute::new(blocks, saved.recompute_attention))
+            }),
+            ckpt_budget: match o.checkpoint_activations == Some(false)
+                || o.recompute.is_some_and(|p| !p.blocks())
+            {
+                true => o.ckpt_budget,
+                false => o.ckpt_budget.or(saved.ckpt_budget),
             },
             clip: o.clip.or(Some(saved.clip.unwrap_or(0.0))),
             eval_every: o.eval_every.or(Some(saved.eval_every)),
@@ -430,6 +486,12 @@ impl TrainConfig {
                 o.checkpoint_activations.is_some() || o.ckpt_budget.is_some(),
                 ckpt(saved.ckpt_budget),
                 ckpt(given.ckpt_budget),
+            ),
+            (
+                "--recompute",
+                o.recompute.is_some(),
+                saved.recompute().name().into(),
+                given.recompute().name().into(),
             ),
             ("--clip", o.clip.is_some(), opt(saved.clip), opt(given.clip)),
             (
@@ -620,6 +682,26 @@ impl TrainConfig {
         crate::rng::Generator::new(self.seed ^ DATA_KEY)
     }
 
+    /// What backward recomputes: blocks when checkpointing
+    /// ([`ckpt_budget`](Self::ckpt_budget)), the attention core when
+    /// [`recompute_attention`](Self::recompute_attention).
+    pub fn recompute(&self) -> Recompute {
+        Recompute::new(self.ckpt_budget.is_some(), self.recompute_attention)
+    }
+
+    /// The memory plan of one micro-batch's step under this recipe (its
+    /// precision and recompute policy).
+    pub fn memory_plan(&self) -> Result<MemoryPlan> {
+        memory_plan_with(
+            &self.model,
+            self.micro_batch,
+            self.model.context,
+            self.precision,
+            self.ckpt_budget,
+            self.recompute_attention,
+        )
+    }
+
     /// Tokens per optimizer step.
     pub fn tokens_per_step(&self) -> usize {
         self.batch * self.model.context
@@ -653,7 +735,7 @@ impl TrainConfig {
             match self.ckpt_budget {
                 Some(b) => format!("activation checkpointing (budget {b} layers, schedule {:?})", checkpoint_schedule(self.model.n_layers, b).unwrap_or_default()),
                 None => "no activation checkpointing".into(),
-            },
+            } + if self.recompute_attention { ", attention core recomputed" } else { "" },
             self.clip.map(|c| c.to_string()).unwrap_or_else(|| "off".into()),
         )
     }
@@ -693,5 +775,117 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("3..=4"));
+    }
+
+    /// `--recompute` with and without `--checkpoint-activations`: agreeing
+    /// flags combine, contradicting ones are refused naming both, and the
+    /// resolved policy is what a resumed run keeps.
+    #[test]
+    fn recompute_policies_resolve_and_contradictions_name_the_flags() {
+        let with = |r: Option<&str>, ck: Option<bool>, budget: Option<usize>| {
+            TrainConfig::resolve(&TrainOptions {
+                preset: Some("tiny".into()),
+                recompute: r.map(|r| r.parse().unwrap()),
+                checkpoint_activations: ck,
+                ckpt_budget: budget,
+                ..Default::default()
+            })
+        };
+        let policy = |r, ck| with(r, ck, None).unwrap().recompute();
+        assert_eq!(policy(None, None), Recompute::Blocks, "the default");
+        assert_eq!(policy(None, Some(false)), Recompute::None);
+        for p in Recompute::ALL {
+            assert_eq!(policy(Some(p.name()), None), p);
+            assert_eq!(policy(Some(p.name()), Some(p.blocks())), p);
+            let e = with(Some(p.name()), Some(!p.blocks()), None)
+                .unwrap_err()
+                .to_string();
+            let flag = match p.blocks() {
+                true => "--no-checkpoint-activations contradicts --recompute",
+                false => "--checkpoint-activations contradicts --recompute",
+            };
+            assert!(
+                e.contains(flag) && e.contains(&format!("--recompute {}", p.name())),
+                "{e}"
+            );
+        }
+        let both = with(Some("both"), None, Some(4)).unwrap();
+        assert_eq!(
+            (both.ckpt_budget, both.recompute_attention),
+            (Some(4), true)
+        );
+        assert!(both.describe().contains("attention core recomputed"));
+        let e = with(Some("attention"), None, Some(3))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("--ckpt-budget") && e.contains("--recompute attention"),
+            "{e}"
+        );
+        let e = "sometimes"
+            .parse::<Recompute>()
+            .unwrap_err()
+            .context("--recompute");
+        assert!(
+            e.to_string()
+                .starts_with("--recompute: unknown recompute policy \"sometimes\""),
+            "{e}"
+        );
+        // The plan of each policy: attention recomputation only matters with dropout.
+        let drop = |r: &str| {
+            TrainConfig::resolve(&TrainOptions {
+                preset: Some("tiny".into()),
+                recompute: Some(r.parse().unwrap()),
+                dropout: Some(0.1),
+                ..Default::default()
+            })
+            .unwrap()
+            .memory_plan()
+            .unwrap()
+        };
+        assert!(drop("attention").activations < drop("none").activations);
+        assert!(drop("both").activations < drop("blocks").activations);
+        assert_eq!(
+            policy(Some("attention"), None),
+            Recompute::Attention,
+            "and without dropout it is still the policy asked for"
+        );
+
+        // Resuming keeps the policy; a different one is refused by name.
+        let saved = with(Some("both"), None, None).unwrap();
+        let resumed = TrainConfig::resume(&saved, &TrainOptions::default()).unwrap();
+        assert_eq!(resumed.recompute(), Recompute::Both);
+        let again = TrainOptions {
+            recompute: Some(Recompute::Both),
+            ..Default::default()
+        };
+        assert_eq!(
+            TrainConfig::resume(&saved, &again).unwrap().recompute(),
+            Recompute::Both
+        );
+        for other in ["none", "attention", "blocks"] {
+            let e = TrainConfig::resume(
+                &saved,
+                &TrainOptions {
+                    recompute: Some(other.parse().unwrap()),
+                    ..Default::default()
+                },
+            )
+            .unwrap_err()
+            .to_string();
+            assert!(
+                e.contains("--recompute differs") && e.contains("the run has both"),
+                "{other}: {e}"
+            );
+        }
+        // A checkpoint written before the field: off.
+        let mut json = serde_json::to_value(with(None, None, None).unwrap()).unwrap();
+        assert!(
+            json.get("recompute_attention").is_none(),
+            "not written when off"
+        );
+        json.as_object_mut().unwrap().remove("recompute_attention");
+        let old: TrainConfig = serde_json::from_value(json).unwrap();
+        assert_eq!(old.recompute(), Recompute::Blocks);
     }
 }

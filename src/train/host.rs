@@ -45,6 +45,8 @@ pub struct HostState {
     pub config: LlamaConfig,
     /// Its activation-recompute budget ([`Llama::recompute`]).
     pub recompute: Option<usize>,
+    /// Whether it recomputes its attention cores ([`Llama::attention_recompute`]).
+    pub attention_recompute: bool,
     /// Every parameter by its Hugging Face name, in [`Module::parameters`]
     /// order, as float32 values.
     pub weights: Vec<(String, Vec<f32>)>,
@@ -103,6 +105,7 @@ impl HostState {
         Ok(HostState {
             config: model.cfg.clone(),
             recompute: model.recompute(),
+            attention_recompute: model.attention_recompute(),
             weights,
             dropout_rng: model.rng.state(),
             adamw,
@@ -113,7 +116,9 @@ impl HostState {
     /// [`new`](Self::new) copied them. Errors if a weight's name or length
     /// does not fit the configuration.
     pub fn into_model(self, device: Device) -> Result<(Llama, Option<AdamW>)> {
-        let model = Llama::new(&self.config, 0, device)?.with_recompute(self.recompute)?;
+        let model = Llama::new(&self.config, 0, device)?
+            .with_recompute(self.recompute)?
+            .with_attention_recompute(self.attention_recompute);
         let named = model.named_parameters();
         if named.len() != self.weights.len() {
             crate::bail!(

@@ -31,6 +31,13 @@
 //!   fused cross-entropy keeps) and `T·C + T·V` read as products read them
 //!   (the norm's output, the logits).
 //!
+//! With attention recomputation ([`Recompute::Attention`]) the dropout
+//! composition keeps only q, k and v (as the products read them, as above):
+//! its `2·H·T²` float32 and `H·T²` product-read values are recomputed in
+//! backward instead, one block's at a time, and counted in the backward
+//! working set. Without dropout the fused attention keeps only q, k and v
+//! anyway: the policy changes no byte there.
+//!
 //! For the capstone (`T` = 512) that is 84.2 MiB of activations for one
 //! sequence in float32 and 47.4 MiB under bf16 or fp16 autocast (44 % less).
 //!
@@ -45,7 +52,7 @@
 
 use crate::nn::llama::LlamaConfig;
 use crate::precision::Precision;
-use crate::recompute::checkpoint_schedule;
+use crate::recompute::{checkpoint_schedule, Recompute};
 use crate::train::config::TrainConfig;
 use crate::Result;
 
@@ -91,16 +98,42 @@ impl Kept {
 
 /// The values one block keeps for one sequence (see the module docs).
 pub fn block_values(cfg: &LlamaConfig, t: usize) -> Kept {
-    let (c, f, h) = (cfg.d_model, cfg.hidden, cfg.n_heads);
+    block_values_with(cfg, t, false)
+}
+
+/// [`block_values`] when the attention core is recomputed in backward
+/// (`attention_recompute`) or kept.
+pub fn block_values_with(cfg: &LlamaConfig, t: usize, attention_recompute: bool) -> Kept {
+    let (c, f) = (cfg.d_model, cfg.hidden);
     let mut k = Kept {
         wide: 2 * t * c + 2 * t,
         narrow: 6 * t * c + 3 * t * f,
     };
     if cfg.dropout > 0.0 {
-        k.wide += 2 * h * t * t + 2 * t * c;
-        k.narrow += h * t * t;
+        // the residual branches' masks
+        k.wide += 2 * t * c;
+        if !attention_recompute {
+            let core = attention_core_values(cfg, t);
+            k.wide += core.wide;
+            k.narrow += core.narrow;
+        }
     }
     k
+}
+
+/// The values the dropout composition of one block's attention keeps for
+/// one sequence beyond q, k and v: the softmax output and the mask
+/// (`2·H·T²` float32) and the dropped probabilities (`H·T²`, read by a
+/// product). None without dropout (the fused op keeps none).
+pub fn attention_core_values(cfg: &LlamaConfig, t: usize) -> Kept {
+    let h = cfg.n_heads;
+    match cfg.dropout > 0.0 {
+        true => Kept {
+            wide: 2 * h * t * t,
+            narrow: h * t * t,
+        },
+        false => Kept { wide: 0, narrow: 0 },
+    }
 }
 
 /// The values the embedding, final norm, head and loss keep for one sequence.
@@ -125,9 +158,42 @@ pub fn memory_plan(
     precision: Precision,
     ckpt_budget: Option<usize>,
 ) -> Result<MemoryPlan> {
+    memory_plan_with(cfg, rows, t, precision, ckpt_budget, false)
+}
+
+/// The plan of a [`Recompute`] policy: [`memory_plan`] with the blocks
+/// checkpointed at `ckpt_budget` (the policy's blocks; `None` for `none` and
+/// `attention`) and the attention core recomputed when `attention_recompute`.
+/// A policy with blocks and no budget is planned at the smallest budget
+/// ([`min_ckpt_budget`](crate::recompute::min_ckpt_budget)), as `train` runs it.
+pub fn policy_plan(
+    cfg: &LlamaConfig,
+    rows: usize,
+    t: usize,
+    precision: Precision,
+    policy: Recompute,
+    ckpt_budget: Option<usize>,
+) -> Result<MemoryPlan> {
+    let budget = policy
+        .blocks()
+        .then(|| ckpt_budget.unwrap_or_else(|| crate::recompute::min_ckpt_budget(cfg.n_layers)));
+    memory_plan_with(cfg, rows, t, precision, budget, policy.attention())
+}
+
+/// [`memory_plan`] with the attention core recomputed in backward
+/// (`attention_recompute`) or kept: recomputed, the core's values leave the
+/// activations and one block's worth of them joins the backward working set.
+pub fn memory_plan_with(
+    cfg: &LlamaConfig,
+    rows: usize,
+    t: usize,
+    precision: Precision,
+    ckpt_budget: Option<usize>,
+    attention_recompute: bool,
+) -> Result<MemoryPlan> {
     let n = cfg.num_params();
     let f32b = 4;
-    let block = block_values(cfg, t).bytes(precision) * rows;
+    let block = block_values_with(cfg, t, attention_recompute).bytes(precision) * rows;
     let (held_blocks, inputs, units) = match ckpt_budget {
         None => (cfg.n_layers, 0, cfg.n_layers),
         Some(b) => {
@@ -147,7 +213,10 @@ pub fn memory_plan(
     let activations = held_blocks * block
         + inputs * rows * t * cfg.d_model * f32b
         + head_values(cfg, t).bytes(precision) * rows;
-    let working = 3 * cfg.n_heads * t * t * rows * f32b;
+    let mut working = 3 * cfg.n_heads * t * t * rows * f32b;
+    if attention_recompute {
+        working += attention_core_values(cfg, t).bytes(precision) * rows;
+    }
     let p = MemoryPlan {
         params: n,
         weights: n * f32b,
@@ -238,7 +307,17 @@ pub fn admit(cfg: &TrainConfig, limit: MemoryLimit) -> Result<()> {
     let t = cfg.model.context;
     let need = |rows: usize, ckpt: Option<usize>| -> Result<usize> {
         Ok(match limit {
-            MemoryLimit::Host(_) => memory_plan(&cfg.model, rows, t, cfg.precision, ckpt)?.total,
+            MemoryLimit::Host(_) => {
+                memory_plan_with(
+                    &cfg.model,
+                    rows,
+                    t,
+                    cfg.precision,
+                    ckpt,
+                    cfg.recompute_attention,
+                )?
+                .total
+            }
             MemoryLimit::GpuBuffer(_) => largest_tensor(&cfg.model, rows, t),
         })
     };
@@ -253,13 +332,7 @@ pub fn admit(cfg: &TrainConfig, limit: MemoryLimit) -> Result<()> {
     if needed as u64 <= have {
         return Ok(());
     }
-    let plan = memory_plan(
-        &cfg.model,
-        cfg.micro_batch,
-        t,
-        cfg.precision,
-        cfg.ckpt_budget,
-    )?;
+    let plan = cfg.memory_plan()?;
     let ckpt = cfg
         .ckpt_budget
         .or(Some(crate::recompute::min_ckpt_budget(cfg.model.n_layers)));
@@ -304,7 +377,13 @@ pub fn admit(cfg: &TrainConfig, limit: MemoryLimit) -> Result<()> {
     let msg = format!(
         "this run does not fit in memory: {what_needs}, but {what} is {}; {advice}.\n{}",
         mib(have as usize),
-        plan.describe(cfg.micro_batch, t, cfg.precision, cfg.ckpt_budget)
+        plan.describe(
+            cfg.micro_batch,
+            t,
+            cfg.precision,
+            cfg.ckpt_budget,
+            cfg.recompute_attention
+        )
     );
     Err(match limit {
         MemoryLimit::Host(_) => crate::Error::config(msg),
@@ -398,21 +477,26 @@ pub(crate) fn mib(b: usize) -> String {
 }
 
 impl MemoryPlan {
-    /// The plan as a few lines for the start of a run.
+    /// The plan as a few lines for the start of a run (`attention`: the
+    /// attention core recomputed in backward).
     pub fn describe(
         &self,
         rows: usize,
         t: usize,
         precision: Precision,
         ckpt: Option<usize>,
+        attention: bool,
     ) -> String {
-        let ck = match ckpt {
+        let mut ck = match ckpt {
             Some(b) => format!(
                 "checkpointing (budget {b}, peak {} layer units)",
                 self.layer_units
             ),
             None => "no checkpointing".into(),
         };
+        if attention {
+            ck.push_str(", attention core recomputed");
+        }
         format!(
             "memory plan ({} params, micro-batch {rows}×{t} tokens, {}, {ck}):\n  \
              weights {}  grads {}  AdamW moments {}  activations {}  backward working set {}\n  \

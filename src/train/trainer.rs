@@ -31,7 +31,7 @@ use crate::train::infer::{self, EvalMode};
 use crate::train::interrupt;
 use crate::train::metrics::{MetricsLog, StepMetrics};
 use crate::train::outdir::{self, DirLock};
-use crate::train::plan::{self, memory_plan, mib, MemoryPlan};
+use crate::train::plan::{self, mib, MemoryPlan};
 use crate::train::plot::{chart_svg, Panel, Series};
 use crate::train::provenance::Provenance;
 use crate::train::step::MixedStep;
@@ -164,7 +164,8 @@ impl Trainer {
         let data = Dataset::new(corpus, cfg.model.context, cfg.seed)?;
         let model = Llama::new(&cfg.model, cfg.seed, device)?
             .with_recompute(cfg.ckpt_budget)
-            .map_err(|e| e.context("--ckpt-budget"))?;
+            .map_err(|e| e.context("--ckpt-budget"))?
+            .with_attention_recompute(cfg.recompute_attention);
         let opt = AdamW::new(
             model.parameters(),
             AdamWConfig {
@@ -173,13 +174,7 @@ impl Trainer {
             },
         )?;
         let scaler = (cfg.precision == Precision::Fp16).then(DynamicLossScaler::default);
-        let plan = memory_plan(
-            &cfg.model,
-            cfg.micro_batch,
-            cfg.model.context,
-            cfg.precision,
-            cfg.ckpt_budget,
-        )?;
+        let plan = cfg.memory_plan()?;
         Ok(Trainer {
             data_rng: cfg.data_order(),
             cfg,
@@ -724,13 +719,7 @@ pub fn finished_run(cfg: &TrainConfig) -> Result<Option<RunSummary>> {
         interrupted: None,
         final_loss: tail_mean(&losses),
         final_val_loss: history.last().and_then(|m| m.val_loss),
-        plan: memory_plan(
-            &cfg.model,
-            cfg.micro_batch,
-            cfg.model.context,
-            cfg.precision,
-            cfg.ckpt_budget,
-        )?,
+        plan: cfg.memory_plan()?,
         peak_bytes: history.iter().map(|m| m.peak_bytes).max().unwrap_or(0),
         process_peak_bytes: history.iter().filter_map(|m| m.process_peak_bytes).max(),
         device_peak_bytes: history.iter().filter_map(|m| m.device_peak_bytes).max(),
@@ -819,6 +808,7 @@ fn describe_run(tr: &Trainer, corpus: &Corpus, start: Start, progress: Progress)
             cfg.model.context,
             cfg.precision,
             cfg.ckpt_budget,
+            cfg.recompute_attention,
         ),
     );
     if let Start::Resume(dir) = start {
