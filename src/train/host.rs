@@ -4,9 +4,11 @@
 //! A [`Tensor`], and so a [`Llama`], is not `Send`: its
 //! storage, gradient and graph node sit behind reference counts and cells
 //! that one thread owns, and autocast and grad mode are per thread. Making
-//! every tensor `Send` would put an atomic count and a lock on every access
-//! of the graph; what a server or a GUI needs is to hand a whole training job
-//! to a worker. [`HostState`] is that job at rest: the configuration, every
+//! every tensor `Send` (an atomic count and a lock on every access of the
+//! graph) costs little time but would let two threads share one graph, its
+//! per-thread memory counts and one GPU command batch in no defined order —
+//! see "Why `Tensor` is not `Send`" in BENCHMARKS.md. What a server or a GUI
+//! needs is to hand a whole training job to a worker. [`HostState`] is that job at rest: the configuration, every
 //! weight, the dropout stream and AdamW's moments as `Vec`s. Moving a model
 //! through it changes no bit — the steps after it are the steps that would
 //! have followed.
