@@ -5,7 +5,6 @@
 use crate::nn::llama::LlamaConfig;
 use crate::precision::Precision;
 use crate::recompute::{check_budget, checkpoint_schedule, min_ckpt_budget, Recompute};
-use crate::train::plan::{memory_plan_with, MemoryPlan};
 use crate::{bail, Error, Result};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
@@ -687,19 +686,6 @@ impl TrainConfig {
     /// [`recompute_attention`](Self::recompute_attention).
     pub fn recompute(&self) -> Recompute {
         Recompute::new(self.ckpt_budget.is_some(), self.recompute_attention)
-    }
-
-    /// The memory plan of one micro-batch's step under this recipe (its
-    /// precision and recompute policy).
-    pub fn memory_plan(&self) -> Result<MemoryPlan> {
-        memory_plan_with(
-            &self.model,
-            self.micro_batch,
-            self.model.context,
-            self.precision,
-            self.ckpt_budget,
-            self.recompute_attention,
-        )
     }
 
     /// Tokens per optimizer step.

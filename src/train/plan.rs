@@ -233,6 +233,21 @@ pub fn memory_plan_with(
     })
 }
 
+impl TrainConfig {
+    /// The memory plan of one micro-batch's step under this recipe (its
+    /// precision and recompute policy).
+    pub fn memory_plan(&self) -> Result<MemoryPlan> {
+        memory_plan_with(
+            &self.model,
+            self.micro_batch,
+            self.model.context,
+            self.precision,
+            self.ckpt_budget,
+            self.recompute_attention,
+        )
+    }
+}
+
 /// Bytes of the largest single tensor one micro-batch of `rows` sequences of
 /// `t` tokens allocates (logits, attention weights, the MLP's hidden
 /// activations, or the embedding table): on a GPU it must fit in one buffer.
