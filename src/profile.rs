@@ -19,6 +19,8 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::roofline::{Peak, Roofline, WorkRow};
+
 thread_local! {
     static ON: Cell<bool> = const { Cell::new(false) };
     /// Open [`pause`] guards (minus open [`unpause`] guards).
@@ -408,9 +410,13 @@ impl Drop for Scope {
                 .or(self.product.map(|p| p.flops()))
                 .unwrap_or(cost.flops_per_element * self.traffic.elements);
             WORK.with_borrow_mut(|t| {
-                let e = t
-                    .entry(self.name)
-                    .or_insert_with(|| WorkRow::new(self.name));
+                let e = t.entry(self.name).or_insert_with(|| WorkRow {
+                    name: self.name,
+                    calls: 0,
+                    flops: 0.0,
+                    bytes: 0.0,
+                    time: Duration::ZERO,
+                });
                 e.calls += 1;
                 e.time += dt;
                 e.flops += flops;
@@ -451,36 +457,6 @@ pub struct Row {
     pub dispatches: u64,
 }
 
-/// One primitive's work for the [roofline](crate::roofline): its calls'
-/// FLOPs and bytes (from their shapes and storage formats) and their own
-/// time (not the parts another primitive reports under its name, as the
-/// CPU's attention does for its products).
-#[derive(Clone, Debug, PartialEq)]
-pub struct WorkRow {
-    /// The primitive's scope name.
-    pub name: &'static str,
-    /// Its calls.
-    pub calls: u64,
-    /// Their FLOPs (a multiply-add is two).
-    pub flops: f64,
-    /// The bytes they read and wrote, each buffer once, as stored.
-    pub bytes: f64,
-    /// Their wall time.
-    pub time: Duration,
-}
-
-impl WorkRow {
-    fn new(name: &'static str) -> WorkRow {
-        WorkRow {
-            name,
-            calls: 0,
-            flops: 0.0,
-            bytes: 0.0,
-            time: Duration::ZERO,
-        }
-    }
-}
-
 /// One product shape's calls and total time.
 #[derive(Clone, Debug)]
 pub struct ProductRow {
@@ -499,7 +475,8 @@ impl ProductRow {
     }
 }
 
-/// The forward reruns of one kind inside backward ([`recompute`]).
+/// The forward reruns of one kind inside backward (timed by the
+/// crate's recompute guard).
 #[derive(Clone, Debug)]
 pub struct RecomputeRow {
     /// What was rerun: `"checkpointed segments"` (whole blocks) or
@@ -539,6 +516,20 @@ impl Profile {
     /// Total time inside primitives.
     pub fn total(&self) -> Duration {
         self.rows.iter().map(|r| r.time).sum()
+    }
+
+    /// The roofline of this profile's work on `device` (its name in the
+    /// messages) against `peak`: what `tinyllm train --profile` prints
+    /// after the table.
+    pub fn roofline(&self, device: &str, peak: Peak) -> Roofline {
+        Roofline {
+            classes: crate::roofline::classes(&self.work),
+            steps: self.steps,
+            wall: self.wall,
+            gpu: self.gpu.is_some(),
+            device: device.to_string(),
+            peak,
+        }
     }
 
     /// Time in the matrix products (the `matmul` scope).
@@ -771,11 +762,10 @@ mod tests {
             (row("unary exp").bytes, row("unary exp").flops),
             (80.0, 10.0)
         );
-        assert!(
-            crate::roofline::Roofline::new(&p, "cpu", Default::default())
-                .to_string()
-                .contains("no peak known for the cpu device")
-        );
+        assert!(p
+            .roofline("cpu", Default::default())
+            .to_string()
+            .contains("no peak known for the cpu device"));
     }
 
     #[test]

@@ -1,4 +1,4 @@
-//! A roofline over a [profile](crate::profile): the floating-point work and
+//! A roofline over a profile (`tinyllm train --profile`): the floating-point work and
 //! the memory traffic of every primitive call, by kernel class and for the
 //! whole step, set against a device's peak rate and memory bandwidth.
 //!
@@ -24,8 +24,6 @@
 //! time over the floor is how far from the roof the run is.
 
 use std::time::Duration;
-
-use crate::profile::{Profile, WorkRow};
 
 /// The kernel classes a roofline groups the primitives into.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -287,6 +285,24 @@ impl Peak {
     }
 }
 
+/// One primitive's work over a profile: its calls' FLOPs and bytes (from
+/// their shapes and storage formats) and their own time (not the parts
+/// another primitive reports under its name, as the CPU's attention does
+/// for its products).
+#[derive(Clone, Debug, PartialEq)]
+pub struct WorkRow {
+    /// The primitive's scope name.
+    pub name: &'static str,
+    /// Its calls.
+    pub calls: u64,
+    /// Their FLOPs (a multiply-add is two).
+    pub flops: f64,
+    /// The bytes they read and wrote, each buffer once, as stored.
+    pub bytes: f64,
+    /// Their wall time.
+    pub time: Duration,
+}
+
 /// One class's work over the profiled steps.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ClassWork {
@@ -361,18 +377,6 @@ pub struct Roofline {
 }
 
 impl Roofline {
-    /// The roofline of `p` on `device` against `peak`.
-    pub fn new(p: &Profile, device: &str, peak: Peak) -> Roofline {
-        Roofline {
-            classes: classes(&p.work),
-            steps: p.steps,
-            wall: p.wall,
-            gpu: p.gpu.is_some(),
-            device: device.to_string(),
-            peak,
-        }
-    }
-
     /// FLOPs and bytes of all classes together.
     pub fn total(&self) -> (f64, f64) {
         let f = self.classes.iter().map(|c| c.flops).sum();

@@ -511,7 +511,7 @@ fn cmd_train(a: TrainArgs) -> tinyllm::Result<ExitCode> {
         };
         let peak = tinyllm::roofline::Peak::resolve(adapter.as_deref(), a.peak_gflops, a.bandwidth);
         let device = adapter.unwrap_or_else(|| summary.device.to_string());
-        out!("{}", tinyllm::roofline::Roofline::new(&p, &device, peak));
+        out!("{}", p.roofline(&device, peak));
     }
     if let Some(r) = &replay {
         note!(
