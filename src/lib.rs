@@ -117,6 +117,7 @@ pub mod precision;
 pub mod profile;
 pub mod recompute;
 pub mod rng;
+pub mod roofline;
 pub mod tensor;
 mod trace;
 pub mod train;

@@ -19,6 +19,8 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::roofline::{Peak, Roofline, WorkRow};
+
 thread_local! {
     static ON: Cell<bool> = const { Cell::new(false) };
     /// Open [`pause`] guards (minus open [`unpause`] guards).
@@ -41,6 +43,9 @@ thread_local! {
     static PRODUCTS: RefCell<HashMap<Product, (u64, Duration)>> = RefCell::new(HashMap::new());
     /// Forward reruns inside backward, by what they recompute ([`recompute`]).
     static RECOMPUTE: RefCell<HashMap<&'static str, (u64, Duration)>> = RefCell::new(HashMap::new());
+    /// Each primitive's own calls, time, FLOPs and bytes ([`Scope`]s only),
+    /// for the [roofline](crate::roofline).
+    static WORK: RefCell<HashMap<&'static str, WorkRow>> = RefCell::new(HashMap::new());
 }
 
 /// A matrix product's shape: `batch` products of (m×k)·(k×n), operands
@@ -172,6 +177,7 @@ pub fn start() {
     TABLE.with_borrow_mut(HashMap::clear);
     PRODUCTS.with_borrow_mut(HashMap::clear);
     RECOMPUTE.with_borrow_mut(HashMap::clear);
+    WORK.with_borrow_mut(HashMap::clear);
     WALL.with(|w| w.set(Duration::ZERO));
     GPU.with(|g| g.set(GpuCounters::default()));
     STEPS.with(|n| n.set(0));
@@ -207,12 +213,15 @@ pub fn take() -> Option<Profile> {
             .collect()
     });
     recompute.sort_by(|a, b| b.time.cmp(&a.time).then(a.what.cmp(b.what)));
+    let mut work: Vec<WorkRow> = WORK.with_borrow_mut(|t| t.drain().map(|(_, w)| w).collect());
+    work.sort_by(|a, b| b.flops.total_cmp(&a.flops).then(a.name.cmp(b.name)));
     let wall = WALL.with(Cell::get);
     let gpu = GPU.with(Cell::get);
     Some(Profile {
         rows,
         products,
         recompute,
+        work,
         gpu: (gpu.dispatches > 0).then_some(gpu),
         wall: (wall > Duration::ZERO).then_some(wall),
         steps: STEPS.with(Cell::get),
@@ -279,6 +288,8 @@ pub(crate) fn scope(name: &'static str) -> Scope {
     Scope {
         name,
         product: None,
+        flops: None,
+        traffic: Traffic::default(),
         t0: on.then(|| {
             (
                 Instant::now(),
@@ -348,17 +359,69 @@ pub(crate) fn product_scope(shape: Product) -> Scope {
     s
 }
 
+/// [`scope`] for a primitive that counts its own FLOPs (attention: its
+/// products and softmax, from its shapes).
+#[must_use]
+pub(crate) fn scope_with_flops(name: &'static str, flops: impl FnOnce() -> f64) -> Scope {
+    let mut s = scope(name);
+    if s.t0.is_some() {
+        s.flops = Some(flops());
+    }
+    s
+}
+
+/// What one call moves: the bytes it reads and writes (each buffer once, as
+/// stored), and the elements of its largest buffer (what a per-element FLOP
+/// count applies to). See [`crate::roofline`].
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct Traffic {
+    pub bytes: f64,
+    pub elements: f64,
+}
+
 pub(crate) struct Scope {
     name: &'static str,
     product: Option<Product>,
+    /// FLOPs the call counted itself ([`scope_with_flops`]).
+    flops: Option<f64>,
+    /// What the call moved ([`Scope::moved`]).
+    traffic: Traffic,
     /// When it opened, the dispatch count then, and [`CLAIMED`] then.
     t0: Option<(Instant, u64, u64)>,
+}
+
+impl Scope {
+    /// Records what the call moved (`traffic` runs only while the profile
+    /// counts this scope).
+    pub(crate) fn moved(&mut self, traffic: impl FnOnce() -> Traffic) {
+        if self.t0.is_some() {
+            self.traffic = traffic();
+        }
+    }
 }
 
 impl Drop for Scope {
     fn drop(&mut self) {
         if let Some((t0, d0, c0)) = self.t0 {
             let dt = t0.elapsed();
+            let cost = crate::roofline::cost(self.name);
+            let flops = self
+                .flops
+                .or(self.product.map(|p| p.flops()))
+                .unwrap_or(cost.flops_per_element * self.traffic.elements);
+            WORK.with_borrow_mut(|t| {
+                let e = t.entry(self.name).or_insert_with(|| WorkRow {
+                    name: self.name,
+                    calls: 0,
+                    flops: 0.0,
+                    bytes: 0.0,
+                    time: Duration::ZERO,
+                });
+                e.calls += 1;
+                e.time += dt;
+                e.flops += flops;
+                e.bytes += self.traffic.bytes;
+            });
             // This scope's dispatches, less those of scopes closed inside it.
             let all = OWN_DISPATCHES.with(Cell::get) - d0;
             let inner = CLAIMED.with(Cell::get) - c0;
@@ -412,7 +475,8 @@ impl ProductRow {
     }
 }
 
-/// The forward reruns of one kind inside backward ([`recompute`]).
+/// The forward reruns of one kind inside backward (timed by the
+/// crate's recompute guard).
 #[derive(Clone, Debug)]
 pub struct RecomputeRow {
     /// What was rerun: `"checkpointed segments"` (whole blocks) or
@@ -434,6 +498,9 @@ pub struct Profile {
     /// The forward reruns inside backward by kind, by descending time
     /// (empty when nothing was recomputed).
     pub recompute: Vec<RecomputeRow>,
+    /// Each primitive's FLOPs and bytes, by descending FLOPs (the
+    /// [roofline](crate::roofline)'s input).
+    pub work: Vec<WorkRow>,
     /// Wall time inside [`unpause`] guards (a trainer's steps), if any.
     pub wall: Option<Duration>,
     /// GPU dispatches, submits and readbacks inside those guards, if any
@@ -449,6 +516,20 @@ impl Profile {
     /// Total time inside primitives.
     pub fn total(&self) -> Duration {
         self.rows.iter().map(|r| r.time).sum()
+    }
+
+    /// The roofline of this profile's work on `device` (its name in the
+    /// messages) against `peak`: what `tinyllm train --profile` prints
+    /// after the table.
+    pub fn roofline(&self, device: &str, peak: Peak) -> Roofline {
+        Roofline {
+            classes: crate::roofline::classes(&self.work),
+            steps: self.steps,
+            wall: self.wall,
+            gpu: self.gpu.is_some(),
+            device: device.to_string(),
+            peak,
+        }
     }
 
     /// Time in the matrix products (the `matmul` scope).
@@ -615,6 +696,76 @@ mod tests {
         assert!(p.matmul() >= Duration::from_millis(6));
         assert!(p.matmul() <= p.total());
         assert!(p.to_string().contains("matmul"));
+    }
+
+    /// The roofline's model, call by call: a product class's FLOPs are
+    /// `2·m·n·k` per call summed (a 16-bit operand read at 2 bytes a value),
+    /// and an elementwise call moves its inputs and output once each.
+    #[test]
+    fn the_roofline_counts_products_and_elementwise_bytes() {
+        use crate::backend::elementwise::{BinaryOp, UnaryOp};
+        use crate::backend::{BinaryLayout, Causal, Device, MatmulDims, Operand, Storage};
+        use crate::roofline::{classes, Class};
+        let values = |n: usize| {
+            Storage::from_f32((0..n).map(|i| i as f32 * 0.25).collect(), Device::Cpu).unwrap()
+        };
+        let dims = |batch, m, k, n| MatmulDims {
+            batch,
+            m,
+            k,
+            n,
+            trans_a: false,
+            trans_b: false,
+            a_batch_stride: m * k,
+            b_batch_stride: k * n,
+            causal: Causal::No,
+        };
+        let (a, b) = (values(3 * 5), values(5 * 4));
+        let (a2, b2) = (values(2 * 2 * 7), values(2 * 7 * 6));
+        let (x, bias) = (values(6), values(3));
+        let (half, _) = a.pack(crate::Format::Bf16).unwrap();
+        start();
+        a.matmul(&b, dims(1, 3, 5, 4), None).unwrap();
+        a2.matmul(&b2, dims(2, 2, 7, 6), None).unwrap();
+        Operand::Half(half)
+            .matmul(&Operand::Values(b.clone()), dims(1, 3, 5, 4), None)
+            .unwrap();
+        let layout = BinaryLayout {
+            shape: vec![2, 3],
+            lhs_strides: vec![3, 1],
+            rhs_strides: vec![0, 1],
+        };
+        x.binary(&bias, BinaryOp::Add, &layout).unwrap();
+        values(10).unary(UnaryOp::Exp).unwrap();
+        let p = take().unwrap();
+
+        let mm = classes(&p.work)
+            .into_iter()
+            .find(|c| c.class == Class::Matmul)
+            .unwrap();
+        assert_eq!(mm.calls, 3);
+        assert_eq!(
+            mm.flops,
+            (2 * 3 * 4 * 5 + 2 * (2 * 2 * 6 * 7) + 2 * 3 * 4 * 5) as f64
+        );
+        // f32 operands and outputs at 4 bytes; the 16-bit copy of a: 15 values
+        // in 8 words, 32 bytes.
+        let f32s = (15 + 20 + 12) + (28 + 84 + 24) + (20 + 12);
+        assert_eq!(mm.bytes, (4 * f32s + 32) as f64);
+        let row = |name| p.work.iter().find(|w| w.name == name).unwrap();
+        // (2×3) + a broadcast row of 3: 6 + 3 values read, 6 written
+        assert_eq!(
+            (row("binary add").bytes, row("binary add").flops),
+            (4.0 * 15.0, 6.0)
+        );
+        assert_eq!(
+            (row("unary exp").bytes, row("unary exp").flops),
+            (80.0, 10.0)
+        );
+        assert!(p
+            .roofline("cpu", Default::default())
+            .to_string()
+            .contains("no peak known for the cpu device"));
     }
 
     #[test]

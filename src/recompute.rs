@@ -188,7 +188,7 @@ pub fn budget_range(n_layers: usize) -> std::ops::RangeInclusive<usize> {
 }
 
 /// Checks that `budget` is in [`budget_range`]`(n_layers)`. The error
-/// ([`Error::Config`](crate::Error::Config)) names the valid range and, for
+/// ([`crate::Error::Config`]) names the valid range and, for
 /// too small a budget, the smallest achievable peak.
 pub fn check_budget(n_layers: usize, budget: usize) -> Result<()> {
     if n_layers == 0 {

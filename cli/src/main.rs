@@ -225,6 +225,14 @@ struct TrainArgs {
     /// keeping the state before that step in OUT/crosscheck-step-N/.
     #[arg(long, value_name = "K", value_parser = count, allow_negative_numbers = true)]
     crosscheck_every: Option<usize>,
+    /// The device's fp32 peak in GFLOP/s for the profile's roofline floor
+    /// (overrides the table of known laptop GPUs). Implies --profile.
+    #[arg(long, value_name = "GFLOPS", value_parser = positive_finite, allow_negative_numbers = true)]
+    peak_gflops: Option<f64>,
+    /// The device's memory bandwidth in GB/s for the profile's roofline floor
+    /// (overrides the table of known laptop GPUs). Implies --profile.
+    #[arg(long, value_name = "GB_PER_S", value_parser = positive_finite, allow_negative_numbers = true)]
+    bandwidth: Option<f64>,
 }
 
 #[derive(Args)]
@@ -297,6 +305,14 @@ fn count(s: &str) -> Result<usize, String> {
     s.trim()
         .parse::<usize>()
         .map_err(|_| format!("{s:?} is not a whole number: expected 0, 1, 2, …"))
+}
+
+/// A rate: a positive, finite number.
+fn positive_finite(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
+        _ => Err(format!("{s:?} is not a positive, finite number")),
+    }
 }
 
 fn count_u64(s: &str) -> Result<u64, String> {
@@ -450,7 +466,7 @@ fn cmd_train(a: TrainArgs) -> tinyllm::Result<ExitCode> {
         None => None,
     };
     interrupt::install()?;
-    if a.run.profile {
+    if a.run.profile || a.peak_gflops.is_some() || a.bandwidth.is_some() {
         tinyllm::profile::start();
     }
     let check = replay.as_mut().map(|r| r as &mut dyn StepCheck);
@@ -488,6 +504,14 @@ fn cmd_train(a: TrainArgs) -> tinyllm::Result<ExitCode> {
                 per(g.readbacks)
             );
         }
+        // The table of known GPUs by the adapter's name; the CPU has none.
+        let adapter = match summary.device {
+            tinyllm::Device::Gpu => tinyllm::gpu::adapter_name().ok(),
+            _ => None,
+        };
+        let peak = tinyllm::roofline::Peak::resolve(adapter.as_deref(), a.peak_gflops, a.bandwidth);
+        let device = adapter.unwrap_or_else(|| summary.device.to_string());
+        out!("{}", p.roofline(&device, peak));
     }
     if let Some(r) = &replay {
         note!(

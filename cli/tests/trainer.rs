@@ -865,6 +865,78 @@ fn a_profile_leaves_out_the_first_step() {
     let _ = std::fs::remove_dir_all(&out);
 }
 
+/// `--profile` ends with a roofline: FLOPs, bytes and intensity per kernel
+/// class and for the step; with `--peak-gflops` and `--bandwidth` (which
+/// imply `--profile`) the floors and the fraction of the step's floor the
+/// run reaches; without them on the CPU, which flags to give. A rate that is
+/// not positive and finite is refused, naming the flag.
+#[test]
+fn a_profile_draws_a_roofline() {
+    let out = tmpdir("profile_roofline");
+    let train = |extra: &[&str]| {
+        let o = std::process::Command::new(env!("CARGO_BIN_EXE_tinyllm"))
+            .args([
+                "train", "--preset", "tiny", "--device", "cpu", "--steps", "2",
+            ])
+            .args([
+                "--eval-every",
+                "0",
+                "--sample-len",
+                "0",
+                "--plain",
+                "--overwrite",
+                "--out",
+            ])
+            .arg(&out)
+            .args(extra)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&o.stdout).into_owned();
+        (
+            o.status.success(),
+            text,
+            String::from_utf8_lossy(&o.stderr).into_owned(),
+        )
+    };
+    let (ok, text, err) = train(&["--profile", "--peak-gflops", "100", "--bandwidth", "50"]);
+    assert!(ok, "{text}{err}");
+    assert!(text.contains("roofline per step"), "{text}");
+    for class in ["matmul", "attention", "elementwise", "whole step"] {
+        assert!(
+            text.lines().any(|l| l.starts_with(class)),
+            "{class}: {text}"
+        );
+    }
+    assert!(
+        text.contains("peak 100 GFLOP/s (--peak-gflops), bandwidth 50 GB/s (--bandwidth): ridge at 2.0 FLOP/B"),
+        "{text}"
+    );
+    let frac = text
+        .lines()
+        .find_map(|l| l.strip_suffix("% of its roofline floor"))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|x| x.parse::<f64>().ok());
+    assert!(frac.is_some_and(|f| f > 0.0 && f <= 100.0), "{text}");
+    // The flags imply --profile; without them the CPU has no peak.
+    let (ok, text, err) = train(&["--bandwidth", "50"]);
+    assert!(ok && text.contains("roofline per step"), "{text}{err}");
+    assert!(text.contains("no peak known for the cpu device"), "{text}");
+    assert!(text.contains("give --peak-gflops for the floor"), "{text}");
+    for (flag, bad) in [
+        ("--peak-gflops", "0"),
+        ("--bandwidth", "-3"),
+        ("--bandwidth", "inf"),
+        ("--peak-gflops", "NaN"),
+    ] {
+        let (ok, _, err) = train(&[flag, bad]);
+        assert!(
+            !ok && err.contains(flag) && err.contains("positive, finite"),
+            "{flag} {bad}: {err}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&out);
+}
+
 #[test]
 fn a_run_writes_metrics_plot_checkpoint_and_compare_passes() {
     let out = tmpdir("run");

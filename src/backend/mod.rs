@@ -318,15 +318,18 @@ pub(crate) use on_device;
 macro_rules! primitive {
     (writes [$($w:expr),+], $name:expr, $describe:expr, $($dispatch:tt)+) => {{
         let name: &'static str = $name;
-        let _prof = $crate::profile::scope(name);
+        let mut _prof = $crate::profile::scope(name);
         let out = $crate::backend::on_device!($($dispatch)+);
+        _prof.moved(|| $crate::backend::traffic(name, $crate::backend::reads!($($dispatch)+), &[$($w),+]));
         $crate::backend::observed(name, $describe, &[$($w),+])?;
         out
     }};
     (profile $prof:expr, $name:expr, $describe:expr, $($dispatch:tt)+) => {{
-        let _prof = $prof;
+        let mut _prof = $prof;
         let out = $crate::backend::on_device!($($dispatch)+);
-        $crate::backend::observed($name, $describe, &$crate::backend::Outputs::storages(&out))?;
+        let outs = $crate::backend::Outputs::storages(&out);
+        _prof.moved(|| $crate::backend::traffic($name, $crate::backend::reads!($($dispatch)+), &outs));
+        $crate::backend::observed($name, $describe, &outs)?;
         out
     }};
     ($name:expr, $describe:expr, $($dispatch:tt)+) => {{
@@ -335,6 +338,34 @@ macro_rules! primitive {
     }};
 }
 pub(crate) use primitive;
+
+/// The buffers a dispatch of [`on_device!`] reads (its arguments), for the
+/// profile's [roofline](crate::roofline).
+macro_rules! reads {
+    ([$($arg:expr),+] => $($rest:tt)+) => { &[$($arg),+] };
+    (slice $parts:expr => $($rest:tt)+) => { $parts };
+    (device $dev:expr => $($rest:tt)+) => { &[] };
+}
+pub(crate) use reads;
+
+/// What a call of the primitive `name` moves, by the roofline's model
+/// ([`crate::roofline`]): each buffer it reads and each it writes once, as
+/// stored; a kernel that reads only a part of its input
+/// ([`reads_as_written`](crate::roofline::Cost::reads_as_written)) reads
+/// as much as it writes.
+pub(crate) fn traffic(name: &str, reads: &[&Storage], writes: &[&Storage]) -> crate::profile::Traffic {
+    let bytes = |s: &[&Storage]| s.iter().map(|s| (s.len() * s.dtype().size()) as f64).sum::<f64>();
+    let written = bytes(writes);
+    let read = match crate::roofline::cost(name).reads_as_written {
+        true => written,
+        false => bytes(reads),
+    };
+    let elements = reads.iter().chain(writes).map(|s| s.len()).max().unwrap_or(0);
+    crate::profile::Traffic {
+        bytes: read + written,
+        elements: elements as f64,
+    }
+}
 
 /// The storages in a primitive's value, in order (what [`observed`] sees).
 pub(crate) trait Outputs {

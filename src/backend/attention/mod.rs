@@ -88,10 +88,35 @@ impl Attention {
         format!("heads {h} t {t} d {d} scale {s:e} {fmt} tokens {:?}", self.tokens)
     }
 
+    /// The FLOPs of the contract's composition (the roofline's count): the
+    /// causal products' multiply-adds, twice, and the softmax's nominal
+    /// per-element count ([`crate::roofline`]) over the `T × T` scores of
+    /// each head. Backward reruns the scores and softmax, then four
+    /// products and the softmax backward.
+    pub(crate) fn flops(&self, backward: bool) -> f64 {
+        let (t, d) = (self.t, self.d);
+        let product = |mkn: (usize, usize, usize), c: Causal| self.dims(mkn, false, false, c).profiled().flops();
+        let scores = product((t, d, t), Causal::Outputs);
+        let rows = (self.heads * t * t) as f64;
+        let softmax = rows * crate::roofline::SOFTMAX;
+        let forward = scores + softmax + product((t, t, d), Causal::TermsUpToRow);
+        match backward {
+            false => forward,
+            true => {
+                let ((dv, dp), (dq, dk)) = (
+                    (product((t, t, d), Causal::TermsFromRow), product((t, d, t), Causal::Outputs)),
+                    (product((t, t, d), Causal::TermsUpToRow), product((t, t, d), Causal::TermsFromRow)),
+                );
+                scores + softmax + dv + dp + rows * crate::roofline::SOFTMAX_BACKWARD + dq + dk
+            }
+        }
+    }
+
     /// `y (heads, T, D)` (or token-major, see [`tokens`](Self::tokens)).
     pub fn forward(&self, q: &Operand, k: &Operand, v: &Operand) -> Result<Storage> {
         let ((q, hq), (k, hk), (v, hv)) = (q.parts(), k.parts(), v.parts());
-        Ok(primitive!("attention", || self.describe(), [q, k, v] => |q, k, v| {
+        let scope = crate::profile::scope_with_flops("attention", || self.flops(false));
+        Ok(primitive!(profile scope, "attention", || self.describe(), [q, k, v] => |q, k, v| {
             AttentionOps::attention(self, (q, hq), (k, hk), (v, hv))
         }))
     }
@@ -100,7 +125,8 @@ impl Attention {
     /// and the gradient `g` of `y`; `p` is recomputed, not kept.
     pub fn backward(&self, q: &Operand, k: &Operand, v: &Operand, g: &Storage) -> Result<[Storage; 3]> {
         let ((q, hq), (k, hk), (v, hv)) = (q.parts(), k.parts(), v.parts());
-        Ok(primitive!("attention backward", || self.describe(), [q, k, v, g] => |q, k, v, g| {
+        let scope = crate::profile::scope_with_flops("attention backward", || self.flops(true));
+        Ok(primitive!(profile scope, "attention backward", || self.describe(), [q, k, v, g] => |q, k, v, g| {
             AttentionOps::attention_backward(self, (q, hq), (k, hk), (v, hv), g)
         }))
     }

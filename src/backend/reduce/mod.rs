@@ -116,10 +116,15 @@ impl Storage {
     /// Sum of squares of all elements of all buffers, as f32 (see the
     /// contract). Used by gradient clipping; the host takes the square root.
     pub fn sum_squares(bufs: &[&Storage]) -> Result<f32> {
-        let _prof = crate::profile::scope("sum of squares");
+        let mut prof = crate::profile::scope("sum of squares");
         if bufs.is_empty() {
             return Ok(0.0);
         }
+        prof.moved(|| {
+            let read = super::traffic("", bufs, &[]);
+            let elements = bufs.iter().map(|b| b.len()).sum::<usize>() as f64;
+            crate::profile::Traffic { bytes: read.bytes, elements }
+        });
         let partials: Vec<f32> = on_device!(slice bufs => |xs| ReduceOps::chunk_sum_squares(&xs));
         let total = fold_partials(partials);
         let lens = || {

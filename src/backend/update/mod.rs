@@ -121,7 +121,7 @@ impl Storage {
         inv_scale: f32,
         also: Option<&Storage>,
     ) -> Result<GradCheck> {
-        let _prof = crate::profile::scope("finite check + unscale");
+        let mut prof = crate::profile::scope("finite check + unscale");
         let n = grads.len();
         let parts: Vec<&Storage> = grads.iter().copied().chain(also).collect();
         if parts.is_empty() {
@@ -134,6 +134,15 @@ impl Storage {
         let (finite, partials, values): (bool, Vec<f32>, Vec<f64>) = on_device!(slice &parts => |xs| {
             let (gs, rest) = xs.split_at(n);
             UpdateOps::finite_check_unscale(gs, inv_scale, rest.first().copied())
+        });
+        // Reads every gradient and `also`, writes the gradients back unscaled.
+        prof.moved(|| {
+            let (read, written) = (super::traffic("", &parts, &[]), super::traffic("", grads, &[]));
+            let elements = grads.iter().map(|g| g.len()).sum::<usize>() as f64;
+            crate::profile::Traffic {
+                bytes: read.bytes + written.bytes,
+                elements,
+            }
         });
         let lens = || format!("buffers {:?}", grads.iter().map(|g| g.len()).collect::<Vec<_>>());
         let on_gpu = parts[0].device() == Device::Gpu;
