@@ -669,6 +669,12 @@ fn report_interrupted(cfg: &TrainConfig, s: &RunSummary, sig: i32) {
 }
 
 fn cmd_compare(a: CompareArgs) -> tinyllm::Result<ExitCode> {
+    if a.run.profile {
+        tinyllm::bail!(
+            Config,
+            "--profile: compare does not profile its runs; profile one recipe with train --profile"
+        );
+    }
     // progress goes to stderr, so a long comparison shows it under --json too
     let progress = a.run.progress();
     let existing = match (a.overwrite, a.resume) {

@@ -1509,6 +1509,10 @@ fn every_flag_is_validated_with_what_is_allowed() {
             vec!["compare", "--preset", "tiny", "--micro-batch", "0"],
             "--micro-batch must be at least 1",
         ),
+        (
+            vec!["compare", "--preset", "tiny", "--profile"],
+            "--profile: compare does not profile its runs",
+        ),
     ];
     for (args, want) in &cases {
         let (ok, _, err) = run_bin(args, &[]);
