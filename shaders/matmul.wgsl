@@ -111,26 +111,27 @@ fn fma4(x: f32, y: vec4<f32>, acc: vec4<f32>) -> vec4<f32> {
                      fma_c(x, y.z, acc.z), fma_c(x, y.w, acc.w));
 }
 
-// Stores the columns j.. j+3 of output row i (at offset `row`) that lie
-// inside the matrix, rounded on the last pass, raw running sums before it;
-// with CAUSAL 1 the columns past the diagonal are +0.
-fn store4(row: u32, i: u32, j: u32, v: vec4<f32>) {
+// Stores the columns j, j + s, j + 2s, j + 3s of output row i (at offset
+// `row`) that lie inside the matrix, rounded on the last pass, raw running
+// sums before it; with CAUSAL 1 the columns past the diagonal are +0.
+fn store_lanes(row: u32, i: u32, j: u32, s: u32, v: vec4<f32>) {
     let n = prm.n;
+    let cols = vec4<u32>(j, j + s, j + 2u * s, j + 3u * s);
     var w = v;
     if CAUSAL == 1u {
-        w = select(v, vec4<f32>(0.0), vec4<u32>(j, j + 1u, j + 2u, j + 3u) > vec4<u32>(i));
+        w = select(v, vec4<f32>(0.0), cols > vec4<u32>(i));
     }
-    if j < n {
-        c[row + j] = fin(w.x);
+    if cols.x < n {
+        c[row + cols.x] = fin(w.x);
     }
-    if j + 1u < n {
-        c[row + j + 1u] = fin(w.y);
+    if cols.y < n {
+        c[row + cols.y] = fin(w.y);
     }
-    if j + 2u < n {
-        c[row + j + 2u] = fin(w.z);
+    if cols.z < n {
+        c[row + cols.z] = fin(w.z);
     }
-    if j + 3u < n {
-        c[row + j + 3u] = fin(w.w);
+    if cols.w < n {
+        c[row + cols.w] = fin(w.w);
     }
 }
 
@@ -141,25 +142,26 @@ fn fin(x: f32) -> f32 {
     return x;
 }
 
-// The running sums of columns j.. j+3 of one output row left by the previous
-// pass (zero on the first pass, and outside the matrix).
-fn load4(row: u32, j: u32) -> vec4<f32> {
+// The running sums of columns j, j + s, j + 2s, j + 3s of one output row left
+// by the previous pass (zero on the first pass, and outside the matrix).
+fn load_lanes(row: u32, j: u32, s: u32) -> vec4<f32> {
     let n = prm.n;
+    let cols = vec4<u32>(j, j + s, j + 2u * s, j + 3u * s);
     var v = vec4<f32>(0.0);
     if prm.p0 == 0u {
         return v;
     }
-    if j < n {
-        v.x = c[row + j];
+    if cols.x < n {
+        v.x = c[row + cols.x];
     }
-    if j + 1u < n {
-        v.y = c[row + j + 1u];
+    if cols.y < n {
+        v.y = c[row + cols.y];
     }
-    if j + 2u < n {
-        v.z = c[row + j + 2u];
+    if cols.z < n {
+        v.z = c[row + cols.z];
     }
-    if j + 3u < n {
-        v.w = c[row + j + 3u];
+    if cols.w < n {
+        v.w = c[row + cols.w];
     }
     return v;
 }
@@ -219,22 +221,22 @@ fn matmul(@builtin(global_invocation_id) gid: vec3<u32>) {
     let bc6 = b_base + min(j0 + 6u, n - 1u) * jb;
     let bc7 = b_base + min(j0 + 7u, n - 1u) * jb;
     let out = bi * m * n;
-    var acc0_0 = load4(out + min(i0 + 0u, m - 1u) * n, j0 + 0u);
-    var acc0_1 = load4(out + min(i0 + 0u, m - 1u) * n, j0 + 4u);
-    var acc1_0 = load4(out + min(i0 + 1u, m - 1u) * n, j0 + 0u);
-    var acc1_1 = load4(out + min(i0 + 1u, m - 1u) * n, j0 + 4u);
-    var acc2_0 = load4(out + min(i0 + 2u, m - 1u) * n, j0 + 0u);
-    var acc2_1 = load4(out + min(i0 + 2u, m - 1u) * n, j0 + 4u);
-    var acc3_0 = load4(out + min(i0 + 3u, m - 1u) * n, j0 + 0u);
-    var acc3_1 = load4(out + min(i0 + 3u, m - 1u) * n, j0 + 4u);
-    var acc4_0 = load4(out + min(i0 + 4u, m - 1u) * n, j0 + 0u);
-    var acc4_1 = load4(out + min(i0 + 4u, m - 1u) * n, j0 + 4u);
-    var acc5_0 = load4(out + min(i0 + 5u, m - 1u) * n, j0 + 0u);
-    var acc5_1 = load4(out + min(i0 + 5u, m - 1u) * n, j0 + 4u);
-    var acc6_0 = load4(out + min(i0 + 6u, m - 1u) * n, j0 + 0u);
-    var acc6_1 = load4(out + min(i0 + 6u, m - 1u) * n, j0 + 4u);
-    var acc7_0 = load4(out + min(i0 + 7u, m - 1u) * n, j0 + 0u);
-    var acc7_1 = load4(out + min(i0 + 7u, m - 1u) * n, j0 + 4u);
+    var acc0_0 = load_lanes(out + min(i0 + 0u, m - 1u) * n, j0 + 0u, 1u);
+    var acc0_1 = load_lanes(out + min(i0 + 0u, m - 1u) * n, j0 + 4u, 1u);
+    var acc1_0 = load_lanes(out + min(i0 + 1u, m - 1u) * n, j0 + 0u, 1u);
+    var acc1_1 = load_lanes(out + min(i0 + 1u, m - 1u) * n, j0 + 4u, 1u);
+    var acc2_0 = load_lanes(out + min(i0 + 2u, m - 1u) * n, j0 + 0u, 1u);
+    var acc2_1 = load_lanes(out + min(i0 + 2u, m - 1u) * n, j0 + 4u, 1u);
+    var acc3_0 = load_lanes(out + min(i0 + 3u, m - 1u) * n, j0 + 0u, 1u);
+    var acc3_1 = load_lanes(out + min(i0 + 3u, m - 1u) * n, j0 + 4u, 1u);
+    var acc4_0 = load_lanes(out + min(i0 + 4u, m - 1u) * n, j0 + 0u, 1u);
+    var acc4_1 = load_lanes(out + min(i0 + 4u, m - 1u) * n, j0 + 4u, 1u);
+    var acc5_0 = load_lanes(out + min(i0 + 5u, m - 1u) * n, j0 + 0u, 1u);
+    var acc5_1 = load_lanes(out + min(i0 + 5u, m - 1u) * n, j0 + 4u, 1u);
+    var acc6_0 = load_lanes(out + min(i0 + 6u, m - 1u) * n, j0 + 0u, 1u);
+    var acc6_1 = load_lanes(out + min(i0 + 6u, m - 1u) * n, j0 + 4u, 1u);
+    var acc7_0 = load_lanes(out + min(i0 + 7u, m - 1u) * n, j0 + 0u, 1u);
+    var acc7_1 = load_lanes(out + min(i0 + 7u, m - 1u) * n, j0 + 4u, 1u);
     // The terms some row of the tile sums (CAUSAL 1 tiles wholly past the
     // diagonal sum none: all +0).
     var p_lo = prm.p0;
@@ -283,36 +285,36 @@ fn matmul(@builtin(global_invocation_id) gid: vec3<u32>) {
         }
     }
     if i0 + 0u < m {
-        store4(out + (i0 + 0u) * n, i0 + 0u, j0 + 0u, acc0_0);
-        store4(out + (i0 + 0u) * n, i0 + 0u, j0 + 4u, acc0_1);
+        store_lanes(out + (i0 + 0u) * n, i0 + 0u, j0 + 0u, 1u, acc0_0);
+        store_lanes(out + (i0 + 0u) * n, i0 + 0u, j0 + 4u, 1u, acc0_1);
     }
     if i0 + 1u < m {
-        store4(out + (i0 + 1u) * n, i0 + 1u, j0 + 0u, acc1_0);
-        store4(out + (i0 + 1u) * n, i0 + 1u, j0 + 4u, acc1_1);
+        store_lanes(out + (i0 + 1u) * n, i0 + 1u, j0 + 0u, 1u, acc1_0);
+        store_lanes(out + (i0 + 1u) * n, i0 + 1u, j0 + 4u, 1u, acc1_1);
     }
     if i0 + 2u < m {
-        store4(out + (i0 + 2u) * n, i0 + 2u, j0 + 0u, acc2_0);
-        store4(out + (i0 + 2u) * n, i0 + 2u, j0 + 4u, acc2_1);
+        store_lanes(out + (i0 + 2u) * n, i0 + 2u, j0 + 0u, 1u, acc2_0);
+        store_lanes(out + (i0 + 2u) * n, i0 + 2u, j0 + 4u, 1u, acc2_1);
     }
     if i0 + 3u < m {
-        store4(out + (i0 + 3u) * n, i0 + 3u, j0 + 0u, acc3_0);
-        store4(out + (i0 + 3u) * n, i0 + 3u, j0 + 4u, acc3_1);
+        store_lanes(out + (i0 + 3u) * n, i0 + 3u, j0 + 0u, 1u, acc3_0);
+        store_lanes(out + (i0 + 3u) * n, i0 + 3u, j0 + 4u, 1u, acc3_1);
     }
     if i0 + 4u < m {
-        store4(out + (i0 + 4u) * n, i0 + 4u, j0 + 0u, acc4_0);
-        store4(out + (i0 + 4u) * n, i0 + 4u, j0 + 4u, acc4_1);
+        store_lanes(out + (i0 + 4u) * n, i0 + 4u, j0 + 0u, 1u, acc4_0);
+        store_lanes(out + (i0 + 4u) * n, i0 + 4u, j0 + 4u, 1u, acc4_1);
     }
     if i0 + 5u < m {
-        store4(out + (i0 + 5u) * n, i0 + 5u, j0 + 0u, acc5_0);
-        store4(out + (i0 + 5u) * n, i0 + 5u, j0 + 4u, acc5_1);
+        store_lanes(out + (i0 + 5u) * n, i0 + 5u, j0 + 0u, 1u, acc5_0);
+        store_lanes(out + (i0 + 5u) * n, i0 + 5u, j0 + 4u, 1u, acc5_1);
     }
     if i0 + 6u < m {
-        store4(out + (i0 + 6u) * n, i0 + 6u, j0 + 0u, acc6_0);
-        store4(out + (i0 + 6u) * n, i0 + 6u, j0 + 4u, acc6_1);
+        store_lanes(out + (i0 + 6u) * n, i0 + 6u, j0 + 0u, 1u, acc6_0);
+        store_lanes(out + (i0 + 6u) * n, i0 + 6u, j0 + 4u, 1u, acc6_1);
     }
     if i0 + 7u < m {
-        store4(out + (i0 + 7u) * n, i0 + 7u, j0 + 0u, acc7_0);
-        store4(out + (i0 + 7u) * n, i0 + 7u, j0 + 4u, acc7_1);
+        store_lanes(out + (i0 + 7u) * n, i0 + 7u, j0 + 0u, 1u, acc7_0);
+        store_lanes(out + (i0 + 7u) * n, i0 + 7u, j0 + 4u, 1u, acc7_1);
     }
 }
 
@@ -345,50 +347,7 @@ const PITCH: u32 = 65u;
 var<workgroup> tile_a: array<f32, 1040>;
 var<workgroup> tile_b: array<f32, 1040>;
 
-// Stores the columns j, j + 16, j + 32, j + 48 of output row i (at offset
-// `row`) that lie inside the matrix (see store4).
-fn store_strided(row: u32, i: u32, j: u32, v: vec4<f32>) {
-    let n = prm.n;
-    var w = v;
-    if CAUSAL == 1u {
-        w = select(v, vec4<f32>(0.0), vec4<u32>(j, j + 16u, j + 32u, j + 48u) > vec4<u32>(i));
-    }
-    if j < n {
-        c[row + j] = fin(w.x);
-    }
-    if j + 16u < n {
-        c[row + j + 16u] = fin(w.y);
-    }
-    if j + 32u < n {
-        c[row + j + 32u] = fin(w.z);
-    }
-    if j + 48u < n {
-        c[row + j + 48u] = fin(w.w);
-    }
-}
 
-// The previous pass's running sums of columns j, j + 16, j + 32, j + 48 of one
-// output row (see load4).
-fn load_strided(row: u32, j: u32) -> vec4<f32> {
-    let n = prm.n;
-    var v = vec4<f32>(0.0);
-    if prm.p0 == 0u {
-        return v;
-    }
-    if j < n {
-        v.x = c[row + j];
-    }
-    if j + 16u < n {
-        v.y = c[row + j + 16u];
-    }
-    if j + 32u < n {
-        v.z = c[row + j + 32u];
-    }
-    if j + 48u < n {
-        v.w = c[row + j + 48u];
-    }
-    return v;
-}
 
 // Where a workgroup's operands lie: A's element (i, p) at a_base + i * ia +
 // p * pa, B's (p, j) at b_base + p * pb + j * jb; its block's first row i0
@@ -461,10 +420,10 @@ fn matmul_tiled(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_
     let r0 = i0 + lid.y;
     let jx = j0 + lid.x;
     let out = bi * m * n;
-    var acc0 = load_strided(out + min(r0, m - 1u) * n, jx);
-    var acc1 = load_strided(out + min(r0 + 16u, m - 1u) * n, jx);
-    var acc2 = load_strided(out + min(r0 + 32u, m - 1u) * n, jx);
-    var acc3 = load_strided(out + min(r0 + 48u, m - 1u) * n, jx);
+    var acc0 = load_lanes(out + min(r0, m - 1u) * n, jx, 16u);
+    var acc1 = load_lanes(out + min(r0 + 16u, m - 1u) * n, jx, 16u);
+    var acc2 = load_lanes(out + min(r0 + 32u, m - 1u) * n, jx, 16u);
+    var acc3 = load_lanes(out + min(r0 + 48u, m - 1u) * n, jx, 16u);
     // The terms some row of the block sums (see matmul).
     var p_lo = prm.p0;
     var p_hi = prm.p1;
@@ -501,15 +460,15 @@ fn matmul_tiled(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_
         }
     }
     if r0 < m {
-        store_strided(out + r0 * n, r0, jx, acc0);
+        store_lanes(out + r0 * n, r0, jx, 16u, acc0);
     }
     if r0 + 16u < m {
-        store_strided(out + (r0 + 16u) * n, r0 + 16u, jx, acc1);
+        store_lanes(out + (r0 + 16u) * n, r0 + 16u, jx, 16u, acc1);
     }
     if r0 + 32u < m {
-        store_strided(out + (r0 + 32u) * n, r0 + 32u, jx, acc2);
+        store_lanes(out + (r0 + 32u) * n, r0 + 32u, jx, 16u, acc2);
     }
     if r0 + 48u < m {
-        store_strided(out + (r0 + 48u) * n, r0 + 48u, jx, acc3);
+        store_lanes(out + (r0 + 48u) * n, r0 + 48u, jx, 16u, acc3);
     }
 }
