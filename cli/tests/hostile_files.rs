@@ -628,7 +628,8 @@ fn signal_at_pause(
     // SAFETY: kill(2) takes plain integers; the child is ours and not yet reaped.
     assert_eq!(unsafe { libc::kill(child.id() as i32, sig) }, 0);
     let st = child.wait().unwrap();
-    let rest: Vec<String> = rx.try_iter().collect();
+    // The reader thread may still hold the last lines: read to the pipe's end.
+    let rest: Vec<String> = rx.iter().collect();
     (st.code().unwrap_or(-1), rest.join("\n"))
 }
 
