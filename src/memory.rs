@@ -12,6 +12,60 @@ use std::cell::Cell;
 thread_local! {
     static LIVE: Cell<usize> = const { Cell::new(0) };
     static PEAK: Cell<usize> = const { Cell::new(0) };
+    /// The phase allocations count towards, and each phase's peak since the
+    /// last [`reset_peak`] (0 for a phase not entered since).
+    static PHASE: Cell<Phase> = const { Cell::new(Phase::Update) };
+    static PHASE_PEAKS: Cell<[usize; 3]> = const { Cell::new([0; 3]) };
+}
+
+/// The parts of a training step whose peaks are measured apart, as the
+/// memory plan predicts them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    /// The micro-batches' forward passes and losses.
+    Forward,
+    /// Their backward passes, recomputation included.
+    Backward,
+    /// Everything else: unscaling, clipping, the optimizer (and, outside a
+    /// step, whatever runs).
+    Update,
+}
+
+/// Peaks of one step's phases, in tensor bytes (0: not entered).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PhasePeaks {
+    /// [`Phase::Forward`]'s peak.
+    pub forward: usize,
+    /// [`Phase::Backward`]'s peak.
+    pub backward: usize,
+    /// [`Phase::Update`]'s peak.
+    pub update: usize,
+}
+
+/// From now on this thread's allocations count towards `phase`'s peak, which
+/// starts from the bytes live now if it is lower.
+pub fn enter(phase: Phase) {
+    PHASE.with(|p| p.set(phase));
+    raise_phase_peak(LIVE.with(Cell::get));
+}
+
+fn raise_phase_peak(now: usize) {
+    let i = PHASE.with(Cell::get) as usize;
+    PHASE_PEAKS.with(|p| {
+        let mut peaks = p.get();
+        peaks[i] = peaks[i].max(now);
+        p.set(peaks);
+    });
+}
+
+/// Each phase's peak since the last [`reset_peak`].
+pub fn phase_peaks() -> PhasePeaks {
+    let [forward, backward, update] = PHASE_PEAKS.with(Cell::get);
+    PhasePeaks {
+        forward,
+        backward,
+        update,
+    }
 }
 
 /// A snapshot of this thread's storage bytes.
@@ -41,9 +95,13 @@ pub fn peak_bytes() -> usize {
     PEAK.with(Cell::get)
 }
 
-/// Starts a new peak measurement from the current live count.
+/// Starts a new peak measurement from the current live count; the phase
+/// peaks start again from 0, the current phase's from the live count.
 pub fn reset_peak() {
-    PEAK.with(|p| p.set(LIVE.with(Cell::get)));
+    let live = LIVE.with(Cell::get);
+    PEAK.with(|p| p.set(live));
+    PHASE_PEAKS.with(|p| p.set([0; 3]));
+    raise_phase_peak(live);
 }
 
 /// Held by a storage buffer for as long as it exists.
@@ -60,6 +118,7 @@ impl Ticket {
             let now = l.get() + bytes;
             l.set(now);
             PEAK.with(|p| p.set(p.get().max(now)));
+            raise_phase_peak(now);
         });
         Ticket { bytes }
     }
@@ -142,6 +201,38 @@ pub fn restart_process_peak() -> bool {
 
 #[cfg(test)]
 mod tests {
+    use super::{enter, phase_peaks, reset_peak, Phase, PhasePeaks, Ticket};
+
+    /// Each phase keeps its own peak: what was live when it was entered, or
+    /// more; a phase not entered since the reset reads 0.
+    #[test]
+    fn each_phase_keeps_its_own_peak() {
+        let held = Ticket::new(1000);
+        enter(Phase::Update);
+        reset_peak();
+        enter(Phase::Forward);
+        let a = Ticket::new(300);
+        drop(a);
+        let b = Ticket::new(100);
+        enter(Phase::Backward);
+        let c = Ticket::new(50);
+        drop((b, c));
+        enter(Phase::Update);
+        let p = phase_peaks();
+        let base = super::live_bytes() - 1000;
+        assert_eq!(
+            p,
+            PhasePeaks {
+                forward: base + 1300,
+                backward: base + 1150,
+                update: base + 1000,
+            }
+        );
+        reset_peak();
+        assert_eq!(phase_peaks().forward, 0);
+        drop(held);
+    }
+
     /// A fresh high-water mark sees a large allocation made after it, and
     /// not one freed before it.
     #[test]

@@ -3082,6 +3082,14 @@ fn a_comparison_runs_one_side_at_a_time_and_resumes_to_the_same_bits() {
         (1..=8).collect::<Vec<_>>()
     );
     assert!(metrics.iter().all(|m| m.process_peak_bytes.is_some()));
+    // each phase's peak is measured on its own, within the step's
+    for m in &metrics {
+        let (f, b) = (
+            m.forward_peak_bytes.unwrap(),
+            m.backward_peak_bytes.unwrap(),
+        );
+        assert!(f > 0 && b > 0 && f.max(b) <= m.peak_bytes, "{m:?}");
+    }
     for d in [once, out] {
         let _ = std::fs::remove_dir_all(d);
     }

@@ -33,6 +33,13 @@ pub struct StepMetrics {
     pub tokens_per_s: f64,
     /// The step's peak of tensor bytes (see [`crate::memory`]).
     pub peak_bytes: usize,
+    /// The peak of the step's forward passes alone (tensor bytes; see
+    /// [`crate::memory::Phase`]).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub forward_peak_bytes: Option<usize>,
+    /// The peak of the step's backward passes alone.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub backward_peak_bytes: Option<usize>,
     /// Training tokens seen through this step (steps × tokens per step).
     #[serde(default)]
     pub tokens: usize,

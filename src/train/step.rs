@@ -4,6 +4,7 @@
 //! check → clip → step → update the scale. Built on
 //! [`precision`](crate::precision)'s `autocast` and `DynamicLossScaler`.
 
+use crate::memory::{self, Phase};
 use crate::optim::Optimizer;
 use crate::precision::{autocast, DynamicLossScaler, LossScaling, Precision};
 use crate::{bail, Result, Tensor};
@@ -75,12 +76,15 @@ fn backward_all<B: MicroBatch>(
         bail!(Shape, "grad_accumulate: no rows in the micro-batches");
     }
     let (mut weights, mut values) = (Vec::new(), Vec::new());
+    let _update_after = UpdateAfter;
     for mb in micro_batches {
         let w = mb.rows() as f64 / total as f64;
+        memory::enter(Phase::Forward);
         let li = loss_fn(mb)?;
         let weighted = li.mul_scalar(w)?;
         weights.push(w);
         values.push(li.detach().reshape(&[1])?);
+        memory::enter(Phase::Backward);
         match scaler {
             Some(s) => s.scale_loss(&weighted)?.backward()?,
             None => weighted.backward()?,
@@ -91,6 +95,16 @@ fn backward_all<B: MicroBatch>(
         weights,
         values: Tensor::cat(&parts, 0)?,
     })
+}
+
+/// Counts what follows the backward passes (or an error out of them) as the
+/// update phase.
+struct UpdateAfter;
+
+impl Drop for UpdateAfter {
+    fn drop(&mut self) {
+        memory::enter(Phase::Update);
+    }
 }
 
 /// What one mixed-precision step did.

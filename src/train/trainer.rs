@@ -310,6 +310,7 @@ impl Trainer {
         let report = report?;
         self.step = step;
         let secs = t0.elapsed().as_secs_f64().max(1e-9);
+        let phases = memory::phase_peaks();
         Ok(StepMetrics {
             step,
             loss: report.loss,
@@ -320,6 +321,8 @@ impl Trainer {
             grad_norm: report.grad_norm,
             tokens_per_s: self.cfg.tokens_per_step() as f64 / secs,
             peak_bytes: memory::peak_bytes(),
+            forward_peak_bytes: Some(phases.forward),
+            backward_peak_bytes: Some(phases.backward),
             tokens: step * self.cfg.tokens_per_step(),
             elapsed_s: 0.0, // the run loop knows the run's clock
             process_peak_bytes: memory::process_peak_rss(),
@@ -1142,10 +1145,19 @@ impl Loop {
             out: self.out,
             builds: tr.builds.clone(),
         };
+        let phase =
+            |f: fn(&StepMetrics) -> Option<usize>| summary.history.iter().filter_map(f).max();
+        let phases = match (
+            phase(|m| m.forward_peak_bytes),
+            phase(|m| m.backward_peak_bytes),
+        ) {
+            (Some(f), Some(b)) => format!(" (forward {}, backward {})", mib(f), mib(b)),
+            _ => String::new(),
+        };
         say(
             self.progress,
             &format!(
-                "memory: planned peak {} · measured peak {} (tinyllm::memory, largest step)",
+                "memory: planned peak {} · measured peak {}{phases} (tinyllm::memory, largest step)",
                 mib(summary.plan.total),
                 mib(summary.peak_bytes)
             ),
