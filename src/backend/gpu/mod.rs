@@ -23,6 +23,8 @@
 //! on DX12 ([`hlsl`]), each passed through to wgpu; GL (and
 //! `TINYLLM_GPU_SHADERS=wgsl`) gets plain WGSL.
 
+#[cfg(any(test, feature = "test-hooks"))]
+pub mod adversary;
 pub mod arith;
 pub mod context;
 pub mod pipelines;
