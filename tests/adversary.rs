@@ -45,6 +45,8 @@ fn under(a: Adversary, test: &str, body: fn(Adversary)) {
         .env(adversary::VAR, a.name())
         .env("WGPU_BACKEND", "vulkan")
         .env("TINYLLM_GPU_KERNELS", "software")
+        // the rewritten pipelines stay out of a shared pipeline cache
+        .env_remove("TINYLLM_PIPELINE_CACHE")
         .output()
         .unwrap();
     let text = format!(

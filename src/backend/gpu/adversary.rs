@@ -94,9 +94,10 @@ pub fn active() -> Result<Option<Adversary>> {
 pub struct Rewrites {
     /// Operations rewritten.
     pub sites: usize,
-    /// Products feeding an add that could not be contracted (in a function
-    /// the fused operation cannot be called from: none in the shipped
-    /// kernels, whose prelude helpers before `fma_soft` are integer code).
+    /// Products feeding an add that could not be contracted: in a module
+    /// without `fma_soft`, or in a function that cannot call it (naga wants
+    /// callees first). None in the shipped kernels, whose prelude helpers
+    /// before `fma_soft` are integer code.
     pub skipped: usize,
 }
 
@@ -313,11 +314,11 @@ fn remap_block(block: &Block, m: &dyn Fn(Handle<E>) -> Handle<E>, items: &mut [V
             S::Break | S::Continue | S::Kill | S::ControlBarrier(_) | S::MemoryBarrier(_) => st.clone(),
             S::Return { value } => S::Return { value: o(&value) },
             S::Store { pointer, value } => S::Store { pointer: m(pointer), value: m(value) },
-            S::Atomic { pointer, ref fun, value, result } => S::Atomic {
+            S::Atomic { pointer, fun, value, result } => S::Atomic {
                 pointer: m(pointer),
-                fun: match *fun {
+                fun: match fun {
                     naga::AtomicFunction::Exchange { compare } => naga::AtomicFunction::Exchange { compare: o(&compare) },
-                    ref f => f.clone(),
+                    f => f,
                 },
                 value: m(value),
                 result: o(&result),
