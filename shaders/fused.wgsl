@@ -6,16 +6,14 @@
 // elementwise kernels one element. 1-D grids: i = grid_index(wg, groups, lane).
 //
 // Two guards against what a WGSL compiler may do to float code:
-// * `sep(p, zero)` passes a product on through its bits ORed with `zero`, a
-//   params field the host sets to 0: no compiler can see the multiply behind
-//   it, so none can contract it with the add it feeds into one fma (legal in
-//   WGSL, and one rounding instead of the composition's two);
+// * `sep(p, zero)` (math.wgsl) passes a result on through its bits ORed with
+//   `zero`, a params field the host sets to 0: no compiler can see the
+//   operation behind it, so none can contract a product with the add it feeds
+//   into one fma (legal in WGSL, and one rounding instead of the
+//   composition's two), nor regroup a chain of products or sums through it
+//   ((x·r)·w into x·(r·w)): each is rounded as the composition rounds it;
 // * `+ 0` adds `bitcast<f32>(zero)`, a runtime +0, never a literal: `x + 0.0`
 //   may be folded to `x`, but it turns −0 into +0, which the composition does.
-
-fn sep(p: f32, zero: u32) -> f32 {
-    return bitcast<f32>(bitcast<u32>(p) | zero);
-}
 
 // ---- RMSNorm: x: (rows, d), w: (d) -> y: (rows, d), rstd: (rows) ----
 // ss = Σ x·x (ascending from -0), r = div(1, sqrt(div(ss, d) + eps)), y = (x·r)·w.
@@ -52,7 +50,7 @@ fn rms_norm(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) group
     let r = m_div(1.0, m_sqrt(m_div(ss, bitcast<f32>(rn_prm.d_f)) + bitcast<f32>(rn_prm.eps)));
     rn_rstd[row] = r;
     for (var j = 0u; j < d; j++) {
-        rn_y[base + j] = (rn_x[base + j] * r) * rn_w[j];
+        rn_y[base + j] = sep(rn_x[base + j] * r, z) * rn_w[j];
     }
 }
 
@@ -88,7 +86,7 @@ fn rms_norm_backward_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_wor
     let base = row * d;
     var gr = -0.0;
     for (var j = 0u; j < d; j++) {
-        let gw = rb_g[base + j] * rb_w[j];
+        let gw = sep(rb_g[base + j] * rb_w[j], z);
         gr = gr + sep(gw * rb_x[base + j], z);
     }
     let r = rb_rstd[row];
@@ -96,12 +94,12 @@ fn rms_norm_backward_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_wor
     // products by the same r is reassociated otherwise (lavapipe does)
     let gs = m_div(sep(sep(sep(gr * r, z) * r, z) * r, z) * -0.5, bitcast<f32>(rb_prm.d_f));
     for (var j = 0u; j < d; j++) {
-        let gw = rb_g[base + j] * rb_w[j];
+        let gw = sep(rb_g[base + j] * rb_w[j], z);
         // every product rounded before its sum (no fused multiply-add)
         let dx1 = sep(gw * r, z);
         let dx2 = sep(sep(gs * rb_x[base + j], z) * 2.0, z);
         if rb_prm.earlier != 0u {
-            rb_dx[base + j] = (rb_e[base + j] + dx1) + dx2;
+            rb_dx[base + j] = sep(rb_e[base + j] + dx1, z) + dx2;
         } else {
             rb_dx[base + j] = dx1 + dx2;
         }
@@ -155,7 +153,7 @@ fn rms_norm_backward_dw(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workg
         }
     }
     for (var row = dw_prm.r0; row < dw_prm.r1; row++) {
-        let xr = dw_x[row * d + j] * dw_rstd[row];
+        let xr = sep(dw_x[row * d + j] * dw_rstd[row], z);
         acc[levels - 1u] = acc[levels - 1u] + sep(dw_g[row * d + j] * xr, z);
         // close every level whose block ends at this row, innermost first
         for (var l = levels - 1u; l >= 1u; l--) {
@@ -196,7 +194,7 @@ fn swiglu(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups:
         return;
     }
     let x = sw_gate[i];
-    sw_y[i] = (x * m_sigmoid(x)) * sw_up[i];
+    sw_y[i] = sep(x * m_sigmoid(x), sw_prm.zero) * sw_up[i];
 }
 
 // ---- SwiGLU backward: gate, up, g: (n) -> d_gate, d_up: (n) ----
@@ -219,8 +217,9 @@ fn swiglu_backward(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups
     let x = sb_gate[i];
     let g = sb_g[i];
     let s = m_sigmoid(x);
-    sb_dgate[i] = (g * sb_up[i]) * (s * fma_c(x, 1.0 - s, 1.0));
-    sb_dup[i] = g * (x * s);
+    let z = sb_prm.zero;
+    sb_dgate[i] = sep(g * sb_up[i], z) * sep(s * fma_c(x, 1.0 - s, 1.0), z);
+    sb_dup[i] = g * sep(x * s, z);
 }
 
 // ---- RoPE: x: (B, t, heads, d), cos, sin: (t, d) -> y: (B, heads, t, d) ----
@@ -475,7 +474,7 @@ fn rms_norm_staged(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups
     let end = min(rows - row0, 64u) * d;
     for (var e = lane; e < end; e += 64u) {
         let at = row0 * d + e;
-        rn_y[at] = (rn_x[at] * f_row[e / d]) * rn_w[e % d];
+        rn_y[at] = sep(rn_x[at] * f_row[e / d], z) * rn_w[e % d];
     }
 }
 
@@ -497,7 +496,7 @@ fn rms_norm_backward_rows_staged(@builtin(workgroup_id) wg: vec3<u32>, @builtin(
             let j = c0 + e % FW;
             if row0 + r < rows && j < d {
                 let at = (row0 + r) * d + j;
-                let gw = rb_g[at] * rb_w[j];
+                let gw = sep(rb_g[at] * rb_w[j], z);
                 f_tile[r * FPITCH + e % FW] = sep(gw * rb_x[at], z);
             }
         }
@@ -520,11 +519,11 @@ fn rms_norm_backward_rows_staged(@builtin(workgroup_id) wg: vec3<u32>, @builtin(
         let at = row0 * d + e;
         let r = f_row[e / d];
         let gs = f_row2[e / d];
-        let gw = rb_g[at] * rb_w[e % d];
+        let gw = sep(rb_g[at] * rb_w[e % d], z);
         let dx1 = sep(gw * r, z);
         let dx2 = sep(sep(gs * rb_x[at], z) * 2.0, z);
         if rb_prm.earlier != 0u {
-            rb_dx[at] = (rb_e[at] + dx1) + dx2;
+            rb_dx[at] = sep(rb_e[at] + dx1, z) + dx2;
         } else {
             rb_dx[at] = dx1 + dx2;
         }

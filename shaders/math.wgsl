@@ -558,3 +558,13 @@ fn maximum_c(a: f32, b: f32) -> f32 {
     }
     return a;
 }
+
+// sep(x, zero): x, through its bits ORed with `zero`, a params field the host
+// sets to 0. A compiler cannot see the operation behind it, so it can neither
+// contract a product with the sum it feeds (one rounding for two) nor regroup
+// a chain through it ((a·b)·c into a·(b·c)): the kernels wrap every product
+// and sum that the CPU rounds on its own and that feeds another operation of
+// the same kind (the tests' adversarial compiler finds every unwrapped one).
+fn sep(x: f32, zero: u32) -> f32 {
+    return bitcast<f32>(bitcast<u32>(x) | zero);
+}

@@ -110,6 +110,7 @@ struct AdamWParams {
     eps: u32,
     scale_grad: u32, // 1: g = g * grad_scale, stored back, before the update (clipping)
     grad_scale: u32,
+    zero: u32, // 0: sep's opaque zero
 }
 
 @group(0) @binding(0) var<storage, read> aw_prm: AdamWParams;
@@ -144,7 +145,8 @@ fn adamw_step(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) gro
         }
         let p1 = aw_p[i] * decay;
         let mi = fma_c(beta1, aw_m[i], omb1 * gi);
-        let vi = fma_c(beta2, aw_v[i], omb2 * (gi * gi));
+        // g·g rounded before its product with omb2 (sep: not regrouped)
+        let vi = fma_c(beta2, aw_v[i], omb2 * sep(gi * gi, aw_prm.zero));
         let den = divisor_div(bc2, m_sqrt(vi)) + eps;
         aw_p[i] = fma_c(-step_size, m_div(mi, den), p1);
         aw_m[i] = mi;

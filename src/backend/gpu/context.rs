@@ -332,7 +332,7 @@ impl Context {
             usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST,
             mapped_at_creation: false,
         });
-        let found = probe_arith(&device, &queue)?;
+        let found = probe_arith(&device, &queue, shaders)?;
         let forced = match std::env::var("TINYLLM_GPU_FMA").as_deref() {
             Ok("soft") => Some(false),
             Ok("native") => Some(true),
@@ -807,6 +807,7 @@ fn update_per_lane(info: &wgpu::AdapterInfo) -> u32 {
 fn probe_arith(
     device: &wgpu::Device,
     queue: &wgpu::Queue,
+    shaders: Shaders,
 ) -> std::result::Result<ArithFindings, String> {
     let (fused, sub) = (arith::fused_fma_cases(), arith::subnormal_cases());
     let mut data: Vec<f32> = Vec::new();
@@ -827,18 +828,20 @@ fn probe_arith(
         view.slice(..).copy_from_slice(bytemuck::cast_slice(&data));
     }
     buf.unmap();
-    let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
-        label: Some("arithmetic probe"),
-        source: wgpu::ShaderSource::Wgsl(arith::ARITH_PROBE.into()),
-    });
-    let pipeline = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-        label: Some("arithmetic probe"),
-        layout: None,
-        module: &module,
-        entry_point: Some("probe"),
-        compilation_options: Default::default(),
-        cache: None,
-    });
+    // the tests' adversarial compiler rewrites the probe as it rewrites the
+    // kernels (the probe is what must see a flushing compiler)
+    #[cfg(any(test, feature = "test-hooks"))]
+    let pipeline = match (shaders, super::adversary::active()) {
+        (Shaders::Spirv { granted, .. }, Ok(Some(_))) => {
+            super::passthrough::adversarial_probe(device, granted).map_err(|e| e.to_string())?
+        }
+        _ => wgsl_probe(device),
+    };
+    #[cfg(not(any(test, feature = "test-hooks")))]
+    let pipeline = {
+        let _ = shaders;
+        wgsl_probe(device)
+    };
     let bg = device.create_bind_group(&wgpu::BindGroupDescriptor {
         label: None,
         layout: &pipeline.get_bind_group_layout(0),
@@ -884,4 +887,20 @@ fn probe_arith(
         .map(|c| [c[3], c[4], c[5]])
         .collect();
     Ok(arith::findings(&fused, &sub, &results))
+}
+
+/// The start-up probe's kernel as WGSL the backend compiles.
+fn wgsl_probe(device: &wgpu::Device) -> wgpu::ComputePipeline {
+    let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
+        label: Some("arithmetic probe"),
+        source: wgpu::ShaderSource::Wgsl(arith::ARITH_PROBE.into()),
+    });
+    device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+        label: Some("arithmetic probe"),
+        layout: None,
+        module: &module,
+        entry_point: Some("probe"),
+        compilation_options: Default::default(),
+        cache: None,
+    })
 }

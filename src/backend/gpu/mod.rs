@@ -21,8 +21,12 @@
 //! backend allows ([`context::Shaders`]): hardened SPIR-V on Vulkan
 //! ([`spirv`]), MSL with safe math on Metal ([`msl`]), HLSL with `precise`
 //! on DX12 ([`hlsl`]), each passed through to wgpu; GL (and
-//! `TINYLLM_GPU_SHADERS=wgsl`) gets plain WGSL.
+//! `TINYLLM_GPU_SHADERS=wgsl`) gets plain WGSL. The tests hold the kernels to
+//! the contract without that help too: `adversary` (test-only) rewrites them
+//! as a contracting, regrouping, flushing or fast-math compiler may.
 
+#[cfg(any(test, feature = "test-hooks"))]
+pub mod adversary;
 pub mod arith;
 pub mod context;
 pub mod pipelines;

@@ -126,3 +126,51 @@ pub(super) fn metal_takes_safe_math(device: &wgpu::Device) -> bool {
     };
     pollster::block_on(scope.pop()).is_none()
 }
+
+/// The start-up probe's kernel ([`ARITH_PROBE`](super::arith::ARITH_PROBE))
+/// as hardened SPIR-V with the tests' adversarial rewrite
+/// ([`adversary`](super::adversary)), passed through with its one binding
+/// (a read-write storage buffer) laid out explicitly.
+#[cfg(any(test, feature = "test-hooks"))]
+pub(super) fn adversarial_probe(device: &wgpu::Device, granted: FloatControls) -> Result<wgpu::ComputePipeline> {
+    let s = spirv::compile(super::arith::ARITH_PROBE, "probe", &[], granted)?;
+    let size = s.workgroup_size;
+    // SAFETY: as in `module`: naga's own output for the one entry point,
+    // hardened, with the layout built below from the same reflection (one
+    // read-write storage buffer at binding 0).
+    let module = unsafe {
+        device.create_shader_module_passthrough(wgpu::ShaderModuleDescriptorPassthrough {
+            label: Some("arithmetic probe"),
+            entry_points: vec![wgpu::PassthroughShaderEntryPoint { name: "probe".into(), workgroup_size: (size[0], size[1], size[2]) }]
+                .into(),
+            spirv: Some(s.words.into()),
+            ..Default::default()
+        })
+    };
+    let bgl = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+        label: None,
+        entries: &[wgpu::BindGroupLayoutEntry {
+            binding: 0,
+            visibility: wgpu::ShaderStages::COMPUTE,
+            ty: wgpu::BindingType::Buffer {
+                ty: wgpu::BufferBindingType::Storage { read_only: false },
+                has_dynamic_offset: false,
+                min_binding_size: None,
+            },
+            count: None,
+        }],
+    });
+    let layout = device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+        label: None,
+        bind_group_layouts: &[Some(&bgl)],
+        immediate_size: 0,
+    });
+    Ok(device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+        label: Some("arithmetic probe"),
+        layout: Some(&layout),
+        module: &module,
+        entry_point: Some("probe"),
+        compilation_options: Default::default(),
+        cache: None,
+    }))
+}

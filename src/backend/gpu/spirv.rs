@@ -261,7 +261,19 @@ pub(super) fn lower(src: &str, entry: &str, constants: &[(&str, f64)], target: &
 /// writes it (nothing added).
 fn to_spirv(src: &str, entry: &str, constants: &[(&str, f64)]) -> Result<Compiled> {
     let fail = |what: String| Error::internal(format!("compiling kernel {entry} to SPIR-V: {what}"));
-    let Lowered { module, info, bindings, workgroup_size, .. } = lower(src, entry, constants, "SPIR-V")?;
+    #[allow(unused_mut)] // mutated by the test-only adversary
+    let Lowered { mut module, mut info, bindings, workgroup_size, .. } = lower(src, entry, constants, "SPIR-V")?;
+    // the tests' adversarial compiler, where a process asks for it
+    #[cfg(any(test, feature = "test-hooks"))]
+    if let Some(a) = super::adversary::active()? {
+        info = super::adversary::rewrite(&mut module, &info, a).map_err(|e| e.context(format!("kernel {entry}")))?.0;
+    }
+    let words = write(&module, &info, entry).map_err(fail)?;
+    Ok(Compiled { words, bindings, workgroup_size, hardened: Hardened::default() })
+}
+
+/// naga's SPIR-V 1.3 for `entry` of a lowered `module`.
+pub(super) fn write(module: &naga::Module, info: &naga::valid::ModuleInfo, entry: &str) -> std::result::Result<Vec<u32>, String> {
     let stage = naga::ShaderStage::Compute;
     let options = naga::back::spv::Options {
         lang_version: (1, 3),
@@ -276,8 +288,7 @@ fn to_spirv(src: &str, entry: &str, constants: &[(&str, f64)]) -> Result<Compile
         ..Default::default()
     };
     let pipeline = naga::back::spv::PipelineOptions { shader_stage: stage, entry_point: entry.to_string() };
-    let words = naga::back::spv::write_vec(&module, &info, &options, Some(&pipeline)).map_err(|e| fail(format!("{e}")))?;
-    Ok(Compiled { words, bindings, workgroup_size, hardened: Hardened::default() })
+    naga::back::spv::write_vec(module, info, &options, Some(&pipeline)).map_err(|e| format!("{e}"))
 }
 
 /// The group-0 bindings entry point `index` of `module` uses, by number.

@@ -21,7 +21,8 @@ gpu_params! {
 }
 
 gpu_params! {
-    /// `update.wgsl` `AdamWParams`: [`AdamWConsts`] as f32 bits.
+    /// `update.wgsl` `AdamWParams`: [`AdamWConsts`] as f32 bits; `zero` is
+    /// 0 (the kernel's opaque zero, see `sep` in math.wgsl).
     pub struct AdamWParams {
         n: u32,
         decay: u32,
@@ -34,6 +35,7 @@ gpu_params! {
         eps: u32,
         scale_grad: u32,
         grad_scale: u32,
+        zero: u32,
     }
 }
 
@@ -140,6 +142,7 @@ impl UpdateOps for GpuStorage {
             eps: k.eps.to_bits(),
             scale_grad: k.grad_scale.is_some() as u32,
             grad_scale: k.grad_scale.unwrap_or(1.0).to_bits(),
+            zero: 0,
         };
         ctx()?.dispatch(
             &kernel,
