@@ -51,7 +51,10 @@ pub fn cast(x: &Tensor, fmt: Format) -> Result<Tensor> {
 
 // ------------------------------------------------------------- autocast ----
 
-pub use crate::tensor::autocast::{autocast, autocast_dtype, autocast_scope, AutocastGuard};
+pub use crate::tensor::autocast::{
+    autocast, autocast_dtype, autocast_scope, cast_table, AutocastGuard, CastPolicy, CastTable, OpClass,
+    Rule, Scope,
+};
 
 /// `autocast(Format::Bf16)`.
 #[must_use = "autocast ends when the guard is dropped: bind it to a named variable, or use autocast_scope"]

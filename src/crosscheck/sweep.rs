@@ -1114,6 +1114,8 @@ fn attention(sw: &mut Sweep) -> Result<()> {
                 d,
                 scale: 1.0 / (d as f32).sqrt(),
                 round,
+                scores: round,
+                probs: None,
                 tokens,
             };
             let n = heads * t * d;
