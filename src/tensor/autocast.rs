@@ -580,4 +580,62 @@ mod tests {
         assert!(r.is_err());
         assert_eq!(autocast_dtype(), None);
     }
+
+    /// The built-ins are the documented tables; `autocast(fmt)` is `matmuls`
+    /// at fmt, and the matmul format is what `autocast_dtype` reports.
+    #[test]
+    fn builtins_and_scopes() {
+        let m = CastTable::matmuls(Format::Bf16);
+        assert_eq!(Scope::from(Format::Bf16), Scope::from(m));
+        assert_eq!(Scope::from(None::<Format>), Scope::table(None));
+        let t = CastPolicy::builtin("torch", Format::Fp16).unwrap().table();
+        for c in OpClass::ALL {
+            let want = match c {
+                OpClass::Matmul | OpClass::AttentionScores => Rule::Round(Format::Fp16),
+                OpClass::Swiglu | OpClass::Rope | OpClass::ResidualAdd => Rule::Follow,
+                _ => Rule::F32,
+            };
+            assert_eq!(t.rule(c), want, "torch {}", c.name());
+            assert_eq!(CastTable::pure(Format::Bf16).rule(c), Rule::Round(Format::Bf16));
+        }
+        let _p = autocast(t);
+        assert_eq!(autocast_dtype(), Some(Format::Fp16));
+        assert_eq!(cast_table(), Some(t));
+        drop(_p);
+        assert_eq!(cast_table(), None);
+        assert!(CastPolicy::builtin("nope", Format::Bf16).is_err());
+    }
+
+    /// A policy file round-trips through its JSON form; bad input is an
+    /// error that names what is wrong.
+    #[test]
+    fn policy_json() {
+        let p = CastPolicy::from_json(
+            r#"{"name": "mine", "ops": {"matmul": "bf16", "rope": "follow", "softmax": "fp16"}}"#,
+            "file",
+        )
+        .unwrap();
+        assert_eq!(p.name(), "mine");
+        assert_eq!(p.table().rule(OpClass::Matmul), Rule::Round(Format::Bf16));
+        assert_eq!(p.table().rule(OpClass::Rope), Rule::Follow);
+        assert_eq!(p.table().rule(OpClass::Softmax), Rule::Round(Format::Fp16));
+        assert_eq!(p.table().rule(OpClass::RmsNorm), Rule::F32);
+        let back = CastPolicy::from_json(&p.to_json().to_string(), "x").unwrap();
+        assert_eq!(back, p);
+        let unnamed = CastPolicy::from_json(r#"{"ops": {}}"#, "stem").unwrap();
+        assert_eq!((unnamed.name(), unnamed.table()), ("stem", CastTable::f32()));
+        for (bad, says) in [
+            (r#"{"ops": {"layernorm": "bf16"}}"#, "unknown op \"layernorm\""),
+            (r#"{"ops": {"matmul": "fp8"}}"#, "unknown format \"fp8\""),
+            (r#"{"ops": {"matmul": "follow"}}"#, "not follow"),
+            (r#"{"ops": {"matmul": 16}}"#, "must be a string"),
+            (r#"{"ops": {"matmul": "bf16"}, "extra": 1}"#, "unknown key \"extra\""),
+            (r#"{"name": "x"}"#, "needs \"ops\""),
+            (r#"{"ops": {"matmul": "bf16""#, "malformed JSON"),
+            ("[1]", "JSON object"),
+        ] {
+            let e = CastPolicy::from_json(bad, "f").unwrap_err().to_string();
+            assert!(e.contains(says), "{bad}: {e}");
+        }
+    }
 }
