@@ -316,3 +316,57 @@ device_test!(attention_is_its_composition_under_every_policy, |dev| {
         }
     }
 });
+
+// The memory plan of each policy against what a tiny Llama's forward pass
+// really holds (exactly: the plan counts every activation, each in 16 bits
+// where the policy keeps it so), with and without dropout and block
+// checkpointing; `pure` holds the least, `torch` what `matmuls` holds.
+device_test!(the_plan_counts_what_each_policy_keeps, |dev| {
+    use tinyllm::memory;
+    use tinyllm::recompute::min_ckpt_budget;
+    use tinyllm::train::plan::memory_plan_policy;
+    let follow_stream = CastTable::matmuls(Format::Bf16)
+        .with(OpClass::Embedding, Rule::Round(Format::Bf16))
+        .with(OpClass::ResidualAdd, Rule::Follow);
+    let mut tables: Vec<(String, Option<CastTable>)> = policies()
+        .into_iter()
+        .map(|p| (p.name().to_string(), Some(p.table())))
+        .collect();
+    tables.push(("float32".into(), None));
+    tables.push(("stream follows a bf16 embedding".into(), Some(follow_stream)));
+    for dropout in [0.0, 0.1] {
+        let mut cfg = LlamaConfig::preset("tiny")?;
+        cfg.n_layers = 3;
+        cfg.dropout = dropout;
+        let (rows, t) = (2, 16);
+        let ids: Vec<u32> = (0..rows * t).map(|i| ((i * 37 + 5) % 256) as u32).collect();
+        for budget in [None, Some(min_ckpt_budget(3))] {
+            let mut held_of = std::collections::HashMap::new();
+            for (what, table) in &tables {
+                let m = Llama::new(&cfg, 7, dev)?.with_recompute(budget)?;
+                let base = memory::live_bytes();
+                let loss = {
+                    let _ac = autocast(tinyllm::precision::Scope::table(*table));
+                    let logits = m.forward(&ids, rows, t)?;
+                    tinyllm::ops::cross_entropy(&logits, &ids)?
+                };
+                let held = memory::live_bytes() - base;
+                let plan = memory_plan_policy(&cfg, rows, t, *table, budget, false)?;
+                // the loss value itself (4 bytes) is the only thing the plan leaves out
+                assert_eq!(
+                    held,
+                    plan.activations + 4,
+                    "{what}, dropout {dropout}, budget {budget:?}: activations held after forward"
+                );
+                loss.backward()?;
+                held_of.insert(what.clone(), held);
+            }
+            let h = |w: &str| held_of[w];
+            assert!(h("pure") < h("matmuls") && h("matmuls") < h("float32"), "{held_of:?}");
+            assert_eq!(h("torch"), h("matmuls"), "torch keeps what matmuls keeps");
+            if dropout == 0.0 {
+                assert!(h("stream follows a bf16 embedding") < h("matmuls"), "{held_of:?}");
+            }
+        }
+    }
+});

@@ -4,6 +4,7 @@
 use super::{arrived, stored};
 use crate::backend::{Device, Storage};
 use crate::tensor::autocast::{output_format, OpClass};
+use crate::tensor::saved::Saved;
 use crate::rng::Generator;
 use crate::tensor::shape::numel;
 use crate::{bail, Result, Tensor};
@@ -60,13 +61,15 @@ impl Tensor {
             .ok_or_else(|| crate::Error::shape("softmax of a 0-d tensor"))?;
         let rows = numel(self.shape()) / n.max(1);
         let s = stored(self.storage().softmax_rows(rows, n, scale, causal)?, f)?;
-        let y = Tensor::from_storage(s.clone(), self.shape())?;
+        // kept as stored: in 16 bits when the policy stores it so
+        let y = Saved::output(&Tensor::from_storage(s.clone(), self.shape())?.with_half(f))?;
         Ok(Tensor::record(
             s,
             self.shape().to_vec(),
             if causal { "causal_softmax" } else { "softmax" },
             &[self],
             move |g| {
+                let y = y.get()?;
                 let gs = y
                     .storage()
                     .softmax_rows_backward(&arrived(g, f)?.storage(), rows, n, scale)?;

@@ -949,4 +949,84 @@ mod tests {
         let old: TrainConfig = serde_json::from_value(json).unwrap();
         assert_eq!(old.recompute(), Recompute::Blocks);
     }
+
+    /// `--cast-policy`: the built-ins at the precision's format, a JSON
+    /// file, clear errors naming the flag; a resume keeps the policy and
+    /// refuses another by name; a checkpoint without the field is `matmuls`.
+    #[test]
+    fn cast_policy_flag_resume_and_old_checkpoints() {
+        use crate::precision::{OpClass, Rule};
+        let with = |p: Option<&str>, precision: Option<Precision>| {
+            TrainConfig::resolve(&TrainOptions {
+                preset: Some("tiny".into()),
+                precision,
+                cast_policy: p.map(String::from),
+                ..Default::default()
+            })
+        };
+        let plain = with(None, None).unwrap();
+        assert_eq!(plain.cast_policy, None);
+        assert_eq!(with(Some("matmuls"), None).unwrap(), plain, "matmuls is the default");
+        let torch = with(Some("torch"), Some(Precision::Fp16)).unwrap();
+        let t = torch.cast_policy().table();
+        assert_eq!((torch.cast_policy().name(), t.rule(OpClass::Matmul)), ("torch", Rule::Round(Format::Fp16)));
+        assert!(torch.describe().contains("cast policy torch"));
+        let e = with(Some("pure"), Some(Precision::Fp32)).unwrap_err().to_string();
+        assert!(e.contains("--cast-policy pure needs a 16-bit precision"), "{e}");
+        let e = with(Some("sometimes"), None).unwrap_err().to_string();
+        assert!(e.starts_with("--cast-policy: unknown policy \"sometimes\""), "{e}");
+
+        // a file: named by its stem unless it names itself
+        let dir = std::env::temp_dir().join(format!("tinyllm-cast-policy-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = |name: &str, text: &str| {
+            let p = dir.join(name);
+            std::fs::write(&p, text).unwrap();
+            p.to_str().unwrap().to_string()
+        };
+        let mine = file("mine.json", r#"{"ops": {"matmul": "bf16", "rms_norm": "bf16"}}"#);
+        let cfg = with(Some(&mine), None).unwrap();
+        assert_eq!(cfg.cast_policy().name(), "mine");
+        assert_eq!(cfg.cast_policy().table().rule(OpClass::RmsNorm), Rule::Round(Format::Bf16));
+        for (name, text, says) in [
+            ("op.json", r#"{"ops": {"layer_norm": "bf16"}}"#, "unknown op \"layer_norm\""),
+            ("fmt.json", r#"{"ops": {"softmax": "fp12"}}"#, "unknown format \"fp12\""),
+            ("bad.json", r#"{"ops": "#, "malformed JSON"),
+        ] {
+            let f = file(name, text);
+            let e = with(Some(&f), None).unwrap_err().to_string();
+            assert!(e.starts_with("--cast-policy ") && e.contains(says), "{name}: {e}");
+        }
+        let missing = dir.join("gone.json");
+        let e = with(Some(missing.to_str().unwrap()), None).unwrap_err().to_string();
+        assert!(e.starts_with("--cast-policy: cannot read"), "{e}");
+
+        // resume: kept when not given, the same accepted, another refused by name
+        let saved = with(Some("pure"), None).unwrap();
+        let resumed = TrainConfig::resume(&saved, &TrainOptions::default()).unwrap();
+        assert_eq!(resumed.cast_policy, saved.cast_policy);
+        let again = TrainOptions { cast_policy: Some("pure".into()), ..Default::default() };
+        assert_eq!(TrainConfig::resume(&saved, &again).unwrap().cast_policy, saved.cast_policy);
+        for other in ["matmuls", "torch", mine.as_str()] {
+            let o = TrainOptions { cast_policy: Some(other.into()), ..Default::default() };
+            let e = TrainConfig::resume(&saved, &o).unwrap_err().to_string();
+            assert!(e.contains("--cast-policy differs") && e.contains("the run has pure"), "{other}: {e}");
+        }
+        let o = TrainOptions { cast_policy: Some("torch".into()), ..Default::default() };
+        let e = TrainConfig::resume(&plain, &o).unwrap_err().to_string();
+        assert!(e.contains("(torch given, the run has matmuls)"), "{e}");
+
+        // the checkpoint's JSON: written when set and read back; absent in
+        // older checkpoints (and in default runs'), which load as matmuls
+        let json = serde_json::to_value(&saved).unwrap();
+        assert_eq!(json["cast_policy"]["name"], "pure");
+        let back: TrainConfig = serde_json::from_value(json).unwrap();
+        assert_eq!(back, saved);
+        let json = serde_json::to_value(&plain).unwrap();
+        assert!(json.get("cast_policy").is_none(), "not written for matmuls");
+        let old: TrainConfig = serde_json::from_value(json).unwrap();
+        assert_eq!(old.cast_policy().name(), "matmuls");
+        assert_eq!(old.cast_policy().table(), CastTable::matmuls(Format::Bf16));
+        std::fs::remove_dir_all(&dir).ok();
+    }
 }
