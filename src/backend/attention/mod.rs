@@ -174,7 +174,7 @@ pub mod batched {
         x.0.matmul(y.0, dims, Halves { a: x.1, b: y.1 }, a.scores)
     }
 
-    /// `x` stored in [`Attention::probs`]: rounded to it.
+    /// `x` rounded to [`Attention::probs`] (the gradient arriving for `p`).
     fn stored<S: Device>(a: &Attention, x: S) -> Result<S> {
         match a.probs {
             Some(f) => x.unary(UnaryOp::Round(f)),
@@ -217,32 +217,43 @@ pub mod batched {
         }
     }
 
-    /// `p (heads, T, T)`: the causal softmax of `q kᵀ`, on and below the diagonal.
-    fn probs<S: Device>(a: &Attention, q: Arg<S>, k: Arg<S>) -> Result<S> {
+    /// `p (heads, T, T)`: the causal softmax of `q kᵀ`, on and below the
+    /// diagonal — in 16 bits (its words, and their format) when
+    /// [`Attention::probs`] stores it so: the products read it packed.
+    fn probs<S: Device>(a: &Attention, q: Arg<S>, k: Arg<S>) -> Result<(S, Option<Format>)> {
         let t = a.t;
         let scores = scores_product(a, q, k, a.dims((t, a.d, t), false, true, Causal::Outputs))?;
-        stored(a, scores.softmax_rows(a.heads * t, t, a.scale, true)?)
+        let p = scores.softmax_rows(a.heads * t, t, a.scale, true)?;
+        match a.probs {
+            Some(f) => Ok((p.pack(f)?.0, Some(f))),
+            None => Ok((p, None)),
+        }
     }
 
     /// `y = p v`, row `i` summing keys `j ≤ i`.
     pub fn forward<S: Device>(a: &Attention, q: Arg<S>, k: Arg<S>, v: Arg<S>) -> Result<S> {
         let (t, d) = (a.t, a.d);
-        let p = probs(a, q, k)?;
+        let (p, pf) = probs(a, q, k)?;
         let vh = values(a, v)?;
         let v = vh.as_ref().map_or(v, |(x, f)| (x, *f));
-        let y = product(a, (&p, None), v, a.dims((t, t, d), false, false, Causal::TermsUpToRow))?;
+        let y = product(a, (&p, pf), v, a.dims((t, t, d), false, false, Causal::TermsUpToRow))?;
         laid_out(a, y)
     }
 
     /// `[dq, dk, dv]`.
     pub fn backward<S: Device>(a: &Attention, q: Arg<S>, k: Arg<S>, v: Arg<S>, g: &S) -> Result<[S; 3]> {
         let (t, d) = (a.t, a.d);
-        let p = probs(a, q, k)?;
+        let (p, pf) = probs(a, q, k)?;
         let (vh, gh) = (values(a, v)?, values(a, (g, None))?);
         let v = vh.as_ref().map_or(v, |(x, f)| (x, *f));
         let g = gh.as_ref().map_or((g, None), |(x, f)| (x, *f));
         // dv = pᵀ dy: key row j sums queries i ≥ j
-        let dv = product(a, (&p, None), g, a.dims((t, t, d), true, false, Causal::TermsFromRow))?;
+        let dv = product(a, (&p, pf), g, a.dims((t, t, d), true, false, Causal::TermsFromRow))?;
+        // the softmax backward reads p's values
+        let p = match pf {
+            Some(f) => p.unpack(f, a.heads * t * t)?,
+            None => p,
+        };
         // dp = dy vᵀ on and below the diagonal; ds = softmax backward · scale
         let dp = stored(a, product(a, g, v, a.dims((t, d, t), false, true, Causal::Outputs))?)?;
         let ds = p.softmax_rows_backward(&dp, a.heads * t, t, a.scale)?;
