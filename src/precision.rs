@@ -52,8 +52,8 @@ pub fn cast(x: &Tensor, fmt: Format) -> Result<Tensor> {
 // ------------------------------------------------------------- autocast ----
 
 pub use crate::tensor::autocast::{
-    autocast, autocast_dtype, autocast_scope, cast_table, AutocastGuard, CastPolicy, CastTable, OpClass,
-    Rule, Scope,
+    autocast, autocast_dtype, autocast_scope, cast_table, AutocastGuard, CastPolicy, CastTable,
+    OpClass, Rule, Scope,
 };
 
 /// `autocast(Format::Bf16)`.

@@ -317,7 +317,11 @@ where
                 Rerun::Segment => Saved::Full(a.detach().with_half(a.half())),
                 // q and k as the scores' product reads them, v as p v does
                 Rerun::AttentionCore => {
-                    let class = [OpClass::AttentionScores, OpClass::AttentionScores, OpClass::Matmul][i.min(2)];
+                    let class = [
+                        OpClass::AttentionScores,
+                        OpClass::AttentionScores,
+                        OpClass::Matmul,
+                    ][i.min(2)];
                     Saved::operand(a, precision.and_then(|t| t.product(class)))?
                 }
             };

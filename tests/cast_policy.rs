@@ -110,7 +110,10 @@ device_test!(each_entry_changes_the_bits, |dev| {
         // follow with float32 inputs rounds nothing: the residual stream
         // (from the float32 embedding) stays float32
         let follow = CastTable::matmuls(Format::Bf16).with(OpClass::ResidualAdd, Rule::Follow);
-        assert!(llama_bits(dev, follow, dropout) == matmuls, "residual_add follow");
+        assert!(
+            llama_bits(dev, follow, dropout) == matmuls,
+            "residual_add follow"
+        );
     }
 });
 
@@ -212,9 +215,7 @@ device_test!(a_stored_output_is_the_op_then_a_cast, |dev| {
     }
     // `follow` of inputs that hold one format: stored in it
     let (g, u) = (x(64, &[64], 11), x(64, &[64], 12));
-    let swiglu = |a: &[Tensor]| {
-        cast(&a[0], Format::Fp16)?.swiglu(&cast(&a[1], Format::Fp16)?)
-    };
+    let swiglu = |a: &[Tensor]| cast(&a[0], Format::Fp16)?.swiglu(&cast(&a[1], Format::Fp16)?);
     let follow = CastTable::f32().with(OpClass::Swiglu, Rule::Follow);
     let got = op_bits(Some(follow), &[g.clone(), u.clone()], &swiglu)?;
     let want = op_bits(None, &[g, u], &|a| cast(&swiglu(a)?, Format::Fp16))?;
@@ -242,7 +243,11 @@ device_test!(softmax_entries_round_the_probabilities, |dev| {
         match class {
             OpClass::Softmax => {
                 assert_eq!(y, rounded(plain));
-                assert_eq!(y_att, bits(&vals(&plain_att)), "attention's is another entry");
+                assert_eq!(
+                    y_att,
+                    bits(&vals(&plain_att)),
+                    "attention's is another entry"
+                );
             }
             _ => {
                 assert_eq!(y_att, rounded(plain_att));
@@ -295,7 +300,11 @@ fn attention_under(dev: Device, t: usize, table: CastTable, what: &str) -> Resul
 // probabilities' softmax and the product with v under every policy, each
 // at its own entry's format.
 device_test!(attention_is_its_composition_under_every_policy, |dev| {
-    let lengths: &[usize] = if dev == Device::Cpu { &[5, 40] } else { &[5, 13] };
+    let lengths: &[usize] = if dev == Device::Cpu {
+        &[5, 40]
+    } else {
+        &[5, 13]
+    };
     let mut tables: Vec<(String, CastTable)> = policies()
         .into_iter()
         .map(|p| (p.name().to_string(), p.table()))
@@ -333,7 +342,10 @@ device_test!(the_plan_counts_what_each_policy_keeps, |dev| {
         .map(|p| (p.name().to_string(), Some(p.table())))
         .collect();
     tables.push(("float32".into(), None));
-    tables.push(("stream follows a bf16 embedding".into(), Some(follow_stream)));
+    tables.push((
+        "stream follows a bf16 embedding".into(),
+        Some(follow_stream),
+    ));
     for dropout in [0.0, 0.1] {
         let mut cfg = LlamaConfig::preset("tiny")?;
         cfg.n_layers = 3;
@@ -362,10 +374,16 @@ device_test!(the_plan_counts_what_each_policy_keeps, |dev| {
                 held_of.insert(what.clone(), held);
             }
             let h = |w: &str| held_of[w];
-            assert!(h("pure") < h("matmuls") && h("matmuls") < h("float32"), "{held_of:?}");
+            assert!(
+                h("pure") < h("matmuls") && h("matmuls") < h("float32"),
+                "{held_of:?}"
+            );
             assert_eq!(h("torch"), h("matmuls"), "torch keeps what matmuls keeps");
             if dropout == 0.0 {
-                assert!(h("stream follows a bf16 embedding") < h("matmuls"), "{held_of:?}");
+                assert!(
+                    h("stream follows a bf16 embedding") < h("matmuls"),
+                    "{held_of:?}"
+                );
             }
         }
     }

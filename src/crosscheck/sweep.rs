@@ -1109,7 +1109,13 @@ fn attention(sw: &mut Sweep) -> Result<()> {
     let mut rng = Rng(53);
     let (bf, fp) = (Some(Format::Bf16), Some(Format::Fp16));
     // (the products with v, the scores' products, the probabilities)
-    let formats = [(None, None, None), (bf, bf, None), (fp, fp, None), (fp, bf, bf), (None, None, fp)];
+    let formats = [
+        (None, None, None),
+        (bf, bf, None),
+        (fp, fp, None),
+        (fp, bf, bf),
+        (None, None, fp),
+    ];
     for (heads, t, d, tokens) in [(3, 13, 8, None), (4, 33, 16, Some(2)), (1, 70, 5, None)] {
         for (round, scores, probs) in formats {
             let a = Attention {

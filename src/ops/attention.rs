@@ -93,7 +93,10 @@ impl Tensor {
             scores: product_format(OpClass::AttentionScores),
             // the softmax's input is the scores, as their product stores them
             probs: cast_table().and_then(|t| {
-                t.output_of(OpClass::AttentionProbs, &[t.product(OpClass::AttentionScores)])
+                t.output_of(
+                    OpClass::AttentionProbs,
+                    &[t.product(OpClass::AttentionScores)],
+                )
             }),
             tokens,
         };

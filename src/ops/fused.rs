@@ -100,12 +100,8 @@ impl Tensor {
         let f = output_format(OpClass::Swiglu, &[self, up]);
         let y = stored(self.storage().swiglu(&up.storage())?, f)?;
         let (gate, upk) = (Saved::keep(self)?, Saved::keep(up)?);
-        Ok(Tensor::record(
-            y,
-            self.shape().to_vec(),
-            "swiglu",
-            &[self, up],
-            move |g| {
+        Ok(
+            Tensor::record(y, self.shape().to_vec(), "swiglu", &[self, up], move |g| {
                 let g = &arrived(g, f)?;
                 let (gate, upk) = (gate.get()?, upk.get()?);
                 let (dg, du) = gate
@@ -115,9 +111,9 @@ impl Tensor {
                     Some(Tensor::from_storage(dg, gate.shape())?),
                     Some(Tensor::from_storage(du, gate.shape())?),
                 ])
-            },
+            })
+            .with_half(f),
         )
-        .with_half(f))
     }
 
     /// Rotary position embedding (rotate-half, Hugging Face's pairs
@@ -217,20 +213,16 @@ pub fn cross_entropy(logits: &Tensor, targets: &[u32]) -> Result<Tensor> {
     let loss = stored(loss, f)?;
     let x = Saved::keep(logits)?;
     let ids = targets.to_vec();
-    Ok(Tensor::record(
-        loss,
-        vec![],
-        "cross_entropy",
-        &[logits],
-        move |g| {
+    Ok(
+        Tensor::record(loss, vec![], "cross_entropy", &[logits], move |g| {
             let x = x.get()?;
-            let dx = x
-                .storage()
-                .cross_entropy_backward(&ids, &stats, &arrived(g, f)?.storage(), v)?;
+            let dx =
+                x.storage()
+                    .cross_entropy_backward(&ids, &stats, &arrived(g, f)?.storage(), v)?;
             Ok(vec![Some(Tensor::from_storage(dx, x.shape())?)])
-        },
+        })
+        .with_half(f),
     )
-    .with_half(f))
 }
 
 fn check_cross_entropy(logits: &Tensor, targets: &[u32]) -> Result<()> {

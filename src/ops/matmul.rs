@@ -193,7 +193,13 @@ impl Tensor {
     /// Attention's scores `self @ kᵀ` (before the scale): [`matmul_t`](Self::matmul_t)
     /// at the autocast policy's `attention_scores` format.
     pub fn attention_scores(&self, k: &Tensor) -> Result<Tensor> {
-        matmul_with(self, k, false, true, product_format(OpClass::AttentionScores))
+        matmul_with(
+            self,
+            k,
+            false,
+            true,
+            product_format(OpClass::AttentionScores),
+        )
     }
     /// `self @ rhsᵀ` without materialising the transpose (Linear's `x Wᵀ`).
     pub fn matmul_t(&self, rhs: &Tensor) -> Result<Tensor> {

@@ -3,9 +3,9 @@
 
 use super::{arrived, stored};
 use crate::backend::{Device, Storage};
+use crate::rng::Generator;
 use crate::tensor::autocast::{output_format, OpClass};
 use crate::tensor::saved::Saved;
-use crate::rng::Generator;
 use crate::tensor::shape::numel;
 use crate::{bail, Result, Tensor};
 
@@ -70,9 +70,9 @@ impl Tensor {
             &[self],
             move |g| {
                 let y = y.get()?;
-                let gs = y
-                    .storage()
-                    .softmax_rows_backward(&arrived(g, f)?.storage(), rows, n, scale)?;
+                let gs =
+                    y.storage()
+                        .softmax_rows_backward(&arrived(g, f)?.storage(), rows, n, scale)?;
                 Ok(vec![Some(Tensor::from_storage(gs, y.shape())?)])
             },
         )

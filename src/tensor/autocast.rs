@@ -206,7 +206,8 @@ impl CastTable {
     /// This table with `class`'s rule set to `rule`. Panics on `Follow` for a
     /// product class; [`try_with`](Self::try_with) returns that as an error.
     pub fn with(self, class: OpClass, rule: Rule) -> CastTable {
-        self.try_with(class, rule).expect("a product's rule is a format")
+        self.try_with(class, rule)
+            .expect("a product's rule is a format")
     }
 
     /// [`with`](Self::with), an error where the rule cannot apply: a product
@@ -315,10 +316,16 @@ impl CastPolicy {
 
     fn from_value(v: &serde_json::Value, default_name: &str) -> Result<CastPolicy> {
         let Some(obj) = v.as_object() else {
-            bail!(Config, "a cast policy is a JSON object with \"ops\", got {v}");
+            bail!(
+                Config,
+                "a cast policy is a JSON object with \"ops\", got {v}"
+            );
         };
         if let Some(k) = obj.keys().find(|k| !matches!(k.as_str(), "name" | "ops")) {
-            bail!(Config, "unknown key {k:?}: a cast policy has \"name\" and \"ops\"");
+            bail!(
+                Config,
+                "unknown key {k:?}: a cast policy has \"name\" and \"ops\""
+            );
         }
         let name = match obj.get("name") {
             None => default_name.to_string(),
@@ -326,7 +333,10 @@ impl CastPolicy {
             Some(n) => bail!(Config, "\"name\" must be a non-empty string, got {n}"),
         };
         let Some(ops) = obj.get("ops").and_then(|o| o.as_object()) else {
-            bail!(Config, "a cast policy needs \"ops\": an object from op to format");
+            bail!(
+                Config,
+                "a cast policy needs \"ops\": an object from op to format"
+            );
         };
         let mut table = CastTable::f32();
         for (op, rule) in ops {
@@ -334,7 +344,9 @@ impl CastPolicy {
             let Some(rule) = rule.as_str() else {
                 bail!(Config, "op {op:?}: the format must be a string, got {rule}");
             };
-            let rule: Rule = rule.parse().map_err(|e: crate::Error| e.context(&format!("op {op:?}")))?;
+            let rule: Rule = rule
+                .parse()
+                .map_err(|e: crate::Error| e.context(format!("op {op:?}")))?;
             table = table.try_with(class, rule)?;
         }
         Ok(CastPolicy::new(name, table))
@@ -596,7 +608,10 @@ mod tests {
                 _ => Rule::F32,
             };
             assert_eq!(t.rule(c), want, "torch {}", c.name());
-            assert_eq!(CastTable::pure(Format::Bf16).rule(c), Rule::Round(Format::Bf16));
+            assert_eq!(
+                CastTable::pure(Format::Bf16).rule(c),
+                Rule::Round(Format::Bf16)
+            );
         }
         let _p = autocast(t);
         assert_eq!(autocast_dtype(), Some(Format::Fp16));
@@ -623,13 +638,22 @@ mod tests {
         let back = CastPolicy::from_json(&p.to_json().to_string(), "x").unwrap();
         assert_eq!(back, p);
         let unnamed = CastPolicy::from_json(r#"{"ops": {}}"#, "stem").unwrap();
-        assert_eq!((unnamed.name(), unnamed.table()), ("stem", CastTable::f32()));
+        assert_eq!(
+            (unnamed.name(), unnamed.table()),
+            ("stem", CastTable::f32())
+        );
         for (bad, says) in [
-            (r#"{"ops": {"layernorm": "bf16"}}"#, "unknown op \"layernorm\""),
+            (
+                r#"{"ops": {"layernorm": "bf16"}}"#,
+                "unknown op \"layernorm\"",
+            ),
             (r#"{"ops": {"matmul": "fp8"}}"#, "unknown format \"fp8\""),
             (r#"{"ops": {"matmul": "follow"}}"#, "not follow"),
             (r#"{"ops": {"matmul": 16}}"#, "must be a string"),
-            (r#"{"ops": {"matmul": "bf16"}, "extra": 1}"#, "unknown key \"extra\""),
+            (
+                r#"{"ops": {"matmul": "bf16"}, "extra": 1}"#,
+                "unknown key \"extra\"",
+            ),
             (r#"{"name": "x"}"#, "needs \"ops\""),
             (r#"{"ops": {"matmul": "bf16""#, "malformed JSON"),
             ("[1]", "JSON object"),

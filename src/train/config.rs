@@ -2,8 +2,8 @@
 //! field optional) resolved against the preset's defaults and validated into a
 //! [`TrainConfig`]. Every rejection says what is allowed.
 
-use crate::nn::llama::LlamaConfig;
 use crate::backend::round::Format;
+use crate::nn::llama::LlamaConfig;
 use crate::precision::{CastPolicy, CastTable, Precision};
 use crate::recompute::{check_budget, checkpoint_schedule, min_ckpt_budget, Recompute};
 use crate::{bail, Error, Result};
@@ -291,11 +291,13 @@ pub fn resolve_cast_policy(arg: Option<&str>, precision: Precision) -> Result<Op
     if arg == "matmuls" {
         return Ok(None);
     }
-    let low = |what: &str| match precision.format() {
+    let low = |what: &str| {
+        match precision.format() {
         Some(f) => Ok(f),
         None => Err(crate::Error::config(format!(
             "--cast-policy {what} needs a 16-bit precision (--bf16 or --fp16): a float32 run rounds nothing"
         ))),
+    }
     };
     if CastPolicy::is_builtin(arg) {
         return Ok(Some(CastPolicy::builtin(arg, low(arg)?)?));
@@ -310,7 +312,8 @@ pub fn resolve_cast_policy(arg: Option<&str>, precision: Precision) -> Result<Op
     let text = std::fs::read_to_string(path)
         .map_err(|e| crate::Error::config(format!("--cast-policy: cannot read {arg}: {e}")))?;
     let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or(arg);
-    let policy = CastPolicy::from_json(&text, stem).map_err(|e| e.context(format!("--cast-policy {arg}")))?;
+    let policy = CastPolicy::from_json(&text, stem)
+        .map_err(|e| e.context(format!("--cast-policy {arg}")))?;
     low(arg)?;
     Ok(Some(policy))
 }
@@ -966,15 +969,30 @@ mod tests {
         };
         let plain = with(None, None).unwrap();
         assert_eq!(plain.cast_policy, None);
-        assert_eq!(with(Some("matmuls"), None).unwrap(), plain, "matmuls is the default");
+        assert_eq!(
+            with(Some("matmuls"), None).unwrap(),
+            plain,
+            "matmuls is the default"
+        );
         let torch = with(Some("torch"), Some(Precision::Fp16)).unwrap();
         let t = torch.cast_policy().table();
-        assert_eq!((torch.cast_policy().name(), t.rule(OpClass::Matmul)), ("torch", Rule::Round(Format::Fp16)));
+        assert_eq!(
+            (torch.cast_policy().name(), t.rule(OpClass::Matmul)),
+            ("torch", Rule::Round(Format::Fp16))
+        );
         assert!(torch.describe().contains("cast policy torch"));
-        let e = with(Some("pure"), Some(Precision::Fp32)).unwrap_err().to_string();
-        assert!(e.contains("--cast-policy pure needs a 16-bit precision"), "{e}");
+        let e = with(Some("pure"), Some(Precision::Fp32))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("--cast-policy pure needs a 16-bit precision"),
+            "{e}"
+        );
         let e = with(Some("sometimes"), None).unwrap_err().to_string();
-        assert!(e.starts_with("--cast-policy: unknown policy \"sometimes\""), "{e}");
+        assert!(
+            e.starts_with("--cast-policy: unknown policy \"sometimes\""),
+            "{e}"
+        );
 
         // a file: named by its stem unless it names itself
         let dir = std::env::temp_dir().join(format!("tinyllm-cast-policy-{}", std::process::id()));
@@ -984,35 +1002,69 @@ mod tests {
             std::fs::write(&p, text).unwrap();
             p.to_str().unwrap().to_string()
         };
-        let mine = file("mine.json", r#"{"ops": {"matmul": "bf16", "rms_norm": "bf16"}}"#);
+        let mine = file(
+            "mine.json",
+            r#"{"ops": {"matmul": "bf16", "rms_norm": "bf16"}}"#,
+        );
         let cfg = with(Some(&mine), None).unwrap();
         assert_eq!(cfg.cast_policy().name(), "mine");
-        assert_eq!(cfg.cast_policy().table().rule(OpClass::RmsNorm), Rule::Round(Format::Bf16));
+        assert_eq!(
+            cfg.cast_policy().table().rule(OpClass::RmsNorm),
+            Rule::Round(Format::Bf16)
+        );
         for (name, text, says) in [
-            ("op.json", r#"{"ops": {"layer_norm": "bf16"}}"#, "unknown op \"layer_norm\""),
-            ("fmt.json", r#"{"ops": {"softmax": "fp12"}}"#, "unknown format \"fp12\""),
+            (
+                "op.json",
+                r#"{"ops": {"layer_norm": "bf16"}}"#,
+                "unknown op \"layer_norm\"",
+            ),
+            (
+                "fmt.json",
+                r#"{"ops": {"softmax": "fp12"}}"#,
+                "unknown format \"fp12\"",
+            ),
             ("bad.json", r#"{"ops": "#, "malformed JSON"),
         ] {
             let f = file(name, text);
             let e = with(Some(&f), None).unwrap_err().to_string();
-            assert!(e.starts_with("--cast-policy ") && e.contains(says), "{name}: {e}");
+            assert!(
+                e.starts_with("--cast-policy ") && e.contains(says),
+                "{name}: {e}"
+            );
         }
         let missing = dir.join("gone.json");
-        let e = with(Some(missing.to_str().unwrap()), None).unwrap_err().to_string();
+        let e = with(Some(missing.to_str().unwrap()), None)
+            .unwrap_err()
+            .to_string();
         assert!(e.starts_with("--cast-policy: cannot read"), "{e}");
 
         // resume: kept when not given, the same accepted, another refused by name
         let saved = with(Some("pure"), None).unwrap();
         let resumed = TrainConfig::resume(&saved, &TrainOptions::default()).unwrap();
         assert_eq!(resumed.cast_policy, saved.cast_policy);
-        let again = TrainOptions { cast_policy: Some("pure".into()), ..Default::default() };
-        assert_eq!(TrainConfig::resume(&saved, &again).unwrap().cast_policy, saved.cast_policy);
+        let again = TrainOptions {
+            cast_policy: Some("pure".into()),
+            ..Default::default()
+        };
+        assert_eq!(
+            TrainConfig::resume(&saved, &again).unwrap().cast_policy,
+            saved.cast_policy
+        );
         for other in ["matmuls", "torch", mine.as_str()] {
-            let o = TrainOptions { cast_policy: Some(other.into()), ..Default::default() };
+            let o = TrainOptions {
+                cast_policy: Some(other.into()),
+                ..Default::default()
+            };
             let e = TrainConfig::resume(&saved, &o).unwrap_err().to_string();
-            assert!(e.contains("--cast-policy differs") && e.contains("the run has pure"), "{other}: {e}");
+            assert!(
+                e.contains("--cast-policy differs") && e.contains("the run has pure"),
+                "{other}: {e}"
+            );
         }
-        let o = TrainOptions { cast_policy: Some("torch".into()), ..Default::default() };
+        let o = TrainOptions {
+            cast_policy: Some("torch".into()),
+            ..Default::default()
+        };
         let e = TrainConfig::resume(&plain, &o).unwrap_err().to_string();
         assert!(e.contains("(torch given, the run has matmuls)"), "{e}");
 

@@ -179,16 +179,31 @@ pub fn block_values(cfg: &LlamaConfig, t: usize) -> Kept {
 /// [`block_values`] when the attention core is recomputed in backward
 /// (`attention_recompute`) or kept.
 pub fn block_values_with(cfg: &LlamaConfig, t: usize, attention_recompute: bool) -> Kept {
-    block_values_kept(cfg, t, attention_recompute, Kept16::matmuls(Precision::Bf16), false)
+    block_values_kept(
+        cfg,
+        t,
+        attention_recompute,
+        Kept16::matmuls(Precision::Bf16),
+        false,
+    )
 }
 
 /// [`block_values_with`] split by what `k16` keeps in 16 bits: `narrow`
 /// counts only those (`first`: the first block, whose input is the
 /// embedding's rows).
-pub fn block_values_kept(cfg: &LlamaConfig, t: usize, attention_recompute: bool, k16: Kept16, first: bool) -> Kept {
+pub fn block_values_kept(
+    cfg: &LlamaConfig,
+    t: usize,
+    attention_recompute: bool,
+    k16: Kept16,
+    first: bool,
+) -> Kept {
     let (c, f) = (cfg.d_model, cfg.hidden);
-    let mut k = Kept { wide: 2 * t, narrow: 0 }; // the norms' 1/rms
-    // the block input and the mid-block sum, kept by the norms as they are
+    let mut k = Kept {
+        wide: 2 * t,
+        narrow: 0,
+    }; // the norms' 1/rms
+       // the block input and the mid-block sum, kept by the norms as they are
     k.add(t * c, if first { k16.embedding } else { k16.stream });
     k.add(t * c, k16.stream);
     // the norms' outputs, v, the attention output, the gate and up
@@ -237,7 +252,10 @@ pub fn head_values(cfg: &LlamaConfig, t: usize) -> Kept {
 pub fn head_kept(cfg: &LlamaConfig, t: usize, k16: Kept16) -> Kept {
     let c = cfg.d_model;
     // the final norm's 1/rms, each row's max and sum of exps
-    let mut k = Kept { wide: 3 * t, narrow: 0 };
+    let mut k = Kept {
+        wide: 3 * t,
+        narrow: 0,
+    };
     let last = match cfg.n_layers {
         0 => k16.embedding,
         _ => k16.stream,
@@ -311,7 +329,8 @@ pub fn memory_plan_policy(
     let n = cfg.num_params();
     let f32b = 4;
     let k16 = Kept16::of(table, cfg.dropout > 0.0);
-    let block = |first: bool| block_values_kept(cfg, t, attention_recompute, k16, first).bytes16() * rows;
+    let block =
+        |first: bool| block_values_kept(cfg, t, attention_recompute, k16, first).bytes16() * rows;
     // the blocks a segment of layers [a, b) holds: the first one's input is
     // the embedding's rows
     let segment = |a: usize, b: usize| (a..b).map(|l| block(l == 0)).sum::<usize>();
@@ -331,9 +350,8 @@ pub fn memory_plan_policy(
             )
         }
     };
-    let activations = held
-        + inputs * rows * t * cfg.d_model * f32b
-        + head_kept(cfg, t, k16).bytes16() * rows;
+    let activations =
+        held + inputs * rows * t * cfg.d_model * f32b + head_kept(cfg, t, k16).bytes16() * rows;
     let mut working = 3 * cfg.n_heads * t * t * rows * f32b;
     if attention_recompute {
         working += attention_core_kept(cfg, t, k16).bytes16() * rows;

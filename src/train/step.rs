@@ -5,7 +5,9 @@
 //! [`precision`](crate::precision)'s `autocast` and `DynamicLossScaler`.
 
 use crate::optim::Optimizer;
-use crate::precision::{autocast, CastPolicy, CastTable, DynamicLossScaler, LossScaling, Precision};
+use crate::precision::{
+    autocast, CastPolicy, CastTable, DynamicLossScaler, LossScaling, Precision,
+};
 use crate::{bail, Result, Tensor};
 use serde::{Deserialize, Serialize};
 
@@ -191,7 +193,15 @@ impl<'s> MixedStep<'s> {
             Some(f) => Some(self.cast_policy.unwrap_or(CastTable::matmuls(f))),
             None => None,
         };
-        step_under(model, micro_batches, loss_fn, opt, table, self.scaler, self.clip)
+        step_under(
+            model,
+            micro_batches,
+            loss_fn,
+            opt,
+            table,
+            self.scaler,
+            self.clip,
+        )
     }
 }
 
