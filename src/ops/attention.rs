@@ -130,10 +130,11 @@ impl Tensor {
                     .map(|t| t.arg().op);
                 let [dq, dk, dv] = att.backward(&qk, &kk, &vk, &g.storage())?;
                 let wrap = |st: Storage, shape: &[usize]| Tensor::from_storage(st, shape);
+                // each a rounded product's output
                 Ok(vec![
-                    Some(wrap(dq, &shape)?),
-                    Some(wrap(dk, &shape)?),
-                    Some(wrap(dv, &v_shape)?),
+                    Some(wrap(dq, &shape)?.with_half(scores)),
+                    Some(wrap(dk, &shape)?.with_half(scores)),
+                    Some(wrap(dv, &v_shape)?.with_half(round)),
                 ])
             },
         );

@@ -134,6 +134,10 @@ fn recorded(
             Some(b) if !ta => Some(out(product(gd.clone(), b.arg(), false, !tb, round, e)?)?), // dA = dC op(B)ᵀ
             Some(b) => Some(out(product(b.arg(), gd.clone(), tb, true, round, e)?)?), // dA = (dC op(B)ᵀ)ᵀ = op(B) dCᵀ
         };
+        // a rounded product is a 16-bit value (a sum with the earlier
+        // gradient is not): an op that rounds the gradient arriving for its
+        // output need not round it again
+        let ga = ga.map(|t| t.with_half(if e.is_none() { round } else { None }));
         let gb = match &a_kept {
             None => None,
             Some(a) => {
@@ -167,11 +171,14 @@ fn recorded(
                     false => gd,
                 };
                 let ta2 = ta && !folded;
-                Some(out(if !tb {
-                    product(a2, g2, !ta2, false, round, None)? // dB = op(A)ᵀ dC
-                } else {
-                    product(g2, a2, true, ta2, round, None)? // dB = (op(A)ᵀ dC)ᵀ = dCᵀ op(A)
-                })?)
+                Some(
+                    out(if !tb {
+                        product(a2, g2, !ta2, false, round, None)? // dB = op(A)ᵀ dC
+                    } else {
+                        product(g2, a2, true, ta2, round, None)? // dB = (op(A)ᵀ dC)ᵀ = dCᵀ op(A)
+                    })?
+                    .with_half(round),
+                )
             }
         };
         // the addend's gradient: the sum's, g itself

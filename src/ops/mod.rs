@@ -30,8 +30,12 @@ pub(crate) fn stored(s: Storage, f: Option<Format>) -> Result<Storage> {
 /// storage conversion's backward), or as it is for float32.
 pub(crate) fn arrived(g: &Tensor, f: Option<Format>) -> Result<Tensor> {
     match f {
-        Some(f) => Tensor::from_storage(g.storage().unary(UnaryOp::Round(f))?, g.shape()),
-        None => Ok(g.clone()),
+        // rounding is idempotent: a gradient a rounded product wrote is
+        // passed on as it is, without a copy
+        Some(f) if g.half() != Some(f) => {
+            Tensor::from_storage(g.storage().unary(UnaryOp::Round(f))?, g.shape())
+        }
+        _ => Ok(g.clone()),
     }
 }
 
