@@ -3,7 +3,9 @@
 //! built on them (`grad_accumulate`, `train_step_mixed`) lives with the
 //! trainer, in [`train::step`](crate::train::step).
 //!
-//! Mixed precision rounds what a matmul reads and writes, and nothing else: the
+//! Mixed precision rounds what a matmul reads and writes — and, under a cast
+//! policy other than the default `matmuls` ([`CastPolicy`]), the outputs of
+//! the op classes the policy names — and nothing else: the
 //! parameters, their gradients' accumulation and the optimizer state stay
 //! float32 ("master weights"), so an update smaller than bf16's spacing still
 //! lands.
