@@ -331,13 +331,13 @@ impl Trainer {
         })
     }
 
-    /// Validation loss on the held-out windows.
+    /// Validation loss on the held-out windows, under the run's cast policy.
     pub fn evaluate(&self) -> Result<f32> {
         let b = self.data.val_batch(self.cfg.eval_rows);
-        infer::evaluate(
+        infer::evaluate_under(
             &self.model,
             &b,
-            self.cfg.precision,
+            self.cfg.cast_table(),
             self.cfg.micro_batch.max(8),
         )
     }
