@@ -6,6 +6,7 @@ use common::*;
 use tinyllm::nn::llama::{Llama, LlamaConfig};
 use tinyllm::nn::Module;
 use tinyllm::precision::{autocast, cast, CastPolicy, CastTable, OpClass, Rule};
+use tinyllm::recompute::{min_ckpt_budget, Recompute};
 use tinyllm::Format;
 
 /// The built-ins at bf16, and a policy of our own that mixes the formats:
@@ -28,12 +29,29 @@ fn policies() -> Vec<CastPolicy> {
 /// from one forward and backward pass over two sequences of 16 tokens, with
 /// dropout (the attention composition) or without (the fused attention).
 fn llama_bits(dev: Device, table: CastTable, dropout: f32) -> Vec<Vec<u32>> {
+    llama_bits_recomputed(dev, table, dropout, 2, Recompute::None)
+}
+
+/// [`llama_bits`] of a Llama of `layers` with `recompute` (blocks at the
+/// smallest budget).
+fn llama_bits_recomputed(
+    dev: Device,
+    table: CastTable,
+    dropout: f32,
+    layers: usize,
+    recompute: Recompute,
+) -> Vec<Vec<u32>> {
     let mut cfg = LlamaConfig::preset("tiny").unwrap();
-    cfg.n_layers = 2;
+    cfg.n_layers = layers;
     cfg.dropout = dropout;
     let (rows, t) = (2, 16);
     let ids: Vec<u32> = (0..rows * t).map(|i| ((i * 37 + 5) % 256) as u32).collect();
-    let m = Llama::new(&cfg, 7, dev).unwrap();
+    let budget = recompute.blocks().then(|| min_ckpt_budget(cfg.n_layers));
+    let m = Llama::new(&cfg, 7, dev)
+        .unwrap()
+        .with_recompute(budget)
+        .unwrap()
+        .with_attention_recompute(recompute.attention());
     let loss = {
         let _ac = autocast(table);
         let logits = m.forward(&ids, rows, t).unwrap();
@@ -383,6 +401,39 @@ device_test!(the_plan_counts_what_each_policy_keeps, |dev| {
                 assert!(
                     h("stream follows a bf16 embedding") < h("matmuls"),
                     "{held_of:?}"
+                );
+            }
+        }
+    }
+});
+
+// Recomputation replays the cast policy: the attention core rerun from q, k
+// and v (kept at the scores' and the matmuls' formats) and the checkpointed
+// blocks rerun under the forward pass's whole table (`follow` reading what
+// the rerun's inputs hold) give the plain run's loss and gradients, bit for
+// bit, under every policy, with dropout on and off.
+device_test!(recompute_keeps_every_bit_under_every_policy, |dev| {
+    let mut tables: Vec<(String, CastTable)> = policies()
+        .into_iter()
+        .map(|p| (p.name().to_string(), p.table()))
+        .collect();
+    tables.push((
+        "stream follows a bf16 embedding".into(),
+        CastTable::matmuls(Format::Bf16)
+            .with(OpClass::Embedding, Rule::Round(Format::Bf16))
+            .with(OpClass::ResidualAdd, Rule::Follow)
+            .with(OpClass::AttentionScores, Rule::Round(Format::Fp16))
+            .with(OpClass::AttentionProbs, Rule::Follow),
+    ));
+    for (what, table) in &tables {
+        for dropout in [0.0, 0.1] {
+            let plain = llama_bits_recomputed(dev, *table, dropout, 4, Recompute::None);
+            for r in [Recompute::Attention, Recompute::Blocks, Recompute::Both] {
+                let got = llama_bits_recomputed(dev, *table, dropout, 4, r);
+                assert!(
+                    got == plain,
+                    "{what}, dropout {dropout}: recompute {} changed the bits",
+                    r.name()
                 );
             }
         }
