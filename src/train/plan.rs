@@ -31,6 +31,14 @@
 //!   fused cross-entropy keeps) and `T·C + T·V` read as products read them
 //!   (the norm's output, the logits).
 //!
+//! Under a cast policy other than `matmuls` ([`Kept16`]) the same values are
+//! counted, each in 16 bits where the policy keeps it so: what products
+//! read follows the `matmul` and `attention_scores` entries, the
+//! composition's probabilities `attention_probs`, and the block inputs and
+//! mid-block sums the norms keep follow `embedding` (the first block's
+//! input) and `residual_add` (`pure` keeps the stream in 16 bits). The
+//! rounding passes' transient buffers are not counted.
+//!
 //! With attention recomputation ([`Recompute::Attention`]) the dropout
 //! composition keeps only q, k and v (as the products read them, as above):
 //! its `2·H·T²` float32 and `H·T²` product-read values are recomputed in
