@@ -3,7 +3,9 @@
 //! built on them (`grad_accumulate`, `train_step_mixed`) lives with the
 //! trainer, in [`train::step`](crate::train::step).
 //!
-//! Mixed precision rounds what a matmul reads and writes, and nothing else: the
+//! Mixed precision rounds what a matmul reads and writes — and, under a cast
+//! policy other than the default `matmuls` ([`CastPolicy`]), the outputs of
+//! the op classes the policy names — and nothing else: the
 //! parameters, their gradients' accumulation and the optimizer state stay
 //! float32 ("master weights"), so an update smaller than bf16's spacing still
 //! lands.
@@ -51,7 +53,10 @@ pub fn cast(x: &Tensor, fmt: Format) -> Result<Tensor> {
 
 // ------------------------------------------------------------- autocast ----
 
-pub use crate::tensor::autocast::{autocast, autocast_dtype, autocast_scope, AutocastGuard};
+pub use crate::tensor::autocast::{
+    autocast, autocast_dtype, autocast_scope, cast_table, AutocastGuard, CastPolicy, CastTable,
+    OpClass, Rule, Scope,
+};
 
 /// `autocast(Format::Bf16)`.
 #[must_use = "autocast ends when the guard is dropped: bind it to a named variable, or use autocast_scope"]

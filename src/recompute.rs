@@ -20,7 +20,7 @@
 
 use crate::module::Layer;
 use crate::rng::Generator;
-use crate::tensor::autocast::{autocast, autocast_dtype};
+use crate::tensor::autocast::{autocast, cast_table, OpClass, Scope};
 use crate::tensor::saved::Saved;
 use crate::tensor::{is_grad_enabled, no_grad, set_grad_enabled};
 use crate::{bail, Error, Result, Tensor};
@@ -301,7 +301,8 @@ where
         return f(args);
     }
     let before: Vec<_> = rngs.iter().map(|g| g.state()).collect();
-    let precision = autocast_dtype();
+    // the whole cast policy, replayed by the rerun
+    let precision = cast_table();
     let out = {
         let _ng = no_grad();
         f(args)?
@@ -310,15 +311,25 @@ where
     let parents: Vec<&Tensor> = args.iter().chain(params.iter()).collect();
     let kept = args
         .iter()
-        .map(|a| {
+        .enumerate()
+        .map(|(i, a)| {
             let s = match how {
-                Rerun::Segment => Saved::Full(a.detach()),
-                Rerun::AttentionCore => Saved::operand(a, precision)?,
+                Rerun::Segment => Saved::Full(a.detach().with_half(a.half())),
+                // q and k as the scores' product reads them, v as p v does
+                Rerun::AttentionCore => {
+                    let class = [
+                        OpClass::AttentionScores,
+                        OpClass::AttentionScores,
+                        OpClass::Matmul,
+                    ][i.min(2)];
+                    Saved::operand(a, precision.and_then(|t| t.product(class)))?
+                }
             };
             Ok((s, a.requires_grad()))
         })
         .collect::<Result<Vec<_>>>()?;
     let rngs0 = rngs.to_vec();
+    let held = out.half();
     Ok(Tensor::record(
         out.storage(),
         out.shape().to_vec(),
@@ -336,12 +347,15 @@ where
             // gradient per use.
             let leaves = kept
                 .iter()
-                .map(|(s, rg)| Ok(s.get()?.detach().requires_grad_(*rg)))
+                .map(|(s, rg)| {
+                    let t = s.get()?;
+                    Ok(t.detach().requires_grad_(*rg).with_half(t.half()))
+                })
                 .collect::<Result<Vec<Tensor>>>()?;
             drop(kept);
             let rerun = {
                 let _gm = set_grad_enabled(true);
-                let _ac = autocast(precision);
+                let _ac = autocast(Scope::table(precision));
                 let _traced = crate::trace::phase("recompute");
                 let _timed = crate::profile::recompute(how.name());
                 f(&leaves)
@@ -359,7 +373,9 @@ where
             grads.resize(n_params + leaves.len(), None);
             Ok(grads)
         },
-    ))
+    )
+    // what is known of the values (a policy may `follow` it) is the output's
+    .with_half(held))
 }
 
 /// The parameters of a run of layers.

@@ -155,6 +155,17 @@ struct RunFlags {
     /// default) or both. Every policy gives the same bits.
     #[arg(long, value_name = "POLICY")]
     recompute: Option<String>,
+    /// The format each op class stores its output in under autocast:
+    /// matmuls (the default: matmuls in the 16-bit format, the rest
+    /// float32), torch (torch.autocast's: softmax, norms and the loss
+    /// float32, elementwise ops following their inputs), pure (everything
+    /// 16-bit), or a JSON file {"name": …, "ops": {"matmul": "bf16", …}}
+    /// (ops matmul, attention_scores, attention_probs, softmax, rms_norm,
+    /// swiglu, rope, residual_add, cross_entropy, embedding; formats f32,
+    /// bf16, fp16, follow; an op left out is f32). compare applies it to the
+    /// mixed side.
+    #[arg(long, value_name = "NAME|FILE.json")]
+    cast_policy: Option<String>,
     /// Gradient-norm clip (0 = off; default 1).
     #[arg(long, allow_negative_numbers = true)]
     clip: Option<f32>,
@@ -356,6 +367,7 @@ impl RunFlags {
             accum: self.accum,
             ckpt_budget: self.ckpt_budget,
             recompute: parse_flag("--recompute", self.recompute.as_deref())?,
+            cast_policy: self.cast_policy.clone(),
             clip: self.clip,
             eval_every: self.eval_every,
             save_every: self.save_every,

@@ -109,6 +109,117 @@ fn resume_is_bit_for_bit_fp16_with_loss_scaler() {
     );
 }
 
+#[test]
+fn resume_is_bit_for_bit_under_a_cast_policy() {
+    resume_matches(
+        TrainOptions {
+            cast_policy: Some("pure".into()),
+            dropout: Some(0.1),
+            ..Default::default()
+        },
+        "resume-pure",
+    );
+}
+
+/// `--cast-policy` on the command line: a bad file or name is refused
+/// naming the flag, before anything trains; a run records its policy in
+/// the checkpoint, and a resume with another is refused by name.
+#[test]
+fn cast_policy_flag_errors_and_resume_by_name() {
+    let bin = env!("CARGO_BIN_EXE_tinyllm");
+    let dir = tmpdir("cast-policy-cli");
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(bin)
+            .args(args)
+            .current_dir(&dir)
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let train = [
+        "train",
+        "--preset",
+        "tiny",
+        "--device",
+        "cpu",
+        "--steps",
+        "2",
+        "--sample-len",
+        "0",
+        "--plain",
+    ];
+    for (file, text, says) in [
+        (
+            "op.json",
+            r#"{"ops": {"layernorm": "bf16"}}"#,
+            "unknown op \"layernorm\"",
+        ),
+        (
+            "fmt.json",
+            r#"{"ops": {"matmul": "e4m3"}}"#,
+            "unknown format \"e4m3\"",
+        ),
+        ("bad.json", r#"{"ops": {"#, "malformed JSON"),
+    ] {
+        std::fs::write(dir.join(file), text).unwrap();
+        let (ok, err) = run(&[&train[..], &["--cast-policy", file, "--out", "r"]].concat());
+        assert!(
+            !ok && err.contains(&format!("--cast-policy {file}: ")) && err.contains(says),
+            "{file}: {err}"
+        );
+        assert!(!dir.join("r").exists(), "{file}: nothing written");
+    }
+    let (ok, err) = run(&[&train[..], &["--cast-policy", "fastest", "--out", "r"]].concat());
+    assert!(
+        !ok && err.contains("--cast-policy: unknown policy \"fastest\""),
+        "{err}"
+    );
+
+    std::fs::write(
+        dir.join("mine.json"),
+        r#"{"ops": {"matmul": "bf16", "rms_norm": "bf16"}}"#,
+    )
+    .unwrap();
+    let (ok, err) = run(&[&train[..], &["--cast-policy", "mine.json", "--out", "r"]].concat());
+    assert!(ok, "{err}");
+    let state = std::fs::read_to_string(dir.join("r/checkpoint/trainer_state.json")).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&state).unwrap();
+    assert_eq!(v["config"]["cast_policy"]["name"], "mine");
+    assert_eq!(v["config"]["cast_policy"]["ops"]["rms_norm"], "bf16");
+    let (ok, err) = run(&[
+        "train",
+        "--resume",
+        "r",
+        "--steps",
+        "3",
+        "--cast-policy",
+        "pure",
+        "--sample-len",
+        "0",
+        "--plain",
+    ]);
+    assert!(
+        !ok && err.contains("--cast-policy differs")
+            && err.contains("(pure given, the run has mine)"),
+        "{err}"
+    );
+    let (ok, err) = run(&[
+        "train",
+        "--resume",
+        "r",
+        "--steps",
+        "3",
+        "--sample-len",
+        "0",
+        "--plain",
+    ]);
+    assert!(ok, "the saved policy continues: {err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 // -------------------------------------------------------- CPU vs GPU ----
 
 /// The same tiny run on the CPU reference and on the GPU: identical per-step

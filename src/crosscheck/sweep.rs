@@ -1103,26 +1103,42 @@ fn matmul_known(sw: &mut Sweep) -> Result<()> {
 
 /// Causal attention as one primitive per direction: the CPU's per-head chain
 /// against the spec's batched composition, head-major and token-major,
-/// ragged lengths, in f32 and under both autocast formats.
+/// ragged lengths, in f32 and under both autocast formats, and under cast
+/// policies that give the scores and the probabilities formats of their own.
 fn attention(sw: &mut Sweep) -> Result<()> {
     let mut rng = Rng(53);
+    let (bf, fp) = (Some(Format::Bf16), Some(Format::Fp16));
+    // (the products with v, the scores' products, the probabilities)
+    let formats = [
+        (None, None, None),
+        (bf, bf, None),
+        (fp, fp, None),
+        (fp, bf, bf),
+        (None, None, fp),
+    ];
     for (heads, t, d, tokens) in [(3, 13, 8, None), (4, 33, 16, Some(2)), (1, 70, 5, None)] {
-        for round in [None, Some(Format::Bf16), Some(Format::Fp16)] {
+        for (round, scores, probs) in formats {
             let a = Attention {
                 heads,
                 t,
                 d,
                 scale: 1.0 / (d as f32).sqrt(),
                 round,
+                scores,
+                probs,
                 tokens,
             };
             let n = heads * t * d;
             let [q, k, v, g]: [Vec<f32>; 4] =
                 std::array::from_fn(|_| (0..n).map(|_| rng.moderate()).collect());
-            let variant = match tokens {
-                Some(_) => format!("{} token-major", round.map_or("f32", Format::name)),
-                None => round.map_or("f32", Format::name).to_string(),
-            };
+            let mut variant = round.map_or("f32", Format::name).to_string();
+            if scores != round || probs.is_some() {
+                let f = |x: Option<Format>| x.map_or("f32", Format::name);
+                variant += &format!(" scores {} probs {}", f(scores), f(probs));
+            }
+            if tokens.is_some() {
+                variant += " token-major";
+            }
             let case = format!("heads {heads} t {t} d {d} tokens {tokens:?}");
             let ops = |dev: Device| -> Result<[Operand; 3]> {
                 Ok([

@@ -382,7 +382,7 @@ impl Attention {
             // probabilities (3·H·T² values) unless recomputed
             let (p, rng) = (self.dropout, self.rng.clone());
             let core = move |a: &[Tensor]| {
-                let scores = a[0].matmul_t(&a[1])?.causal_softmax(scale)?;
+                let scores = a[0].attention_scores(&a[1])?.attention_probs(scale)?;
                 let heads = a[2].permute(&[0, 2, 1, 3])?;
                 dropout(&scores, p, &rng, true)?
                     .matmul(&heads)?
@@ -512,7 +512,7 @@ impl Layer for Block {
         let drops = train && a.dropout > 0.0;
         let h = if drops {
             let att = part("self_attn", &|| a.forward(&n1, None))?;
-            x.add(&dropout(&att, a.dropout, &a.rng, train)?)?
+            x.residual_add(&dropout(&att, a.dropout, &a.rng, train)?)?
         } else {
             part("self_attn", &|| a.forward(&n1, Some(x)))?
         };
@@ -521,7 +521,7 @@ impl Layer for Block {
         })?;
         if drops {
             let m = part("mlp", &|| self.mlp.forward(&n2, None))?;
-            h.add(&dropout(&m, a.dropout, &a.rng, train)?)
+            h.residual_add(&dropout(&m, a.dropout, &a.rng, train)?)
         } else {
             part("mlp", &|| self.mlp.forward(&n2, Some(&h)))
         }

@@ -69,7 +69,7 @@ impl Linear {
     /// its outputs where it can ([`Tensor::matmul_t_add`]: no bias).
     pub fn forward_add(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
         if self.bias.is_some() || x.dims() < 2 {
-            return residual.add(&self.forward(x)?);
+            return residual.residual_add(&self.forward(x)?);
         }
         self.check_input(x)?;
         x.matmul_t_add(&self.weight, residual)
@@ -139,7 +139,13 @@ impl Embedding {
     /// The rows for `ids`: `ids: (n,) -> (n, dim)`. Backward scatter-adds into
     /// the table's gradient. Errors if an id is `>= num`.
     pub fn forward(&self, ids: &[u32]) -> Result<Tensor> {
-        self.weight.embedding(ids)
+        // stored as the autocast policy's `embedding` entry says (the
+        // table is float32: `follow` keeps the rows float32)
+        let f = crate::tensor::autocast::output_format(
+            crate::tensor::autocast::OpClass::Embedding,
+            &[&self.weight],
+        );
+        crate::ops::stored_as(self.weight.embedding(ids)?, f)
     }
 }
 

@@ -21,7 +21,7 @@
 
 use crate::backend::attention::Attention;
 use crate::backend::{Operand, Storage};
-use crate::tensor::autocast::autocast_dtype;
+use crate::tensor::autocast::{autocast_dtype, cast_table, product_format, OpClass};
 use crate::tensor::is_grad_enabled;
 use crate::tensor::saved::Saved;
 use crate::tensor::shape::numel;
@@ -90,16 +90,28 @@ impl Tensor {
             d: q.shape()[r - 1],
             scale: s,
             round: autocast_dtype(),
+            scores: product_format(OpClass::AttentionScores),
+            // the softmax's input is the scores, as their product stores them
+            probs: cast_table().and_then(|t| {
+                t.output_of(
+                    OpClass::AttentionProbs,
+                    &[t.product(OpClass::AttentionScores)],
+                )
+            }),
             tokens,
         };
-        let round = att.round;
+        let (round, scores) = (att.round, att.scores);
         let y = att.forward(&q.arg().op, &k.arg().op, &Operand::Values(v.storage()))?;
         // Backward recomputes p rather than keeping it (H·T² values, more
         // than q, k and v together): the same primitives on the same
         // operands, so the same bits.
         let kept = if is_grad_enabled() && [q, k, v].iter().any(|t| t.requires_grad()) {
-            let keep = |t: &Tensor| Saved::operand(t, round);
-            Some([keep(q)?, keep(k)?, keep(v)?])
+            // q and k as the scores' products read them, v as p v does
+            Some([
+                Saved::operand(q, scores)?,
+                Saved::operand(k, scores)?,
+                Saved::operand(v, round)?,
+            ])
         } else {
             None
         };
@@ -118,10 +130,11 @@ impl Tensor {
                     .map(|t| t.arg().op);
                 let [dq, dk, dv] = att.backward(&qk, &kk, &vk, &g.storage())?;
                 let wrap = |st: Storage, shape: &[usize]| Tensor::from_storage(st, shape);
+                // each a rounded product's output
                 Ok(vec![
-                    Some(wrap(dq, &shape)?),
-                    Some(wrap(dk, &shape)?),
-                    Some(wrap(dv, &v_shape)?),
+                    Some(wrap(dq, &shape)?.with_half(scores)),
+                    Some(wrap(dk, &shape)?.with_half(scores)),
+                    Some(wrap(dv, &v_shape)?.with_half(round)),
                 ])
             },
         );

@@ -5,6 +5,7 @@
 //! or nothing — so the graph never holds an activation no gradient uses.
 
 use crate::backend::{BinaryLayout, BinaryOp, UnaryOp};
+use crate::tensor::autocast::{output_format, OpClass};
 use crate::tensor::saved::Saved;
 use crate::tensor::shape::{broadcast_shape, broadcast_strides};
 use crate::{Result, Tensor};
@@ -183,6 +184,13 @@ impl Tensor {
             };
             Ok(vec![ga, gb])
         }))
+    }
+
+    /// `self + rhs` as one of a model's residual connections: [`add`](Self::add),
+    /// the sum stored as the autocast policy's `residual_add` entry says.
+    pub fn residual_add(&self, rhs: &Tensor) -> Result<Tensor> {
+        let f = output_format(OpClass::ResidualAdd, &[self, rhs]);
+        super::stored_as(self.add(rhs)?, f)
     }
 
     /// `a + b`, broadcasting; backward passes `g` to both (summed back to each

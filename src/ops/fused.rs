@@ -25,6 +25,8 @@
 //!   only RoPE reads. (It could add into the gathered gradient as RMSNorm
 //!   does, for a graph the model never builds.)
 
+use super::{arrived, stored};
+use crate::tensor::autocast::{output_format, OpClass};
 use crate::tensor::saved::Saved;
 use crate::tensor::shape::numel;
 use crate::{bail, Result, Tensor};
@@ -45,7 +47,9 @@ impl Tensor {
         };
         let lead = self.shape()[..self.dims() - 1].to_vec();
         let rows = numel(&lead);
+        let f = output_format(OpClass::RmsNorm, &[self]);
         let (y, rstd) = self.storage().rms_norm(&w.storage(), rows, d, eps)?;
+        let y = stored(y, f)?;
         let (want_dx, want_dw) = (self.requires_grad(), w.requires_grad());
         let (x, wk) = (Saved::keep(self)?, w.detach());
         // x's gradient adds into what autograd gathered for it before this
@@ -56,6 +60,7 @@ impl Tensor {
             "rms_norm",
             &[self, w],
             move |g, gathered| {
+                let g = &arrived(g, f)?;
                 let x = x.get()?;
                 let earlier = if want_dx {
                     gathered.take(0).map(|e| e.storage())
@@ -77,7 +82,8 @@ impl Tensor {
                 };
                 Ok(vec![t(dx, x.shape())?, t(dw, &[d])?])
             },
-        ))
+        )
+        .with_half(f))
     }
 
     /// SwiGLU `silu(self) · up` (`self` the gate), elementwise over equal
@@ -91,14 +97,12 @@ impl Tensor {
                 up.shape()
             );
         }
-        let y = self.storage().swiglu(&up.storage())?;
+        let f = output_format(OpClass::Swiglu, &[self, up]);
+        let y = stored(self.storage().swiglu(&up.storage())?, f)?;
         let (gate, upk) = (Saved::keep(self)?, Saved::keep(up)?);
-        Ok(Tensor::record(
-            y,
-            self.shape().to_vec(),
-            "swiglu",
-            &[self, up],
-            move |g| {
+        Ok(
+            Tensor::record(y, self.shape().to_vec(), "swiglu", &[self, up], move |g| {
+                let g = &arrived(g, f)?;
                 let (gate, upk) = (gate.get()?, upk.get()?);
                 let (dg, du) = gate
                     .storage()
@@ -107,8 +111,9 @@ impl Tensor {
                     Some(Tensor::from_storage(dg, gate.shape())?),
                     Some(Tensor::from_storage(du, gate.shape())?),
                 ])
-            },
-        ))
+            })
+            .with_half(f),
+        )
     }
 
     /// Rotary position embedding (rotate-half, Hugging Face's pairs
@@ -176,15 +181,21 @@ impl Tensor {
                 "rope: the cos/sin tables are constants here (no gradient flows to them); use reference::rope to differentiate them"
             );
         }
+        // the tables are constants cast to x's format: only x is followed
+        let f = output_format(OpClass::Rope, &[self]);
         let y = self
             .storage()
             .rope(&cos.storage(), &sin.storage(), t, d, heads)?;
+        let y = stored(y, f)?;
         let (c, s) = (cos.storage(), sin.storage());
         let in_shape = self.shape().to_vec();
         Ok(Tensor::record(y, shape, "rope", &[self], move |g| {
-            let dx = g.storage().rope_backward(&c, &s, t, d, heads)?;
+            let dx = arrived(g, f)?
+                .storage()
+                .rope_backward(&c, &s, t, d, heads)?;
             Ok(vec![Some(Tensor::from_storage(dx, &in_shape)?)])
-        }))
+        })
+        .with_half(f))
     }
 }
 
@@ -197,22 +208,21 @@ impl Tensor {
 pub fn cross_entropy(logits: &Tensor, targets: &[u32]) -> Result<Tensor> {
     check_cross_entropy(logits, targets)?;
     let v = logits.shape()[1];
+    let f = output_format(OpClass::CrossEntropy, &[logits]);
     let (loss, stats) = logits.storage().cross_entropy(targets, v)?;
+    let loss = stored(loss, f)?;
     let x = Saved::keep(logits)?;
     let ids = targets.to_vec();
-    Ok(Tensor::record(
-        loss,
-        vec![],
-        "cross_entropy",
-        &[logits],
-        move |g| {
+    Ok(
+        Tensor::record(loss, vec![], "cross_entropy", &[logits], move |g| {
             let x = x.get()?;
-            let dx = x
-                .storage()
-                .cross_entropy_backward(&ids, &stats, &g.storage(), v)?;
+            let dx =
+                x.storage()
+                    .cross_entropy_backward(&ids, &stats, &arrived(g, f)?.storage(), v)?;
             Ok(vec![Some(Tensor::from_storage(dx, x.shape())?)])
-        },
-    ))
+        })
+        .with_half(f),
+    )
 }
 
 fn check_cross_entropy(logits: &Tensor, targets: &[u32]) -> Result<()> {

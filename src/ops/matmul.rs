@@ -6,7 +6,7 @@
 
 use crate::backend::round::Format;
 use crate::backend::{MatmulDims, Operand, Storage};
-use crate::tensor::autocast::autocast_dtype;
+use crate::tensor::autocast::{autocast_dtype, cast_table, product_format, OpClass, Rule};
 use crate::tensor::saved::{Arg, Saved};
 use crate::tensor::shape::numel;
 use crate::{bail, Result, Tensor};
@@ -134,6 +134,10 @@ fn recorded(
             Some(b) if !ta => Some(out(product(gd.clone(), b.arg(), false, !tb, round, e)?)?), // dA = dC op(B)ᵀ
             Some(b) => Some(out(product(b.arg(), gd.clone(), tb, true, round, e)?)?), // dA = (dC op(B)ᵀ)ᵀ = op(B) dCᵀ
         };
+        // a rounded product is a 16-bit value (a sum with the earlier
+        // gradient is not): an op that rounds the gradient arriving for its
+        // output need not round it again
+        let ga = ga.map(|t| t.with_half(if e.is_none() { round } else { None }));
         let gb = match &a_kept {
             None => None,
             Some(a) => {
@@ -167,11 +171,14 @@ fn recorded(
                     false => gd,
                 };
                 let ta2 = ta && !folded;
-                Some(out(if !tb {
-                    product(a2, g2, !ta2, false, round, None)? // dB = op(A)ᵀ dC
-                } else {
-                    product(g2, a2, true, ta2, round, None)? // dB = (op(A)ᵀ dC)ᵀ = dCᵀ op(A)
-                })?)
+                Some(
+                    out(if !tb {
+                        product(a2, g2, !ta2, false, round, None)? // dB = op(A)ᵀ dC
+                    } else {
+                        product(g2, a2, true, ta2, round, None)? // dB = (op(A)ᵀ dC)ᵀ = dCᵀ op(A)
+                    })?
+                    .with_half(round),
+                )
             }
         };
         // the addend's gradient: the sum's, g itself
@@ -190,12 +197,23 @@ impl Tensor {
     pub fn matmul(&self, rhs: &Tensor) -> Result<Tensor> {
         matmul_with(self, rhs, false, false, autocast_dtype())
     }
+    /// Attention's scores `self @ kᵀ` (before the scale): [`matmul_t`](Self::matmul_t)
+    /// at the autocast policy's `attention_scores` format.
+    pub fn attention_scores(&self, k: &Tensor) -> Result<Tensor> {
+        matmul_with(
+            self,
+            k,
+            false,
+            true,
+            product_format(OpClass::AttentionScores),
+        )
+    }
     /// `self @ rhsᵀ` without materialising the transpose (Linear's `x Wᵀ`).
     pub fn matmul_t(&self, rhs: &Tensor) -> Result<Tensor> {
         matmul_with(self, rhs, false, true, autocast_dtype())
     }
     /// `e + self @ rhsᵀ` (a residual connection around a Linear): the bits
-    /// of `e.add(&self.matmul_t(rhs)?)`, its gradients too where nothing else
+    /// of `e.residual_add(&self.matmul_t(rhs)?)`, its gradients too where nothing else
     /// adds into `self` or `rhs` between that sum and that product (as in
     /// the Llama, whose projections' inputs and weights feed nothing else).
     /// On the CPU the product adds `e` as it writes each tile; `e` of
@@ -207,8 +225,18 @@ impl Tensor {
             e.shape() == out.as_slice()
         };
         if !fits || e.id() == self.id() || e.id() == rhs.id() {
-            return e.add(&self.matmul_t(rhs)?);
+            return e.residual_add(&self.matmul_t(rhs)?);
         }
-        recorded(self, rhs, false, true, autocast_dtype(), Some(e))
+        // A residual sum the policy stores in 16 bits is rounded on its own.
+        let round = autocast_dtype();
+        let sum = cast_table().and_then(|t| match t.rule(OpClass::ResidualAdd) {
+            Rule::F32 => None,
+            Rule::Round(f) => Some(f),
+            Rule::Follow => e.half().filter(|&f| Some(f) == round),
+        });
+        if sum.is_some() {
+            return e.residual_add(&self.matmul_t(rhs)?);
+        }
+        recorded(self, rhs, false, true, round, Some(e))
     }
 }

@@ -1,8 +1,11 @@
 //! Neural-network functions: softmax, log-softmax, the causal mask, dropout,
 //! and the mean squared error (cross-entropy is a fused op, `ops::fused`).
 
+use super::{arrived, stored};
 use crate::backend::{Device, Storage};
 use crate::rng::Generator;
+use crate::tensor::autocast::{output_format, OpClass};
+use crate::tensor::saved::Saved;
 use crate::tensor::shape::numel;
 use crate::{bail, Result, Tensor};
 
@@ -10,7 +13,7 @@ impl Tensor {
     /// Softmax over the last axis: `x: (.., n) -> (.., n)`, one fused primitive
     /// each way (backward `y (g − Σ g y)`).
     pub fn softmax(&self) -> Result<Tensor> {
-        self.softmax_with(1.0, false)
+        self.softmax_with(1.0, false, OpClass::Softmax)
     }
 
     /// Attention's softmax over scores `x: (.., t, t)`: `softmax(x · scale +
@@ -19,6 +22,17 @@ impl Tensor {
     /// (masked keys are −inf whatever they hold), without its two extra
     /// passes over the scores forward and two backward. `scale > 0`.
     pub fn causal_softmax(&self, scale: f64) -> Result<Tensor> {
+        self.causal_softmax_as(scale, OpClass::Softmax)
+    }
+
+    /// Attention's probabilities: [`causal_softmax`](Self::causal_softmax)
+    /// stored as the autocast policy's `attention_probs` entry says (the
+    /// fused attention's softmax, in the composition it stands for).
+    pub fn attention_probs(&self, scale: f64) -> Result<Tensor> {
+        self.causal_softmax_as(scale, OpClass::AttentionProbs)
+    }
+
+    fn causal_softmax_as(&self, scale: f64, class: OpClass) -> Result<Tensor> {
         let r = self.dims();
         if r < 2 || self.shape()[r - 1] != self.shape()[r - 2] {
             bail!(
@@ -34,29 +48,35 @@ impl Tensor {
                 "causal_softmax: the scale must be positive and finite (got {scale})"
             );
         }
-        self.softmax_with(s, true)
+        self.softmax_with(s, true, class)
     }
 
-    fn softmax_with(&self, scale: f32, causal: bool) -> Result<Tensor> {
+    /// The output stored as the policy says for `class`; backward reads it
+    /// as stored.
+    fn softmax_with(&self, scale: f32, causal: bool, class: OpClass) -> Result<Tensor> {
+        let f = output_format(class, &[self]);
         let n = *self
             .shape()
             .last()
             .ok_or_else(|| crate::Error::shape("softmax of a 0-d tensor"))?;
         let rows = numel(self.shape()) / n.max(1);
-        let s = self.storage().softmax_rows(rows, n, scale, causal)?;
-        let y = Tensor::from_storage(s.clone(), self.shape())?;
+        let s = stored(self.storage().softmax_rows(rows, n, scale, causal)?, f)?;
+        // kept as stored: in 16 bits when the policy stores it so
+        let y = Saved::output(&Tensor::from_storage(s.clone(), self.shape())?.with_half(f))?;
         Ok(Tensor::record(
             s,
             self.shape().to_vec(),
             if causal { "causal_softmax" } else { "softmax" },
             &[self],
             move |g| {
-                let gs = y
-                    .storage()
-                    .softmax_rows_backward(&g.storage(), rows, n, scale)?;
+                let y = y.get()?;
+                let gs =
+                    y.storage()
+                        .softmax_rows_backward(&arrived(g, f)?.storage(), rows, n, scale)?;
                 Ok(vec![Some(Tensor::from_storage(gs, y.shape())?)])
             },
-        ))
+        )
+        .with_half(f))
     }
 
     /// `x − logsumexp(x)` over the last axis, stably: the row max is

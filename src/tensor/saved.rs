@@ -69,6 +69,16 @@ impl Saved {
         }
     }
 
+    /// Keeps an op's own output `t` for its backward: in 16 bits when the op
+    /// stored it in a 16-bit format (`t.half()`: a cast policy's), shared
+    /// as it is otherwise.
+    pub(crate) fn output(t: &Tensor) -> Result<Saved> {
+        match t.half() {
+            Some(f) => Saved::half(t, f, true),
+            None => Ok(Saved::Full(t.clone())),
+        }
+    }
+
     fn half(t: &Tensor, f: Format, exact: bool) -> Result<Saved> {
         // Nothing is recorded without grad mode: the closure holding this is
         // dropped at once, so a copy would be wasted.

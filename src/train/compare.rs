@@ -92,7 +92,10 @@ pub struct Comparison {
 fn side(label: &str, cfg: &TrainConfig, s: &RunSummary, heldout_loss: f32) -> Side {
     Side {
         label: label.into(),
-        precision: cfg.precision.name().into(),
+        precision: match &cfg.cast_policy {
+            Some(p) => format!("{} {}", cfg.precision.name(), p.name()),
+            None => cfg.precision.name().into(),
+        },
         micro_batch: cfg.micro_batch,
         accum: cfg.accum,
         ckpt_budget: cfg.ckpt_budget,
@@ -208,6 +211,8 @@ pub fn compare(
         accum: 1,
         ckpt_budget: None,
         recompute_attention: false,
+        // the policy is the mixed side's recipe; float32 rounds nothing
+        cast_policy: None,
         out: out.join("fp32"),
         ..mixed_cfg.clone()
     };
@@ -230,6 +235,7 @@ pub fn compare(
             recompute: None,
             ckpt_budget: None,
             precision: None,
+            cast_policy: None,
             out: Some(fp32_cfg.out.clone()),
             ..o.clone()
         };
@@ -271,8 +277,12 @@ pub fn compare(
     }
     let fp32_title = format!("float32, full batch of {}", fp32_cfg.batch);
     let mixed_title = format!(
-        "{}, {} micro-batches of {}, {}",
+        "{}{}, {} micro-batches of {}, {}",
         mixed_cfg.precision.name(),
+        match &mixed_cfg.cast_policy {
+            Some(p) => format!(" (cast policy {})", p.name()),
+            None => String::new(),
+        },
         mixed_cfg.accum,
         mixed_cfg.micro_batch,
         match mixed_cfg.recompute() {

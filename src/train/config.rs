@@ -2,8 +2,9 @@
 //! field optional) resolved against the preset's defaults and validated into a
 //! [`TrainConfig`]. Every rejection says what is allowed.
 
+use crate::backend::round::Format;
 use crate::nn::llama::LlamaConfig;
-use crate::precision::Precision;
+use crate::precision::{CastPolicy, CastTable, Precision};
 use crate::recompute::{check_budget, checkpoint_schedule, min_ckpt_budget, Recompute};
 use crate::{bail, Error, Result};
 use serde::{Deserialize, Serialize};
@@ -114,6 +115,10 @@ pub struct TrainOptions {
     /// The output directory for checkpoints, metrics and plot (default
     /// `runs/latest`).
     pub out: Option<PathBuf>,
+    /// The cast policy (`--cast-policy`): a built-in's name (`matmuls`, the
+    /// default; `torch`; `pure` — at the precision's 16-bit format) or a
+    /// JSON file ([`CastPolicy`]'s form).
+    pub cast_policy: Option<String>,
 }
 
 /// A fully resolved, validated run (saved in every checkpoint).
@@ -166,6 +171,11 @@ pub struct TrainConfig {
     /// before it existed, and in those of runs without it: off.)
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub recompute_attention: bool,
+    /// The cast policy of every step (`None`: `matmuls`, plain autocast at
+    /// the precision's format; also what checkpoints written before policies
+    /// existed load as).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cast_policy: Option<CastPolicy>,
     /// The gradient-norm clip (`None`: no clipping).
     pub clip: Option<f32>,
     /// Validation every N steps; 0 = only at the end.
@@ -271,6 +281,43 @@ fn recipe(preset: &str) -> Recipe {
     }
 }
 
+/// `--cast-policy`'s value: `None` for `matmuls` (the default), a
+/// built-in at `precision`'s format, or a policy read from a JSON file.
+/// Errors name the flag: an unknown name, a file that cannot be read or
+/// parsed, an unknown op or format in it, or any policy but `matmuls` on
+/// a float32 run (which rounds nothing).
+pub fn resolve_cast_policy(arg: Option<&str>, precision: Precision) -> Result<Option<CastPolicy>> {
+    let Some(arg) = arg else { return Ok(None) };
+    if arg == "matmuls" {
+        return Ok(None);
+    }
+    let low = |what: &str| {
+        match precision.format() {
+        Some(f) => Ok(f),
+        None => Err(crate::Error::config(format!(
+            "--cast-policy {what} needs a 16-bit precision (--bf16 or --fp16): a float32 run rounds nothing"
+        ))),
+    }
+    };
+    if CastPolicy::is_builtin(arg) {
+        return Ok(Some(CastPolicy::builtin(arg, low(arg)?)?));
+    }
+    let path = std::path::Path::new(arg);
+    if !arg.ends_with(".json") && !path.exists() {
+        bail!(
+            Config,
+            "--cast-policy: unknown policy {arg:?}: expected matmuls, torch, pure or a .json file"
+        );
+    }
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| crate::Error::config(format!("--cast-policy: cannot read {arg}: {e}")))?;
+    let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or(arg);
+    let policy = CastPolicy::from_json(&text, stem)
+        .map_err(|e| e.context(format!("--cast-policy {arg}")))?;
+    low(arg)?;
+    Ok(Some(policy))
+}
+
 impl TrainConfig {
     /// Resolves `o` against its preset's recipe (the `train` defaults: the
     /// `small` preset, bf16, micro-batches with accumulation, activation
@@ -286,6 +333,7 @@ impl TrainConfig {
         let steps = o.steps.unwrap_or(r.steps);
         let device = o.device.unwrap_or(DeviceChoice::Auto);
         let precision = o.precision.unwrap_or(Precision::Bf16);
+        let cast_policy = resolve_cast_policy(o.cast_policy.as_deref(), precision)?;
 
         // Any two of batch, micro-batch and accum fix the third; the batch is
         // split into ceil(batch / micro) micro-batches (the last may be
@@ -364,6 +412,7 @@ impl TrainConfig {
             accum,
             ckpt_budget,
             recompute_attention,
+            cast_policy,
             clip,
             eval_every: o.eval_every.unwrap_or(r.eval_every),
             eval_rows: r.eval_rows,
@@ -439,8 +488,22 @@ impl TrainConfig {
             warmup: o.warmup.or(Some(saved.warmup)),
             dropout: o.dropout.or(Some(saved.model.dropout)),
             out: Some(o.out.clone().unwrap_or_else(|| saved.out.clone())),
+            // a policy given is resolved and checked below; the saved one
+            // (perhaps from a file no longer there) is kept
+            cast_policy: o.cast_policy.clone(),
         };
         let given = TrainConfig::resolve(&filled)?;
+        if o.cast_policy.is_some() && given.cast_policy() != saved.cast_policy() {
+            let (now, was) = (given.cast_policy(), saved.cast_policy());
+            let why = match now.name() == was.name() {
+                true => " (same name, different entries)",
+                false => "",
+            };
+            bail!(Config,
+                "--cast-policy differs from the run being resumed ({} given, the run has {}{why}); a resumed run keeps its recipe",
+                now.name(), was.name()
+            );
+        }
         let opt = |v: Option<f32>| v.map_or("off".to_string(), |x| x.to_string());
         let ckpt = |b: Option<usize>| b.map_or("off".to_string(), |b| format!("budget {b}"));
         let checks = [
@@ -529,6 +592,18 @@ impl TrainConfig {
         };
         cfg.validate()?;
         Ok(cfg)
+    }
+
+    /// The run's cast policy, `matmuls` at the precision's format when none
+    /// was given (float32 runs: `matmuls` at bf16, never applied).
+    pub fn cast_policy(&self) -> CastPolicy {
+        match &self.cast_policy {
+            Some(p) => p.clone(),
+            None => {
+                let f = self.precision.format().unwrap_or(Format::Bf16);
+                CastPolicy::new("matmuls", CastTable::matmuls(f))
+            }
+        }
     }
 
     /// Checks every invariant of a run: what the flags gave
@@ -717,7 +792,10 @@ impl TrainConfig {
             self.batch,
             self.accum,
             self.micro_batch,
-            self.precision.name(),
+            match &self.cast_policy {
+                Some(p) => format!("{} (cast policy {})", self.precision.name(), p.name()),
+                None => self.precision.name().to_string(),
+            },
             match self.ckpt_budget {
                 Some(b) => format!("activation checkpointing (budget {b} layers, schedule {:?})", checkpoint_schedule(self.model.n_layers, b).unwrap_or_default()),
                 None => "no activation checkpointing".into(),
@@ -873,5 +951,134 @@ mod tests {
         json.as_object_mut().unwrap().remove("recompute_attention");
         let old: TrainConfig = serde_json::from_value(json).unwrap();
         assert_eq!(old.recompute(), Recompute::Blocks);
+    }
+
+    /// `--cast-policy`: the built-ins at the precision's format, a JSON
+    /// file, clear errors naming the flag; a resume keeps the policy and
+    /// refuses another by name; a checkpoint without the field is `matmuls`.
+    #[test]
+    fn cast_policy_flag_resume_and_old_checkpoints() {
+        use crate::precision::{OpClass, Rule};
+        let with = |p: Option<&str>, precision: Option<Precision>| {
+            TrainConfig::resolve(&TrainOptions {
+                preset: Some("tiny".into()),
+                precision,
+                cast_policy: p.map(String::from),
+                ..Default::default()
+            })
+        };
+        let plain = with(None, None).unwrap();
+        assert_eq!(plain.cast_policy, None);
+        assert_eq!(
+            with(Some("matmuls"), None).unwrap(),
+            plain,
+            "matmuls is the default"
+        );
+        let torch = with(Some("torch"), Some(Precision::Fp16)).unwrap();
+        let t = torch.cast_policy().table();
+        assert_eq!(
+            (torch.cast_policy().name(), t.rule(OpClass::Matmul)),
+            ("torch", Rule::Round(Format::Fp16))
+        );
+        assert!(torch.describe().contains("cast policy torch"));
+        let e = with(Some("pure"), Some(Precision::Fp32))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("--cast-policy pure needs a 16-bit precision"),
+            "{e}"
+        );
+        let e = with(Some("sometimes"), None).unwrap_err().to_string();
+        assert!(
+            e.starts_with("--cast-policy: unknown policy \"sometimes\""),
+            "{e}"
+        );
+
+        // a file: named by its stem unless it names itself
+        let dir = std::env::temp_dir().join(format!("tinyllm-cast-policy-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = |name: &str, text: &str| {
+            let p = dir.join(name);
+            std::fs::write(&p, text).unwrap();
+            p.to_str().unwrap().to_string()
+        };
+        let mine = file(
+            "mine.json",
+            r#"{"ops": {"matmul": "bf16", "rms_norm": "bf16"}}"#,
+        );
+        let cfg = with(Some(&mine), None).unwrap();
+        assert_eq!(cfg.cast_policy().name(), "mine");
+        assert_eq!(
+            cfg.cast_policy().table().rule(OpClass::RmsNorm),
+            Rule::Round(Format::Bf16)
+        );
+        for (name, text, says) in [
+            (
+                "op.json",
+                r#"{"ops": {"layer_norm": "bf16"}}"#,
+                "unknown op \"layer_norm\"",
+            ),
+            (
+                "fmt.json",
+                r#"{"ops": {"softmax": "fp12"}}"#,
+                "unknown format \"fp12\"",
+            ),
+            ("bad.json", r#"{"ops": "#, "malformed JSON"),
+        ] {
+            let f = file(name, text);
+            let e = with(Some(&f), None).unwrap_err().to_string();
+            assert!(
+                e.starts_with("--cast-policy ") && e.contains(says),
+                "{name}: {e}"
+            );
+        }
+        let missing = dir.join("gone.json");
+        let e = with(Some(missing.to_str().unwrap()), None)
+            .unwrap_err()
+            .to_string();
+        assert!(e.starts_with("--cast-policy: cannot read"), "{e}");
+
+        // resume: kept when not given, the same accepted, another refused by name
+        let saved = with(Some("pure"), None).unwrap();
+        let resumed = TrainConfig::resume(&saved, &TrainOptions::default()).unwrap();
+        assert_eq!(resumed.cast_policy, saved.cast_policy);
+        let again = TrainOptions {
+            cast_policy: Some("pure".into()),
+            ..Default::default()
+        };
+        assert_eq!(
+            TrainConfig::resume(&saved, &again).unwrap().cast_policy,
+            saved.cast_policy
+        );
+        for other in ["matmuls", "torch", mine.as_str()] {
+            let o = TrainOptions {
+                cast_policy: Some(other.into()),
+                ..Default::default()
+            };
+            let e = TrainConfig::resume(&saved, &o).unwrap_err().to_string();
+            assert!(
+                e.contains("--cast-policy differs") && e.contains("the run has pure"),
+                "{other}: {e}"
+            );
+        }
+        let o = TrainOptions {
+            cast_policy: Some("torch".into()),
+            ..Default::default()
+        };
+        let e = TrainConfig::resume(&plain, &o).unwrap_err().to_string();
+        assert!(e.contains("(torch given, the run has matmuls)"), "{e}");
+
+        // the checkpoint's JSON: written when set and read back; absent in
+        // older checkpoints (and in default runs'), which load as matmuls
+        let json = serde_json::to_value(&saved).unwrap();
+        assert_eq!(json["cast_policy"]["name"], "pure");
+        let back: TrainConfig = serde_json::from_value(json).unwrap();
+        assert_eq!(back, saved);
+        let json = serde_json::to_value(&plain).unwrap();
+        assert!(json.get("cast_policy").is_none(), "not written for matmuls");
+        let old: TrainConfig = serde_json::from_value(json).unwrap();
+        assert_eq!(old.cast_policy().name(), "matmuls");
+        assert_eq!(old.cast_policy().table(), CastTable::matmuls(Format::Bf16));
+        std::fs::remove_dir_all(&dir).ok();
     }
 }

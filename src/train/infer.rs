@@ -5,7 +5,7 @@
 use crate::module::Module;
 use crate::nn::llama::Llama;
 use crate::ops::cross_entropy;
-use crate::precision::{autocast, Precision};
+use crate::precision::{autocast, CastTable, Precision, Scope};
 use crate::rng::Generator;
 use crate::train::data::{Batch, ByteTokenizer, Corpus};
 use crate::{bail, Result};
@@ -32,8 +32,24 @@ impl Drop for EvalMode<'_> {
 /// Mean cross-entropy of `batch` under `precision`, without a graph, in chunks
 /// of `chunk` rows (weighted by rows). Dropout is off while it runs.
 pub fn evaluate(model: &Llama, batch: &Batch, precision: Precision, chunk: usize) -> Result<f32> {
+    evaluate_under(
+        model,
+        batch,
+        precision.format().map(CastTable::matmuls),
+        chunk,
+    )
+}
+
+/// [`evaluate`] under the cast policy `table` (`None`: float32): a run's
+/// validation in its own recipe.
+pub fn evaluate_under(
+    model: &Llama,
+    batch: &Batch,
+    table: Option<CastTable>,
+    chunk: usize,
+) -> Result<f32> {
     let _ng = crate::no_grad();
-    let _ac = autocast(precision.format());
+    let _ac = autocast(Scope::table(table));
     let _eval = EvalMode::new(model);
     let mut total = 0.0f64;
     for mb in batch.split(chunk) {

@@ -31,6 +31,14 @@
 //!   fused cross-entropy keeps) and `T·C + T·V` read as products read them
 //!   (the norm's output, the logits).
 //!
+//! Under a cast policy other than `matmuls` ([`Kept16`]) the same values are
+//! counted, each in 16 bits where the policy keeps it so: what products
+//! read follows the `matmul` and `attention_scores` entries, the
+//! composition's probabilities `attention_probs`, and the block inputs and
+//! mid-block sums the norms keep follow `embedding` (the first block's
+//! input) and `residual_add` (`pure` keeps the stream in 16 bits). The
+//! rounding passes' transient buffers are not counted.
+//!
 //! With attention recomputation ([`Recompute::Attention`]) the dropout
 //! composition keeps only q, k and v (as the products read them, as above):
 //! its `2·H·T²` float32 and `H·T²` product-read values are recomputed in
@@ -51,7 +59,7 @@
 //! there the set is `3·T²` per thread and the measured peak is further below.)
 
 use crate::nn::llama::LlamaConfig;
-use crate::precision::Precision;
+use crate::precision::{CastTable, OpClass, Precision, Rule};
 use crate::recompute::{checkpoint_schedule, Recompute};
 use crate::train::config::TrainConfig;
 use crate::Result;
@@ -96,6 +104,81 @@ impl Kept {
     }
 }
 
+/// Which of the values the plan counts a cast policy keeps in 16 bits (see
+/// the module docs): those read only by rounded products (`products`:
+/// the matmuls'; `scores`: attention's q and k), the attention
+/// probabilities the dropout composition's softmax keeps (`probs`), and
+/// the residual stream the norms keep (`embedding`: the first block's
+/// input; `stream`: every later sum).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Kept16 {
+    /// Values read only as operands of the `matmul` class's products.
+    pub products: bool,
+    /// q and k, read only by the scores' products.
+    pub scores: bool,
+    /// The dropout composition's probabilities, kept by its softmax.
+    pub probs: bool,
+    /// The embedding's rows, the first block's input.
+    pub embedding: bool,
+    /// The residual sums, every later block's input and the final norm's.
+    pub stream: bool,
+}
+
+impl Kept16 {
+    /// What `table` (`None`: float32) keeps in 16 bits, in a model with
+    /// dropout or without (its residual sums add a float32 dropout output,
+    /// so `follow` keeps them float32).
+    pub fn of(table: Option<CastTable>, dropout: bool) -> Kept16 {
+        let Some(t) = table else {
+            return Kept16 {
+                products: false,
+                scores: false,
+                probs: false,
+                embedding: false,
+                stream: false,
+            };
+        };
+        let matmul = t.product(OpClass::Matmul);
+        let scores = t.product(OpClass::AttentionScores);
+        // the embedding's input is its float32 table: `follow` is float32
+        let embedding = t.output_of(OpClass::Embedding, &[None]);
+        let stream = match t.rule(OpClass::ResidualAdd) {
+            Rule::F32 => false,
+            Rule::Round(_) => true,
+            // the stream stays in the embedding's format while every sum
+            // adds a product of that format to it
+            Rule::Follow => !dropout && embedding.is_some() && embedding == matmul,
+        };
+        Kept16 {
+            products: matmul.is_some(),
+            scores: scores.is_some(),
+            probs: t.output_of(OpClass::AttentionProbs, &[scores]).is_some(),
+            embedding: embedding.is_some(),
+            stream,
+        }
+    }
+
+    /// What autocast at `precision` (the `matmuls` policy) keeps in 16 bits.
+    pub fn matmuls(precision: Precision) -> Kept16 {
+        Kept16::of(precision.format().map(CastTable::matmuls), false)
+    }
+}
+
+impl Kept {
+    /// `n` values into `wide` or, when `narrow`, into `narrow`.
+    fn add(&mut self, n: usize, narrow: bool) {
+        match narrow {
+            true => self.narrow += n,
+            false => self.wide += n,
+        }
+    }
+
+    /// Bytes with every `narrow` value in 16 bits.
+    pub fn bytes16(self) -> usize {
+        4 * self.wide + 2 * self.narrow
+    }
+}
+
 /// The values one block keeps for one sequence (see the module docs).
 pub fn block_values(cfg: &LlamaConfig, t: usize) -> Kept {
     block_values_with(cfg, t, false)
@@ -104,16 +187,43 @@ pub fn block_values(cfg: &LlamaConfig, t: usize) -> Kept {
 /// [`block_values`] when the attention core is recomputed in backward
 /// (`attention_recompute`) or kept.
 pub fn block_values_with(cfg: &LlamaConfig, t: usize, attention_recompute: bool) -> Kept {
+    block_values_kept(
+        cfg,
+        t,
+        attention_recompute,
+        Kept16::matmuls(Precision::Bf16),
+        false,
+    )
+}
+
+/// [`block_values_with`] split by what `k16` keeps in 16 bits: `narrow`
+/// counts only those (`first`: the first block, whose input is the
+/// embedding's rows).
+pub fn block_values_kept(
+    cfg: &LlamaConfig,
+    t: usize,
+    attention_recompute: bool,
+    k16: Kept16,
+    first: bool,
+) -> Kept {
     let (c, f) = (cfg.d_model, cfg.hidden);
     let mut k = Kept {
-        wide: 2 * t * c + 2 * t,
-        narrow: 6 * t * c + 3 * t * f,
-    };
+        wide: 2 * t,
+        narrow: 0,
+    }; // the norms' 1/rms
+       // the block input and the mid-block sum, kept by the norms as they are
+    k.add(t * c, if first { k16.embedding } else { k16.stream });
+    k.add(t * c, k16.stream);
+    // the norms' outputs, v, the attention output, the gate and up
+    // projections and their SwiGLU product: read by products (the gate and
+    // up are kept by the SwiGLU, 16-bit when a rounded product made them)
+    k.add(4 * t * c + 3 * t * f, k16.products);
+    k.add(2 * t * c, k16.scores); // q and k after RoPE
     if cfg.dropout > 0.0 {
         // the residual branches' masks
         k.wide += 2 * t * c;
         if !attention_recompute {
-            let core = attention_core_values(cfg, t);
+            let core = attention_core_kept(cfg, t, k16);
             k.wide += core.wide;
             k.narrow += core.narrow;
         }
@@ -126,22 +236,41 @@ pub fn block_values_with(cfg: &LlamaConfig, t: usize, attention_recompute: bool)
 /// (`2·H·T²` float32) and the dropped probabilities (`H·T²`, read by a
 /// product). None without dropout (the fused op keeps none).
 pub fn attention_core_values(cfg: &LlamaConfig, t: usize) -> Kept {
-    let h = cfg.n_heads;
-    match cfg.dropout > 0.0 {
-        true => Kept {
-            wide: 2 * h * t * t,
-            narrow: h * t * t,
-        },
-        false => Kept { wide: 0, narrow: 0 },
+    attention_core_kept(cfg, t, Kept16::matmuls(Precision::Bf16))
+}
+
+/// [`attention_core_values`] split by what `k16` keeps in 16 bits.
+pub fn attention_core_kept(cfg: &LlamaConfig, t: usize, k16: Kept16) -> Kept {
+    let ht2 = cfg.n_heads * t * t;
+    let mut k = Kept { wide: 0, narrow: 0 };
+    if cfg.dropout > 0.0 {
+        k.add(ht2, k16.probs); // the softmax's output
+        k.add(ht2, false); // the mask
+        k.add(ht2, k16.products); // the dropped probabilities
     }
+    k
 }
 
 /// The values the embedding, final norm, head and loss keep for one sequence.
 pub fn head_values(cfg: &LlamaConfig, t: usize) -> Kept {
-    Kept {
-        wide: t * cfg.d_model + 3 * t,
-        narrow: t * cfg.d_model + t * cfg.vocab_size,
-    }
+    head_kept(cfg, t, Kept16::matmuls(Precision::Bf16))
+}
+
+/// [`head_values`] split by what `k16` keeps in 16 bits.
+pub fn head_kept(cfg: &LlamaConfig, t: usize, k16: Kept16) -> Kept {
+    let c = cfg.d_model;
+    // the final norm's 1/rms, each row's max and sum of exps
+    let mut k = Kept {
+        wide: 3 * t,
+        narrow: 0,
+    };
+    let last = match cfg.n_layers {
+        0 => k16.embedding,
+        _ => k16.stream,
+    };
+    k.add(t * c, last); // the last block's output, kept by the final norm
+    k.add(t * c + t * cfg.vocab_size, k16.products); // the norm's output, the logits
+    k
 }
 
 /// The planned bytes of one training step with micro-batches of `rows`
@@ -191,31 +320,49 @@ pub fn memory_plan_with(
     ckpt_budget: Option<usize>,
     attention_recompute: bool,
 ) -> Result<MemoryPlan> {
+    let table = precision.format().map(CastTable::matmuls);
+    memory_plan_policy(cfg, rows, t, table, ckpt_budget, attention_recompute)
+}
+
+/// [`memory_plan_with`] under the cast policy `table` (`None`: float32):
+/// the values it keeps in 16 bits ([`Kept16`]) at 2 bytes each.
+pub fn memory_plan_policy(
+    cfg: &LlamaConfig,
+    rows: usize,
+    t: usize,
+    table: Option<CastTable>,
+    ckpt_budget: Option<usize>,
+    attention_recompute: bool,
+) -> Result<MemoryPlan> {
     let n = cfg.num_params();
     let f32b = 4;
-    let block = block_values_with(cfg, t, attention_recompute).bytes(precision) * rows;
-    let (held_blocks, inputs, units) = match ckpt_budget {
-        None => (cfg.n_layers, 0, cfg.n_layers),
+    let k16 = Kept16::of(table, cfg.dropout > 0.0);
+    let block =
+        |first: bool| block_values_kept(cfg, t, attention_recompute, k16, first).bytes16() * rows;
+    // the blocks a segment of layers [a, b) holds: the first one's input is
+    // the embedding's rows
+    let segment = |a: usize, b: usize| (a..b).map(|l| block(l == 0)).sum::<usize>();
+    let (held, inputs, units) = match ckpt_budget {
+        None => (segment(0, cfg.n_layers), 0, cfg.n_layers),
         Some(b) => {
             let s = checkpoint_schedule(cfg.n_layers, b)?;
             let k = s.len();
-            let max_seg = (0..k)
-                .map(|j| s.get(j + 1).copied().unwrap_or(cfg.n_layers) - s[j])
+            let held = (0..k)
+                .map(|j| segment(s[j], s.get(j + 1).copied().unwrap_or(cfg.n_layers)))
                 .max()
                 .unwrap_or(0);
             (
-                max_seg,
+                held,
                 k - 1,
                 crate::recompute::schedule_peak(&s, cfg.n_layers),
             )
         }
     };
-    let activations = held_blocks * block
-        + inputs * rows * t * cfg.d_model * f32b
-        + head_values(cfg, t).bytes(precision) * rows;
+    let activations =
+        held + inputs * rows * t * cfg.d_model * f32b + head_kept(cfg, t, k16).bytes16() * rows;
     let mut working = 3 * cfg.n_heads * t * t * rows * f32b;
     if attention_recompute {
-        working += attention_core_values(cfg, t).bytes(precision) * rows;
+        working += attention_core_kept(cfg, t, k16).bytes16() * rows;
     }
     let p = MemoryPlan {
         params: n,
@@ -237,14 +384,19 @@ impl TrainConfig {
     /// The memory plan of one micro-batch's step under this recipe (its
     /// precision and recompute policy).
     pub fn memory_plan(&self) -> Result<MemoryPlan> {
-        memory_plan_with(
+        memory_plan_policy(
             &self.model,
             self.micro_batch,
             self.model.context,
-            self.precision,
+            self.cast_table(),
             self.ckpt_budget,
             self.recompute_attention,
         )
+    }
+
+    /// The cast policy's table of every step (`None`: a float32 run).
+    pub fn cast_table(&self) -> Option<CastTable> {
+        self.precision.format().map(|_| self.cast_policy().table())
     }
 }
 
@@ -323,11 +475,11 @@ pub fn admit(cfg: &TrainConfig, limit: MemoryLimit) -> Result<()> {
     let need = |rows: usize, ckpt: Option<usize>| -> Result<usize> {
         Ok(match limit {
             MemoryLimit::Host(_) => {
-                memory_plan_with(
+                memory_plan_policy(
                     &cfg.model,
                     rows,
                     t,
-                    cfg.precision,
+                    cfg.cast_table(),
                     ckpt,
                     cfg.recompute_attention,
                 )?

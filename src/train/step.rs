@@ -6,7 +6,9 @@
 
 use crate::memory::{self, Phase};
 use crate::optim::Optimizer;
-use crate::precision::{autocast, DynamicLossScaler, LossScaling, Precision};
+use crate::precision::{
+    autocast, CastPolicy, CastTable, DynamicLossScaler, LossScaling, Precision,
+};
 use crate::{bail, Result, Tensor};
 use serde::{Deserialize, Serialize};
 
@@ -157,6 +159,9 @@ pub struct MixedStep<'s> {
     pub scaler: Option<&'s mut DynamicLossScaler>,
     /// Clip the global gradient norm to this before the update.
     pub clip: Option<f32>,
+    /// The cast policy of the forward and backward passes when `precision`
+    /// is 16-bit (`None`: `matmuls` at its format, plain autocast).
+    pub cast_policy: Option<CastTable>,
 }
 
 impl<'s> MixedStep<'s> {
@@ -166,7 +171,15 @@ impl<'s> MixedStep<'s> {
             precision,
             scaler: None,
             clip: None,
+            cast_policy: None,
         }
+    }
+
+    /// Runs the passes under `policy` instead of `matmuls` (when
+    /// `precision` is 16-bit; a float32 step stays float32).
+    pub fn cast_policy(mut self, policy: &CastPolicy) -> Self {
+        self.cast_policy = Some(policy.table());
+        self
     }
 
     /// Scales the loss with `scaler`, which also unscales, checks and may
@@ -190,12 +203,16 @@ impl<'s> MixedStep<'s> {
         loss_fn: impl FnMut(&B) -> Result<Tensor>,
         opt: &mut dyn Optimizer,
     ) -> Result<StepReport> {
-        train_step_mixed(
+        let table = match self.precision.format() {
+            Some(f) => Some(self.cast_policy.unwrap_or(CastTable::matmuls(f))),
+            None => None,
+        };
+        step_under(
             model,
             micro_batches,
             loss_fn,
             opt,
-            self.precision,
+            table,
             self.scaler,
             self.clip,
         )
@@ -224,6 +241,21 @@ pub fn train_step_mixed<M: crate::nn::Module + ?Sized, B: MicroBatch>(
     scaler: Option<&mut DynamicLossScaler>,
     clip: Option<f32>,
 ) -> Result<StepReport> {
+    let table = precision.format().map(CastTable::matmuls);
+    step_under(model, micro_batches, loss_fn, opt, table, scaler, clip)
+}
+
+/// [`train_step_mixed`] with the passes under the cast policy `table`
+/// (`None`: whatever autocast the caller opened).
+fn step_under<M: crate::nn::Module + ?Sized, B: MicroBatch>(
+    model: &M,
+    micro_batches: &[B],
+    loss_fn: impl FnMut(&B) -> Result<Tensor>,
+    opt: &mut dyn Optimizer,
+    table: Option<CastTable>,
+    scaler: Option<&mut DynamicLossScaler>,
+    clip: Option<f32>,
+) -> Result<StepReport> {
     let params = model.parameters();
     for p in &params {
         p.zero_grad();
@@ -235,7 +267,7 @@ pub fn train_step_mixed<M: crate::nn::Module + ?Sized, B: MicroBatch>(
         None => LossScaling::Fixed,
     };
     let losses = {
-        let _ac = precision.format().map(autocast);
+        let _ac = table.map(autocast);
         backward_all(micro_batches, loss_fn, scaling.scaler())?
     };
     // The losses come back with the gradients' finite check: one readback.

@@ -4,7 +4,7 @@
 //! batch  = data.sample_batch(data_rng, B)          the same rows however it is split
 //! micro  = batch.split(micro_batch)                k micro-batches, weights n_i / N
 //! lr     = schedule(step)
-//! report = MixedStep { precision, scaler, clip }.run(model, micro, loss, opt)
+//! report = MixedStep { precision, scaler, clip, cast_policy }.run(model, micro, loss, opt)
 //!            zero grads → for each micro-batch: forward under autocast (blocks
 //!            checkpointed), loss · n_i/N (· S), backward → unscale (fp16) →
 //!            clip → AdamW step (or skip and back off)
@@ -20,7 +20,7 @@ use crate::nn::llama::Llama;
 use crate::nn::Module;
 use crate::ops::cross_entropy;
 use crate::optim::{AdamW, AdamWConfig, Optimizer};
-use crate::precision::{autocast, DynamicLossScaler, Precision};
+use crate::precision::{autocast, CastPolicy, DynamicLossScaler, Precision};
 use crate::rng::Generator;
 use crate::train::bar::duration;
 use crate::train::checkpoint::{self, TrainState, Verified};
@@ -292,6 +292,7 @@ impl Trainer {
             precision: self.cfg.precision,
             scaler: self.scaler.as_mut(),
             clip: self.cfg.clip,
+            cast_policy: self.cfg.cast_policy.as_ref().map(CastPolicy::table),
         };
         let report = settings.run(
             model,
@@ -333,13 +334,13 @@ impl Trainer {
         })
     }
 
-    /// Validation loss on the held-out windows.
+    /// Validation loss on the held-out windows, under the run's cast policy.
     pub fn evaluate(&self) -> Result<f32> {
         let b = self.data.val_batch(self.cfg.eval_rows);
-        infer::evaluate(
+        infer::evaluate_under(
             &self.model,
             &b,
-            self.cfg.precision,
+            self.cfg.cast_table(),
             self.cfg.micro_batch.max(8),
         )
     }

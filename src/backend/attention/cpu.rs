@@ -9,7 +9,7 @@ use crate::backend::cpu::pool;
 use crate::backend::cpu::{cpu_threads, new_vecs, write_exact};
 use crate::backend::matmul::cpu::matmul_f32_one_thread;
 use crate::backend::reduce::cpu::{softmax_backward_f32_one_thread, softmax_f32_one_thread};
-use crate::backend::round::Format;
+use crate::backend::round::{round_slice, Format};
 use crate::backend::{Causal, MatmulDims};
 use crate::profile::{self, Product};
 use std::mem::MaybeUninit;
@@ -127,7 +127,8 @@ fn backward(a: &Attention, q: Host, k: Host, v: Host, g: &[f32]) -> [Vec<f32>; 3
         let (vh, gh) = (value_rows(v, a, h), value_rows((g, None), a, h));
         let p = probs(a, &clock, qh.0, kh.0);
         let dv = clock.time(2, || product(a, ((&p, None), None), gh, Part::Dv));
-        let dp = clock.time(3, || product(a, gh, vh, Part::Dp));
+        let mut dp = clock.time(3, || product(a, gh, vh, Part::Dp));
+        stored(a, &mut dp); // the gradient arriving for p, rounded as p is
         let ds = clock.time(4, || softmax_backward_f32_one_thread(&p, &dp, t, a.scale, true));
         drop((p, dp));
         let dq = clock.time(5, || product(a, ((&ds, None), None), kh, Part::Dq));
@@ -141,13 +142,29 @@ fn backward(a: &Attention, q: Host, k: Host, v: Host, g: &[f32]) -> [Vec<f32>; 3
 /// One head's probabilities `(T, T)` (parts 0 and 1 of the clock).
 fn probs(a: &Attention, clock: &Clock, q: Host, k: Host) -> Vec<f32> {
     let scores = clock.time(0, || product(a, (q, None), (k, None), Part::Scores));
-    clock.time(1, || softmax_f32_one_thread(&scores, a.t, a.scale, true))
+    clock.time(1, || {
+        let mut p = softmax_f32_one_thread(&scores, a.t, a.scale, true);
+        stored(a, &mut p);
+        p
+    })
+}
+
+/// A head's `(T, T)` values stored in [`Attention::probs`]: rounded to it.
+fn stored(a: &Attention, x: &mut [f32]) {
+    if let Some(f) = a.probs {
+        round_slice(x, f);
+    }
 }
 
 /// One head's product `part`.
 fn product(a: &Attention, (x, lx): Rows, (y, ly): Rows, part: Part) -> Vec<f32> {
     let d = part.dims(a).expect("a product");
-    matmul_f32_one_thread(x, y, MatmulDims { batch: 1, ..d }, a.round, [lx, ly])
+    // the scores' products at the scores' format, the rest at the matmuls'
+    let round = match part {
+        Part::Scores | Part::Dq | Part::Dk => a.scores,
+        _ => a.round,
+    };
+    matmul_f32_one_thread(x, y, MatmulDims { batch: 1, ..d }, round, [lx, ly])
 }
 
 /// A head's parts of one output, in the order of its values.

@@ -6,8 +6,14 @@
 //! `p = causal_softmax(q kᵀ · scale)` and `y = p v`, backward `dv = pᵀ dy`,
 //! `dp = dy vᵀ`, `ds = softmax_backward(p, dp) · scale`, `dq = ds k`,
 //! `dk = dsᵀ q`, each product with its `Causal` mode and the autocast
-//! rounding of [`matmul`](crate::backend::matmul), the softmax and its
-//! backward those of [`reduce`](crate::backend::reduce). Heads share
+//! rounding of [`matmul`](crate::backend::matmul) (the scores' products
+//! `q kᵀ`, `dq`, `dk` at [`Attention::scores`], the others at
+//! [`Attention::round`]), the softmax and its
+//! backward those of [`reduce`](crate::backend::reduce). With
+//! [`Attention::probs`], `p` is stored in that format — rounded to it, and
+//! read as rounded by `p v`, `pᵀ dy` and the softmax backward — and `dp`,
+//! the gradient arriving for `p`, is rounded to it before the softmax
+//! backward. Heads share
 //! nothing, so the order they run in changes no bit. Token-major values
 //! ([`Attention::tokens`]) are the same computation on `v` permuted to
 //! head-major, `y` and the gradients permuted back.
@@ -30,12 +36,13 @@ mod gpu;
 mod spec;
 
 use crate::backend::copy::CopyOps;
+use crate::backend::elementwise::ElementwiseOps;
 use crate::backend::matmul::{Halves, MatmulOps};
 use crate::backend::pack::PackOps;
 use crate::backend::reduce::ReduceOps;
 use crate::backend::round::Format;
 use crate::backend::primitive;
-use crate::backend::{Causal, MatmulDims, Operand, Storage};
+use crate::backend::{Causal, MatmulDims, Operand, Storage, UnaryOp};
 use crate::Result;
 
 /// Attention over `heads` heads of `(t, d)` queries, keys and values.
@@ -46,8 +53,15 @@ pub struct Attention {
     pub d: usize,
     /// The scores' scale (`> 0`, finite).
     pub scale: f32,
-    /// Autocast's rounding of every product.
+    /// The rounding of the products with `v` and `dy` (`p v`, `pᵀ dy`,
+    /// `dy vᵀ`): the policy's `matmul` format.
     pub round: Option<Format>,
+    /// The rounding of the scores' products (`q kᵀ`, `ds k`, `dsᵀ q`): the
+    /// policy's `attention_scores` format.
+    pub scores: Option<Format>,
+    /// The format `p` is stored in (and `dp` rounded to): the policy's
+    /// `attention_probs` format; `None`, float32.
+    pub probs: Option<Format>,
     /// `Some(h)`: `v`, `y` and their gradients are token-major `(B, T, h,
     /// D)` (`heads = B·h`) instead of `(heads, T, D)` — as projections write
     /// and read them.
@@ -84,8 +98,17 @@ impl Attention {
 
     fn describe(&self) -> String {
         let (h, t, d, s) = (self.heads, self.t, self.d, self.scale);
-        let fmt = self.round.map_or("f32", Format::name);
-        format!("heads {h} t {t} d {d} scale {s:e} {fmt} tokens {:?}", self.tokens)
+        let fmt = |f: Option<Format>| f.map_or("f32", Format::name);
+        // the scores' and probabilities' formats only where a policy sets
+        // them apart from the matmuls'
+        let mut r = fmt(self.round).to_string();
+        if self.scores != self.round {
+            r += &format!(" scores {}", fmt(self.scores));
+        }
+        if let Some(p) = self.probs {
+            r += &format!(" probs {p}");
+        }
+        format!("heads {h} t {t} d {d} scale {s:e} {r} tokens {:?}", self.tokens)
     }
 
     /// The FLOPs of the contract's composition (the roofline's count): the
@@ -138,11 +161,25 @@ pub mod batched {
     use super::*;
 
     /// What the composition needs of a device.
-    pub trait Device: MatmulOps + ReduceOps + CopyOps + PackOps {}
-    impl<S: MatmulOps + ReduceOps + CopyOps + PackOps> Device for S {}
+    pub trait Device: MatmulOps + ReduceOps + CopyOps + PackOps + ElementwiseOps {}
+    impl<S: MatmulOps + ReduceOps + CopyOps + PackOps + ElementwiseOps> Device for S {}
 
+    /// A product with `v` or `dy`, at [`Attention::round`].
     fn product<S: Device>(a: &Attention, x: Arg<S>, y: Arg<S>, dims: MatmulDims) -> Result<S> {
         x.0.matmul(y.0, dims, Halves { a: x.1, b: y.1 }, a.round)
+    }
+
+    /// A product of the scores', at [`Attention::scores`].
+    fn scores_product<S: Device>(a: &Attention, x: Arg<S>, y: Arg<S>, dims: MatmulDims) -> Result<S> {
+        x.0.matmul(y.0, dims, Halves { a: x.1, b: y.1 }, a.scores)
+    }
+
+    /// `x` rounded to [`Attention::probs`] (the gradient arriving for `p`).
+    fn stored<S: Device>(a: &Attention, x: S) -> Result<S> {
+        match a.probs {
+            Some(f) => x.unary(UnaryOp::Round(f)),
+            None => Ok(x),
+        }
     }
 
     /// Token-major `(B, T, h, D)` as head-major `(B, h, T, D)`, or back
@@ -180,39 +217,50 @@ pub mod batched {
         }
     }
 
-    /// `p (heads, T, T)`: the causal softmax of `q kᵀ`, on and below the diagonal.
-    fn probs<S: Device>(a: &Attention, q: Arg<S>, k: Arg<S>) -> Result<S> {
+    /// `p (heads, T, T)`: the causal softmax of `q kᵀ`, on and below the
+    /// diagonal — in 16 bits (its words, and their format) when
+    /// [`Attention::probs`] stores it so: the products read it packed.
+    fn probs<S: Device>(a: &Attention, q: Arg<S>, k: Arg<S>) -> Result<(S, Option<Format>)> {
         let t = a.t;
-        let scores = product(a, q, k, a.dims((t, a.d, t), false, true, Causal::Outputs))?;
-        scores.softmax_rows(a.heads * t, t, a.scale, true)
+        let scores = scores_product(a, q, k, a.dims((t, a.d, t), false, true, Causal::Outputs))?;
+        let p = scores.softmax_rows(a.heads * t, t, a.scale, true)?;
+        match a.probs {
+            Some(f) => Ok((p.pack(f)?.0, Some(f))),
+            None => Ok((p, None)),
+        }
     }
 
     /// `y = p v`, row `i` summing keys `j ≤ i`.
     pub fn forward<S: Device>(a: &Attention, q: Arg<S>, k: Arg<S>, v: Arg<S>) -> Result<S> {
         let (t, d) = (a.t, a.d);
-        let p = probs(a, q, k)?;
+        let (p, pf) = probs(a, q, k)?;
         let vh = values(a, v)?;
         let v = vh.as_ref().map_or(v, |(x, f)| (x, *f));
-        let y = product(a, (&p, None), v, a.dims((t, t, d), false, false, Causal::TermsUpToRow))?;
+        let y = product(a, (&p, pf), v, a.dims((t, t, d), false, false, Causal::TermsUpToRow))?;
         laid_out(a, y)
     }
 
     /// `[dq, dk, dv]`.
     pub fn backward<S: Device>(a: &Attention, q: Arg<S>, k: Arg<S>, v: Arg<S>, g: &S) -> Result<[S; 3]> {
         let (t, d) = (a.t, a.d);
-        let p = probs(a, q, k)?;
+        let (p, pf) = probs(a, q, k)?;
         let (vh, gh) = (values(a, v)?, values(a, (g, None))?);
         let v = vh.as_ref().map_or(v, |(x, f)| (x, *f));
         let g = gh.as_ref().map_or((g, None), |(x, f)| (x, *f));
         // dv = pᵀ dy: key row j sums queries i ≥ j
-        let dv = product(a, (&p, None), g, a.dims((t, t, d), true, false, Causal::TermsFromRow))?;
+        let dv = product(a, (&p, pf), g, a.dims((t, t, d), true, false, Causal::TermsFromRow))?;
+        // the softmax backward reads p's values
+        let p = match pf {
+            Some(f) => p.unpack(f, a.heads * t * t)?,
+            None => p,
+        };
         // dp = dy vᵀ on and below the diagonal; ds = softmax backward · scale
-        let dp = product(a, g, v, a.dims((t, d, t), false, true, Causal::Outputs))?;
+        let dp = stored(a, product(a, g, v, a.dims((t, d, t), false, true, Causal::Outputs))?)?;
         let ds = p.softmax_rows_backward(&dp, a.heads * t, t, a.scale)?;
         drop((dp, p));
         // dq = ds k: row i sums keys j ≤ i; dk = dsᵀ q: key row j sums queries i ≥ j
-        let dq = product(a, (&ds, None), k, a.dims((t, t, d), false, false, Causal::TermsUpToRow))?;
-        let dk = product(a, (&ds, None), q, a.dims((t, t, d), true, false, Causal::TermsFromRow))?;
+        let dq = scores_product(a, (&ds, None), k, a.dims((t, t, d), false, false, Causal::TermsUpToRow))?;
+        let dk = scores_product(a, (&ds, None), q, a.dims((t, t, d), true, false, Causal::TermsFromRow))?;
         Ok([dq, dk, laid_out(a, dv)?])
     }
 }
