@@ -2114,10 +2114,11 @@ fn spawn_bin(
     (child, rx)
 }
 
-/// Reads lines until one starts with `prefix` (or panics after 60 s).
+/// Reads lines until one starts with `prefix` (or panics after 300 s: a
+/// cold shader cache on a software GPU can take minutes to start a run).
 fn wait_for(rx: &std::sync::mpsc::Receiver<String>, prefix: &str) -> Vec<String> {
     let mut seen = Vec::new();
-    let deadline = Instant::now() + Duration::from_secs(60);
+    let deadline = Instant::now() + Duration::from_secs(300);
     while let Some(left) = deadline.checked_duration_since(Instant::now()) {
         match rx.recv_timeout(left) {
             Ok(l) if l.starts_with(prefix) => return seen,
