@@ -76,24 +76,9 @@ fn holds(p: &probe::Probe, check: &str) -> bool {
         .holds
 }
 
-/// A one-step lockstep in each precision and the sweep of every family whose
-/// kernels the rewrite changes: bit-identical to the CPU (the sweep's
-/// rows the probe explains as known, bf16 products outside f32's normal
-/// range under an unfused fma, only where the fma is unfused).
-fn bits_hold(a: Adversary) {
-    let info = tinyllm::backend::gpu::adapter().unwrap();
-    if info.backend != "Vulkan" {
-        eprintln!(
-            "the adversary rewrites SPIR-V: no Vulkan adapter ({}), skipping",
-            info.backend
-        );
-        return;
-    }
-    assert!(
-        info.shaders.starts_with("SPIR-V passthrough"),
-        "{}",
-        info.shaders
-    );
+/// A one-step tiny lockstep in each precision, bit-identical to the CPU
+/// under rewrite `a`.
+fn lockstep_holds(a: Adversary) {
     for precision in [Precision::Fp32, Precision::Bf16, Precision::Fp16] {
         let t = Instant::now();
         let o = LockstepOptions {
@@ -117,6 +102,27 @@ fn bits_hold(a: Adversary) {
             t.elapsed().as_secs_f64()
         );
     }
+}
+
+/// A one-step lockstep in each precision and the sweep of every family whose
+/// kernels the rewrite changes: bit-identical to the CPU (the sweep's
+/// rows the probe explains as known, bf16 products outside f32's normal
+/// range under an unfused fma, only where the fma is unfused).
+fn bits_hold(a: Adversary) {
+    let info = tinyllm::backend::gpu::adapter().unwrap();
+    if info.backend != "Vulkan" {
+        eprintln!(
+            "the adversary rewrites SPIR-V: no Vulkan adapter ({}), skipping",
+            info.backend
+        );
+        return;
+    }
+    assert!(
+        info.shaders.starts_with("SPIR-V passthrough"),
+        "{}",
+        info.shaders
+    );
+    lockstep_holds(a);
     // the families whose kernels the rewrite changes; attention is the
     // matmul's and softmax's kernels (with the copies' and fused ones)
     let changed: Vec<Family> = Family::ALL
@@ -255,29 +261,7 @@ fn flushing_is_seen_by_the_probe_and_changes_no_integer_route() {
             ] {
                 assert!(holds(&p, check), "{check}: an integer route flushed");
             }
-            for precision in [Precision::Fp32, Precision::Bf16, Precision::Fp16] {
-                let t = Instant::now();
-                let o = LockstepOptions {
-                    preset: "tiny".into(),
-                    steps: 1,
-                    precision,
-                    seed: None,
-                };
-                let l = lockstep::run(&o, &mut |_| {}).unwrap();
-                assert!(
-                    l.bit_identical(),
-                    "under the {} rewrite, {}: {:?}",
-                    a.name(),
-                    precision.name(),
-                    l.divergence
-                );
-                eprintln!(
-                    "{}: lockstep {} bit-identical in {:.1} s",
-                    a.name(),
-                    precision.name(),
-                    t.elapsed().as_secs_f64()
-                );
-            }
+            lockstep_holds(a);
             // matmul, attention and the optimizers are products and sums of
             // subnormals through and through: left out
             let families = [
