@@ -981,8 +981,9 @@ device_test!(recompute_policies_keep_every_bit, |dev| {
 
 // The memory plan of each policy against what the forward pass really
 // holds (exactly: the plan counts every activation) and the measured peak
-// over forward and backward (the plan's backward working set is an
-// estimate, from above), at a small shape with dropout, in float32 and bf16.
+// over forward and backward (from above: the plan's working sets are
+// measured at the capstone's shapes, and it counts a checkpointed backward's
+// gradients whole), at a small shape with dropout, in float32 and bf16.
 device_test!(recompute_policies_memory_matches_the_plan, |dev| {
     use tinyllm::nn::llama::LlamaConfig;
     use tinyllm::precision::Precision;
@@ -1008,9 +1009,11 @@ device_test!(recompute_policies_memory_matches_the_plan, |dev| {
             drop(loss);
             let peak = memory::peak_bytes() - base;
             let plan = policy_plan(&cfg, rows, t, precision, policy, None)?;
-            // backward adds the gradients (the size of the weights) to the
-            // activations and the working set
-            let planned_peak = plan.activations + plan.backward_working + plan.grads;
+            // one micro-batch's backward (`MemoryPlan::accumulating`): its
+            // gradients, made as the activations are freed, are held at
+            // its peak only when it recomputes blocks
+            let p = plan.accumulating(1, policy.blocks());
+            let planned_peak = p.backward_peak - p.weights - p.optimizer;
             eprintln!(
                 "{dev:?} {} {}: held {held} (planned {}), peak {peak} (planned {planned_peak}, {:.3})",
                 policy.name(),
@@ -1027,7 +1030,7 @@ device_test!(recompute_policies_memory_matches_the_plan, |dev| {
                 precision.name()
             );
             assert!(
-                peak <= planned_peak && peak * 10 >= planned_peak * 6,
+                peak <= planned_peak && peak * 20 >= planned_peak * 11,
                 "{} {}: peak {peak} vs planned {planned_peak}",
                 policy.name(),
                 precision.name()
@@ -1052,3 +1055,77 @@ device_test!(recompute_policies_memory_matches_the_plan, |dev| {
         );
     }
 });
+
+// ---------------------------------------------- the plan of whole steps ----
+
+/// The memory plan of whole training steps at a reduced capstone shape (its
+/// widths and layers, 64 tokens): each phase's planned peak within 5 % of
+/// the measured one, for both sides of MS-L11 — the float32 full batch and
+/// C1 (bf16, accumulated micro-batches, checkpointing) — and so are the
+/// activations and working sets alone, which the parameters' 16 bytes each
+/// would otherwise dilute. The second step is measured: the first creates
+/// AdamW's moments. The GPU allocates the same tensors as the CPU; lavapipe
+/// runs its check at the `small` preset's widths (the capstone's take it
+/// minutes). The plan is of the tuned kernels: the executable spec's plain
+/// ones are not held to it.
+fn step_plan_holds(dev: Device, preset: &str) {
+    use tinyllm::precision::Precision;
+    use tinyllm::train::config::{DeviceChoice, TrainConfig, TrainOptions};
+    use tinyllm::train::{data::Corpus, Trainer};
+    for (precision, micro, accum, ck) in [
+        (Precision::Fp32, 4, 1, false),
+        (Precision::Bf16, 4, 2, true),
+    ] {
+        let mut cfg = TrainConfig::resolve(&TrainOptions {
+            preset: Some(preset.into()),
+            device: Some(DeviceChoice::Cpu),
+            precision: Some(precision),
+            micro_batch: Some(micro),
+            accum: Some(accum),
+            checkpoint_activations: Some(ck),
+            ..Default::default()
+        })
+        .unwrap();
+        cfg.model.context = 64;
+        let plan = cfg.memory_plan().unwrap();
+        let mut tr = Trainer::new(cfg, dev, &Corpus::embedded()).unwrap();
+        tr.train_step().unwrap();
+        let m = tr.train_step().unwrap();
+        // what the step holds whatever its activations: weights, moments and,
+        // after the first micro-batch, the accumulated gradients
+        let params = plan.weights + plan.optimizer + if accum > 1 { plan.grads } else { 0 };
+        let side = precision.name();
+        for (phase, planned, measured) in [
+            ("forward", plan.forward_peak, m.forward_peak_bytes.unwrap()),
+            (
+                "backward",
+                plan.backward_peak,
+                m.backward_peak_bytes.unwrap(),
+            ),
+        ] {
+            let off = |p: usize, m: usize| p as f64 / m as f64 - 1.0;
+            let (whole, beyond) = (
+                off(planned, measured),
+                off(planned - params, measured - params),
+            );
+            eprintln!("{dev:?} {preset} {side} {phase}: planned {planned}, measured {measured} ({whole:+.4}; beyond the parameters {beyond:+.4})");
+            assert!(
+                whole.abs() <= 0.05 && beyond.abs() <= 0.05,
+                "{side} {phase}: planned {planned} vs measured {measured} ({whole:+.4}), beyond the parameters {beyond:+.4}"
+            );
+        }
+    }
+}
+
+mod step_plan {
+    #[test]
+    fn cpu() {
+        super::step_plan_holds(tinyllm::Device::Cpu, "capstone");
+    }
+    #[test]
+    fn gpu() {
+        if tinyllm::testing::gpu_available() {
+            super::step_plan_holds(tinyllm::Device::Gpu, "small");
+        }
+    }
+}

@@ -52,11 +52,28 @@
 //! With checkpointing on a schedule of `k` segments the forward
 //! pass keeps the `k − 1` checkpointed segments' inputs (`T·C` float32 each) and the
 //! activations of one segment at a time: the largest, `max_j s_j` blocks.
-//! Backward adds a float32 working set: inside a block's attention, its
-//! recomputed probabilities with their two gradients (`3·H·T²`). (By then the
-//! head's and the block's MLP activations are freed, so the plan's peak is a
-//! little above the measured one. The CPU works on one head per thread, so
-//! there the set is `3·T²` per thread and the measured peak is further below.)
+//! **Working sets and the two phases' peaks.** Each phase holds the
+//! parameters, the moments, the gradients accumulated from earlier
+//! micro-batches and the activations, plus what it has in flight (per
+//! token unless said: `N` tokens in the micro-batch):
+//!
+//! * forward, under a policy that rounds the matmuls: the larger of the
+//!   last block's MLP, whose float32 outputs live beside their 16-bit copies
+//!   (`10·F + 8·C` bytes, before the head's kept values exist), and the
+//!   logits' float32 slots beside their 16-bit copy (`4·V`); nothing worth
+//!   counting in float32;
+//! * backward: the first block's weight gradients on their way into the
+//!   accumulated ones (`4·(C·F + V·C + C)` bytes in all), its float32 input
+//!   gradients (`4·(F + C + H)`), under a rounding policy the float32
+//!   slots of the 16-bit gradients (`10·F + 2·C + 2·V`), and with dropout
+//!   the composition's recomputed probabilities with their two gradients
+//!   (`3·H·T²` float32 per sequence).
+//!
+//! These terms are what the tuned kernels allocate, measured at the
+//! capstone's widths (exact there from 256 tokens per micro-batch; within a
+//! few percent at the smaller presets), and the GPU allocates the same
+//! tensors. A step of one micro-batch without checkpointing holds no
+//! gradient at either peak ([`MemoryPlan::accumulating`]).
 
 use crate::nn::llama::LlamaConfig;
 use crate::precision::{CastTable, OpClass, Precision, Rule};
@@ -77,13 +94,26 @@ pub struct MemoryPlan {
     pub optimizer: usize,
     /// Activations held at the end of one micro-batch's forward pass.
     pub activations: usize,
-    /// Float32 values in flight during backward (see the module docs).
+    /// Bytes in flight during forward beyond the activations it keeps (see
+    /// the module docs).
+    #[serde(default)]
+    pub forward_working: usize,
+    /// Bytes in flight during backward beyond the activations and the
+    /// gradients (see the module docs).
     pub backward_working: usize,
     /// The peak of activation memory in layer units: with checkpointing, the
     /// saved inputs of all segments but one plus the layers of the largest
     /// segment; `n_layers` without checkpointing.
     pub layer_units: usize,
-    /// The planned peak: the sum of every byte count above.
+    /// The forward phase's planned peak: weights, gradients (accumulated
+    /// from earlier micro-batches), moments, activations and the forward
+    /// working set.
+    #[serde(default)]
+    pub forward_peak: usize,
+    /// The backward phase's: the same with the backward working set.
+    #[serde(default)]
+    pub backward_peak: usize,
+    /// The planned peak of the step: the larger of the two.
     pub total: usize,
 }
 
@@ -273,6 +303,41 @@ pub fn head_kept(cfg: &LlamaConfig, t: usize, k16: Kept16) -> Kept {
     k
 }
 
+/// Bytes the forward pass has in flight for `n` tokens beyond the values it
+/// keeps (see the module docs): under a policy that rounds the matmuls,
+/// the larger of the last block's MLP (`10·F + 8·C` per token, before the
+/// head's kept values exist) and the logits' float32 slots beside their
+/// 16-bit copies (`4·V`); in float32 nothing worth counting.
+fn forward_working(cfg: &LlamaConfig, n: usize, k16: Kept16) -> usize {
+    if !k16.products {
+        return 0;
+    }
+    let (c, f, v) = (cfg.d_model, cfg.hidden, cfg.vocab_size);
+    let head = head_kept(cfg, 1, k16).bytes16();
+    n * (4 * v).max((10 * f + 8 * c).saturating_sub(head))
+}
+
+/// Bytes the backward pass of `rows` sequences of `t` tokens has in flight
+/// beyond the activations and the gradients (see the module docs): the
+/// first block's weight gradients on their way into the accumulated ones
+/// (`C·F`, with the head's `V·C` and a norm's `C`), its float32 input
+/// gradients (`F + C + H` per token), and under a rounding policy the
+/// float32 slots of the MLP's 16-bit gradients (`10·F + 2·C + 2·V`); with
+/// dropout the composition's probabilities and their two gradients
+/// (`3·H·T²` per sequence).
+fn backward_working(cfg: &LlamaConfig, rows: usize, t: usize, k16: Kept16) -> usize {
+    let (c, f, h, v) = (cfg.d_model, cfg.hidden, cfg.n_heads, cfg.vocab_size);
+    let n = rows * t;
+    let mut w = 4 * (c * f + v * c + c) + 4 * n * (f + c + h);
+    if k16.products {
+        w += n * (10 * f + 2 * c + 2 * v);
+    }
+    if cfg.dropout > 0.0 {
+        w += 4 * 3 * h * t * t * rows;
+    }
+    w
+}
+
 /// The planned bytes of one training step with micro-batches of `rows`
 /// sequences of `t` tokens, and activation checkpointing at `ckpt_budget`
 /// layer units (`None`: off). The precision changes the activations (16-bit
@@ -360,23 +425,24 @@ pub fn memory_plan_policy(
     };
     let activations =
         held + inputs * rows * t * cfg.d_model * f32b + head_kept(cfg, t, k16).bytes16() * rows;
-    let mut working = 3 * cfg.n_heads * t * t * rows * f32b;
+    let mut backward_working = backward_working(cfg, rows, t, k16);
     if attention_recompute {
-        working += attention_core_kept(cfg, t, k16).bytes16() * rows;
+        backward_working += attention_core_kept(cfg, t, k16).bytes16() * rows;
     }
-    let p = MemoryPlan {
+    let held = 4 * n * f32b + activations;
+    let forward_working = forward_working(cfg, rows * t, k16);
+    Ok(MemoryPlan {
         params: n,
         weights: n * f32b,
         grads: n * f32b,
         optimizer: 2 * n * f32b,
         activations,
-        backward_working: working,
+        forward_working,
+        backward_working,
         layer_units: units,
-        total: 0,
-    };
-    Ok(MemoryPlan {
-        total: p.weights + p.grads + p.optimizer + p.activations + p.backward_working,
-        ..p
+        forward_peak: held + forward_working,
+        backward_peak: held + backward_working,
+        total: held + forward_working.max(backward_working),
     })
 }
 
@@ -384,14 +450,15 @@ impl TrainConfig {
     /// The memory plan of one micro-batch's step under this recipe (its
     /// precision and recompute policy).
     pub fn memory_plan(&self) -> Result<MemoryPlan> {
-        memory_plan_policy(
+        Ok(memory_plan_policy(
             &self.model,
             self.micro_batch,
             self.model.context,
             self.cast_table(),
             self.ckpt_budget,
             self.recompute_attention,
-        )
+        )?
+        .accumulating(self.accum, self.ckpt_budget.is_some()))
     }
 
     /// The cast policy's table of every step (`None`: a float32 run).
@@ -483,6 +550,7 @@ pub fn admit(cfg: &TrainConfig, limit: MemoryLimit) -> Result<()> {
                     ckpt,
                     cfg.recompute_attention,
                 )?
+                .accumulating(cfg.batch.div_ceil(rows), ckpt.is_some())
                 .total
             }
             MemoryLimit::GpuBuffer(_) => largest_tensor(&cfg.model, rows, t),
@@ -644,6 +712,29 @@ pub(crate) fn mib(b: usize) -> String {
 }
 
 impl MemoryPlan {
+    /// The plan of a step of `accum` micro-batches, `checkpointed` or not.
+    /// Every step starts without gradients (they are dropped after the
+    /// update), so only the micro-batches after the first run with them;
+    /// with one micro-batch and no checkpointing neither phase's peak holds
+    /// them (backward frees the activations faster than it makes the
+    /// gradients). Planned with them otherwise (a checkpointed backward
+    /// peaks in a late segment's recomputation, most gradients made).
+    pub fn accumulating(self, accum: usize, checkpointed: bool) -> MemoryPlan {
+        if accum > 1 || checkpointed {
+            return self;
+        }
+        let (forward_peak, backward_peak) = (
+            self.forward_peak - self.grads,
+            self.backward_peak - self.grads,
+        );
+        MemoryPlan {
+            forward_peak,
+            backward_peak,
+            total: forward_peak.max(backward_peak),
+            ..self
+        }
+    }
+
     /// The plan as a few lines for the start of a run (`attention`: the
     /// attention core recomputed in backward).
     pub fn describe(
@@ -666,16 +757,19 @@ impl MemoryPlan {
         }
         format!(
             "memory plan ({} params, micro-batch {rows}×{t} tokens, {}, {ck}):\n  \
-             weights {}  grads {}  AdamW moments {}  activations {}  backward working set {}\n  \
-             planned peak {}",
+             weights {}  grads {}  AdamW moments {}  activations {}  working sets: forward {}, backward {}\n  \
+             planned peak {} (forward {}, backward {})",
             self.params,
             precision.name(),
             mib(self.weights),
             mib(self.grads),
             mib(self.optimizer),
             mib(self.activations),
+            mib(self.forward_working),
             mib(self.backward_working),
-            mib(self.total)
+            mib(self.total),
+            mib(self.forward_peak),
+            mib(self.backward_peak)
         )
     }
 }
@@ -733,8 +827,8 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(
-            e.contains("planned peak is 217.6 MiB")
-                && e.contains("try --micro-batch 16 --checkpoint-activations (plans 47.1 MiB")
+            e.contains("planned peak is 215.2 MiB")
+                && e.contains("try --micro-batch 16 --checkpoint-activations (plans 47.5 MiB")
                 && e.contains("memory plan ("),
             "{e}"
         );

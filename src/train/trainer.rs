@@ -1158,8 +1158,10 @@ impl Loop {
         say(
             self.progress,
             &format!(
-                "memory: planned peak {} · measured peak {}{phases} (tinyllm::memory, largest step)",
+                "memory: planned peak {} (forward {}, backward {}) · measured peak {}{phases} (tinyllm::memory, largest step)",
                 mib(summary.plan.total),
+                mib(summary.plan.forward_peak),
+                mib(summary.plan.backward_peak),
                 mib(summary.peak_bytes)
             ),
         );
