@@ -45,6 +45,10 @@ enum Cmd {
     Eval(EvalArgs),
     /// Sample text from a checkpoint.
     Generate(GenerateArgs),
+    /// Write a run's full training state (weights, AdamW moments, schedule,
+    /// loss scaler, the next batches) as one safetensors file that PyTorch
+    /// continues from (scripts/continue_in_pytorch.py); or, with --check, check one.
+    Export(ExportArgs),
     /// GPU kernel throughput on this machine's adapter (matmul, fused finite
     /// check + unscale, fused AdamW) against the device's own baselines.
     Bench(BenchArgs),
@@ -284,6 +288,27 @@ struct EvalArgs {
     /// cpu, gpu or auto (GPU if an adapter exists).
     #[arg(long, default_value = "cpu")]
     device: String,
+}
+
+#[derive(Args)]
+struct ExportArgs {
+    /// A run directory or its checkpoint/ subdirectory.
+    #[arg(long)]
+    checkpoint: PathBuf,
+    /// The file to write (docs/continue-in-pytorch.md describes it).
+    #[arg(long, required_unless_present = "check")]
+    out: Option<PathBuf>,
+    /// How many of the run's next batches to include (each a whole step's).
+    #[arg(long, default_value_t = 1)]
+    batches: usize,
+    /// The text the run was trained on, if it has moved (default: the path
+    /// the run recorded, or the embedded corpus); checked by its SHA-256.
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Check this continuation file (its version, every moment and shape)
+    /// against the run instead of writing one.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["out", "data"])]
+    check: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -849,6 +874,46 @@ fn cmd_generate(a: GenerateArgs) -> tinyllm::Result<ExitCode> {
     }
 }
 
+fn cmd_export(a: ExportArgs) -> tinyllm::Result<ExitCode> {
+    use tinyllm::train::continuation;
+    let ck = Verified::open(&a.checkpoint).map_err(|e| e.context("--checkpoint"))?;
+    let st = ck.train_state().map_err(|e| e.context("--checkpoint"))?;
+    if let Some(file) = &a.check {
+        let c = continuation::read_file(file).map_err(|e| e.context("--check"))?;
+        c.check_run(&st.run_id)
+            .map_err(|e| e.context(format!("--check {}", file.display())))?;
+        out!(
+            "{}: a continuation of run {} at step {} ({} batches, {} parameters with AdamW moments): ok",
+            file.display(),
+            c.meta.run_id,
+            c.meta.step,
+            c.meta.batches,
+            c.moments.iter().filter(|m| m.is_some()).count()
+        );
+        return Ok(ExitCode::SUCCESS);
+    }
+    let out = a.out.expect("clap requires --out without --check");
+    let corpus = Corpus::load(a.data.as_ref().or(st.config.data.as_ref()))?;
+    let meta = continuation::export_to(&ck.dir, &corpus, a.batches, &out)?;
+    out!(
+        "{}: run {} at step {}: weights, AdamW moments and the batches of steps {}..={}{}",
+        out.display(),
+        meta.run_id,
+        meta.step,
+        meta.step + 1,
+        meta.step + meta.batches,
+        if meta.precision == "fp32" {
+            String::new()
+        } else {
+            format!(
+                " (a {} run: PyTorch continues in float32, so its losses match to that precision only)",
+                meta.precision
+            )
+        }
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
 fn cmd_bench(a: BenchArgs) -> tinyllm::Result<ExitCode> {
     let defaults = tinyllm::bench::BenchOptions::default();
     let opts = tinyllm::bench::BenchOptions {
@@ -950,6 +1015,7 @@ fn main() -> ExitCode {
         Cmd::Compare(a) => cmd_compare(a),
         Cmd::Eval(a) => cmd_eval(a),
         Cmd::Generate(a) => cmd_generate(a),
+        Cmd::Export(a) => cmd_export(a),
         Cmd::Bench(a) => cmd_bench(a),
         Cmd::Crosscheck(a) => return cmd_crosscheck(a),
         Cmd::DeviceCheck(a) => cmd_device_check(a),

@@ -17,6 +17,9 @@
 //!   your own, [`save_model`] / [`load_model`] (a Hugging Face model folder,
 //!   the files [`hf`] describes beside the weights) and
 //!   [`TrainState::builder`] (a resumable checkpoint's state, checked);
+//! * [`continuation`] — a run's full training state (weights, AdamW moments,
+//!   schedule, scaler, the next batches) in one safetensors file that
+//!   `scripts/continue_in_pytorch.py` continues in PyTorch;
 //! * `metrics`, `plot` — `metrics.jsonl` and the SVG loss curves;
 //!   [`provenance`] — the build and device of every process of a run;
 //! * [`compare`] — float32 against bf16 + accumulation + recompute;
@@ -27,6 +30,7 @@ mod bar;
 pub mod checkpoint;
 pub mod compare;
 pub mod config;
+pub mod continuation;
 pub mod data;
 pub(crate) mod fault;
 pub mod hf;
