@@ -378,7 +378,8 @@ pub fn read(bytes: &[u8]) -> Result<Continuation> {
     match v.get("format").and_then(|f| f.as_str()) {
         Some(FORMAT) => {}
         f => bail!(Checkpoint,
-            "continuation format {f:?}, this tinyllm reads {FORMAT:?} (a file from another version; export it again with this build)"
+            "continuation format {}, this tinyllm reads {FORMAT:?} (a file from another version; export it again with this build)",
+            f.map_or("missing".to_string(), |f| format!("{f:?}"))
         ),
     }
     let meta: ContinueMeta = serde_json::from_value(v)
