@@ -12,7 +12,8 @@ version, every moment, every shape: a clear error naming what is wrong,
 exit status 2), then builds `transformers.LlamaForCausalLM` and
 `torch.optim.AdamW` with that state, and trains N steps (default K, at most
 K) in float32 on those batches: data-parallel under torchrun (DDP, the gloo
-backend by default, so CPUs work), each process taking its share of every
+backend by default, so CPUs work; --device cuda puts each process on its
+GPU, with nccl), each process taking its share of every
 batch's rows and the loss weighted so the gradients are the full batch's
 mean, exactly as tinyllm's step (clip, then AdamW at the step's rate).
 
@@ -126,7 +127,10 @@ def main():
     ap.add_argument("export", help="the file `tinyllm export` (or this script) wrote")
     ap.add_argument("--out", required=True, help="the folder to write")
     ap.add_argument("--steps", type=int, help="steps to train (default: every batch in the file)")
-    ap.add_argument("--backend", default="gloo", help="torch.distributed backend (default gloo)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="cpu (default) or cuda: each process on GPU LOCAL_RANK")
+    ap.add_argument("--backend", help="torch.distributed backend (default: gloo on the CPU, "
+                    "nccl with --device cuda)")
     ap.add_argument("--json", help="write the losses here as JSON")
     a = ap.parse_args()
     try:
@@ -170,17 +174,20 @@ def main():
     if world > 1:
         import torch.distributed as dist
 
-        dist.init_process_group(a.backend)
+        dist.init_process_group(a.backend or ("nccl" if a.device == "cuda" else "gloo"))
     with torch.no_grad():
         model.load_state_dict({nm: tensors[nm] for nm in meta["params"]}, strict=True)
     model.train()
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    dev = torch.device(f"cuda:{local}" if a.device == "cuda" else "cpu")
+    model.to(dev)
     net = model
     if world > 1:
         from torch.nn.parallel import DistributedDataParallel
 
         # The weights are identical on every rank (the same file); DDP
         # averages the gradients over the ranks in backward.
-        net = DistributedDataParallel(model)
+        net = DistributedDataParallel(model, device_ids=[local] if a.device == "cuda" else None)
 
     o = meta["optimizer"]
     opt = torch.optim.AdamW(model.parameters(), lr=meta["schedule"]["lrs"][0],
@@ -190,26 +197,26 @@ def main():
         if name in o["steps"]:
             opt.state[p] = {
                 "step": torch.tensor(float(o["steps"][name]), dtype=torch.float32),
-                "exp_avg": tensors[f"{name}.exp_avg"].clone(),
-                "exp_avg_sq": tensors[f"{name}.exp_avg_sq"].clone(),
+                "exp_avg": tensors[f"{name}.exp_avg"].to(dev, copy=True),
+                "exp_avg_sq": tensors[f"{name}.exp_avg_sq"].to(dev, copy=True),
             }
 
     rows, t = meta["data"]["batch"], meta["data"]["context"]
     lo, hi = rank * rows // world, (rank + 1) * rows // world
     losses = []
     for i in range(n):
-        ids = tensors[f"batch.{i}.input_ids"][lo:hi]
-        labels = tensors[f"batch.{i}.labels"][lo:hi]
+        ids = tensors[f"batch.{i}.input_ids"][lo:hi].to(dev)
+        labels = tensors[f"batch.{i}.labels"][lo:hi].to(dev)
         for g in opt.param_groups:
             g["lr"] = meta["schedule"]["lrs"][i]
         opt.zero_grad(set_to_none=True)
         logits = net(input_ids=ids).logits
-        local = torch.nn.functional.cross_entropy(
+        part = torch.nn.functional.cross_entropy(
             logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), reduction="sum")
         # DDP averages the ranks' gradients: weighting each rank's sum by
         # world / (rows·t) makes that average the full batch's mean.
-        (local * (world / (rows * t))).backward()
-        total = local.detach().clone()
+        (part * (world / (rows * t))).backward()
+        total = part.detach().clone()
         if world > 1:
             torch.distributed.all_reduce(total)
         loss = total.item() / (rows * t)
@@ -235,11 +242,10 @@ def main():
 
 def save(out, meta, model, opt, tensors, n):
     """The Hugging Face folder, and the continuation after `n` steps."""
-    import torch
     from safetensors.torch import save_file
 
     os.makedirs(out, exist_ok=True)
-    weights = {k: v.detach().contiguous() for k, v in model.state_dict().items()
+    weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()
                if k in meta["params"]}
     save_file(weights, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(out, "config.json"), "w") as f:
@@ -249,8 +255,8 @@ def save(out, meta, model, opt, tensors, n):
     for name, p in model.named_parameters():
         st = opt.state.get(p)
         if st:
-            state[f"{name}.exp_avg"] = st["exp_avg"].contiguous()
-            state[f"{name}.exp_avg_sq"] = st["exp_avg_sq"].contiguous()
+            state[f"{name}.exp_avg"] = st["exp_avg"].cpu().contiguous()
+            state[f"{name}.exp_avg_sq"] = st["exp_avg_sq"].cpu().contiguous()
             steps[name] = int(st["step"].item())
     k = meta["batches"]
     for j, i in enumerate(range(n, k)):
