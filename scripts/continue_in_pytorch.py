@@ -163,8 +163,9 @@ def main():
     except Bad as e:
         fail(str(e))
     if meta["precision"] != "fp32":
-        print(f"note: a {meta['precision']} run continues here in float32: losses agree "
-              "to that precision, not to float32's", file=sys.stderr)
+        article = "an" if meta["precision"].startswith("f") else "a"
+        print(f"note: {article} {meta['precision']} run continues here in float32: losses "
+              "agree to that precision, not to float32's", file=sys.stderr)
     if float(meta["model"].get("tinyllm_dropout", 0.0)) > 0:
         print("note: tinyllm's residual dropout has no LlamaForCausalLM counterpart; "
               "continuing without it", file=sys.stderr)

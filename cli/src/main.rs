@@ -905,8 +905,13 @@ fn cmd_export(a: ExportArgs) -> tinyllm::Result<ExitCode> {
         if meta.precision == "fp32" {
             String::new()
         } else {
+            let article = if meta.precision.starts_with('f') {
+                "an"
+            } else {
+                "a"
+            };
             format!(
-                " (a {} run: PyTorch continues in float32, so its losses match to that precision only)",
+                " ({article} {} run: PyTorch continues in float32, so its losses match to that precision only)",
                 meta.precision
             )
         }
