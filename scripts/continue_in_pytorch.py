@@ -108,6 +108,9 @@ def check(path, meta, tensors, model):
     for i in range(meta["batches"]):
         for part in ("input_ids", "labels"):
             tensor(f"batch.{i}.{part}", "batch tensor", (d["batch"], d["context"]), torch.int64)
+    if len(d["positions"]) != meta["batches"] + 1:
+        raise Bad(f"{path}: the data gives {len(d['positions'])} positions for "
+                  f"{meta['batches']} batches (one before each, one after the last)")
     if len(meta["schedule"]["lrs"]) != meta["batches"]:
         raise Bad(f"{path}: the schedule gives {len(meta['schedule']['lrs'])} rates for "
                   f"{meta['batches']} batches")
@@ -268,7 +271,9 @@ def save(out, meta, model, opt, tensors, n):
     nxt["batches"] = k - n
     nxt["optimizer"] = dict(meta["optimizer"], steps=steps)
     nxt["schedule"] = dict(meta["schedule"], lrs=meta["schedule"]["lrs"][n:])
-    nxt["data"] = dict(meta["data"], position=None)
+    # Where the data stands after the batches used: a resumed tinyllm run
+    # (tinyllm import) draws its next batch from there.
+    nxt["data"] = dict(meta["data"], positions=meta["data"]["positions"][n:])
     nxt["written_by"] = "scripts/continue_in_pytorch.py"
     save_file(state, os.path.join(out, CONTINUATION_FILE),
               metadata={"format": "pt", META_KEY: json.dumps(nxt)})

@@ -49,6 +49,9 @@ enum Cmd {
     /// loss scaler, the next batches) as one safetensors file that PyTorch
     /// continues from (scripts/continue_in_pytorch.py); or, with --check, check one.
     Export(ExportArgs),
+    /// Turn a continuation file (the one scripts/continue_in_pytorch.py writes
+    /// after its steps) back into a tinyllm run that `train --resume` continues.
+    Import(ImportArgs),
     /// GPU kernel throughput on this machine's adapter (matmul, fused finite
     /// check + unscale, fused AdamW) against the device's own baselines.
     Bench(BenchArgs),
@@ -309,6 +312,20 @@ struct ExportArgs {
     /// against the run instead of writing one.
     #[arg(long, value_name = "FILE", conflicts_with_all = ["out", "data"])]
     check: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct ImportArgs {
+    /// The continuation file (e.g. OUT/continuation.safetensors of the script).
+    #[arg(long)]
+    continuation: PathBuf,
+    /// The run it continues (its directory or checkpoint/): its config, text
+    /// and identity.
+    #[arg(long)]
+    checkpoint: PathBuf,
+    /// A new directory for the run.
+    #[arg(long)]
+    out: PathBuf,
 }
 
 #[derive(Args)]
@@ -919,6 +936,26 @@ fn cmd_export(a: ExportArgs) -> tinyllm::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+fn cmd_import(a: ImportArgs) -> tinyllm::Result<ExitCode> {
+    use tinyllm::train::continuation;
+    let c = continuation::read_file(&a.continuation).map_err(|e| e.context("--continuation"))?;
+    let ck = continuation::import(&c, &a.checkpoint, &a.out).map_err(|e| {
+        e.context(format!(
+            "import {} into {}",
+            a.continuation.display(),
+            a.out.display()
+        ))
+    })?;
+    out!(
+        "{}: run {} at step {}; continue with: tinyllm train --resume {} --steps N",
+        ck.display(),
+        c.meta.run_id,
+        c.meta.step,
+        shell_quote(&a.out.display().to_string())
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
 fn cmd_bench(a: BenchArgs) -> tinyllm::Result<ExitCode> {
     let defaults = tinyllm::bench::BenchOptions::default();
     let opts = tinyllm::bench::BenchOptions {
@@ -1021,6 +1058,7 @@ fn main() -> ExitCode {
         Cmd::Eval(a) => cmd_eval(a),
         Cmd::Generate(a) => cmd_generate(a),
         Cmd::Export(a) => cmd_export(a),
+        Cmd::Import(a) => cmd_import(a),
         Cmd::Bench(a) => cmd_bench(a),
         Cmd::Crosscheck(a) => return cmd_crosscheck(a),
         Cmd::DeviceCheck(a) => cmd_device_check(a),

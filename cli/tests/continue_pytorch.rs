@@ -1,7 +1,8 @@
 //! Continuing a run in PyTorch: `tinyllm export` writes a run's full
 //! training state in one safetensors file, `scripts/continue_in_pytorch.py`
 //! trains on from it under torchrun, and the folder it writes loads in
-//! `tinyllm eval`/`generate`.
+//! `tinyllm eval`/`generate`; `tinyllm import` turns the script's state
+//! back into a run that `tinyllm train --resume` continues.
 //!
 //! The export's contents and every refusal (another version, another run, a
 //! missing moment, a shape mismatch) are checked here without PyTorch. The
@@ -208,7 +209,25 @@ fn the_export_holds_the_checkpoint_and_the_batches_tinyllm_trains_on_next() {
     assert_ne!(ids("batch.0.input_ids"), ids("batch.1.input_ids"));
     let (ok, out, err) = run_bin(&["export", "--checkpoint", s(&f.run), "--check", s(&f.file)]);
     assert!(ok && out.contains("ok"), "{out}{err}");
+    // Imported back as it is, the file is the run: resumed, the same bits.
+    let back = f.root.join("back");
+    import(&f.file, &f.run, &back);
+    let again = resume(&back, &back, 5);
+    assert_eq!(again, f.next, "the imported run's steps 4..=5");
     let _ = std::fs::remove_dir_all(&f.root);
+}
+
+fn import(file: &Path, run: &Path, out: &Path) {
+    let (ok, o, e) = run_bin(&[
+        "import",
+        "--continuation",
+        s(file),
+        "--checkpoint",
+        s(run),
+        "--out",
+        s(out),
+    ]);
+    assert!(ok, "import: {o}{e}");
 }
 
 // ------------------------------------------------------ bad input ----
@@ -302,6 +321,42 @@ fn tinyllm_refuses_a_bad_continuation_file_naming_what_is_wrong() {
     train(&other, "tiny", 3);
     let (ok, _, err) = run_bin(&["export", "--checkpoint", s(&other), "--check", s(&f.file)]);
     assert!(!ok && err.contains("another run"), "{err}");
+    let into = f.root.join("into");
+    let (ok, _, err) = run_bin(&[
+        "import",
+        "--continuation",
+        s(&f.file),
+        "--checkpoint",
+        s(&other),
+        "--out",
+        s(&into),
+    ]);
+    assert!(
+        !ok && err.contains("another run") && !into.exists(),
+        "{err}"
+    );
+    for (file, says, _) in bad_files(&f) {
+        let (ok, _, err) = run_bin(&[
+            "import",
+            "--continuation",
+            s(&file),
+            "--checkpoint",
+            s(&f.run),
+            "--out",
+            s(&into),
+        ]);
+        assert!(!ok && err.contains(says) && !into.exists(), "{err}");
+    }
+    let (ok, _, err) = run_bin(&[
+        "import",
+        "--continuation",
+        s(&f.file),
+        "--checkpoint",
+        s(&f.run),
+        "--out",
+        s(&other),
+    ]);
+    assert!(!ok && err.contains("not an empty directory"), "{err}");
     // Export refuses another text, and a file it did not write as --out.
     let text = f.root.join("text.txt");
     std::fs::write(&text, "some other text entirely. ".repeat(40)).unwrap();
@@ -426,7 +481,7 @@ fn pytorch_continues_with_tinyllm_s_losses_and_tinyllm_loads_the_result() {
     train(&run, "small", 4);
     let file = root.join("run.continue.safetensors");
     export(&run, 2, &file);
-    let next = resume(&run, &root.join("resumed"), 6);
+    let next = resume(&run, &root.join("resumed"), 7);
     let out = root.join("torch");
     let json = root.join("losses.json");
     let (ok, o, e) = script(&py, 2, &[s(&file), "--out", s(&out), "--json", s(&json)]);
@@ -441,7 +496,7 @@ fn pytorch_continues_with_tinyllm_s_losses_and_tinyllm_loads_the_result() {
         .map(|x| x.as_f64().unwrap())
         .collect();
     assert_eq!(losses.len(), 2);
-    for (torch, ours) in losses.iter().zip(&next) {
+    for (torch, ours) in losses.iter().zip(&next[..2]) {
         let rel = (torch - ours.1).abs() / ours.1;
         eprintln!(
             "step {}: PyTorch {torch:.7}, tinyllm {:.7}, relative difference {rel:.2e}",
@@ -474,6 +529,18 @@ fn pytorch_continues_with_tinyllm_s_losses_and_tinyllm_loads_the_result() {
     let cont = out.join("continuation.safetensors");
     let (ok, o, e) = run_bin(&["export", "--checkpoint", s(&run), "--check", s(&cont)]);
     assert!(ok && o.contains("at step 6"), "{o}{e}");
+    // …and, imported, tinyllm trains on from PyTorch's state: its step 7
+    // is the uninterrupted run's.
+    let back = root.join("back");
+    import(&cont, &run, &back);
+    let after = resume(&back, &back, 7);
+    let (step, loss, _) = after[0];
+    let rel = (loss - next[2].1).abs() / next[2].1;
+    eprintln!(
+        "step 7 after PyTorch's steps 5, 6: {loss:.7}, tinyllm throughout {:.7}, relative difference {rel:.2e}",
+        next[2].1
+    );
+    assert!(step == 7 && rel <= TOLERANCE, "{after:?} vs {next:?}");
     let _ = std::fs::remove_dir_all(&root);
 }
 

@@ -19,7 +19,7 @@
 //!   version, the run's id and step, the model's `config.json`, AdamW's
 //!   hyper-parameters and step counts, the learning-rate schedule (and the
 //!   exact rate of each exported step), the clip, the precision and loss
-//!   scaler, and the data position before and after the exported batches.
+//!   scaler, and the data position before each exported batch and after them.
 //!
 //! Why one file: safetensors is what PyTorch reads without running code (no
 //! pickle), and a single file cannot pair weights of one step with moments
@@ -32,7 +32,7 @@
 use crate::backend::Device;
 use crate::nn::llama::{Llama, LlamaConfig};
 use crate::nn::Module;
-use crate::optim::{AdamW, AdamWConfig};
+use crate::optim::{AdamW, AdamWConfig, Optimizer};
 use crate::precision::ScalerState;
 use crate::rng::{Generator, RngState};
 use crate::train::checkpoint::{self, TrainState, Verified};
@@ -135,11 +135,10 @@ pub struct DataMeta {
     pub micro_batch: usize,
     /// Tokens per sequence.
     pub context: usize,
-    /// The batch-order stream's state before `batch.0` (`None`: not known,
-    /// in a file the script wrote after it trained on some of the batches).
-    pub position: Option<RngState>,
-    /// Its state after the last exported batch.
-    pub after: RngState,
+    /// The batch-order stream's state before each batch and after the last
+    /// (`batches + 1` entries): `positions[0]` is where the data stands at
+    /// [`ContinueMeta::step`], the state a resumed tinyllm run draws from.
+    pub positions: Vec<RngState>,
 }
 
 /// A raw little-endian tensor for `safetensors::serialize`.
@@ -230,6 +229,7 @@ pub fn export(dir: &Path, corpus: &Corpus, batches: usize) -> Result<(Vec<u8>, C
     order.set_state(st.data_rng);
     let mut tensors: Vec<(String, Raw)> = Vec::new();
     let mut lrs = Vec::with_capacity(batches);
+    let mut positions = vec![order.state()];
     for i in 0..batches {
         // The trainer's draw for step st.step + 1 + i (Trainer::train_step).
         let b = data.sample_batch(&order, c.batch);
@@ -242,6 +242,7 @@ pub fn export(dir: &Path, corpus: &Corpus, batches: usize) -> Result<(Vec<u8>, C
             i64_raw(&b.targets, [b.rows, b.t]),
         ));
         lrs.push(c.lr_at(st.step + 1 + i));
+        positions.push(order.state());
     }
     let mut steps = BTreeMap::new();
     let mut params = Vec::new();
@@ -286,8 +287,7 @@ pub fn export(dir: &Path, corpus: &Corpus, batches: usize) -> Result<(Vec<u8>, C
             batch: c.batch,
             micro_batch: c.micro_batch,
             context: c.model.context,
-            position: Some(st.data_rng),
-            after: order.state(),
+            positions,
         },
         batches,
     };
@@ -448,6 +448,14 @@ pub fn read(bytes: &[u8]) -> Result<Continuation> {
             }
         }
     }
+    if meta.data.positions.len() != meta.batches + 1 {
+        bail!(
+            Checkpoint,
+            "the data gives {} positions for {} batches (one before each, one after the last)",
+            meta.data.positions.len(),
+            meta.batches
+        );
+    }
     if meta.schedule.lrs.len() != meta.batches {
         bail!(
             Checkpoint,
@@ -499,4 +507,83 @@ pub fn read_file(path: &Path) -> Result<Continuation> {
         )
     })?;
     read(&bytes).map_err(|e| e.context(path.display()))
+}
+
+/// The run checkpointed in `dir`, continued as the continuation `c` says
+/// (the script's file after its steps, or an export), written as a new run
+/// in `out` whose checkpoint `tinyllm train --resume out` continues: the
+/// file's weights, AdamW moments and step counts, its step and data
+/// position; the run's config (its `out` now `out`), text, loss scaler
+/// (as the file gives it), dropout stream and identity. Refused, before
+/// anything is written: a file of another run or of another model, and an
+/// `out` that exists and is not empty. Returns the checkpoint's path.
+pub fn import(c: &Continuation, dir: &Path, out: &Path) -> Result<std::path::PathBuf> {
+    let ck = Verified::open(dir)?;
+    let st = ck.train_state()?;
+    c.check_run(&st.run_id)?;
+    if c.config != st.config.model {
+        bail!(
+            Checkpoint,
+            "the continuation file's model ({:?}) is not the run's ({:?})",
+            c.config,
+            st.config.model
+        );
+    }
+    if c.meta.data.fingerprint != st.data_fingerprint {
+        bail!(
+            Checkpoint,
+            "the continuation file's text (SHA-256 {}) is not the run's ({})",
+            c.meta.data.fingerprint,
+            st.data_fingerprint
+        );
+    }
+    let occupied = std::fs::read_dir(out).is_ok_and(|mut d| d.next().is_some());
+    if occupied || (out.exists() && !out.is_dir()) {
+        bail!(
+            Config,
+            "--out {}: exists and is not an empty directory; import writes a new run",
+            out.display()
+        );
+    }
+    let mut config = st.config.clone();
+    config.out = out.to_path_buf();
+    let model = Llama::new(&c.config, 0, Device::Cpu)?;
+    let mut opt = AdamW::new(
+        model.parameters(),
+        AdamWConfig {
+            weight_decay: config.weight_decay,
+            ..AdamWConfig::new(config.lr)
+        },
+    )?;
+    for (i, (p, w)) in model.parameters().iter().zip(&c.weights).enumerate() {
+        p.set_storage(crate::backend::Storage::from_f32(w.clone(), Device::Cpu)?)?;
+        let state = match &c.moments[i] {
+            Some((m, v, k)) => Some((
+                crate::Tensor::from_vec(m.clone(), p.shape(), Device::Cpu)?,
+                crate::Tensor::from_vec(v.clone(), p.shape(), Device::Cpu)?,
+                *k,
+            )),
+            None => None,
+        };
+        opt.set_state(i, state)?;
+    }
+    opt.set_lr(config.lr_after(c.meta.step));
+    let state = TrainState {
+        format: checkpoint::FORMAT.into(),
+        step: c.meta.step,
+        config,
+        scaler: c.meta.scaler.clone(),
+        model_rng: st.model_rng,
+        data_rng: c.meta.data.positions[0],
+        adam_steps: (0..c.moments.len())
+            .map(|i| opt.state(i).map(|s| s.2))
+            .collect(),
+        data_name: st.data_name.clone(),
+        data_fingerprint: st.data_fingerprint.clone(),
+        run_id: st.run_id.clone(),
+        builds: st.builds.clone(),
+    };
+    std::fs::create_dir_all(out)
+        .map_err(|e| Error::io(format!("cannot create {}", out.display()), e))?;
+    checkpoint::save(out, &model, &opt, &state)
 }
