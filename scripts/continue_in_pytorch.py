@@ -105,9 +105,13 @@ def check(path, meta, tensors, model):
             for m in ("exp_avg", "exp_avg_sq"):
                 tensor(f"{name}.{m}", "AdamW moment", shape, torch.float32)
     d = meta["data"]
+    vocab = int(meta["model"]["vocab_size"])
     for i in range(meta["batches"]):
         for part in ("input_ids", "labels"):
-            tensor(f"batch.{i}.{part}", "batch tensor", (d["batch"], d["context"]), torch.int64)
+            name = f"batch.{i}.{part}"
+            t = tensor(name, "batch tensor", (d["batch"], d["context"]), torch.int64)
+            if t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab):
+                raise Bad(f"{path}: batch tensor {name!r} holds ids outside 0..{vocab - 1}")
     if len(d["positions"]) != meta["batches"] + 1:
         raise Bad(f"{path}: the data gives {len(d['positions'])} positions for "
                   f"{meta['batches']} batches (one before each, one after the last)")

@@ -296,7 +296,13 @@ fn bad_files(f: &Fixture) -> Vec<(PathBuf, &'static str, &'static str)> {
         let e = t.get_mut(&format!("{Q0}.exp_avg")).unwrap();
         e.1 = vec![e.1[0] * e.1[1]];
     });
+    let ids = dir.join("ids.safetensors");
+    rewrite(&f.file, &ids, |t, _| {
+        let e = t.get_mut("batch.1.labels").unwrap();
+        e.2[..8].copy_from_slice(&300i64.to_le_bytes());
+    });
     vec![
+        (ids, "outside", "batch.1.labels"),
         (version, "another version", "tinyllm-continue-0"),
         (moment, "missing AdamW moment", "exp_avg_sq"),
         (shape, "shape mismatch", EMBED),

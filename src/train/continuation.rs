@@ -446,6 +446,19 @@ pub fn read(bytes: &[u8]) -> Result<Continuation> {
                     x.shape()
                 );
             }
+            let vocab = config.vocab_size as i64;
+            let bad = x
+                .data()
+                .chunks_exact(8)
+                .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")))
+                .find(|id| !(0..vocab).contains(id));
+            if let Some(id) = bad {
+                bail!(
+                    Checkpoint,
+                    "batch tensor {name:?} holds the id {id}, outside 0..{}",
+                    vocab - 1
+                );
+            }
         }
     }
     if meta.data.positions.len() != meta.batches + 1 {
