@@ -27,7 +27,9 @@
 //!
 //! Reading ([`read`]) checks the format version, every moment and every
 //! shape against the model the metadata describes, before anything is used;
-//! [`Continuation::check_run`] refuses a file of another run.
+//! [`Continuation::check_run`] refuses a file of another run. [`import`]
+//! turns a file (the script's after its steps, or an export) back into a
+//! tinyllm run that `tinyllm train --resume` continues.
 
 use crate::backend::Device;
 use crate::nn::llama::{Llama, LlamaConfig};
