@@ -146,6 +146,8 @@ def main():
     except ImportError as e:
         fail(f"needs torch, transformers and safetensors ({e})")
 
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
     try:
         meta = read_meta(a.export)
         torch.manual_seed(0)
@@ -157,6 +159,9 @@ def main():
         if not 1 <= n <= k:
             raise Bad(f"--steps {n}: the file holds {k} batches (1..={k} steps; export more "
                       "with tinyllm export --batches)")
+        if world > meta["data"]["batch"]:
+            raise Bad(f"{world} processes for batches of {meta['data']['batch']} rows: each "
+                      "process needs at least one row (fewer processes)")
         prev = os.path.join(a.out, CONTINUATION_FILE)
         if os.path.exists(prev):
             other = read_meta(prev)
@@ -177,8 +182,6 @@ def main():
         print("note: tinyllm's residual dropout has no LlamaForCausalLM counterpart; "
               "continuing without it", file=sys.stderr)
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
     if world > 1:
         import torch.distributed as dist
 

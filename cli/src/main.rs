@@ -1,4 +1,5 @@
-//! `tinyllm`: train, compare, evaluate and sample small Llamas. A thin shell:
+//! `tinyllm`: train, compare, evaluate and sample small Llamas, and hand a
+//! run to PyTorch and back (`export`, `import`). A thin shell:
 //! parse the flags, hand them to `tinyllm::train`, print what comes back.
 //!
 //! Output never panics: a closed stdout or stderr (`tinyllm train | head`)
