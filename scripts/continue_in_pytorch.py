@@ -251,6 +251,18 @@ def main():
         torch.distributed.destroy_process_group()
 
 
+def replace(path, write):
+    """`write(tmp)`, then the temporary file renamed to `path`: a file is
+    whole or as it was, also when --out is where the input came from."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
 def save(out, meta, model, opt, tensors, n):
     """The Hugging Face folder, and the continuation after `n` steps."""
     from safetensors.torch import save_file
@@ -258,9 +270,14 @@ def save(out, meta, model, opt, tensors, n):
     os.makedirs(out, exist_ok=True)
     weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()
                if k in meta["params"]}
-    save_file(weights, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(meta["model"], f, indent=2)
+    replace(os.path.join(out, "model.safetensors"),
+            lambda p: save_file(weights, p, metadata={"format": "pt"}))
+
+    def config(p):
+        with open(p, "w") as f:
+            json.dump(meta["model"], f, indent=2)
+
+    replace(os.path.join(out, "config.json"), config)
     state = dict(weights)
     steps = {}
     for name, p in model.named_parameters():
@@ -282,8 +299,8 @@ def save(out, meta, model, opt, tensors, n):
     # (tinyllm import) draws its next batch from there.
     nxt["data"] = dict(meta["data"], positions=meta["data"]["positions"][n:])
     nxt["written_by"] = "scripts/continue_in_pytorch.py"
-    save_file(state, os.path.join(out, CONTINUATION_FILE),
-              metadata={"format": "pt", META_KEY: json.dumps(nxt)})
+    replace(os.path.join(out, CONTINUATION_FILE),
+            lambda p: save_file(state, p, metadata={"format": "pt", META_KEY: json.dumps(nxt)}))
 
 
 if __name__ == "__main__":
