@@ -422,11 +422,16 @@ fn the_command_reports_bit_identical_here() {
 
 /// With the perturbation hook armed through the environment, the command exits 1
 /// and names the perturbed primitive (its sweep row) and the first differing
-/// call of the lockstep's replay, in the report and in the JSON.
+/// call of the lockstep's replay, in the report and in the JSON. The sweep
+/// is of the perturbed primitive's family alone (the whole sweep's rows are
+/// read by `the_command_reports_bit_identical_here`).
 #[test]
 fn the_command_exits_1_and_names_the_perturbation() {
     require_gpu!();
-    let perturb = [("TINYLLM_GPU_PERTURB", "swiglu#3")];
+    let perturb = [
+        ("TINYLLM_GPU_PERTURB", "swiglu#3"),
+        ("TINYLLM_SWEEP_ONLY", "fused"),
+    ];
     let (code, out, err) = run_bin(
         &["crosscheck", "--precision", "fp32", "--steps", "2"],
         &perturb,

@@ -72,6 +72,27 @@ pub struct Report {
     pub verdict: Verdict,
 }
 
+/// The families the command sweeps: all of them. Test-hooks builds take
+/// `TINYLLM_SWEEP_ONLY=NAME[,NAME…]` (as [`Family::name`] gives them), so a
+/// test of the report's wording sweeps only the family it reads.
+fn swept() -> Result<Vec<Family>> {
+    #[cfg(feature = "test-hooks")]
+    if let Ok(only) = std::env::var("TINYLLM_SWEEP_ONLY") {
+        return only
+            .split(',')
+            .map(|n| {
+                Family::ALL
+                    .into_iter()
+                    .find(|f| f.name() == n.trim())
+                    .ok_or_else(|| {
+                        crate::Error::config(format!("TINYLLM_SWEEP_ONLY: no family {n:?}"))
+                    })
+            })
+            .collect();
+    }
+    Ok(Family::ALL.to_vec())
+}
+
 /// Runs the probe, the sweep (unless skipped) and a lockstep per precision,
 /// telling `progress` what it is doing. An error (no adapter, a device
 /// failure) is returned as such: a report is only made of results.
@@ -85,7 +106,7 @@ pub fn run(o: &Options, progress: &mut dyn FnMut(&str)) -> Result<Report> {
         let mut tell = |f: Family| progress(&format!("sweep: {}", sweep::words(f)));
         Some(sweep::run(
             &[Device::Cpu, Device::Gpu],
-            &Family::ALL,
+            &swept()?,
             &mut tell,
         )?)
     } else {
