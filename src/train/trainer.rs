@@ -293,6 +293,7 @@ impl Trainer {
             scaler: self.scaler.as_mut(),
             clip: self.cfg.clip,
             cast_policy: self.cfg.cast_policy.as_ref().map(CastPolicy::table),
+            fp8: None,
         };
         let report = settings.run(
             model,
