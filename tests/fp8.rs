@@ -232,3 +232,129 @@ device_test!(fp8_training_is_bitwise_across_devices, |dev| {
     assert_eq!(tensors, 8 * 3);
     assert_ne!(got[..2], two_steps(dev, false)[..2], "fp8 changed nothing");
 });
+
+// ------------------------------------------------------------ trainer ----
+
+use tinyllm::train::config::{DeviceChoice, TrainConfig, TrainOptions};
+use tinyllm::train::data::Corpus;
+use tinyllm::train::Trainer;
+
+fn tiny_fp8(extra: TrainOptions) -> TrainConfig {
+    TrainConfig::resolve(&TrainOptions {
+        preset: Some("tiny".into()),
+        device: Some(DeviceChoice::Cpu),
+        fp8: Some(true),
+        amax_history: Some(4),
+        ..extra
+    })
+    .unwrap()
+}
+
+fn snapshot_bits(t: &Trainer) -> Vec<(String, Vec<u32>)> {
+    t.snapshot()
+        .unwrap()
+        .into_iter()
+        .map(|(n, v)| (n, bits(&v)))
+        .collect()
+}
+
+// 4 fp8 steps straight through vs 2, a checkpoint, a resume, 2 more (with
+// activation checkpointing, the tiny preset's default): the losses, the
+// weights and moments, the amax histories and the scales are equal bit for
+// bit; the checkpoint holds the histories.
+#[test]
+fn fp8_resume_is_bit_for_bit() {
+    let corpus = Corpus::embedded();
+    let cfg = tiny_fp8(TrainOptions {
+        steps: Some(4),
+        ..Default::default()
+    });
+    assert!(cfg.ckpt_budget.is_some());
+    let mut a = Trainer::new(cfg.clone(), Device::Cpu, &corpus).unwrap();
+    let la: Vec<u32> = (0..4)
+        .map(|_| a.train_step().unwrap().loss.to_bits())
+        .collect();
+    let dir = tmpdir("fp8-resume");
+    let mut b = Trainer::new(cfg.clone(), Device::Cpu, &corpus).unwrap();
+    let mut lb: Vec<u32> = (0..2)
+        .map(|_| b.train_step().unwrap().loss.to_bits())
+        .collect();
+    b.save(&dir).unwrap();
+    let saved = b.state().fp8.expect("an fp8 run saves its scales");
+    assert!(saved.tensors.iter().all(|t| t.history.len() == 2));
+    drop(b);
+    let mut c = Trainer::resume(cfg, Device::Cpu, &corpus, &dir).unwrap();
+    assert_eq!(c.state().fp8.unwrap(), saved, "the scales as saved");
+    lb.extend((0..2).map(|_| c.train_step().unwrap().loss.to_bits()));
+    assert_eq!(la, lb, "per-step losses");
+    assert_eq!(snapshot_bits(&a), snapshot_bits(&c));
+    assert_eq!(a.state().fp8, c.state().fp8, "histories and scales");
+    // the scales moved off 1 and the histories are full
+    let st = a.state().fp8.unwrap();
+    assert!(st.tensors.iter().all(|t| t.history.len() == 4));
+    assert!(st.tensors.iter().any(|t| t.scale() != 1.0));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+// A tiny fp8 run gives the same losses and weights on the GPU as on the CPU.
+#[test]
+fn fp8_runs_are_identical_on_cpu_and_gpu() {
+    if !tinyllm::testing::gpu_available() {
+        return;
+    }
+    let corpus = Corpus::embedded();
+    let cfg = tiny_fp8(TrainOptions {
+        steps: Some(2),
+        ..Default::default()
+    });
+    let run = |dev| {
+        let mut t = Trainer::new(cfg.clone(), dev, &corpus).unwrap();
+        let losses: Vec<u32> = (0..2)
+            .map(|_| t.train_step().unwrap().loss.to_bits())
+            .collect();
+        (losses, snapshot_bits(&t), t.state().fp8)
+    };
+    assert_eq!(run(Device::Cpu), run(Device::Gpu));
+}
+
+// Bad input: a clear error naming the flag.
+#[test]
+fn fp8_flags_are_validated() {
+    let err = |o: TrainOptions| {
+        TrainConfig::resolve(&TrainOptions {
+            preset: Some("tiny".into()),
+            ..o
+        })
+        .unwrap_err()
+        .to_string()
+    };
+    let fp8 = |o: TrainOptions| TrainOptions {
+        fp8: Some(true),
+        ..o
+    };
+    let e = err(fp8(TrainOptions {
+        amax_history: Some(0),
+        ..Default::default()
+    }));
+    assert!(e.contains("--amax-history"), "{e}");
+    let e = err(fp8(TrainOptions {
+        fp8_margin: Some(-1),
+        ..Default::default()
+    }));
+    assert!(e.contains("--fp8-margin"), "{e}");
+    let e = err(fp8(TrainOptions {
+        precision: Some(Precision::Fp16),
+        ..Default::default()
+    }));
+    assert!(e.contains("--fp8") && e.contains("--fp16"), "{e}");
+    let e = err(TrainOptions {
+        amax_history: Some(8),
+        ..Default::default()
+    });
+    assert!(e.contains("--amax-history needs --fp8"), "{e}");
+    // --fp8 alone: bf16 for the rest, the defaults
+    let c = tiny_fp8(TrainOptions::default());
+    assert_eq!(c.precision, Precision::Bf16);
+    assert_eq!(c.fp8.unwrap().history, 4);
+    assert!(c.describe().contains("fp8"));
+}

@@ -213,6 +213,7 @@ pub fn compare(
         recompute_attention: false,
         // the policy is the mixed side's recipe; float32 rounds nothing
         cast_policy: None,
+        fp8: None,
         out: out.join("fp32"),
         ..mixed_cfg.clone()
     };
