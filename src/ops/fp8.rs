@@ -66,7 +66,8 @@ pub(crate) fn saturations(x: &Storage, scale: f32, fmax: f32) -> Result<Storage>
         .reduce(ReduceOp::Sum, 1, x.len(), 1)
 }
 
-/// [`quantize`] as a constant tensor op: `rd(x·s)/s`, `x`'s shape.
+/// The scaled cast as a constant tensor op: `rd(x·s)/s` (saturating; see
+/// the module docs), `x`'s shape.
 pub fn scaled_round(x: &Tensor, scale: f32, fmt: Fp8) -> Result<Tensor> {
     Tensor::from_storage(quantize(&x.storage(), scale, fmt)?, x.shape())
 }
