@@ -358,3 +358,43 @@ fn fp8_flags_are_validated() {
     assert_eq!(c.fp8.unwrap().history, 4);
     assert!(c.describe().contains("fp8"));
 }
+
+// A resume keeps the recipe: another margin, or fp8 turned on for a run
+// that was not fp8, is refused naming the flags; left out, fp8 is kept.
+#[test]
+fn fp8_resume_keeps_the_recipe() {
+    let saved = tiny_fp8(TrainOptions::default());
+    let e = TrainConfig::resume(
+        &saved,
+        &TrainOptions {
+            fp8_margin: Some(2),
+            ..Default::default()
+        },
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("--fp8-margin"), "{e}");
+    let kept = TrainConfig::resume(&saved, &TrainOptions::default()).unwrap();
+    assert_eq!(kept.fp8, saved.fp8);
+    let plain = TrainConfig::resolve(&TrainOptions {
+        preset: Some("tiny".into()),
+        ..Default::default()
+    })
+    .unwrap();
+    let e = TrainConfig::resume(
+        &plain,
+        &TrainOptions {
+            fp8: Some(true),
+            ..Default::default()
+        },
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("--fp8"), "{e}");
+    assert_eq!(
+        TrainConfig::resume(&plain, &TrainOptions::default())
+            .unwrap()
+            .fp8,
+        None
+    );
+}
