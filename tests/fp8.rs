@@ -398,3 +398,20 @@ fn fp8_resume_keeps_the_recipe() {
         None
     );
 }
+
+// The memory plan of an fp8 run holds the E4M3 copies of the Linear
+// weights (4 bytes a value, emulated) beside bf16's plan.
+#[test]
+fn fp8_plan_counts_the_weight_copies() {
+    let fp8 = tiny_fp8(TrainOptions::default());
+    let bf16 = TrainConfig {
+        fp8: None,
+        ..fp8.clone()
+    };
+    let (a, b) = (fp8.memory_plan().unwrap(), bf16.memory_plan().unwrap());
+    let m = &fp8.model;
+    let linear = m.n_layers * (4 * m.d_model * m.d_model + 3 * m.d_model * m.hidden)
+        + m.vocab_size * m.d_model;
+    assert_eq!(a.total - b.total, 4 * linear);
+    assert_eq!(a.backward_peak - b.backward_peak, 4 * linear);
+}
