@@ -57,6 +57,10 @@ pub use crate::tensor::autocast::{
     autocast, autocast_dtype, autocast_scope, cast_table, AutocastGuard, CastPolicy, CastTable,
     OpClass, Rule, Scope,
 };
+pub use crate::tensor::fp8::{
+    fp8_scope, AmaxReduction, DelayedScaling, Fp8Config, Fp8Guard, Fp8Report, Fp8State, Role,
+    ScaledTensor,
+};
 
 /// `autocast(Format::Bf16)`.
 #[must_use = "autocast ends when the guard is dropped: bind it to a named variable, or use autocast_scope"]

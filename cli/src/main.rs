@@ -174,6 +174,22 @@ struct RunFlags {
     /// mixed side.
     #[arg(long, value_name = "NAME|FILE.json")]
     cast_policy: Option<String>,
+    /// The Linear layers' products in fp8 with per-tensor delayed scaling
+    /// (E4M3 weights and activations, E5M2 gradients, f32 accumulation;
+    /// the rest under bf16 autocast). Not with --fp16 or --fp32. compare
+    /// applies it to the mixed side.
+    #[arg(long)]
+    fp8: bool,
+    /// With --fp8: amaxes each scale is fitted to (default 16).
+    #[arg(long, value_name = "N", value_parser = count, allow_negative_numbers = true)]
+    amax_history: Option<usize>,
+    /// With --fp8: powers of two of headroom below the format's maximum
+    /// (default 0).
+    #[arg(long, value_name = "M", allow_negative_numbers = true)]
+    fp8_margin: Option<i64>,
+    /// With --fp8: how the history is reduced, max (default) or most_recent.
+    #[arg(long, value_name = "max|most_recent")]
+    amax_reduction: Option<String>,
     /// Gradient-norm clip (0 = off; default 1).
     #[arg(long, allow_negative_numbers = true)]
     clip: Option<f32>,
@@ -411,6 +427,10 @@ impl RunFlags {
             ckpt_budget: self.ckpt_budget,
             recompute: parse_flag("--recompute", self.recompute.as_deref())?,
             cast_policy: self.cast_policy.clone(),
+            fp8: self.fp8.then_some(true),
+            amax_history: self.amax_history,
+            fp8_margin: self.fp8_margin,
+            amax_reduction: parse_flag("--amax-reduction", self.amax_reduction.as_deref())?,
             clip: self.clip,
             eval_every: self.eval_every,
             save_every: self.save_every,

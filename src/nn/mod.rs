@@ -7,6 +7,7 @@ pub mod llama;
 use crate::backend::Device;
 use crate::ops::dropout;
 use crate::rng::Generator;
+use crate::tensor::fp8;
 use crate::{bail, Result, Tensor};
 use std::cell::Cell;
 use std::rc::Rc;
@@ -68,7 +69,7 @@ impl Linear {
     /// `residual + self.forward(x)`, the sum formed as the product writes
     /// its outputs where it can ([`Tensor::matmul_t_add`]: no bias).
     pub fn forward_add(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
-        if self.bias.is_some() || x.dims() < 2 {
+        if self.bias.is_some() || x.dims() < 2 || fp8::active().is_some() {
             return residual.residual_add(&self.forward(x)?);
         }
         self.check_input(x)?;
@@ -102,7 +103,10 @@ impl Layer for Linear {
         // batched over the leading axes, the weight shared: the same sums as
         // one (rows, in) product, and x itself is the product's input, so
         // its gradient adds into what x gathered before (no reshape between)
-        let y = x.matmul_t(&self.weight)?;
+        let y = match fp8::active() {
+            Some(recipe) => crate::ops::fp8::linear(x, &self.weight, &recipe)?,
+            None => x.matmul_t(&self.weight)?,
+        };
         match &self.bias {
             // over (rows, out): the bias gradient one fold over the rows
             Some(b) => {

@@ -3,6 +3,7 @@
 
 pub mod attention;
 pub mod elementwise;
+pub mod fp8;
 pub mod fused;
 pub mod index;
 pub mod matmul;

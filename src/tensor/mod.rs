@@ -4,6 +4,7 @@
 
 pub mod autocast;
 pub mod autograd;
+pub mod fp8;
 pub(crate) mod saved;
 pub mod shape;
 

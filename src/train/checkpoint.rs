@@ -92,6 +92,10 @@ pub struct TrainState {
     pub config: TrainConfig,
     /// The fp16 loss scaler's state (`None` for fp32 and bf16 runs).
     pub scaler: Option<ScalerState>,
+    /// The fp8 recipe's amax histories and scales, as f32 bits (`None`
+    /// unless the run is `--fp8`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fp8: Option<crate::precision::Fp8State>,
     /// The dropout stream's state.
     pub model_rng: RngState,
     /// The batch-order stream's state: the data position.
@@ -361,6 +365,7 @@ impl TrainStateBuilder<'_> {
             step: self.step,
             config: self.config,
             scaler: self.scaler,
+            fp8: None,
             model_rng: self.model.rng.state(),
             data_rng: self.data_rng,
             adam_steps: (0..n).map(|i| self.opt.state(i).map(|s| s.2)).collect(),

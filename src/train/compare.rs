@@ -89,12 +89,21 @@ pub struct Comparison {
     pub commits: Vec<String>,
 }
 
+/// The precision's name, with `+fp8` for an fp8 run (its Linear layers'
+/// products in fp8, the rest at the precision).
+fn recipe_name(cfg: &TrainConfig) -> String {
+    match cfg.fp8 {
+        Some(_) => format!("{}+fp8", cfg.precision.name()),
+        None => cfg.precision.name().into(),
+    }
+}
+
 fn side(label: &str, cfg: &TrainConfig, s: &RunSummary, heldout_loss: f32) -> Side {
     Side {
         label: label.into(),
         precision: match &cfg.cast_policy {
-            Some(p) => format!("{} {}", cfg.precision.name(), p.name()),
-            None => cfg.precision.name().into(),
+            Some(p) => format!("{} {}", recipe_name(cfg), p.name()),
+            None => recipe_name(cfg),
         },
         micro_batch: cfg.micro_batch,
         accum: cfg.accum,
@@ -213,6 +222,7 @@ pub fn compare(
         recompute_attention: false,
         // the policy is the mixed side's recipe; float32 rounds nothing
         cast_policy: None,
+        fp8: None,
         out: out.join("fp32"),
         ..mixed_cfg.clone()
     };
@@ -278,7 +288,7 @@ pub fn compare(
     let fp32_title = format!("float32, full batch of {}", fp32_cfg.batch);
     let mixed_title = format!(
         "{}{}, {} micro-batches of {}, {}",
-        mixed_cfg.precision.name(),
+        recipe_name(&mixed_cfg),
         match &mixed_cfg.cast_policy {
             Some(p) => format!(" (cast policy {})", p.name()),
             None => String::new(),
@@ -410,7 +420,7 @@ pub fn compare(
         &format!(
             "{}: float32 vs {} + accumulation + checkpointing",
             mixed_cfg.preset,
-            mixed_cfg.precision.name()
+            recipe_name(&mixed_cfg)
         ),
         &[curves, difference],
     );

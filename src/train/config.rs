@@ -4,7 +4,7 @@
 
 use crate::backend::round::Format;
 use crate::nn::llama::LlamaConfig;
-use crate::precision::{CastPolicy, CastTable, Precision};
+use crate::precision::{AmaxReduction, CastPolicy, CastTable, Fp8Config, Precision};
 use crate::recompute::{check_budget, checkpoint_schedule, min_ckpt_budget, Recompute};
 use crate::{bail, Error, Result};
 use serde::{Deserialize, Serialize};
@@ -119,6 +119,59 @@ pub struct TrainOptions {
     /// default; `torch`; `pure` — at the precision's 16-bit format) or a
     /// JSON file ([`CastPolicy`]'s form).
     pub cast_policy: Option<String>,
+    /// `--fp8`: the Linear layers' products in fp8 with per-tensor delayed
+    /// scaling (the rest under bf16 autocast). `Some(true)` asks for it.
+    pub fp8: Option<bool>,
+    /// `--amax-history N`: amaxes each fp8 scale is fitted to (default 16).
+    pub amax_history: Option<usize>,
+    /// `--fp8-margin M`: powers of two of headroom below the fp8 maximum
+    /// (default 0; negative is refused).
+    pub fp8_margin: Option<i64>,
+    /// `--amax-reduction max|most_recent` (default `max`).
+    pub amax_reduction: Option<AmaxReduction>,
+}
+
+/// The fp8 recipe the options ask for: `None` without `--fp8`. fp8 runs
+/// the rest of the model under bf16 autocast (E5M2 gradients have fp16's
+/// range problem solved by their scales, not by a loss scaler), so it
+/// refuses `--fp16` and `--fp32`; its own flags need it, a history of at
+/// least 1 and a margin of at least 0.
+fn resolve_fp8(o: &TrainOptions) -> Result<Option<Fp8Config>> {
+    if !o.fp8.unwrap_or(false) {
+        for (flag, given) in [
+            ("--amax-history", o.amax_history.is_some()),
+            ("--fp8-margin", o.fp8_margin.is_some()),
+            ("--amax-reduction", o.amax_reduction.is_some()),
+        ] {
+            if given {
+                bail!(Config, "{flag} needs --fp8");
+            }
+        }
+        return Ok(None);
+    }
+    if let Some(p @ (Precision::Fp16 | Precision::Fp32)) = o.precision {
+        bail!(
+            Config,
+            "--fp8 cannot be combined with --{}: fp8 runs the rest of the model under bf16 autocast",
+            p.name()
+        );
+    }
+    let history = o.amax_history.unwrap_or(Fp8Config::default().history);
+    if history == 0 {
+        bail!(Config, "--amax-history must be at least 1 (got 0)");
+    }
+    let margin = o.fp8_margin.unwrap_or(0);
+    if !(0..=64).contains(&margin) {
+        bail!(
+            Config,
+            "--fp8-margin must be between 0 and 64 powers of two (got {margin})"
+        );
+    }
+    Ok(Some(Fp8Config {
+        history,
+        reduction: o.amax_reduction.unwrap_or(AmaxReduction::Max),
+        margin: margin as u32,
+    }))
 }
 
 /// A fully resolved, validated run (saved in every checkpoint).
@@ -176,6 +229,10 @@ pub struct TrainConfig {
     /// existed load as).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cast_policy: Option<CastPolicy>,
+    /// fp8 with delayed scaling for the Linear layers' products (`None`:
+    /// off; also what checkpoints written before fp8 existed load as).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fp8: Option<Fp8Config>,
     /// The gradient-norm clip (`None`: no clipping).
     pub clip: Option<f32>,
     /// Validation every N steps; 0 = only at the end.
@@ -332,6 +389,7 @@ impl TrainConfig {
         let r = recipe(&preset);
         let steps = o.steps.unwrap_or(r.steps);
         let device = o.device.unwrap_or(DeviceChoice::Auto);
+        let fp8 = resolve_fp8(o)?;
         let precision = o.precision.unwrap_or(Precision::Bf16);
         let cast_policy = resolve_cast_policy(o.cast_policy.as_deref(), precision)?;
 
@@ -413,6 +471,7 @@ impl TrainConfig {
             ckpt_budget,
             recompute_attention,
             cast_policy,
+            fp8,
             clip,
             eval_every: o.eval_every.unwrap_or(r.eval_every),
             eval_rows: r.eval_rows,
@@ -491,6 +550,10 @@ impl TrainConfig {
             // a policy given is resolved and checked below; the saved one
             // (perhaps from a file no longer there) is kept
             cast_policy: o.cast_policy.clone(),
+            fp8: Some(o.fp8.unwrap_or(saved.fp8.is_some())),
+            amax_history: o.amax_history.or(saved.fp8.map(|c| c.history)),
+            fp8_margin: o.fp8_margin.or(saved.fp8.map(|c| c.margin as i64)),
+            amax_reduction: o.amax_reduction.or(saved.fp8.map(|c| c.reduction)),
         };
         let given = TrainConfig::resolve(&filled)?;
         if o.cast_policy.is_some() && given.cast_policy() != saved.cast_policy() {
@@ -556,6 +619,15 @@ impl TrainConfig {
                 given.recompute().name().into(),
             ),
             ("--clip", o.clip.is_some(), opt(saved.clip), opt(given.clip)),
+            (
+                "--fp8/--amax-history/--fp8-margin/--amax-reduction",
+                o.fp8.is_some()
+                    || o.amax_history.is_some()
+                    || o.fp8_margin.is_some()
+                    || o.amax_reduction.is_some(),
+                format!("{:?}", saved.fp8),
+                format!("{:?}", given.fp8),
+            ),
             (
                 "--warmup",
                 o.warmup.is_some(),
@@ -795,6 +867,12 @@ impl TrainConfig {
             match &self.cast_policy {
                 Some(p) => format!("{} (cast policy {})", self.precision.name(), p.name()),
                 None => self.precision.name().to_string(),
+            } + &match self.fp8 {
+                Some(c) => format!(
+                    " + fp8 linears (E4M3/E5M2, delayed scaling: amax history {} {:?}, margin {})",
+                    c.history, c.reduction, c.margin
+                ),
+                None => String::new(),
             },
             match self.ckpt_budget {
                 Some(b) => format!("activation checkpointing (budget {b} layers, schedule {:?})", checkpoint_schedule(self.model.n_layers, b).unwrap_or_default()),

@@ -588,6 +588,7 @@ pub fn import(c: &Continuation, dir: &Path, out: &Path) -> Result<std::path::Pat
         step: c.meta.step,
         config,
         scaler: c.meta.scaler.clone(),
+        fp8: None,
         model_rng: st.model_rng,
         data_rng: c.meta.data.positions[0],
         adam_steps: (0..c.moments.len())

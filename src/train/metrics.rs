@@ -29,6 +29,10 @@ pub struct StepMetrics {
     pub skipped: bool,
     /// The global gradient norm before clipping, when clipping is on.
     pub grad_norm: Option<f32>,
+    /// fp8 runs: values whose scaled magnitude exceeded their format's
+    /// maximum in the step (saturated).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub fp8_saturated: Option<u64>,
     /// Training tokens per second of this step alone.
     pub tokens_per_s: f64,
     /// The step's peak of tensor bytes (see [`crate::memory`]).

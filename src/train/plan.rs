@@ -458,7 +458,8 @@ impl TrainConfig {
             self.ckpt_budget,
             self.recompute_attention,
         )?
-        .accumulating(self.accum, self.ckpt_budget.is_some()))
+        .accumulating(self.accum, self.ckpt_budget.is_some())
+        .with_fp8_copies(self.fp8.is_some().then_some(&self.model)))
     }
 
     /// The cast policy's table of every step (`None`: a float32 run).
@@ -731,6 +732,23 @@ impl MemoryPlan {
             forward_peak,
             backward_peak,
             total: forward_peak.max(backward_peak),
+            ..self
+        }
+    }
+
+    /// The plan of an fp8 run (`Some(model)`): the E4M3 copy of every
+    /// Linear weight (emulated, 4 bytes a value) that its product keeps for
+    /// backward is held through forward and backward, beside the activations.
+    /// (The inputs' copies replace the 16-bit operands the plan counts.)
+    pub fn with_fp8_copies(self, fp8: Option<&LlamaConfig>) -> MemoryPlan {
+        let Some(m) = fp8 else { return self };
+        let (v, c, f) = (m.vocab_size, m.d_model, m.hidden);
+        let copies = 4 * (m.n_layers * (4 * c * c + 3 * c * f) + v * c);
+        MemoryPlan {
+            activations: self.activations + copies,
+            forward_peak: self.forward_peak + copies,
+            backward_peak: self.backward_peak + copies,
+            total: self.total + copies,
             ..self
         }
     }

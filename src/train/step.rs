@@ -9,8 +9,11 @@ use crate::optim::Optimizer;
 use crate::precision::{
     autocast, CastPolicy, CastTable, DynamicLossScaler, LossScaling, Precision,
 };
+use crate::tensor::fp8::{fp8_scope, DelayedScaling};
 use crate::{bail, Result, Tensor};
 use serde::{Deserialize, Serialize};
+use std::cell::RefCell;
+use std::rc::Rc;
 
 /// A micro-batch knows how many rows (examples) it holds: the weight `n_i / N`.
 pub trait MicroBatch {
@@ -120,6 +123,9 @@ pub struct StepReport {
     pub scale: f32,
     /// The global gradient norm before clipping, when clipping was asked for.
     pub grad_norm: Option<f32>,
+    /// Under fp8: the values whose scaled magnitude exceeded their format's
+    /// maximum in the step (each saturated to that maximum).
+    pub fp8_saturated: Option<u64>,
 }
 
 /// [`train_step_mixed`]'s settings by name: the precision, then an optional
@@ -162,6 +168,9 @@ pub struct MixedStep<'s> {
     /// The cast policy of the forward and backward passes when `precision`
     /// is 16-bit (`None`: `matmuls` at its format, plain autocast).
     pub cast_policy: Option<CastTable>,
+    /// Runs the Linear layers' products in fp8 with this recipe's delayed
+    /// scales, updated after the optimizer step.
+    pub fp8: Option<Rc<RefCell<DelayedScaling>>>,
 }
 
 impl<'s> MixedStep<'s> {
@@ -172,7 +181,15 @@ impl<'s> MixedStep<'s> {
             scaler: None,
             clip: None,
             cast_policy: None,
+            fp8: None,
         }
+    }
+
+    /// Runs the Linear layers' products in fp8 under `recipe` (see
+    /// [`tensor::fp8`](crate::tensor::fp8)).
+    pub fn fp8(mut self, recipe: &Rc<RefCell<DelayedScaling>>) -> Self {
+        self.fp8 = Some(recipe.clone());
+        self
     }
 
     /// Runs the passes under `policy` instead of `matmuls` (when
@@ -207,15 +224,41 @@ impl<'s> MixedStep<'s> {
             Some(f) => Some(self.cast_policy.unwrap_or(CastTable::matmuls(f))),
             None => None,
         };
-        step_under(
-            model,
-            micro_batches,
-            loss_fn,
-            opt,
-            table,
-            self.scaler,
-            self.clip,
-        )
+        let Some(recipe) = self.fp8 else {
+            return step_under(
+                model,
+                micro_batches,
+                loss_fn,
+                opt,
+                table,
+                self.scaler,
+                self.clip,
+            );
+        };
+        let report = {
+            let _fp8 = fp8_scope(&recipe);
+            step_under(
+                model,
+                micro_batches,
+                loss_fn,
+                opt,
+                table,
+                self.scaler,
+                self.clip,
+            )
+        };
+        // Delayed scaling: the amaxes recorded in this step set the next
+        // step's scales; a step that failed leaves the scales as they were.
+        let mut recipe = recipe.borrow_mut();
+        let mut report = match report {
+            Ok(r) => r,
+            Err(e) => {
+                recipe.discard_pending();
+                return Err(e);
+            }
+        };
+        report.fp8_saturated = Some(recipe.update()?.saturated);
+        Ok(report)
     }
 }
 
@@ -283,5 +326,6 @@ fn step_under<M: crate::nn::Module + ?Sized, B: MicroBatch>(
         skipped: !done.stepped,
         scale: scaling.scale(),
         grad_norm: done.grad_norm,
+        fp8_saturated: None,
     })
 }

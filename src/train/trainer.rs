@@ -20,7 +20,9 @@ use crate::nn::llama::Llama;
 use crate::nn::Module;
 use crate::ops::cross_entropy;
 use crate::optim::{AdamW, AdamWConfig, Optimizer};
-use crate::precision::{autocast, CastPolicy, DynamicLossScaler, Precision};
+use crate::precision::{
+    autocast, fp8_scope, CastPolicy, DelayedScaling, DynamicLossScaler, Precision,
+};
 use crate::rng::Generator;
 use crate::train::bar::duration;
 use crate::train::checkpoint::{self, TrainState, Verified};
@@ -36,8 +38,10 @@ use crate::train::plot::{chart_svg, Panel, Series};
 use crate::train::provenance::Provenance;
 use crate::train::step::MixedStep;
 use crate::{bail, Error, Result, Tensor};
+use std::cell::RefCell;
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
+use std::rc::Rc;
 use std::time::Instant;
 
 /// Picks the device for `choice`: `auto` takes the GPU when an adapter exists
@@ -86,6 +90,8 @@ pub struct Trainer {
     pub(crate) opt: AdamW,
     /// The dynamic loss scaler, for fp16 runs only (`None` otherwise).
     pub(crate) scaler: Option<DynamicLossScaler>,
+    /// The fp8 recipe's delayed scales, for `--fp8` runs only.
+    pub(crate) fp8: Option<Rc<RefCell<DelayedScaling>>>,
     /// The corpus, split into training and validation pieces.
     pub(crate) data: Dataset,
     /// The batch-order stream: its state is the data position.
@@ -174,6 +180,10 @@ impl Trainer {
             },
         )?;
         let scaler = (cfg.precision == Precision::Fp16).then(DynamicLossScaler::default);
+        let fp8 = match cfg.fp8 {
+            Some(c) => Some(Rc::new(RefCell::new(DelayedScaling::new(c)?))),
+            None => None,
+        };
         let plan = cfg.memory_plan()?;
         Ok(Trainer {
             data_rng: cfg.data_order(),
@@ -182,6 +192,7 @@ impl Trainer {
             model,
             opt,
             scaler,
+            fp8,
             data,
             corpus_name: corpus.name.clone(),
             fingerprint: corpus.fingerprint.clone(),
@@ -235,6 +246,22 @@ impl Trainer {
                 st.config.precision.name()
             ),
         }
+        match (&t.fp8, &st.fp8) {
+            (Some(r), Some(saved)) => {
+                *r.borrow_mut() =
+                    DelayedScaling::from_state(saved).map_err(|e| e.context(state_file()))?
+            }
+            (None, None) => {}
+            (Some(_), None) => bail!(
+                Checkpoint,
+                "{}: an fp8 run's state has no \"fp8\" entry (the amax histories and scales); the checkpoint is incomplete",
+                state_file()
+            ),
+            (None, Some(_)) => bail!(
+                Config,
+                "--resume: the checkpoint is an fp8 run's; this run is not"
+            ),
+        }
         if !st.run_id.is_empty() {
             t.run_id = st.run_id.clone();
         }
@@ -254,6 +281,7 @@ impl Trainer {
             step: self.step,
             config: self.cfg.clone(),
             scaler: self.scaler.as_ref().map(|s| s.state_dict()),
+            fp8: self.fp8.as_ref().map(|r| r.borrow().state()),
             model_rng: self.model.rng.state(),
             data_rng: self.data_rng.state(),
             adam_steps: (0..self.model.parameters().len())
@@ -293,6 +321,7 @@ impl Trainer {
             scaler: self.scaler.as_mut(),
             clip: self.cfg.clip,
             cast_policy: self.cfg.cast_policy.as_ref().map(CastPolicy::table),
+            fp8: self.fp8.clone(),
         };
         let report = settings.run(
             model,
@@ -320,6 +349,7 @@ impl Trainer {
             scale: report.scale,
             skipped: report.skipped,
             grad_norm: report.grad_norm,
+            fp8_saturated: report.fp8_saturated,
             tokens_per_s: self.cfg.tokens_per_step() as f64 / secs,
             peak_bytes: memory::peak_bytes(),
             forward_peak_bytes: Some(phases.forward),
@@ -337,6 +367,9 @@ impl Trainer {
     /// Validation loss on the held-out windows, under the run's cast policy.
     pub fn evaluate(&self) -> Result<f32> {
         let b = self.data.val_batch(self.cfg.eval_rows);
+        // an fp8 run is evaluated in fp8, at its current scales (an
+        // evaluation records no amaxes)
+        let _fp8 = self.fp8.as_ref().map(fp8_scope);
         infer::evaluate_under(
             &self.model,
             &b,
@@ -984,13 +1017,22 @@ impl Loop {
     fn record(&mut self, tr: &Trainer, m: StepMetrics) -> Result<()> {
         self.log.append(&m).map_err(|e| self.stopped(m.step, e))?;
         let msg = format!(
-            "loss {:.4}{} lr {:.2e} scale {} {:.0} tok/s",
+            "loss {:.4}{} lr {:.2e} scale {}{} {:.0} tok/s",
             m.loss,
             m.val_loss
                 .map(|v| format!(" val {v:.4}"))
                 .unwrap_or_default(),
             m.lr,
             m.scale,
+            // fp8 runs: the step's saturated values, run total so far
+            tr.fp8
+                .as_ref()
+                .map(|r| format!(
+                    " fp8 sat {} (total {})",
+                    m.fp8_saturated.unwrap_or(0),
+                    r.borrow().saturated_total()
+                ))
+                .unwrap_or_default(),
             m.tokens_per_s
         );
         let last = tr.step == tr.cfg.steps;
