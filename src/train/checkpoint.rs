@@ -396,14 +396,17 @@ fn write_atomic_at(dir: &Path, name: &str, bytes: &[u8], step: usize) -> Result<
     })
 }
 
-struct F32View {
-    shape: Vec<usize>,
-    bytes: Vec<u8>,
+/// A little-endian tensor for `safetensors::serialize` (the continuation
+/// file's too).
+pub(crate) struct RawView {
+    pub(crate) dtype: Dtype,
+    pub(crate) shape: Vec<usize>,
+    pub(crate) bytes: Vec<u8>,
 }
 
-impl safetensors::View for F32View {
+impl safetensors::View for RawView {
     fn dtype(&self) -> Dtype {
-        Dtype::F32
+        self.dtype
     }
     fn shape(&self) -> &[usize] {
         &self.shape
@@ -416,15 +419,17 @@ impl safetensors::View for F32View {
     }
 }
 
-fn view(t: &Tensor) -> Result<F32View> {
+/// `t`'s values as a float32 [`RawView`].
+pub(crate) fn view(t: &Tensor) -> Result<RawView> {
     let v = t.to_vec_f32()?;
-    Ok(F32View {
+    Ok(RawView {
+        dtype: Dtype::F32,
         shape: t.shape().to_vec(),
         bytes: v.iter().flat_map(|x| x.to_le_bytes()).collect(),
     })
 }
 
-fn serialize(tensors: Vec<(String, F32View)>, meta: HashMap<String, String>) -> Result<Vec<u8>> {
+fn serialize(tensors: Vec<(String, RawView)>, meta: HashMap<String, String>) -> Result<Vec<u8>> {
     safetensors::serialize(tensors, Some(meta))
         .map_err(|e| Error::checkpoint(format!("safetensors: {e}")))
 }
@@ -486,7 +491,7 @@ pub fn recover(run_dir: &Path) -> Result<()> {
 }
 
 /// The first tensor with a non-finite value, if any.
-fn first_non_finite(tensors: &[(String, F32View)]) -> Option<&str> {
+fn first_non_finite(tensors: &[(String, RawView)]) -> Option<&str> {
     tensors.iter().find_map(|(n, v)| {
         v.bytes
             .chunks_exact(4)
@@ -570,7 +575,7 @@ fn pt_meta() -> HashMap<String, String> {
 }
 
 /// Every weight of `model` under its Hugging Face name, as float32 bytes.
-fn weight_views(model: &Llama) -> Result<Vec<(String, F32View)>> {
+fn weight_views(model: &Llama) -> Result<Vec<(String, RawView)>> {
     model
         .named_parameters()
         .iter()
@@ -582,7 +587,7 @@ fn weight_views(model: &Llama) -> Result<Vec<(String, F32View)>> {
 /// the weights, `config.json`, then [`HF_FILES`].
 fn model_files(
     model: &Llama,
-    weights: Vec<(String, F32View)>,
+    weights: Vec<(String, RawView)>,
 ) -> Result<Vec<(&'static str, Vec<u8>)>> {
     let config = serde_json::to_vec_pretty(&model.cfg.to_hf_json())
         .map_err(|e| Error::checkpoint(e.to_string()))?;

@@ -37,7 +37,7 @@ use crate::nn::Module;
 use crate::optim::{AdamW, AdamWConfig, Optimizer};
 use crate::precision::ScalerState;
 use crate::rng::{Generator, RngState};
-use crate::train::checkpoint::{self, TrainState, Verified};
+use crate::train::checkpoint::{self, RawView, TrainState, Verified};
 use crate::train::data::{Corpus, Dataset};
 use crate::{bail, Error, Result};
 use safetensors::{Dtype, SafeTensors};
@@ -143,42 +143,8 @@ pub struct DataMeta {
     pub positions: Vec<RngState>,
 }
 
-/// A raw little-endian tensor for `safetensors::serialize`.
-struct Raw {
-    dtype: Dtype,
-    shape: Vec<usize>,
-    bytes: Vec<u8>,
-}
-
-impl safetensors::View for Raw {
-    fn dtype(&self) -> Dtype {
-        self.dtype
-    }
-    fn shape(&self) -> &[usize] {
-        &self.shape
-    }
-    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
-        (&self.bytes).into()
-    }
-    fn data_len(&self) -> usize {
-        self.bytes.len()
-    }
-}
-
-fn f32_raw(t: &crate::Tensor) -> Result<Raw> {
-    Ok(Raw {
-        dtype: Dtype::F32,
-        shape: t.shape().to_vec(),
-        bytes: t
-            .to_vec_f32()?
-            .iter()
-            .flat_map(|x| x.to_le_bytes())
-            .collect(),
-    })
-}
-
-fn i64_raw(ids: &[u32], shape: [usize; 2]) -> Raw {
-    Raw {
+fn i64_raw(ids: &[u32], shape: [usize; 2]) -> RawView {
+    RawView {
         dtype: Dtype::I64,
         shape: shape.to_vec(),
         bytes: ids
@@ -229,7 +195,7 @@ pub fn export(dir: &Path, corpus: &Corpus, batches: usize) -> Result<(Vec<u8>, C
     let data = Dataset::new(corpus, c.model.context, c.seed)?;
     let order = Generator::new(0);
     order.set_state(st.data_rng);
-    let mut tensors: Vec<(String, Raw)> = Vec::new();
+    let mut tensors: Vec<(String, RawView)> = Vec::new();
     let mut lrs = Vec::with_capacity(batches);
     let mut positions = vec![order.state()];
     for i in 0..batches {
@@ -249,10 +215,10 @@ pub fn export(dir: &Path, corpus: &Corpus, batches: usize) -> Result<(Vec<u8>, C
     let mut steps = BTreeMap::new();
     let mut params = Vec::new();
     for (i, (name, t)) in model.named_parameters().into_iter().enumerate() {
-        tensors.push((name.clone(), f32_raw(&t)?));
+        tensors.push((name.clone(), checkpoint::view(&t)?));
         if let Some((m, v, k)) = opt.state(i) {
-            tensors.push((format!("{name}.exp_avg"), f32_raw(m)?));
-            tensors.push((format!("{name}.exp_avg_sq"), f32_raw(v)?));
+            tensors.push((format!("{name}.exp_avg"), checkpoint::view(m)?));
+            tensors.push((format!("{name}.exp_avg_sq"), checkpoint::view(v)?));
             steps.insert(name.clone(), *k);
         }
         params.push(name);

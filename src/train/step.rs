@@ -224,19 +224,8 @@ impl<'s> MixedStep<'s> {
             Some(f) => Some(self.cast_policy.unwrap_or(CastTable::matmuls(f))),
             None => None,
         };
-        let Some(recipe) = self.fp8 else {
-            return step_under(
-                model,
-                micro_batches,
-                loss_fn,
-                opt,
-                table,
-                self.scaler,
-                self.clip,
-            );
-        };
         let report = {
-            let _fp8 = fp8_scope(&recipe);
+            let _fp8 = self.fp8.as_ref().map(fp8_scope);
             step_under(
                 model,
                 micro_batches,
@@ -246,6 +235,9 @@ impl<'s> MixedStep<'s> {
                 self.scaler,
                 self.clip,
             )
+        };
+        let Some(recipe) = self.fp8 else {
+            return report;
         };
         // Delayed scaling: the amaxes recorded in this step set the next
         // step's scales; a step that failed leaves the scales as they were.
