@@ -104,19 +104,28 @@ fn lockstep_holds(a: Adversary) {
     }
 }
 
-/// A one-step lockstep in each precision and the sweep of every family whose
-/// kernels the rewrite changes: bit-identical to the CPU (the sweep's
-/// rows the probe explains as known, bf16 products outside f32's normal
-/// range under an unfused fma, only where the fma is unfused).
-fn bits_hold(a: Adversary) {
+/// The adapter, when it is Vulkan's, the only path whose SPIR-V the
+/// adversary rewrites (otherwise says so, for the caller to skip).
+fn vulkan_adapter() -> Option<tinyllm::backend::gpu::AdapterInfo> {
     let info = tinyllm::backend::gpu::adapter().unwrap();
     if info.backend != "Vulkan" {
         eprintln!(
             "the adversary rewrites SPIR-V: no Vulkan adapter ({}), skipping",
             info.backend
         );
-        return;
+        return None;
     }
+    Some(info)
+}
+
+/// A one-step lockstep in each precision and the sweep of every family whose
+/// kernels the rewrite changes: bit-identical to the CPU (the sweep's
+/// rows the probe explains as known, bf16 products outside f32's normal
+/// range under an unfused fma, only where the fma is unfused).
+fn bits_hold(a: Adversary) {
+    let Some(info) = vulkan_adapter() else {
+        return;
+    };
     assert!(
         info.shaders.starts_with("SPIR-V passthrough"),
         "{}",
@@ -235,14 +244,9 @@ fn flushing_is_seen_by_the_probe_and_changes_no_integer_route() {
         Adversary::Flush,
         "flushing_is_seen_by_the_probe_and_changes_no_integer_route",
         |a| {
-            let info = tinyllm::backend::gpu::adapter().unwrap();
-            if info.backend != "Vulkan" {
-                eprintln!(
-                    "the adversary rewrites SPIR-V: no Vulkan adapter ({}), skipping",
-                    info.backend
-                );
+            let Some(info) = vulkan_adapter() else {
                 return;
-            }
+            };
             assert_eq!(
                 info.subnormals, "flushed",
                 "the start-up probe missed the flushing"
