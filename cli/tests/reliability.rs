@@ -2247,7 +2247,9 @@ fn a_signal_saves_the_run_and_it_resumes_to_the_same_bits_cpu() {
 #[test]
 fn a_signal_saves_the_run_and_it_resumes_to_the_same_bits_gpu() {
     if tinyllm::testing::gpu_available() {
-        interrupt_resumes_to_the_same_bits("gpu", &["--fp32", "--bf16", "--fp16"], 4, 2);
+        // fp16, the precision with the most state (the loss scaler); the CPU
+        // test covers the other two and the second signal.
+        interrupt_resumes_to_the_same_bits("gpu", &["--fp16"], 4, 2);
     }
 }
 

@@ -1166,7 +1166,8 @@ fn a_run_writes_metrics_plot_checkpoint_and_compare_passes() {
         "{}",
         c.table()
     );
-    assert!(c.within_2_percent, "{}", c.table());
+    assert!(c.within_tolerance, "{}", c.table());
+    assert!(c.table().contains("within 2%)"), "{}", c.table());
     let svg = std::fs::read_to_string(out.join("cmp/compare.svg")).unwrap();
     for want in ["mixed − float32", "held-out", "nats/byte", "log scale"] {
         assert!(svg.contains(want), "compare.svg lacks {want:?}");
@@ -1244,7 +1245,7 @@ fn compare_on_the_gpu_judges_the_device_memory() {
     }
     let _gpu = gpu_alone();
     let out = tmpdir("cmp-gpu");
-    let c = compare_tiny("gpu", 4, &out);
+    let c = compare_tiny("gpu", 2, &out);
     for s in [&c.fp32, &c.mixed] {
         let device = s
             .device_peak_bytes
@@ -1257,8 +1258,29 @@ fn compare_on_the_gpu_judges_the_device_memory() {
     );
     assert_eq!(c.lower_peak, b < a, "{}", c.table());
     // the milestone on the GPU: the mixed recipe holds less device memory
-    assert!(c.lower_peak && c.within_2_percent, "{}", c.table());
+    assert!(c.lower_peak && c.within_tolerance, "{}", c.table());
     assert!(c.table().contains("device peak memory:"), "{}", c.table());
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+/// An fp8 recipe is held to its own target, 3 %, where a 16-bit one is
+/// held to the milestone's 2 %.
+#[test]
+fn compare_holds_fp8_to_three_percent() {
+    let out = tmpdir("cmp-fp8");
+    let c = compare_tiny_with(
+        "cpu",
+        2,
+        &out,
+        TrainOptions {
+            fp8: Some(true),
+            ..Default::default()
+        },
+    );
+    assert_eq!(c.tolerance, 0.03);
+    assert_eq!(c.within_tolerance, c.rel_diff <= 0.03);
+    assert!(c.table().contains("3%)"), "{}", c.table());
+    assert!(c.mixed.precision.contains("+fp8"), "{}", c.table());
     let _ = std::fs::remove_dir_all(&out);
 }
 
@@ -1308,13 +1330,23 @@ fn compare_tiny(
     steps: usize,
     out: &std::path::Path,
 ) -> tinyllm::train::compare::Comparison {
+    compare_tiny_with(device, steps, out, TrainOptions::default())
+}
+
+/// `compare_tiny` with the mixed recipe's own options.
+fn compare_tiny_with(
+    device: &str,
+    steps: usize,
+    out: &std::path::Path,
+    recipe: TrainOptions,
+) -> tinyllm::train::compare::Comparison {
     let c = tinyllm::train::compare::compare(
         &TrainOptions {
             preset: Some("tiny".into()),
             device: Some(device.parse().unwrap()),
             steps: Some(steps),
             out: Some(out.to_path_buf()),
-            ..Default::default()
+            ..recipe
         },
         tinyllm::train::compare::Existing::Refuse,
         tinyllm::train::compare::Sides::Both,
