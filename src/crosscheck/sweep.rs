@@ -852,6 +852,7 @@ fn matmul(sw: &mut Sweep) -> Result<()> {
     matmul_layouts(sw, &mut rng, &shapes, (97, 5), "ragged tiles: ")?;
     matmul_causal(sw)?;
     matmul_half(sw)?;
+    matmul_added(sw)?;
     matmul_bits(sw)?;
     matmul_known(sw)
 }
@@ -938,6 +939,62 @@ fn matmul_half(sw: &mut Sweep) -> Result<()> {
                             .to_vec_f32()
                     })?;
                 }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Products with an addend (`e + c` per output: gradient accumulation and
+/// residual sums written by the product): every layout, f32 and bf16, a k
+/// long enough for two passes of the GPU's loop; specials in the addend,
+/// 16-bit A on some.
+fn matmul_added(sw: &mut Sweep) -> Result<()> {
+    let mut rng = Rng(0xadd);
+    let sp = specials();
+    for (batch, m, k, n, bcb) in [
+        (1, 5, 7, 3, false),
+        (2, 33, 17, 35, false),
+        (3, 65, 30, 71, true),
+        (1, 2, 16_500, 3, false),
+    ] {
+        for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+            for round in [None, Some(Format::Bf16)] {
+                let nb = if bcb { 1 } else { batch };
+                let a: Vec<f32> = (0..batch * m * k).map(|_| rng.moderate()).collect();
+                let b: Vec<f32> = (0..nb * k * n).map(|_| rng.moderate()).collect();
+                let mut e: Vec<f32> = (0..batch * m * n).map(|_| rng.moderate()).collect();
+                for (i, v) in e.iter_mut().enumerate() {
+                    if i % 5 == 2 {
+                        *v = sp[i % sp.len()];
+                    }
+                }
+                let d = dims(
+                    batch,
+                    m,
+                    k,
+                    n,
+                    ta,
+                    tb,
+                    m * k,
+                    if bcb { 0 } else { k * n },
+                    Causal::No,
+                );
+                let half = round.filter(|_| m % 2 == 1);
+                let variant = format!("{} with an addend", round.map_or("f32", Format::name));
+                let case = format!(
+                    "e + {}{}",
+                    d.describe(round),
+                    if half.is_some() { ", A in 16 bits" } else { "" }
+                );
+                sw.check("matmul", &variant, case, &[], |dev| {
+                    let a = match half {
+                        Some(f) => Operand::Half(up(&a, dev)?.pack(f)?.0),
+                        None => Operand::Values(up(&a, dev)?),
+                    };
+                    a.matmul_add(&Operand::Values(up(&b, dev)?), d, round, &up(&e, dev)?)?
+                        .to_vec_f32()
+                })?;
             }
         }
     }
