@@ -1540,11 +1540,12 @@ fn fused(sw: &mut Sweep) -> Result<()> {
             let ws = up(&w, dev)?;
             let (_, r) = xs.rms_norm(&ws, rows, d, 1e-5)?;
             let gs = up(&g, dev)?;
-            // alone, and added into an earlier gradient
-            let (a, b) = xs.rms_norm_backward(&ws, &r, &gs, None, &[rows], d, true, true)?;
-            let (c, _) =
-                xs.rms_norm_backward(&ws, &r, &gs, Some(&up(&e, dev)?), &[rows], d, true, false)?;
-            cat([a, b, c].into_iter().flatten().collect())
+            // alone, and added into earlier gradients
+            let (a, b) = xs.rms_norm_backward(&ws, &r, &gs, None, None, &[rows], d, true, true)?;
+            let (ex, ew) = (up(&e, dev)?, up(&e[..d], dev)?);
+            let (c, f) =
+                xs.rms_norm_backward(&ws, &r, &gs, Some(&ex), Some(&ew), &[rows], d, true, true)?;
+            cat([a, b, c, f].into_iter().flatten().collect())
         })?;
         let gate = fused_rows(&mut rng, rows, d);
         sw.check("swiglu", "", case.clone(), &[&gate, &x], |dev| {
