@@ -1339,6 +1339,37 @@ fn pack(sw: &mut Sweep) -> Result<()> {
             &[],
             |d| Ok(halves(up(&every, d)?.pack(fmt)?.0.unpack()?.to_vec_f32()?)),
         )?;
+        // a permute of the packed values (attention's token-major v, odd
+        // sizes: rows start mid-word), and a view from an odd offset
+        let (b, t, h, dh) = (2, 7, 3, 5);
+        let v: Vec<f32> = (0..b * t * h * dh + 1).map(|i| x[i % x.len()]).collect();
+        for (shape, strides, offset, case) in [
+            (
+                [b, h, t, dh],
+                [t * h * dh, dh, h * dh, 1],
+                0,
+                "(2, 7, 3, 5) token-major as head-major",
+            ),
+            (
+                [1, 1, 2 * t, h],
+                [0, 0, h * dh, 1],
+                1,
+                "rows of a (14, 15) view from value 1",
+            ),
+        ] {
+            sw.check(
+                "unpack 16-bit",
+                fmt.name(),
+                format!("strided: {case}"),
+                &[],
+                |d| {
+                    let p = up(&v, d)?.pack(fmt)?.0;
+                    Ok(halves(
+                        p.unpack_strided(&shape, &strides, offset)?.to_vec_f32()?,
+                    ))
+                },
+            )?;
+        }
     }
     Ok(())
 }
