@@ -114,6 +114,8 @@ fn rms_norm_backward_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_wor
 // One dispatch covers rows [r0, r1): lavapipe stops a shader after 65,535
 // loop iterations, so the host splits long runs into passes that carry the
 // accumulators through `state` ((6, d)); the order of the additions is unchanged.
+// With `earlier`, the last pass stores e[j] + the sum (e: (d), the weight's
+// gradient so far: accumulation over micro-batches without an add of its own).
 
 struct DwParams {
     rows: u32,
@@ -122,7 +124,7 @@ struct DwParams {
     r0: u32,
     r1: u32,
     zero: u32,
-    _pad0: u32,
+    earlier: u32, // 1: add dw_e
     _pad1: u32,
     spans: array<u32, 6>, // rows per fold of each level, outermost first (spans[0] = rows)
 }
@@ -133,6 +135,7 @@ struct DwParams {
 @group(0) @binding(3) var<storage, read> dw_g: array<f32>;
 @group(0) @binding(4) var<storage, read_write> dw_state: array<f32>;
 @group(0) @binding(5) var<storage, read_write> dw_out: array<f32>;
+@group(0) @binding(6) var<storage, read> dw_e: array<f32>;
 
 @compute @workgroup_size(64)
 fn rms_norm_backward_dw(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
@@ -165,7 +168,11 @@ fn rms_norm_backward_dw(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workg
         }
     }
     if dw_prm.r1 == dw_prm.rows {
-        dw_out[j] = acc[0];
+        if dw_prm.earlier != 0u {
+            dw_out[j] = dw_e[j] + acc[0];
+        } else {
+            dw_out[j] = acc[0];
+        }
     } else {
         for (var l = 0u; l < 6u; l++) {
             dw_state[l * d + j] = acc[l];

@@ -1,6 +1,7 @@
 // matmul.wgsl — batched C[b] = op(A[b]) @ op(B[b]) (needs the math prelude: fma_c, cast).
 // a: (batch, m, k) or, with trans_a, (batch, k, m); b: (batch, k, n) or, with
 // trans_b, (batch, n, k); a batch stride of 0 broadcasts one matrix -> c: (batch, m, n).
+// With ADD, e: (batch, m, n) is added to the outputs: c = e + round(acc).
 //
 // The contract, per output: acc = +0.0; for p in 0..k ascending:
 // acc = fma(round(a[i,p]), round(b[p,j]), acc); c = round(acc). Each
@@ -42,6 +43,8 @@ struct MatmulParams {
 @group(0) @binding(1) var<storage, read> a: array<u32>;
 @group(0) @binding(2) var<storage, read> b: array<u32>;
 @group(0) @binding(3) var<storage, read_write> c: array<f32>;
+// The addend (ADD); without it the host binds another operand here, unread.
+@group(0) @binding(4) var<storage, read> e: array<f32>;
 
 // Pipeline specialisation (one pipeline per combination, compiled on first use):
 // FMT is the FMT_* code applied to operands as loaded and to the output;
@@ -60,6 +63,9 @@ override CAUSAL: u32 = 0u;
 // loaded, so the product is the one over the unpacked buffer.
 override A_HALF: u32 = 0u;
 override B_HALF: u32 = 0u;
+// ADD: the last pass stores e + round(acc), the product's bits and then the
+// elementwise sum's (gradient accumulation without a separate add).
+override ADD: bool = false;
 
 // Value e of 16-bit storage from its word w.
 fn half_value(w: u32, e: u32, half: u32) -> f32 {
@@ -112,8 +118,9 @@ fn fma4(x: f32, y: vec4<f32>, acc: vec4<f32>) -> vec4<f32> {
 }
 
 // Stores the columns j, j + s, j + 2s, j + 3s of output row i (at offset
-// `row`) that lie inside the matrix, rounded on the last pass, raw running
-// sums before it; with CAUSAL 1 the columns past the diagonal are +0.
+// `row`) that lie inside the matrix, rounded (and with ADD added to e) on the
+// last pass, raw running sums before it; with CAUSAL 1 the columns past the
+// diagonal are +0.
 fn store_lanes(row: u32, i: u32, j: u32, s: u32, v: vec4<f32>) {
     let n = prm.n;
     let cols = vec4<u32>(j, j + s, j + 2u * s, j + 3u * s);
@@ -122,24 +129,28 @@ fn store_lanes(row: u32, i: u32, j: u32, s: u32, v: vec4<f32>) {
         w = select(v, vec4<f32>(0.0), cols > vec4<u32>(i));
     }
     if cols.x < n {
-        c[row + cols.x] = fin(w.x);
+        c[row + cols.x] = fin(w.x, row + cols.x);
     }
     if cols.y < n {
-        c[row + cols.y] = fin(w.y);
+        c[row + cols.y] = fin(w.y, row + cols.y);
     }
     if cols.z < n {
-        c[row + cols.z] = fin(w.z);
+        c[row + cols.z] = fin(w.z, row + cols.z);
     }
     if cols.w < n {
-        c[row + cols.w] = fin(w.w);
+        c[row + cols.w] = fin(w.w, row + cols.w);
     }
 }
 
-fn fin(x: f32) -> f32 {
-    if prm.last != 0u {
-        return rnd(x);
+// Output `at`'s value to store from its running sum x.
+fn fin(x: f32, at: u32) -> f32 {
+    if prm.last == 0u {
+        return x;
     }
-    return x;
+    if ADD {
+        return e[at] + rnd(x);
+    }
+    return rnd(x);
 }
 
 // The running sums of columns j, j + s, j + 2s, j + 3s of one output row left

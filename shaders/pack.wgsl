@@ -69,3 +69,39 @@ fn unpack(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups:
     let h = (u_w[i / 2u] >> (16u * (i & 1u))) & 0xffffu;
     u_y[i] = widen_bits(h, u_prm.fmt);
 }
+
+// ---- unpack_strided: w: words of 16-bit values -> y: (shape) f32 bit patterns ----
+// y[i] = value offset + Σ_d idx_d · strides[d] (idx: i's row-major multi-index
+// over shape, 6 axes, leading ones of size 1): copy.wgsl's strided_copy of the
+// unpacked values, without writing those out.
+
+struct UnpackStridedParams {
+    n: u32,
+    fmt: u32,
+    offset: u32,
+    _pad0: u32,
+    shape: array<u32, 6>,
+    strides: array<u32, 6>,
+}
+
+@group(0) @binding(0) var<storage, read> us_prm: UnpackStridedParams;
+@group(0) @binding(1) var<storage, read> us_w: array<u32>;
+@group(0) @binding(2) var<storage, read_write> us_y: array<u32>;
+
+@compute @workgroup_size(64)
+fn unpack_strided(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
+                  @builtin(local_invocation_index) lane: u32) {
+    let i = grid_index(wg, groups, lane);
+    if i >= us_prm.n {
+        return;
+    }
+    var rest = i;
+    var e = us_prm.offset;
+    for (var d = 5; d >= 0; d--) {
+        let s = us_prm.shape[d];
+        e += (rest % s) * us_prm.strides[d];
+        rest = rest / s;
+    }
+    let h = (us_w[e / 2u] >> (16u * (e & 1u))) & 0xffffu;
+    us_y[i] = widen_bits(h, us_prm.fmt);
+}

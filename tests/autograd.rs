@@ -287,3 +287,52 @@ fn shape_errors_are_clear() {
     assert!(Tensor::zeros(&[2], DType::F64, Device::Cpu).is_ok());
     let _ = Generator::new(1);
 }
+
+// A weight that feeds one node gets its `.grad` of earlier backward passes
+// added in as that node's kernel writes its gradient (the product's and
+// RMSNorm's stores): the bits of `.grad + new`, the add it replaces, under
+// autocast too. A weight used twice still sums its contributions first.
+device_test!(accumulated_weight_gradients_are_grad_plus_new, |dev| {
+    let w = param(&randv(12, 1, 1.0), &[3, 4], dev);
+    let n = param(&randv(4, 2, 1.0), &[4], dev);
+    let xs: Vec<Tensor> = (0..2)
+        .map(|i| t(&randv(40, 10 + i, 2.0), &[2, 5, 4], dev))
+        .collect();
+    // one micro-batch's gradients of (w, n), alone or into `.grad`
+    let pass = |x: &Tensor, w: &Tensor, n: &Tensor, twice: bool| -> Result<()> {
+        let _ac = tinyllm::precision::autocast_bf16();
+        let h = x.rms_norm(n, 1e-5)?;
+        let mut y = h.matmul_t(w)?;
+        if twice {
+            y = y.add(&x.matmul_t(w)?)?;
+        }
+        y.sum_all()?.backward()
+    };
+    for twice in [false, true] {
+        let (w, n) = (
+            w.detach().requires_grad_(true),
+            n.detach().requires_grad_(true),
+        );
+        pass(&xs[0], &w, &n, twice)?;
+        let first = (grad(&w), grad(&n));
+        pass(&xs[1], &w, &n, twice)?;
+        // the second micro-batch's contributions alone
+        let (w2, n2) = (
+            w.detach().requires_grad_(true),
+            n.detach().requires_grad_(true),
+        );
+        pass(&xs[1], &w2, &n2, twice)?;
+        let sum =
+            |a: &[f32], b: &[f32]| bits(&a.iter().zip(b).map(|(a, b)| a + b).collect::<Vec<_>>());
+        assert_eq!(
+            bits(&grad(&w)),
+            sum(&first.0, &grad(&w2)),
+            "w, twice {twice}"
+        );
+        assert_eq!(
+            bits(&grad(&n)),
+            sum(&first.1, &grad(&n2)),
+            "rms norm weight, twice {twice}"
+        );
+    }
+});

@@ -404,17 +404,17 @@ fn rms_norm_forward_and_backward() {
             assert_bits(&what, &vals(&yc), &vals(&yg), &[&x]);
             assert_bits(&format!("{what}: rstd"), &vals(&rc), &vals(&rg), &[]);
             let bc = xc
-                .rms_norm_backward(&wc, &rc, &gc, None, &lead, d, true, true)
+                .rms_norm_backward(&wc, &rc, &gc, None, None, &lead, d, true, true)
                 .unwrap();
             let bg = xg
-                .rms_norm_backward(&wg, &rg, &gg, None, &lead, d, true, true)
+                .rms_norm_backward(&wg, &rg, &gg, None, None, &lead, d, true, true)
                 .unwrap();
             // dx added into an earlier gradient
             let ac = xc
-                .rms_norm_backward(&wc, &rc, &gc, Some(&ec), &lead, d, true, false)
+                .rms_norm_backward(&wc, &rc, &gc, Some(&ec), None, &lead, d, true, false)
                 .unwrap();
             let ag = xg
-                .rms_norm_backward(&wg, &rg, &gg, Some(&eg), &lead, d, true, false)
+                .rms_norm_backward(&wg, &rg, &gg, Some(&eg), None, &lead, d, true, false)
                 .unwrap();
             for (k, (c, g)) in [(bc.0, bg.0), (bc.1, bg.1), (ac.0, ag.0)]
                 .into_iter()
@@ -672,12 +672,12 @@ fn loops_longer_than_lavapipes_iteration_cap() {
     let (_, cr) = cx.rms_norm(&cw, 35_000, d, 1e-5).unwrap();
     let (_, gr) = gx.rms_norm(&gw, 35_000, d, 1e-5).unwrap();
     let want = cx
-        .rms_norm_backward(&cw, &cr, &cx, None, &lead, d, false, true)
+        .rms_norm_backward(&cw, &cr, &cx, None, None, &lead, d, false, true)
         .unwrap()
         .1
         .unwrap();
     let got = gx
-        .rms_norm_backward(&gw, &gr, &gx, None, &lead, d, false, true)
+        .rms_norm_backward(&gw, &gr, &gx, None, None, &lead, d, false, true)
         .unwrap()
         .1
         .unwrap();
@@ -685,6 +685,21 @@ fn loops_longer_than_lavapipes_iteration_cap() {
         "rms_norm dw over 35000 rows",
         &vals(&want),
         &vals(&got),
+        &[],
+    );
+    // the same added into an earlier gradient (the last pass adds it)
+    let dw = |x: &Storage, w: &Storage, r: &Storage| {
+        vals(
+            &x.rms_norm_backward(w, r, x, None, Some(w), &lead, d, false, true)
+                .unwrap()
+                .1
+                .unwrap(),
+        )
+    };
+    assert_bits(
+        "rms_norm dw over 35000 rows, added",
+        &dw(&cx, &cw, &cr),
+        &dw(&gx, &gw, &gr),
         &[],
     );
     // cross-entropy's mean folds 35000 row losses in passes

@@ -852,6 +852,7 @@ fn matmul(sw: &mut Sweep) -> Result<()> {
     matmul_layouts(sw, &mut rng, &shapes, (97, 5), "ragged tiles: ")?;
     matmul_causal(sw)?;
     matmul_half(sw)?;
+    matmul_added(sw)?;
     matmul_bits(sw)?;
     matmul_known(sw)
 }
@@ -938,6 +939,62 @@ fn matmul_half(sw: &mut Sweep) -> Result<()> {
                             .to_vec_f32()
                     })?;
                 }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Products with an addend (`e + c` per output: gradient accumulation and
+/// residual sums written by the product): every layout, f32 and bf16, a k
+/// long enough for two passes of the GPU's loop; specials in the addend,
+/// 16-bit A on some.
+fn matmul_added(sw: &mut Sweep) -> Result<()> {
+    let mut rng = Rng(0xadd);
+    let sp = specials();
+    for (batch, m, k, n, bcb) in [
+        (1, 5, 7, 3, false),
+        (2, 33, 17, 35, false),
+        (3, 65, 30, 71, true),
+        (1, 2, 16_500, 3, false),
+    ] {
+        for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+            for round in [None, Some(Format::Bf16)] {
+                let nb = if bcb { 1 } else { batch };
+                let a: Vec<f32> = (0..batch * m * k).map(|_| rng.moderate()).collect();
+                let b: Vec<f32> = (0..nb * k * n).map(|_| rng.moderate()).collect();
+                let mut e: Vec<f32> = (0..batch * m * n).map(|_| rng.moderate()).collect();
+                for (i, v) in e.iter_mut().enumerate() {
+                    if i % 5 == 2 {
+                        *v = sp[i % sp.len()];
+                    }
+                }
+                let d = dims(
+                    batch,
+                    m,
+                    k,
+                    n,
+                    ta,
+                    tb,
+                    m * k,
+                    if bcb { 0 } else { k * n },
+                    Causal::No,
+                );
+                let half = round.filter(|_| m % 2 == 1);
+                let variant = format!("{} with an addend", round.map_or("f32", Format::name));
+                let case = format!(
+                    "e + {}{}",
+                    d.describe(round),
+                    if half.is_some() { ", A in 16 bits" } else { "" }
+                );
+                sw.check("matmul", &variant, case, &[], |dev| {
+                    let a = match half {
+                        Some(f) => Operand::Half(up(&a, dev)?.pack(f)?.0),
+                        None => Operand::Values(up(&a, dev)?),
+                    };
+                    a.matmul_add(&Operand::Values(up(&b, dev)?), d, round, &up(&e, dev)?)?
+                        .to_vec_f32()
+                })?;
             }
         }
     }
@@ -1282,6 +1339,37 @@ fn pack(sw: &mut Sweep) -> Result<()> {
             &[],
             |d| Ok(halves(up(&every, d)?.pack(fmt)?.0.unpack()?.to_vec_f32()?)),
         )?;
+        // a permute of the packed values (attention's token-major v, odd
+        // sizes: rows start mid-word), and a view from an odd offset
+        let (b, t, h, dh) = (2, 7, 3, 5);
+        let v: Vec<f32> = (0..b * t * h * dh + 1).map(|i| x[i % x.len()]).collect();
+        for (shape, strides, offset, case) in [
+            (
+                [b, h, t, dh],
+                [t * h * dh, dh, h * dh, 1],
+                0,
+                "(2, 7, 3, 5) token-major as head-major",
+            ),
+            (
+                [1, 1, 2 * t, h],
+                [0, 0, h * dh, 1],
+                1,
+                "rows of a (14, 15) view from value 1",
+            ),
+        ] {
+            sw.check(
+                "unpack 16-bit",
+                fmt.name(),
+                format!("strided: {case}"),
+                &[],
+                |d| {
+                    let p = up(&v, d)?.pack(fmt)?.0;
+                    Ok(halves(
+                        p.unpack_strided(&shape, &strides, offset)?.to_vec_f32()?,
+                    ))
+                },
+            )?;
+        }
     }
     Ok(())
 }
@@ -1483,11 +1571,12 @@ fn fused(sw: &mut Sweep) -> Result<()> {
             let ws = up(&w, dev)?;
             let (_, r) = xs.rms_norm(&ws, rows, d, 1e-5)?;
             let gs = up(&g, dev)?;
-            // alone, and added into an earlier gradient
-            let (a, b) = xs.rms_norm_backward(&ws, &r, &gs, None, &[rows], d, true, true)?;
-            let (c, _) =
-                xs.rms_norm_backward(&ws, &r, &gs, Some(&up(&e, dev)?), &[rows], d, true, false)?;
-            cat([a, b, c].into_iter().flatten().collect())
+            // alone, and added into earlier gradients
+            let (a, b) = xs.rms_norm_backward(&ws, &r, &gs, None, None, &[rows], d, true, true)?;
+            let (ex, ew) = (up(&e, dev)?, up(&e[..d], dev)?);
+            let (c, f) =
+                xs.rms_norm_backward(&ws, &r, &gs, Some(&ex), Some(&ew), &[rows], d, true, true)?;
+            cat([a, b, c, f].into_iter().flatten().collect())
         })?;
         let gate = fused_rows(&mut rng, rows, d);
         sw.check("swiglu", "", case.clone(), &[&gate, &x], |dev| {

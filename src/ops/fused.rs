@@ -53,7 +53,8 @@ impl Tensor {
         let (want_dx, want_dw) = (self.requires_grad(), w.requires_grad());
         let (x, wk) = (Saved::keep(self)?, w.detach());
         // x's gradient adds into what autograd gathered for it before this
-        // node (see the module docs)
+        // node (see the module docs), the weight's into its `.grad` of
+        // earlier micro-batches
         Ok(Tensor::record_gathering(
             y,
             self.shape().to_vec(),
@@ -62,16 +63,20 @@ impl Tensor {
             move |g, gathered| {
                 let g = &arrived(g, f)?;
                 let x = x.get()?;
-                let earlier = if want_dx {
-                    gathered.take(0).map(|e| e.storage())
-                } else {
-                    None
+                let mut earlier = |i, wanted| {
+                    if wanted {
+                        gathered.take(i).map(|e| e.storage())
+                    } else {
+                        None
+                    }
                 };
+                let (ex, ew) = (earlier(0, want_dx), earlier(1, want_dw));
                 let (dx, dw) = x.storage().rms_norm_backward(
                     &wk.storage(),
                     &rstd,
                     &g.storage(),
-                    earlier.as_ref(),
+                    ex.as_ref(),
+                    ew.as_ref(),
                     &lead,
                     d,
                     want_dx,

@@ -138,6 +138,12 @@ fn recorded(
         // gradient is not): an op that rounds the gradient arriving for its
         // output need not round it again
         let ga = ga.map(|t| t.with_half(if e.is_none() { round } else { None }));
+        // dB likewise (a weight's: the `.grad` of earlier micro-batches)
+        let earlier = a_kept
+            .as_ref()
+            .and_then(|_| gathered.take(1))
+            .map(|e| e.storage());
+        let e = earlier.as_ref();
         let gb = match &a_kept {
             None => None,
             Some(a) => {
@@ -173,11 +179,11 @@ fn recorded(
                 let ta2 = ta && !folded;
                 Some(
                     out(if !tb {
-                        product(a2, g2, !ta2, false, round, None)? // dB = op(A)ᵀ dC
+                        product(a2, g2, !ta2, false, round, e)? // dB = op(A)ᵀ dC
                     } else {
-                        product(g2, a2, true, ta2, round, None)? // dB = (op(A)ᵀ dC)ᵀ = dCᵀ op(A)
+                        product(g2, a2, true, ta2, round, e)? // dB = (op(A)ᵀ dC)ᵀ = dCᵀ op(A)
                     })?
-                    .with_half(round),
+                    .with_half(if e.is_none() { round } else { None }),
                 )
             }
         };
@@ -216,7 +222,7 @@ impl Tensor {
     /// of `e.residual_add(&self.matmul_t(rhs)?)`, its gradients too where nothing else
     /// adds into `self` or `rhs` between that sum and that product (as in
     /// the Llama, whose projections' inputs and weights feed nothing else).
-    /// On the CPU the product adds `e` as it writes each tile; `e` of
+    /// The product adds `e` as it writes its outputs (both devices); `e` of
     /// another shape, or one of the operands itself, takes the composition.
     pub fn matmul_t_add(&self, rhs: &Tensor, e: &Tensor) -> Result<Tensor> {
         let fits = self.dims() >= 2 && rhs.dims() == 2 && e.dtype() == self.dtype() && {

@@ -51,14 +51,18 @@ pub fn set_grad_enabled(on: bool) -> GradModeGuard {
 /// (`None` for a parent that gets none). It may take a parent's gradient
 /// gathered so far out of [`Gathered`] and return it with its own
 /// contribution added (a kernel that adds as it writes), in the order
-/// autograd would have added them.
+/// autograd would have added them. A parent it takes must get `Some`.
 pub type Vjp = Box<dyn FnOnce(&Tensor, &mut Gathered) -> Result<Vec<Option<Tensor>>>>;
 
 /// The gradients gathered for a node's parents when its backward runs: the
-/// sums, in order, of every contribution of the nodes that ran before it.
+/// sums, in order, of every contribution of the nodes that ran before it —
+/// or, for a leaf that this node alone feeds, the `.grad` earlier backward
+/// passes left (gradient accumulation), which its one contribution joins.
 pub struct Gathered<'a> {
     grads: &'a mut HashMap<usize, Tensor>,
     parents: &'a [Rc<Meta>],
+    /// How many parent slots of the graph's nodes each tensor fills.
+    uses: &'a HashMap<usize, usize>,
 }
 
 impl Gathered<'_> {
@@ -69,7 +73,15 @@ impl Gathered<'_> {
         if !p.requires_grad.get() {
             return None;
         }
-        self.grads.remove(&p.id)
+        if let Some(g) = self.grads.remove(&p.id) {
+            return Some(g);
+        }
+        // `.grad + contribution` is the sum the leaf would form when backward
+        // reaches it; with a second use the contributions would sum first.
+        if p.is_leaf && self.uses.get(&p.id) == Some(&1) {
+            return p.grad.borrow_mut().take();
+        }
+        None
     }
 }
 
@@ -111,6 +123,19 @@ fn topo_order(root: &Rc<Meta>) -> Vec<Rc<Meta>> {
     order
 }
 
+/// How many parent slots of the nodes in `order` each tensor fills.
+fn uses(order: &[Rc<Meta>]) -> HashMap<usize, usize> {
+    let mut uses = HashMap::new();
+    for t in order {
+        if let Some(node) = t.node.borrow().as_ref() {
+            for p in node.parents.iter().filter(|p| p.requires_grad.get()) {
+                *uses.entry(p.id).or_insert(0) += 1;
+            }
+        }
+    }
+    uses
+}
+
 fn accumulate(map: &mut HashMap<usize, Tensor>, id: usize, g: Tensor) -> Result<()> {
     let g = match map.remove(&id) {
         Some(prev) => prev.add(&g)?,
@@ -137,6 +162,7 @@ pub(crate) fn backward(root: &Tensor, seed: Tensor) -> Result<()> {
     // In a primitive trace, the gradient sums between nodes are backward work.
     let _traced = crate::trace::phase("backward");
     let mut order = topo_order(&root.0.meta);
+    let uses = uses(&order);
     let mut grads: HashMap<usize, Tensor> = HashMap::new();
     grads.insert(root.id(), seed);
     // Pop from the back = walk the reverse topological order; each node is
@@ -166,6 +192,7 @@ pub(crate) fn backward(root: &Tensor, seed: Tensor) -> Result<()> {
             let mut gathered = Gathered {
                 grads: &mut grads,
                 parents: &parents,
+                uses: &uses,
             };
             vjp(&g, &mut gathered).map_err(|e| e.context(format!("backward of {name}")))?
         };

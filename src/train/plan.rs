@@ -63,7 +63,9 @@
 //!   logits' float32 slots beside their 16-bit copy (`4·V`); nothing worth
 //!   counting in float32;
 //! * backward: the first block's weight gradients on their way into the
-//!   accumulated ones (`4·(C·F + V·C + C)` bytes in all), its float32 input
+//!   gradients (`4·(C·F + V·C + C)` bytes in all; none after the first
+//!   micro-batch, whose products add into the accumulated gradients as they
+//!   write: [`MemoryPlan::accumulating`]), its float32 input
 //!   gradients (`4·(F + C + H)`), under a rounding policy the float32
 //!   slots of the 16-bit gradients (`10·F + 2·C + 2·V`), and with dropout
 //!   the composition's recomputed probabilities with their two gradients
@@ -101,6 +103,11 @@ pub struct MemoryPlan {
     /// Bytes in flight during backward beyond the activations and the
     /// gradients (see the module docs).
     pub backward_working: usize,
+    /// The part of `backward_working` that is the first block's weight
+    /// gradients on their way into `.grad` (0 where accumulated micro-batches
+    /// add them in as they are written).
+    #[serde(default)]
+    pub weight_grads_working: usize,
     /// The peak of activation memory in layer units: with checkpointing, the
     /// saved inputs of all segments but one plus the layers of the largest
     /// segment; `n_layers` without checkpointing.
@@ -317,10 +324,16 @@ fn forward_working(cfg: &LlamaConfig, n: usize, k16: Kept16) -> usize {
     n * (4 * v).max((10 * f + 8 * c).saturating_sub(head))
 }
 
+/// Bytes of the first block's weight gradients on their way into `.grad`
+/// (`C·F`, with the head's `V·C` and a norm's `C`; see the module docs).
+fn weight_grads_working(cfg: &LlamaConfig) -> usize {
+    let (c, f, v) = (cfg.d_model, cfg.hidden, cfg.vocab_size);
+    4 * (c * f + v * c + c)
+}
+
 /// Bytes the backward pass of `rows` sequences of `t` tokens has in flight
-/// beyond the activations and the gradients (see the module docs): the
-/// first block's weight gradients on their way into the accumulated ones
-/// (`C·F`, with the head's `V·C` and a norm's `C`), its float32 input
+/// beyond the activations, the gradients and the weight gradients being
+/// made (see the module docs): its float32 input
 /// gradients (`F + C + H` per token), and under a rounding policy the
 /// float32 slots of the MLP's 16-bit gradients (`10·F + 2·C + 2·V`); with
 /// dropout the composition's probabilities and their two gradients
@@ -328,7 +341,7 @@ fn forward_working(cfg: &LlamaConfig, n: usize, k16: Kept16) -> usize {
 fn backward_working(cfg: &LlamaConfig, rows: usize, t: usize, k16: Kept16) -> usize {
     let (c, f, h, v) = (cfg.d_model, cfg.hidden, cfg.n_heads, cfg.vocab_size);
     let n = rows * t;
-    let mut w = 4 * (c * f + v * c + c) + 4 * n * (f + c + h);
+    let mut w = 4 * n * (f + c + h);
     if k16.products {
         w += n * (10 * f + 2 * c + 2 * v);
     }
@@ -425,7 +438,8 @@ pub fn memory_plan_policy(
     };
     let activations =
         held + inputs * rows * t * cfg.d_model * f32b + head_kept(cfg, t, k16).bytes16() * rows;
-    let mut backward_working = backward_working(cfg, rows, t, k16);
+    let weight_grads_working = weight_grads_working(cfg);
+    let mut backward_working = weight_grads_working + backward_working(cfg, rows, t, k16);
     if attention_recompute {
         backward_working += attention_core_kept(cfg, t, k16).bytes16() * rows;
     }
@@ -439,6 +453,7 @@ pub fn memory_plan_policy(
         activations,
         forward_working,
         backward_working,
+        weight_grads_working,
         layer_units: units,
         forward_peak: held + forward_working,
         backward_peak: held + backward_working,
@@ -720,8 +735,22 @@ impl MemoryPlan {
     /// them (backward frees the activations faster than it makes the
     /// gradients). Planned with them otherwise (a checkpointed backward
     /// peaks in a late segment's recomputation, most gradients made).
+    /// Accumulated micro-batches add each weight gradient into `.grad` as
+    /// the product writes it: the backward peak holds none in flight.
     pub fn accumulating(self, accum: usize, checkpointed: bool) -> MemoryPlan {
-        if accum > 1 || checkpointed {
+        if accum > 1 {
+            let w = self.weight_grads_working;
+            let (backward_working, backward_peak) =
+                (self.backward_working - w, self.backward_peak - w);
+            return MemoryPlan {
+                backward_working,
+                weight_grads_working: 0,
+                backward_peak,
+                total: self.forward_peak.max(backward_peak),
+                ..self
+            };
+        }
+        if checkpointed {
             return self;
         }
         let (forward_peak, backward_peak) = (
@@ -846,7 +875,7 @@ mod tests {
             .to_string();
         assert!(
             e.contains("planned peak is 215.2 MiB")
-                && e.contains("try --micro-batch 16 --checkpoint-activations (plans 47.5 MiB")
+                && e.contains("try --micro-batch 16 --checkpoint-activations (plans 47.2 MiB")
                 && e.contains("memory plan ("),
             "{e}"
         );

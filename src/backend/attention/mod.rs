@@ -183,25 +183,22 @@ pub mod batched {
     }
 
     /// Token-major `(B, T, h, D)` as head-major `(B, h, T, D)`, or back
-    /// (`to_tokens`): a strided copy. A 16-bit copy is widened first (its
-    /// words pair neighbouring values), which changes no value a product reads.
+    /// (`to_tokens`): a strided copy. A 16-bit copy is widened as it is read
+    /// (its words pair neighbouring values), which changes no value a product
+    /// reads.
     fn permuted<S: Device>(a: &Attention, x: Arg<S>, to_tokens: bool) -> Result<(S, Option<Format>)> {
         let h = a.tokens.expect("token-major");
         let (b, t, d) = (a.heads / h.max(1), a.t, a.d);
-        let widened;
-        let x = match x.1 {
-            Some(fmt) => {
-                widened = x.0.unpack(fmt, a.heads * t * d)?;
-                &widened
-            }
-            None => x.0,
-        };
         // strides of the source, per axis of the output
         let (shape, strides) = match to_tokens {
             false => ([b, h, t, d], [t * h * d, d, h * d, 1]),
             true => ([b, t, h, d], [h * t * d, d, t * d, 1]),
         };
-        Ok((x.strided_copy(&shape, &strides, 0)?, None))
+        let y = match x.1 {
+            Some(fmt) => x.0.unpack_strided(fmt, &shape, &strides, 0)?,
+            None => x.0.strided_copy(&shape, &strides, 0)?,
+        };
+        Ok((y, None))
     }
 
     /// `v` head-major.

@@ -56,7 +56,8 @@ impl FusedOps for CpuStorage {
         w: &CpuStorage,
         rstd: &CpuStorage,
         g: &CpuStorage,
-        earlier: Option<&CpuStorage>,
+        ex: Option<&CpuStorage>,
+        ew: Option<&CpuStorage>,
         spans: &[usize],
         d: usize,
         want_dx: bool,
@@ -64,9 +65,17 @@ impl FusedOps for CpuStorage {
     ) -> Result<(Option<CpuStorage>, Option<CpuStorage>)> {
         Ok(by_dtype!(self, T => {
             let (x, w, r, g) = (T::view(self), T::view(w), T::view(rstd), T::view(g));
-            let e = earlier.map(T::view);
-            let dx = want_dx.then(|| rms_norm_dx_t::<T>(&x, &w, &r, &g, e.as_deref().map(Vec::as_slice), d));
-            let dw = want_dw.then(|| rms_norm_dw_t::<T>(&x, &r, &g, spans, d));
+            let (ex, ew) = (ex.map(T::view), ew.map(T::view));
+            let dx = want_dx.then(|| rms_norm_dx_t::<T>(&x, &w, &r, &g, ex.as_deref().map(Vec::as_slice), d));
+            let dw = want_dw.then(|| {
+                let mut dw = rms_norm_dw_t::<T>(&x, &r, &g, spans, d);
+                if let Some(ew) = &ew {
+                    for (v, &e) in dw.iter_mut().zip(ew.iter()) {
+                        *v = e.add(*v);
+                    }
+                }
+                dw
+            });
             (dx.map(T::wrap), dw.map(T::wrap))
         }))
     }
@@ -684,9 +693,9 @@ mod tests {
         };
         let run = || {
             let (y, r) = x.rms_norm(&w, rows, d, 1e-5).unwrap();
-            let (a, b) = x.rms_norm_backward(&w, &r, &g, None, &[rows], d, true, true).unwrap();
+            let (a, b) = x.rms_norm_backward(&w, &r, &g, None, None, &[rows], d, true, true).unwrap();
             // each block adds into its own rows of the earlier gradient
-            let (c, _) = x.rms_norm_backward(&w, &r, &g, Some(&e), &[rows], d, true, false).unwrap();
+            let (c, _) = x.rms_norm_backward(&w, &r, &g, Some(&e), None, &[rows], d, true, false).unwrap();
             let (dg, du) = x.swiglu_backward(&g, &x).unwrap();
             let mut out = vec![bits(&y), bits(&r), bits(&a.unwrap()), bits(&b.unwrap()), bits(&c.unwrap())];
             out.extend([bits(&x.swiglu(&g).unwrap()), bits(&dg), bits(&du)]);

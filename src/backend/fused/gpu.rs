@@ -30,7 +30,7 @@ gpu_params! {
         r0: u32,
         r1: u32,
         zero: u32,
-        _pad0: u32,
+        earlier: u32,
         _pad1: u32,
         spans: [u32; MAX_DIMS],
     }
@@ -185,7 +185,8 @@ impl FusedOps for GpuStorage {
         w: &GpuStorage,
         rstd: &GpuStorage,
         g: &GpuStorage,
-        earlier: Option<&GpuStorage>,
+        ex: Option<&GpuStorage>,
+        ew: Option<&GpuStorage>,
         spans: &[usize],
         d: usize,
         want_dx: bool,
@@ -202,11 +203,11 @@ impl FusedOps for GpuStorage {
                 rows: u32_of(rows, "rows")?,
                 d: u32_of(d, "d")?,
                 d_f: f32_bits_of(d),
-                earlier: u32::from(earlier.is_some()),
+                earlier: u32::from(ex.is_some()),
                 zero: 0,
             };
             // without an earlier gradient the kernel reads none: g stands in
-            let e = earlier.unwrap_or(g);
+            let e = ex.unwrap_or(g);
             let (kernel, groups) = row_launches(variant, rows, d)[1];
             c.dispatch(&kernel, &prm, &[self.buf(), w.buf(), rstd.buf(), g.buf(), e.buf(), out.buf()], groups)?;
             dx = Some(out);
@@ -217,6 +218,8 @@ impl FusedOps for GpuStorage {
             }
             let out = GpuStorage::alloc(c, d)?;
             let state = GpuStorage::alloc(c, MAX_DIMS * d)?;
+            // without an earlier gradient the kernel reads none: g stands in
+            let e = ew.unwrap_or(g);
             let mut sp = [1u32; MAX_DIMS];
             for (s, &v) in sp.iter_mut().zip(spans) {
                 *s = u32_of(v, "rows")?;
@@ -232,14 +235,14 @@ impl FusedOps for GpuStorage {
                     r0: r0 as u32,
                     r1: r1 as u32,
                     zero: 0,
-                    _pad0: 0,
+                    earlier: u32::from(ew.is_some()),
                     _pad1: 0,
                     spans: sp,
                 };
                 c.dispatch(
                     &RMS_NORM_BACKWARD_DW,
                     &prm,
-                    &[self.buf(), rstd.buf(), g.buf(), state.buf(), out.buf()],
+                    &[self.buf(), rstd.buf(), g.buf(), state.buf(), out.buf(), e.buf()],
                     grid1d(d),
                 )?;
                 r0 = r1;

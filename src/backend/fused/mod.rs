@@ -35,7 +35,9 @@
 //!   `dw_j` is `g_j·(x_j·r)` summed over the leading axes of `x` the way
 //!   broadcasting's backward (`sum_to`) sums them: the innermost leading axis
 //!   first, each axis a fold from −0, nested (`(B,T,d)`: `Σ_b Σ_t`). Axes of
-//!   size 1 change nothing (`−0 + v = v`) and are dropped.
+//!   size 1 change nothing (`−0 + v = v`) and are dropped. With `ew`, the
+//!   weight's gradient so far (an earlier micro-batch's), `dw_j` is
+//!   `ew_j + Σ…`: the sum gradient accumulation forms next.
 //! * **`swiglu`** `gate, up: (n) -> y: (n)`: `y = (gate·σ(gate))·up` — the
 //!   composition `gate.silu().mul(up)`.
 //! * **`swiglu_backward`** from `gate`, `up`, `g`: with `s = σ(gate)`,
@@ -94,16 +96,17 @@ pub trait FusedOps: Sized {
     /// `self` is `x: (rows, d)`; returns `(y, rstd)`.
     fn rms_norm(&self, w: &Self, rows: usize, d: usize, eps: f64) -> Result<(Self, Self)>;
     /// `self` is `x`; returns `(dx, dw)`, the first when `want_dx` (with
-    /// `earlier`, `x`'s gradient so far, added in), the second when
-    /// `want_dw`. `spans` are the levels of `dw`'s nested sum (see
-    /// [`dw_spans`]).
+    /// `ex`, `x`'s gradient so far, added in), the second when `want_dw`
+    /// (with `ew`, the weight's, added in). `spans` are the levels of `dw`'s
+    /// nested sum (see [`dw_spans`]).
     #[allow(clippy::too_many_arguments)]
     fn rms_norm_backward(
         &self,
         w: &Self,
         rstd: &Self,
         g: &Self,
-        earlier: Option<&Self>,
+        ex: Option<&Self>,
+        ew: Option<&Self>,
         spans: &[usize],
         d: usize,
         want_dx: bool,
@@ -176,15 +179,17 @@ impl Storage {
     }
 
     /// RMSNorm's backward: `self` is `x: (rows, d)` with leading axes `lead`
-    /// (their product is `rows`), `earlier` the gradient gathered for `x` so
-    /// far. Returns `(dx, dw)` (see the contract; `None` where not wanted).
+    /// (their product is `rows`), `ex` and `ew` the gradients gathered for
+    /// `x` and the weight so far. Returns `(dx, dw)` (see the contract; `None`
+    /// where not wanted).
     #[allow(clippy::too_many_arguments)]
     pub fn rms_norm_backward(
         &self,
         w: &Storage,
         rstd: &Storage,
         g: &Storage,
-        earlier: Option<&Storage>,
+        ex: Option<&Storage>,
+        ew: Option<&Storage>,
         lead: &[usize],
         d: usize,
         want_dx: bool,
@@ -196,13 +201,22 @@ impl Storage {
         check_len("rms_norm backward", w, d, "the weight")?;
         check_len("rms_norm backward", rstd, rows, "rstd")?;
         let mut parts = vec![self, w, rstd, g];
-        if let Some(e) = earlier {
-            check_len("rms_norm backward", e, rows * d, "the earlier gradient")?;
+        // where each earlier gradient sits in `parts`
+        let (mut ex_at, mut ew_at) = (None, None);
+        if let Some(e) = ex {
+            check_len("rms_norm backward", e, rows * d, "x's earlier gradient")?;
             parts.push(e);
+            ex_at = Some(parts.len() - 1);
+        }
+        if let Some(e) = ew {
+            check_len("rms_norm backward", e, d, "the weight's earlier gradient")?;
+            parts.push(e);
+            ew_at = Some(parts.len() - 1);
         }
         let spans = dw_spans(lead);
         Ok(primitive!("rms norm backward", || format!("lead {lead:?} d {d}"), slice &parts => |xs| {
-            xs[0].rms_norm_backward(xs[1], xs[2], xs[3], xs.get(4).copied(), &spans, d, want_dx, want_dw)
+            let (ex, ew) = (ex_at.map(|i| xs[i]), ew_at.map(|i| xs[i]));
+            xs[0].rms_norm_backward(xs[1], xs[2], xs[3], ex, ew, &spans, d, want_dx, want_dw)
         }))
     }
 

@@ -50,14 +50,15 @@ impl FusedOps for SpecStorage {
         w: &SpecStorage,
         rstd: &SpecStorage,
         g: &SpecStorage,
-        earlier: Option<&SpecStorage>,
+        ex: Option<&SpecStorage>,
+        ew: Option<&SpecStorage>,
         spans: &[usize],
         d: usize,
         want_dx: bool,
         want_dw: bool,
     ) -> Result<(Option<SpecStorage>, Option<SpecStorage>)> {
         let (x, w, r, g) = (self.get(), w.get(), rstd.get(), g.get());
-        let e = earlier.map(|e| e.get());
+        let (e, ew) = (ex.map(|e| e.get()), ew.map(|e| e.get()));
         let rows = r.len();
         let df = d as f32;
         let dx = want_dx.then(|| {
@@ -79,7 +80,10 @@ impl FusedOps for SpecStorage {
             SpecStorage::new(dx)
         });
         let dw = want_dw.then(|| {
-            let dw = (0..d).map(|j| nested(spans, 0, &|i| g[i * d + j] * (x[i * d + j] * r[i])));
+            let dw = (0..d).map(|j| {
+                let s = nested(spans, 0, &|i| g[i * d + j] * (x[i * d + j] * r[i]));
+                ew.as_ref().map_or(s, |e| e[j] + s)
+            });
             SpecStorage::new(dw.collect())
         });
         Ok((dx, dw))

@@ -51,7 +51,7 @@ pub fn no_consts() -> String {
 }
 
 /// Values for a kernel's `override` constants (unused slots have no name).
-pub type Overrides = [(&'static str, u32); 6];
+pub type Overrides = [(&'static str, u32); 7];
 
 /// One pipeline: a family's entry point with its override constants.
 #[derive(Clone, Copy, Debug)]
@@ -66,10 +66,10 @@ impl Kernel {
         Kernel {
             family,
             entry,
-            overrides: [("", 0); 6],
+            overrides: [("", 0); 7],
         }
     }
-    /// The same entry point with `name = value` set (at most six).
+    /// The same entry point with `name = value` set (at most seven).
     pub const fn with(mut self, name: &'static str, value: u32) -> Kernel {
         let mut i = 0;
         while i < self.overrides.len() && !self.overrides[i].0.is_empty() {

@@ -1,13 +1,11 @@
 //! The GPU launcher of the matmul (`matmul.wgsl`): one pipeline per (variant,
-//! format, transposes, mask, 16-bit operands), a grid of 64×64-output
+//! format, transposes, mask, 16-bit operands, addend), a grid of 64×64-output
 //! workgroups, batches past 65535 and `k` past [`LOOP_PASS`] split into
 //! dispatches. The variant ([`Kernels`]) is `matmul` (register tiles, no
 //! barriers: lavapipe) or `matmul_tiled` (operand tiles in workgroup memory:
 //! hardware); both have the same grid and the same bits.
 
 use super::{Halves, MatmulDims, MatmulOps};
-use crate::backend::elementwise::ElementwiseOps;
-use crate::backend::{BinaryLayout, BinaryOp};
 use crate::backend::gpu::context::ctx;
 use crate::backend::gpu::pipelines::{gpu_params, no_consts, Family, Kernel};
 use crate::backend::gpu::variant::Kernels;
@@ -72,11 +70,23 @@ impl MatmulOps for GpuStorage {
         round: Option<Format>,
         addend: &GpuStorage,
     ) -> Result<GpuStorage> {
-        let c = self.matmul(rhs, d, halves, round)?;
-        let layout = BinaryLayout { shape: vec![c.len()], lhs_strides: vec![1], rhs_strides: vec![1] };
-        addend.binary(&c, BinaryOp::Add, &layout)
+        self.product(rhs, d, halves, round, Some(addend))
     }
     fn matmul(&self, rhs: &GpuStorage, d: MatmulDims, halves: Halves, round: Option<Format>) -> Result<GpuStorage> {
+        self.product(rhs, d, halves, round, None)
+    }
+}
+
+impl GpuStorage {
+    /// The product, `addend` added to its outputs in the last pass's stores.
+    fn product(
+        &self,
+        rhs: &GpuStorage,
+        d: MatmulDims,
+        halves: Halves,
+        round: Option<Format>,
+        addend: Option<&GpuStorage>,
+    ) -> Result<GpuStorage> {
         let c = ctx()?;
         let n_out = d.batch * d.m * d.n;
         let out = GpuStorage::alloc(c, n_out)?;
@@ -99,7 +109,10 @@ impl MatmulOps for GpuStorage {
             .with("TRANS_B", d.trans_b as u32)
             .with("CAUSAL", d.causal.code())
             .with("A_HALF", fmt_code(halves.a))
-            .with("B_HALF", fmt_code(halves.b));
+            .with("B_HALF", fmt_code(halves.b))
+            .with("ADD", addend.is_some() as u32);
+        // binding 4 is read only with ADD; A stands in for it otherwise
+        let e = addend.unwrap_or(self);
         let mut b0 = 0usize;
         while b0 < d.batch {
             let nb = (d.batch - b0).min(65535);
@@ -124,7 +137,7 @@ impl MatmulOps for GpuStorage {
                 c.dispatch(
                     &kernel,
                     &prm,
-                    &[self.buf(), rhs.buf(), out.buf()],
+                    &[self.buf(), rhs.buf(), out.buf(), e.buf()],
                     (gx as u32, gy as u32, nb as u32),
                 )?;
                 p0 = p1;

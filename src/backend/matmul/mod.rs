@@ -196,7 +196,7 @@ impl Operand {
 
     /// `addend + self @ rhs`: every output of the contract's matmul with the
     /// addend's value added, `e + c` — the bits of the product followed by
-    /// the elementwise sum (the CPU adds each tile as the product writes it).
+    /// the elementwise sum (each device adds as the product writes its outputs).
     /// No causal mask.
     pub fn matmul_add(
         &self,

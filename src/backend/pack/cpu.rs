@@ -46,6 +46,25 @@ impl PackOps for CpuStorage {
         Ok((CpuStorage::from_f32(w), Some(changed)))
     }
 
+    /// One value at a time: only the batched attention (spec and GPU) permutes
+    /// 16-bit values this way; the CPU's attention reads them in place.
+    fn unpack_strided(&self, fmt: Format, shape: &[usize], strides: &[usize], offset: usize) -> Result<CpuStorage> {
+        let w = self.f32s();
+        let n: usize = shape.iter().product();
+        let mut y = Vec::with_capacity(n);
+        for i in 0..n {
+            // i's multi-index, innermost axis first, onto the view's strides
+            let (mut rest, mut e) = (i, offset);
+            for (&s, &st) in shape.iter().zip(strides).rev() {
+                e += (rest % s) * st;
+                rest /= s;
+            }
+            let h = (w[e / 2].to_bits() >> (16 * (e % 2))) & 0xffff;
+            y.push(f32::from_bits(super::widen_bits(h, fmt)));
+        }
+        Ok(CpuStorage::from_f32(y))
+    }
+
     fn unpack(&self, fmt: Format, n: usize) -> Result<CpuStorage> {
         let w = self.f32s();
         // the words hold exactly n values, or some outputs would go unwritten

@@ -14,6 +14,10 @@
 //!   bit for bit whenever every value of `x` is a value of the format, with
 //!   one exception: a NaN keeps its sign and the top of its payload (bf16: 7
 //!   bits, fp16: 10), quieted, not the rest.
+//! * `unpack_strided`: a strided view of the values, widened — output `i`
+//!   is value `offset + Σ_d idx_d·strides_d` (`idx` the row-major multi-index
+//!   of `i` over `shape`): `copy`'s `strided_copy` of `unpack`'s values,
+//!   without writing them out (attention's permute of a kept 16-bit `v`).
 //! * The CPU reference also counts the values that rounding changed, so a
 //!   caller that packs values it holds to be 16-bit can check the claim; the
 //!   GPU runs the same integer steps and does not count.
@@ -46,6 +50,8 @@ pub trait PackOps: Sized {
     fn pack(&self, fmt: Format) -> Result<(Self, Option<usize>)>;
     /// `self`: ⌈n/2⌉ words -> n values.
     fn unpack(&self, fmt: Format, n: usize) -> Result<Self>;
+    /// `self`: words -> the values of the view `(shape, strides, offset)`.
+    fn unpack_strided(&self, fmt: Format, shape: &[usize], strides: &[usize], offset: usize) -> Result<Self>;
 }
 
 impl Storage {
@@ -71,6 +77,17 @@ impl Packed {
     pub fn unpack(&self) -> Result<Storage> {
         let (fmt, n) = (self.format, self.len);
         Ok(primitive!("unpack 16-bit", || format!("{fmt} n {n}"), [&self.words] => |w| w.unpack(fmt, n)))
+    }
+    /// The values of the strided view `(shape, strides, offset)`, counted
+    /// in values, widened exactly (see the contract).
+    pub fn unpack_strided(&self, shape: &[usize], strides: &[usize], offset: usize) -> Result<Storage> {
+        let last = offset + shape.iter().zip(strides).map(|(&s, &st)| s.saturating_sub(1) * st).sum::<usize>();
+        if shape.len() > super::MAX_DIMS || (shape.iter().all(|&s| s > 0) && last >= self.len) {
+            crate::bail!(Shape, "a view {shape:?} strides {strides:?} offset {offset} of {} 16-bit values", self.len);
+        }
+        let fmt = self.format;
+        let describe = || format!("{fmt} shape {shape:?} strides {strides:?} offset {offset}");
+        Ok(primitive!("unpack 16-bit", describe, [&self.words] => |w| w.unpack_strided(fmt, shape, strides, offset)))
     }
     /// The format of the values.
     pub fn format(&self) -> Format {

@@ -4,7 +4,7 @@
 
 use super::PackOps;
 use crate::backend::round::{round_f32, Format};
-use crate::backend::spec::SpecStorage;
+use crate::backend::spec::{dot, multi_index, SpecStorage};
 use crate::Result;
 
 /// The 16-bit pattern of `r`, a value of `fmt`: bf16 the top half of its
@@ -65,6 +65,13 @@ impl PackOps for SpecStorage {
         }
         let words = words.into_iter().map(f32::from_bits).collect();
         Ok((SpecStorage::new(words), Some(changed)))
+    }
+
+    fn unpack_strided(&self, fmt: Format, shape: &[usize], strides: &[usize], offset: usize) -> Result<SpecStorage> {
+        let words = self.get();
+        let n: usize = shape.iter().product();
+        let at = |i: usize| offset + dot(&multi_index(i, shape), strides);
+        Ok(SpecStorage::new((0..n).map(|i| unpacked(&words, fmt, at(i))).collect()))
     }
 
     fn unpack(&self, fmt: Format, n: usize) -> Result<SpecStorage> {
