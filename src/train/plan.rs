@@ -42,9 +42,9 @@
 //! With attention recomputation ([`Recompute::Attention`]) the dropout
 //! composition keeps only q, k and v (as the products read them, as above):
 //! its `2·H·T²` float32 and `H·T²` product-read values are recomputed in
-//! backward instead, one block's at a time, and counted in the backward
-//! working set. Without dropout the fused attention keeps only q, k and v
-//! anyway: the policy changes no byte there.
+//! backward instead, one block's at a time (see the working sets below).
+//! Without dropout the fused attention keeps only q, k and v anyway: the
+//! policy changes no byte there.
 //!
 //! For the capstone (`T` = 512) that is 84.2 MiB of activations for one
 //! sequence in float32 and 47.4 MiB under bf16 or fp16 autocast (44 % less).
@@ -64,16 +64,21 @@
 //!   counting in float32;
 //! * backward: the first block's weight gradients on their way into the
 //!   accumulated ones (`4·(C·F + V·C + C)` bytes in all), its float32 input
-//!   gradients (`4·(F + C + H)`), under a rounding policy the float32
-//!   slots of the 16-bit gradients (`10·F + 2·C + 2·V`), and with dropout
-//!   the composition's recomputed probabilities with their two gradients
-//!   (`3·H·T²` float32 per sequence).
+//!   gradients (`4·(F + C + H)`), and under a rounding policy the float32
+//!   slots of the 16-bit gradients (`10·F + 2·C + 2·V`);
+//! * with dropout, either phase's peak may instead be at an attention core
+//!   (per sequence, in units of `U = 4·H·T²` bytes): forward makes the
+//!   dropped probabilities in float32 beside their 16-bit copy (`U`), and
+//!   backward their gradient (`U`, with a 16-bit copy, `U/2`) beside the
+//!   probabilities' (`U`); recomputed, the core holds again what it would
+//!   have kept. By then backward has freed the head's values and the
+//!   block's after its core, so the core's working set is that much less.
 //!
 //! These terms are what the tuned kernels allocate, measured at the
 //! capstone's widths (exact there from 256 tokens per micro-batch; within a
 //! few percent at the smaller presets), and the GPU allocates the same
-//! tensors. A step of one micro-batch without checkpointing holds no
-//! gradient at either peak ([`MemoryPlan::accumulating`]).
+//! tensors. A step's first micro-batch holds no gradient in forward and,
+//! in backward, those it has made ([`MemoryPlan::accumulating`]).
 
 use crate::nn::llama::LlamaConfig;
 use crate::precision::{CastTable, OpClass, Precision, Rule};
@@ -113,6 +118,10 @@ pub struct MemoryPlan {
     /// The backward phase's: the same with the backward working set.
     #[serde(default)]
     pub backward_peak: usize,
+    /// The backward phase's peak in a step's first micro-batch, which holds
+    /// no gradients but those it makes (see [`MemoryPlan::accumulating`]).
+    #[serde(default)]
+    pub first_backward_peak: usize,
     /// The planned peak of the step: the larger of the two.
     pub total: usize,
 }
@@ -322,9 +331,7 @@ fn forward_working(cfg: &LlamaConfig, n: usize, k16: Kept16) -> usize {
 /// first block's weight gradients on their way into the accumulated ones
 /// (`C·F`, with the head's `V·C` and a norm's `C`), its float32 input
 /// gradients (`F + C + H` per token), and under a rounding policy the
-/// float32 slots of the MLP's 16-bit gradients (`10·F + 2·C + 2·V`); with
-/// dropout the composition's probabilities and their two gradients
-/// (`3·H·T²` per sequence).
+/// float32 slots of the MLP's 16-bit gradients (`10·F + 2·C + 2·V`).
 fn backward_working(cfg: &LlamaConfig, rows: usize, t: usize, k16: Kept16) -> usize {
     let (c, f, h, v) = (cfg.d_model, cfg.hidden, cfg.n_heads, cfg.vocab_size);
     let n = rows * t;
@@ -332,10 +339,52 @@ fn backward_working(cfg: &LlamaConfig, rows: usize, t: usize, k16: Kept16) -> us
     if k16.products {
         w += n * (10 * f + 2 * c + 2 * v);
     }
-    if cfg.dropout > 0.0 {
-        w += 4 * 3 * h * t * t * rows;
-    }
     w
+}
+
+/// The values a block keeps after its attention core, for one sequence:
+/// the core's output (read by `o_proj`), the mid-block sum and the second
+/// norm's `1/rms` and output, the MLP's gate, up and product, and with
+/// dropout the residual branches' masks. Backward frees them before it
+/// reaches the core.
+fn after_core_kept(cfg: &LlamaConfig, t: usize, k16: Kept16) -> Kept {
+    let (c, f) = (cfg.d_model, cfg.hidden);
+    let mut k = Kept { wide: t, narrow: 0 };
+    if cfg.dropout > 0.0 {
+        k.wide += 2 * t * c;
+    }
+    k.add(t * c, k16.stream);
+    k.add(2 * t * c + 3 * t * f, k16.products);
+    k
+}
+
+/// Bytes the dropout composition of one block's attention has in flight
+/// for one sequence beyond what the step keeps, at its peak in forward and
+/// in backward, and what backward has freed by then (the head's values
+/// and the block's after its core, [`after_core_kept`]). In units of
+/// `U = 4·H·T²` (float32 scores): forward makes the dropped probabilities in
+/// float32 beside their 16-bit copy (`U` under a policy that rounds
+/// products); backward makes their gradient (`U`, and its 16-bit copy,
+/// `U/2`, under such a policy) beside the probabilities' (`U`). Recomputed,
+/// the core also holds what it would otherwise keep, made again. None
+/// without dropout.
+fn attention_core_flight(
+    cfg: &LlamaConfig,
+    t: usize,
+    k16: Kept16,
+    recompute: bool,
+) -> (usize, usize, usize) {
+    if cfg.dropout <= 0.0 {
+        return (0, 0, 0);
+    }
+    let u = 4 * cfg.n_heads * t * t;
+    let rounded = if k16.products { u } else { 0 };
+    let kept = match recompute {
+        true => attention_core_kept(cfg, t, k16).bytes16(),
+        false => 0,
+    };
+    let freed = head_kept(cfg, t, k16).bytes16() + after_core_kept(cfg, t, k16).bytes16();
+    (kept + rounded, kept + 2 * u + rounded / 2, freed)
 }
 
 /// The planned bytes of one training step with micro-batches of `rows`
@@ -407,30 +456,42 @@ pub fn memory_plan_policy(
     // the blocks a segment of layers [a, b) holds: the first one's input is
     // the embedding's rows
     let segment = |a: usize, b: usize| (a..b).map(|l| block(l == 0)).sum::<usize>();
-    let (held, inputs, units) = match ckpt_budget {
-        None => (segment(0, cfg.n_layers), 0, cfg.n_layers),
-        Some(b) => {
-            let s = checkpoint_schedule(cfg.n_layers, b)?;
-            let k = s.len();
-            let held = (0..k)
-                .map(|j| segment(s[j], s.get(j + 1).copied().unwrap_or(cfg.n_layers)))
-                .max()
-                .unwrap_or(0);
-            (
-                held,
-                k - 1,
-                crate::recompute::schedule_peak(&s, cfg.n_layers),
-            )
-        }
+    // segment starts; one segment (`[0]`) without checkpointing
+    let schedule = match ckpt_budget {
+        Some(b) => checkpoint_schedule(cfg.n_layers, b)?,
+        None => vec![0],
     };
-    let activations =
-        held + inputs * rows * t * cfg.d_model * f32b + head_kept(cfg, t, k16).bytes16() * rows;
-    let mut backward_working = backward_working(cfg, rows, t, k16);
-    if attention_recompute {
-        backward_working += attention_core_kept(cfg, t, k16).bytes16() * rows;
+    let (layers, k) = (cfg.n_layers, schedule.len());
+    let end = |j: usize| schedule.get(j + 1).copied().unwrap_or(layers);
+    let held = (0..k)
+        .map(|j| segment(schedule[j], end(j)))
+        .max()
+        .unwrap_or(0);
+    let input = rows * t * cfg.d_model * f32b;
+    let head = head_kept(cfg, t, k16).bytes16() * rows;
+    let activations = held + (k - 1) * input + head;
+    // the working sets: the MLP's and the head's, or the attention core's
+    // (with dropout) where that is larger
+    let (core_fwd, core_bwd, freed) = attention_core_flight(cfg, t, k16, attention_recompute);
+    let core = |flight: usize| rows * flight.saturating_sub(freed);
+    let backward_working = backward_working(cfg, rows, t, k16).max(core(core_bwd));
+    // A step's first micro-batch holds only the gradients its backward has
+    // made: from the start (every activation, no gradient) it walks down the
+    // blocks, the last segment's as kept and each checkpointed one rerun,
+    // freeing a block's activations as it makes the block's gradients.
+    let (c, f, v) = (cfg.d_model, cfg.hidden, cfg.vocab_size);
+    let block_grads = f32b * (4 * c * c + 3 * c * f + 2 * c);
+    let head_grads = f32b * (v * c + c); // the LM head's and the final norm's
+    let mut first = (k - 1) * input + segment(schedule[k - 1], layers) + head;
+    for (j, &s) in schedule.iter().enumerate() {
+        for b in s..end(j) {
+            let made = head_grads + (layers - 1 - b) * block_grads;
+            first = first.max(j * input + segment(s, b + 1) + made);
+        }
     }
-    let held = 4 * n * f32b + activations;
-    let forward_working = forward_working(cfg, rows * t, k16);
+    let fixed = 3 * n * f32b; // weights and moments
+    let with_grads = fixed + n * f32b + activations;
+    let forward_working = forward_working(cfg, rows * t, k16).max(core(core_fwd));
     Ok(MemoryPlan {
         params: n,
         weights: n * f32b,
@@ -439,10 +500,11 @@ pub fn memory_plan_policy(
         activations,
         forward_working,
         backward_working,
-        layer_units: units,
-        forward_peak: held + forward_working,
-        backward_peak: held + backward_working,
-        total: held + forward_working.max(backward_working),
+        layer_units: crate::recompute::schedule_peak(&schedule, layers),
+        forward_peak: with_grads + forward_working,
+        backward_peak: with_grads + backward_working,
+        first_backward_peak: fixed + first + backward_working,
+        total: with_grads + forward_working.max(backward_working),
     })
 }
 
@@ -458,7 +520,7 @@ impl TrainConfig {
             self.ckpt_budget,
             self.recompute_attention,
         )?
-        .accumulating(self.accum, self.ckpt_budget.is_some())
+        .accumulating(self.accum)
         .with_fp8_copies(self.fp8.is_some().then_some(&self.model)))
     }
 
@@ -551,7 +613,7 @@ pub fn admit(cfg: &TrainConfig, limit: MemoryLimit) -> Result<()> {
                     ckpt,
                     cfg.recompute_attention,
                 )?
-                .accumulating(cfg.batch.div_ceil(rows), ckpt.is_some())
+                .accumulating(cfg.batch.div_ceil(rows))
                 .total
             }
             MemoryLimit::GpuBuffer(_) => largest_tensor(&cfg.model, rows, t),
@@ -713,21 +775,19 @@ pub(crate) fn mib(b: usize) -> String {
 }
 
 impl MemoryPlan {
-    /// The plan of a step of `accum` micro-batches, `checkpointed` or not.
-    /// Every step starts without gradients (they are dropped after the
-    /// update), so only the micro-batches after the first run with them;
-    /// with one micro-batch and no checkpointing neither phase's peak holds
-    /// them (backward frees the activations faster than it makes the
-    /// gradients). Planned with them otherwise (a checkpointed backward
-    /// peaks in a late segment's recomputation, most gradients made).
-    pub fn accumulating(self, accum: usize, checkpointed: bool) -> MemoryPlan {
-        if accum > 1 || checkpointed {
+    /// The plan of a step of `accum` micro-batches. Every step starts
+    /// without gradients (they are dropped after the update), so only the
+    /// micro-batches after the first run with them whole. With one
+    /// micro-batch the forward pass holds none and backward holds those it
+    /// has made: its peak is at its start (every activation, no gradient)
+    /// when activations outweigh gradients, near its end (the first block's
+    /// activations beside every later block's gradients) when they do not.
+    pub fn accumulating(self, accum: usize) -> MemoryPlan {
+        if accum > 1 {
             return self;
         }
-        let (forward_peak, backward_peak) = (
-            self.forward_peak - self.grads,
-            self.backward_peak - self.grads,
-        );
+        let (forward_peak, backward_peak) =
+            (self.forward_peak - self.grads, self.first_backward_peak);
         MemoryPlan {
             forward_peak,
             backward_peak,
@@ -748,6 +808,7 @@ impl MemoryPlan {
             activations: self.activations + copies,
             forward_peak: self.forward_peak + copies,
             backward_peak: self.backward_peak + copies,
+            first_backward_peak: self.first_backward_peak + copies,
             total: self.total + copies,
             ..self
         }
