@@ -13,17 +13,19 @@
 //! `--ckpt-budget` the checkpoint budget; the planner chooses the rest.
 //!
 //! **Cost.** What a policy repeats, in FLOPs of the products per optimizer
-//! step (counted from the shapes, not timed: `--profile` prints the reruns'
-//! measured time beside them). A block's forward is `2·(4·C² + 3·C·F)` per
-//! token for its projections and `4·T·C` for attention's two products; a
-//! checkpointed segment reruns its blocks once. With dropout an attention
-//! core (its two products, `4·T·C` a token) reruns once per recomputed
-//! attention: every block's under `attention`, and under `both` once more in
-//! each rerun block. Without dropout the fused attention recomputes its
-//! probabilities in backward whatever the policy, so `attention` costs and
-//! saves nothing. The cheapest candidate that fits wins; among equals, the
-//! fewest micro-batches (fewer, larger passes), then the least
-//! recomputing policy, then the lowest peak.
+//! step, counted from the shapes (not timed). A block's forward is
+//! `2·(4·C² + 3·C·F)` per token for its projections and `4·T·C` for
+//! attention's two products; a checkpointed segment reruns its blocks once.
+//! With dropout `attention` and `both` rerun every block's attention core
+//! (its two products, `4·T·C` a token) once in backward. `--profile` counts
+//! the same reruns and times them; the count leaves out the cores' softmax
+//! and dropout work, so it understates their time (RESULTS.md compares the
+//! two at the capstone). Without
+//! dropout the fused attention recomputes its probabilities in backward
+//! whatever the policy, so `attention` costs and saves nothing. The
+//! cheapest candidate that fits wins; among equals, the fewest
+//! micro-batches (fewer, larger passes), then the least recomputing
+//! policy, then the lowest peak.
 
 use crate::recompute::{budget_range, checkpoint_schedule, Recompute};
 use crate::train::config::{TrainConfig, TrainOptions};
@@ -46,6 +48,8 @@ pub struct Candidate {
     pub flops: f64,
     /// Blocks rerun by checkpointing, of the model's layers.
     pub blocks_rerun: usize,
+    /// Attention cores rerun per micro-batch (with dropout only).
+    pub cores_rerun: usize,
 }
 
 /// The planner's answer: the candidate chosen and why.
@@ -161,7 +165,9 @@ fn weigh(
         None => 0,
     };
     let cores = match (m.dropout > 0.0, policy.attention()) {
-        (true, true) => m.n_layers + rerun,
+        // every block's once in backward; a rerun block's forward runs its
+        // core again too, counted in `block`
+        (true, true) => m.n_layers,
         _ => 0,
     };
     Ok(Candidate {
@@ -172,6 +178,7 @@ fn weigh(
         peak: cfg.memory_plan()?.total,
         flops: tokens * (rerun as f64 * block + cores as f64 * core),
         blocks_rerun: rerun,
+        cores_rerun: cores,
     })
 }
 
@@ -240,15 +247,13 @@ pub fn choose(o: &TrainOptions, budget: u64) -> Result<Choice> {
     for &m in &micros {
         for &p in &policies {
             let ckpts: Vec<Option<usize>> = match (p.blocks(), o.ckpt_budget) {
-                (false, _) => vec![None],
+                // a fixed --ckpt-budget rules out the policies without blocks
+                (false, Some(_)) => vec![],
+                (false, None) => vec![None],
                 (true, Some(b)) => vec![Some(b)],
                 (true, None) => budget_range(base.model.n_layers).map(Some).collect(),
             };
             for ck in ckpts {
-                // a fixed --ckpt-budget rules out the policies without blocks
-                if o.ckpt_budget.is_some() && !p.blocks() {
-                    continue;
-                }
                 all.push(weigh(o, batch, m, p, ck)?);
             }
         }
@@ -346,8 +351,8 @@ impl Choice {
                         c.blocks_rerun, self.layers
                     ));
                 }
-                if c.recompute.attention() && c.flops > 0.0 {
-                    what.push("the attention cores rerun".into());
+                if c.cores_rerun > 0 {
+                    what.push(format!("{} attention cores rerun", c.cores_rerun));
                 }
                 format!(
                     "recomputes {:.1} GFLOP a step ({}; {:.0} % of a forward pass)",
@@ -363,7 +368,7 @@ impl Choice {
         };
         let why_not = match &self.cheaper {
             Some(d) => format!(
-                "; recomputing less does not fit: the least peak that does is {} ({})",
+                "; recomputing less needs at least {}: {}",
                 size(d.peak as u64),
                 describe(d)
             ),
@@ -448,7 +453,7 @@ mod tests {
         assert!((c.chosen.peak as u64) < none(1));
         let e = c.explain();
         assert!(
-            e.contains("recomputing less does not fit") && e.contains("4 of 8 blocks rerun"),
+            e.contains("recomputing less needs at least") && e.contains("4 of 8 blocks rerun"),
             "{e}"
         );
     }
@@ -475,7 +480,7 @@ mod tests {
         let c = choose(&o, none.peak as u64 - 1).unwrap();
         assert_eq!(c.chosen.recompute, Recompute::Attention, "{c:?}");
         assert!(
-            c.explain().contains("the attention cores rerun"),
+            c.explain().contains("8 attention cores rerun"),
             "{}",
             c.explain()
         );
@@ -512,6 +517,17 @@ mod tests {
         o.recompute = Some(Recompute::Blocks);
         let c = choose(&o, 64 << 30).unwrap();
         assert_eq!(c.chosen.recompute, Recompute::Blocks);
+        // without dropout `both` reruns blocks only: no attention core
+        let both = TrainOptions {
+            recompute: Some(Recompute::Both),
+            ckpt_budget: Some(3),
+            ..o.clone()
+        };
+        let e = choose(&both, 64 << 30).unwrap().explain();
+        assert!(
+            e.contains("2 of 4 blocks rerun") && !e.contains("attention cores"),
+            "{e}"
+        );
         let e = choose(&o, 1 << 20).unwrap_err().to_string();
         assert!(
             e.contains("(with --micro-batch, --recompute as given)"),
