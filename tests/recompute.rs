@@ -1065,7 +1065,7 @@ device_test!(recompute_policies_memory_matches_the_plan, |dev| {
 /// both sides of MS-L11 — the float32 full batch and C1 (bf16, accumulated
 /// micro-batches, checkpointing) — every recompute policy with dropout in
 /// one micro-batch (whose backward holds only the gradients it has made),
-/// and the `torch` cast policy. The second step is measured: the first
+/// and the `torch` and `pure` cast policies. The second step is measured: the first
 /// creates AdamW's moments. The GPU allocates the same tensors as the CPU;
 /// lavapipe runs three of the recipes at the `small` preset's widths (the
 /// capstone's take it minutes). The plan is of the tuned kernels: the executable
@@ -1079,6 +1079,7 @@ fn step_plan_holds(dev: Device, preset: &str) {
         (Precision::Fp32, "matmuls", 1, Recompute::None, 0.0),
         (Precision::Bf16, "matmuls", 2, Recompute::Blocks, 0.0),
         (Precision::Bf16, "torch", 2, Recompute::Blocks, 0.0),
+        (Precision::Bf16, "pure", 2, Recompute::Blocks, 0.0),
     ];
     for policy in Recompute::ALL {
         recipes.push((Precision::Bf16, "matmuls", 1, policy, 0.1));

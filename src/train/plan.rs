@@ -36,8 +36,9 @@
 //! read follows the `matmul` and `attention_scores` entries, the
 //! composition's probabilities `attention_probs`, and the block inputs and
 //! mid-block sums the norms keep follow `embedding` (the first block's
-//! input) and `residual_add` (`pure` keeps the stream in 16 bits). The
-//! rounding passes' transient buffers are not counted.
+//! input) and `residual_add` (`pure` keeps the stream in 16 bits). Where
+//! the stream is 16-bit, the block at work also holds its input and its
+//! mid-block sum in their float32 slots beside the 16-bit copies (below).
 //!
 //! With attention recomputation ([`Recompute::Attention`]) the dropout
 //! composition keeps only q, k and v (as the products read them, as above):
@@ -59,13 +60,19 @@
 //!
 //! * forward, under a policy that rounds the matmuls: the larger of the
 //!   last block's MLP, whose float32 outputs live beside their 16-bit copies
-//!   (`10·F + 8·C` bytes, before the head's kept values exist), and the
-//!   logits' float32 slots beside their 16-bit copy (`4·V`); nothing worth
-//!   counting in float32;
-//! * backward: the first block's weight gradients on their way into the
-//!   accumulated ones (`4·(C·F + V·C + C)` bytes in all), its float32 input
-//!   gradients (`4·(F + C + H)`), and under a rounding policy the float32
-//!   slots of the 16-bit gradients (`10·F + 2·C + 2·V`);
+//!   (`10·F + 8·C` bytes, before the head's kept values exist; `8·C` more
+//!   where the stream is 16-bit: the block's input and mid-block sum in
+//!   float32 beside their 16-bit copies), and the logits' float32 slots
+//!   beside their 16-bit copy (`4·V`); nothing worth counting in float32;
+//! * backward: the last block's float32 input gradients (`4·(F + C + H)`),
+//!   and under a rounding policy the float32 slots of the 16-bit gradients
+//!   (`10·F + 2·C + 2·V`, and the stream's `8·C` where it is 16-bit: with
+//!   checkpointing the peak is in a rerun segment's backward; without, the
+//!   plan is `6·C` per token above the measured peak there). Each weight
+//!   gradient goes into the accumulated one as soon as the last node that
+//!   feeds it has run, so none waits in flight; in a step's first
+//!   micro-batch, whose peak is at the first block, that block's and the
+//!   head's are in flight beside those made (`4·(C·F + V·C + C)` bytes);
 //! * with dropout, either phase's peak may instead be at an attention core
 //!   (per sequence, in units of `U = 4·H·T²` bytes): forward makes the
 //!   dropped probabilities in float32 beside their 16-bit copy (`U`), and
@@ -323,21 +330,42 @@ fn forward_working(cfg: &LlamaConfig, n: usize, k16: Kept16) -> usize {
     }
     let (c, f, v) = (cfg.d_model, cfg.hidden, cfg.vocab_size);
     let head = head_kept(cfg, 1, k16).bytes16();
-    n * (4 * v).max((10 * f + 8 * c).saturating_sub(head))
+    n * (4 * v).max((10 * f + 8 * c + stream_slots(cfg, k16)).saturating_sub(head))
+}
+
+/// Per token, the float32 slots of the residual stream beside the 16-bit
+/// copies the norms keep, under a policy that keeps the stream in 16 bits
+/// (`pure`): the block input and the mid-block sum of the block at work are
+/// live in float32 (`8·C` bytes) as well as counted in 16 bits.
+fn stream_slots(cfg: &LlamaConfig, k16: Kept16) -> usize {
+    if k16.stream {
+        8 * cfg.d_model
+    } else {
+        0
+    }
+}
+
+/// The weight gradients a step's first micro-batch has in flight beside
+/// those it has made when its backward peaks, at the first block: the
+/// block's `C·F`, with the head's `V·C` and a norm's `C` (float32).
+fn gradients_in_flight(cfg: &LlamaConfig) -> usize {
+    let (c, f, v) = (cfg.d_model, cfg.hidden, cfg.vocab_size);
+    4 * (c * f + v * c + c)
 }
 
 /// Bytes the backward pass of `rows` sequences of `t` tokens has in flight
 /// beyond the activations and the gradients (see the module docs): the
-/// first block's weight gradients on their way into the accumulated ones
-/// (`C·F`, with the head's `V·C` and a norm's `C`), its float32 input
-/// gradients (`F + C + H` per token), and under a rounding policy the
-/// float32 slots of the MLP's 16-bit gradients (`10·F + 2·C + 2·V`).
+/// last block's float32 input gradients (`F + C + H` per token), and under
+/// a rounding policy the float32 slots of the MLP's 16-bit gradients
+/// (`10·F + 2·C + 2·V`) and, where the stream is 16-bit, its float32 slots
+/// ([`stream_slots`]). Weight gradients are not in flight there: each goes
+/// into the accumulated one as soon as the last node feeding it has run.
 fn backward_working(cfg: &LlamaConfig, rows: usize, t: usize, k16: Kept16) -> usize {
     let (c, f, h, v) = (cfg.d_model, cfg.hidden, cfg.n_heads, cfg.vocab_size);
     let n = rows * t;
-    let mut w = 4 * (c * f + v * c + c) + 4 * n * (f + c + h);
+    let mut w = 4 * n * (f + c + h);
     if k16.products {
-        w += n * (10 * f + 2 * c + 2 * v);
+        w += n * (10 * f + 2 * c + 2 * v + stream_slots(cfg, k16));
     }
     w
 }
@@ -474,7 +502,11 @@ pub fn memory_plan_policy(
     // (with dropout) where that is larger
     let (core_fwd, core_bwd, freed) = attention_core_flight(cfg, t, k16, attention_recompute);
     let core = |flight: usize| rows * flight.saturating_sub(freed);
-    let backward_working = backward_working(cfg, rows, t, k16).max(core(core_bwd));
+    let bwd = backward_working(cfg, rows, t, k16);
+    let backward_working = bwd.max(core(core_bwd));
+    // a step's first micro-batch peaks making the first block's gradients:
+    // its weight gradients, with the head's, are in flight beside the made ones
+    let first_working = (bwd + gradients_in_flight(cfg)).max(core(core_bwd));
     // A step's first micro-batch holds only the gradients its backward has
     // made: from the start (every activation, no gradient) it walks down the
     // blocks, the last segment's as kept and each checkpointed one rerun,
@@ -503,7 +535,7 @@ pub fn memory_plan_policy(
         layer_units: crate::recompute::schedule_peak(&schedule, layers),
         forward_peak: with_grads + forward_working,
         backward_peak: with_grads + backward_working,
-        first_backward_peak: fixed + first + backward_working,
+        first_backward_peak: fixed + first + first_working,
         total: with_grads + forward_working.max(backward_working),
     })
 }
@@ -907,7 +939,7 @@ mod tests {
             .to_string();
         assert!(
             e.contains("planned peak is 215.2 MiB")
-                && e.contains("try --micro-batch 16 --checkpoint-activations (plans 47.5 MiB")
+                && e.contains("try --micro-batch 16 --checkpoint-activations (plans 47.2 MiB")
                 && e.contains("memory plan ("),
             "{e}"
         );
