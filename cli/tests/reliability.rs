@@ -1394,9 +1394,9 @@ fn a_memory_budget_chooses_what_fits_and_says_why() {
         "{err}"
     );
     // tight: one sequence per micro-batch
-    let err = run("train", "1.1MiB", "tight");
+    let err = run("train", "1.05MiB", "tight");
     assert!(
-        err.contains("memory budget 1.10 MiB: micro-batch 1 (8 accumulated), recompute none")
+        err.contains("memory budget 1.05 MiB: micro-batch 1 (8 accumulated), recompute none")
             && err.contains("batch 8 = 8 micro-batch(es) of 1"),
         "{err}"
     );
