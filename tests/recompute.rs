@@ -1012,7 +1012,7 @@ device_test!(recompute_policies_memory_matches_the_plan, |dev| {
             // one micro-batch's backward (`MemoryPlan::accumulating`): its
             // gradients, made as the activations are freed, are held at
             // its peak only when it recomputes blocks
-            let p = plan.accumulating(1, policy.blocks());
+            let p = plan.accumulating(1);
             let planned_peak = p.backward_peak - p.weights - p.optimizer;
             eprintln!(
                 "{dev:?} {} {}: held {held} (planned {}), peak {peak} (planned {planned_peak}, {:.3})",
@@ -1060,29 +1060,47 @@ device_test!(recompute_policies_memory_matches_the_plan, |dev| {
 
 /// The memory plan of whole training steps at a reduced capstone shape (its
 /// widths and layers, 64 tokens): each phase's planned peak within 5 % of
-/// the measured one, for both sides of MS-L11 — the float32 full batch and
-/// C1 (bf16, accumulated micro-batches, checkpointing) — and so are the
-/// activations and working sets alone, which the parameters' 16 bytes each
-/// would otherwise dilute. The second step is measured: the first creates
-/// AdamW's moments. The GPU allocates the same tensors as the CPU; lavapipe
-/// runs its check at the `small` preset's widths (the capstone's take it
-/// minutes). The plan is of the tuned kernels: the executable spec's plain
-/// ones are not held to it.
+/// the measured one, and so are the activations and working sets alone,
+/// which the parameters' 16 bytes each would otherwise dilute. The recipes:
+/// both sides of MS-L11 — the float32 full batch and C1 (bf16, accumulated
+/// micro-batches, checkpointing) — every recompute policy with dropout in
+/// one micro-batch (whose backward holds only the gradients it has made),
+/// and the `torch` and `pure` cast policies. The second step is measured: the first
+/// creates AdamW's moments. The GPU allocates the same tensors as the CPU;
+/// lavapipe runs three of the recipes at the `small` preset's widths (the
+/// capstone's take it minutes). The plan is of the tuned kernels: the executable
+/// spec's plain ones are not held to it.
 fn step_plan_holds(dev: Device, preset: &str) {
     use tinyllm::precision::Precision;
+    use tinyllm::recompute::Recompute;
     use tinyllm::train::config::{DeviceChoice, TrainConfig, TrainOptions};
     use tinyllm::train::{data::Corpus, Trainer};
-    for (precision, micro, accum, ck) in [
-        (Precision::Fp32, 4, 1, false),
-        (Precision::Bf16, 4, 2, true),
-    ] {
+    let mut recipes = vec![
+        (Precision::Fp32, "matmuls", 1, Recompute::None, 0.0),
+        (Precision::Bf16, "matmuls", 2, Recompute::Blocks, 0.0),
+        (Precision::Bf16, "torch", 2, Recompute::Blocks, 0.0),
+        (Precision::Bf16, "pure", 2, Recompute::Blocks, 0.0),
+    ];
+    for policy in Recompute::ALL {
+        recipes.push((Precision::Bf16, "matmuls", 1, policy, 0.1));
+    }
+    if dev == Device::Gpu {
+        // lavapipe is slow, and the GPU allocates the CPU's tensors: MS-L11's
+        // two sides and one policy with dropout there
+        recipes.retain(|r| {
+            r.2 == 2 && r.1 == "matmuls" || r.0 == Precision::Fp32 || r.3 == Recompute::Attention
+        });
+    }
+    for (precision, cast, accum, policy, dropout) in recipes {
         let mut cfg = TrainConfig::resolve(&TrainOptions {
             preset: Some(preset.into()),
             device: Some(DeviceChoice::Cpu),
             precision: Some(precision),
-            micro_batch: Some(micro),
+            cast_policy: (precision != Precision::Fp32).then(|| cast.into()),
+            micro_batch: Some(4),
             accum: Some(accum),
-            checkpoint_activations: Some(ck),
+            recompute: Some(policy),
+            dropout: Some(dropout),
             ..Default::default()
         })
         .unwrap();
@@ -1094,7 +1112,10 @@ fn step_plan_holds(dev: Device, preset: &str) {
         // what the step holds whatever its activations: weights, moments and,
         // after the first micro-batch, the accumulated gradients
         let params = plan.weights + plan.optimizer + if accum > 1 { plan.grads } else { 0 };
-        let side = precision.name();
+        let side = format!(
+            "{} {cast} ×{accum} recompute {policy} dropout {dropout}",
+            precision.name()
+        );
         for (phase, planned, measured) in [
             ("forward", plan.forward_peak, m.forward_peak_bytes.unwrap()),
             (

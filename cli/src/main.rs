@@ -21,7 +21,7 @@ use tinyllm::train::data::{ByteTokenizer, Corpus};
 use tinyllm::train::infer::{eval_text, generate_with, sample_text, Utf8Stream};
 use tinyllm::train::outdir::DirLock;
 use tinyllm::train::trainer::{select_device, shell_quote};
-use tinyllm::train::{compare, interrupt, Progress, RunSummary, Start, StepCheck};
+use tinyllm::train::{budget, compare, interrupt, Progress, RunSummary, Start, StepCheck};
 use tinyllm::Generator;
 
 #[derive(Parser)]
@@ -208,6 +208,14 @@ struct RunFlags {
     /// Output directory.
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Choose --micro-batch, --recompute and --ckpt-budget so that the
+    /// planned peak fits SIZE (e.g. 2GiB, 512MiB), recomputing the least;
+    /// prints the choice and why, or refuses naming the smallest budget
+    /// that fits. A flag given beside it fixes its part of the choice. The
+    /// batch stays. compare plans the mixed side (the float32 side takes the
+    /// whole batch as always).
+    #[arg(long, value_name = "SIZE", allow_hyphen_values = true)]
+    memory_budget: Option<String>,
     /// Plain log lines even on a terminal.
     #[arg(long)]
     plain: bool,
@@ -520,12 +528,28 @@ macro_rules! note {
     }};
 }
 
+/// `o` with the micro-batch, recompute policy and checkpoint budget that
+/// fit `--memory-budget` (when given), the choice and why on stderr.
+fn within_budget(o: TrainOptions, flags: &RunFlags) -> tinyllm::Result<TrainOptions> {
+    let Some(arg) = flags.memory_budget.as_deref() else {
+        return Ok(o);
+    };
+    let bytes = budget::parse_size(arg).map_err(|e| e.context("--memory-budget"))?;
+    let choice = budget::choose(&o, bytes)?;
+    note!("{}", choice.explain());
+    Ok(choice.apply(&o))
+}
+
 fn cmd_train(a: TrainArgs) -> tinyllm::Result<ExitCode> {
     check_sample_len("--sample-len", a.sample_len)?;
     let (cfg, _lock) = match &a.resume {
+        Some(_) if a.run.memory_budget.is_some() => tinyllm::bail!(
+            Config,
+            "--memory-budget chooses a new run's recipe; a resumed run keeps its own (its micro-batch and recompute policy): drop --memory-budget"
+        ),
         Some(dir) => resume_config(&a, dir).map_err(|e| e.context("--resume"))?,
         None => {
-            let mut o = train_options(&a)?;
+            let mut o = within_budget(train_options(&a)?, &a.run)?;
             o.out = o.out.or_else(|| Some(fresh_run_dir()));
             (TrainConfig::resolve(&o)?, None)
         }
@@ -769,7 +793,8 @@ fn cmd_compare(a: CompareArgs) -> tinyllm::Result<ExitCode> {
     } else {
         compare::MixedBuilds::Refuse
     };
-    let c = compare::compare(&a.run.options()?, existing, sides, builds, progress);
+    let opts = within_budget(a.run.options()?, &a.run)?;
+    let c = compare::compare(&opts, existing, sides, builds, progress);
     interrupt::uninstall();
     // An interrupted side is saved; the exit status says which signal, as
     // `train`'s does.

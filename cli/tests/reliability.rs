@@ -1353,6 +1353,61 @@ fn fuzz_configs() {
     let _ = std::fs::remove_dir_all(dir.parent().unwrap());
 }
 
+// ====================================================== memory budget ====
+
+// `--memory-budget` chooses the micro-batch and recompute policy, says so
+// and why, and the run keeps to it: `train` at two budgets, `compare` at one
+// (its mixed side).
+#[test]
+fn a_memory_budget_chooses_what_fits_and_says_why() {
+    let d = tmpdir("budget");
+    let run = |cmd: &str, budget: &str, out: &str| {
+        let o = d.join(out);
+        let (ok, _, err) = run_bin(
+            &[
+                cmd,
+                "--preset",
+                "tiny",
+                "--device",
+                "cpu",
+                "--steps",
+                "1",
+                "--eval-every",
+                "0",
+                "--plain",
+                "--memory-budget",
+                budget,
+                "--out",
+                o.to_str().unwrap(),
+            ],
+            &[],
+        );
+        assert!(ok, "{cmd} --memory-budget {budget}:\n{err}");
+        err
+    };
+    // roomy: the whole batch of 8 in one pass, nothing recomputed
+    let err = run("train", "1GiB", "roomy");
+    assert!(
+        err.contains("memory budget 1.00 GiB: micro-batch 8 (1 accumulated), recompute none")
+            && err.contains("recomputes nothing")
+            && err.contains("batch 8 = 1 micro-batch(es) of 8"),
+        "{err}"
+    );
+    // tight: one sequence per micro-batch
+    let err = run("train", "1.05MiB", "tight");
+    assert!(
+        err.contains("memory budget 1.05 MiB: micro-batch 1 (8 accumulated), recompute none")
+            && err.contains("batch 8 = 8 micro-batch(es) of 1"),
+        "{err}"
+    );
+    let err = run("compare", "1GiB", "compare");
+    assert!(
+        err.contains("memory budget 1.00 GiB: micro-batch 8 (1 accumulated), recompute none"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 // ====================================================== bad arguments ====
 
 #[test]
@@ -1404,6 +1459,30 @@ fn every_flag_is_validated_with_what_is_allowed() {
         (
             t(&["--ckpt-budget", "3", "--no-checkpoint-activations"]),
             "--ckpt-budget needs activation checkpointing",
+        ),
+        (
+            t(&["--memory-budget", "abc"]),
+            "--memory-budget: \"abc\" is not a size: expected a number with a unit, e.g. 2GiB",
+        ),
+        (
+            t(&["--memory-budget", "0"]),
+            "--memory-budget: \"0\" is no memory at all",
+        ),
+        (
+            t(&["--memory-budget", "1KiB"]),
+            "--memory-budget 1.0 KiB: nothing fits; the smallest plan is",
+        ),
+        (
+            t(&["--memory-budget", "1KiB", "--micro-batch", "4"]),
+            "nothing fits (with --micro-batch as given)",
+        ),
+        (
+            t(&["--memory-budget", "1GiB", "--resume", "/tmp"]),
+            "a resumed run keeps its own",
+        ),
+        (
+            vec!["compare", "--preset", "tiny", "--memory-budget", "-1GiB"],
+            "--memory-budget: \"-1GiB\" is not a size",
         ),
         (
             vec!["train", "--preset", "huge"],

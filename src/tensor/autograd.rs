@@ -6,7 +6,10 @@
 //! closure (and every value it saved) and its parent links are dropped the
 //! moment the node has run, so an activation's memory is released as soon as the
 //! last node that needs it is done — the property activation recompute
-//! relies on to lower the peak during backward.
+//! relies on to lower the peak during backward. A parameter's gradient goes
+//! into its `.grad` as soon as the last node feeding it has run, not at the
+//! parameter's later place in the order: the same sums in the same order,
+//! without the finished gradients of a whole segment waiting in flight.
 
 use super::{Meta, Tensor};
 use crate::{bail, Result};
@@ -163,6 +166,10 @@ pub(crate) fn backward(root: &Tensor, seed: Tensor) -> Result<()> {
     let _traced = crate::trace::phase("backward");
     let mut order = topo_order(&root.0.meta);
     let uses = uses(&order);
+    // How many of the nodes still to run feed each leaf a gradient: a leaf's
+    // sum is complete once the last of them has run, and goes into `.grad`
+    // then instead of waiting in `grads` for the leaf's place in the order.
+    let mut left = uses.clone();
     let mut grads: HashMap<usize, Tensor> = HashMap::new();
     grads.insert(root.id(), seed);
     // Pop from the back = walk the reverse topological order; each node is
@@ -203,6 +210,15 @@ pub(crate) fn backward(root: &Tensor, seed: Tensor) -> Result<()> {
                     bail!(Shape, "backward of {name} produced a gradient of shape {:?} for an input of shape {:?}", pg.shape(), p.shape);
                 }
                 accumulate(&mut grads, p.id, pg)?;
+            }
+            if p.is_leaf && p.requires_grad.get() {
+                let n = left.get_mut(&p.id).expect("a leaf's uses are counted");
+                *n -= 1;
+                if *n == 0 {
+                    if let Some(g) = grads.remove(&p.id) {
+                        p.accumulate_grad(g)?;
+                    }
+                }
             }
         }
     }

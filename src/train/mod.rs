@@ -6,6 +6,8 @@
 //!   `corpus` — the embedded default text;
 //! * [`config`] — flags resolved against a preset's recipe and validated;
 //! * [`plan`] — the memory plan: the bytes a step needs, checked before a run;
+//!   [`budget`] — the micro-batch, recompute policy and checkpoint budget
+//!   that fit `--memory-budget` and recompute the least;
 //! * [`step`] — one optimizer step: scale → backward → accumulate → unscale
 //!   → clip → step ([`train_step_mixed`](step::train_step_mixed));
 //! * [`trainer`] — the loop around it: reporting, evaluation, saving, and
@@ -27,6 +29,7 @@
 //!   `test-hooks` feature).
 
 mod bar;
+pub mod budget;
 pub mod checkpoint;
 pub mod compare;
 pub mod config;

@@ -36,15 +36,16 @@
 //! read follows the `matmul` and `attention_scores` entries, the
 //! composition's probabilities `attention_probs`, and the block inputs and
 //! mid-block sums the norms keep follow `embedding` (the first block's
-//! input) and `residual_add` (`pure` keeps the stream in 16 bits). The
-//! rounding passes' transient buffers are not counted.
+//! input) and `residual_add` (`pure` keeps the stream in 16 bits). Where
+//! the stream is 16-bit, the block at work also holds its input and its
+//! mid-block sum in their float32 slots beside the 16-bit copies (below).
 //!
 //! With attention recomputation ([`Recompute::Attention`]) the dropout
 //! composition keeps only q, k and v (as the products read them, as above):
 //! its `2·H·T²` float32 and `H·T²` product-read values are recomputed in
-//! backward instead, one block's at a time, and counted in the backward
-//! working set. Without dropout the fused attention keeps only q, k and v
-//! anyway: the policy changes no byte there.
+//! backward instead, one block's at a time (see the working sets below).
+//! Without dropout the fused attention keeps only q, k and v anyway: the
+//! policy changes no byte there.
 //!
 //! For the capstone (`T` = 512) that is 84.2 MiB of activations for one
 //! sequence in float32 and 47.4 MiB under bf16 or fp16 autocast (44 % less).
@@ -59,23 +60,32 @@
 //!
 //! * forward, under a policy that rounds the matmuls: the larger of the
 //!   last block's MLP, whose float32 outputs live beside their 16-bit copies
-//!   (`10·F + 8·C` bytes, before the head's kept values exist), and the
-//!   logits' float32 slots beside their 16-bit copy (`4·V`); nothing worth
-//!   counting in float32;
-//! * backward: the first block's weight gradients on their way into the
-//!   gradients (`4·(C·F + V·C + C)` bytes in all; none after the first
-//!   micro-batch, whose products add into the accumulated gradients as they
-//!   write: [`MemoryPlan::accumulating`]), its float32 input
-//!   gradients (`4·(F + C + H)`), under a rounding policy the float32
-//!   slots of the 16-bit gradients (`10·F + 2·C + 2·V`), and with dropout
-//!   the composition's recomputed probabilities with their two gradients
-//!   (`3·H·T²` float32 per sequence).
+//!   (`10·F + 8·C` bytes, before the head's kept values exist; `8·C` more
+//!   where the stream is 16-bit: the block's input and mid-block sum in
+//!   float32 beside their 16-bit copies), and the logits' float32 slots
+//!   beside their 16-bit copy (`4·V`); nothing worth counting in float32;
+//! * backward: the last block's float32 input gradients (`4·(F + C + H)`),
+//!   and under a rounding policy the float32 slots of the 16-bit gradients
+//!   (`10·F + 2·C + 2·V`, and the stream's `8·C` where it is 16-bit: with
+//!   checkpointing the peak is in a rerun segment's backward; without, the
+//!   plan is `6·C` per token above the measured peak there). Each weight
+//!   gradient goes into the accumulated one as soon as the last node that
+//!   feeds it has run, so none waits in flight; in a step's first
+//!   micro-batch, whose peak is at the first block, that block's and the
+//!   head's are in flight beside those made (`4·(C·F + V·C + C)` bytes);
+//! * with dropout, either phase's peak may instead be at an attention core
+//!   (per sequence, in units of `U = 4·H·T²` bytes): forward makes the
+//!   dropped probabilities in float32 beside their 16-bit copy (`U`), and
+//!   backward their gradient (`U`, with a 16-bit copy, `U/2`) beside the
+//!   probabilities' (`U`); recomputed, the core holds again what it would
+//!   have kept. By then backward has freed the head's values and the
+//!   block's after its core, so the core's working set is that much less.
 //!
 //! These terms are what the tuned kernels allocate, measured at the
 //! capstone's widths (exact there from 256 tokens per micro-batch; within a
 //! few percent at the smaller presets), and the GPU allocates the same
-//! tensors. A step of one micro-batch without checkpointing holds no
-//! gradient at either peak ([`MemoryPlan::accumulating`]).
+//! tensors. A step's first micro-batch holds no gradient in forward and,
+//! in backward, those it has made ([`MemoryPlan::accumulating`]).
 
 use crate::nn::llama::LlamaConfig;
 use crate::precision::{CastTable, OpClass, Precision, Rule};
@@ -103,11 +113,6 @@ pub struct MemoryPlan {
     /// Bytes in flight during backward beyond the activations and the
     /// gradients (see the module docs).
     pub backward_working: usize,
-    /// The part of `backward_working` that is the first block's weight
-    /// gradients on their way into `.grad` (0 where accumulated micro-batches
-    /// add them in as they are written).
-    #[serde(default)]
-    pub weight_grads_working: usize,
     /// The peak of activation memory in layer units: with checkpointing, the
     /// saved inputs of all segments but one plus the layers of the largest
     /// segment; `n_layers` without checkpointing.
@@ -120,6 +125,10 @@ pub struct MemoryPlan {
     /// The backward phase's: the same with the backward working set.
     #[serde(default)]
     pub backward_peak: usize,
+    /// The backward phase's peak in a step's first micro-batch, which holds
+    /// no gradients but those it makes (see [`MemoryPlan::accumulating`]).
+    #[serde(default)]
+    pub first_backward_peak: usize,
     /// The planned peak of the step: the larger of the two.
     pub total: usize,
 }
@@ -321,34 +330,89 @@ fn forward_working(cfg: &LlamaConfig, n: usize, k16: Kept16) -> usize {
     }
     let (c, f, v) = (cfg.d_model, cfg.hidden, cfg.vocab_size);
     let head = head_kept(cfg, 1, k16).bytes16();
-    n * (4 * v).max((10 * f + 8 * c).saturating_sub(head))
+    n * (4 * v).max((10 * f + 8 * c + stream_slots(cfg, k16)).saturating_sub(head))
 }
 
-/// Bytes of the first block's weight gradients on their way into `.grad`
-/// (`C·F`, with the head's `V·C` and a norm's `C`; see the module docs).
-fn weight_grads_working(cfg: &LlamaConfig) -> usize {
+/// Per token, the float32 slots of the residual stream beside the 16-bit
+/// copies the norms keep, under a policy that keeps the stream in 16 bits
+/// (`pure`): the block input and the mid-block sum of the block at work are
+/// live in float32 (`8·C` bytes) as well as counted in 16 bits.
+fn stream_slots(cfg: &LlamaConfig, k16: Kept16) -> usize {
+    if k16.stream {
+        8 * cfg.d_model
+    } else {
+        0
+    }
+}
+
+/// The weight gradients a step's first micro-batch has in flight beside
+/// those it has made when its backward peaks, at the first block: the
+/// block's `C·F`, with the head's `V·C` and a norm's `C` (float32).
+fn gradients_in_flight(cfg: &LlamaConfig) -> usize {
     let (c, f, v) = (cfg.d_model, cfg.hidden, cfg.vocab_size);
     4 * (c * f + v * c + c)
 }
 
 /// Bytes the backward pass of `rows` sequences of `t` tokens has in flight
-/// beyond the activations, the gradients and the weight gradients being
-/// made (see the module docs): its float32 input
-/// gradients (`F + C + H` per token), and under a rounding policy the
-/// float32 slots of the MLP's 16-bit gradients (`10·F + 2·C + 2·V`); with
-/// dropout the composition's probabilities and their two gradients
-/// (`3·H·T²` per sequence).
+/// beyond the activations and the gradients (see the module docs): the
+/// last block's float32 input gradients (`F + C + H` per token), and under
+/// a rounding policy the float32 slots of the MLP's 16-bit gradients
+/// (`10·F + 2·C + 2·V`) and, where the stream is 16-bit, its float32 slots
+/// ([`stream_slots`]). Weight gradients are not in flight there: each goes
+/// into the accumulated one as soon as the last node feeding it has run.
 fn backward_working(cfg: &LlamaConfig, rows: usize, t: usize, k16: Kept16) -> usize {
     let (c, f, h, v) = (cfg.d_model, cfg.hidden, cfg.n_heads, cfg.vocab_size);
     let n = rows * t;
     let mut w = 4 * n * (f + c + h);
     if k16.products {
-        w += n * (10 * f + 2 * c + 2 * v);
-    }
-    if cfg.dropout > 0.0 {
-        w += 4 * 3 * h * t * t * rows;
+        w += n * (10 * f + 2 * c + 2 * v + stream_slots(cfg, k16));
     }
     w
+}
+
+/// The values a block keeps after its attention core, for one sequence:
+/// the core's output (read by `o_proj`), the mid-block sum and the second
+/// norm's `1/rms` and output, the MLP's gate, up and product, and with
+/// dropout the residual branches' masks. Backward frees them before it
+/// reaches the core.
+fn after_core_kept(cfg: &LlamaConfig, t: usize, k16: Kept16) -> Kept {
+    let (c, f) = (cfg.d_model, cfg.hidden);
+    let mut k = Kept { wide: t, narrow: 0 };
+    if cfg.dropout > 0.0 {
+        k.wide += 2 * t * c;
+    }
+    k.add(t * c, k16.stream);
+    k.add(2 * t * c + 3 * t * f, k16.products);
+    k
+}
+
+/// Bytes the dropout composition of one block's attention has in flight
+/// for one sequence beyond what the step keeps, at its peak in forward and
+/// in backward, and what backward has freed by then (the head's values
+/// and the block's after its core, [`after_core_kept`]). In units of
+/// `U = 4·H·T²` (float32 scores): forward makes the dropped probabilities in
+/// float32 beside their 16-bit copy (`U` under a policy that rounds
+/// products); backward makes their gradient (`U`, and its 16-bit copy,
+/// `U/2`, under such a policy) beside the probabilities' (`U`). Recomputed,
+/// the core also holds what it would otherwise keep, made again. None
+/// without dropout.
+fn attention_core_flight(
+    cfg: &LlamaConfig,
+    t: usize,
+    k16: Kept16,
+    recompute: bool,
+) -> (usize, usize, usize) {
+    if cfg.dropout <= 0.0 {
+        return (0, 0, 0);
+    }
+    let u = 4 * cfg.n_heads * t * t;
+    let rounded = if k16.products { u } else { 0 };
+    let kept = match recompute {
+        true => attention_core_kept(cfg, t, k16).bytes16(),
+        false => 0,
+    };
+    let freed = head_kept(cfg, t, k16).bytes16() + after_core_kept(cfg, t, k16).bytes16();
+    (kept + rounded, kept + 2 * u + rounded / 2, freed)
 }
 
 /// The planned bytes of one training step with micro-batches of `rows`
@@ -420,31 +484,46 @@ pub fn memory_plan_policy(
     // the blocks a segment of layers [a, b) holds: the first one's input is
     // the embedding's rows
     let segment = |a: usize, b: usize| (a..b).map(|l| block(l == 0)).sum::<usize>();
-    let (held, inputs, units) = match ckpt_budget {
-        None => (segment(0, cfg.n_layers), 0, cfg.n_layers),
-        Some(b) => {
-            let s = checkpoint_schedule(cfg.n_layers, b)?;
-            let k = s.len();
-            let held = (0..k)
-                .map(|j| segment(s[j], s.get(j + 1).copied().unwrap_or(cfg.n_layers)))
-                .max()
-                .unwrap_or(0);
-            (
-                held,
-                k - 1,
-                crate::recompute::schedule_peak(&s, cfg.n_layers),
-            )
-        }
+    // segment starts; one segment (`[0]`) without checkpointing
+    let schedule = match ckpt_budget {
+        Some(b) => checkpoint_schedule(cfg.n_layers, b)?,
+        None => vec![0],
     };
-    let activations =
-        held + inputs * rows * t * cfg.d_model * f32b + head_kept(cfg, t, k16).bytes16() * rows;
-    let weight_grads_working = weight_grads_working(cfg);
-    let mut backward_working = weight_grads_working + backward_working(cfg, rows, t, k16);
-    if attention_recompute {
-        backward_working += attention_core_kept(cfg, t, k16).bytes16() * rows;
+    let (layers, k) = (cfg.n_layers, schedule.len());
+    let end = |j: usize| schedule.get(j + 1).copied().unwrap_or(layers);
+    let held = (0..k)
+        .map(|j| segment(schedule[j], end(j)))
+        .max()
+        .unwrap_or(0);
+    let input = rows * t * cfg.d_model * f32b;
+    let head = head_kept(cfg, t, k16).bytes16() * rows;
+    let activations = held + (k - 1) * input + head;
+    // the working sets: the MLP's and the head's, or the attention core's
+    // (with dropout) where that is larger
+    let (core_fwd, core_bwd, freed) = attention_core_flight(cfg, t, k16, attention_recompute);
+    let core = |flight: usize| rows * flight.saturating_sub(freed);
+    let bwd = backward_working(cfg, rows, t, k16);
+    let backward_working = bwd.max(core(core_bwd));
+    // a step's first micro-batch peaks making the first block's gradients:
+    // its weight gradients, with the head's, are in flight beside the made ones
+    let first_working = (bwd + gradients_in_flight(cfg)).max(core(core_bwd));
+    // A step's first micro-batch holds only the gradients its backward has
+    // made: from the start (every activation, no gradient) it walks down the
+    // blocks, the last segment's as kept and each checkpointed one rerun,
+    // freeing a block's activations as it makes the block's gradients.
+    let (c, f, v) = (cfg.d_model, cfg.hidden, cfg.vocab_size);
+    let block_grads = f32b * (4 * c * c + 3 * c * f + 2 * c);
+    let head_grads = f32b * (v * c + c); // the LM head's and the final norm's
+    let mut first = (k - 1) * input + segment(schedule[k - 1], layers) + head;
+    for (j, &s) in schedule.iter().enumerate() {
+        for b in s..end(j) {
+            let made = head_grads + (layers - 1 - b) * block_grads;
+            first = first.max(j * input + segment(s, b + 1) + made);
+        }
     }
-    let held = 4 * n * f32b + activations;
-    let forward_working = forward_working(cfg, rows * t, k16);
+    let fixed = 3 * n * f32b; // weights and moments
+    let with_grads = fixed + n * f32b + activations;
+    let forward_working = forward_working(cfg, rows * t, k16).max(core(core_fwd));
     Ok(MemoryPlan {
         params: n,
         weights: n * f32b,
@@ -453,11 +532,11 @@ pub fn memory_plan_policy(
         activations,
         forward_working,
         backward_working,
-        weight_grads_working,
-        layer_units: units,
-        forward_peak: held + forward_working,
-        backward_peak: held + backward_working,
-        total: held + forward_working.max(backward_working),
+        layer_units: crate::recompute::schedule_peak(&schedule, layers),
+        forward_peak: with_grads + forward_working,
+        backward_peak: with_grads + backward_working,
+        first_backward_peak: fixed + first + first_working,
+        total: with_grads + forward_working.max(backward_working),
     })
 }
 
@@ -473,7 +552,7 @@ impl TrainConfig {
             self.ckpt_budget,
             self.recompute_attention,
         )?
-        .accumulating(self.accum, self.ckpt_budget.is_some())
+        .accumulating(self.accum)
         .with_fp8_copies(self.fp8.is_some().then_some(&self.model)))
     }
 
@@ -566,7 +645,7 @@ pub fn admit(cfg: &TrainConfig, limit: MemoryLimit) -> Result<()> {
                     ckpt,
                     cfg.recompute_attention,
                 )?
-                .accumulating(cfg.batch.div_ceil(rows), ckpt.is_some())
+                .accumulating(cfg.batch.div_ceil(rows))
                 .total
             }
             MemoryLimit::GpuBuffer(_) => largest_tensor(&cfg.model, rows, t),
@@ -728,35 +807,19 @@ pub(crate) fn mib(b: usize) -> String {
 }
 
 impl MemoryPlan {
-    /// The plan of a step of `accum` micro-batches, `checkpointed` or not.
-    /// Every step starts without gradients (they are dropped after the
-    /// update), so only the micro-batches after the first run with them;
-    /// with one micro-batch and no checkpointing neither phase's peak holds
-    /// them (backward frees the activations faster than it makes the
-    /// gradients). Planned with them otherwise (a checkpointed backward
-    /// peaks in a late segment's recomputation, most gradients made).
-    /// Accumulated micro-batches add each weight gradient into `.grad` as
-    /// the product writes it: the backward peak holds none in flight.
-    pub fn accumulating(self, accum: usize, checkpointed: bool) -> MemoryPlan {
+    /// The plan of a step of `accum` micro-batches. Every step starts
+    /// without gradients (they are dropped after the update), so only the
+    /// micro-batches after the first run with them whole. With one
+    /// micro-batch the forward pass holds none and backward holds those it
+    /// has made: its peak is at its start (every activation, no gradient)
+    /// when activations outweigh gradients, near its end (the first block's
+    /// activations beside every later block's gradients) when they do not.
+    pub fn accumulating(self, accum: usize) -> MemoryPlan {
         if accum > 1 {
-            let w = self.weight_grads_working;
-            let (backward_working, backward_peak) =
-                (self.backward_working - w, self.backward_peak - w);
-            return MemoryPlan {
-                backward_working,
-                weight_grads_working: 0,
-                backward_peak,
-                total: self.forward_peak.max(backward_peak),
-                ..self
-            };
-        }
-        if checkpointed {
             return self;
         }
-        let (forward_peak, backward_peak) = (
-            self.forward_peak - self.grads,
-            self.backward_peak - self.grads,
-        );
+        let (forward_peak, backward_peak) =
+            (self.forward_peak - self.grads, self.first_backward_peak);
         MemoryPlan {
             forward_peak,
             backward_peak,
@@ -777,6 +840,7 @@ impl MemoryPlan {
             activations: self.activations + copies,
             forward_peak: self.forward_peak + copies,
             backward_peak: self.backward_peak + copies,
+            first_backward_peak: self.first_backward_peak + copies,
             total: self.total + copies,
             ..self
         }
