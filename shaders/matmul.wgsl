@@ -1,7 +1,7 @@
 // matmul.wgsl — batched C[b] = op(A[b]) @ op(B[b]) (needs the math prelude: fma_c, cast).
 // a: (batch, m, k) or, with trans_a, (batch, k, m); b: (batch, k, n) or, with
 // trans_b, (batch, n, k); a batch stride of 0 broadcasts one matrix -> c: (batch, m, n).
-// With ADD, e: (batch, m, n) is added to the outputs: c = e + round(acc).
+// With prm.add, e: (batch, m, n) is added to the outputs: c = e + round(acc).
 //
 // The contract, per output: acc = +0.0; for p in 0..k ascending:
 // acc = fma(round(a[i,p]), round(b[p,j]), acc); c = round(acc). Each
@@ -14,22 +14,23 @@
 // Why 8x8: llvmpipe runs 8 invocations as one AVX2 vector, but every
 // storage-buffer load is a per-lane scalar loop there, so the cost is the
 // number of loads per fma: 16 loads (8 of A, 8 of B) feed 64 fmas per k step.
-// The format and the layouts are pipeline constants, so the inner loop has no
-// branches.
+// The format, the mask and the 16-bit operands are pipeline constants, so the
+// inner loop has no branches.
 
 struct MatmulParams {
     m: u32,
     k: u32,
     n: u32,
-    trans_a: u32,  // unused by the kernel (see TRANS_A); kept for the params layout
-    trans_b: u32,
+    trans_a: u32,  // 1: A is stored (batch, k, m) (matmul_tiled reads TRANS_A)
+    trans_b: u32,  // 1: B is stored (batch, n, k) (matmul_tiled reads TRANS_B)
     a_bs: u32,     // batch strides in elements (0 = broadcast)
     b_bs: u32,
-    fmt: u32,      // unused by the kernel (see FMT)
+    fmt: u32,      // unused by the kernels (see FMT)
     batch0: u32,   // first batch of this dispatch (grids are split at 65535)
     p0: u32,       // this pass covers p in [p0, p1): see below
     p1: u32,
     last: u32,     // 1 on the pass that ends at k: it rounds and stores the result
+    add: u32,      // 1: the last pass stores e + round(acc) (see e)
 }
 
 // Lavapipe (llvmpipe) silently stops a shader after 65,535 loop iterations, so
@@ -43,13 +44,16 @@ struct MatmulParams {
 @group(0) @binding(1) var<storage, read> a: array<u32>;
 @group(0) @binding(2) var<storage, read> b: array<u32>;
 @group(0) @binding(3) var<storage, read_write> c: array<f32>;
-// The addend (ADD); without it the host binds another operand here, unread.
+// The addend (prm.add); without it the host binds another operand here, unread.
 @group(0) @binding(4) var<storage, read> e: array<f32>;
 
-// Pipeline specialisation (one pipeline per combination, compiled on first use):
-// FMT is the FMT_* code applied to operands as loaded and to the output;
-// TRANS_A / TRANS_B select the storage layouts, so the index arithmetic of the
-// inner loop has no branches.
+// Pipeline specialisation (one pipeline per combination, compiled on first
+// use): what changes the inner loop's work. FMT is the FMT_* code applied to
+// operands as loaded and to the output. The layouts are runtime parameters in
+// `matmul` (they only set the strides, loop invariants); matmul_tiled stages
+// its tiles in a layout's coalesced order, so there they are TRANS_A / TRANS_B
+// as well (the host sets them for that variant alone: every other value of
+// these two would compile `matmul` again for nothing).
 override FMT: u32 = 0u;
 override TRANS_A: bool = false;
 override TRANS_B: bool = false;
@@ -63,9 +67,6 @@ override CAUSAL: u32 = 0u;
 // loaded, so the product is the one over the unpacked buffer.
 override A_HALF: u32 = 0u;
 override B_HALF: u32 = 0u;
-// ADD: the last pass stores e + round(acc), the product's bits and then the
-// elementwise sum's (gradient accumulation without a separate add).
-override ADD: bool = false;
 
 // Value e of 16-bit storage from its word w.
 fn half_value(w: u32, e: u32, half: u32) -> f32 {
@@ -118,7 +119,7 @@ fn fma4(x: f32, y: vec4<f32>, acc: vec4<f32>) -> vec4<f32> {
 }
 
 // Stores the columns j, j + s, j + 2s, j + 3s of output row i (at offset
-// `row`) that lie inside the matrix, rounded (and with ADD added to e) on the
+// `row`) that lie inside the matrix, rounded (and with prm.add added to e) on the
 // last pass, raw running sums before it; with CAUSAL 1 the columns past the
 // diagonal are +0.
 fn store_lanes(row: u32, i: u32, j: u32, s: u32, v: vec4<f32>) {
@@ -147,7 +148,9 @@ fn fin(x: f32, at: u32) -> f32 {
     if prm.last == 0u {
         return x;
     }
-    if ADD {
+    // the product's bits and then the elementwise sum's (gradient
+    // accumulation without a separate add)
+    if prm.add != 0u {
         return e[at] + rnd(x);
     }
     return rnd(x);
@@ -204,13 +207,13 @@ fn matmul(@builtin(global_invocation_id) gid: vec3<u32>) {
     // A's element (i, p) is at a_base + i * ia + p * pa; B's (p, j) at b_base + p * pb + j * jb.
     var ia = k;
     var pa = 1u;
-    if TRANS_A {
+    if prm.trans_a != 0u {
         ia = 1u;
         pa = m;
     }
     var pb = n;
     var jb = 1u;
-    if TRANS_B {
+    if prm.trans_b != 0u {
         pb = 1u;
         jb = k;
     }

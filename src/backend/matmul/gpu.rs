@@ -1,5 +1,5 @@
 //! The GPU launcher of the matmul (`matmul.wgsl`): one pipeline per (variant,
-//! format, transposes, mask, 16-bit operands, addend), a grid of 64×64-output
+//! format, mask, 16-bit operands, and transposes for the tiled one), a grid of 64×64-output
 //! workgroups, batches past 65535 and `k` past [`LOOP_PASS`] split into
 //! dispatches. The variant ([`Kernels`]) is `matmul` (register tiles, no
 //! barriers: lavapipe) or `matmul_tiled` (operand tiles in workgroup memory:
@@ -28,6 +28,7 @@ gpu_params! {
         p0: u32,
         p1: u32,
         last: u32,
+        add: u32,
     }
 }
 
@@ -93,7 +94,8 @@ impl GpuStorage {
         if n_out == 0 {
             return Ok(out);
         }
-        let (kernel, (gx, gy, _)) = matmul_launch(Kernels::of(c), &d);
+        let variant = Kernels::of(c);
+        let (kernel, (gx, gy, _)) = matmul_launch(variant, &d);
         if gx > 65535 || gy > 65535 {
             bail!(
                 Device,
@@ -102,15 +104,18 @@ impl GpuStorage {
                 d.n
             );
         }
-        // The format and layouts are pipeline constants: no branches in the k loop.
-        let kernel = kernel
+        // What changes the k loop's work is a pipeline constant (no branches
+        // there); the layouts are too where the tiles are staged by them.
+        let mut kernel = kernel
             .with("FMT", fmt_code(round))
-            .with("TRANS_A", d.trans_a as u32)
-            .with("TRANS_B", d.trans_b as u32)
             .with("CAUSAL", d.causal.code())
             .with("A_HALF", fmt_code(halves.a))
-            .with("B_HALF", fmt_code(halves.b))
-            .with("ADD", addend.is_some() as u32);
+            .with("B_HALF", fmt_code(halves.b));
+        if variant == Kernels::Hardware {
+            kernel = kernel
+                .with("TRANS_A", d.trans_a as u32)
+                .with("TRANS_B", d.trans_b as u32);
+        }
         // binding 4 is read only with ADD; A stands in for it otherwise
         let e = addend.unwrap_or(self);
         let mut b0 = 0usize;
@@ -133,6 +138,7 @@ impl GpuStorage {
                     p0: p0 as u32,
                     p1: p1 as u32,
                     last: (p1 == d.k) as u32,
+                    add: addend.is_some() as u32,
                 };
                 c.dispatch(
                     &kernel,
