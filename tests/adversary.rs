@@ -15,7 +15,6 @@
 //! parity suite holds those to the same spec).
 
 mod common;
-use std::process::Command;
 use std::time::Instant;
 use tinyllm::backend::gpu::adversary::{self, Adversary};
 use tinyllm::backend::gpu::pipelines;
@@ -26,10 +25,15 @@ use tinyllm::crosscheck::{probe, sweep};
 use tinyllm::precision::Precision;
 use tinyllm::Device;
 
-/// In the parent: runs `test` again in a child process under `a` and
-/// requires it to pass. In the child: runs `body`.
+/// Runs `test` again in a child process under `a` (see [`common::in_child`])
+/// and requires it to pass; in that child runs `body`.
 fn under(a: Adversary, test: &str, body: fn(Adversary)) {
-    if std::env::var(adversary::VAR).is_ok() {
+    let env = [
+        (adversary::VAR, a.name()),
+        ("WGPU_BACKEND", "vulkan"),
+        ("TINYLLM_GPU_KERNELS", "software"),
+    ];
+    common::in_child(test, &env, || {
         assert_eq!(
             adversary::active().unwrap(),
             Some(a),
@@ -37,34 +41,7 @@ fn under(a: Adversary, test: &str, body: fn(Adversary)) {
         );
         require_gpu!();
         body(a);
-        return;
-    }
-    let t = Instant::now();
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args([test, "--exact", "--nocapture", "--test-threads", "1"])
-        .env(adversary::VAR, a.name())
-        .env("WGPU_BACKEND", "vulkan")
-        .env("TINYLLM_GPU_KERNELS", "software")
-        // the rewritten pipelines stay out of a shared pipeline cache
-        .env_remove("TINYLLM_PIPELINE_CACHE")
-        .output()
-        .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    eprintln!(
-        "{text}\n{test} under {}: {:.1} s",
-        a.name(),
-        t.elapsed().as_secs_f64()
-    );
-    assert!(
-        out.status.success(),
-        "{test} failed under the {} rewrite",
-        a.name()
-    );
-    assert!(text.contains("1 passed"), "{test}: the child ran no test");
+    });
 }
 
 /// The probe's finding `check`: whether it held.

@@ -203,7 +203,10 @@ macro_rules! sweeps {
             #[test]
             fn gpu_hardware() {
                 require_gpu!();
-                with_kernels(Kernels::Hardware, || sweep_hardware($family));
+                // in a child: its cold compiles run beside this process's
+                common::in_child(concat!(stringify!($name), "::gpu_hardware"), &[], || {
+                    with_kernels(Kernels::Hardware, || sweep_hardware($family))
+                });
             }
         })+
 

@@ -624,35 +624,14 @@ fn zero_lockstep_steps_are_refused() {
     assert!(err.contains("at least 1 step"), "{err}");
 }
 
-/// Lavapipe through both of its front ends, picked with `--backend`: the
-/// probe and the three-precision lockstep are bit-identical through GL (WGSL
-/// compiled to GLSL) as through Vulkan (hardened SPIR-V, whose float
-/// controls the probe reports); a backend without an adapter is a clear
-/// error (exit 2). (The sweep on GL is CI's `WGPU_BACKEND=gl` run of the
-/// parity tests.)
+/// `--backend` picks the front end: Vulkan's hardened SPIR-V, whose float
+/// controls the probe reports, bit-identical; a backend without an adapter is
+/// a clear error (exit 2). (GL, WGSL compiled to GLSL: its sweep and
+/// three-precision lockstep are `device-check`'s `gl` part below, which
+/// picks it the same way.)
 #[test]
-fn both_front_ends_of_one_device_give_the_reference_bits() {
+fn the_backend_flag_picks_the_front_end() {
     require_gpu!();
-    let (code, out, err) = run_bin(
-        &[
-            "crosscheck",
-            "--backend",
-            "gl",
-            "--skip-sweep",
-            "--steps",
-            "2",
-        ],
-        &[],
-    );
-    assert_eq!(code, 0, "{out}\n{err}");
-    for s in [
-        "(Gl, ",
-        "shaders   WGSL",
-        "verdict: BIT-IDENTICAL",
-        "fp16  2/2 steps bit-identical",
-    ] {
-        assert!(out.contains(s), "the report lacks {s:?}:\n{out}");
-    }
     let (code, out, err) = run_bin(
         &[
             "crosscheck",
@@ -670,6 +649,7 @@ fn both_front_ends_of_one_device_give_the_reference_bits() {
         "shaders   SPIR-V passthrough",
         "granted SignedZeroInfNanPreserve32",
         "verdict: BIT-IDENTICAL",
+        "fp16  2/2 steps bit-identical",
     ] {
         assert!(out.contains(s), "the report lacks {s:?}:\n{out}");
     }
@@ -716,9 +696,35 @@ fn device_check_writes_one_report_of_every_part() {
     assert!(o.status.success(), "{err}");
     let r: serde_json::Value =
         serde_json::from_slice(&std::fs::read(out.join("report.json")).unwrap()).unwrap();
+    // lavapipe through its second front end (WGSL compiled to GLSL): the
+    // sweep and the lockstep in every precision bit-identical
     let gl = &r["crosscheck"]["gl"];
     assert_eq!(gl["exit_code"], 0, "{gl}");
-    assert_eq!(gl["report"]["verdict"]["bit_identical"], true, "{gl}");
+    let report = &gl["report"];
+    assert_eq!(report["verdict"]["bit_identical"], true, "{gl}");
+    assert_eq!(report["probe"]["backend"], "Gl", "{gl}");
+    assert!(
+        report["probe"]["shaders"]
+            .as_str()
+            .is_some_and(|s| s.starts_with("WGSL")),
+        "{gl}"
+    );
+    assert!(
+        report["sweep"].as_array().is_some_and(|v| v.len() > 100),
+        "{gl}"
+    );
+    let steps: Vec<(&str, u64)> = report["lockstep"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| {
+            (
+                l["precision"].as_str().unwrap(),
+                l["identical_steps"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(steps, [("fp32", 2), ("bf16", 2), ("fp16", 2)], "{gl}");
     // no Metal on this machine: recorded as an error of that part
     let metal = &r["crosscheck"]["metal"];
     assert_eq!(metal["exit_code"], 2, "{metal}");

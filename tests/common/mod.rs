@@ -47,6 +47,41 @@ macro_rules! require_gpu {
     };
 }
 
+/// Set in a child process that [`in_child`] starts.
+pub const CHILD: &str = "TINYLLM_TEST_CHILD";
+
+/// Runs `body` in a child process: this binary's test `test` again, alone,
+/// with `env` set, required to pass; in that child (where [`CHILD`] is set),
+/// runs `body` itself. A process has one GPU device, and lavapipe compiles a
+/// pipeline on that device's queue thread the first time it runs, so one
+/// process's cold compiles queue behind each other; a child's device compiles
+/// on another core beside them. The child leaves a pipeline cache file the
+/// environment names (`TINYLLM_PIPELINE_CACHE`) to the parent.
+pub fn in_child(test: &str, env: &[(&str, &str)], body: impl FnOnce()) {
+    if std::env::var_os(CHILD).is_some() {
+        return body();
+    }
+    let t = std::time::Instant::now();
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([test, "--exact", "--nocapture", "--test-threads", "1"])
+        .env(CHILD, "1")
+        .env_remove("TINYLLM_PIPELINE_CACHE")
+        .envs(env.iter().copied())
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eprintln!(
+        "{text}\n{test} in a child process: {:.1} s",
+        t.elapsed().as_secs_f64()
+    );
+    assert!(out.status.success(), "{test} failed in its child process");
+    assert!(text.contains("1 passed"), "{test}: the child ran no test");
+}
+
 /// Bit patterns, so comparisons are exact (NaN payloads are canonicalised).
 pub fn bits(v: &[f32]) -> Vec<u32> {
     v.iter()
