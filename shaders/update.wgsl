@@ -45,50 +45,112 @@ fn scale_in_place(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups)
     }
 }
 
-// ---- finite check + unscale + sum of squares: grad: (n) in place; flag: one u32
-// shared by all buffers; partials: one f32 per chunk of `chunk` values, this
-// buffer's from `offset` ----
-// One invocation per chunk: i = grid_index(wg, groups, lane) walks
-// chunk i in order (the sum of squares' order, reduce.wgsl chunk_sum_squares).
-// Each value is tested *before* the multiply on its exponent bits (all ones =
-// inf or NaN; WGSL has no isNan/isInf), then multiplied by inv_scale (a power
-// of two: exact) and its square added by fma. The host zeroes the flag, runs
-// this once per gradient buffer, and reads the flag and the partials back
-// together.
+// ---- finite check + unscale + sum of squares: up to five gradients per
+// dispatch, each in place: g_s: (n_s); flag: one u32 shared by all buffers;
+// partials: one f32 per chunk of `chunk` values, from `offset`, buffer after
+// buffer ----
+// One invocation per chunk of the dispatch's buffers, numbered buffer after
+// buffer (chunk q is in the first buffer s with q < end_s, the running count
+// of chunks), so q = grid_index(wg, groups, lane) writes partial offset + q
+// as one dispatch per buffer did. It walks its chunk in order (the sum of
+// squares' order, reduce.wgsl chunk_sum_squares). Each value is tested
+// *before* the multiply on its exponent bits (all ones = inf or NaN; WGSL has
+// no isNan/isInf), then multiplied by inv_scale (a power of two: exact) and
+// its square added by fma. The host zeroes the flag, runs this over all the
+// gradients five at a time (one flag, one partials buffer, eight bindings:
+// WebGPU's least), and reads the flag and the partials back together. A slot
+// the host leaves unused has n = 0, its end the last one's, and another
+// gradient bound to it, never read.
 
 struct CheckParams {
-    n: u32,
     c: u32, // f32 bits
     chunk: u32,
     offset: u32,
+    n0: u32,
+    n1: u32,
+    n2: u32,
+    n3: u32,
+    n4: u32,
+    end0: u32,
+    end1: u32,
+    end2: u32,
+    end3: u32,
+    end4: u32,
 }
 
 @group(0) @binding(0) var<storage, read> fc_prm: CheckParams;
-@group(0) @binding(1) var<storage, read_write> fc_x: array<f32>;
-@group(0) @binding(2) var<storage, read_write> fc_flag: atomic<u32>;
-@group(0) @binding(3) var<storage, read_write> fc_partials: array<f32>;
+@group(0) @binding(1) var<storage, read_write> fc_flag: atomic<u32>;
+@group(0) @binding(2) var<storage, read_write> fc_partials: array<f32>;
+@group(0) @binding(3) var<storage, read_write> fc_g0: array<f32>;
+@group(0) @binding(4) var<storage, read_write> fc_g1: array<f32>;
+@group(0) @binding(5) var<storage, read_write> fc_g2: array<f32>;
+@group(0) @binding(6) var<storage, read_write> fc_g3: array<f32>;
+@group(0) @binding(7) var<storage, read_write> fc_g4: array<f32>;
+
+fn fc_load(s: u32, i: u32) -> f32 {
+    switch s {
+        case 0u: { return fc_g0[i]; }
+        case 1u: { return fc_g1[i]; }
+        case 2u: { return fc_g2[i]; }
+        case 3u: { return fc_g3[i]; }
+        default: { return fc_g4[i]; }
+    }
+}
+
+fn fc_store(s: u32, i: u32, v: f32) {
+    switch s {
+        case 0u: { fc_g0[i] = v; }
+        case 1u: { fc_g1[i] = v; }
+        case 2u: { fc_g2[i] = v; }
+        case 3u: { fc_g3[i] = v; }
+        default: { fc_g4[i] = v; }
+    }
+}
 
 @compute @workgroup_size(64)
 fn finite_check_unscale(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
                         @builtin(local_invocation_index) lane: u32) {
-    let chunk = grid_index(wg, groups, lane);
-    let n = fc_prm.n;
-    let start = chunk * fc_prm.chunk;
-    if start >= n {
+    let q = grid_index(wg, groups, lane);
+    if q >= fc_prm.end4 {
         return;
     }
+    // q's buffer s, its length and the chunks before it
+    var s = 0u;
+    var n = fc_prm.n0;
+    var before = 0u;
+    if q >= fc_prm.end0 {
+        s = 1u;
+        n = fc_prm.n1;
+        before = fc_prm.end0;
+    }
+    if q >= fc_prm.end1 {
+        s = 2u;
+        n = fc_prm.n2;
+        before = fc_prm.end1;
+    }
+    if q >= fc_prm.end2 {
+        s = 3u;
+        n = fc_prm.n3;
+        before = fc_prm.end2;
+    }
+    if q >= fc_prm.end3 {
+        s = 4u;
+        n = fc_prm.n4;
+        before = fc_prm.end3;
+    }
+    let start = (q - before) * fc_prm.chunk;
     let end = min(start + fc_prm.chunk, n);
     let c = bitcast<f32>(fc_prm.c);
     var bad = false;
     var acc = -0.0;
     for (var i = start; i < end; i++) {
-        let x = fc_x[i];
+        let x = fc_load(s, i);
         bad = bad || is_nonfinite_bits(bitcast<u32>(x));
         let u = x * c;
-        fc_x[i] = u;
+        fc_store(s, i, u);
         acc = fma_c(u, u, acc);
     }
-    fc_partials[fc_prm.offset + chunk] = acc;
+    fc_partials[fc_prm.offset + q] = acc;
     if bad {
         atomicOr(&fc_flag, 1u); // only the rare bad lanes touch the atomic
     }

@@ -1417,12 +1417,22 @@ fn update(sw: &mut Sweep) -> Result<()> {
     mid_inf[0][16384 + 64 * 7 + 5] = f32::INFINITY;
     let mut only_last = finite.clone();
     only_last.push(vec![1.0, 2.0, f32::INFINITY]);
+    // more buffers than one dispatch takes (update.wgsl: five), empty ones
+    // among them, chunks of one buffer on both sides of a dispatch's end
+    let many: Vec<Vec<f32>> = [3000usize, 0, 7, 1, 2049, 0, 5000, 64, 9, 0, 3, 1500]
+        .iter()
+        .map(|&n| (0..n).map(|_| rng.moderate() * 1e3).collect())
+        .collect();
+    let mut many_inf = many.clone();
+    many_inf[8][4] = f32::INFINITY;
     for (what, bufs) in [
         ("finite", finite),
         ("an inf", with_inf),
         ("a NaN at the end", with_nan),
         ("an inf past the first workgroup", mid_inf),
         ("an inf in the last buffer", only_last),
+        ("twelve buffers", many),
+        ("twelve buffers, an inf in the ninth", many_inf),
     ] {
         let lens: Vec<usize> = bufs.iter().map(Vec::len).collect();
         let case =
@@ -1586,6 +1596,36 @@ fn fused(sw: &mut Sweep) -> Result<()> {
             let (a, b) = up(&gate, dev)?.swiglu_backward(&up(&x, dev)?, &up(&g, dev)?)?;
             cat(vec![a, b])
         })?;
+        // the gate, up or both read from 16-bit storage (as autograd keeps them)
+        for fmt in [Format::Bf16, Format::Fp16] {
+            for (hg, hu) in [(true, false), (false, true), (true, true)] {
+                let which = match (hg, hu) {
+                    (true, false) => "gate",
+                    (false, true) => "up",
+                    _ => "gate and up",
+                };
+                let variant = format!("{fmt} operands read from 16-bit storage");
+                sw.check(
+                    "swiglu backward",
+                    &variant,
+                    format!("{which} in 16 bits: {case}"),
+                    &[],
+                    |dev| {
+                        let operand = |x: &[f32], half: bool| -> Result<Operand> {
+                            let s = up(x, dev)?;
+                            Ok(if half {
+                                Operand::Half(s.pack(fmt)?.0)
+                            } else {
+                                Operand::Values(s)
+                            })
+                        };
+                        let (a, b) = operand(&gate, hg)?
+                            .swiglu_backward(&operand(&x, hu)?, &up(&g, dev)?)?;
+                        cat(vec![a, b])
+                    },
+                )?;
+            }
+        }
         if d % 2 == 0 {
             let t = if rows % 3 == 0 { 3 } else { 1 }; // rows are whole blocks of t positions
             let (cos, sin): (Vec<f32>, Vec<f32>) = (0..t * d)

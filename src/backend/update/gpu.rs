@@ -15,10 +15,29 @@ gpu_params! {
 }
 
 gpu_params! {
-    /// `update.wgsl` `CheckParams`: `n` elements times the f32 `c` (bits), in
-    /// chunks of `chunk`, this buffer's partials written from `offset`.
-    pub struct CheckParams { n: u32, c: u32, chunk: u32, offset: u32 }
+    /// `update.wgsl` `CheckParams`: up to [`CHECK_BUFS`] buffers of `n0`..
+    /// elements times the f32 `c` (bits), in chunks of `chunk`, `end0`.. the
+    /// running count of their chunks, their partials written from `offset`.
+    pub struct CheckParams {
+        c: u32,
+        chunk: u32,
+        offset: u32,
+        n0: u32,
+        n1: u32,
+        n2: u32,
+        n3: u32,
+        n4: u32,
+        end0: u32,
+        end1: u32,
+        end2: u32,
+        end3: u32,
+        end4: u32,
+    }
 }
+
+/// Gradients one finite-check dispatch takes (`update.wgsl`: with the
+/// parameters, the flag and the partials, WebGPU's least of 8 storage buffers).
+pub const CHECK_BUFS: usize = 5;
 
 gpu_params! {
     /// `update.wgsl` `AdamWParams`: [`AdamWConsts`] as f32 bits; `zero` is
@@ -78,8 +97,9 @@ fn per_lane(entry: &'static str, n: usize) -> Result<(Kernel, (u32, u32, u32))> 
 }
 
 impl UpdateOps for GpuStorage {
-    /// One kernel per buffer, all OR-ing into ONE 4-byte flag and writing
-    /// their chunk partials into one buffer; both read back once, with `also`.
+    /// One kernel per [`CHECK_BUFS`] buffers, all OR-ing into ONE 4-byte flag
+    /// and writing their chunk partials into one buffer; both read back once,
+    /// with `also`.
     fn finite_check_unscale(
         bufs: &[&GpuStorage],
         inv_scale: f32,
@@ -94,17 +114,38 @@ impl UpdateOps for GpuStorage {
         // A fresh buffer is zero-initialised by wgpu.
         let flag = c.buffer_with(&[0u8; 4]);
         let partials = GpuStorage::alloc(c, chunks)?;
+        let full: Vec<&&GpuStorage> = bufs.iter().filter(|b| !b.is_empty()).collect();
         let mut offset = 0;
-        for b in bufs.iter().filter(|b| !b.is_empty()) {
-            let n = b.len().div_ceil(NORM_CHUNK);
+        for group in full.chunks(CHECK_BUFS) {
+            // lengths and running chunk counts; unused slots empty, ending
+            // with the last buffer, bound to the first (never read)
+            let (mut n, mut end, mut chunks) = ([0u32; CHECK_BUFS], [0u32; CHECK_BUFS], 0);
+            for s in 0..CHECK_BUFS {
+                if let Some(b) = group.get(s) {
+                    n[s] = u32_of(b.len(), "length")?;
+                    chunks += b.len().div_ceil(NORM_CHUNK);
+                }
+                end[s] = u32_of(chunks, "chunks")?;
+            }
             let prm = CheckParams {
-                n: u32_of(b.len(), "length")?,
                 c: inv_scale.to_bits(),
                 chunk: NORM_CHUNK as u32,
                 offset: u32_of(offset, "offset")?,
+                n0: n[0],
+                n1: n[1],
+                n2: n[2],
+                n3: n[3],
+                n4: n[4],
+                end0: end[0],
+                end1: end[1],
+                end2: end[2],
+                end3: end[3],
+                end4: end[4],
             };
-            c.dispatch(&CHECK, &prm, &[b.buf(), &flag, partials.buf()], grid1d(n))?;
-            offset += n;
+            let mut bind = vec![&flag, partials.buf()];
+            bind.extend((0..CHECK_BUFS).map(|s| group.get(s).unwrap_or(&group[0]).buf()));
+            c.dispatch(&CHECK, &prm, &bind, grid1d(chunks))?;
+            offset += chunks;
         }
         let mut parts = vec![(&flag, 4), (partials.buf(), 4 * chunks as u64)];
         parts.extend(also.map(|a| (a.buf(), 4 * a.len() as u64)));
