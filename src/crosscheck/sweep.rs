@@ -131,6 +131,16 @@ fn up(data: &[f32], d: Device) -> Result<Storage> {
     Storage::from_f32(data.to_vec(), d)
 }
 
+/// `data` on `d` as a product's operand: its values, or kept in 16-bit
+/// storage of `half` (as autograd keeps a rounded operand).
+fn operand(data: &[f32], half: Option<Format>, d: Device) -> Result<Operand> {
+    let s = up(data, d)?;
+    Ok(match half {
+        Some(f) => Operand::Half(s.pack(f)?.0),
+        None => Operand::Values(s),
+    })
+}
+
 impl Sweep {
     fn row(&mut self, primitive: &'static str, variant: &str, device: Device) -> &mut Row {
         let device = device_name(device);
@@ -926,16 +936,8 @@ fn matmul_half(sw: &mut Sweep) -> Result<()> {
                     let case = format!("{which} in 16 bits: {}", d.describe(Some(fmt)));
                     let variant = format!("{fmt} operands read from 16-bit storage");
                     sw.check("matmul", &variant, case, &[], |dev| {
-                        let operand = |x: &[f32], half: bool| -> Result<Operand> {
-                            let s = up(x, dev)?;
-                            Ok(if half {
-                                Operand::Half(s.pack(fmt)?.0)
-                            } else {
-                                Operand::Values(s)
-                            })
-                        };
-                        operand(&a, ha)?
-                            .matmul(&operand(&b, hb)?, d, Some(fmt))?
+                        operand(&a, ha.then_some(fmt), dev)?
+                            .matmul(&operand(&b, hb.then_some(fmt), dev)?, d, Some(fmt))?
                             .to_vec_f32()
                     })?;
                 }
@@ -1611,16 +1613,10 @@ fn fused(sw: &mut Sweep) -> Result<()> {
                     format!("{which} in 16 bits: {case}"),
                     &[],
                     |dev| {
-                        let operand = |x: &[f32], half: bool| -> Result<Operand> {
-                            let s = up(x, dev)?;
-                            Ok(if half {
-                                Operand::Half(s.pack(fmt)?.0)
-                            } else {
-                                Operand::Values(s)
-                            })
-                        };
-                        let (a, b) = operand(&gate, hg)?
-                            .swiglu_backward(&operand(&x, hu)?, &up(&g, dev)?)?;
+                        let (a, b) = operand(&gate, hg.then_some(fmt), dev)?.swiglu_backward(
+                            &operand(&x, hu.then_some(fmt), dev)?,
+                            &up(&g, dev)?,
+                        )?;
                         cat(vec![a, b])
                     },
                 )?;

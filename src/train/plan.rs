@@ -938,8 +938,8 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(
-            e.contains("planned peak is 215.2 MiB")
-                && e.contains("try --micro-batch 16 --checkpoint-activations (plans 47.2 MiB")
+            e.contains("planned peak is 193.2 MiB")
+                && e.contains("try --micro-batch 16 --checkpoint-activations (plans 41.7 MiB")
                 && e.contains("memory plan ("),
             "{e}"
         );
