@@ -50,8 +50,8 @@ fn scale_in_place(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups)
 // partials: one f32 per chunk of `chunk` values, from `offset`, buffer after
 // buffer ----
 // One invocation per chunk of the dispatch's buffers, numbered buffer after
-// buffer (chunk q is in the first buffer s with q < end_s, the running count
-// of chunks), so q = grid_index(wg, groups, lane) writes partial offset + q
+// buffer (chunk q is in the first buffer s with q < end[s], the running
+// count of chunks), so q = grid_index(wg, groups, lane) writes partial offset + q
 // as one dispatch per buffer did. It walks its chunk in order (the sum of
 // squares' order, reduce.wgsl chunk_sum_squares). Each value is tested
 // *before* the multiply on its exponent bits (all ones = inf or NaN; WGSL has
@@ -66,16 +66,8 @@ struct CheckParams {
     c: u32, // f32 bits
     chunk: u32,
     offset: u32,
-    n0: u32,
-    n1: u32,
-    n2: u32,
-    n3: u32,
-    n4: u32,
-    end0: u32,
-    end1: u32,
-    end2: u32,
-    end3: u32,
-    end4: u32,
+    n: array<u32, 5>,   // each slot's length (0: unused)
+    end: array<u32, 5>, // the running count of chunks through each slot
 }
 
 @group(0) @binding(0) var<storage, read> fc_prm: CheckParams;
@@ -111,33 +103,17 @@ fn fc_store(s: u32, i: u32, v: f32) {
 fn finite_check_unscale(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
                         @builtin(local_invocation_index) lane: u32) {
     let q = grid_index(wg, groups, lane);
-    if q >= fc_prm.end4 {
+    if q >= fc_prm.end[4] {
         return;
     }
-    // q's buffer s, its length and the chunks before it
+    // q's buffer s (the first whose chunks end past q) and the chunks before it
     var s = 0u;
-    var n = fc_prm.n0;
     var before = 0u;
-    if q >= fc_prm.end0 {
-        s = 1u;
-        n = fc_prm.n1;
-        before = fc_prm.end0;
+    while q >= fc_prm.end[s] {
+        before = fc_prm.end[s];
+        s += 1u;
     }
-    if q >= fc_prm.end1 {
-        s = 2u;
-        n = fc_prm.n2;
-        before = fc_prm.end1;
-    }
-    if q >= fc_prm.end2 {
-        s = 3u;
-        n = fc_prm.n3;
-        before = fc_prm.end2;
-    }
-    if q >= fc_prm.end3 {
-        s = 4u;
-        n = fc_prm.n4;
-        before = fc_prm.end3;
-    }
+    let n = fc_prm.n[s];
     let start = (q - before) * fc_prm.chunk;
     let end = min(start + fc_prm.chunk, n);
     let c = bitcast<f32>(fc_prm.c);

@@ -990,11 +990,8 @@ fn matmul_added(sw: &mut Sweep) -> Result<()> {
                     if half.is_some() { ", A in 16 bits" } else { "" }
                 );
                 sw.check("matmul", &variant, case, &[], |dev| {
-                    let a = match half {
-                        Some(f) => Operand::Half(up(&a, dev)?.pack(f)?.0),
-                        None => Operand::Values(up(&a, dev)?),
-                    };
-                    a.matmul_add(&Operand::Values(up(&b, dev)?), d, round, &up(&e, dev)?)?
+                    operand(&a, half, dev)?
+                        .matmul_add(&Operand::Values(up(&b, dev)?), d, round, &up(&e, dev)?)?
                         .to_vec_f32()
                 })?;
             }

@@ -116,7 +116,7 @@ impl GpuStorage {
                 .with("TRANS_A", d.trans_a as u32)
                 .with("TRANS_B", d.trans_b as u32);
         }
-        // binding 4 is read only with ADD; A stands in for it otherwise
+        // binding 4 is read only with `add`; A stands in for it otherwise
         let e = addend.unwrap_or(self);
         let mut b0 = 0usize;
         while b0 < d.batch {

@@ -15,23 +15,15 @@ gpu_params! {
 }
 
 gpu_params! {
-    /// `update.wgsl` `CheckParams`: up to [`CHECK_BUFS`] buffers of `n0`..
-    /// elements times the f32 `c` (bits), in chunks of `chunk`, `end0`.. the
+    /// `update.wgsl` `CheckParams`: up to [`CHECK_BUFS`] buffers of `n`
+    /// elements times the f32 `c` (bits), in chunks of `chunk`, `end` the
     /// running count of their chunks, their partials written from `offset`.
     pub struct CheckParams {
         c: u32,
         chunk: u32,
         offset: u32,
-        n0: u32,
-        n1: u32,
-        n2: u32,
-        n3: u32,
-        n4: u32,
-        end0: u32,
-        end1: u32,
-        end2: u32,
-        end3: u32,
-        end4: u32,
+        n: [u32; CHECK_BUFS],
+        end: [u32; CHECK_BUFS],
     }
 }
 
@@ -131,16 +123,8 @@ impl UpdateOps for GpuStorage {
                 c: inv_scale.to_bits(),
                 chunk: NORM_CHUNK as u32,
                 offset: u32_of(offset, "offset")?,
-                n0: n[0],
-                n1: n[1],
-                n2: n[2],
-                n3: n[3],
-                n4: n[4],
-                end0: end[0],
-                end1: end[1],
-                end2: end[2],
-                end3: end[3],
-                end4: end[4],
+                n,
+                end,
             };
             let mut bind = vec![&flag, partials.buf()];
             bind.extend((0..CHECK_BUFS).map(|s| group.get(s).unwrap_or(&group[0]).buf()));
