@@ -206,10 +206,20 @@ fn swiglu(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups:
 
 // ---- SwiGLU backward: gate, up, g: (n) -> d_gate, d_up: (n) ----
 // s = σ(gate); d_gate = (g·up)·(s·fma(gate, 1 - s, 1)); d_up = g·(gate·s).
+// gate and up are read as bits: float32 values, or with gate_half / up_half
+// (the FMT_* code of an operand kept in 16-bit storage) words of two values
+// (value i in the low half of word i / 2 for even i), widened exactly.
 
-@group(0) @binding(0) var<storage, read> sb_prm: EltParams;
-@group(0) @binding(1) var<storage, read> sb_gate: array<f32>;
-@group(0) @binding(2) var<storage, read> sb_up: array<f32>;
+struct SwigluBackParams {
+    n: u32,
+    zero: u32,
+    gate_half: u32,
+    up_half: u32,
+}
+
+@group(0) @binding(0) var<storage, read> sb_prm: SwigluBackParams;
+@group(0) @binding(1) var<storage, read> sb_gate: array<u32>;
+@group(0) @binding(2) var<storage, read> sb_up: array<u32>;
 @group(0) @binding(3) var<storage, read> sb_g: array<f32>;
 @group(0) @binding(4) var<storage, read_write> sb_dgate: array<f32>;
 @group(0) @binding(5) var<storage, read_write> sb_dup: array<f32>;
@@ -221,11 +231,18 @@ fn swiglu_backward(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups
     if i >= sb_prm.n {
         return;
     }
-    let x = sb_gate[i];
+    var x = bitcast<f32>(sb_gate[i]);
+    if sb_prm.gate_half != 0u {
+        x = bitcast<f32>(widen_bits((sb_gate[i / 2u] >> (16u * (i & 1u))) & 0xffffu, sb_prm.gate_half));
+    }
+    var up = bitcast<f32>(sb_up[i]);
+    if sb_prm.up_half != 0u {
+        up = bitcast<f32>(widen_bits((sb_up[i / 2u] >> (16u * (i & 1u))) & 0xffffu, sb_prm.up_half));
+    }
     let g = sb_g[i];
     let s = m_sigmoid(x);
     let z = sb_prm.zero;
-    sb_dgate[i] = sep(g * sb_up[i], z) * sep(s * fma_c(x, 1.0 - s, 1.0), z);
+    sb_dgate[i] = sep(g * up, z) * sep(s * fma_c(x, 1.0 - s, 1.0), z);
     sb_dup[i] = g * sep(x * s, z);
 }
 

@@ -1595,6 +1595,30 @@ fn fused(sw: &mut Sweep) -> Result<()> {
             let (a, b) = up(&gate, dev)?.swiglu_backward(&up(&x, dev)?, &up(&g, dev)?)?;
             cat(vec![a, b])
         })?;
+        // the gate, up or both read from 16-bit storage (as autograd keeps them)
+        for fmt in [Format::Bf16, Format::Fp16] {
+            for (hg, hu) in [(true, false), (false, true), (true, true)] {
+                let which = match (hg, hu) {
+                    (true, false) => "gate",
+                    (false, true) => "up",
+                    _ => "gate and up",
+                };
+                let variant = format!("{fmt} operands read from 16-bit storage");
+                sw.check(
+                    "swiglu backward",
+                    &variant,
+                    format!("{which} in 16 bits: {case}"),
+                    &[],
+                    |dev| {
+                        let (a, b) = operand(&gate, hg.then_some(fmt), dev)?.swiglu_backward(
+                            &operand(&x, hu.then_some(fmt), dev)?,
+                            &up(&g, dev)?,
+                        )?;
+                        cat(vec![a, b])
+                    },
+                )?;
+            }
+        }
         if d % 2 == 0 {
             let t = if rows % 3 == 0 { 3 } else { 1 }; // rows are whole blocks of t positions
             let (cos, sin): (Vec<f32>, Vec<f32>) = (0..t * d)

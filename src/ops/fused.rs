@@ -108,13 +108,11 @@ impl Tensor {
         Ok(
             Tensor::record(y, self.shape().to_vec(), "swiglu", &[self, up], move |g| {
                 let g = &arrived(g, f)?;
-                let (gate, upk) = (gate.get()?, upk.get()?);
-                let (dg, du) = gate
-                    .storage()
-                    .swiglu_backward(&upk.storage(), &g.storage())?;
+                // 16-bit kept operands are read as kept, never widened into a copy
+                let (dg, du) = gate.arg().op.swiglu_backward(&upk.arg().op, &g.storage())?;
                 Ok(vec![
-                    Some(Tensor::from_storage(dg, gate.shape())?),
-                    Some(Tensor::from_storage(du, gate.shape())?),
+                    Some(Tensor::from_storage(dg, g.shape())?),
+                    Some(Tensor::from_storage(du, g.shape())?),
                 ])
             })
             .with_half(f),

@@ -66,13 +66,17 @@
 //!   beside their 16-bit copy (`4·V`); nothing worth counting in float32;
 //! * backward: the last block's float32 input gradients (`4·(F + C + H)`),
 //!   and under a rounding policy the float32 slots of the 16-bit gradients
-//!   (`10·F + 2·C + 2·V`, and the stream's `8·C` where it is 16-bit: with
+//!   (`2·F + 2·C + 2·V`, and the stream's `8·C` where it is 16-bit: with
 //!   checkpointing the peak is in a rerun segment's backward; without, the
 //!   plan is `6·C` per token above the measured peak there). Each weight
 //!   gradient goes into the accumulated one as soon as the last node that
 //!   feeds it has run, so none waits in flight; in a step's first
 //!   micro-batch, whose peak is at the first block, that block's and the
 //!   head's are in flight beside those made (`4·(C·F + V·C + C)` bytes);
+//! * or backward's start, the loss's backward, every activation still held: the
+//!   logits' float32 gradient (`4·V`) beside the logits widened from their
+//!   16-bit copy under a rounding policy (`4·V`) — the peak of models whose
+//!   vocabulary outweighs a block's widths (`tiny`);
 //! * with dropout, either phase's peak may instead be at an attention core
 //!   (per sequence, in units of `U = 4·H·T²` bytes): forward makes the
 //!   dropped probabilities in float32 beside their 16-bit copy (`U`), and
@@ -357,7 +361,7 @@ fn gradients_in_flight(cfg: &LlamaConfig) -> usize {
 /// beyond the activations and the gradients (see the module docs): the
 /// last block's float32 input gradients (`F + C + H` per token), and under
 /// a rounding policy the float32 slots of the MLP's 16-bit gradients
-/// (`10·F + 2·C + 2·V`) and, where the stream is 16-bit, its float32 slots
+/// (`2·F + 2·C + 2·V`) and, where the stream is 16-bit, its float32 slots
 /// ([`stream_slots`]). Weight gradients are not in flight there: each goes
 /// into the accumulated one as soon as the last node feeding it has run.
 fn backward_working(cfg: &LlamaConfig, rows: usize, t: usize, k16: Kept16) -> usize {
@@ -365,9 +369,19 @@ fn backward_working(cfg: &LlamaConfig, rows: usize, t: usize, k16: Kept16) -> us
     let n = rows * t;
     let mut w = 4 * n * (f + c + h);
     if k16.products {
-        w += n * (10 * f + 2 * c + 2 * v + stream_slots(cfg, k16));
+        w += n * (2 * f + 2 * c + 2 * v + stream_slots(cfg, k16));
     }
     w
+}
+
+/// Bytes the loss's backward has in flight for `n` tokens, every activation
+/// still held: the logits' gradient in float32 (`4·V`), beside the logits
+/// widened from their 16-bit copy under a policy that rounds the products
+/// (`4·V` more), and the loss and its seed gradient (8 bytes). The peak of
+/// narrow models, whose vocabulary outweighs a block's widths.
+fn loss_working(cfg: &LlamaConfig, n: usize, k16: Kept16) -> usize {
+    let per_token = if k16.products { 8 } else { 4 } * cfg.vocab_size;
+    n * per_token + 8
 }
 
 /// The values a block keeps after its attention core, for one sequence:
@@ -503,10 +517,13 @@ pub fn memory_plan_policy(
     let (core_fwd, core_bwd, freed) = attention_core_flight(cfg, t, k16, attention_recompute);
     let core = |flight: usize| rows * flight.saturating_sub(freed);
     let bwd = backward_working(cfg, rows, t, k16);
-    let backward_working = bwd.max(core(core_bwd));
+    let at_loss = loss_working(cfg, rows * t, k16);
+    let backward_working = bwd.max(at_loss).max(core(core_bwd));
     // a step's first micro-batch peaks making the first block's gradients:
     // its weight gradients, with the head's, are in flight beside the made ones
-    let first_working = (bwd + gradients_in_flight(cfg)).max(core(core_bwd));
+    let first_working = (bwd + gradients_in_flight(cfg))
+        .max(at_loss)
+        .max(core(core_bwd));
     // A step's first micro-batch holds only the gradients its backward has
     // made: from the start (every activation, no gradient) it walks down the
     // blocks, the last segment's as kept and each checkpointed one rerun,
@@ -938,8 +955,8 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(
-            e.contains("planned peak is 215.2 MiB")
-                && e.contains("try --micro-batch 16 --checkpoint-activations (plans 47.2 MiB")
+            e.contains("planned peak is 193.2 MiB")
+                && e.contains("try --micro-batch 16 --checkpoint-activations (plans 41.7 MiB")
                 && e.contains("memory plan ("),
             "{e}"
         );

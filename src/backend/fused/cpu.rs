@@ -10,6 +10,9 @@ use crate::backend::cpu::{
     assume_init_mut, cpu_threads, fill, fold_ragged, maximum, new_vec, new_vecs, sigmoid_into, simd,
     write_exact, CpuStorage, Elem,
 };
+use crate::backend::matmul::Halves;
+use crate::backend::pack::widen_bits;
+use crate::backend::round::Format;
 use crate::backend::DType;
 use crate::Result;
 use std::mem::MaybeUninit;
@@ -88,10 +91,20 @@ impl FusedOps for CpuStorage {
         Ok(by_dtype!(self, T => T::wrap(swiglu_t::<T>(&T::view(self), &T::view(up), swiglu_slices))))
     }
 
-    fn swiglu_backward(&self, up: &CpuStorage, g: &CpuStorage) -> Result<(CpuStorage, CpuStorage)> {
+    fn swiglu_backward(&self, up: &CpuStorage, g: &CpuStorage, halves: Halves) -> Result<(CpuStorage, CpuStorage)> {
         #[cfg(target_arch = "x86_64")]
-        if self.dtype() == DType::F32 && simd::level() == simd::Level::Avx512 {
-            let (dg, du) = swiglu_backward_t(&self.f32s(), &up.f32s(), &g.f32s(), avx512::swiglu_backward);
+        let f32_kernel: SwigluBackwardSlices<f32> = match simd::level() {
+            simd::Level::Avx512 => avx512::swiglu_backward,
+            _ => swiglu_backward_slices,
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        let f32_kernel: SwigluBackwardSlices<f32> = swiglu_backward_slices;
+        if halves != Halves::default() {
+            let (dg, du) = swiglu_backward_kept16(&self.f32s(), &up.f32s(), &g.f32s(), halves, f32_kernel);
+            return Ok((CpuStorage::from_f32(dg), CpuStorage::from_f32(du)));
+        }
+        if self.dtype() == DType::F32 {
+            let (dg, du) = swiglu_backward_t(&self.f32s(), &up.f32s(), &g.f32s(), f32_kernel);
             return Ok((CpuStorage::from_f32(dg), CpuStorage::from_f32(du)));
         }
         Ok(by_dtype!(self, T => {
@@ -349,6 +362,42 @@ fn swiglu_backward_t<T: Elem>(gate: &[T], up: &[T], g: &[T], kernel: SwigluBackw
     let [dg, du] = new_vecs([n, n], |[dg, du], [wg, wu]| {
         let slices = dg.chunks_mut(per).zip(du.chunks_mut(per)).zip(gate.chunks(per)).zip(up.chunks(per)).zip(g.chunks(per));
         for (dg, du) in pool::map(slices, |((((dg, du), gate), up), g)| kernel(dg, du, gate, up, g)) {
+            wg.add(dg);
+            wu.add(du);
+        }
+    });
+    (dg, du)
+}
+
+/// [`swiglu_backward_t`] with the gate, up or both kept in 16-bit storage
+/// (`halves`; their words, two values each): each block of values is widened
+/// into scratch as it is reached, so no float32 copy of a whole operand is
+/// made — the memory the GPU's kernel, which widens as it loads, uses, and
+/// the step's plan counts for both devices.
+fn swiglu_backward_kept16(
+    gate: &[f32],
+    up: &[f32],
+    g: &[f32],
+    halves: Halves,
+    kernel: SwigluBackwardSlices<f32>,
+) -> (Vec<f32>, Vec<f32>) {
+    const BLOCK: usize = 4096; // even: every block starts on a word
+    let n = g.len();
+    // values [lo, lo + len) of an operand: its own, or widened from its words
+    let values = |s: &[f32], f: Option<Format>, lo: usize, len: usize| -> Vec<f32> {
+        match f {
+            None => s[lo..lo + len].to_vec(),
+            Some(f) => (lo..lo + len)
+                .map(|e| f32::from_bits(widen_bits((s[e / 2].to_bits() >> (16 * (e % 2))) & 0xffff, f)))
+                .collect(),
+        }
+    };
+    let [dg, du] = new_vecs([n, n], |[dg, du], [wg, wu]| {
+        let blocks = dg.chunks_mut(BLOCK).zip(du.chunks_mut(BLOCK)).zip(g.chunks(BLOCK)).enumerate();
+        for (dg, du) in pool::map(blocks, |(i, ((dg, du), g))| {
+            let (a, b) = (values(gate, halves.a, i * BLOCK, g.len()), values(up, halves.b, i * BLOCK, g.len()));
+            kernel(dg, du, &a, &b, g)
+        }) {
             wg.add(dg);
             wu.add(du);
         }

@@ -5,6 +5,8 @@ use crate::backend::gpu::context::{ctx, Context};
 use crate::backend::gpu::pipelines::{gpu_params, no_consts, Family, Kernel};
 use crate::backend::gpu::variant::Kernels;
 use crate::backend::gpu::{grid1d, u32_of, GpuStorage, LOOP_PASS};
+use crate::backend::matmul::Halves;
+use crate::backend::round::fmt_code;
 use crate::backend::MAX_DIMS;
 use crate::{bail, Result};
 
@@ -39,6 +41,12 @@ gpu_params! {
 gpu_params! {
     /// `fused.wgsl` `EltParams`: `n` elements.
     pub struct EltParams { n: u32, zero: u32 }
+}
+
+gpu_params! {
+    /// `fused.wgsl` `SwigluBackParams`: `n` elements, the FMT_* codes of
+    /// the gate and up when kept in 16-bit storage (0: float32).
+    pub struct SwigluBackParams { n: u32, zero: u32, gate_half: u32, up_half: u32 }
 }
 
 gpu_params! {
@@ -84,6 +92,7 @@ pub const FAMILY: Family = Family {
         NormBackParams::LAYOUT,
         DwParams::LAYOUT,
         EltParams::LAYOUT,
+        SwigluBackParams::LAYOUT,
         RopeParams::LAYOUT,
         CeParams::LAYOUT,
         CeSumParams::LAYOUT,
@@ -267,13 +276,15 @@ impl FusedOps for GpuStorage {
         Ok(y)
     }
 
-    fn swiglu_backward(&self, up: &GpuStorage, g: &GpuStorage) -> Result<(GpuStorage, GpuStorage)> {
+    fn swiglu_backward(&self, up: &GpuStorage, g: &GpuStorage, halves: Halves) -> Result<(GpuStorage, GpuStorage)> {
         let c = ctx()?;
-        let n = self.len();
+        let n = g.len();
         let (dg, du) = (GpuStorage::alloc(c, n)?, GpuStorage::alloc(c, n)?);
-        let prm = EltParams {
+        let prm = SwigluBackParams {
             n: u32_of(n, "length")?,
             zero: 0,
+            gate_half: fmt_code(halves.a),
+            up_half: fmt_code(halves.b),
         };
         c.dispatch(
             &SWIGLU_BACKWARD,

@@ -86,6 +86,7 @@ pub(crate) mod spec;
 #[cfg(feature = "gpu")]
 pub(crate) mod gpu;
 
+use super::matmul::{Halves, Operand};
 use super::primitive;
 use super::Storage;
 use crate::{bail, Result};
@@ -114,8 +115,10 @@ pub trait FusedOps: Sized {
     ) -> Result<(Option<Self>, Option<Self>)>;
     /// `self` is the gate.
     fn swiglu(&self, up: &Self) -> Result<Self>;
-    /// `self` is the gate; returns `(d_gate, d_up)`.
-    fn swiglu_backward(&self, up: &Self, g: &Self) -> Result<(Self, Self)>;
+    /// `self` is the gate; returns `(d_gate, d_up)`. `halves`: the gate
+    /// (`a`) and `up` (`b`) kept in 16-bit storage, words of two values each
+    /// (see [`Packed`](crate::backend::pack::Packed)), widened as read.
+    fn swiglu_backward(&self, up: &Self, g: &Self, halves: Halves) -> Result<(Self, Self)>;
     /// `self` is `x: (B, t, heads, d)`, the tables `(t, d)` -> `(B, heads, t, d)`.
     fn rope(&self, cos: &Self, sin: &Self, t: usize, d: usize, heads: usize) -> Result<Self>;
     /// `self` is the upstream gradient `(B, heads, t, d)` -> `(B, t, heads, d)`.
@@ -229,10 +232,7 @@ impl Storage {
     /// SwiGLU's backward: `(d_gate, d_up)` from the gate `self`, `up` and the
     /// upstream gradient.
     pub fn swiglu_backward(&self, up: &Storage, g: &Storage) -> Result<(Storage, Storage)> {
-        check_len("swiglu backward", up, self.len(), "up")?;
-        check_len("swiglu backward", g, self.len(), "the gradient")?;
-        let describe = || format!("n {}", self.len());
-        Ok(primitive!("swiglu backward", describe, [self, up, g] => |a, b, g| a.swiglu_backward(b, g)))
+        Operand::Values(self.clone()).swiglu_backward(&Operand::Values(up.clone()), g)
     }
 
     /// RoPE on the rows of `self: (B, t, heads, d)` with the tables `cos,
@@ -296,6 +296,26 @@ fn check_rope(x: &Storage, cos: &Storage, sin: &Storage, t: usize, d: usize, hea
     }
     check_len("rope", cos, t * d, "the cos table")?;
     check_len("rope", sin, t * d, "the sin table")
+}
+
+impl Operand {
+    /// SwiGLU's backward with `self` the gate, either operand possibly kept
+    /// in 16-bit storage (read as kept, no widened copy written out).
+    pub fn swiglu_backward(&self, up: &Operand, g: &Storage) -> Result<(Storage, Storage)> {
+        let n = g.len();
+        if self.len() != n || up.len() != n {
+            bail!(
+                Shape,
+                "swiglu backward: gate, up and the gradient hold {}, {} and {n} values",
+                self.len(),
+                up.len()
+            );
+        }
+        let ((a, ha), (b, hb)) = (self.parts(), up.parts());
+        let halves = Halves { a: ha, b: hb };
+        let describe = || format!("n {n}");
+        Ok(primitive!("swiglu backward", describe, [a, b, g] => |a, b, g| a.swiglu_backward(b, g, halves)))
+    }
 }
 
 #[cfg(test)]

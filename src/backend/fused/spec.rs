@@ -5,6 +5,9 @@
 
 use super::FusedOps;
 use crate::backend::math::{div, exp, log, sqrt};
+use crate::backend::matmul::Halves;
+use crate::backend::pack::PackOps;
+use crate::backend::round::Format;
 use crate::backend::spec::{fma, maximum, SpecStorage};
 use crate::Result;
 
@@ -94,8 +97,13 @@ impl FusedOps for SpecStorage {
         Ok(SpecStorage::new(gate.iter().zip(up.iter()).map(|(&a, &b)| (a * sigmoid(a)) * b).collect()))
     }
 
-    fn swiglu_backward(&self, up: &SpecStorage, g: &SpecStorage) -> Result<(SpecStorage, SpecStorage)> {
-        let (gate, up, g) = (self.get(), up.get(), g.get());
+    fn swiglu_backward(&self, up: &SpecStorage, g: &SpecStorage, halves: Halves) -> Result<(SpecStorage, SpecStorage)> {
+        // a 16-bit operand's values, widened
+        let values = |s: &SpecStorage, f: Option<Format>| match f {
+            Some(f) => Ok::<_, crate::Error>(s.unpack(f, g.len())?.get().clone()),
+            None => Ok(s.get().clone()),
+        };
+        let (gate, up, g) = (values(self, halves.a)?, values(up, halves.b)?, g.get());
         let (mut da, mut db) = (Vec::with_capacity(gate.len()), Vec::with_capacity(gate.len()));
         for i in 0..gate.len() {
             let s = sigmoid(gate[i]);

@@ -165,6 +165,14 @@ impl Operand {
             Operand::Half(p) => (p.words(), Some(p.format())),
         }
     }
+
+    /// How many values it holds.
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            Operand::Values(s) => s.len(),
+            Operand::Half(p) => p.len(),
+        }
+    }
 }
 
 /// The devices' products (see the module docs for the contract).

@@ -94,12 +94,10 @@ impl Packed {
         self.format
     }
     /// The number of values.
-    #[cfg(any(test, feature = "test-hooks"))]
     pub fn len(&self) -> usize {
         self.len
     }
     /// Whether there are no values.
-    #[cfg(any(test, feature = "test-hooks"))]
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
