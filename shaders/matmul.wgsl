@@ -21,16 +21,27 @@ struct MatmulParams {
     m: u32,
     k: u32,
     n: u32,
-    trans_a: u32,  // 1: A is stored (batch, k, m) (matmul_tiled reads TRANS_A)
-    trans_b: u32,  // 1: B is stored (batch, n, k) (matmul_tiled reads TRANS_B)
-    a_bs: u32,     // batch strides in elements (0 = broadcast)
-    b_bs: u32,
+    trans_a: u32,  // 1: A is stored (batch, k, m) (matmul_tiled stages by TRANS_A)
+    trans_b: u32,  // 1: B is stored (batch, n, k) (matmul_tiled stages by TRANS_B)
     fmt: u32,      // unused by the kernels (see FMT)
     batch0: u32,   // first batch of this dispatch (grids are split at 65535)
     p0: u32,       // this pass covers p in [p0, p1): see below
     p1: u32,
     last: u32,     // 1 on the pass that ends at k: it rounds and stores the result
     add: u32,      // 1: the last pass stores e + round(acc) (see e)
+    // Where each operand's matrices lie (MatmulDims::placements): matrix bi
+    // at (bi / heads) * bs + (bi % heads) * hs, its rows (as stored) ld
+    // elements apart. Dense: heads 1, bs the batch stride (0 = broadcast).
+    heads: u32,
+    a_bs: u32,
+    a_hs: u32,
+    a_ld: u32,
+    b_bs: u32,
+    b_hs: u32,
+    b_ld: u32,
+    c_bs: u32,
+    c_hs: u32,
+    c_ld: u32,
 }
 
 // Lavapipe (llvmpipe) silently stops a shader after 65,535 loop iterations, so
@@ -187,6 +198,41 @@ fn rnd(x: f32) -> f32 {
     return round_fmt(x, FMT);
 }
 
+// Where batch bi's matrices lie: A's element (i, p) at a_base + i * ia +
+// p * pa, B's (p, j) at b_base + p * pb + j * jb, C's (i, j) (and the addend's) at
+// c_base + i * prm.c_ld + j.
+struct Place {
+    a_base: u32,
+    b_base: u32,
+    c_base: u32,
+    ia: u32,
+    pa: u32,
+    pb: u32,
+    jb: u32,
+}
+
+fn place(bi: u32) -> Place {
+    let outer = bi / prm.heads;
+    let inner = bi % prm.heads;
+    var q: Place;
+    q.a_base = outer * prm.a_bs + inner * prm.a_hs;
+    q.b_base = outer * prm.b_bs + inner * prm.b_hs;
+    q.c_base = outer * prm.c_bs + inner * prm.c_hs;
+    q.ia = prm.a_ld;
+    q.pa = 1u;
+    if prm.trans_a != 0u {
+        q.ia = 1u;
+        q.pa = prm.a_ld;
+    }
+    q.pb = prm.b_ld;
+    q.jb = 1u;
+    if prm.trans_b != 0u {
+        q.pb = 1u;
+        q.jb = prm.b_ld;
+    }
+    return q;
+}
+
 const ROWS: u32 = 8u;
 const COLS: u32 = 8u;
 
@@ -201,22 +247,13 @@ fn matmul(@builtin(global_invocation_id) gid: vec3<u32>) {
     if i0 >= m || j0 >= n {
         return;
     }
-    let bi = prm.batch0 + gid.z;
-    let a_base = bi * prm.a_bs;
-    let b_base = bi * prm.b_bs;
-    // A's element (i, p) is at a_base + i * ia + p * pa; B's (p, j) at b_base + p * pb + j * jb.
-    var ia = k;
-    var pa = 1u;
-    if prm.trans_a != 0u {
-        ia = 1u;
-        pa = m;
-    }
-    var pb = n;
-    var jb = 1u;
-    if prm.trans_b != 0u {
-        pb = 1u;
-        jb = k;
-    }
+    let q = place(prm.batch0 + gid.z);
+    let a_base = q.a_base;
+    let b_base = q.b_base;
+    let ia = q.ia;
+    let pa = q.pa;
+    let pb = q.pb;
+    let jb = q.jb;
     // start offsets of the tile's rows of A and columns of B, clamped to the matrix (loads past the edge are dropped)
     let ar0 = a_base + min(i0 + 0u, m - 1u) * ia;
     let ar1 = a_base + min(i0 + 1u, m - 1u) * ia;
@@ -234,23 +271,24 @@ fn matmul(@builtin(global_invocation_id) gid: vec3<u32>) {
     let bc5 = b_base + min(j0 + 5u, n - 1u) * jb;
     let bc6 = b_base + min(j0 + 6u, n - 1u) * jb;
     let bc7 = b_base + min(j0 + 7u, n - 1u) * jb;
-    let out = bi * m * n;
-    var acc0_0 = load_lanes(out + min(i0 + 0u, m - 1u) * n, j0 + 0u, 1u);
-    var acc0_1 = load_lanes(out + min(i0 + 0u, m - 1u) * n, j0 + 4u, 1u);
-    var acc1_0 = load_lanes(out + min(i0 + 1u, m - 1u) * n, j0 + 0u, 1u);
-    var acc1_1 = load_lanes(out + min(i0 + 1u, m - 1u) * n, j0 + 4u, 1u);
-    var acc2_0 = load_lanes(out + min(i0 + 2u, m - 1u) * n, j0 + 0u, 1u);
-    var acc2_1 = load_lanes(out + min(i0 + 2u, m - 1u) * n, j0 + 4u, 1u);
-    var acc3_0 = load_lanes(out + min(i0 + 3u, m - 1u) * n, j0 + 0u, 1u);
-    var acc3_1 = load_lanes(out + min(i0 + 3u, m - 1u) * n, j0 + 4u, 1u);
-    var acc4_0 = load_lanes(out + min(i0 + 4u, m - 1u) * n, j0 + 0u, 1u);
-    var acc4_1 = load_lanes(out + min(i0 + 4u, m - 1u) * n, j0 + 4u, 1u);
-    var acc5_0 = load_lanes(out + min(i0 + 5u, m - 1u) * n, j0 + 0u, 1u);
-    var acc5_1 = load_lanes(out + min(i0 + 5u, m - 1u) * n, j0 + 4u, 1u);
-    var acc6_0 = load_lanes(out + min(i0 + 6u, m - 1u) * n, j0 + 0u, 1u);
-    var acc6_1 = load_lanes(out + min(i0 + 6u, m - 1u) * n, j0 + 4u, 1u);
-    var acc7_0 = load_lanes(out + min(i0 + 7u, m - 1u) * n, j0 + 0u, 1u);
-    var acc7_1 = load_lanes(out + min(i0 + 7u, m - 1u) * n, j0 + 4u, 1u);
+    let out = q.c_base;
+    let ldc = prm.c_ld;
+    var acc0_0 = load_lanes(out + min(i0 + 0u, m - 1u) * ldc, j0 + 0u, 1u);
+    var acc0_1 = load_lanes(out + min(i0 + 0u, m - 1u) * ldc, j0 + 4u, 1u);
+    var acc1_0 = load_lanes(out + min(i0 + 1u, m - 1u) * ldc, j0 + 0u, 1u);
+    var acc1_1 = load_lanes(out + min(i0 + 1u, m - 1u) * ldc, j0 + 4u, 1u);
+    var acc2_0 = load_lanes(out + min(i0 + 2u, m - 1u) * ldc, j0 + 0u, 1u);
+    var acc2_1 = load_lanes(out + min(i0 + 2u, m - 1u) * ldc, j0 + 4u, 1u);
+    var acc3_0 = load_lanes(out + min(i0 + 3u, m - 1u) * ldc, j0 + 0u, 1u);
+    var acc3_1 = load_lanes(out + min(i0 + 3u, m - 1u) * ldc, j0 + 4u, 1u);
+    var acc4_0 = load_lanes(out + min(i0 + 4u, m - 1u) * ldc, j0 + 0u, 1u);
+    var acc4_1 = load_lanes(out + min(i0 + 4u, m - 1u) * ldc, j0 + 4u, 1u);
+    var acc5_0 = load_lanes(out + min(i0 + 5u, m - 1u) * ldc, j0 + 0u, 1u);
+    var acc5_1 = load_lanes(out + min(i0 + 5u, m - 1u) * ldc, j0 + 4u, 1u);
+    var acc6_0 = load_lanes(out + min(i0 + 6u, m - 1u) * ldc, j0 + 0u, 1u);
+    var acc6_1 = load_lanes(out + min(i0 + 6u, m - 1u) * ldc, j0 + 4u, 1u);
+    var acc7_0 = load_lanes(out + min(i0 + 7u, m - 1u) * ldc, j0 + 0u, 1u);
+    var acc7_1 = load_lanes(out + min(i0 + 7u, m - 1u) * ldc, j0 + 4u, 1u);
     // The terms some row of the tile sums (CAUSAL 1 tiles wholly past the
     // diagonal sum none: all +0).
     var p_lo = prm.p0;
@@ -299,36 +337,36 @@ fn matmul(@builtin(global_invocation_id) gid: vec3<u32>) {
         }
     }
     if i0 + 0u < m {
-        store_lanes(out + (i0 + 0u) * n, i0 + 0u, j0 + 0u, 1u, acc0_0);
-        store_lanes(out + (i0 + 0u) * n, i0 + 0u, j0 + 4u, 1u, acc0_1);
+        store_lanes(out + (i0 + 0u) * ldc, i0 + 0u, j0 + 0u, 1u, acc0_0);
+        store_lanes(out + (i0 + 0u) * ldc, i0 + 0u, j0 + 4u, 1u, acc0_1);
     }
     if i0 + 1u < m {
-        store_lanes(out + (i0 + 1u) * n, i0 + 1u, j0 + 0u, 1u, acc1_0);
-        store_lanes(out + (i0 + 1u) * n, i0 + 1u, j0 + 4u, 1u, acc1_1);
+        store_lanes(out + (i0 + 1u) * ldc, i0 + 1u, j0 + 0u, 1u, acc1_0);
+        store_lanes(out + (i0 + 1u) * ldc, i0 + 1u, j0 + 4u, 1u, acc1_1);
     }
     if i0 + 2u < m {
-        store_lanes(out + (i0 + 2u) * n, i0 + 2u, j0 + 0u, 1u, acc2_0);
-        store_lanes(out + (i0 + 2u) * n, i0 + 2u, j0 + 4u, 1u, acc2_1);
+        store_lanes(out + (i0 + 2u) * ldc, i0 + 2u, j0 + 0u, 1u, acc2_0);
+        store_lanes(out + (i0 + 2u) * ldc, i0 + 2u, j0 + 4u, 1u, acc2_1);
     }
     if i0 + 3u < m {
-        store_lanes(out + (i0 + 3u) * n, i0 + 3u, j0 + 0u, 1u, acc3_0);
-        store_lanes(out + (i0 + 3u) * n, i0 + 3u, j0 + 4u, 1u, acc3_1);
+        store_lanes(out + (i0 + 3u) * ldc, i0 + 3u, j0 + 0u, 1u, acc3_0);
+        store_lanes(out + (i0 + 3u) * ldc, i0 + 3u, j0 + 4u, 1u, acc3_1);
     }
     if i0 + 4u < m {
-        store_lanes(out + (i0 + 4u) * n, i0 + 4u, j0 + 0u, 1u, acc4_0);
-        store_lanes(out + (i0 + 4u) * n, i0 + 4u, j0 + 4u, 1u, acc4_1);
+        store_lanes(out + (i0 + 4u) * ldc, i0 + 4u, j0 + 0u, 1u, acc4_0);
+        store_lanes(out + (i0 + 4u) * ldc, i0 + 4u, j0 + 4u, 1u, acc4_1);
     }
     if i0 + 5u < m {
-        store_lanes(out + (i0 + 5u) * n, i0 + 5u, j0 + 0u, 1u, acc5_0);
-        store_lanes(out + (i0 + 5u) * n, i0 + 5u, j0 + 4u, 1u, acc5_1);
+        store_lanes(out + (i0 + 5u) * ldc, i0 + 5u, j0 + 0u, 1u, acc5_0);
+        store_lanes(out + (i0 + 5u) * ldc, i0 + 5u, j0 + 4u, 1u, acc5_1);
     }
     if i0 + 6u < m {
-        store_lanes(out + (i0 + 6u) * n, i0 + 6u, j0 + 0u, 1u, acc6_0);
-        store_lanes(out + (i0 + 6u) * n, i0 + 6u, j0 + 4u, 1u, acc6_1);
+        store_lanes(out + (i0 + 6u) * ldc, i0 + 6u, j0 + 0u, 1u, acc6_0);
+        store_lanes(out + (i0 + 6u) * ldc, i0 + 6u, j0 + 4u, 1u, acc6_1);
     }
     if i0 + 7u < m {
-        store_lanes(out + (i0 + 7u) * n, i0 + 7u, j0 + 0u, 1u, acc7_0);
-        store_lanes(out + (i0 + 7u) * n, i0 + 7u, j0 + 4u, 1u, acc7_1);
+        store_lanes(out + (i0 + 7u) * ldc, i0 + 7u, j0 + 0u, 1u, acc7_0);
+        store_lanes(out + (i0 + 7u) * ldc, i0 + 7u, j0 + 4u, 1u, acc7_1);
     }
 }
 
@@ -413,31 +451,18 @@ fn matmul_tiled(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_
     // everything the loops and barriers depend on is uniform over the workgroup
     let i0 = wg.y * TILE_MN;
     let j0 = wg.x * TILE_MN;
-    let bi = prm.batch0 + wg.z;
-    let a_base = bi * prm.a_bs;
-    let b_base = bi * prm.b_bs;
-    var ia = k;
-    var pa = 1u;
-    if TRANS_A {
-        ia = 1u;
-        pa = m;
-    }
-    var pb = n;
-    var jb = 1u;
-    if TRANS_B {
-        pb = 1u;
-        jb = k;
-    }
-    let g = Tiling(m, k, n, i0, j0, a_base, b_base, ia, pa, pb, jb);
+    let q = place(prm.batch0 + wg.z);
+    let g = Tiling(m, k, n, i0, j0, q.a_base, q.b_base, q.ia, q.pa, q.pb, q.jb);
     let lane = lid.y * 16u + lid.x;
     // this invocation's rows (y + 16 r) and first column (x) in the block
     let r0 = i0 + lid.y;
     let jx = j0 + lid.x;
-    let out = bi * m * n;
-    var acc0 = load_lanes(out + min(r0, m - 1u) * n, jx, 16u);
-    var acc1 = load_lanes(out + min(r0 + 16u, m - 1u) * n, jx, 16u);
-    var acc2 = load_lanes(out + min(r0 + 32u, m - 1u) * n, jx, 16u);
-    var acc3 = load_lanes(out + min(r0 + 48u, m - 1u) * n, jx, 16u);
+    let out = q.c_base;
+    let ldc = prm.c_ld;
+    var acc0 = load_lanes(out + min(r0, m - 1u) * ldc, jx, 16u);
+    var acc1 = load_lanes(out + min(r0 + 16u, m - 1u) * ldc, jx, 16u);
+    var acc2 = load_lanes(out + min(r0 + 32u, m - 1u) * ldc, jx, 16u);
+    var acc3 = load_lanes(out + min(r0 + 48u, m - 1u) * ldc, jx, 16u);
     // The terms some row of the block sums (see matmul).
     var p_lo = prm.p0;
     var p_hi = prm.p1;
@@ -474,15 +499,15 @@ fn matmul_tiled(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_
         }
     }
     if r0 < m {
-        store_lanes(out + r0 * n, r0, jx, 16u, acc0);
+        store_lanes(out + r0 * ldc, r0, jx, 16u, acc0);
     }
     if r0 + 16u < m {
-        store_lanes(out + (r0 + 16u) * n, r0 + 16u, jx, 16u, acc1);
+        store_lanes(out + (r0 + 16u) * ldc, r0 + 16u, jx, 16u, acc1);
     }
     if r0 + 32u < m {
-        store_lanes(out + (r0 + 32u) * n, r0 + 32u, jx, 16u, acc2);
+        store_lanes(out + (r0 + 32u) * ldc, r0 + 32u, jx, 16u, acc2);
     }
     if r0 + 48u < m {
-        store_lanes(out + (r0 + 48u) * n, r0 + 48u, jx, 16u, acc3);
+        store_lanes(out + (r0 + 48u) * ldc, r0 + 48u, jx, 16u, acc3);
     }
 }

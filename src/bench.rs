@@ -141,6 +141,7 @@ impl MatmulCase {
                 a_batch_stride: m * k,
                 b_batch_stride: k * n,
                 causal: Default::default(),
+                tokens: Default::default(),
             },
         }
     }

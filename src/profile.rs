@@ -719,6 +719,7 @@ mod tests {
             a_batch_stride: m * k,
             b_batch_stride: k * n,
             causal: Causal::No,
+            tokens: Default::default(),
         };
         let (a, b) = (values(3 * 5), values(5 * 4));
         let (a2, b2) = (values(2 * 2 * 7), values(2 * 7 * 6));

@@ -153,6 +153,7 @@ fn matmul_tiled_edges() {
             a_batch_stride: m * k,
             b_batch_stride: k * n,
             causal,
+            tokens: Default::default(),
         };
         let (ca, ga) = pair(&a);
         let (cb, gb) = pair(&b);
@@ -280,6 +281,7 @@ fn matmul_fma_is_fused() {
         a_batch_stride: 0,
         b_batch_stride: 0,
         causal: Default::default(),
+        tokens: Default::default(),
     };
     let (ac, ag) = pair(&a);
     let (bc, bg) = pair(&b);
@@ -314,6 +316,7 @@ fn fused_multiply_add_triples_are_mul_add() {
         a_batch_stride: 2,
         b_batch_stride: 2,
         causal: Default::default(),
+        tokens: Default::default(),
     };
     let c = vals(&cpu(&a).matmul(&cpu(&b), dims, None).unwrap());
     assert_bits("fma triples: cpu vs mul_add", &want, &c, &[]);

@@ -1307,6 +1307,7 @@ device_test!(products_read_16_bit_operands_as_their_values, |dev| {
                     a_batch_stride: m * k,
                     b_batch_stride: k * n,
                     causal: Causal::No,
+                    tokens: Default::default(),
                 };
                 let (sa, sb) = (
                     Storage::from_f32(a.clone(), dev)?,

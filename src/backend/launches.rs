@@ -40,6 +40,7 @@ fn product(batch: usize, m: usize, k: usize, n: usize, causal: Causal) -> Matmul
         a_batch_stride: m * k,
         b_batch_stride: k * n,
         causal,
+        tokens: Default::default(),
     }
 }
 

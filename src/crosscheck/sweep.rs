@@ -22,7 +22,7 @@ use crate::backend::attention::Attention;
 use crate::backend::round::{Format, Fp8};
 use crate::backend::{
     AdamWConsts, BinaryLayout, BinaryOp, Causal, Device, MatmulDims, Operand, ReduceOp, Storage,
-    UnaryOp,
+    TokenMajor, UnaryOp,
 };
 use crate::crosscheck::cases::{adversarial, diff, specials, Rng};
 use crate::Result;
@@ -789,6 +789,7 @@ fn dims(
         a_batch_stride: a_bs,
         b_batch_stride: b_bs,
         causal,
+        tokens: Default::default(),
     }
 }
 
@@ -863,6 +864,7 @@ fn matmul(sw: &mut Sweep) -> Result<()> {
     matmul_causal(sw)?;
     matmul_half(sw)?;
     matmul_added(sw)?;
+    matmul_tokens(sw)?;
     matmul_bits(sw)?;
     matmul_known(sw)
 }
@@ -943,6 +945,162 @@ fn matmul_half(sw: &mut Sweep) -> Result<()> {
                 }
             }
         }
+    }
+    Ok(())
+}
+
+/// Products over token-major operands (attention's `v`, `y` and their
+/// gradients, read and written in place: [`TokenMajor`]): every layout, each
+/// operand and the output token-major alone and together, f32 and bf16,
+/// 16-bit operands, an addend, and attention's three masked products.
+fn matmul_tokens(sw: &mut Sweep) -> Result<()> {
+    let mut rng = Rng(0x70ce);
+    // no huge finite values (see matmul_half)
+    let sp = [f32::INFINITY, f32::NEG_INFINITY, f32::NAN, 0.0, -0.0, 1e-40];
+    let marks = [
+        [true, false, false],
+        [false, true, false],
+        [false, false, true],
+        [false, true, true],
+        [true, true, false],
+        [true, true, true],
+    ];
+    let mut case = |sw: &mut Sweep,
+                    (seqs, h): (usize, usize),
+                    (m, k, n): (usize, usize, usize),
+                    d: MatmulDims,
+                    halves: [Option<Format>; 2],
+                    round: Option<Format>,
+                    added: bool|
+     -> Result<()> {
+        let batch = seqs * h;
+        let mut a: Vec<f32> = (0..batch * m * k).map(|_| rng.moderate()).collect();
+        let b: Vec<f32> = (0..batch * k * n).map(|_| rng.moderate()).collect();
+        let e: Vec<f32> = (0..batch * m * n).map(|_| rng.moderate()).collect();
+        for (i, v) in a.iter_mut().enumerate() {
+            if i % 11 == 4 {
+                *v = sp[i % sp.len()];
+            }
+        }
+        let half = |f: Option<Format>| f.map_or(String::new(), |f| format!(", {f} storage"));
+        let what = format!(
+            "{}{}{}{}",
+            if added { "e + " } else { "" },
+            d.describe(round),
+            half(halves[0]).replace("storage", "A"),
+            half(halves[1]).replace("storage", "B")
+        );
+        let variant = format!("{} token-major", round.map_or("f32", Format::name));
+        sw.check("matmul", &variant, what, &[], |dev| {
+            let (x, y) = (operand(&a, halves[0], dev)?, operand(&b, halves[1], dev)?);
+            match added {
+                true => x.matmul_add(&y, d, round, &up(&e, dev)?),
+                false => x.matmul(&y, d, round),
+            }?
+            .to_vec_f32()
+        })
+    };
+    let place = |d: MatmulDims, h: usize, [a, b, c]: [bool; 3]| MatmulDims {
+        tokens: TokenMajor { heads: h, a, b, c },
+        ..d
+    };
+    for (seqs, h, (m, k, n)) in [(1, 2, (5, 3, 4)), (2, 3, (7, 4, 9)), (2, 2, (33, 9, 70))] {
+        let batch = seqs * h;
+        for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+            for mark in marks {
+                for round in [None, Some(Format::Bf16)] {
+                    let d = dims(batch, m, k, n, ta, tb, m * k, k * n, Causal::No);
+                    case(
+                        sw,
+                        (seqs, h),
+                        (m, k, n),
+                        place(d, h, mark),
+                        [None; 2],
+                        round,
+                        false,
+                    )?;
+                }
+            }
+        }
+    }
+    // attention's products as the batched composition asks for them: y = p v,
+    // dv = pᵀ dy, dp = dy vᵀ (v in 16 bits, as autograd keeps it)
+    for (seqs, h, t, w) in [(2, 3, 19, 4), (1, 2, 70, 8)] {
+        let batch = seqs * h;
+        for fmt in [None, Some(Format::Bf16)] {
+            let up_to = dims(
+                batch,
+                t,
+                t,
+                w,
+                false,
+                false,
+                t * t,
+                t * w,
+                Causal::TermsUpToRow,
+            );
+            let from = dims(
+                batch,
+                t,
+                t,
+                w,
+                true,
+                false,
+                t * t,
+                t * w,
+                Causal::TermsFromRow,
+            );
+            let outputs = dims(batch, t, w, t, false, true, t * w, w * t, Causal::Outputs);
+            case(
+                sw,
+                (seqs, h),
+                (t, t, w),
+                place(up_to, h, [false, true, true]),
+                [None, fmt],
+                fmt,
+                false,
+            )?;
+            case(
+                sw,
+                (seqs, h),
+                (t, t, w),
+                place(from, h, [false, true, true]),
+                [None, None],
+                fmt,
+                false,
+            )?;
+            case(
+                sw,
+                (seqs, h),
+                (t, w, t),
+                place(outputs, h, [true, true, false]),
+                [None, fmt],
+                fmt,
+                false,
+            )?;
+        }
+    }
+    // an addend laid out as the token-major output
+    for round in [None, Some(Format::Bf16)] {
+        let d = dims(6, 7, 5, 9, false, false, 35, 45, Causal::No);
+        case(
+            sw,
+            (2, 3),
+            (7, 5, 9),
+            place(d, 3, [true, false, true]),
+            [None; 2],
+            round,
+            true,
+        )?;
+        case(
+            sw,
+            (2, 3),
+            (7, 5, 9),
+            place(d, 3, [false, true, false]),
+            [None; 2],
+            round,
+            true,
+        )?;
     }
     Ok(())
 }

@@ -50,8 +50,8 @@ impl Tensor {
     /// output token-major, as projections write and read them: `q = self, k:
     /// (B, H, T, D)`, `v: (B, T, H, D) -> (B, T, H, D)`. Bit for bit
     /// `q.causal_attention(k, &v.permute(&[0, 2, 1, 3])?, scale)?.permute(&[0,
-    /// 2, 1, 3])`; the CPU's per-head schedule reads `v` and writes `y` (and
-    /// their gradients) in place of those permutes.
+    /// 2, 1, 3])`; every device reads `v` and writes `y` (and their
+    /// gradients) in place of those permutes.
     pub fn causal_attention_tokens(&self, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
         let q = self;
         let qs = q.shape();

@@ -72,6 +72,7 @@ pub(crate) fn product(
         a_batch_stride: m * k,
         b_batch_stride: b_stride,
         causal: Default::default(),
+        tokens: Default::default(),
     };
     let s = match addend {
         Some(e) => a.op.matmul_add(&b.op, dims, round, e)?,

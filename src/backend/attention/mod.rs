@@ -16,7 +16,9 @@
 //! backward. Heads share
 //! nothing, so the order they run in changes no bit. Token-major values
 //! ([`Attention::tokens`]) are the same computation on `v` permuted to
-//! head-major, `y` and the gradients permuted back.
+//! head-major, `y` and the gradients permuted back; the batched composition
+//! has its products read and write them in place
+//! ([`TokenMajor`](crate::backend::TokenMajor)) instead.
 //!
 //! Attention is one primitive per direction ([`AttentionOps`]), dispatched
 //! like every other, so a running [trace](crate::trace) records one entry on
@@ -42,7 +44,7 @@ use crate::backend::pack::PackOps;
 use crate::backend::reduce::ReduceOps;
 use crate::backend::round::Format;
 use crate::backend::primitive;
-use crate::backend::{Causal, MatmulDims, Operand, Storage, UnaryOp};
+use crate::backend::{Causal, MatmulDims, Operand, Storage, TokenMajor, UnaryOp};
 use crate::Result;
 
 /// Attention over `heads` heads of `(t, d)` queries, keys and values.
@@ -93,6 +95,7 @@ impl Attention {
             a_batch_stride: m * k,
             b_batch_stride: k * n,
             causal,
+            tokens: Default::default(),
         }
     }
 
@@ -182,36 +185,20 @@ pub mod batched {
         }
     }
 
-    /// Token-major `(B, T, h, D)` as head-major `(B, h, T, D)`, or back
-    /// (`to_tokens`): a strided copy. A 16-bit copy is widened as it is read
-    /// (its words pair neighbouring values), which changes no value a product
-    /// reads.
-    fn permuted<S: Device>(a: &Attention, x: Arg<S>, to_tokens: bool) -> Result<(S, Option<Format>)> {
-        let h = a.tokens.expect("token-major");
-        let (b, t, d) = (a.heads / h.max(1), a.t, a.d);
-        // strides of the source, per axis of the output
-        let (shape, strides) = match to_tokens {
-            false => ([b, h, t, d], [t * h * d, d, h * d, 1]),
-            true => ([b, t, h, d], [h * t * d, d, t * d, 1]),
+    /// `dims` with the operands and output marked `[a, b, c]` read and
+    /// written token-major where [`Attention::tokens`] lays `v`, `y` and
+    /// their gradients out so: the products read them in place.
+    fn tokens(a: &Attention, dims: MatmulDims, [ta, tb, tc]: [bool; 3]) -> MatmulDims {
+        let tokens = match a.tokens {
+            Some(h) => TokenMajor {
+                heads: h,
+                a: ta,
+                b: tb,
+                c: tc,
+            },
+            None => TokenMajor::NONE,
         };
-        let y = match x.1 {
-            Some(fmt) => x.0.unpack_strided(fmt, &shape, &strides, 0)?,
-            None => x.0.strided_copy(&shape, &strides, 0)?,
-        };
-        Ok((y, None))
-    }
-
-    /// `v` head-major.
-    fn values<S: Device>(a: &Attention, v: Arg<S>) -> Result<Option<(S, Option<Format>)>> {
-        a.tokens.map(|_| permuted(a, v, false)).transpose()
-    }
-
-    /// A head-major result laid out as `v`.
-    fn laid_out<S: Device>(a: &Attention, x: S) -> Result<S> {
-        match a.tokens {
-            Some(_) => Ok(permuted(a, (&x, None), true)?.0),
-            None => Ok(x),
-        }
+        MatmulDims { tokens, ..dims }
     }
 
     /// `p (heads, T, T)`: the causal softmax of `q kᵀ`, on and below the
@@ -231,33 +218,32 @@ pub mod batched {
     pub fn forward<S: Device>(a: &Attention, q: Arg<S>, k: Arg<S>, v: Arg<S>) -> Result<S> {
         let (t, d) = (a.t, a.d);
         let (p, pf) = probs(a, q, k)?;
-        let vh = values(a, v)?;
-        let v = vh.as_ref().map_or(v, |(x, f)| (x, *f));
-        let y = product(a, (&p, pf), v, a.dims((t, t, d), false, false, Causal::TermsUpToRow))?;
-        laid_out(a, y)
+        // y (token-major as v) = p v
+        let dims = tokens(a, a.dims((t, t, d), false, false, Causal::TermsUpToRow), [false, true, true]);
+        product(a, (&p, pf), v, dims)
     }
 
     /// `[dq, dk, dv]`.
     pub fn backward<S: Device>(a: &Attention, q: Arg<S>, k: Arg<S>, v: Arg<S>, g: &S) -> Result<[S; 3]> {
         let (t, d) = (a.t, a.d);
         let (p, pf) = probs(a, q, k)?;
-        let (vh, gh) = (values(a, v)?, values(a, (g, None))?);
-        let v = vh.as_ref().map_or(v, |(x, f)| (x, *f));
-        let g = gh.as_ref().map_or((g, None), |(x, f)| (x, *f));
-        // dv = pᵀ dy: key row j sums queries i ≥ j
-        let dv = product(a, (&p, pf), g, a.dims((t, t, d), true, false, Causal::TermsFromRow))?;
+        let g = (g, None);
+        // dv = pᵀ dy: key row j sums queries i ≥ j (dy and dv token-major as v)
+        let dims = tokens(a, a.dims((t, t, d), true, false, Causal::TermsFromRow), [false, true, true]);
+        let dv = product(a, (&p, pf), g, dims)?;
         // the softmax backward reads p's values
         let p = match pf {
             Some(f) => p.unpack(f, a.heads * t * t)?,
             None => p,
         };
         // dp = dy vᵀ on and below the diagonal; ds = softmax backward · scale
-        let dp = stored(a, product(a, g, v, a.dims((t, d, t), false, true, Causal::Outputs))?)?;
+        let dims = tokens(a, a.dims((t, d, t), false, true, Causal::Outputs), [true, true, false]);
+        let dp = stored(a, product(a, g, v, dims)?)?;
         let ds = p.softmax_rows_backward(&dp, a.heads * t, t, a.scale)?;
         drop((dp, p));
         // dq = ds k: row i sums keys j ≤ i; dk = dsᵀ q: key row j sums queries i ≥ j
         let dq = scores_product(a, (&ds, None), k, a.dims((t, t, d), false, false, Causal::TermsUpToRow))?;
         let dk = scores_product(a, (&ds, None), q, a.dims((t, t, d), true, false, Causal::TermsFromRow))?;
-        Ok([dq, dk, laid_out(a, dv)?])
+        Ok([dq, dk, dv])
     }
 }

@@ -372,6 +372,7 @@ mod tests {
                     a_batch_stride: 0,
                     b_batch_stride: 0,
                     causal: Default::default(),
+                    tokens: Default::default(),
                 };
                 out.push(bits(&a.matmul(&b, d, round).unwrap()));
             }

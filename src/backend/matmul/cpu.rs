@@ -15,6 +15,9 @@ use std::mem::MaybeUninit;
 
 impl MatmulOps for CpuStorage {
     fn matmul(&self, rhs: &CpuStorage, d: MatmulDims, halves: Halves, round: Option<Format>) -> Result<CpuStorage> {
+        if d.tokens.any() {
+            return super::over_head_major(self, rhs, d, halves, round, None);
+        }
         Ok(self.product(rhs, d, halves, round, None))
     }
     fn matmul_add(
@@ -25,6 +28,9 @@ impl MatmulOps for CpuStorage {
         round: Option<Format>,
         addend: &CpuStorage,
     ) -> Result<CpuStorage> {
+        if d.tokens.any() {
+            return super::over_head_major(self, rhs, d, halves, round, Some(addend));
+        }
         Ok(self.product(rhs, d, halves, round, Some(addend)))
     }
 }
@@ -1249,6 +1255,7 @@ mod tests {
             a_batch_stride: m * k,
             b_batch_stride: k * n,
             causal,
+            tokens: Default::default(),
         }
     }
 
@@ -1318,6 +1325,7 @@ mod tests {
             a_batch_stride: m * k,
             b_batch_stride: k * n,
             causal: Default::default(),
+            tokens: Default::default(),
         };
         let operands: Vec<(Vec<f32>, Vec<f32>)> = (0..4u32)
             .map(|s| {

@@ -21,14 +21,22 @@ gpu_params! {
         n: u32,
         trans_a: u32,
         trans_b: u32,
-        a_bs: u32,
-        b_bs: u32,
         fmt: u32,
         batch0: u32,
         p0: u32,
         p1: u32,
         last: u32,
         add: u32,
+        heads: u32,
+        a_bs: u32,
+        a_hs: u32,
+        a_ld: u32,
+        b_bs: u32,
+        b_hs: u32,
+        b_ld: u32,
+        c_bs: u32,
+        c_hs: u32,
+        c_ld: u32,
     }
 }
 
@@ -118,6 +126,7 @@ impl GpuStorage {
         }
         // binding 4 is read only with `add`; A stands in for it otherwise
         let e = addend.unwrap_or(self);
+        let [pa, pb, pc] = d.placements();
         let mut b0 = 0usize;
         while b0 < d.batch {
             let nb = (d.batch - b0).min(65535);
@@ -131,14 +140,22 @@ impl GpuStorage {
                     n: u32_of(d.n, "n")?,
                     trans_a: d.trans_a as u32,
                     trans_b: d.trans_b as u32,
-                    a_bs: u32_of(d.a_batch_stride, "batch stride")?,
-                    b_bs: u32_of(d.b_batch_stride, "batch stride")?,
                     fmt: fmt_code(round),
                     batch0: b0 as u32,
                     p0: p0 as u32,
                     p1: p1 as u32,
                     last: (p1 == d.k) as u32,
                     add: addend.is_some() as u32,
+                    heads: u32_of(d.heads(), "heads")?,
+                    a_bs: u32_of(pa.outer, "batch stride")?,
+                    a_hs: u32_of(pa.inner, "head stride")?,
+                    a_ld: u32_of(pa.row, "row stride")?,
+                    b_bs: u32_of(pb.outer, "batch stride")?,
+                    b_hs: u32_of(pb.inner, "head stride")?,
+                    b_ld: u32_of(pb.row, "row stride")?,
+                    c_bs: u32_of(pc.outer, "batch stride")?,
+                    c_hs: u32_of(pc.inner, "head stride")?,
+                    c_ld: u32_of(pc.row, "row stride")?,
                 };
                 c.dispatch(
                     &kernel,

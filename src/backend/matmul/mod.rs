@@ -26,8 +26,11 @@ pub(crate) mod cpu;
 pub(crate) mod gpu;
 mod spec;
 
-use super::pack::Packed;
+use super::copy::CopyOps;
+use super::elementwise::{BinaryOp, ElementwiseOps};
+use super::pack::{PackOps, Packed};
 use super::round::Format;
+use super::BinaryLayout;
 use super::primitive;
 use super::Storage;
 use crate::{bail, Result};
@@ -35,6 +38,8 @@ use crate::{bail, Result};
 /// A batched matmul `C[b] = op(A[b]) @ op(B[b])`, `op(A)` of shape (m, k),
 /// `op(B)` of shape (k, n). `trans_a` means A is stored (k, m); `trans_b`, B
 /// stored (n, k). A batch stride of 0 broadcasts one matrix over the batch.
+/// C's matrices are dense, one after another, unless `tokens` places them
+/// (and A's or B's) otherwise.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MatmulDims {
     pub batch: usize,
@@ -46,9 +51,102 @@ pub struct MatmulDims {
     pub a_batch_stride: usize,
     pub b_batch_stride: usize,
     pub causal: Causal,
+    pub tokens: TokenMajor,
+}
+
+/// Token-major operands: attention's per-head products over the layout the
+/// projections write and read. With `heads = h > 0`, matrix `bi = b·h + hh`
+/// of an operand marked here lies in a `(B, R, h, S)` buffer (`R × S` the
+/// matrix as stored) at `b·R·h·S + hh·S`, its rows `h·S` apart, instead of
+/// at its batch stride with rows `S` apart. Where values lie changes no bit:
+/// every output is still its one ascending chain.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TokenMajor {
+    pub heads: usize,
+    pub a: bool,
+    pub b: bool,
+    pub c: bool,
+}
+
+impl TokenMajor {
+    /// No token-major operand.
+    pub const NONE: TokenMajor = TokenMajor {
+        heads: 0,
+        a: false,
+        b: false,
+        c: false,
+    };
+    pub(crate) fn any(&self) -> bool {
+        self.a || self.b || self.c
+    }
+}
+
+/// Where an operand's matrices lie in its buffer: matrix `bi` at
+/// `(bi / heads)·outer + (bi % heads)·inner` ([`MatmulDims::heads`]), its
+/// rows `row` elements apart.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Placement {
+    pub outer: usize,
+    pub inner: usize,
+    pub row: usize,
+}
+
+impl Placement {
+    /// The first element of matrix `bi`.
+    pub fn start(&self, bi: usize, heads: usize) -> usize {
+        (bi / heads) * self.outer + (bi % heads) * self.inner
+    }
 }
 
 impl MatmulDims {
+    /// The ways the batch splits for [`placements`](Self::placements): the
+    /// heads with token-major operands, 1 without.
+    pub fn heads(&self) -> usize {
+        self.tokens.heads.max(1)
+    }
+
+    /// Where A's, B's and C's matrices lie.
+    pub fn placements(&self) -> [Placement; 3] {
+        let h = self.heads();
+        let (m, k, n) = (self.m, self.k, self.n);
+        // each as stored: (rows, columns), batch stride, token-major
+        let a = (if self.trans_a { (k, m) } else { (m, k) }, self.a_batch_stride, self.tokens.a);
+        let b = (if self.trans_b { (n, k) } else { (k, n) }, self.b_batch_stride, self.tokens.b);
+        let c = ((m, n), m * n, self.tokens.c);
+        [a, b, c].map(|((r, s), stride, tokens)| match tokens {
+            true => Placement {
+                outer: r * h * s,
+                inner: s,
+                row: h * s,
+            },
+            false => Placement {
+                outer: stride * h,
+                inner: stride,
+                row: s,
+            },
+        })
+    }
+
+    /// The same product over head-major copies of its token-major operands.
+    fn head_major(&self) -> MatmulDims {
+        let t = self.tokens;
+        MatmulDims {
+            a_batch_stride: if t.a { self.m * self.k } else { self.a_batch_stride },
+            b_batch_stride: if t.b { self.k * self.n } else { self.b_batch_stride },
+            tokens: TokenMajor::NONE,
+            ..*self
+        }
+    }
+
+    /// An error unless `tokens` describes a split of the batch.
+    fn check_tokens(&self) -> Result<()> {
+        let t = self.tokens;
+        if t.any() && (t.heads == 0 || self.batch % t.heads != 0) {
+            bail!(Shape, "matmul: token-major operands need heads dividing the batch ({} into {})", self.batch, t.heads);
+        }
+        Ok(())
+    }
+
     /// The product's row in the profile: its shape and the multiply-adds
     /// actually done.
     pub(crate) fn profiled(&self) -> crate::profile::Product {
@@ -67,12 +165,17 @@ impl MatmulDims {
     /// (batch strides 561, 595)`: what a report or a trace shows.
     pub fn describe(&self, round: Option<Format>) -> String {
         let t = |on: bool| if on { "ᵀ" } else { "" };
+        let tag = |on: bool, name: &'static str| if on { name } else { "" };
         let causal = match self.causal {
             Causal::No => String::new(),
             c => format!(" causal {c:?}"),
         };
+        let tokens = match self.tokens {
+            t if t.any() => format!(" token-major{}{}{} of {} heads", tag(t.a, " A"), tag(t.b, " B"), tag(t.c, " C"), t.heads),
+            _ => String::new(),
+        };
         format!(
-            "{}× ({}×{}){}·({}×{}){} {}{causal} (batch strides {}, {})",
+            "{}× ({}×{}){}·({}×{}){} {}{causal} (batch strides {}, {}){tokens}",
             self.batch,
             self.m,
             self.k,
@@ -175,6 +278,58 @@ impl Operand {
     }
 }
 
+/// A product with token-major operands over head-major copies: each marked
+/// operand copied head-major (a 16-bit one widened as it is read, which
+/// changes no value the product reads), the dense product, its output copied
+/// back token-major and the addend added (`e + c`, the sum the fused store
+/// forms). The CPU's way: its attention, which reads token-major values in
+/// place, never asks for it.
+pub(crate) fn over_head_major<S>(a: &S, b: &S, d: MatmulDims, halves: Halves, round: Option<Format>, addend: Option<&S>) -> Result<S>
+where
+    S: MatmulOps + CopyOps + PackOps + ElementwiseOps,
+{
+    let (h, t) = (d.tokens.heads, d.tokens);
+    let seqs = d.batch / h;
+    // (B, R, h, S) read as (B, h, R, S)
+    let gather = |x: &S, half: Option<Format>, (r, s): (usize, usize)| -> Result<S> {
+        let (shape, strides) = ([seqs, h, r, s], [r * h * s, s, h * s, 1]);
+        match half {
+            Some(f) => x.unpack_strided(f, &shape, &strides, 0),
+            None => x.strided_copy(&shape, &strides, 0),
+        }
+    };
+    let (m, k, n) = (d.m, d.k, d.n);
+    let stored_a = if d.trans_a { (k, m) } else { (m, k) };
+    let stored_b = if d.trans_b { (n, k) } else { (k, n) };
+    let a_copy = t.a.then(|| gather(a, halves.a, stored_a)).transpose()?;
+    let b_copy = t.b.then(|| gather(b, halves.b, stored_b)).transpose()?;
+    let (a, ha) = a_copy.as_ref().map_or((a, halves.a), |x| (x, None));
+    let (b, hb) = b_copy.as_ref().map_or((b, halves.b), |x| (x, None));
+    let (dense, halves) = (d.head_major(), Halves { a: ha, b: hb });
+    if !t.c {
+        return match addend {
+            Some(e) => a.matmul_add(b, dense, halves, round, e),
+            None => a.matmul(b, dense, halves, round),
+        };
+    }
+    // (B, h, m, n) laid out as (B, m, h, n)
+    let c = a
+        .matmul(b, dense, halves, round)?
+        .strided_copy(&[seqs, m, h, n], &[h * m * n, n, m * n, 1], 0)?;
+    match addend {
+        Some(e) => {
+            let len = vec![d.batch * m * n];
+            let layout = BinaryLayout {
+                shape: len,
+                lhs_strides: vec![1],
+                rhs_strides: vec![1],
+            };
+            e.binary(&c, BinaryOp::Add, &layout)
+        }
+        None => Ok(c),
+    }
+}
+
 /// The devices' products (see the module docs for the contract).
 pub trait MatmulOps: Sized {
     fn matmul(&self, rhs: &Self, d: MatmulDims, halves: Halves, round: Option<Format>) -> Result<Self>;
@@ -194,6 +349,7 @@ impl Storage {
 impl Operand {
     /// The contract's matmul; `self` is A, `rhs` is B.
     pub fn matmul(&self, rhs: &Operand, dims: MatmulDims, round: Option<Format>) -> Result<Storage> {
+        dims.check_tokens()?;
         let ((a, ha), (b, hb)) = (self.parts(), rhs.parts());
         let halves = Halves { a: ha, b: hb };
         let scope = crate::profile::product_scope(dims.profiled());
@@ -217,6 +373,7 @@ impl Operand {
         if dims.causal != Causal::No || addend.len() != len {
             bail!(Shape, "matmul_add: an addend of {} values for {len} outputs ({:?})", addend.len(), dims.causal);
         }
+        dims.check_tokens()?;
         let ((a, ha), (b, hb)) = (self.parts(), rhs.parts());
         let halves = Halves { a: ha, b: hb };
         let scope = crate::profile::product_scope(dims.profiled());

@@ -25,9 +25,10 @@ impl MatmulOps for SpecStorage {
     fn matmul(&self, rhs: &SpecStorage, d: MatmulDims, halves: Halves, round: Option<Format>) -> Result<SpecStorage> {
         let (a, b) = (self.get(), rhs.get());
         let (m, k, n) = (d.m, d.k, d.n);
-        let mut c = Vec::with_capacity(d.batch * m * n);
+        let ([pa, pb, pc], h) = (d.placements(), d.heads());
+        let mut c = vec![0.0f32; d.batch * m * n];
         for batch in 0..d.batch {
-            let (a0, b0) = (batch * d.a_batch_stride, batch * d.b_batch_stride);
+            let (a0, b0, c0) = (pa.start(batch, h), pb.start(batch, h), pc.start(batch, h));
             for i in 0..m {
                 for j in 0..n {
                     let mut acc = 0.0f32;
@@ -35,14 +36,14 @@ impl MatmulOps for SpecStorage {
                         if !d.causal.includes(i, j, p) {
                             continue;
                         }
-                        let ea = a0 + if d.trans_a { p * m + i } else { i * k + p };
-                        let eb = b0 + if d.trans_b { j * k + p } else { p * n + j };
+                        let ea = a0 + if d.trans_a { p * pa.row + i } else { i * pa.row + p };
+                        let eb = b0 + if d.trans_b { j * pb.row + p } else { p * pb.row + j };
                         acc = fma(read(&a, halves.a, ea, round), read(&b, halves.b, eb, round), acc);
                     }
-                    c.push(match round {
+                    c[c0 + i * pc.row + j] = match round {
                         Some(fmt) => round_f32(acc, fmt),
                         None => acc,
-                    });
+                    };
                 }
             }
         }
