@@ -141,7 +141,7 @@ impl MatmulDims {
     /// An error unless `tokens` describes a split of the batch.
     fn check_tokens(&self) -> Result<()> {
         let t = self.tokens;
-        if t.any() && (t.heads == 0 || self.batch % t.heads != 0) {
+        if t.any() && (t.heads == 0 || !self.batch.is_multiple_of(t.heads)) {
             bail!(Shape, "matmul: token-major operands need heads dividing the batch ({} into {})", self.batch, t.heads);
         }
         Ok(())
