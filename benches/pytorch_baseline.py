@@ -16,6 +16,7 @@ Optional: needs Python with torch and transformers (never run by CI):
     ~/venv-torch/bin/python benches/pytorch_baseline.py --preset small --steps 8
     ~/venv-torch/bin/python benches/pytorch_baseline.py --recipe c1     # + tinyllm's bf16 C1 recipe
     ~/venv-torch/bin/python benches/pytorch_baseline.py --rounds 4      # alternating pairs, and their median ratio
+    ~/venv-torch/bin/python benches/pytorch_baseline.py --recipe c1 --torch-bf16   # + PyTorch's own bf16 autocast
 
 tokens/s is the median over steps 2..N (step 1 warms caches and allocators).
 """
@@ -85,6 +86,9 @@ def main():
                     help="tinyllm's recipe: fp32 (--fp32 --no-checkpoint-activations --accum 1) or c1 (--bf16 --accum 4 "
                          "--checkpoint-activations, same tokens per micro-batch)")
     ap.add_argument("--binary", default=str(REPO / "target" / "release" / "tinyllm"))
+    ap.add_argument("--torch-bf16", action="store_true",
+                    help="also time PyTorch under its own bf16 autocast (the figure a user "
+                         "would compare against; not bitwise, and free to use the CPU's AMX)")
     a = ap.parse_args()
     import torch
     import transformers
@@ -102,9 +106,13 @@ def main():
                                        pathlib.Path(tmp) / "run")
             theirs = torch_run(config, a.micro_batch, a.steps, bf16=False)
             ratios.append(ours / theirs)
+            bf16 = ""
+            if a.torch_bf16:
+                autocast = torch_run(config, a.micro_batch, a.steps, bf16=True)
+                bf16 = f"; PyTorch bf16 autocast {autocast:,.0f} tokens/s"
             print(f"round {r + 1}: {a.preset} micro-batch {a.micro_batch}, tinyllm {a.recipe} "
                   f"{ours:,.0f} tokens/s, PyTorch fp32 {theirs:,.0f} tokens/s: "
-                  f"{ours / theirs:.2f}x", flush=True)
+                  f"{ours / theirs:.2f}x{bf16}", flush=True)
     if len(ratios) > 1:
         # PyTorch's figure moves by a third between neighbouring runs on a
         # shared VM: one round says little, the median of several more.
