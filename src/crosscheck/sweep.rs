@@ -1051,33 +1051,21 @@ fn matmul_tokens(sw: &mut Sweep) -> Result<()> {
                 Causal::TermsFromRow,
             );
             let outputs = dims(batch, t, w, t, false, true, t * w, w * t, Causal::Outputs);
-            case(
-                sw,
-                (seqs, h),
-                (t, t, w),
-                place(up_to, h, [false, true, true]),
-                [None, fmt],
-                fmt,
-                false,
-            )?;
-            case(
-                sw,
-                (seqs, h),
-                (t, t, w),
-                place(from, h, [false, true, true]),
-                [None, None],
-                fmt,
-                false,
-            )?;
-            case(
-                sw,
-                (seqs, h),
-                (t, w, t),
-                place(outputs, h, [true, true, false]),
-                [None, fmt],
-                fmt,
-                false,
-            )?;
+            for (d, mkn, mark, half_b) in [
+                (up_to, (t, t, w), [false, true, true], fmt),
+                (from, (t, t, w), [false, true, true], None),
+                (outputs, (t, w, t), [true, true, false], fmt),
+            ] {
+                case(
+                    sw,
+                    (seqs, h),
+                    mkn,
+                    place(d, h, mark),
+                    [None, half_b],
+                    fmt,
+                    false,
+                )?;
+            }
         }
     }
     // an addend laid out as the token-major output
