@@ -196,7 +196,7 @@ pub mod batched {
                 b: tb,
                 c: tc,
             },
-            None => TokenMajor::NONE,
+            None => TokenMajor::default(),
         };
         MatmulDims { tokens, ..dims }
     }

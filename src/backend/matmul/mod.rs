@@ -54,7 +54,7 @@ pub struct MatmulDims {
     pub tokens: TokenMajor,
 }
 
-/// Token-major operands: attention's per-head products over the layout the
+/// Token-major operands (none by default): attention's per-head products over the layout the
 /// projections write and read. With `heads = h > 0`, matrix `bi = b·h + hh`
 /// of an operand marked here lies in a `(B, R, h, S)` buffer (`R × S` the
 /// matrix as stored) at `b·R·h·S + hh·S`, its rows `h·S` apart, instead of
@@ -69,13 +69,6 @@ pub struct TokenMajor {
 }
 
 impl TokenMajor {
-    /// No token-major operand.
-    pub const NONE: TokenMajor = TokenMajor {
-        heads: 0,
-        a: false,
-        b: false,
-        c: false,
-    };
     pub(crate) fn any(&self) -> bool {
         self.a || self.b || self.c
     }
@@ -133,7 +126,7 @@ impl MatmulDims {
         MatmulDims {
             a_batch_stride: if t.a { self.m * self.k } else { self.a_batch_stride },
             b_batch_stride: if t.b { self.k * self.n } else { self.b_batch_stride },
-            tokens: TokenMajor::NONE,
+            tokens: TokenMajor::default(),
             ..*self
         }
     }
