@@ -109,24 +109,64 @@ fn kept(i: u32, p: u32) -> bool {
     return true;
 }
 
-// With rounded operands (FMT != none) the product of two bf16 values (8+8
-// significant bits) or two fp16 values (11+11 bits, exponents >= 2^-48) is
-// exact in f32, so `a * b + acc` rounds once whether or not the device fuses:
-// the device's own `fma` is then bit-exact even where it is not fused
-// (lavapipe), and much faster than the integer emulation `fma_c` may be.
-fn fma_k(x: f32, y: f32, acc: f32) -> f32 {
-    if FMT != 0u {
-        return fma(x, y, acc);
-    }
-    return fma_c(x, y, acc);
-}
+// With rounded operands (FMT != none) the product of two fp16 values (11+11
+// significant bits, magnitudes between 2^-48 and 2^32) is exact in f32, and
+// so is the product of two bf16 values (8+8 bits) whose exact value lies in
+// f32's normal range: then `a * b + acc` rounds once whether or not the device
+// fuses, and the device's own `fma` is bit-exact even where it is not fused
+// (lavapipe), and much faster than the integer emulation `fma_c` may be. A
+// bf16 product past f32's largest value or below 2^-126 is not exact, so where
+// the device's `fma` is not fused (GUARD) the kernels track the magnitudes of
+// the operands they read (`Span`) and, if some product may leave the range,
+// run the whole chain again with `fma_c`.
+override GUARD: bool = !NATIVE_FMA && FMT == FMT_BF16;
 
 fn fma4(x: f32, y: vec4<f32>, acc: vec4<f32>) -> vec4<f32> {
     if FMT != 0u {
         return fma(vec4<f32>(x), y, acc);
     }
+    return fma4_c(x, y, acc);
+}
+
+fn fma4_c(x: f32, y: vec4<f32>, acc: vec4<f32>) -> vec4<f32> {
     return vec4<f32>(fma_c(x, y.x, acc.x), fma_c(x, y.y, acc.y),
                      fma_c(x, y.z, acc.z), fma_c(x, y.w, acc.w));
+}
+
+// The magnitudes of the values seen, four running extremes a lane: `hi` the
+// largest one's bits shifted left by one (the sign dropped, so the integers
+// order as the magnitudes do), `lo` one less than the smallest nonzero one's
+// (a zero wraps to 0xffffffff and never wins). Integer steps only, so a device
+// that flushes subnormals sees them too.
+struct Span {
+    hi: vec4<u32>,
+    lo: vec4<u32>,
+}
+
+fn no_span() -> Span {
+    return Span(vec4<u32>(0u), vec4<u32>(0xffffffffu));
+}
+
+fn span_add(s: Span, v: vec4<f32>) -> Span {
+    let u = bitcast<vec4<u32>>(v) << vec4<u32>(1u);
+    return Span(max(s.hi, u), min(s.lo, u - vec4<u32>(1u)));
+}
+
+// The biased exponents of the largest and of the smallest nonzero magnitude
+// (255 when every value was zero).
+fn span_exponents(s: Span) -> vec2<u32> {
+    let hi = max(max(s.hi.x, s.hi.y), max(s.hi.z, s.hi.w));
+    let lo = min(min(s.lo.x, s.lo.y), min(s.lo.z, s.lo.w));
+    return vec2<u32>(hi >> 24u, select((lo + 1u) >> 24u, 255u, lo == 0xffffffffu));
+}
+
+// Whether every product of a bf16 value with magnitude exponents `ea` (largest,
+// smallest nonzero) and one with `eb` is exact in f32: no subnormal operand, and
+// every exact product, between 2^(e_a + e_b - 254) and 2^(e_a + e_b - 252), in
+// f32's normal range (16 significant bits fit there). Zeros multiply exactly
+// and are left out; an infinity's or NaN's products are exact either way.
+fn exact_products(ea: vec2<u32>, eb: vec2<u32>) -> bool {
+    return ea.y >= 1u && eb.y >= 1u && ea.y + eb.y >= 128u && ea.x + eb.x <= 380u;
 }
 
 // Stores the columns j, j + s, j + 2s, j + 3s of output row i (at offset
@@ -302,72 +342,109 @@ fn matmul(@builtin(global_invocation_id) gid: vec3<u32>) {
     if CAUSAL == 3u {
         p_lo = max(p_lo, i0);
     }
+    var sa = no_span();
+    var sb = no_span();
     var pa_off = p_lo * pa;
     var pb_off = p_lo * pb;
     for (var p = p_lo; p < p_hi; p++) {
-        {
-            let b0 = vec4<f32>(rnd(load_b(bc0 + pb_off)), rnd(load_b(bc1 + pb_off)), rnd(load_b(bc2 + pb_off)), rnd(load_b(bc3 + pb_off)));
-            let b1 = vec4<f32>(rnd(load_b(bc4 + pb_off)), rnd(load_b(bc5 + pb_off)), rnd(load_b(bc6 + pb_off)), rnd(load_b(bc7 + pb_off)));
-            let a0 = rnd(load_a(ar0 + pa_off));
-            let a1 = rnd(load_a(ar1 + pa_off));
-            let a2 = rnd(load_a(ar2 + pa_off));
-            let a3 = rnd(load_a(ar3 + pa_off));
-            let a4 = rnd(load_a(ar4 + pa_off));
-            let a5 = rnd(load_a(ar5 + pa_off));
-            let a6 = rnd(load_a(ar6 + pa_off));
-            let a7 = rnd(load_a(ar7 + pa_off));
-            acc0_0 = select(acc0_0, fma4(a0, b0, acc0_0), kept(i0 + 0u, p));
-            acc0_1 = select(acc0_1, fma4(a0, b1, acc0_1), kept(i0 + 0u, p));
-            acc1_0 = select(acc1_0, fma4(a1, b0, acc1_0), kept(i0 + 1u, p));
-            acc1_1 = select(acc1_1, fma4(a1, b1, acc1_1), kept(i0 + 1u, p));
-            acc2_0 = select(acc2_0, fma4(a2, b0, acc2_0), kept(i0 + 2u, p));
-            acc2_1 = select(acc2_1, fma4(a2, b1, acc2_1), kept(i0 + 2u, p));
-            acc3_0 = select(acc3_0, fma4(a3, b0, acc3_0), kept(i0 + 3u, p));
-            acc3_1 = select(acc3_1, fma4(a3, b1, acc3_1), kept(i0 + 3u, p));
-            acc4_0 = select(acc4_0, fma4(a4, b0, acc4_0), kept(i0 + 4u, p));
-            acc4_1 = select(acc4_1, fma4(a4, b1, acc4_1), kept(i0 + 4u, p));
-            acc5_0 = select(acc5_0, fma4(a5, b0, acc5_0), kept(i0 + 5u, p));
-            acc5_1 = select(acc5_1, fma4(a5, b1, acc5_1), kept(i0 + 5u, p));
-            acc6_0 = select(acc6_0, fma4(a6, b0, acc6_0), kept(i0 + 6u, p));
-            acc6_1 = select(acc6_1, fma4(a6, b1, acc6_1), kept(i0 + 6u, p));
-            acc7_0 = select(acc7_0, fma4(a7, b0, acc7_0), kept(i0 + 7u, p));
-            acc7_1 = select(acc7_1, fma4(a7, b1, acc7_1), kept(i0 + 7u, p));
-            pa_off += pa;
-            pb_off += pb;
+        let b0 = vec4<f32>(rnd(load_b(bc0 + pb_off)), rnd(load_b(bc1 + pb_off)), rnd(load_b(bc2 + pb_off)), rnd(load_b(bc3 + pb_off)));
+        let b1 = vec4<f32>(rnd(load_b(bc4 + pb_off)), rnd(load_b(bc5 + pb_off)), rnd(load_b(bc6 + pb_off)), rnd(load_b(bc7 + pb_off)));
+        let a0 = rnd(load_a(ar0 + pa_off));
+        let a1 = rnd(load_a(ar1 + pa_off));
+        let a2 = rnd(load_a(ar2 + pa_off));
+        let a3 = rnd(load_a(ar3 + pa_off));
+        let a4 = rnd(load_a(ar4 + pa_off));
+        let a5 = rnd(load_a(ar5 + pa_off));
+        let a6 = rnd(load_a(ar6 + pa_off));
+        let a7 = rnd(load_a(ar7 + pa_off));
+        if GUARD {
+            sa = span_add(sa, vec4<f32>(a0, a1, a2, a3));
+            sa = span_add(sa, vec4<f32>(a4, a5, a6, a7));
+            sb = span_add(sb, b0);
+            sb = span_add(sb, b1);
+        }
+        acc0_0 = select(acc0_0, fma4(a0, b0, acc0_0), kept(i0 + 0u, p));
+        acc0_1 = select(acc0_1, fma4(a0, b1, acc0_1), kept(i0 + 0u, p));
+        acc1_0 = select(acc1_0, fma4(a1, b0, acc1_0), kept(i0 + 1u, p));
+        acc1_1 = select(acc1_1, fma4(a1, b1, acc1_1), kept(i0 + 1u, p));
+        acc2_0 = select(acc2_0, fma4(a2, b0, acc2_0), kept(i0 + 2u, p));
+        acc2_1 = select(acc2_1, fma4(a2, b1, acc2_1), kept(i0 + 2u, p));
+        acc3_0 = select(acc3_0, fma4(a3, b0, acc3_0), kept(i0 + 3u, p));
+        acc3_1 = select(acc3_1, fma4(a3, b1, acc3_1), kept(i0 + 3u, p));
+        acc4_0 = select(acc4_0, fma4(a4, b0, acc4_0), kept(i0 + 4u, p));
+        acc4_1 = select(acc4_1, fma4(a4, b1, acc4_1), kept(i0 + 4u, p));
+        acc5_0 = select(acc5_0, fma4(a5, b0, acc5_0), kept(i0 + 5u, p));
+        acc5_1 = select(acc5_1, fma4(a5, b1, acc5_1), kept(i0 + 5u, p));
+        acc6_0 = select(acc6_0, fma4(a6, b0, acc6_0), kept(i0 + 6u, p));
+        acc6_1 = select(acc6_1, fma4(a6, b1, acc6_1), kept(i0 + 6u, p));
+        acc7_0 = select(acc7_0, fma4(a7, b0, acc7_0), kept(i0 + 7u, p));
+        acc7_1 = select(acc7_1, fma4(a7, b1, acc7_1), kept(i0 + 7u, p));
+        pa_off += pa;
+        pb_off += pb;
+    }
+    // Where some product may not have been exact, each row's chains again
+    // with fma_c, from the running sums in memory: a loop no lane enters
+    // costs nothing, where a branch's both sides may run. A guarded pass is at
+    // most GUARD_PASS terms (the launcher's), so these loops and the one above
+    // stay under lavapipe's iteration cap together.
+    var redo = false;
+    if GUARD {
+        redo = !exact_products(span_exponents(sa), span_exponents(sb));
+        for (var r = select(ROWS, 0u, redo); r < min(ROWS, m - i0); r++) {
+            let i = i0 + r;
+            let row = out + i * ldc;
+            var s0 = load_lanes(row, j0, 1u);
+            var s1 = load_lanes(row, j0 + 4u, 1u);
+            var pa_at = a_base + i * ia + p_lo * pa;
+            var pb_at = p_lo * pb;
+            for (var p = p_lo; p < p_hi; p++) {
+                let x = rnd(load_a(pa_at));
+                let y0 = vec4<f32>(rnd(load_b(bc0 + pb_at)), rnd(load_b(bc1 + pb_at)), rnd(load_b(bc2 + pb_at)), rnd(load_b(bc3 + pb_at)));
+                let y1 = vec4<f32>(rnd(load_b(bc4 + pb_at)), rnd(load_b(bc5 + pb_at)), rnd(load_b(bc6 + pb_at)), rnd(load_b(bc7 + pb_at)));
+                s0 = select(s0, fma4_c(x, y0, s0), kept(i, p));
+                s1 = select(s1, fma4_c(x, y1, s1), kept(i, p));
+                pa_at += pa;
+                pb_at += pb;
+            }
+            store_lanes(row, i, j0, 1u, s0);
+            store_lanes(row, i, j0 + 4u, 1u, s1);
         }
     }
-    if i0 + 0u < m {
-        store_lanes(out + (i0 + 0u) * ldc, i0 + 0u, j0 + 0u, 1u, acc0_0);
-        store_lanes(out + (i0 + 0u) * ldc, i0 + 0u, j0 + 4u, 1u, acc0_1);
+    if !redo {
+        if i0 + 0u < m {
+            store_lanes(out + (i0 + 0u) * ldc, i0 + 0u, j0 + 0u, 1u, acc0_0);
+            store_lanes(out + (i0 + 0u) * ldc, i0 + 0u, j0 + 4u, 1u, acc0_1);
+        }
+        if i0 + 1u < m {
+            store_lanes(out + (i0 + 1u) * ldc, i0 + 1u, j0 + 0u, 1u, acc1_0);
+            store_lanes(out + (i0 + 1u) * ldc, i0 + 1u, j0 + 4u, 1u, acc1_1);
+        }
+        if i0 + 2u < m {
+            store_lanes(out + (i0 + 2u) * ldc, i0 + 2u, j0 + 0u, 1u, acc2_0);
+            store_lanes(out + (i0 + 2u) * ldc, i0 + 2u, j0 + 4u, 1u, acc2_1);
+        }
+        if i0 + 3u < m {
+            store_lanes(out + (i0 + 3u) * ldc, i0 + 3u, j0 + 0u, 1u, acc3_0);
+            store_lanes(out + (i0 + 3u) * ldc, i0 + 3u, j0 + 4u, 1u, acc3_1);
+        }
+        if i0 + 4u < m {
+            store_lanes(out + (i0 + 4u) * ldc, i0 + 4u, j0 + 0u, 1u, acc4_0);
+            store_lanes(out + (i0 + 4u) * ldc, i0 + 4u, j0 + 4u, 1u, acc4_1);
+        }
+        if i0 + 5u < m {
+            store_lanes(out + (i0 + 5u) * ldc, i0 + 5u, j0 + 0u, 1u, acc5_0);
+            store_lanes(out + (i0 + 5u) * ldc, i0 + 5u, j0 + 4u, 1u, acc5_1);
+        }
+        if i0 + 6u < m {
+            store_lanes(out + (i0 + 6u) * ldc, i0 + 6u, j0 + 0u, 1u, acc6_0);
+            store_lanes(out + (i0 + 6u) * ldc, i0 + 6u, j0 + 4u, 1u, acc6_1);
+        }
+        if i0 + 7u < m {
+            store_lanes(out + (i0 + 7u) * ldc, i0 + 7u, j0 + 0u, 1u, acc7_0);
+            store_lanes(out + (i0 + 7u) * ldc, i0 + 7u, j0 + 4u, 1u, acc7_1);
+        
     }
-    if i0 + 1u < m {
-        store_lanes(out + (i0 + 1u) * ldc, i0 + 1u, j0 + 0u, 1u, acc1_0);
-        store_lanes(out + (i0 + 1u) * ldc, i0 + 1u, j0 + 4u, 1u, acc1_1);
-    }
-    if i0 + 2u < m {
-        store_lanes(out + (i0 + 2u) * ldc, i0 + 2u, j0 + 0u, 1u, acc2_0);
-        store_lanes(out + (i0 + 2u) * ldc, i0 + 2u, j0 + 4u, 1u, acc2_1);
-    }
-    if i0 + 3u < m {
-        store_lanes(out + (i0 + 3u) * ldc, i0 + 3u, j0 + 0u, 1u, acc3_0);
-        store_lanes(out + (i0 + 3u) * ldc, i0 + 3u, j0 + 4u, 1u, acc3_1);
-    }
-    if i0 + 4u < m {
-        store_lanes(out + (i0 + 4u) * ldc, i0 + 4u, j0 + 0u, 1u, acc4_0);
-        store_lanes(out + (i0 + 4u) * ldc, i0 + 4u, j0 + 4u, 1u, acc4_1);
-    }
-    if i0 + 5u < m {
-        store_lanes(out + (i0 + 5u) * ldc, i0 + 5u, j0 + 0u, 1u, acc5_0);
-        store_lanes(out + (i0 + 5u) * ldc, i0 + 5u, j0 + 4u, 1u, acc5_1);
-    }
-    if i0 + 6u < m {
-        store_lanes(out + (i0 + 6u) * ldc, i0 + 6u, j0 + 0u, 1u, acc6_0);
-        store_lanes(out + (i0 + 6u) * ldc, i0 + 6u, j0 + 4u, 1u, acc6_1);
-    }
-    if i0 + 7u < m {
-        store_lanes(out + (i0 + 7u) * ldc, i0 + 7u, j0 + 0u, 1u, acc7_0);
-        store_lanes(out + (i0 + 7u) * ldc, i0 + 7u, j0 + 4u, 1u, acc7_1);
-    }
+}
 }
 
 // ---------------------------------------------------------------------------
@@ -398,6 +475,9 @@ const PITCH: u32 = 65u;
 // matrix (and terms past k) hold clamped in-range values, never used.
 var<workgroup> tile_a: array<f32, 1040>;
 var<workgroup> tile_b: array<f32, 1040>;
+// GUARD: the workgroup's operand magnitude exponents (A's largest, 255 - A's
+// smallest nonzero, B's the same).
+var<workgroup> wg_exponents: array<atomic<u32>, 4>;
 
 
 
@@ -420,8 +500,8 @@ struct Tiling {
 
 // Stages value e (0..1024) of the A and of the B tile that start at term t0,
 // rounded: consecutive lanes read consecutive addresses of whichever layout
-// each operand has.
-fn stage(g: Tiling, t0: u32, e: u32) {
+// each operand has. Returns the two values staged.
+fn stage(g: Tiling, t0: u32, e: u32) -> vec2<f32> {
     // A: along p when p is A's contiguous axis, else along i
     var ra = e / TILE_K;
     var ka = e % TILE_K;
@@ -429,8 +509,8 @@ fn stage(g: Tiling, t0: u32, e: u32) {
         ra = e % TILE_MN;
         ka = e / TILE_MN;
     }
-    tile_a[ka * PITCH + ra] =
-        rnd(load_a(g.a_base + min(g.i0 + ra, g.m - 1u) * g.ia + min(t0 + ka, g.k - 1u) * g.pa));
+    let va = rnd(load_a(g.a_base + min(g.i0 + ra, g.m - 1u) * g.ia + min(t0 + ka, g.k - 1u) * g.pa));
+    tile_a[ka * PITCH + ra] = va;
     // B: along j when j is B's contiguous axis, else along p
     var cb = e % TILE_MN;
     var kb = e / TILE_MN;
@@ -438,8 +518,9 @@ fn stage(g: Tiling, t0: u32, e: u32) {
         cb = e / TILE_K;
         kb = e % TILE_K;
     }
-    tile_b[kb * PITCH + cb] =
-        rnd(load_b(g.b_base + min(t0 + kb, g.k - 1u) * g.pb + min(g.j0 + cb, g.n - 1u) * g.jb));
+    let vb = rnd(load_b(g.b_base + min(t0 + kb, g.k - 1u) * g.pb + min(g.j0 + cb, g.n - 1u) * g.jb));
+    tile_b[kb * PITCH + cb] = vb;
+    return vec2<f32>(va, vb);
 }
 
 // grid: (ceil(n / 64), ceil(m / 64), batches); workgroup 16x16 invocations of 4x4 outputs.
@@ -476,15 +557,21 @@ fn matmul_tiled(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_
         p_lo = max(p_lo, i0);
     }
     p_hi = max(p_hi, p_lo);
+    var sa = no_span();
+    var sb = no_span();
     for (var t0 = p_lo; t0 < p_hi; t0 += TILE_K) {
         // the previous tile is consumed before it is overwritten
         workgroupBarrier();
         // 1,024 values of each operand, 4 per lane (no loop: the load count
         // per tile is fixed, and tests count it)
-        stage(g, t0, lane);
-        stage(g, t0, lane + 256u);
-        stage(g, t0, lane + 512u);
-        stage(g, t0, lane + 768u);
+        let v0 = stage(g, t0, lane);
+        let v1 = stage(g, t0, lane + 256u);
+        let v2 = stage(g, t0, lane + 512u);
+        let v3 = stage(g, t0, lane + 768u);
+        if GUARD {
+            sa = span_add(sa, vec4<f32>(v0.x, v1.x, v2.x, v3.x));
+            sb = span_add(sb, vec4<f32>(v0.y, v1.y, v2.y, v3.y));
+        }
         workgroupBarrier();
         let steps = min(TILE_K, p_hi - t0);
         for (var kk = 0u; kk < steps; kk++) {
@@ -498,16 +585,50 @@ fn matmul_tiled(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_
             acc3 = select(acc3, fma4(tile_a[at + lid.y + 48u], bv, acc3), kept(r0 + 48u, p));
         }
     }
-    if r0 < m {
-        store_lanes(out + r0 * ldc, r0, jx, 16u, acc0);
+    // As in `matmul`, each row's chains again with fma_c where some product
+    // may not have been exact. Every lane multiplied values other lanes
+    // staged, so the workgroup's extremes decide.
+    var redo = false;
+    if GUARD {
+        let ea = span_exponents(sa);
+        let eb = span_exponents(sb);
+        atomicMax(&wg_exponents[0], ea.x);
+        atomicMax(&wg_exponents[1], 255u - ea.y);
+        atomicMax(&wg_exponents[2], eb.x);
+        atomicMax(&wg_exponents[3], 255u - eb.y);
+        workgroupBarrier();
+        let wa = vec2<u32>(atomicLoad(&wg_exponents[0]), 255u - atomicLoad(&wg_exponents[1]));
+        let wb = vec2<u32>(atomicLoad(&wg_exponents[2]), 255u - atomicLoad(&wg_exponents[3]));
+        redo = !exact_products(wa, wb);
+        let cols = vec4<u32>(jx, jx + 16u, jx + 32u, jx + 48u);
+        let bc = g.b_base + min(cols, vec4<u32>(n - 1u)) * g.jb;
+        for (var r = select(4u, 0u, redo); r < 4u; r++) {
+            let i = r0 + 16u * r;
+            if i < m {
+                let row = out + i * ldc;
+                var s = load_lanes(row, jx, 16u);
+                for (var p = p_lo; p < p_hi; p++) {
+                    let x = rnd(load_a(g.a_base + i * g.ia + p * g.pa));
+                    let y = vec4<f32>(rnd(load_b(bc.x + p * g.pb)), rnd(load_b(bc.y + p * g.pb)),
+                                      rnd(load_b(bc.z + p * g.pb)), rnd(load_b(bc.w + p * g.pb)));
+                    s = select(s, fma4_c(x, y, s), kept(i, p));
+                }
+                store_lanes(row, i, jx, 16u, s);
+            }
+        }
     }
-    if r0 + 16u < m {
-        store_lanes(out + (r0 + 16u) * ldc, r0 + 16u, jx, 16u, acc1);
-    }
-    if r0 + 32u < m {
-        store_lanes(out + (r0 + 32u) * ldc, r0 + 32u, jx, 16u, acc2);
-    }
-    if r0 + 48u < m {
-        store_lanes(out + (r0 + 48u) * ldc, r0 + 48u, jx, 16u, acc3);
+    if !redo {
+        if r0 < m {
+            store_lanes(out + r0 * ldc, r0, jx, 16u, acc0);
+        }
+        if r0 + 16u < m {
+            store_lanes(out + (r0 + 16u) * ldc, r0 + 16u, jx, 16u, acc1);
+        }
+        if r0 + 32u < m {
+            store_lanes(out + (r0 + 32u) * ldc, r0 + 32u, jx, 16u, acc2);
+        }
+        if r0 + 48u < m {
+            store_lanes(out + (r0 + 48u) * ldc, r0 + 48u, jx, 16u, acc3);
+        }
     }
 }

@@ -45,12 +45,10 @@ impl Default for Options {
 pub struct Verdict {
     /// True when nothing differs: no probe finding with status
     /// [`Differs`](probe::Status::Differs), no sweep row with differing values
-    /// (other than known device differences) and no lockstep divergence.
+    /// and no lockstep divergence.
     pub bit_identical: bool,
     /// What differs (each line names the part, the primitive or step, and how).
     pub differences: Vec<String>,
-    /// Device differences the probe explains, reported and not counted.
-    pub known_differences: Vec<String>,
 }
 
 /// Everything the command found.
@@ -139,7 +137,6 @@ pub fn run(o: &Options, progress: &mut dyn FnMut(&str)) -> Result<Report> {
 
 fn verdict(probe: &Probe, sweep: Option<&[Row]>, steps: &[Lockstep]) -> Verdict {
     let mut differences = Vec::new();
-    let mut known = Vec::new();
     for f in probe.differing() {
         differences.push(format!("probe {}: {}", f.check, f.consequence));
     }
@@ -161,21 +158,7 @@ fn verdict(probe: &Probe, sweep: Option<&[Row]>, steps: &[Lockstep]) -> Verdict 
             r.cases - r.identical,
             r.cases
         );
-        match &r.known {
-            Some(why) => known.push(format!("{line} (known: {why})")),
-            None => differences.push(line),
-        }
-    }
-    for f in &probe.findings {
-        if let Some(k) = &f.known_difference {
-            // a known row that differed is listed above already
-            let why = match sweep {
-                None => "not swept",
-                Some(s) if s.iter().any(|r| r.known.is_some() && !r.bit_identical()) => continue,
-                Some(_) => "none did in the sweep",
-            };
-            known.push(format!("probe {}: {k} can differ ({why})", f.check));
-        }
+        differences.push(line);
     }
     for l in steps {
         if let Some(d) = &l.divergence {
@@ -192,7 +175,6 @@ fn verdict(probe: &Probe, sweep: Option<&[Row]>, steps: &[Lockstep]) -> Verdict 
     Verdict {
         bit_identical: differences.is_empty(),
         differences,
-        known_differences: known,
     }
 }
 
@@ -306,18 +288,13 @@ impl Report {
                     };
                     let _ = writeln!(
                         s,
-                        "{:<52} {:>6} {:>9} {:>9} {:>9} {:>8}{}",
+                        "{:<52} {:>6} {:>9} {:>9} {:>9} {:>8}",
                         r.label(),
                         r.cases,
                         r.identical,
                         r.values,
                         r.differing,
                         ulp,
-                        if r.known.is_some() {
-                            "  (known device difference)"
-                        } else {
-                            ""
-                        }
                     );
                     if let Some(m) = &r.first {
                         let inputs = if m.inputs.is_empty() {
@@ -368,21 +345,13 @@ impl Report {
         if v.bit_identical {
             let _ = writeln!(
                 s,
-                "verdict: BIT-IDENTICAL: every check gave the reference's bits{}",
-                if v.known_differences.is_empty() {
-                    String::new()
-                } else {
-                    " (known device differences, explained by the probe, listed below)".to_string()
-                }
+                "verdict: BIT-IDENTICAL: every check gave the reference's bits"
             );
         } else {
             let _ = writeln!(s, "verdict: DIFFERS: {} finding(s)", v.differences.len());
             for d in &v.differences {
                 let _ = writeln!(s, "  - {d}");
             }
-        }
-        for k in &v.known_differences {
-            let _ = writeln!(s, "  known: {k}");
         }
         s
     }

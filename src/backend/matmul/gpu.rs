@@ -1,6 +1,6 @@
 //! The GPU launcher of the matmul (`matmul.wgsl`): one pipeline per (variant,
 //! format, mask, 16-bit operands, and transposes for the tiled one), a grid of 64×64-output
-//! workgroups, batches past 65535 and `k` past [`LOOP_PASS`] split into
+//! workgroups, batches past 65535 and `k` past [`LOOP_PASS`] (or [`GUARD_PASS`]) split into
 //! dispatches. The variant ([`Kernels`]) is `matmul` (register tiles, no
 //! barriers: lavapipe) or `matmul_tiled` (operand tiles in workgroup memory:
 //! hardware); both have the same grid and the same bits.
@@ -54,6 +54,14 @@ pub const FAMILY: Family = Family {
 const MATMUL_COLS: usize = 64;
 /// Output rows of one matmul workgroup (8 invocations of `ROWS`, or `TILE_MN`).
 const MATMUL_ROWS: usize = 64;
+
+/// Longest pass of a guarded product (bf16 operands on a device whose `fma`
+/// is not fused: `GUARD` in matmul.wgsl). Where a chain may have left f32's
+/// normal range the kernel runs the pass again, a row at a time (8 rows):
+/// with the first run, 9 loops of at most this many steps, which stay under
+/// lavapipe's 65,535 iterations. The capstone's longest `k` (a micro-batch's
+/// 4,096 tokens) is still one pass.
+pub const GUARD_PASS: usize = 4096;
 
 /// The entry point of `variant`.
 pub fn matmul_entry(variant: Kernels) -> &'static str {
@@ -127,13 +135,18 @@ impl GpuStorage {
         // binding 4 is read only with `add`; A stands in for it otherwise
         let e = addend.unwrap_or(self);
         let [pa, pb, pc] = d.placements();
+        let pass = if !c.native_fma && round == Some(Format::Bf16) {
+            GUARD_PASS
+        } else {
+            LOOP_PASS
+        };
         let mut b0 = 0usize;
         while b0 < d.batch {
             let nb = (d.batch - b0).min(65535);
-            // k in passes of at most LOOP_PASS steps (see matmul.wgsl); at least one.
+            // k in passes of at most `pass` steps (see matmul.wgsl); at least one.
             let mut p0 = 0usize;
             loop {
-                let p1 = (p0 + LOOP_PASS).min(d.k);
+                let p1 = (p0 + pass).min(d.k);
                 let prm = MatmulParams {
                     m: u32_of(d.m, "m")?,
                     k: u32_of(d.k, "k")?,
