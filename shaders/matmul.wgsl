@@ -442,9 +442,8 @@ fn matmul(@builtin(global_invocation_id) gid: vec3<u32>) {
         if i0 + 7u < m {
             store_lanes(out + (i0 + 7u) * ldc, i0 + 7u, j0 + 0u, 1u, acc7_0);
             store_lanes(out + (i0 + 7u) * ldc, i0 + 7u, j0 + 4u, 1u, acc7_1);
-        
+        }
     }
-}
 }
 
 // ---------------------------------------------------------------------------

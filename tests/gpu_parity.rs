@@ -185,18 +185,7 @@ fn matmul_tiled_edges() {
     // gives NaN, unless the guard sends the chain to fma_c.
     let (ca, ga) = pair(&[f32::NEG_INFINITY, 1.5 * 2f32.powi(127)]);
     let (cb, gb) = pair(&[1.0, 2.0]);
-    let d = MatmulDims {
-        batch: 1,
-        m: 1,
-        k: 2,
-        n: 1,
-        trans_a: false,
-        trans_b: false,
-        a_batch_stride: 2,
-        b_batch_stride: 2,
-        causal: Causal::No,
-        tokens: Default::default(),
-    };
+    let d = pair_products(1);
     let round = Some(Format::Bf16);
     let want = vals(&ca.matmul(&cb, d, round).unwrap());
     assert_eq!(want[0].to_bits(), f32::NEG_INFINITY.to_bits());
@@ -322,14 +311,10 @@ fn matmul_fma_is_fused() {
     assert_bits("matmul fma", &c, &g, &[]);
 }
 
-/// The sweep's 20,000 fma triples (`(c, a)·(1, b) = fma(a, b, c)`) on the
-/// CPU are `f32::mul_add` exactly (the sweep holds the GPU to the CPU).
-#[test]
-fn fused_multiply_add_triples_are_mul_add() {
-    let n = 20_000;
-    let (a, b, want) = sweep::fma_triples(n);
-    let dims = MatmulDims {
-        batch: n,
+/// A batch of `batch` products (1×2)·(2×1): `(c, a)·(1, b)` is `fma(a, b, c)`.
+fn pair_products(batch: usize) -> MatmulDims {
+    MatmulDims {
+        batch,
         m: 1,
         k: 2,
         n: 1,
@@ -339,8 +324,16 @@ fn fused_multiply_add_triples_are_mul_add() {
         b_batch_stride: 2,
         causal: Default::default(),
         tokens: Default::default(),
-    };
-    let c = vals(&cpu(&a).matmul(&cpu(&b), dims, None).unwrap());
+    }
+}
+
+/// The sweep's 20,000 fma triples (`(c, a)·(1, b) = fma(a, b, c)`) on the
+/// CPU are `f32::mul_add` exactly (the sweep holds the GPU to the CPU).
+#[test]
+fn fused_multiply_add_triples_are_mul_add() {
+    let n = 20_000;
+    let (a, b, want) = sweep::fma_triples(n);
+    let c = vals(&cpu(&a).matmul(&cpu(&b), pair_products(n), None).unwrap());
     assert_bits("fma triples: cpu vs mul_add", &want, &c, &[]);
 }
 
