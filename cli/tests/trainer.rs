@@ -1281,6 +1281,35 @@ fn compare_holds_fp8_to_three_percent() {
     assert_eq!(c.within_tolerance, c.rel_diff <= 0.03);
     assert!(c.table().contains("3%)"), "{}", c.table());
     assert!(c.mixed.precision.contains("+fp8"), "{}", c.table());
+    // Resumed with the same flags, the finished comparison reads back as it
+    // was: the fp8 flags are the mixed side's recipe, not the float32 side's.
+    use tinyllm::train::compare::{compare, Existing, MixedBuilds, Outcome, Sides};
+    let again = compare(
+        &TrainOptions {
+            preset: Some("tiny".into()),
+            device: Some(DeviceChoice::Cpu),
+            steps: Some(2),
+            out: Some(out.clone()),
+            fp8: Some(true),
+            amax_history: Some(16),
+            fp8_margin: Some(0),
+            ..Default::default()
+        },
+        Existing::Resume,
+        Sides::Both,
+        MixedBuilds::Refuse,
+        Progress::Quiet,
+    )
+    .unwrap();
+    let Outcome::Compared(again) = again else {
+        panic!("both sides have finished")
+    };
+    assert_eq!(
+        again.rel_diff.to_bits(),
+        c.rel_diff.to_bits(),
+        "{}",
+        again.table()
+    );
     let _ = std::fs::remove_dir_all(&out);
 }
 

@@ -258,6 +258,10 @@ pub fn compare(
             ckpt_budget: None,
             precision: None,
             cast_policy: None,
+            fp8: None,
+            amax_history: None,
+            fp8_margin: None,
+            amax_reduction: None,
             out: Some(fp32_cfg.out.clone()),
             ..o.clone()
         };
