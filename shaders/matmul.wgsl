@@ -119,7 +119,9 @@ fn kept(i: u32, p: u32) -> bool {
 // the device's `fma` is not fused (GUARD) the kernels track the magnitudes of
 // the operands they read (`Span`) and, if some product may leave the range,
 // run the whole chain again with `fma_c`.
-override GUARD: bool = !NATIVE_FMA && FMT == FMT_BF16;
+// Set by the launcher (matmul/gpu.rs `guarded`), which also keeps a guarded
+// pass to GUARD_PASS terms.
+override GUARD: bool = false;
 
 fn fma4(x: f32, y: vec4<f32>, acc: vec4<f32>) -> vec4<f32> {
     if FMT != 0u {

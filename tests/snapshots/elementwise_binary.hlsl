@@ -32,7 +32,6 @@ struct BinaryParams {
     uint rs[6];
 };
 
-static const bool NATIVE_FMA = false;
 static const uint QNAN = 2143289344u;
 static const float M8_17_ = -0.47058824;
 static const float C24_17_ = 1.4117647;

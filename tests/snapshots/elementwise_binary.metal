@@ -45,7 +45,6 @@ struct BinaryParams {
     type_7 ls;
     type_7 rs;
 };
-constant bool NATIVE_FMA = false;
 constant uint QNAN = 2143289344u;
 constant float M8_17_ = -0.47058824;
 constant float C24_17_ = 1.4117647;

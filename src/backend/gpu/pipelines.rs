@@ -108,11 +108,9 @@ impl std::hash::Hash for Kernel {
 pub fn prelude(native_fma: bool) -> String {
     let sel = if native_fma {
         "// fma_c: the device's fma, probed to be exactly fused\n\
-         const NATIVE_FMA: bool = true;\n\
          fn fma_c(a: f32, b: f32, c: f32) -> f32 { return fma(a, b, c); }"
     } else {
         "// fma_c: the device's fma is not fused (probed): integer emulation\n\
-         const NATIVE_FMA: bool = false;\n\
          fn fma_c(a: f32, b: f32, c: f32) -> f32 { return fma_soft(a, b, c); }"
     };
     format!(

@@ -63,6 +63,13 @@ const MATMUL_ROWS: usize = 64;
 /// 4,096 tokens) is still one pass.
 pub const GUARD_PASS: usize = 4096;
 
+/// Whether a product runs guarded (`GUARD` in matmul.wgsl): bf16 operands,
+/// whose products leave f32's normal range, on a device whose `fma` is not
+/// fused (fp16 products never leave it).
+fn guarded(native_fma: bool, round: Option<Format>) -> bool {
+    !native_fma && round == Some(Format::Bf16)
+}
+
 /// The entry point of `variant`.
 pub fn matmul_entry(variant: Kernels) -> &'static str {
     match variant {
@@ -126,7 +133,8 @@ impl GpuStorage {
             .with("FMT", fmt_code(round))
             .with("CAUSAL", d.causal.code())
             .with("A_HALF", fmt_code(halves.a))
-            .with("B_HALF", fmt_code(halves.b));
+            .with("B_HALF", fmt_code(halves.b))
+            .with("GUARD", guarded(c.native_fma, round) as u32);
         if variant == Kernels::Hardware {
             kernel = kernel
                 .with("TRANS_A", d.trans_a as u32)
@@ -135,7 +143,7 @@ impl GpuStorage {
         // binding 4 is read only with `add`; A stands in for it otherwise
         let e = addend.unwrap_or(self);
         let [pa, pb, pc] = d.placements();
-        let pass = if !c.native_fma && round == Some(Format::Bf16) {
+        let pass = if guarded(c.native_fma, round) {
             GUARD_PASS
         } else {
             LOOP_PASS
