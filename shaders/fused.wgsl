@@ -281,6 +281,16 @@ fn rope_from_heads(o: u32, t: u32, heads: u32) -> vec2<u32> {
 @group(0) @binding(3) var<storage, read> ro_sin: array<f32>;
 @group(0) @binding(4) var<storage, read_write> ro_y: array<f32>;
 
+// One rotated element from its input x_j, its partner (x_{j+h} in the first
+// half, x_{j-h} in the second) and its entries c, s of the tables.
+fn rope_value(xj: f32, partner: f32, c: f32, s: f32, first_half: bool, z: u32) -> f32 {
+    let xc = sep(xj * c, z);
+    if first_half {
+        return xc + sep((-0.0 - partner) * s, z);
+    }
+    return xc + sep(partner * s, z);
+}
+
 @compute @workgroup_size(64)
 fn rope(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
         @builtin(local_invocation_index) lane: u32) {
@@ -290,16 +300,55 @@ fn rope(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: v
     }
     let d = ro_prm.d;
     let h = d / 2u;
-    let z = ro_prm.zero;
     let j = i % d;
     let src = rope_from_tokens(i / d, ro_prm.t, ro_prm.heads);
     let x = src.x * d + j; // this element's input
     let p = src.y * d + j; // its entry of the tables
-    let xc = sep(ro_x[x] * ro_cos[p], z);
-    if j < h {
-        ro_y[i] = xc + sep((-0.0 - ro_x[x + h]) * ro_sin[p], z);
+    let partner = ro_x[select(x - h, x + h, j < h)];
+    ro_y[i] = rope_value(ro_x[x], partner, ro_cos[p], ro_sin[p], j < h, ro_prm.zero);
+}
+
+// ---- RoPE of two tensors at once (attention's q and k): x0, x1: (B, t,
+// heads, d) -> y0, y1: (B, heads, t, d), each as `rope` rotates it; element
+// i < n of the grid is x0's, i - n x1's. ----
+
+@group(0) @binding(0) var<storage, read> rp_prm: RopeParams;
+@group(0) @binding(1) var<storage, read> rp_x0: array<f32>;
+@group(0) @binding(2) var<storage, read> rp_x1: array<f32>;
+@group(0) @binding(3) var<storage, read> rp_cos: array<f32>;
+@group(0) @binding(4) var<storage, read> rp_sin: array<f32>;
+@group(0) @binding(5) var<storage, read_write> rp_y0: array<f32>;
+@group(0) @binding(6) var<storage, read_write> rp_y1: array<f32>;
+
+fn rp_load(second: bool, e: u32) -> f32 {
+    if second {
+        return rp_x1[e];
+    }
+    return rp_x0[e];
+}
+
+@compute @workgroup_size(64)
+fn rope_pair(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
+             @builtin(local_invocation_index) lane: u32) {
+    let g = grid_index(wg, groups, lane);
+    let n = rp_prm.n;
+    if g >= 2u * n {
+        return;
+    }
+    let second = g >= n;
+    let i = select(g, g - n, second);
+    let d = rp_prm.d;
+    let h = d / 2u;
+    let j = i % d;
+    let src = rope_from_tokens(i / d, rp_prm.t, rp_prm.heads);
+    let x = src.x * d + j;
+    let p = src.y * d + j;
+    let partner = rp_load(second, select(x - h, x + h, j < h));
+    let y = rope_value(rp_load(second, x), partner, rp_cos[p], rp_sin[p], j < h, rp_prm.zero);
+    if second {
+        rp_y1[i] = y;
     } else {
-        ro_y[i] = xc + sep(ro_x[x - h] * ro_sin[p], z);
+        rp_y0[i] = y;
     }
 }
 

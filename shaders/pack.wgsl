@@ -53,6 +53,59 @@ fn pack(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: v
     p_w[i] = w;
 }
 
+// ---- pack_many: up to three buffers at once, each as `pack` packs it:
+// x_s: (n_s) f32 -> w_s: (ceil(n_s/2)) words. One invocation per word index
+// i, for every slot with a word i (a slot the host leaves unused has n = 0
+// and another slot's buffers bound to it, never touched). Autograd keeps
+// attention's q, k and v (and SwiGLU's gate and up) this way: one dispatch
+// instead of three. ----
+
+struct PackManyParams {
+    fmt: u32,
+    n: array<u32, 3>, // each slot's values (0: unused)
+}
+
+@group(0) @binding(0) var<storage, read> pm_prm: PackManyParams;
+@group(0) @binding(1) var<storage, read> pm_x0: array<f32>;
+@group(0) @binding(2) var<storage, read> pm_x1: array<f32>;
+@group(0) @binding(3) var<storage, read> pm_x2: array<f32>;
+@group(0) @binding(4) var<storage, read_write> pm_w0: array<u32>;
+@group(0) @binding(5) var<storage, read_write> pm_w1: array<u32>;
+@group(0) @binding(6) var<storage, read_write> pm_w2: array<u32>;
+
+fn pm_load(s: u32, e: u32) -> f32 {
+    switch s {
+        case 0u: { return pm_x0[e]; }
+        case 1u: { return pm_x1[e]; }
+        default: { return pm_x2[e]; }
+    }
+}
+
+fn pm_store(s: u32, i: u32, w: u32) {
+    switch s {
+        case 0u: { pm_w0[i] = w; }
+        case 1u: { pm_w1[i] = w; }
+        default: { pm_w2[i] = w; }
+    }
+}
+
+@compute @workgroup_size(64)
+fn pack_many(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
+             @builtin(local_invocation_index) lane: u32) {
+    let i = grid_index(wg, groups, lane);
+    let fmt = pm_prm.fmt;
+    for (var s = 0u; s < 3u; s++) {
+        let n = pm_prm.n[s];
+        if 2u * i < n {
+            var w = half_bits(pm_load(s, 2u * i), fmt);
+            if 2u * i + 1u < n {
+                w = w | (half_bits(pm_load(s, 2u * i + 1u), fmt) << 16u);
+            }
+            pm_store(s, i, w);
+        }
+    }
+}
+
 // ---- unpack: w: (ceil(n/2)) words -> y: (n) f32 bit patterns ----
 
 @group(0) @binding(0) var<storage, read> u_prm: PackParams;

@@ -198,7 +198,7 @@ impl Lift for SpecStorage {
 macro_rules! lift_as_is {
     ($($t:ty),*) => { $(impl Lift for $t { type Out = $t; fn lift(self) -> $t { self } })* };
 }
-lift_as_is!((), bool, usize, Vec<f32>, Vec<f64>);
+lift_as_is!((), bool, usize, Vec<f32>, Vec<f64>, Vec<(Storage, Option<usize>)>);
 
 /// Primitives with several outputs (some optional) lift each one.
 impl<A: Lift> Lift for Option<A> {

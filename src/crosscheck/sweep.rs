@@ -1457,6 +1457,26 @@ fn pack(sw: &mut Sweep) -> Result<()> {
         sw.check("pack 16-bit", fmt.name(), "721 values".into(), &[], |d| {
             Ok(halves(up(&x, d)?.pack(fmt)?.0.words().to_vec_f32()?))
         })?;
+        // several buffers at once (attention's q, k and v): odd, one-value
+        // and empty ones, more than a GPU dispatch takes
+        let lens = [721, 1, 64, 0, 5];
+        sw.check(
+            "pack 16-bit",
+            fmt.name(),
+            format!("{} buffers at once, {lens:?} values", lens.len()),
+            &[],
+            |d| {
+                let xs = lens
+                    .iter()
+                    .map(|&n| up(&x[..n], d))
+                    .collect::<Result<Vec<_>>>()?;
+                let mut words = Vec::new();
+                for (p, _) in Storage::pack_many(&xs.iter().collect::<Vec<_>>(), fmt)? {
+                    words.extend(halves(p.words().to_vec_f32()?));
+                }
+                Ok(words)
+            },
+        )?;
         let every: Vec<f32> = (0..=0xffff)
             .map(|h| f32::from_bits(crate::backend::pack::widen_bits(h, fmt)))
             .collect();
@@ -1774,6 +1794,18 @@ fn fused(sw: &mut Sweep) -> Result<()> {
                     up(&g, dev)?
                         .rope_backward(&up(&cos, dev)?, &up(&sin, dev)?, t, d, heads)?
                         .to_vec_f32()
+                })?;
+                // two at once (attention's q and k), x and g rotated
+                sw.check("rope", &variant, format!("{case}, a pair"), &[], |dev| {
+                    let (a, b) = up(&x, dev)?.rope_pair(
+                        &up(&g, dev)?,
+                        &up(&cos, dev)?,
+                        &up(&sin, dev)?,
+                        t,
+                        d,
+                        heads,
+                    )?;
+                    cat(vec![a, b])
                 })?;
             }
         }

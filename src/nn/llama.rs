@@ -358,17 +358,20 @@ impl Attention {
         let (b, t, c) = (x.shape()[0], x.shape()[1], x.shape()[2]);
         let (h, d) = (self.n_heads, c / self.n_heads);
         let (cos, sin) = self.rope.first(t)?;
-        // q and k: (B,T,C) -> (B,H,T,D) rotated, the permute inside the RoPE
-        let rotated = |name: &str, l: &Linear| {
-            let x = {
-                let _traced = trace::path(name);
-                l.forward(x)?
-            };
-            let _traced = trace::path("rope");
-            x.rope_heads(&cos, &sin, h)
+        // q and k: (B,T,C) -> (B,H,T,D) rotated together, the permute
+        // inside the RoPE
+        let project = |name: &str, l: &Linear| {
+            let _traced = trace::path(name);
+            l.forward(x)
         };
-        let q = rotated("q_proj", &self.q_proj)?;
-        let k = rotated("k_proj", &self.k_proj)?;
+        let (q, k) = (
+            project("q_proj", &self.q_proj)?,
+            project("k_proj", &self.k_proj)?,
+        );
+        let (q, k) = {
+            let _traced = trace::path("rope");
+            q.rope_heads_pair(&k, &cos, &sin, h)?
+        };
         // v: (B,T,C) -> (B,T,H,D), token-major like the attention's output
         let v = {
             let _traced = trace::path("v_proj");

@@ -23,7 +23,7 @@ use crate::backend::attention::Attention;
 use crate::backend::{Operand, Storage};
 use crate::tensor::autocast::{autocast_dtype, cast_table, product_format, OpClass};
 use crate::tensor::is_grad_enabled;
-use crate::tensor::saved::Saved;
+use crate::tensor::saved::{Keep, Saved};
 use crate::tensor::shape::numel;
 use crate::{bail, Result, Tensor};
 
@@ -107,11 +107,11 @@ impl Tensor {
         // operands, so the same bits.
         let kept = if is_grad_enabled() && [q, k, v].iter().any(|t| t.requires_grad()) {
             // q and k as the scores' products read them, v as p v does
-            Some([
-                Saved::operand(q, scores)?,
-                Saved::operand(k, scores)?,
-                Saved::operand(v, round)?,
-            ])
+            Some(Saved::all([
+                Keep::operand(q, scores),
+                Keep::operand(k, scores),
+                Keep::operand(v, round),
+            ])?)
         } else {
             None
         };

@@ -26,8 +26,9 @@
 //!   does, for a graph the model never builds.)
 
 use super::{arrived, stored};
+use crate::backend::Storage;
 use crate::tensor::autocast::{output_format, OpClass};
-use crate::tensor::saved::Saved;
+use crate::tensor::saved::{Keep, Saved};
 use crate::tensor::shape::numel;
 use crate::{bail, Result, Tensor};
 
@@ -104,7 +105,7 @@ impl Tensor {
         }
         let f = output_format(OpClass::Swiglu, &[self, up]);
         let y = stored(self.storage().swiglu(&up.storage())?, f)?;
-        let (gate, upk) = (Saved::keep(self)?, Saved::keep(up)?);
+        let [gate, upk] = Saved::all([Keep::values(self), Keep::values(up)])?;
         Ok(
             Tensor::record(y, self.shape().to_vec(), "swiglu", &[self, up], move |g| {
                 let g = &arrived(g, f)?;
@@ -153,6 +154,49 @@ impl Tensor {
         self.rope_into(cos, sin, (t, d, heads), vec![b, heads, t, d])
     }
 
+    /// [`rope_heads`](Self::rope_heads) of `self` and `other` (of one
+    /// shape: attention's q and k), bit for bit, as one primitive (on a GPU
+    /// one dispatch for both).
+    pub fn rope_heads_pair(
+        &self,
+        other: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        heads: usize,
+    ) -> Result<(Tensor, Tensor)> {
+        if other.shape() != self.shape() {
+            bail!(
+                Shape,
+                "rope_heads_pair: inputs {:?} and {:?} differ in shape",
+                self.shape(),
+                other.shape()
+            );
+        }
+        let s = self.shape();
+        if s.len() != 3 || heads == 0 || !s[2].is_multiple_of(heads) {
+            bail!(
+                Shape,
+                "rope_heads: input {s:?} needs axes (B, T, H·D) with H = {heads} heads"
+            );
+        }
+        let (b, t, d) = (s[0], s[1], s[2] / heads);
+        let dims = (t, d, heads);
+        self.check_rope(cos, sin, dims)?;
+        let (y0, y1) = self.storage().rope_pair(
+            &other.storage(),
+            &cos.storage(),
+            &sin.storage(),
+            t,
+            d,
+            heads,
+        )?;
+        let shape = vec![b, heads, t, d];
+        Ok((
+            self.rope_node(y0, cos, sin, dims, shape.clone())?,
+            other.rope_node(y1, cos, sin, dims, shape)?,
+        ))
+    }
+
     /// [`rope`](Self::rope) and [`rope_heads`](Self::rope_heads): token-major
     /// rows of `heads` per position into `shape`, head-major.
     fn rope_into(
@@ -162,6 +206,19 @@ impl Tensor {
         (t, d, heads): (usize, usize, usize),
         shape: Vec<usize>,
     ) -> Result<Tensor> {
+        self.check_rope(cos, sin, (t, d, heads))?;
+        let y = self
+            .storage()
+            .rope(&cos.storage(), &sin.storage(), t, d, heads)?;
+        self.rope_node(y, cos, sin, (t, d, heads), shape)
+    }
+
+    fn check_rope(
+        &self,
+        cos: &Tensor,
+        sin: &Tensor,
+        (t, d, _): (usize, usize, usize),
+    ) -> Result<()> {
         if cos.shape() != [t, d] || sin.shape() != cos.shape() {
             bail!(
                 Shape,
@@ -184,11 +241,21 @@ impl Tensor {
                 "rope: the cos/sin tables are constants here (no gradient flows to them); use reference::rope to differentiate them"
             );
         }
+        Ok(())
+    }
+
+    /// The rotated values `y` of `self` as a node of the graph: stored as
+    /// the policy says, its backward RoPE's.
+    fn rope_node(
+        &self,
+        y: Storage,
+        cos: &Tensor,
+        sin: &Tensor,
+        (t, d, heads): (usize, usize, usize),
+        shape: Vec<usize>,
+    ) -> Result<Tensor> {
         // the tables are constants cast to x's format: only x is followed
         let f = output_format(OpClass::Rope, &[self]);
-        let y = self
-            .storage()
-            .rope(&cos.storage(), &sin.storage(), t, d, heads)?;
         let y = stored(y, f)?;
         let (c, s) = (cos.storage(), sin.storage());
         let in_shape = self.shape().to_vec();

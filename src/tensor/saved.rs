@@ -20,8 +20,9 @@
 use super::Tensor;
 use crate::backend::pack::Packed;
 use crate::backend::round::Format;
-use crate::backend::Operand;
+use crate::backend::{Operand, Storage};
 use crate::{bail, Result};
+use std::rc::Rc;
 
 /// An operand of a matrix product (`ops::matmul::product`): a buffer (values,
 /// or a 16-bit copy) and the shape it holds.
@@ -49,53 +50,91 @@ pub(crate) enum Saved {
     Half { packed: Packed, shape: Vec<usize> },
 }
 
-impl Saved {
-    /// Keeps `t` for a backward that reads its values: in 16 bits when `t`
-    /// is known to hold only values of a 16-bit format.
-    pub(crate) fn keep(t: &Tensor) -> Result<Saved> {
+/// How one tensor is to be kept: shared, or a 16-bit copy of format `f`
+/// (`exact`: `t` claims to hold only `f`'s values, and the CPU checks it).
+pub(crate) enum Keep<'a> {
+    Shared(&'a Tensor),
+    Half(&'a Tensor, Format, bool),
+}
+
+impl Keep<'_> {
+    /// For a backward that reads `t`'s values: in 16 bits when `t` is known
+    /// to hold only values of a 16-bit format.
+    pub(crate) fn values(t: &Tensor) -> Keep<'_> {
         match t.half() {
-            Some(f) if !t.is_leaf() => Saved::half(t, f, true),
-            _ => Ok(Saved::Full(t.detach())),
+            Some(f) if !t.is_leaf() => Keep::Half(t, f, true),
+            _ => Keep::Shared(t),
         }
     }
 
-    /// Keeps `t` for a backward that reads it only as an operand of products
-    /// rounded to `round`: its rounded values, in 16 bits (`t` as it is when
-    /// nothing rounds, or `t` is a leaf).
-    pub(crate) fn operand(t: &Tensor, round: Option<Format>) -> Result<Saved> {
+    /// For a backward that reads `t` only as an operand of products rounded
+    /// to `round`: its rounded values, in 16 bits (`t` as it is when nothing
+    /// rounds, or `t` is a leaf).
+    pub(crate) fn operand(t: &Tensor, round: Option<Format>) -> Keep<'_> {
         match round {
-            Some(f) if !t.is_leaf() => Saved::half(t, f, t.half() == Some(f)),
-            _ => Ok(Saved::Full(t.detach())),
+            Some(f) if !t.is_leaf() => Keep::Half(t, f, t.half() == Some(f)),
+            _ => Keep::Shared(t),
         }
+    }
+}
+
+impl Saved {
+    /// Keeps `t` for a backward that reads its values ([`Keep::values`]).
+    pub(crate) fn keep(t: &Tensor) -> Result<Saved> {
+        Saved::one(Keep::values(t))
+    }
+
+    /// Keeps `t` for a backward that reads it only as an operand of products
+    /// rounded to `round` ([`Keep::operand`]).
+    pub(crate) fn operand(t: &Tensor, round: Option<Format>) -> Result<Saved> {
+        Saved::one(Keep::operand(t, round))
     }
 
     /// Keeps an op's own output `t` for its backward: in 16 bits when the op
     /// stored it in a 16-bit format (`t.half()`: a cast policy's), shared
     /// as it is otherwise.
     pub(crate) fn output(t: &Tensor) -> Result<Saved> {
-        match t.half() {
-            Some(f) => Saved::half(t, f, true),
-            None => Ok(Saved::Full(t.clone())),
-        }
+        Saved::one(match t.half() {
+            Some(f) => Keep::Half(t, f, true),
+            None => Keep::Shared(t),
+        })
     }
 
-    fn half(t: &Tensor, f: Format, exact: bool) -> Result<Saved> {
-        // Nothing is recorded without grad mode: the closure holding this is
-        // dropped at once, so a copy would be wasted.
-        if !super::is_grad_enabled() {
-            return Ok(Saved::Full(t.detach()));
+    fn one(k: Keep) -> Result<Saved> {
+        let [s] = Saved::all([k])?;
+        Ok(s)
+    }
+
+    /// Keeps several tensors at once, as [`keep`](Saved::keep) and
+    /// [`operand`](Saved::operand) keep each one: the 16-bit copies not
+    /// made before are packed together (on a GPU, a few to a dispatch).
+    pub(crate) fn all<const N: usize>(ks: [Keep; N]) -> Result<[Saved; N]> {
+        // Nothing is recorded without grad mode: the closure holding these
+        // is dropped at once, so a copy would be wasted.
+        let halves = super::is_grad_enabled() && !saved_float32_only();
+        let cached = |t: &Tensor, f: Format| {
+            let cell = t.0.packed.borrow().clone();
+            let p = cell.borrow().clone().filter(|p| p.format() == f);
+            p
+        };
+        // the tensors to pack, each once, by format
+        let mut todo: Vec<(&Tensor, Format, bool)> = Vec::new();
+        for k in &ks {
+            if let (true, Keep::Half(t, f, exact)) = (halves, k) {
+                let seen = todo
+                    .iter()
+                    .any(|(u, g, _)| Rc::ptr_eq(&u.0, &t.0) && g == f);
+                if !seen && cached(t, *f).is_none() {
+                    todo.push((t, *f, *exact));
+                }
+            }
         }
-        #[cfg(feature = "test-hooks")]
-        if saved_float32_only() {
-            return Ok(Saved::Full(t.detach()));
-        }
-        let cell = t.0.packed.borrow().clone();
-        let cached = cell.borrow().clone().filter(|p| p.format() == f);
-        let packed = match cached {
-            Some(p) => p,
-            None => {
-                let (p, changed) = t.storage().pack(f)?;
-                if exact && changed.unwrap_or(0) > 0 {
+        for f in [Format::Bf16, Format::Fp16] {
+            let group: Vec<_> = todo.iter().filter(|(_, g, _)| *g == f).collect();
+            let storages: Vec<_> = group.iter().map(|(t, ..)| t.storage()).collect();
+            let packed = Storage::pack_many(&storages.iter().collect::<Vec<_>>(), f)?;
+            for ((t, _, exact), (p, changed)) in group.into_iter().zip(packed) {
+                if *exact && changed.unwrap_or(0) > 0 {
                     bail!(
                         Numerical,
                         "a tensor {:?} marked as holding {f} values has {} that are not: \
@@ -104,14 +143,17 @@ impl Saved {
                         changed.unwrap_or(0)
                     );
                 }
-                *cell.borrow_mut() = Some(p.clone());
-                p
+                let cell = t.0.packed.borrow().clone();
+                *cell.borrow_mut() = Some(p);
             }
-        };
-        Ok(Saved::Half {
-            packed,
-            shape: t.shape().to_vec(),
-        })
+        }
+        Ok(ks.map(|k| match k {
+            Keep::Half(t, f, _) if halves => Saved::Half {
+                packed: cached(t, f).expect("packed above"),
+                shape: t.shape().to_vec(),
+            },
+            Keep::Half(t, ..) | Keep::Shared(t) => Saved::Full(t.detach()),
+        }))
     }
 
     /// The kept values as a product reads them: the tensor's buffer, or the
@@ -171,6 +213,11 @@ pub fn saved_in_float32() -> SavedFloat32 {
 #[cfg(feature = "test-hooks")]
 fn saved_float32_only() -> bool {
     SAVED_FLOAT32.with(std::cell::Cell::get)
+}
+
+#[cfg(not(feature = "test-hooks"))]
+fn saved_float32_only() -> bool {
+    false
 }
 
 #[cfg(test)]

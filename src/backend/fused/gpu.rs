@@ -77,6 +77,7 @@ pub const FAMILY: Family = Family {
         "swiglu",
         "swiglu_backward",
         "rope",
+        "rope_pair",
         "rope_backward",
         "cross_entropy_rows",
         "cross_entropy_mean",
@@ -105,6 +106,7 @@ const RMS_NORM_BACKWARD_DW: Kernel = Kernel::new(&FAMILY, "rms_norm_backward_dw"
 const SWIGLU: Kernel = Kernel::new(&FAMILY, "swiglu");
 const SWIGLU_BACKWARD: Kernel = Kernel::new(&FAMILY, "swiglu_backward");
 const ROPE: Kernel = Kernel::new(&FAMILY, "rope");
+const ROPE_PAIR: Kernel = Kernel::new(&FAMILY, "rope_pair");
 const ROPE_BACKWARD: Kernel = Kernel::new(&FAMILY, "rope_backward");
 const CE_ROWS: Kernel = Kernel::new(&FAMILY, "cross_entropy_rows");
 const CE_MEAN: Kernel = Kernel::new(&FAMILY, "cross_entropy_mean");
@@ -297,6 +299,29 @@ impl FusedOps for GpuStorage {
 
     fn rope(&self, cos: &GpuStorage, sin: &GpuStorage, t: usize, d: usize, heads: usize) -> Result<GpuStorage> {
         rope_launch(&ROPE, self, cos, sin, (t, d, heads))
+    }
+
+    /// Both in one dispatch.
+    fn rope_pair(
+        &self,
+        other: &GpuStorage,
+        cos: &GpuStorage,
+        sin: &GpuStorage,
+        (t, d, heads): (usize, usize, usize),
+    ) -> Result<(GpuStorage, GpuStorage)> {
+        let c = ctx()?;
+        let n = self.len();
+        let (y0, y1) = (GpuStorage::alloc(c, n)?, GpuStorage::alloc(c, n)?);
+        let prm = RopeParams {
+            n: u32_of(n, "length")?,
+            t: u32_of(t, "t")?,
+            d: u32_of(d, "d")?,
+            heads: u32_of(heads, "heads")?,
+            zero: 0,
+        };
+        let bind = [self.buf(), other.buf(), cos.buf(), sin.buf(), y0.buf(), y1.buf()];
+        c.dispatch(&ROPE_PAIR, &prm, &bind, grid1d(2 * n))?;
+        Ok((y0, y1))
     }
 
     fn rope_backward(&self, cos: &GpuStorage, sin: &GpuStorage, t: usize, d: usize, heads: usize) -> Result<GpuStorage> {

@@ -121,6 +121,11 @@ pub trait FusedOps: Sized {
     fn swiglu_backward(&self, up: &Self, g: &Self, halves: Halves) -> Result<(Self, Self)>;
     /// `self` is `x: (B, t, heads, d)`, the tables `(t, d)` -> `(B, heads, t, d)`.
     fn rope(&self, cos: &Self, sin: &Self, t: usize, d: usize, heads: usize) -> Result<Self>;
+    /// [`rope`](Self::rope) of `self` and `other` (of one shape); a GPU
+    /// rotates both in one dispatch (attention's q and k).
+    fn rope_pair(&self, other: &Self, cos: &Self, sin: &Self, (t, d, heads): (usize, usize, usize)) -> Result<(Self, Self)> {
+        Ok((self.rope(cos, sin, t, d, heads)?, other.rope(cos, sin, t, d, heads)?))
+    }
     /// `self` is the upstream gradient `(B, heads, t, d)` -> `(B, t, heads, d)`.
     fn rope_backward(&self, cos: &Self, sin: &Self, t: usize, d: usize, heads: usize) -> Result<Self>;
     /// `self` is `x: (rows, v)`; returns `(loss, stats)`.
@@ -242,6 +247,15 @@ impl Storage {
         check_rope(self, cos, sin, t, d, heads)?;
         let describe = || format!("rows {} t {t} d {d} heads {heads}", self.len() / d.max(1));
         Ok(primitive!("rope", describe, [self, cos, sin] => |x, c, s| x.rope(c, s, t, d, heads)))
+    }
+
+    /// [`rope`](Storage::rope) of `self` and `other`, of one shape, as one
+    /// primitive.
+    pub fn rope_pair(&self, other: &Storage, cos: &Storage, sin: &Storage, t: usize, d: usize, heads: usize) -> Result<(Storage, Storage)> {
+        check_rope(self, cos, sin, t, d, heads)?;
+        check_len("rope", other, self.len(), "the second input")?;
+        let describe = || format!("2 × rows {} t {t} d {d} heads {heads}", self.len() / d.max(1));
+        Ok(primitive!("rope", describe, [self, other, cos, sin] => |x, y, c, s| x.rope_pair(y, c, s, (t, d, heads))))
     }
 
     /// RoPE's backward from the upstream gradient `self: (B, heads, t, d)`,

@@ -26,16 +26,27 @@ gpu_params! {
     }
 }
 
+gpu_params! {
+    /// `pack.wgsl` `PackManyParams`: up to [`PACK_SLOTS`] buffers of format
+    /// `fmt`, `n[s]` values in slot `s` (0: unused).
+    pub struct PackManyParams { fmt: u32, n: [u32; PACK_SLOTS] }
+}
+
+/// Buffers one `pack_many` dispatch takes (with their words and the
+/// parameters, 7 storage bindings: within WebGPU's least of 8).
+pub const PACK_SLOTS: usize = 3;
+
 pub const FAMILY: Family = Family {
     name: "pack",
     sources: &[include_str!("../../../shaders/pack.wgsl")],
     needs_math: true,
     consts: no_consts,
-    entries: &["pack", "unpack", "unpack_strided"],
-    params: &[PackParams::LAYOUT, UnpackStridedParams::LAYOUT],
+    entries: &["pack", "pack_many", "unpack", "unpack_strided"],
+    params: &[PackParams::LAYOUT, PackManyParams::LAYOUT, UnpackStridedParams::LAYOUT],
 };
 
 const PACK: Kernel = Kernel::new(&FAMILY, "pack");
+const PACK_MANY: Kernel = Kernel::new(&FAMILY, "pack_many");
 const UNPACK: Kernel = Kernel::new(&FAMILY, "unpack");
 const UNPACK_STRIDED: Kernel = Kernel::new(&FAMILY, "unpack_strided");
 
@@ -50,6 +61,35 @@ impl PackOps for GpuStorage {
         };
         c.dispatch(&PACK, &prm, &[self.buf(), words.buf()], grid1d(n.div_ceil(2)))?;
         Ok((words, None))
+    }
+
+    /// [`PACK_SLOTS`] buffers a dispatch.
+    fn pack_many(xs: &[&GpuStorage], fmt: Format) -> Result<Vec<(GpuStorage, Option<usize>)>> {
+        let c = ctx()?;
+        let mut out = Vec::with_capacity(xs.len());
+        for group in xs.chunks(PACK_SLOTS) {
+            let words = group
+                .iter()
+                .map(|x| GpuStorage::alloc(c, x.len().div_ceil(2)))
+                .collect::<Result<Vec<_>>>()?;
+            let mut n = [0u32; PACK_SLOTS];
+            for (s, x) in group.iter().enumerate() {
+                n[s] = u32_of(x.len(), "length")?;
+            }
+            let prm = PackManyParams {
+                fmt: fmt_code(Some(fmt)),
+                n,
+            };
+            // unused slots bound to the first buffer and its words, never touched
+            let slot = |s: usize| group.get(s).unwrap_or(&group[0]).buf();
+            let word = |s: usize| words.get(s).unwrap_or(&words[0]).buf();
+            let mut bind: Vec<&wgpu::Buffer> = (0..PACK_SLOTS).map(slot).collect();
+            bind.extend((0..PACK_SLOTS).map(word));
+            let most = group.iter().map(|x| x.len().div_ceil(2)).max().unwrap_or(0);
+            c.dispatch(&PACK_MANY, &prm, &bind, grid1d(most))?;
+            out.extend(words.into_iter().map(|w| (w, None)));
+        }
+        Ok(out)
     }
 
     fn unpack(&self, fmt: Format, n: usize) -> Result<GpuStorage> {

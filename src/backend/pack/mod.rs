@@ -32,7 +32,7 @@ pub(crate) mod spec;
 pub(crate) mod gpu;
 
 use super::round::Format;
-use super::{primitive, Storage};
+use super::{primitive, Lift, Storage};
 use crate::Result;
 
 /// A buffer of `len` values of `format`, two per 32-bit word.
@@ -48,6 +48,11 @@ pub trait PackOps: Sized {
     /// `self`: n values -> ⌈n/2⌉ words; on the CPU also how many values the
     /// rounding changed (NaNs aside).
     fn pack(&self, fmt: Format) -> Result<(Self, Option<usize>)>;
+    /// [`pack`](Self::pack) of each buffer; a GPU packs several in one
+    /// dispatch.
+    fn pack_many(xs: &[&Self], fmt: Format) -> Result<Vec<(Self, Option<usize>)>> {
+        xs.iter().map(|x| x.pack(fmt)).collect()
+    }
     /// `self`: ⌈n/2⌉ words -> n values.
     fn unpack(&self, fmt: Format, n: usize) -> Result<Self>;
     /// `self`: words -> the values of the view `(shape, strides, offset)`.
@@ -69,6 +74,40 @@ impl Storage {
             words,
         };
         Ok((p, changed))
+    }
+}
+
+impl Storage {
+    /// [`pack`](Storage::pack) of each buffer (all on one device), as one
+    /// primitive: on a GPU, one dispatch for a few buffers at a time.
+    pub fn pack_many(xs: &[&Storage], fmt: Format) -> Result<Vec<(Packed, Option<usize>)>> {
+        if xs.is_empty() {
+            return Ok(Vec::new());
+        }
+        if let Some(x) = xs.iter().find(|x| x.dtype() != super::DType::F32) {
+            crate::bail!(DType, "16-bit storage packs f32 buffers (got {:?})", x.dtype());
+        }
+        let name = "pack 16-bit";
+        let mut prof = crate::profile::scope(name);
+        let words: Vec<(Storage, Option<usize>)> = super::on_device!(slice xs => |ds| {
+            PackOps::pack_many(&ds, fmt).map(|v| v.into_iter().map(|(w, c)| (w.lift(), c)).collect::<Vec<_>>())
+        });
+        let outs: Vec<&Storage> = words.iter().map(|(w, _)| w).collect();
+        prof.moved(|| super::traffic(name, xs, &outs));
+        let describe = || format!("{fmt} n {:?}", xs.iter().map(|x| x.len()).collect::<Vec<_>>());
+        super::observed(name, describe, &outs)?;
+        Ok(words
+            .into_iter()
+            .zip(xs)
+            .map(|((words, changed), x)| {
+                let p = Packed {
+                    format: fmt,
+                    len: x.len(),
+                    words,
+                };
+                (p, changed)
+            })
+            .collect())
     }
 }
 
