@@ -371,6 +371,49 @@ device_test!(rope_heads_is_the_permuted_composition, |dev| {
     }
 });
 
+// Attention's q and k rotated together are each rotated alone, bit for bit,
+// in forward and in the gradients that flow back through them.
+device_test!(rope_heads_pair_is_two_rope_heads, |dev| {
+    for (k, &(b, t_, h, d)) in [(2, 5, 3, 8), (3, 4, 2, 130)].iter().enumerate() {
+        let n = b * t_ * h * d;
+        let (c, s) = rope_tables(t_, d, 10000.0);
+        let (c, s) = (t(&c, &[t_, d], dev), t(&s, &[t_, d], dev));
+        let (qv, kv) = (randv(n, 400 + k as u64, 3.0), randv(n, 500 + k as u64, 3.0));
+        let (w1, w2) = (
+            t(&randv(n, 600, 1.0), &[b, h, t_, d], dev),
+            t(&randv(n, 700, 1.0), &[b, h, t_, d], dev),
+        );
+        let run = |paired: bool| -> Result<Vec<Vec<u32>>> {
+            let q = t(&qv, &[b, t_, h * d], dev).requires_grad_(true);
+            let kk = t(&kv, &[b, t_, h * d], dev).requires_grad_(true);
+            let (a, r) = match paired {
+                true => q.rope_heads_pair(&kk, &c, &s, h)?,
+                false => (q.rope_heads(&c, &s, h)?, kk.rope_heads(&c, &s, h)?),
+            };
+            a.mul(&w1)?
+                .sum_all()?
+                .add(&r.mul(&w2)?.sum_all()?)?
+                .backward()?;
+            let grad = |x: &Tensor| x.grad().expect("a gradient").to_vec_f32();
+            Ok(vec![
+                bits(&a.to_vec_f32()?),
+                bits(&r.to_vec_f32()?),
+                bits(&grad(&q)?),
+                bits(&grad(&kk)?),
+            ])
+        };
+        assert_eq!(run(true)?, run(false)?, "({b}, {t_}, {h}·{d})");
+    }
+    // of one shape, named in the error
+    let (c, s) = (t(&[1.0; 6], &[3, 2], dev), t(&[0.0; 6], &[3, 2], dev));
+    let x = t(&randv(24, 1, 1.0), &[2, 3, 4], dev);
+    let other = t(&randv(12, 2, 1.0), &[1, 3, 4], dev);
+    let e = x
+        .rope_heads_pair(&other, &c, &s, 2)
+        .expect_err("two shapes");
+    assert!(e.to_string().contains("rope_heads_pair"), "{e}");
+});
+
 // ---------------------------------------------------------- cross-entropy ----
 
 device_test!(cross_entropy_is_the_composition, |dev| {

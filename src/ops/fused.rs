@@ -143,6 +143,12 @@ impl Tensor {
     /// `x.reshape(&[B, T, H, D])?.permute(&[0, 2, 1, 3])`, forward and
     /// backward, without the permute's pass over the values.
     pub fn rope_heads(&self, cos: &Tensor, sin: &Tensor, heads: usize) -> Result<Tensor> {
+        let (b, t, d) = self.heads_dims(heads)?;
+        self.rope_into(cos, sin, (t, d, heads), vec![b, heads, t, d])
+    }
+
+    /// `(B, T, D)` of `self: (B, T, H·D)` with `H = heads`.
+    fn heads_dims(&self, heads: usize) -> Result<(usize, usize, usize)> {
         let s = self.shape();
         if s.len() != 3 || heads == 0 || !s[2].is_multiple_of(heads) {
             bail!(
@@ -150,8 +156,7 @@ impl Tensor {
                 "rope_heads: input {s:?} needs axes (B, T, H·D) with H = {heads} heads"
             );
         }
-        let (b, t, d) = (s[0], s[1], s[2] / heads);
-        self.rope_into(cos, sin, (t, d, heads), vec![b, heads, t, d])
+        Ok((s[0], s[1], s[2] / heads))
     }
 
     /// [`rope_heads`](Self::rope_heads) of `self` and `other` (of one
@@ -172,14 +177,7 @@ impl Tensor {
                 other.shape()
             );
         }
-        let s = self.shape();
-        if s.len() != 3 || heads == 0 || !s[2].is_multiple_of(heads) {
-            bail!(
-                Shape,
-                "rope_heads: input {s:?} needs axes (B, T, H·D) with H = {heads} heads"
-            );
-        }
-        let (b, t, d) = (s[0], s[1], s[2] / heads);
+        let (b, t, d) = self.heads_dims(heads)?;
         let dims = (t, d, heads);
         self.check_rope(cos, sin, dims)?;
         let (y0, y1) = self.storage().rope_pair(

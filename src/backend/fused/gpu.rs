@@ -312,13 +312,7 @@ impl FusedOps for GpuStorage {
         let c = ctx()?;
         let n = self.len();
         let (y0, y1) = (GpuStorage::alloc(c, n)?, GpuStorage::alloc(c, n)?);
-        let prm = RopeParams {
-            n: u32_of(n, "length")?,
-            t: u32_of(t, "t")?,
-            d: u32_of(d, "d")?,
-            heads: u32_of(heads, "heads")?,
-            zero: 0,
-        };
+        let prm = rope_params(n, (t, d, heads))?;
         let bind = [self.buf(), other.buf(), cos.buf(), sin.buf(), y0.buf(), y1.buf()];
         c.dispatch(&ROPE_PAIR, &prm, &bind, grid1d(2 * n))?;
         Ok((y0, y1))
@@ -410,13 +404,18 @@ fn rope_launch(
     let c = ctx()?;
     let n = x.len();
     let y = GpuStorage::alloc(c, n)?;
-    let prm = RopeParams {
+    let prm = rope_params(n, (t, d, heads))?;
+    c.dispatch(k, &prm, &[x.buf(), cos.buf(), sin.buf(), y.buf()], grid1d(n))?;
+    Ok(y)
+}
+
+/// RoPE's parameters for `n` elements of each tensor.
+fn rope_params(n: usize, (t, d, heads): (usize, usize, usize)) -> Result<RopeParams> {
+    Ok(RopeParams {
         n: u32_of(n, "length")?,
         t: u32_of(t, "t")?,
         d: u32_of(d, "d")?,
         heads: u32_of(heads, "heads")?,
         zero: 0,
-    };
-    c.dispatch(k, &prm, &[x.buf(), cos.buf(), sin.buf(), y.buf()], grid1d(n))?;
-    Ok(y)
+    })
 }
