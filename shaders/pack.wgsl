@@ -9,12 +9,6 @@ struct PackParams {
     fmt: u32, // FMT_BF16 or FMT_FP16
 }
 
-// ---- pack: x: (n) f32 -> w: (ceil(n/2)) words ----
-
-@group(0) @binding(0) var<storage, read> p_prm: PackParams;
-@group(0) @binding(1) var<storage, read> p_x: array<f32>;
-@group(0) @binding(2) var<storage, read_write> p_w: array<u32>;
-
 fn half_bits(x: f32, fmt: u32) -> u32 {
     if fmt == FMT_BF16 {
         return bitcast<u32>(bf16_f32(x)) >> 16u;
@@ -38,34 +32,18 @@ fn half_bits(x: f32, fmt: u32) -> u32 {
     return sign | ((0x00800000u | (a & 0x007fffffu)) >> (126u - e));
 }
 
-@compute @workgroup_size(64)
-fn pack(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
-        @builtin(local_invocation_index) lane: u32) {
-    let i = grid_index(wg, groups, lane);
-    let n = p_prm.n;
-    if 2u * i >= n {
-        return;
-    }
-    var w = half_bits(p_x[2u * i], p_prm.fmt);
-    if 2u * i + 1u < n {
-        w = w | (half_bits(p_x[2u * i + 1u], p_prm.fmt) << 16u);
-    }
-    p_w[i] = w;
-}
+// ---- pack: up to three buffers a dispatch, x_s: (n_s) f32 -> w_s:
+// (ceil(n_s/2)) words. One invocation per word index i, for every slot with
+// a word i (a slot the host leaves unused has n = 0 and another slot's
+// buffers bound to it, never touched). Autograd keeps attention's q, k and v
+// (and SwiGLU's gate and up) in one dispatch. ----
 
-// ---- pack_many: up to three buffers at once, each as `pack` packs it:
-// x_s: (n_s) f32 -> w_s: (ceil(n_s/2)) words. One invocation per word index
-// i, for every slot with a word i (a slot the host leaves unused has n = 0
-// and another slot's buffers bound to it, never touched). Autograd keeps
-// attention's q, k and v (and SwiGLU's gate and up) this way: one dispatch
-// instead of three. ----
-
-struct PackManyParams {
+struct PackSlotParams {
     fmt: u32,
     n: array<u32, 3>, // each slot's values (0: unused)
 }
 
-@group(0) @binding(0) var<storage, read> pm_prm: PackManyParams;
+@group(0) @binding(0) var<storage, read> pm_prm: PackSlotParams;
 @group(0) @binding(1) var<storage, read> pm_x0: array<f32>;
 @group(0) @binding(2) var<storage, read> pm_x1: array<f32>;
 @group(0) @binding(3) var<storage, read> pm_x2: array<f32>;
@@ -90,8 +68,8 @@ fn pm_store(s: u32, i: u32, w: u32) {
 }
 
 @compute @workgroup_size(64)
-fn pack_many(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
-             @builtin(local_invocation_index) lane: u32) {
+fn pack(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
+        @builtin(local_invocation_index) lane: u32) {
     let i = grid_index(wg, groups, lane);
     let fmt = pm_prm.fmt;
     for (var s = 0u; s < 3u; s++) {

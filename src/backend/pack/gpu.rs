@@ -27,12 +27,12 @@ gpu_params! {
 }
 
 gpu_params! {
-    /// `pack.wgsl` `PackManyParams`: up to [`PACK_SLOTS`] buffers of format
+    /// `pack.wgsl` `PackSlotParams`: up to [`PACK_SLOTS`] buffers of format
     /// `fmt`, `n[s]` values in slot `s` (0: unused).
-    pub struct PackManyParams { fmt: u32, n: [u32; PACK_SLOTS] }
+    pub struct PackSlotParams { fmt: u32, n: [u32; PACK_SLOTS] }
 }
 
-/// Buffers one `pack_many` dispatch takes (with their words and the
+/// Buffers one `pack` dispatch takes (with their words and the
 /// parameters, 7 storage bindings: within WebGPU's least of 8).
 pub const PACK_SLOTS: usize = 3;
 
@@ -41,26 +41,18 @@ pub const FAMILY: Family = Family {
     sources: &[include_str!("../../../shaders/pack.wgsl")],
     needs_math: true,
     consts: no_consts,
-    entries: &["pack", "pack_many", "unpack", "unpack_strided"],
-    params: &[PackParams::LAYOUT, PackManyParams::LAYOUT, UnpackStridedParams::LAYOUT],
+    entries: &["pack", "unpack", "unpack_strided"],
+    params: &[PackParams::LAYOUT, PackSlotParams::LAYOUT, UnpackStridedParams::LAYOUT],
 };
 
 const PACK: Kernel = Kernel::new(&FAMILY, "pack");
-const PACK_MANY: Kernel = Kernel::new(&FAMILY, "pack_many");
 const UNPACK: Kernel = Kernel::new(&FAMILY, "unpack");
 const UNPACK_STRIDED: Kernel = Kernel::new(&FAMILY, "unpack_strided");
 
 impl PackOps for GpuStorage {
     fn pack(&self, fmt: Format) -> Result<(GpuStorage, Option<usize>)> {
-        let c = ctx()?;
-        let n = self.len();
-        let words = GpuStorage::alloc(c, n.div_ceil(2))?;
-        let prm = PackParams {
-            n: u32_of(n, "length")?,
-            fmt: fmt_code(Some(fmt)),
-        };
-        c.dispatch(&PACK, &prm, &[self.buf(), words.buf()], grid1d(n.div_ceil(2)))?;
-        Ok((words, None))
+        let mut one = Self::pack_many(&[self], fmt)?;
+        Ok(one.pop().expect("one buffer packed"))
     }
 
     /// [`PACK_SLOTS`] buffers a dispatch.
@@ -76,7 +68,7 @@ impl PackOps for GpuStorage {
             for (s, x) in group.iter().enumerate() {
                 n[s] = u32_of(x.len(), "length")?;
             }
-            let prm = PackManyParams {
+            let prm = PackSlotParams {
                 fmt: fmt_code(Some(fmt)),
                 n,
             };
@@ -86,7 +78,7 @@ impl PackOps for GpuStorage {
             let mut bind: Vec<&wgpu::Buffer> = (0..PACK_SLOTS).map(slot).collect();
             bind.extend((0..PACK_SLOTS).map(word));
             let most = group.iter().map(|x| x.len().div_ceil(2)).max().unwrap_or(0);
-            c.dispatch(&PACK_MANY, &prm, &bind, grid1d(most))?;
+            c.dispatch(&PACK, &prm, &bind, grid1d(most))?;
             out.extend(words.into_iter().map(|w| (w, None)));
         }
         Ok(out)

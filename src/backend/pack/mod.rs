@@ -63,21 +63,10 @@ impl Storage {
     /// Every value rounded to `fmt` and kept in 16 bits; with it, on the CPU,
     /// the number of values the rounding changed (`None` on the GPU).
     pub fn pack(&self, fmt: Format) -> Result<(Packed, Option<usize>)> {
-        if self.dtype() != super::DType::F32 {
-            crate::bail!(DType, "16-bit storage packs f32 buffers (got {:?})", self.dtype());
-        }
-        let describe = || format!("{fmt} n {}", self.len());
-        let (words, changed) = primitive!("pack 16-bit", describe, [self] => |x| x.pack(fmt));
-        let p = Packed {
-            format: fmt,
-            len: self.len(),
-            words,
-        };
-        Ok((p, changed))
+        let mut one = Storage::pack_many(&[self], fmt)?;
+        Ok(one.pop().expect("one buffer packed"))
     }
-}
 
-impl Storage {
     /// [`pack`](Storage::pack) of each buffer (all on one device), as one
     /// primitive: on a GPU, one dispatch for a few buffers at a time.
     pub fn pack_many(xs: &[&Storage], fmt: Format) -> Result<Vec<(Packed, Option<usize>)>> {
