@@ -214,6 +214,88 @@ device_test!(residual_sum_in_the_product_is_the_composition, |dev| {
     }
 });
 
+// Layers reading one input (q, k and v; gate and up) run as one primitive:
+// each output and every gradient is the single layer's, bit for bit, in
+// float32 and under bf16 autocast; the weights end up side by side (on a
+// GPU one dispatch), through an optimizer step that updates them in place,
+// and again after a load puts them apart.
+device_test!(shared_input_layers_are_each_layer, |dev| {
+    let gen = Generator::new(7);
+    let (b, t, k, n) = (2, 4, 16, 8);
+    let (x0, w) = (randv(b * t * k, 21, 1.0), randv(b * t * n, 22, 1.0));
+    for bf16 in [false, true] {
+        let run = |shared: bool| -> Result<Vec<Vec<u32>>> {
+            let _ac = bf16.then(tinyllm::precision::autocast_bf16);
+            let ls: Vec<Linear> = (0..3)
+                .map(|_| Linear::normal(k, n, 0.5, &Generator::new(3), dev))
+                .collect::<Result<_>>()?;
+            for (i, l) in ls.iter().enumerate() {
+                l.weight
+                    .assign(&t_(&randv(n * k, 30 + i as u64, 1.0), &[n, k], dev))?;
+            }
+            let x = param(&x0, &[b, t, k], dev);
+            let ys: Vec<Tensor> = match shared {
+                true => Linear::forward_shared(&x, [&ls[0], &ls[1], &ls[2]])?.to_vec(),
+                false => ls.iter().map(|l| l.forward(&x)).collect::<Result<_>>()?,
+            };
+            let weighted = |y: &Tensor, i: usize| {
+                y.mul_scalar(i as f64 + 1.0)?
+                    .mul(&t_(&w, &[b, t, n], dev))?
+                    .sum_all()
+            };
+            let mut loss = weighted(&ys[0], 0)?;
+            for (i, y) in ys.iter().enumerate().skip(1) {
+                loss = loss.add(&weighted(y, i)?)?;
+            }
+            loss.backward()?;
+            let mut out: Vec<Vec<u32>> = ys.iter().map(|y| bits(&vals(y))).collect();
+            out.push(bits(&grad(&x)));
+            out.extend(ls.iter().map(|l| bits(&grad(&l.weight))));
+            let ws = [&ls[0].weight, &ls[1].weight, &ls[2].weight];
+            assert_eq!(
+                Tensor::side_by_side(&ws),
+                shared || dev != Device::Gpu,
+                "laid out (bf16 {bf16})"
+            );
+            Ok(out)
+        };
+        same_bits(
+            &["q", "k", "v", "dx", "dWq", "dWk", "dWv"],
+            &run(true)?,
+            &run(false)?,
+            &format!("bf16 {bf16}"),
+        );
+    }
+    // side by side through an update in place; apart after a load, then
+    // side by side again at the next forward, with the loaded values
+    let ls: Vec<Linear> = (0..2)
+        .map(|_| Linear::normal(k, n, 0.5, &gen, dev))
+        .collect::<Result<_>>()?;
+    let ws = [&ls[0].weight, &ls[1].weight];
+    let x = param(&x0, &[b, t, k], dev);
+    let [g, u] = Linear::forward_shared(&x, [&ls[0], &ls[1]])?;
+    g.add(&u)?.sum_all()?.backward()?;
+    let mut opt = AdamW::new(
+        ws.iter().map(|&w| w.clone()).collect(),
+        AdamWConfig::new(1e-2),
+    )?;
+    opt.step()?;
+    assert!(Tensor::side_by_side(&ws), "after the update");
+    let loaded = randv(n * k, 40, 1.0);
+    ls[1].weight.assign(&t_(&loaded, &[n, k], dev))?;
+    assert_eq!(
+        Tensor::side_by_side(&ws),
+        dev != Device::Gpu,
+        "after the load"
+    );
+    let before = vals(&ls[0].weight);
+    let [_, u] = Linear::forward_shared(&x, [&ls[0], &ls[1]])?;
+    assert!(Tensor::side_by_side(&ws), "at the next forward");
+    assert_eq!(bits(&vals(&ls[1].weight)), bits(&loaded));
+    assert_eq!(bits(&vals(&ls[0].weight)), bits(&before));
+    assert_eq!(bits(&vals(&u)), bits(&vals(&ls[1].forward(&x)?)));
+});
+
 device_test!(linear_is_x_w_transposed_plus_b, |dev| {
     let gen = Generator::new(0);
     let l = Linear::new(3, 2, true, &gen, dev)?;

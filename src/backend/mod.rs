@@ -198,7 +198,7 @@ impl Lift for SpecStorage {
 macro_rules! lift_as_is {
     ($($t:ty),*) => { $(impl Lift for $t { type Out = $t; fn lift(self) -> $t { self } })* };
 }
-lift_as_is!((), bool, usize, Vec<f32>, Vec<f64>, Vec<(Storage, Option<usize>)>);
+lift_as_is!((), bool, usize, Vec<f32>, Vec<f64>, Vec<Storage>, Vec<(Storage, Option<usize>)>);
 
 /// Primitives with several outputs (some optional) lift each one.
 impl<A: Lift> Lift for Option<A> {
@@ -790,6 +790,41 @@ impl Storage {
         match self.dtype() {
             DType::F32 => Storage::from_f32(self.to_vec_f32()?, device),
             DType::F64 => bail!(DType, "f64 tensors live on the CPU only"),
+        }
+    }
+    /// The values of `xs` (one device, one type) again, laid side by side
+    /// in one buffer where that lets one dispatch read them all (a GPU: views
+    /// of one buffer, see [`GpuStorage::alloc_views`]); elsewhere `xs` themselves.
+    pub fn colocate(xs: &[&Storage]) -> Result<Vec<Storage>> {
+        if xs.is_empty() {
+            return Ok(Vec::new());
+        }
+        check_same(xs)?;
+        match xs[0] {
+            #[cfg(feature = "gpu")]
+            Storage::Gpu(_) => {
+                let ds: Vec<&GpuStorage> = xs.iter().map(|s| s.gpu()).collect();
+                Ok(GpuStorage::colocated(&ds)?.into_iter().map(Lift::lift).collect())
+            }
+            _ => Ok(xs.iter().map(|&s| s.clone()).collect()),
+        }
+    }
+    /// Whether `xs` lie as [`colocate`](Storage::colocate) lays them out
+    /// (always, where it leaves them be).
+    pub fn side_by_side(xs: &[&Storage]) -> bool {
+        match xs.first() {
+            #[cfg(feature = "gpu")]
+            Some(Storage::Gpu(_)) => {
+                let ds: Option<Vec<&GpuStorage>> = xs
+                    .iter()
+                    .map(|s| match s {
+                        Storage::Gpu(g) => Some(&**g),
+                        _ => None,
+                    })
+                    .collect();
+                ds.is_some_and(|ds| ds.len() == 1 || GpuStorage::spaced(&ds).is_some())
+            }
+            _ => true,
         }
     }
     /// A copy with another element type (CPU only for f64).

@@ -106,7 +106,7 @@ pub fn perturb(primitive: &str, outs: &[&Storage]) -> Result<()> {
     let mut v = g.download()?;
     let i = f.element.min(v.len() - 1);
     v[i] = flip(v[i]);
-    super::gpu::context::ctx()?.upload(g.buf(), bytemuck::cast_slice(&v))
+    super::gpu::context::ctx()?.upload(g.bind(), bytemuck::cast_slice(&v))
 }
 
 /// [`perturb`] for a primitive with a host result: the buffers it updated in

@@ -852,6 +852,7 @@ fn matmul(sw: &mut Sweep) -> Result<()> {
     matmul_half(sw)?;
     matmul_added(sw)?;
     matmul_tokens(sw)?;
+    matmul_shared(sw)?;
     matmul_bits(sw)?;
     matmul_outside_normal_range(sw)
 }
@@ -1126,6 +1127,60 @@ fn matmul_added(sw: &mut Sweep) -> Result<()> {
                         .to_vec_f32()
                 })?;
             }
+        }
+    }
+    Ok(())
+}
+
+/// One A times several weights, `x Wᵢᵀ` (a Llama's q, k and v, its gate
+/// and up): each output the product's own bits. The weights laid side by
+/// side (on a GPU one dispatch, its outputs views of one buffer) or apart;
+/// outputs whose size breaks the view alignment (GPU: one product each).
+fn matmul_shared(sw: &mut Sweep) -> Result<()> {
+    let mut rng = Rng(0x5a3ed);
+    let sp = specials();
+    for (count, m, k, n, together) in [
+        (3, 8, 33, 16, true),
+        (2, 64, 64, 64, true),
+        (3, 9, 17, 35, true),
+        (3, 8, 33, 16, false),
+        (1, 8, 5, 8, true),
+    ] {
+        let mut x: Vec<f32> = (0..m * k).map(|_| rng.moderate()).collect();
+        for (i, v) in x.iter_mut().enumerate() {
+            if i % 13 == 4 {
+                *v = sp[i % sp.len()];
+            }
+        }
+        let ws: Vec<Vec<f32>> = (0..count)
+            .map(|_| (0..n * k).map(|_| rng.moderate()).collect())
+            .collect();
+        let d = dims(1, m, k, n, false, true, 0, 0, Causal::No);
+        for round in [None, Some(Format::Bf16), Some(Format::Fp16)] {
+            let variant = format!("{} x·Wᵢᵀ, one A", round.map_or("f32", Format::name));
+            let case = format!(
+                "{count} weights {}, {}",
+                if together { "side by side" } else { "apart" },
+                d.describe(round)
+            );
+            sw.check("matmul", &variant, case, &[], |dev| {
+                let ws = ws.iter().map(|w| up(w, dev)).collect::<Result<Vec<_>>>()?;
+                let refs: Vec<&Storage> = ws.iter().collect();
+                let ws = if together {
+                    Storage::colocate(&refs)?
+                } else {
+                    ws.clone()
+                };
+                let mut out = Vec::new();
+                for y in Operand::Values(up(&x, dev)?).matmul_shared(
+                    &ws.iter().collect::<Vec<_>>(),
+                    d,
+                    round,
+                )? {
+                    out.extend(y.to_vec_f32()?);
+                }
+                Ok(out)
+            })?;
         }
     }
     Ok(())

@@ -358,25 +358,19 @@ impl Attention {
         let (b, t, c) = (x.shape()[0], x.shape()[1], x.shape()[2]);
         let (h, d) = (self.n_heads, c / self.n_heads);
         let (cos, sin) = self.rope.first(t)?;
+        // the three projections as one product (one dispatch on a GPU)
+        let [q, k, v] = {
+            let _traced = trace::path("qkv_proj");
+            Linear::forward_shared(x, [&self.q_proj, &self.k_proj, &self.v_proj])?
+        };
         // q and k: (B,T,C) -> (B,H,T,D) rotated together, the permute
         // inside the RoPE
-        let project = |name: &str, l: &Linear| {
-            let _traced = trace::path(name);
-            l.forward(x)
-        };
-        let (q, k) = (
-            project("q_proj", &self.q_proj)?,
-            project("k_proj", &self.k_proj)?,
-        );
         let (q, k) = {
             let _traced = trace::path("rope");
             q.rope_heads_pair(&k, &cos, &sin, h)?
         };
         // v: (B,T,C) -> (B,T,H,D), token-major like the attention's output
-        let v = {
-            let _traced = trace::path("v_proj");
-            self.v_proj.forward(x)?.reshape(&[b, t, h, d])?
-        };
+        let v = v.reshape(&[b, t, h, d])?;
         // (B,T,H,D) = softmax(q kᵀ / √D, future positions masked) v
         let scale = 1.0 / (d as f64).sqrt();
         let y = if self.dropout > 0.0 && self.training.get() {
@@ -433,13 +427,9 @@ impl Mlp {
 
     /// `silu(gate(x)) · up(x)`: the down projection's input.
     fn gated(&self, x: &Tensor) -> Result<Tensor> {
-        let g = {
-            let _traced = trace::path("gate_proj");
-            self.gate_proj.forward(x)?
-        };
-        let u = {
-            let _traced = trace::path("up_proj");
-            self.up_proj.forward(x)?
+        let [g, u] = {
+            let _traced = trace::path("gate_up_proj");
+            Linear::forward_shared(x, [&self.gate_proj, &self.up_proj])?
         };
         g.swiglu(&u)
     }

@@ -76,6 +76,38 @@ impl Linear {
         x.matmul_t_add(&self.weight, residual)
     }
 
+    /// Each layer's [`forward`](Layer::forward) of one input, their products
+    /// computed as one primitive ([`Tensor::matmul_t_shared`]) where that is
+    /// all they are: no bias, weights of one shape, no fp8 scope. The weights
+    /// are laid side by side first if they are not ([`Tensor::colocate`],
+    /// once: the optimizer updates them in place), so that on a GPU the
+    /// products are one dispatch.
+    pub fn forward_shared<const N: usize>(x: &Tensor, ls: [&Linear; N]) -> Result<[Tensor; N]> {
+        let w0 = ls.first().map(|l| l.weight.shape());
+        let plain = x.dims() >= 2
+            && fp8::active().is_none()
+            && ls
+                .iter()
+                .all(|l| l.bias.is_none() && Some(l.weight.shape()) == w0);
+        let ys = if plain {
+            for l in ls {
+                l.check_input(x)?;
+            }
+            let ws = ls.map(|l| &l.weight);
+            if !Tensor::side_by_side(&ws) {
+                Tensor::colocate(&ws)?;
+            }
+            x.matmul_t_shared(&ws)?
+        } else {
+            ls.iter()
+                .map(|l| l.forward(x))
+                .collect::<Result<Vec<_>>>()?
+        };
+        Ok(ys
+            .try_into()
+            .unwrap_or_else(|_| unreachable!("one output per layer")))
+    }
+
     fn check_input(&self, x: &Tensor) -> Result<()> {
         let inp = self.weight.shape()[1];
         if x.shape().last() != Some(&inp) {

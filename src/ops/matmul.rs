@@ -24,37 +24,43 @@ pub(crate) fn product(
     round: Option<Format>,
     addend: Option<&Storage>,
 ) -> Result<(Storage, Vec<usize>, MatmulDims)> {
-    let (ra, rb) = (a.shape.len(), b.shape.len());
+    let (dims, shape) = product_dims(a.shape, b.shape, ta, tb)?;
+    let s = match addend {
+        Some(e) => a.op.matmul_add(&b.op, dims, round, e)?,
+        None => a.op.matmul(&b.op, dims, round)?,
+    };
+    Ok((s, shape, dims))
+}
+
+/// The dims of [`product`] and its output's shape.
+fn product_dims(a: &[usize], b: &[usize], ta: bool, tb: bool) -> Result<(MatmulDims, Vec<usize>)> {
+    let (ra, rb) = (a.len(), b.len());
     if ra < 2 || rb < 2 {
         bail!(
             Shape,
-            "matmul needs at least 2-d operands, got {:?} and {:?}",
-            a.shape,
-            b.shape
+            "matmul needs at least 2-d operands, got {a:?} and {b:?}"
         );
     }
     let (m, ka) = if ta {
-        (a.shape[ra - 1], a.shape[ra - 2])
+        (a[ra - 1], a[ra - 2])
     } else {
-        (a.shape[ra - 2], a.shape[ra - 1])
+        (a[ra - 2], a[ra - 1])
     };
     let (kb, n) = if tb {
-        (b.shape[rb - 1], b.shape[rb - 2])
+        (b[rb - 1], b[rb - 2])
     } else {
-        (b.shape[rb - 2], b.shape[rb - 1])
+        (b[rb - 2], b[rb - 1])
     };
     if ka != kb {
         bail!(
             Shape,
-            "matmul: inner dimensions differ ({:?}{} @ {:?}{})",
-            a.shape,
+            "matmul: inner dimensions differ ({a:?}{} @ {b:?}{})",
             if ta { "ᵀ" } else { "" },
-            b.shape,
             if tb { "ᵀ" } else { "" }
         );
     }
     let k = ka;
-    let (lead_a, lead_b) = (&a.shape[..ra - 2], &b.shape[..rb - 2]);
+    let (lead_a, lead_b) = (&a[..ra - 2], &b[..rb - 2]);
     let (batch, b_stride, lead) = if lead_b.is_empty() {
         (numel(lead_a), 0, lead_a.to_vec())
     } else if lead_a == lead_b {
@@ -74,13 +80,9 @@ pub(crate) fn product(
         causal: Default::default(),
         tokens: Default::default(),
     };
-    let s = match addend {
-        Some(e) => a.op.matmul_add(&b.op, dims, round, e)?,
-        None => a.op.matmul(&b.op, dims, round)?,
-    };
     let mut shape = lead;
     shape.extend([m, n]);
-    Ok((s, shape, dims))
+    Ok((dims, shape))
 }
 
 /// `op(a) @ op(b)` over matching leading (batch) axes, recorded for
@@ -109,7 +111,28 @@ fn recorded(
 ) -> Result<Tensor> {
     let addend = e.map(|e| e.storage());
     let (s, shape, dims) = product(a.arg(), b.arg(), ta, tb, round, addend.as_ref())?;
-    let MatmulDims { m, k, n, .. } = dims;
+    record(a, b, round, e, s, shape, dims)
+}
+
+/// The product `s` of [`recorded`]'s operands (of `dims`, `shape`) as a
+/// tensor recorded for backward.
+fn record(
+    a: &Tensor,
+    b: &Tensor,
+    round: Option<Format>,
+    e: Option<&Tensor>,
+    s: Storage,
+    shape: Vec<usize>,
+    dims: MatmulDims,
+) -> Result<Tensor> {
+    let MatmulDims {
+        m,
+        k,
+        n,
+        trans_a: ta,
+        trans_b: tb,
+        ..
+    } = dims;
     let b_dims = b.dims();
     // Keep each operand only if the other one needs a gradient, as backward
     // reads it: rounded to the format (in 16 bits) under autocast, read by
@@ -218,6 +241,41 @@ impl Tensor {
     /// `self @ rhsᵀ` without materialising the transpose (Linear's `x Wᵀ`).
     pub fn matmul_t(&self, rhs: &Tensor) -> Result<Tensor> {
         matmul_with(self, rhs, false, true, autocast_dtype())
+    }
+    /// `self @ wᵀ` for each of `ws` (2-d weights of one shape): the tensors
+    /// [`matmul_t`](Self::matmul_t) gives, each recorded as its own product,
+    /// computed as one primitive ([`Operand::matmul_shared`]: on a GPU one
+    /// dispatch when the weights lie side by side, [`Tensor::colocate`]).
+    pub fn matmul_t_shared(&self, ws: &[&Tensor]) -> Result<Vec<Tensor>> {
+        let Some(w0) = ws.first() else {
+            return Ok(Vec::new());
+        };
+        if ws.iter().any(|w| w.dims() != 2 || w.shape() != w0.shape()) {
+            bail!(
+                Shape,
+                "matmul_t_shared: weights of shapes {:?}",
+                ws.iter().map(|w| w.shape()).collect::<Vec<_>>()
+            );
+        }
+        let round = autocast_dtype();
+        let (dims, shape) = product_dims(self.shape(), w0.shape(), false, true)?;
+        // the batch folded into the rows: the same sums, one product per weight
+        let rows = MatmulDims {
+            batch: 1,
+            m: dims.batch * dims.m,
+            a_batch_stride: 0,
+            ..dims
+        };
+        let storages: Vec<Storage> = ws.iter().map(|w| w.storage()).collect();
+        let outs = Operand::Values(self.storage()).matmul_shared(
+            &storages.iter().collect::<Vec<_>>(),
+            rows,
+            round,
+        )?;
+        ws.iter()
+            .zip(outs)
+            .map(|(w, s)| record(self, w, round, None, s, shape.clone(), dims))
+            .collect()
     }
     /// `e + self @ rhsᵀ` (a residual connection around a Linear): the bits
     /// of `e.residual_add(&self.matmul_t(rhs)?)`, its gradients too where nothing else

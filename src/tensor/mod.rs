@@ -366,6 +366,25 @@ impl Tensor {
         Rc::ptr_eq(&self.0, &other.0)
     }
 
+    /// Lays the values of `ts` (leaves of one device and type) side by side
+    /// where the device gains from it ([`Storage::colocate`]): on a GPU,
+    /// weights one product reads all of ([`matmul_t_shared`](Tensor::matmul_t_shared)).
+    /// Values, `.grad` and the graph are untouched.
+    pub fn colocate(ts: &[&Tensor]) -> Result<()> {
+        let storages: Vec<Storage> = ts.iter().map(|t| t.storage()).collect();
+        let placed = Storage::colocate(&storages.iter().collect::<Vec<_>>())?;
+        for (t, s) in ts.iter().zip(placed) {
+            t.set_storage(s)?;
+        }
+        Ok(())
+    }
+
+    /// Whether `ts` are as [`colocate`](Tensor::colocate) lays them out.
+    pub fn side_by_side(ts: &[&Tensor]) -> bool {
+        let storages: Vec<Storage> = ts.iter().map(|t| t.storage()).collect();
+        Storage::side_by_side(&storages.iter().collect::<Vec<_>>())
+    }
+
     /// Replaces the values of a leaf in place (loading a checkpoint, tests).
     pub(crate) fn set_storage(&self, s: Storage) -> Result<()> {
         if s.len() != self.numel() || s.dtype() != self.dtype() {

@@ -69,7 +69,7 @@ impl CopyOps for GpuStorage {
             shape,
             strides,
         };
-        c.dispatch(&STRIDED_COPY, &prm, &[self.buf(), out.buf()], grid1d(n))?;
+        c.dispatch(&STRIDED_COPY, &prm, &[self.bind(), out.bind()], grid1d(n))?;
         Ok(out)
     }
 
@@ -87,7 +87,7 @@ impl CopyOps for GpuStorage {
                 row: u32_of(total * inner, "row")?,
                 dst: u32_of(dst * inner, "offset")?,
             };
-            c.dispatch(&CONCAT_PART, &prm, &[p.buf(), out.buf()], grid1d(outer * seg))?;
+            c.dispatch(&CONCAT_PART, &prm, &[p.bind(), out.bind()], grid1d(outer * seg))?;
             dst += s;
         }
         Ok(out)
@@ -105,7 +105,7 @@ impl CopyOps for GpuStorage {
             count: u32_of(ids.len(), "ids")?,
             d: u32_of(d, "d")?,
         };
-        c.dispatch(&GATHER_ROWS, &prm, &[self.buf(), &idb, out.buf()], grid1d(n))?;
+        c.dispatch(&GATHER_ROWS, &prm, &[self.bind(), (&idb).into(), out.bind()], grid1d(n))?;
         Ok(out)
     }
 
@@ -150,7 +150,7 @@ impl CopyOps for GpuStorage {
             c.dispatch(
                 &SCATTER_ADD_ROWS,
                 &prm,
-                &[self.buf(), &rp, &ls, out.buf()],
+                &[self.bind(), (&rp).into(), (&ls).into(), out.bind()],
                 grid1d(v * d),
             )?;
             skip += LOOP_PASS;

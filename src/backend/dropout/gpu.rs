@@ -45,7 +45,7 @@ impl DropoutOps for GpuStorage {
             off_lo: offset as u32,
             off_hi: (offset >> 32) as u32,
         };
-        c.dispatch(&DROPOUT_MASK, &prm, &[out.buf()], grid1d(n.div_ceil(4)))?;
+        c.dispatch(&DROPOUT_MASK, &prm, &[out.bind()], grid1d(n.div_ceil(4)))?;
         Ok(out)
     }
 }

@@ -73,7 +73,7 @@ impl ElementwiseOps for GpuStorage {
             c: scalar.to_bits(),
             fmt,
         };
-        c.dispatch(&UNARY, &prm, &[self.buf(), out.buf()], grid1d(n))?;
+        c.dispatch(&UNARY, &prm, &[self.bind(), out.bind()], grid1d(n))?;
         Ok(out)
     }
 
@@ -95,7 +95,7 @@ impl ElementwiseOps for GpuStorage {
         c.dispatch(
             &BINARY,
             &prm,
-            &[self.buf(), rhs.buf(), out.buf()],
+            &[self.bind(), rhs.bind(), out.bind()],
             grid1d(n),
         )?;
         Ok(out)

@@ -186,7 +186,7 @@ impl FusedOps for GpuStorage {
             zero: 0,
         };
         let (kernel, groups) = row_launches(variant, rows, d)[0];
-        c.dispatch(&kernel, &prm, &[self.buf(), w.buf(), y.buf(), rstd.buf()], groups)?;
+        c.dispatch(&kernel, &prm, &[self.bind(), w.bind(), y.bind(), rstd.bind()], groups)?;
         Ok((y, rstd))
     }
 
@@ -220,7 +220,7 @@ impl FusedOps for GpuStorage {
             // without an earlier gradient the kernel reads none: g stands in
             let e = ex.unwrap_or(g);
             let (kernel, groups) = row_launches(variant, rows, d)[1];
-            c.dispatch(&kernel, &prm, &[self.buf(), w.buf(), rstd.buf(), g.buf(), e.buf(), out.buf()], groups)?;
+            c.dispatch(&kernel, &prm, &[self.bind(), w.bind(), rstd.bind(), g.bind(), e.bind(), out.bind()], groups)?;
             dx = Some(out);
         }
         if want_dw {
@@ -253,7 +253,7 @@ impl FusedOps for GpuStorage {
                 c.dispatch(
                     &RMS_NORM_BACKWARD_DW,
                     &prm,
-                    &[self.buf(), rstd.buf(), g.buf(), state.buf(), out.buf(), e.buf()],
+                    &[self.bind(), rstd.bind(), g.bind(), state.bind(), out.bind(), e.bind()],
                     grid1d(d),
                 )?;
                 r0 = r1;
@@ -274,7 +274,7 @@ impl FusedOps for GpuStorage {
             n: u32_of(n, "length")?,
             zero: 0,
         };
-        c.dispatch(&SWIGLU, &prm, &[self.buf(), up.buf(), y.buf()], grid1d(n))?;
+        c.dispatch(&SWIGLU, &prm, &[self.bind(), up.bind(), y.bind()], grid1d(n))?;
         Ok(y)
     }
 
@@ -291,7 +291,7 @@ impl FusedOps for GpuStorage {
         c.dispatch(
             &SWIGLU_BACKWARD,
             &prm,
-            &[self.buf(), up.buf(), g.buf(), dg.buf(), du.buf()],
+            &[self.bind(), up.bind(), g.bind(), dg.bind(), du.bind()],
             grid1d(n),
         )?;
         Ok((dg, du))
@@ -313,7 +313,7 @@ impl FusedOps for GpuStorage {
         let n = self.len();
         let (y0, y1) = (GpuStorage::alloc(c, n)?, GpuStorage::alloc(c, n)?);
         let prm = rope_params(n, (t, d, heads))?;
-        let bind = [self.buf(), other.buf(), cos.buf(), sin.buf(), y0.buf(), y1.buf()];
+        let bind = [self.bind(), other.bind(), cos.bind(), sin.bind(), y0.bind(), y1.bind()];
         c.dispatch(&ROPE_PAIR, &prm, &bind, grid1d(2 * n))?;
         Ok((y0, y1))
     }
@@ -341,7 +341,7 @@ impl FusedOps for GpuStorage {
         if rows > 0 {
             let ids = c.buffer_with(bytemuck::cast_slice(targets));
             let (kernel, groups) = launches[2];
-            c.dispatch(&kernel, &prm, &[self.buf(), &ids, stats.buf(), rowloss.buf()], groups)?;
+            c.dispatch(&kernel, &prm, &[self.bind(), (&ids).into(), stats.bind(), rowloss.bind()], groups)?;
         }
         // Passes of at most LOOP_PASS rows, at least one (no rows: the mean of nothing).
         let mut k0 = 0;
@@ -354,7 +354,7 @@ impl FusedOps for GpuStorage {
                 rows_f: prm.rows_f,
             };
             let (kernel, groups) = launches[3];
-            c.dispatch(&kernel, &sp, &[rowloss.buf(), loss.buf()], groups)?;
+            c.dispatch(&kernel, &sp, &[rowloss.bind(), loss.bind()], groups)?;
             k0 = k1;
             if k0 >= rows {
                 break;
@@ -388,7 +388,7 @@ impl FusedOps for GpuStorage {
         };
         let ids = c.buffer_with(bytemuck::cast_slice(targets));
         let (kernel, groups) = row_launches(variant, rows, v)[4];
-        c.dispatch(&kernel, &prm, &[self.buf(), &ids, stats.buf(), g.buf(), dx.buf()], groups)?;
+        c.dispatch(&kernel, &prm, &[self.bind(), (&ids).into(), stats.bind(), g.bind(), dx.bind()], groups)?;
         Ok(dx)
     }
 }
@@ -405,7 +405,7 @@ fn rope_launch(
     let n = x.len();
     let y = GpuStorage::alloc(c, n)?;
     let prm = rope_params(n, (t, d, heads))?;
-    c.dispatch(k, &prm, &[x.buf(), cos.buf(), sin.buf(), y.buf()], grid1d(n))?;
+    c.dispatch(k, &prm, &[x.bind(), cos.bind(), sin.bind(), y.bind()], grid1d(n))?;
     Ok(y)
 }
 

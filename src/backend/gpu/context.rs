@@ -156,7 +156,23 @@ struct Pending {
 struct BindGroups {
     /// Buffers of the pool: only these may appear in a cached bind group.
     pooled: std::collections::HashSet<wgpu::Buffer>,
-    groups: HashMap<(Kernel, Vec<wgpu::Buffer>), wgpu::BindGroup>,
+    groups: HashMap<(Kernel, Vec<(wgpu::Buffer, u64)>), wgpu::BindGroup>,
+}
+
+/// A binding: a buffer from a byte offset to its end (a tensor's view of a
+/// shared buffer, see [`GpuStorage`](super::GpuStorage)). A kernel indexes
+/// from the offset.
+#[derive(Clone, Copy)]
+pub struct Bind<'a> {
+    pub buf: &'a wgpu::Buffer,
+    pub offset: u64,
+}
+
+impl<'a> From<&'a wgpu::Buffer> for Bind<'a> {
+    /// The whole buffer.
+    fn from(buf: &'a wgpu::Buffer) -> Bind<'a> {
+        Bind { buf, offset: 0 }
+    }
 }
 
 static CONTEXT: OnceLock<std::result::Result<Context, String>> = OnceLock::new();
@@ -493,7 +509,7 @@ impl Context {
     /// The bind group of `k` over `bufs` (bindings 1, 2, ...) and the params
     /// buffer (binding 0, its offset given at dispatch): from the cache when
     /// every buffer is pooled.
-    fn bind_group(&self, k: &Kernel, p: &Pipeline, bufs: &[&wgpu::Buffer]) -> wgpu::BindGroup {
+    fn bind_group(&self, k: &Kernel, p: &Pipeline, bufs: &[Bind]) -> wgpu::BindGroup {
         let create = || {
             let mut entries = vec![wgpu::BindGroupEntry {
                 binding: 0,
@@ -506,7 +522,11 @@ impl Context {
             for (i, b) in bufs.iter().enumerate() {
                 entries.push(wgpu::BindGroupEntry {
                     binding: i as u32 + 1,
-                    resource: b.as_entire_binding(),
+                    resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                        buffer: b.buf,
+                        offset: b.offset,
+                        size: None,
+                    }),
                 });
             }
             self.device.create_bind_group(&wgpu::BindGroupDescriptor {
@@ -516,10 +536,10 @@ impl Context {
             })
         };
         let mut cache = self.bind_groups.lock().unwrap();
-        if !bufs.iter().all(|b| cache.pooled.contains(*b)) {
+        if !bufs.iter().all(|b| cache.pooled.contains(b.buf)) {
             return create();
         }
-        let key = (*k, bufs.iter().map(|&b| b.clone()).collect::<Vec<_>>());
+        let key = (*k, bufs.iter().map(|b| (b.buf.clone(), b.offset)).collect::<Vec<_>>());
         if let Some(bg) = cache.groups.get(&key) {
             return bg.clone();
         }
@@ -546,7 +566,7 @@ impl Context {
         for b in bufs {
             cache.pooled.remove(b);
         }
-        cache.groups.retain(|(_, held), _| !held.iter().any(|h| bufs.contains(h)));
+        cache.groups.retain(|(_, held), _| !held.iter().any(|(h, _)| bufs.contains(h)));
     }
 
     /// Records one dispatch of `k` over `groups` workgroups. `params` (the
@@ -555,7 +575,7 @@ impl Context {
         &self,
         k: &Kernel,
         params: &P,
-        bufs: &[&wgpu::Buffer],
+        bufs: &[Bind],
         groups: (u32, u32, u32),
     ) -> Result<()> {
         if groups.0 == 0 || groups.1 == 0 || groups.2 == 0 {
@@ -652,20 +672,24 @@ impl Context {
     }
 
     /// Records a copy of the first `bytes` of `src` into `dst`, in order with
-    /// the pending dispatches. The benchmarks' bandwidth baseline.
-    #[cfg(any(feature = "cli", feature = "test-hooks"))]
-    pub fn copy(&self, src: &wgpu::Buffer, dst: &wgpu::Buffer, bytes: u64) -> Result<()> {
+    /// the pending dispatches.
+    pub fn copy(&self, src: Bind, dst: Bind, bytes: u64) -> Result<()> {
         if bytes == 0 {
             return Ok(());
         }
         let mut pend = self.pending.lock().unwrap();
-        self.encoder(&mut pend)
-            .copy_buffer_to_buffer(src, 0, dst, 0, bytes.next_multiple_of(4));
+        self.encoder(&mut pend).copy_buffer_to_buffer(
+            src.buf,
+            src.offset,
+            dst.buf,
+            dst.offset,
+            bytes.next_multiple_of(4),
+        );
         Ok(())
     }
 
     /// Records a copy of `data` into `dst` (in order with pending dispatches).
-    pub fn upload(&self, dst: &wgpu::Buffer, data: &[u8]) -> Result<()> {
+    pub fn upload(&self, dst: Bind, data: &[u8]) -> Result<()> {
         if data.is_empty() {
             return Ok(());
         }
@@ -686,7 +710,7 @@ impl Context {
         staging.unmap();
         let mut pend = self.pending.lock().unwrap();
         self.encoder(&mut pend)
-            .copy_buffer_to_buffer(&staging, 0, dst, 0, size);
+            .copy_buffer_to_buffer(&staging, 0, dst.buf, dst.offset, size);
         Ok(())
     }
 
@@ -712,13 +736,13 @@ impl Context {
 
     /// Copies the first `bytes` of `src` to the host: submits everything
     /// pending plus the copy, then maps a staging buffer and waits.
-    pub fn read(&self, src: &wgpu::Buffer, bytes: u64) -> Result<Vec<u8>> {
+    pub fn read(&self, src: Bind, bytes: u64) -> Result<Vec<u8>> {
         Ok(self.read_many(&[(src, bytes)])?.remove(0))
     }
 
     /// The first `bytes` of each buffer, copied into one staging buffer and
     /// mapped once: one GPU sync for all of them.
-    pub fn read_many(&self, parts: &[(&wgpu::Buffer, u64)]) -> Result<Vec<Vec<u8>>> {
+    pub fn read_many(&self, parts: &[(Bind, u64)]) -> Result<Vec<Vec<u8>>> {
         // each part at a 4-byte aligned offset (wgpu's copy alignment)
         let sizes: Vec<u64> = parts.iter().map(|&(_, b)| b.next_multiple_of(4)).collect();
         let size: u64 = sizes.iter().sum();
@@ -742,7 +766,7 @@ impl Context {
             let mut at = 0;
             for (&(src, _), &n) in parts.iter().zip(&sizes) {
                 if n > 0 {
-                    enc.copy_buffer_to_buffer(src, 0, &staging, at, n);
+                    enc.copy_buffer_to_buffer(src.buf, src.offset, &staging, at, n);
                 }
                 at += n;
             }

@@ -44,13 +44,26 @@ use crate::memory::Ticket;
 use crate::{bail, Result};
 use context::{ctx, ctx_if_created, Context};
 
-/// A tensor's buffer on the GPU: f32 elements in a pooled storage buffer.
+/// A tensor's buffer on the GPU: `len` f32 elements of a pooled storage
+/// buffer, from element `offset`. Most tensors own their buffer (offset 0);
+/// tensors made together may be views of one ([`GpuStorage::alloc_views`]),
+/// so that one dispatch can read or write all of them (a product batched
+/// over the weights laid out side by side). The buffer goes back to the pool
+/// when its last view is dropped.
 pub struct GpuStorage {
+    block: std::sync::Arc<Block>,
+    offset: usize,
+    len: usize,
+}
+
+/// A pooled buffer and the memory it counts for.
+struct Block {
     buf: Option<wgpu::Buffer>,
     class: u64,
-    len: usize,
     _ticket: Ticket,
 }
+
+pub use context::Bind;
 
 /// Bytes held by pooled GPU buffers that back no tensor right now.
 pub fn gpu_pool_bytes() -> usize {
@@ -206,7 +219,13 @@ pub fn buffer_copy(src: &GpuStorage, dst: &GpuStorage) -> Result<()> {
             dst.len
         );
     }
-    ctx()?.copy(src.buf(), dst.buf(), src.len as u64 * 4)
+    ctx()?.copy(src.bind(), dst.bind(), src.len as u64 * 4)
+}
+
+/// Elements between the starts of views of one buffer are a multiple of this
+/// (the device's binding-offset alignment, in f32s).
+pub(crate) fn view_align(c: &Context) -> usize {
+    (c.device.limits().min_storage_buffer_offset_alignment as usize / 4).max(1)
 }
 
 /// Whether kernels use the device's own `fma` ("native", probed to be exactly
@@ -262,7 +281,7 @@ pub fn pad6(shape: &[usize], strides: &[usize]) -> Result<([u32; MAX_DIMS], [u32
 /// running values through memory, in the same order.
 pub const LOOP_PASS: usize = 16_384;
 
-impl Drop for GpuStorage {
+impl Drop for Block {
     fn drop(&mut self) {
         if let (Some(b), Some(c)) = (self.buf.take(), ctx_if_created()) {
             let gone = c.pool.lock().unwrap().put(self.class, b);
@@ -276,6 +295,88 @@ impl Drop for GpuStorage {
 impl GpuStorage {
     /// An uninitialised buffer of `len` f32s (from the pool when possible).
     pub fn alloc(c: &Context, len: usize) -> Result<GpuStorage> {
+        let block = std::sync::Arc::new(Block::alloc(c, len)?);
+        Ok(GpuStorage {
+            block,
+            offset: 0,
+            len,
+        })
+    }
+
+    /// Uninitialised views of one buffer, of `lens` f32s each, in order and
+    /// `stride` elements apart, `stride` the least multiple of the binding
+    /// alignment that holds the longest: view `i` starts at `i · stride` of
+    /// the first's buffer.
+    pub fn alloc_views(c: &Context, lens: &[usize]) -> Result<(Vec<GpuStorage>, usize)> {
+        let stride = lens.iter().copied().max().unwrap_or(0).next_multiple_of(view_align(c));
+        let total = stride
+            .checked_mul(lens.len())
+            .ok_or_else(|| crate::Error::device("views too large for the GPU backend"))?;
+        let block = std::sync::Arc::new(Block::alloc(c, total)?);
+        let views = lens
+            .iter()
+            .enumerate()
+            .map(|(i, &len)| GpuStorage {
+                block: block.clone(),
+                offset: i * stride,
+                len,
+            })
+            .collect();
+        Ok((views, stride))
+    }
+
+    /// Copies of `xs` as views of one buffer ([`alloc_views`](Self::alloc_views)),
+    /// copied on the device.
+    pub fn colocated(xs: &[&GpuStorage]) -> Result<Vec<GpuStorage>> {
+        let c = ctx()?;
+        let lens: Vec<usize> = xs.iter().map(|x| x.len).collect();
+        let (views, _) = GpuStorage::alloc_views(c, &lens)?;
+        for (x, v) in xs.iter().zip(&views) {
+            c.copy(x.bind(), v.bind(), x.len as u64 * 4)?;
+        }
+        Ok(views)
+    }
+
+    /// Where `views` lie when they are views of one buffer, in order, an equal
+    /// number of elements apart: the first's offset and that stride (0 for a
+    /// single view).
+    pub fn spaced(views: &[&GpuStorage]) -> Option<usize> {
+        let (first, rest) = views.split_first()?;
+        let stride = match rest.first() {
+            Some(s) if std::sync::Arc::ptr_eq(&s.block, &first.block) => s.offset.checked_sub(first.offset)?,
+            Some(_) => return None,
+            None => return Some(0),
+        };
+        let even = views.iter().enumerate().all(|(i, v)| {
+            std::sync::Arc::ptr_eq(&v.block, &first.block) && v.offset == first.offset + i * stride
+        });
+        (even && stride > 0).then_some(stride)
+    }
+
+    /// `self` as `n` views of equal length, in order (`n` divides its
+    /// length, a multiple of the binding alignment apart).
+    pub fn split(self, n: usize) -> Vec<GpuStorage> {
+        let part = self.len / n;
+        (0..n)
+            .map(|i| GpuStorage {
+                block: self.block.clone(),
+                offset: self.offset + i * part,
+                len: part,
+            })
+            .collect()
+    }
+
+    /// The tensor's binding: its buffer from its first element.
+    pub fn bind(&self) -> Bind<'_> {
+        Bind {
+            buf: self.block.buf.as_ref().expect("a live GPU tensor has a buffer"),
+            offset: self.offset as u64 * 4,
+        }
+    }
+}
+
+impl Block {
+    fn alloc(c: &Context, len: usize) -> Result<Block> {
         let bytes = (len as u64) * 4;
         let class = buffers::size_class(bytes.max(4));
         if class > c.max_binding() {
@@ -305,22 +406,19 @@ impl GpuStorage {
                 b
             }
         };
-        Ok(GpuStorage {
+        Ok(Block {
             buf: Some(buf),
             class,
-            len,
             _ticket: Ticket::new(len * 4),
         })
     }
+}
 
-    pub fn buf(&self) -> &wgpu::Buffer {
-        self.buf.as_ref().expect("a live GPU tensor has a buffer")
-    }
-
+impl GpuStorage {
     pub fn upload(data: &[f32]) -> Result<Self> {
         let c = ctx()?;
         let s = Self::alloc(c, data.len())?;
-        c.upload(s.buf(), bytemuck::cast_slice(data))?;
+        c.upload(s.bind(), bytemuck::cast_slice(data))?;
         Ok(s)
     }
     pub fn full(n: usize, v: f32) -> Result<Self> {
@@ -328,7 +426,7 @@ impl GpuStorage {
         // before any host memory is spent on it.
         let c = ctx()?;
         let s = Self::alloc(c, n)?;
-        c.upload(s.buf(), bytemuck::cast_slice(&vec![v; n]))?;
+        c.upload(s.bind(), bytemuck::cast_slice(&vec![v; n]))?;
         Ok(s)
     }
     pub fn len(&self) -> usize {
@@ -341,7 +439,7 @@ impl GpuStorage {
         if self.len == 0 {
             return Ok(Vec::new());
         }
-        let bytes = ctx()?.read(self.buf(), self.len as u64 * 4)?;
+        let bytes = ctx()?.read(self.bind(), self.len as u64 * 4)?;
         Ok(bytemuck::pod_collect_to_vec(&bytes))
     }
 }

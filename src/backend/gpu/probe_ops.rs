@@ -122,7 +122,7 @@ pub fn run(cases: &[(ProbeOp, [f32; 3])]) -> Result<Vec<f32>> {
     let xs = GpuStorage::upload(&xs)?;
     let out = GpuStorage::alloc(c, n)?;
     let prm = ProbeParams { n: u32_of(n, "probe cases")? };
-    c.dispatch(&PROBE, &prm, &[ops.buf(), xs.buf(), out.buf()], grid1d(n))?;
+    c.dispatch(&PROBE, &prm, &[ops.bind(), xs.bind(), out.bind()], grid1d(n))?;
     out.download()
 }
 

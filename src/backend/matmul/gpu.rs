@@ -9,7 +9,7 @@ use super::{Halves, MatmulDims, MatmulOps};
 use crate::backend::gpu::context::ctx;
 use crate::backend::gpu::pipelines::{gpu_params, no_consts, Family, Kernel};
 use crate::backend::gpu::variant::Kernels;
-use crate::backend::gpu::{u32_of, GpuStorage, LOOP_PASS};
+use crate::backend::gpu::{u32_of, view_align, GpuStorage, LOOP_PASS};
 use crate::backend::round::{fmt_code, Format};
 use crate::{bail, Result};
 
@@ -99,6 +99,27 @@ impl MatmulOps for GpuStorage {
     fn matmul(&self, rhs: &GpuStorage, d: MatmulDims, halves: Halves, round: Option<Format>) -> Result<GpuStorage> {
         self.product(rhs, d, halves, round, None)
     }
+    /// One product batched over `rhs` (A broadcast, B `stride` elements
+    /// apart) when they are views of one buffer evenly spaced and the
+    /// outputs can be views too; its outputs split into views. Each output
+    /// has the bits of its own product (batches never share sums).
+    fn matmul_shared(&self, rhs: &[&GpuStorage], d: MatmulDims, halves: Halves, round: Option<Format>) -> Result<Vec<GpuStorage>> {
+        let c = ctx()?;
+        let outputs_align = (d.m * d.n).is_multiple_of(view_align(c));
+        let same_len = rhs.iter().all(|b| b.len() == rhs[0].len());
+        match GpuStorage::spaced(rhs) {
+            Some(stride) if rhs.len() > 1 && same_len && outputs_align => {
+                let all = MatmulDims {
+                    batch: rhs.len(),
+                    a_batch_stride: 0,
+                    b_batch_stride: stride,
+                    ..d
+                };
+                Ok(self.product(rhs[0], all, halves, round, None)?.split(rhs.len()))
+            }
+            _ => rhs.iter().map(|b| self.product(b, d, halves, round, None)).collect(),
+        }
+    }
 }
 
 impl GpuStorage {
@@ -181,7 +202,7 @@ impl GpuStorage {
                 c.dispatch(
                     &kernel,
                     &prm,
-                    &[self.buf(), rhs.buf(), out.buf(), e.buf()],
+                    &[self.bind(), rhs.bind(), out.bind(), e.bind()],
                     (gx as u32, gy as u32, nb as u32),
                 )?;
                 p0 = p1;

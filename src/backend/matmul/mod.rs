@@ -330,6 +330,12 @@ pub trait MatmulOps: Sized {
     /// mask): the product's bits, then the elementwise sum's, `addend` first.
     fn matmul_add(&self, rhs: &Self, d: MatmulDims, halves: Halves, round: Option<Format>, addend: &Self)
         -> Result<Self>;
+    /// [`matmul`](Self::matmul) of `self` with each of `rhs`, one unbatched
+    /// product's dims `d` each (B not 16-bit); a GPU runs them as one product
+    /// batched over `rhs` where they lie side by side in one buffer.
+    fn matmul_shared(&self, rhs: &[&Self], d: MatmulDims, halves: Halves, round: Option<Format>) -> Result<Vec<Self>> {
+        rhs.iter().map(|b| self.matmul(b, d, halves, round)).collect()
+    }
 }
 
 impl Storage {
@@ -340,6 +346,31 @@ impl Storage {
 }
 
 impl Operand {
+    /// `self @ b` for each `b` of `rhs` (on `self`'s device, float32 values):
+    /// the bits of [`matmul`](Self::matmul) of each, as one primitive (on a
+    /// GPU one dispatch when the `rhs` are views of one buffer, evenly
+    /// spaced: weights laid out together). `dims` is each product's,
+    /// unbatched and dense.
+    pub fn matmul_shared(&self, rhs: &[&Storage], dims: MatmulDims, round: Option<Format>) -> Result<Vec<Storage>> {
+        if dims.batch != 1 || dims.tokens.any() || rhs.is_empty() {
+            bail!(Shape, "matmul_shared: one or more unbatched, dense products ({} of {dims:?})", rhs.len());
+        }
+        let (a, ha) = self.parts();
+        let halves = Halves { a: ha, b: None };
+        let all = MatmulDims { batch: rhs.len(), ..dims };
+        let mut prof = crate::profile::product_scope(all.profiled());
+        let mut parts = vec![a];
+        parts.extend_from_slice(rhs);
+        let outs: Vec<Storage> = super::on_device!(slice &parts => |ds| {
+            let (a, bs) = ds.split_first().expect("A and B");
+            a.matmul_shared(bs, dims, halves, round).map(|v| v.into_iter().map(super::Lift::lift).collect::<Vec<Storage>>())
+        });
+        let refs: Vec<&Storage> = outs.iter().collect();
+        prof.moved(|| super::traffic("matmul", &parts, &refs));
+        super::observed("matmul", || all.describe(round), &refs)?;
+        Ok(outs)
+    }
+
     /// The contract's matmul; `self` is A, `rhs` is B.
     pub fn matmul(&self, rhs: &Operand, dims: MatmulDims, round: Option<Format>) -> Result<Storage> {
         dims.check_tokens()?;

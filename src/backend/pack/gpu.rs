@@ -73,9 +73,9 @@ impl PackOps for GpuStorage {
                 n,
             };
             // unused slots bound to the first buffer and its words, never touched
-            let slot = |s: usize| group.get(s).unwrap_or(&group[0]).buf();
-            let word = |s: usize| words.get(s).unwrap_or(&words[0]).buf();
-            let mut bind: Vec<&wgpu::Buffer> = (0..PACK_SLOTS).map(slot).collect();
+            let slot = |s: usize| group.get(s).unwrap_or(&group[0]).bind();
+            let word = |s: usize| words.get(s).unwrap_or(&words[0]).bind();
+            let mut bind: Vec<crate::backend::gpu::Bind> = (0..PACK_SLOTS).map(slot).collect();
             bind.extend((0..PACK_SLOTS).map(word));
             let most = group.iter().map(|x| x.len().div_ceil(2)).max().unwrap_or(0);
             c.dispatch(&PACK, &prm, &bind, grid1d(most))?;
@@ -91,7 +91,7 @@ impl PackOps for GpuStorage {
             n: u32_of(n, "length")?,
             fmt: fmt_code(Some(fmt)),
         };
-        c.dispatch(&UNPACK, &prm, &[self.buf(), y.buf()], grid1d(n))?;
+        c.dispatch(&UNPACK, &prm, &[self.bind(), y.bind()], grid1d(n))?;
         Ok(y)
     }
 
@@ -108,7 +108,7 @@ impl PackOps for GpuStorage {
             shape,
             strides,
         };
-        c.dispatch(&UNPACK_STRIDED, &prm, &[self.buf(), y.buf()], grid1d(n))?;
+        c.dispatch(&UNPACK_STRIDED, &prm, &[self.bind(), y.bind()], grid1d(n))?;
         Ok(y)
     }
 }

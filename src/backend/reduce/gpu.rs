@@ -92,7 +92,7 @@ impl ReduceOps for GpuStorage {
                 k0: k0 as u32,
                 k1: k1 as u32,
             };
-            c.dispatch(&REDUCE, &prm, &[self.buf(), out.buf()], grid1d(n))?;
+            c.dispatch(&REDUCE, &prm, &[self.bind(), out.bind()], grid1d(n))?;
             k0 = k1;
             if k0 >= r {
                 break;
@@ -117,7 +117,7 @@ impl ReduceOps for GpuStorage {
             scale: scale.to_bits(),
             causal: causal as u32,
         };
-        c.dispatch(&kernel, &prm, &[self.buf(), out.buf()], grid1d(rows))?;
+        c.dispatch(&kernel, &prm, &[self.bind(), out.bind()], grid1d(rows))?;
         Ok(out)
     }
 
@@ -144,7 +144,7 @@ impl ReduceOps for GpuStorage {
         c.dispatch(
             &kernel,
             &prm,
-            &[self.buf(), g.buf(), out.buf()],
+            &[self.bind(), g.bind(), out.bind()],
             grid1d(rows),
         )?;
         Ok(out)
@@ -172,7 +172,7 @@ impl ReduceOps for GpuStorage {
             c.dispatch(
                 &CHUNK_SUM_SQUARES,
                 &prm,
-                &[b.buf(), partials.buf()],
+                &[b.bind(), partials.bind()],
                 grid1d(chunks),
             )?;
             offset += chunks;

@@ -126,13 +126,13 @@ impl UpdateOps for GpuStorage {
                 n,
                 end,
             };
-            let mut bind = vec![&flag, partials.buf()];
-            bind.extend((0..CHECK_BUFS).map(|s| group.get(s).unwrap_or(&group[0]).buf()));
+            let mut bind = vec![(&flag).into(), partials.bind()];
+            bind.extend((0..CHECK_BUFS).map(|s| group.get(s).unwrap_or(&group[0]).bind()));
             c.dispatch(&CHECK, &prm, &bind, grid1d(chunks))?;
             offset += chunks;
         }
-        let mut parts = vec![(&flag, 4), (partials.buf(), 4 * chunks as u64)];
-        parts.extend(also.map(|a| (a.buf(), 4 * a.len() as u64)));
+        let mut parts = vec![((&flag).into(), 4), (partials.bind(), 4 * chunks as u64)];
+        parts.extend(also.map(|a| (a.bind(), 4 * a.len() as u64)));
         let mut got = c.read_many(&parts)?.into_iter();
         let v = got.next().unwrap_or_default();
         let finite = u32::from_le_bytes([v[0], v[1], v[2], v[3]]) == 0;
@@ -150,7 +150,7 @@ impl UpdateOps for GpuStorage {
             n: u32_of(self.len(), "length")?,
             c: s.to_bits(),
         };
-        ctx()?.dispatch(&k, &prm, &[self.buf()], grid)
+        ctx()?.dispatch(&k, &prm, &[self.bind()], grid)
     }
 
     fn adamw_step(&self, g: &GpuStorage, m: &GpuStorage, v: &GpuStorage, k: &AdamWConsts) -> Result<()> {
@@ -172,7 +172,7 @@ impl UpdateOps for GpuStorage {
         ctx()?.dispatch(
             &kernel,
             &prm,
-            &[self.buf(), g.buf(), m.buf(), v.buf()],
+            &[self.bind(), g.bind(), m.bind(), v.bind()],
             grid,
         )
     }
@@ -196,8 +196,8 @@ impl UpdateOps for GpuStorage {
         };
         let grid = grid1d(self.len());
         match buf {
-            None => c.dispatch(&SGD, &prm, &[self.buf(), g.buf()], grid),
-            Some(b) => c.dispatch(&SGD_MOMENTUM, &prm, &[self.buf(), g.buf(), b.buf()], grid),
+            None => c.dispatch(&SGD, &prm, &[self.bind(), g.bind()], grid),
+            Some(b) => c.dispatch(&SGD_MOMENTUM, &prm, &[self.bind(), g.bind(), b.bind()], grid),
         }
     }
 }
