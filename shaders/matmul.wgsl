@@ -57,6 +57,34 @@ struct MatmulParams {
 @group(0) @binding(3) var<storage, read_write> c: array<f32>;
 // The addend (prm.add); without it the host binds another operand here, unread.
 @group(0) @binding(4) var<storage, read> e: array<f32>;
+// With OUTS 2 or 3, batch 1's output is c1 and batch 2's c2, each from its own
+// start (the host sets c_bs to 0): one A times several B (a layer's weights
+// laid side by side) writing separate tensors. Otherwise c stands in, unused.
+@group(0) @binding(5) var<storage, read_write> c1: array<f32>;
+@group(0) @binding(6) var<storage, read_write> c2: array<f32>;
+override OUTS: u32 = 1u;
+// The output binding of this invocation's batch (see place).
+var<private> c_slot: u32 = 0u;
+
+fn c_get(at: u32) -> f32 {
+    if OUTS > 1u && c_slot == 1u {
+        return c1[at];
+    }
+    if OUTS > 2u && c_slot == 2u {
+        return c2[at];
+    }
+    return c[at];
+}
+
+fn c_set(at: u32, x: f32) {
+    if OUTS > 1u && c_slot == 1u {
+        c1[at] = x;
+    } else if OUTS > 2u && c_slot == 2u {
+        c2[at] = x;
+    } else {
+        c[at] = x;
+    }
+}
 
 // Pipeline specialisation (one pipeline per combination, compiled on first
 // use): what changes the inner loop's work. FMT is the FMT_* code applied to
@@ -183,16 +211,16 @@ fn store_lanes(row: u32, i: u32, j: u32, s: u32, v: vec4<f32>) {
         w = select(v, vec4<f32>(0.0), cols > vec4<u32>(i));
     }
     if cols.x < n {
-        c[row + cols.x] = fin(w.x, row + cols.x);
+        c_set(row + cols.x, fin(w.x, row + cols.x));
     }
     if cols.y < n {
-        c[row + cols.y] = fin(w.y, row + cols.y);
+        c_set(row + cols.y, fin(w.y, row + cols.y));
     }
     if cols.z < n {
-        c[row + cols.z] = fin(w.z, row + cols.z);
+        c_set(row + cols.z, fin(w.z, row + cols.z));
     }
     if cols.w < n {
-        c[row + cols.w] = fin(w.w, row + cols.w);
+        c_set(row + cols.w, fin(w.w, row + cols.w));
     }
 }
 
@@ -219,16 +247,16 @@ fn load_lanes(row: u32, j: u32, s: u32) -> vec4<f32> {
         return v;
     }
     if cols.x < n {
-        v.x = c[row + cols.x];
+        v.x = c_get(row + cols.x);
     }
     if cols.y < n {
-        v.y = c[row + cols.y];
+        v.y = c_get(row + cols.y);
     }
     if cols.z < n {
-        v.z = c[row + cols.z];
+        v.z = c_get(row + cols.z);
     }
     if cols.w < n {
-        v.w = c[row + cols.w];
+        v.w = c_get(row + cols.w);
     }
     return v;
 }
@@ -254,6 +282,9 @@ struct Place {
 }
 
 fn place(bi: u32) -> Place {
+    if OUTS > 1u {
+        c_slot = bi;
+    }
     let outer = bi / prm.heads;
     let inner = bi % prm.heads;
     var q: Place;

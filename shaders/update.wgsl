@@ -132,63 +132,114 @@ fn finite_check_unscale(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workg
     }
 }
 
-// ---- AdamW: p, g, m, v: (n), p/m/v in place (PyTorch's formula) ----
+// ---- AdamW: up to 4 parameters a dispatch, in place (PyTorch's formula) ----
 // p1 = p * decay; m = fma_c(beta1, m, omb1 * g); v = fma_c(beta2, v, omb2 * (g * g));
 // den = div(sqrt(v), bc2_sqrt) + eps; p = fma_c(-step_size, div(m, den), p1).
+// Slot s: its parameter and both moments are n_s elements of aw_p, aw_m and
+// aw_v from element off[s] (laid out alike: one offset for all three), its
+// gradient aw_g<s>. The dispatch's elements are numbered over the slots in
+// order (end[s]: the running count to the end of slot s; an unused slot ends
+// where the last used one does). Each element's update is the same whatever
+// its slot; only the step size and the bias correction are the slot's.
 
 struct AdamWParams {
-    n: u32,
     decay: u32, // all f32 bits
     beta1: u32,
     omb1: u32,
     beta2: u32,
     omb2: u32,
-    step_size: u32,
-    bc2_sqrt: u32,
     eps: u32,
     scale_grad: u32, // 1: g = g * grad_scale, stored back, before the update (clipping)
     grad_scale: u32,
     zero: u32, // 0: sep's opaque zero
+    off: array<u32, 4>,
+    end: array<u32, 4>,
+    step_size: array<u32, 4>,
+    bc2_sqrt: array<u32, 4>,
 }
 
 @group(0) @binding(0) var<storage, read> aw_prm: AdamWParams;
 @group(0) @binding(1) var<storage, read_write> aw_p: array<f32>;
-@group(0) @binding(2) var<storage, read_write> aw_g: array<f32>;
-@group(0) @binding(3) var<storage, read_write> aw_m: array<f32>;
-@group(0) @binding(4) var<storage, read_write> aw_v: array<f32>;
+@group(0) @binding(2) var<storage, read_write> aw_m: array<f32>;
+@group(0) @binding(3) var<storage, read_write> aw_v: array<f32>;
+@group(0) @binding(4) var<storage, read_write> aw_g0: array<f32>;
+@group(0) @binding(5) var<storage, read_write> aw_g1: array<f32>;
+@group(0) @binding(6) var<storage, read_write> aw_g2: array<f32>;
+@group(0) @binding(7) var<storage, read_write> aw_g3: array<f32>;
+
+fn aw_grad(s: u32, j: u32) -> f32 {
+    switch s {
+        case 0u: { return aw_g0[j]; }
+        case 1u: { return aw_g1[j]; }
+        case 2u: { return aw_g2[j]; }
+        default: { return aw_g3[j]; }
+    }
+}
+
+fn aw_set_grad(s: u32, j: u32, x: f32) {
+    switch s {
+        case 0u: { aw_g0[j] = x; }
+        case 1u: { aw_g1[j] = x; }
+        case 2u: { aw_g2[j] = x; }
+        default: { aw_g3[j] = x; }
+    }
+}
 
 @compute @workgroup_size(64)
 fn adamw_step(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
               @builtin(local_invocation_index) lane: u32) {
     let base = chunk_base(wg, groups) + lane;
-    let n = aw_prm.n;
+    let total = aw_prm.end[3];
     let decay = bitcast<f32>(aw_prm.decay);
     let beta1 = bitcast<f32>(aw_prm.beta1);
     let omb1 = bitcast<f32>(aw_prm.omb1);
     let beta2 = bitcast<f32>(aw_prm.beta2);
     let omb2 = bitcast<f32>(aw_prm.omb2);
-    let step_size = bitcast<f32>(aw_prm.step_size);
     let eps = bitcast<f32>(aw_prm.eps);
-    // The bias correction's divisor, prepared once (= m_div(x, bc2_sqrt) bit for bit).
-    let bc2 = divisor_new(bitcast<f32>(aw_prm.bc2_sqrt));
+    // The slot's constants, prepared when the slot changes; the bias
+    // correction's divisor once per slot (= m_div(x, bc2_sqrt) bit for bit).
+    var slot = 4u;
+    var step_size = 0.0;
+    var bc2 = divisor_new(1.0);
     for (var t = 0u; t < PER_LANE; t++) {
         let i = base + t * 64u;
-        if i >= n {
+        if i >= total {
             return;
         }
-        var gi = aw_g[i];
+        var s = 0u;
+        if i >= aw_prm.end[0] {
+            s = 1u;
+        }
+        if i >= aw_prm.end[1] {
+            s = 2u;
+        }
+        if i >= aw_prm.end[2] {
+            s = 3u;
+        }
+        if s != slot {
+            slot = s;
+            step_size = bitcast<f32>(aw_prm.step_size[s]);
+            bc2 = divisor_new(bitcast<f32>(aw_prm.bc2_sqrt[s]));
+        }
+        var start = 0u;
+        if s > 0u {
+            start = aw_prm.end[s - 1u];
+        }
+        let j = i - start;
+        let at = aw_prm.off[s] + j;
+        var gi = aw_grad(s, j);
         if aw_prm.scale_grad != 0u {
             gi = gi * bitcast<f32>(aw_prm.grad_scale);
-            aw_g[i] = gi;
+            aw_set_grad(s, j, gi);
         }
-        let p1 = aw_p[i] * decay;
-        let mi = fma_c(beta1, aw_m[i], omb1 * gi);
+        let p1 = aw_p[at] * decay;
+        let mi = fma_c(beta1, aw_m[at], omb1 * gi);
         // g·g rounded before its product with omb2 (sep: not regrouped)
-        let vi = fma_c(beta2, aw_v[i], omb2 * sep(gi * gi, aw_prm.zero));
+        let vi = fma_c(beta2, aw_v[at], omb2 * sep(gi * gi, aw_prm.zero));
         let den = divisor_div(bc2, m_sqrt(vi)) + eps;
-        aw_p[i] = fma_c(-step_size, m_div(mi, den), p1);
-        aw_m[i] = mi;
-        aw_v[i] = vi;
+        aw_p[at] = fma_c(-step_size, m_div(mi, den), p1);
+        aw_m[at] = mi;
+        aw_v[at] = vi;
     }
 }
 

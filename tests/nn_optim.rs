@@ -296,6 +296,73 @@ device_test!(shared_input_layers_are_each_layer, |dev| {
     assert_eq!(bits(&vals(&u)), bits(&vals(&ls[1].forward(&x)?)));
 });
 
+// AdamW over many parameters (on a GPU laid out side by side and updated a
+// few a dispatch) gives each parameter the bits an AdamW of its own gives
+// it: parameters of odd and empty sizes, one without a gradient at a step
+// (its step count falls behind the others'), clipped steps, and a load that
+// puts one parameter's buffer apart (laid out again at the next step).
+device_test!(adamw_over_many_parameters_is_each_alone, |dev| {
+    let shapes: [&[usize]; 7] = [&[5], &[30, 10], &[1], &[0], &[8, 8], &[7], &[3, 3]];
+    let make = || -> Vec<Tensor> {
+        shapes
+            .iter()
+            .enumerate()
+            .map(|(i, s)| param(&randv(s.iter().product(), 50 + i as u64, 1.0), s, dev))
+            .collect()
+    };
+    let (together, alone) = (make(), make());
+    let cfg = AdamWConfig::new(1e-2);
+    let mut one = AdamW::new(together.clone(), cfg)?;
+    let mut each: Vec<AdamW> = alone
+        .iter()
+        .map(|p| AdamW::new(vec![p.clone()], cfg))
+        .collect::<Result<_>>()?;
+    for step in 0..4u64 {
+        for (i, (a, b)) in together.iter().zip(&alone).enumerate() {
+            // parameter 2 has no gradient at step 1
+            let g = (step != 1 || i != 2).then(|| {
+                t_(
+                    &randv(a.numel(), 100 * step + i as u64, 0.1),
+                    a.shape(),
+                    dev,
+                )
+            });
+            a.set_grad(g.clone());
+            b.set_grad(g.map(|g| t_(&vals(&g), b.shape(), dev)));
+        }
+        if step == 3 {
+            // a load: parameter 4's buffer replaced
+            let w = randv(64, 77, 1.0);
+            together[4].assign(&t_(&w, &[8, 8], dev))?;
+            alone[4].assign(&t_(&w, &[8, 8], dev))?;
+        }
+        match step {
+            2 => {
+                one.step_scaled(0.5)?;
+                each.iter_mut().try_for_each(|o| o.step_scaled(0.5))?;
+            }
+            _ => {
+                one.step()?;
+                each.iter_mut().try_for_each(|o| o.step())?;
+            }
+        }
+        for (i, (a, b)) in together.iter().zip(&alone).enumerate() {
+            assert_eq!(
+                bits(&vals(a)),
+                bits(&vals(b)),
+                "parameter {i} after step {step}"
+            );
+            let (sa, sb) = (one.state(i).unwrap(), each[i].state(0).unwrap());
+            assert_eq!(
+                (bits(&vals(&sa.0)), bits(&vals(&sa.1)), sa.2),
+                (bits(&vals(&sb.0)), bits(&vals(&sb.1)), sb.2)
+            );
+        }
+        let ps: Vec<&Tensor> = together.iter().collect();
+        assert!(Tensor::side_by_side(&ps), "laid out after step {step}");
+    }
+});
+
 device_test!(linear_is_x_w_transposed_plus_b, |dev| {
     let gen = Generator::new(0);
     let l = Linear::new(3, 2, true, &gen, dev)?;

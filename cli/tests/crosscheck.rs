@@ -88,7 +88,7 @@ fn the_trace_names_each_call_by_model_path_and_phase() {
     for (phase, site) in [
         ("forward", "embed_tokens.gather rows"),
         ("forward", "layers.0.input_layernorm.rms norm"),
-        ("forward", "layers.0.self_attn.q_proj.matmul"),
+        ("forward", "layers.0.self_attn.qkv_proj.matmul"),
         ("forward", "layers.0.self_attn.attention"),
         ("forward", "layers.3.mlp.swiglu"),
         ("forward", "lm_head.matmul"),

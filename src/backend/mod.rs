@@ -66,7 +66,7 @@ pub mod reduce;
 
 pub use elementwise::{BinaryOp, UnaryOp};
 pub use matmul::{Causal, MatmulDims, Operand, TokenMajor};
-pub use update::AdamWConsts;
+pub use update::{AdamWConsts, AdamWItem};
 pub use reduce::ReduceOp;
 
 use crate::{bail, Result};
@@ -794,7 +794,8 @@ impl Storage {
     }
     /// The values of `xs` (one device, one type) again, laid side by side
     /// in one buffer where that lets one dispatch read them all (a GPU: views
-    /// of one buffer, see [`GpuStorage::alloc_views`]); elsewhere `xs` themselves.
+    /// of one buffer, see [`GpuStorage::colocated`], unless they would not
+    /// fit one binding); elsewhere `xs` themselves.
     pub fn colocate(xs: &[&Storage]) -> Result<Vec<Storage>> {
         if xs.is_empty() {
             return Ok(Vec::new());
@@ -804,7 +805,10 @@ impl Storage {
             #[cfg(feature = "gpu")]
             Storage::Gpu(_) => {
                 let ds: Vec<&GpuStorage> = xs.iter().map(|s| s.gpu()).collect();
-                Ok(GpuStorage::colocated(&ds)?.into_iter().map(Lift::lift).collect())
+                Ok(match GpuStorage::colocated(&ds)? {
+                    Some(views) => views.into_iter().map(Lift::lift).collect(),
+                    None => xs.iter().map(|&s| s.clone()).collect(),
+                })
             }
             _ => Ok(xs.iter().map(|&s| s.clone()).collect()),
         }
@@ -822,7 +826,7 @@ impl Storage {
                         _ => None,
                     })
                     .collect();
-                ds.is_some_and(|ds| ds.len() == 1 || GpuStorage::spaced(&ds).is_some())
+                ds.is_some_and(|ds| GpuStorage::laid_out(&ds))
             }
             _ => true,
         }

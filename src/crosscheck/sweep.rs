@@ -21,8 +21,8 @@ use super::hex;
 use crate::backend::attention::Attention;
 use crate::backend::round::{Format, Fp8};
 use crate::backend::{
-    AdamWConsts, BinaryLayout, BinaryOp, Causal, Device, MatmulDims, Operand, ReduceOp, Storage,
-    TokenMajor, UnaryOp,
+    AdamWConsts, AdamWItem, BinaryLayout, BinaryOp, Causal, Device, MatmulDims, Operand, ReduceOp,
+    Storage, TokenMajor, UnaryOp,
 };
 use crate::crosscheck::cases::{adversarial, diff, specials, Rng};
 use crate::Result;
@@ -1134,8 +1134,9 @@ fn matmul_added(sw: &mut Sweep) -> Result<()> {
 
 /// One A times several weights, `x Wᵢᵀ` (a Llama's q, k and v, its gate
 /// and up): each output the product's own bits. The weights laid side by
-/// side (on a GPU one dispatch, its outputs views of one buffer) or apart;
-/// outputs whose size breaks the view alignment (GPU: one product each).
+/// side (on a GPU one dispatch for up to three, each writing its own
+/// buffer) or apart (one product each); ragged shapes; four weights (two
+/// dispatches).
 fn matmul_shared(sw: &mut Sweep) -> Result<()> {
     let mut rng = Rng(0x5a3ed);
     let sp = specials();
@@ -1143,6 +1144,7 @@ fn matmul_shared(sw: &mut Sweep) -> Result<()> {
         (3, 8, 33, 16, true),
         (2, 64, 64, 64, true),
         (3, 9, 17, 35, true),
+        (4, 9, 17, 35, true),
         (3, 8, 33, 16, false),
         (1, 8, 5, 8, true),
     ] {
@@ -1709,7 +1711,63 @@ fn adamw(sw: &mut Sweep) -> Result<()> {
             }
         }
         Ok(out)
-    })
+    })?;
+    // several parameters at once, laid out alike (on a GPU four a dispatch):
+    // odd, one-element and empty ones, each at its own step (its own step
+    // size and bias correction), clipping or not
+    let lens = [5usize, 300, 1, 0, 64, 7];
+    for clip in [None, Some(0.375_123f32)] {
+        let case = format!(
+            "{} parameters {lens:?} at steps 1..6 at once, clip {clip:?} (output: p, m, v, g)",
+            lens.len()
+        );
+        sw.check("adamw", "", case, &[], |d| {
+            // values from p (a second moment's squared), laid side by side
+            let fill = |k: usize, square: bool| -> Result<Vec<Storage>> {
+                let vs: Vec<Storage> = lens
+                    .iter()
+                    .map(|&n| {
+                        up(
+                            &p[k..k + n]
+                                .iter()
+                                .map(|&x| if square { x * x } else { x })
+                                .collect::<Vec<_>>(),
+                            d,
+                        )
+                    })
+                    .collect::<Result<_>>()?;
+                Storage::colocate(&vs.iter().collect::<Vec<_>>())
+            };
+            let (ps, ms, vs) = (fill(0, false)?, fill(1, false)?, fill(2, true)?);
+            let gs: Vec<Storage> = lens
+                .iter()
+                .map(|&n| up(&steps[1].0[3..3 + n], d))
+                .collect::<Result<_>>()?;
+            let items: Vec<AdamWItem<'_, Storage>> = (0..lens.len())
+                .map(|i| AdamWItem {
+                    p: &ps[i],
+                    g: &gs[i],
+                    m: &ms[i],
+                    v: &vs[i],
+                    c: AdamWConsts {
+                        step_size: (lr / (1.0 - b1.powi(i as i32 + 1))) as f32,
+                        bc2_sqrt: (1.0 - b2.powi(i as i32 + 1)).sqrt() as f32,
+                        grad_scale: clip,
+                        ..steps[0].1
+                    },
+                })
+                .collect();
+            Storage::adamw_many(&items, |_| None::<()>)?;
+            let mut out = Vec::new();
+            for s in [&ps, &ms, &vs, &gs] {
+                for x in s {
+                    out.extend(x.to_vec_f32()?);
+                }
+            }
+            Ok(out)
+        })?;
+    }
+    Ok(())
 }
 
 fn sgd(sw: &mut Sweep) -> Result<()> {

@@ -3,7 +3,7 @@
 //! parameter's device.
 //! Parameters whose gradient is absent are skipped.
 
-use crate::backend::{AdamWConsts, DType, Storage};
+use crate::backend::{AdamWConsts, AdamWItem, DType, Storage};
 use crate::{bail, Result, Tensor};
 use serde::{Deserialize, Serialize};
 
@@ -224,14 +224,14 @@ impl AdamW {
     /// inside the update's own pass.
     fn update(&mut self, grad_scale: Option<f32>) -> Result<()> {
         let c = self.cfg;
+        let mut todo = Vec::new();
         for (i, (p, st)) in self.params.iter().zip(self.state.iter_mut()).enumerate() {
             let Some(g) = p.grad() else { continue };
-            let _traced = crate::trace::path_with(|| format!("params.{i}"));
             check_master(p)?;
             if st.is_none() {
                 *st = Some((p.zeros_like()?, p.zeros_like()?, 0));
             }
-            let (m, v, t) = st.as_mut().unwrap();
+            let (_, _, t) = st.as_mut().unwrap();
             *t += 1;
             // Scalars in f64 on the host, narrowed once: both backends get the same bits.
             let (b1, b2) = (c.beta1 as f64, c.beta2 as f64);
@@ -248,8 +248,51 @@ impl AdamW {
                 eps: c.eps,
                 grad_scale,
             };
-            p.storage()
-                .adamw_step(&g.storage(), &m.storage(), &v.storage(), &k)?;
+            todo.push((i, g.storage(), k));
+        }
+        self.lay_out()?;
+        let held: Vec<(usize, [Storage; 3], Storage, AdamWConsts)> = todo
+            .into_iter()
+            .map(|(i, g, k)| {
+                let (m, v, _) = self.state[i].as_ref().expect("made above");
+                (
+                    i,
+                    [self.params[i].storage(), m.storage(), v.storage()],
+                    g,
+                    k,
+                )
+            })
+            .collect();
+        let items: Vec<AdamWItem<'_, Storage>> = held
+            .iter()
+            .map(|(_, [p, m, v], g, k)| AdamWItem { p, g, m, v, c: *k })
+            .collect();
+        Storage::adamw_many(&items, |j| {
+            Some(crate::trace::path_with(|| format!("params.{}", held[j].0)))
+        })
+    }
+
+    /// Once every parameter has its moments: the parameters, the first
+    /// moments and the second moments each laid side by side in one buffer,
+    /// alike ([`Tensor::colocate`]; where that gains nothing, as on the CPU,
+    /// nothing moves), so that a GPU updates several parameters a dispatch.
+    /// Done at the first update and again after anything replaces a buffer
+    /// (a checkpoint load); the updates are in place.
+    fn lay_out(&self) -> Result<()> {
+        let moments: Option<Vec<(&Tensor, &Tensor)>> = self
+            .state
+            .iter()
+            .map(|s| s.as_ref().map(|(m, v, _)| (m, v)))
+            .collect();
+        let Some(moments) = moments else {
+            return Ok(());
+        };
+        let (ms, vs): (Vec<&Tensor>, Vec<&Tensor>) = moments.into_iter().unzip();
+        let ps: Vec<&Tensor> = self.params.iter().collect();
+        for group in [&ps, &ms, &vs] {
+            if !Tensor::side_by_side(group) {
+                Tensor::colocate(group)?;
+            }
         }
         Ok(())
     }

@@ -46,9 +46,9 @@ use context::{ctx, ctx_if_created, Context};
 
 /// A tensor's buffer on the GPU: `len` f32 elements of a pooled storage
 /// buffer, from element `offset`. Most tensors own their buffer (offset 0);
-/// tensors made together may be views of one ([`GpuStorage::alloc_views`]),
-/// so that one dispatch can read or write all of them (a product batched
-/// over the weights laid out side by side). The buffer goes back to the pool
+/// tensors laid out together are views of one ([`GpuStorage::colocated`]),
+/// so that one binding reads them all (a product batched over weights side
+/// by side). The buffer goes back to the pool
 /// when its last view is dropped.
 pub struct GpuStorage {
     block: std::sync::Arc<Block>,
@@ -224,7 +224,7 @@ pub fn buffer_copy(src: &GpuStorage, dst: &GpuStorage) -> Result<()> {
 
 /// Elements between the starts of views of one buffer are a multiple of this
 /// (the device's binding-offset alignment, in f32s).
-pub(crate) fn view_align(c: &Context) -> usize {
+fn view_align(c: &Context) -> usize {
     (c.device.limits().min_storage_buffer_offset_alignment as usize / 4).max(1)
 }
 
@@ -303,67 +303,77 @@ impl GpuStorage {
         })
     }
 
-    /// Uninitialised views of one buffer, of `lens` f32s each, in order and
-    /// `stride` elements apart, `stride` the least multiple of the binding
-    /// alignment that holds the longest: view `i` starts at `i · stride` of
-    /// the first's buffer.
-    pub fn alloc_views(c: &Context, lens: &[usize]) -> Result<(Vec<GpuStorage>, usize)> {
-        let stride = lens.iter().copied().max().unwrap_or(0).next_multiple_of(view_align(c));
-        let total = stride
-            .checked_mul(lens.len())
-            .ok_or_else(|| crate::Error::device("views too large for the GPU backend"))?;
-        let block = std::sync::Arc::new(Block::alloc(c, total)?);
-        let views = lens
+    /// Where views of `lens` elements start when laid out in order, each at
+    /// the binding alignment, and the elements they span.
+    fn layout(c: &Context, lens: &[usize]) -> (Vec<usize>, usize) {
+        let align = view_align(c);
+        let mut at = 0usize;
+        let starts = lens
             .iter()
-            .enumerate()
-            .map(|(i, &len)| GpuStorage {
-                block: block.clone(),
-                offset: i * stride,
-                len,
+            .map(|&n| {
+                let start = at;
+                at = at.saturating_add(n.next_multiple_of(align));
+                start
             })
             .collect();
-        Ok((views, stride))
+        (starts, at)
     }
 
-    /// Copies of `xs` as views of one buffer ([`alloc_views`](Self::alloc_views)),
-    /// copied on the device.
-    pub fn colocated(xs: &[&GpuStorage]) -> Result<Vec<GpuStorage>> {
+    /// Copies of `xs` as views of one buffer, in order, each from the first
+    /// multiple of the binding alignment after the previous one (views of
+    /// one length are evenly spaced); copied on the device. `None` when they
+    /// would not fit one binding: they stay as they are.
+    pub fn colocated(xs: &[&GpuStorage]) -> Result<Option<Vec<GpuStorage>>> {
         let c = ctx()?;
         let lens: Vec<usize> = xs.iter().map(|x| x.len).collect();
-        let (views, _) = GpuStorage::alloc_views(c, &lens)?;
-        for (x, v) in xs.iter().zip(&views) {
-            c.copy(x.bind(), v.bind(), x.len as u64 * 4)?;
+        let (starts, total) = GpuStorage::layout(c, &lens);
+        if (total as u64).saturating_mul(4) > c.max_binding() {
+            return Ok(None);
         }
-        Ok(views)
+        let block = std::sync::Arc::new(Block::alloc(c, total)?);
+        let mut views = Vec::with_capacity(xs.len());
+        for (x, offset) in xs.iter().zip(starts) {
+            let v = GpuStorage {
+                block: block.clone(),
+                offset,
+                len: x.len,
+            };
+            c.copy(x.bind(), v.bind(), x.len as u64 * 4)?;
+            views.push(v);
+        }
+        Ok(Some(views))
     }
 
-    /// Where `views` lie when they are views of one buffer, in order, an equal
-    /// number of elements apart: the first's offset and that stride (0 for a
-    /// single view).
+    /// Whether `xs` lie as [`colocated`](Self::colocated) lays them out.
+    pub fn laid_out(xs: &[&GpuStorage]) -> bool {
+        let Some(first) = xs.first() else { return true };
+        let Ok(c) = ctx() else { return false };
+        let lens: Vec<usize> = xs.iter().map(|x| x.len).collect();
+        let (starts, _) = GpuStorage::layout(c, &lens);
+        xs.iter().zip(starts).all(|(x, start)| {
+            std::sync::Arc::ptr_eq(&x.block, &first.block) && x.offset == first.offset + start
+        })
+    }
+
+    /// The elements from `base`'s first to `self`'s first, when both are
+    /// views of one buffer and `self` does not start before `base`.
+    pub fn offset_from(&self, base: &GpuStorage) -> Option<usize> {
+        if !std::sync::Arc::ptr_eq(&self.block, &base.block) {
+            return None;
+        }
+        self.offset.checked_sub(base.offset)
+    }
+
+    /// The stride of `views` when they are views of one buffer, in order, an
+    /// equal (nonzero) number of elements apart.
     pub fn spaced(views: &[&GpuStorage]) -> Option<usize> {
         let (first, rest) = views.split_first()?;
-        let stride = match rest.first() {
-            Some(s) if std::sync::Arc::ptr_eq(&s.block, &first.block) => s.offset.checked_sub(first.offset)?,
-            Some(_) => return None,
-            None => return Some(0),
-        };
-        let even = views.iter().enumerate().all(|(i, v)| {
-            std::sync::Arc::ptr_eq(&v.block, &first.block) && v.offset == first.offset + i * stride
-        });
+        let stride = rest.first()?.offset_from(first)?;
+        let even = views
+            .iter()
+            .enumerate()
+            .all(|(i, v)| v.offset_from(first) == Some(i * stride));
         (even && stride > 0).then_some(stride)
-    }
-
-    /// `self` as `n` views of equal length, in order (`n` divides its
-    /// length, a multiple of the binding alignment apart).
-    pub fn split(self, n: usize) -> Vec<GpuStorage> {
-        let part = self.len / n;
-        (0..n)
-            .map(|i| GpuStorage {
-                block: self.block.clone(),
-                offset: self.offset + i * part,
-                len: part,
-            })
-            .collect()
     }
 
     /// The tensor's binding: its buffer from its first element.

@@ -9,7 +9,7 @@ use super::{Halves, MatmulDims, MatmulOps};
 use crate::backend::gpu::context::ctx;
 use crate::backend::gpu::pipelines::{gpu_params, no_consts, Family, Kernel};
 use crate::backend::gpu::variant::Kernels;
-use crate::backend::gpu::{u32_of, view_align, GpuStorage, LOOP_PASS};
+use crate::backend::gpu::{u32_of, GpuStorage, LOOP_PASS};
 use crate::backend::round::{fmt_code, Format};
 use crate::{bail, Result};
 
@@ -99,28 +99,38 @@ impl MatmulOps for GpuStorage {
     fn matmul(&self, rhs: &GpuStorage, d: MatmulDims, halves: Halves, round: Option<Format>) -> Result<GpuStorage> {
         self.product(rhs, d, halves, round, None)
     }
-    /// One product batched over `rhs` (A broadcast, B `stride` elements
-    /// apart) when they are views of one buffer evenly spaced and the
-    /// outputs can be views too; its outputs split into views. Each output
-    /// has the bits of its own product (batches never share sums).
+    /// Up to [`MAX_OUTS`] products a dispatch when `rhs` are views of one
+    /// buffer evenly spaced ([`GpuStorage::spaced`]): one product batched
+    /// over them (A broadcast, B `stride` elements apart), each batch's
+    /// output its own buffer. Each output has the bits of its own product
+    /// (batches never share sums).
     fn matmul_shared(&self, rhs: &[&GpuStorage], d: MatmulDims, halves: Halves, round: Option<Format>) -> Result<Vec<GpuStorage>> {
         let c = ctx()?;
-        let outputs_align = (d.m * d.n).is_multiple_of(view_align(c));
         let same_len = rhs.iter().all(|b| b.len() == rhs[0].len());
-        match GpuStorage::spaced(rhs) {
-            Some(stride) if rhs.len() > 1 && same_len && outputs_align => {
-                let all = MatmulDims {
-                    batch: rhs.len(),
-                    a_batch_stride: 0,
-                    b_batch_stride: stride,
-                    ..d
-                };
-                Ok(self.product(rhs[0], all, halves, round, None)?.split(rhs.len()))
-            }
-            _ => rhs.iter().map(|b| self.product(b, d, halves, round, None)).collect(),
+        let stride = GpuStorage::spaced(rhs).filter(|_| same_len && rhs.len() > 1);
+        let Some(stride) = stride else {
+            return rhs.iter().map(|b| self.product(b, d, halves, round, None)).collect();
+        };
+        let mut outs = Vec::with_capacity(rhs.len());
+        for group in rhs.chunks(MAX_OUTS) {
+            let mine: Vec<GpuStorage> = (0..group.len())
+                .map(|_| GpuStorage::alloc(c, d.m * d.n))
+                .collect::<Result<_>>()?;
+            let all = MatmulDims {
+                batch: group.len(),
+                a_batch_stride: 0,
+                b_batch_stride: stride,
+                ..d
+            };
+            self.launch(group[0], all, halves, round, None, &mine.iter().collect::<Vec<_>>())?;
+            outs.extend(mine);
         }
+        Ok(outs)
     }
 }
+
+/// Outputs one matmul dispatch writes at most (`OUTS` in matmul.wgsl).
+pub const MAX_OUTS: usize = 3;
 
 impl GpuStorage {
     /// The product, `addend` added to its outputs in the last pass's stores.
@@ -132,11 +142,27 @@ impl GpuStorage {
         round: Option<Format>,
         addend: Option<&GpuStorage>,
     ) -> Result<GpuStorage> {
+        let out = GpuStorage::alloc(ctx()?, d.batch * d.m * d.n)?;
+        self.launch(rhs, d, halves, round, addend, &[&out])?;
+        Ok(out)
+    }
+
+    /// Records the product's dispatches into `outs`: one buffer for all of
+    /// `d`'s batches, or one buffer per batch (2 or 3 batches, no addend).
+    fn launch(
+        &self,
+        rhs: &GpuStorage,
+        d: MatmulDims,
+        halves: Halves,
+        round: Option<Format>,
+        addend: Option<&GpuStorage>,
+        outs: &[&GpuStorage],
+    ) -> Result<()> {
         let c = ctx()?;
-        let n_out = d.batch * d.m * d.n;
-        let out = GpuStorage::alloc(c, n_out)?;
-        if n_out == 0 {
-            return Ok(out);
+        let apart = outs.len() > 1;
+        debug_assert!(!apart || (outs.len() == d.batch && d.batch <= MAX_OUTS && addend.is_none()));
+        if d.batch * d.m * d.n == 0 {
+            return Ok(());
         }
         let variant = Kernels::of(c);
         let (kernel, (gx, gy, _)) = matmul_launch(variant, &d);
@@ -155,7 +181,8 @@ impl GpuStorage {
             .with("CAUSAL", d.causal.code())
             .with("A_HALF", fmt_code(halves.a))
             .with("B_HALF", fmt_code(halves.b))
-            .with("GUARD", guarded(c.native_fma, round) as u32);
+            .with("GUARD", guarded(c.native_fma, round) as u32)
+            .with("OUTS", outs.len() as u32);
         if variant == Kernels::Hardware {
             kernel = kernel
                 .with("TRANS_A", d.trans_a as u32)
@@ -195,14 +222,15 @@ impl GpuStorage {
                     b_bs: u32_of(pb.outer, "batch stride")?,
                     b_hs: u32_of(pb.inner, "head stride")?,
                     b_ld: u32_of(pb.row, "row stride")?,
-                    c_bs: u32_of(pc.outer, "batch stride")?,
+                    c_bs: if apart { 0 } else { u32_of(pc.outer, "batch stride")? },
                     c_hs: u32_of(pc.inner, "head stride")?,
                     c_ld: u32_of(pc.row, "row stride")?,
                 };
+                let out = |i: usize| outs.get(i).unwrap_or(&outs[0]).bind();
                 c.dispatch(
                     &kernel,
                     &prm,
-                    &[self.bind(), rhs.bind(), out.bind(), e.bind()],
+                    &[self.bind(), rhs.bind(), out(0), e.bind(), out(1), out(2)],
                     (gx as u32, gy as u32, nb as u32),
                 )?;
                 p0 = p1;
@@ -212,6 +240,6 @@ impl GpuStorage {
             }
             b0 += nb;
         }
-        Ok(out)
+        Ok(())
     }
 }

@@ -2,7 +2,7 @@
 //! kernels take `PER_LANE` elements per invocation, an override chosen per
 //! adapter ([`Context::update_per_lane`](crate::backend::gpu::context::Context)).
 
-use super::{AdamWConsts, UpdateOps};
+use super::{AdamWConsts, AdamWItem, UpdateOps};
 use crate::backend::gpu::context::ctx;
 use crate::backend::gpu::pipelines::{gpu_params, no_consts, Family, Kernel};
 use crate::backend::gpu::{grid1d, u32_of, GpuStorage};
@@ -32,23 +32,31 @@ gpu_params! {
 pub const CHECK_BUFS: usize = 5;
 
 gpu_params! {
-    /// `update.wgsl` `AdamWParams`: [`AdamWConsts`] as f32 bits; `zero` is
-    /// 0 (the kernel's opaque zero, see `sep` in math.wgsl).
+    /// `update.wgsl` `AdamWParams`: [`AdamWConsts`] as f32 bits (the step
+    /// size and the bias correction per slot); `zero` is 0 (the kernel's
+    /// opaque zero, see `sep` in math.wgsl); per slot, the offset of its
+    /// parameter and moments and the running count of elements to its end.
     pub struct AdamWParams {
-        n: u32,
         decay: u32,
         beta1: u32,
         omb1: u32,
         beta2: u32,
         omb2: u32,
-        step_size: u32,
-        bc2_sqrt: u32,
         eps: u32,
         scale_grad: u32,
         grad_scale: u32,
         zero: u32,
+        off: [u32; ADAMW_SLOTS],
+        end: [u32; ADAMW_SLOTS],
+        step_size: [u32; ADAMW_SLOTS],
+        bc2_sqrt: [u32; ADAMW_SLOTS],
     }
 }
+
+/// Parameters one AdamW dispatch updates (`update.wgsl`: with the
+/// parameters, the three buffers of parameters and moments and four
+/// gradients are 8 storage buffers, the least WebGPU promises).
+pub const ADAMW_SLOTS: usize = 4;
 
 gpu_params! {
     /// `update.wgsl` `SgdParams` (f32 bits; `first` 1 on the first momentum step).
@@ -86,6 +94,45 @@ fn per_lane(entry: &'static str, n: usize) -> Result<(Kernel, (u32, u32, u32))> 
         Kernel::new(&FAMILY, entry).with("PER_LANE", lanes),
         grid1d(n.div_ceil(lanes as usize)),
     ))
+}
+
+/// One AdamW dispatch over `group` (at most [`ADAMW_SLOTS`], laid out as
+/// [`UpdateOps::adamw_many`] groups them), bound from the first item's views.
+fn adamw_slots(group: &[AdamWItem<'_, GpuStorage>]) -> Result<()> {
+    let first = &group[0];
+    let k = &first.c;
+    let (mut off, mut end, mut step_size, mut bc2_sqrt) = ([0u32; ADAMW_SLOTS], [0u32; ADAMW_SLOTS], [0u32; ADAMW_SLOTS], [0u32; ADAMW_SLOTS]);
+    let mut total = 0usize;
+    for s in 0..ADAMW_SLOTS {
+        if let Some(it) = group.get(s) {
+            let at = it.p.offset_from(first.p).expect("grouped items share the parameters' buffer");
+            off[s] = u32_of(at, "offset")?;
+            total += it.p.len();
+            step_size[s] = it.c.step_size.to_bits();
+            bc2_sqrt[s] = it.c.bc2_sqrt.to_bits();
+        }
+        end[s] = u32_of(total, "length")?;
+    }
+    let (kernel, grid) = per_lane("adamw_step", total)?;
+    let prm = AdamWParams {
+        decay: k.decay.to_bits(),
+        beta1: k.beta1.to_bits(),
+        omb1: k.omb1.to_bits(),
+        beta2: k.beta2.to_bits(),
+        omb2: k.omb2.to_bits(),
+        eps: k.eps.to_bits(),
+        scale_grad: k.grad_scale.is_some() as u32,
+        grad_scale: k.grad_scale.unwrap_or(1.0).to_bits(),
+        zero: 0,
+        off,
+        end,
+        step_size,
+        bc2_sqrt,
+    };
+    // unused gradient slots bound to the first (never read)
+    let g = |s: usize| group.get(s).unwrap_or(first).g.bind();
+    let bind = [first.p.bind(), first.m.bind(), first.v.bind(), g(0), g(1), g(2), g(3)];
+    ctx()?.dispatch(&kernel, &prm, &bind, grid)
 }
 
 impl UpdateOps for GpuStorage {
@@ -153,28 +200,31 @@ impl UpdateOps for GpuStorage {
         ctx()?.dispatch(&k, &prm, &[self.bind()], grid)
     }
 
-    fn adamw_step(&self, g: &GpuStorage, m: &GpuStorage, v: &GpuStorage, k: &AdamWConsts) -> Result<()> {
-        let (kernel, grid) = per_lane("adamw_step", self.len())?;
-        let prm = AdamWParams {
-            n: u32_of(self.len(), "length")?,
-            decay: k.decay.to_bits(),
-            beta1: k.beta1.to_bits(),
-            omb1: k.omb1.to_bits(),
-            beta2: k.beta2.to_bits(),
-            omb2: k.omb2.to_bits(),
-            step_size: k.step_size.to_bits(),
-            bc2_sqrt: k.bc2_sqrt.to_bits(),
-            eps: k.eps.to_bits(),
-            scale_grad: k.grad_scale.is_some() as u32,
-            grad_scale: k.grad_scale.unwrap_or(1.0).to_bits(),
-            zero: 0,
-        };
-        ctx()?.dispatch(
-            &kernel,
-            &prm,
-            &[self.bind(), g.bind(), m.bind(), v.bind()],
-            grid,
-        )
+    fn adamw_step(&self, g: &GpuStorage, m: &GpuStorage, v: &GpuStorage, c: &AdamWConsts) -> Result<()> {
+        GpuStorage::adamw_many(&[AdamWItem { p: self, g, m, v, c: *c }])
+    }
+
+    /// Up to [`ADAMW_SLOTS`] consecutive items a dispatch, while their
+    /// parameters lie in one buffer, their first and second moments in two
+    /// others, all three laid out alike (each item's at one offset from the
+    /// first item's), and the constants other than the step size and the
+    /// bias correction agree.
+    fn adamw_many(items: &[AdamWItem<'_, GpuStorage>]) -> Result<()> {
+        let mut rest = items;
+        while let Some(first) = rest.first() {
+            let joins = |it: &AdamWItem<'_, GpuStorage>| {
+                let at = it.p.offset_from(first.p);
+                at.is_some() && at == it.m.offset_from(first.m) && at == it.v.offset_from(first.v) && {
+                    let (a, b) = (&it.c, &first.c);
+                    (a.decay, a.beta1, a.omb1, a.beta2, a.omb2, a.eps, a.grad_scale)
+                        == (b.decay, b.beta1, b.omb1, b.beta2, b.omb2, b.eps, b.grad_scale)
+                }
+            };
+            let n = 1 + rest[1..rest.len().min(ADAMW_SLOTS)].iter().take_while(|it| joins(it)).count();
+            adamw_slots(&rest[..n])?;
+            rest = &rest[n..];
+        }
+        Ok(())
     }
 
     fn sgd_step(

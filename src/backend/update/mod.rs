@@ -57,6 +57,16 @@ pub struct AdamWConsts {
 }
 
 /// The two devices' in-place updates (see the module docs for the contract).
+/// One parameter's AdamW update: the parameter, its gradient, its moments
+/// and the constants.
+pub struct AdamWItem<'a, S> {
+    pub p: &'a S,
+    pub g: &'a S,
+    pub m: &'a S,
+    pub v: &'a S,
+    pub c: AdamWConsts,
+}
+
 pub trait UpdateOps: Sized {
     /// Unscales every buffer in place: true when all values were finite
     /// before, and every buffer's chunk partials of the sum of squares after,
@@ -70,6 +80,11 @@ pub trait UpdateOps: Sized {
     fn scale_in_place(&self, c: f32) -> Result<()>;
     /// `self` is the parameter.
     fn adamw_step(&self, g: &Self, m: &Self, v: &Self, c: &AdamWConsts) -> Result<()>;
+    /// [`adamw_step`](Self::adamw_step) of each item, in order; a GPU
+    /// updates several a dispatch.
+    fn adamw_many(items: &[AdamWItem<'_, Self>]) -> Result<()> {
+        items.iter().try_for_each(|it| it.p.adamw_step(it.g, it.m, it.v, &it.c))
+    }
     /// `self` is the parameter; `buf` the momentum buffer, if any.
     #[allow(clippy::too_many_arguments)]
     fn sgd_step(
@@ -171,16 +186,44 @@ impl Storage {
 
     /// In-place AdamW on the parameter `self`, its gradient and moments.
     pub fn adamw_step(&self, grad: &Storage, m: &Storage, v: &Storage, c: &AdamWConsts) -> Result<()> {
-        check_len("AdamW", self, &[grad, m, v])?;
-        let describe = || format!("n {} {c:?}", self.len());
+        let item = AdamWItem { p: self, g: grad, m, v, c: *c };
+        Storage::adamw_many(&[item], |_| None::<()>)
+    }
+
+    /// [`adamw_step`](Storage::adamw_step) of each item (all on one device)
+    /// as one primitive: on a GPU, a few parameters a dispatch where the
+    /// parameters and each moment are laid out alike ([`Storage::colocate`]).
+    /// Each item's output is observed (traced) on its own, at `site(i)`.
+    pub fn adamw_many<'a, G>(items: &[AdamWItem<'a, Storage>], site: impl Fn(usize) -> Option<G>) -> Result<()> {
+        if items.is_empty() {
+            return Ok(());
+        }
+        for it in items {
+            check_len("AdamW", it.p, &[it.g, it.m, it.v])?;
+        }
+        let name = "adamw";
+        let mut prof = crate::profile::scope(name);
+        let parts: Vec<&Storage> = items.iter().flat_map(|it| [it.p, it.g, it.m, it.v]).collect();
+        on_device!(slice &parts => |ds| {
+            let each: Vec<AdamWItem<'_, _>> = ds
+                .chunks(4)
+                .zip(items)
+                .map(|(d, it)| AdamWItem { p: d[0], g: d[1], m: d[2], v: d[3], c: it.c })
+                .collect();
+            UpdateOps::adamw_many(&each)
+        });
         // with a grad_scale the gradient is scaled in place too
-        match c.grad_scale {
-            Some(_) => primitive!(writes [self, m, v, grad], "adamw", describe, [self, grad, m, v] => |p, g, m, v| {
-                p.adamw_step(g, m, v, c)
-            }),
-            None => primitive!(writes [self, m, v], "adamw", describe, [self, grad, m, v] => |p, g, m, v| {
-                p.adamw_step(g, m, v, c)
-            }),
+        let writes = |it: &AdamWItem<'a, Storage>| -> Vec<&'a Storage> {
+            match it.c.grad_scale {
+                Some(_) => vec![it.p, it.m, it.v, it.g],
+                None => vec![it.p, it.m, it.v],
+            }
+        };
+        let written: Vec<&Storage> = items.iter().flat_map(writes).collect();
+        prof.moved(|| super::traffic(name, &parts, &written));
+        for (i, it) in items.iter().enumerate() {
+            let _at = site(i);
+            super::observed(name, || format!("n {} {:?}", it.p.len(), it.c), &writes(it))?;
         }
         Ok(())
     }
