@@ -244,7 +244,7 @@ impl Tensor {
     }
     /// `self @ wᵀ` for each of `ws` (2-d weights of one shape): the tensors
     /// [`matmul_t`](Self::matmul_t) gives, each recorded as its own product,
-    /// computed as one primitive ([`Operand::matmul_shared`]: on a GPU one
+    /// computed as one primitive (`Operand::matmul_shared`: on a GPU one
     /// dispatch when the weights lie side by side, [`Tensor::colocate`]).
     pub fn matmul_t_shared(&self, ws: &[&Tensor]) -> Result<Vec<Tensor>> {
         let Some(w0) = ws.first() else {

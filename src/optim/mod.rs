@@ -1,6 +1,7 @@
 //! Optimizers over float32 master weights: SGD, AdamW and gradient clipping.
-//! Each update is one fused in-place primitive per parameter, on the
-//! parameter's device.
+//! Each update is fused and in place, on the parameters' device: AdamW's one
+//! primitive for all its parameters (a GPU updates four a dispatch), SGD's
+//! one per parameter.
 //! Parameters whose gradient is absent are skipped.
 
 use crate::backend::{AdamWConsts, AdamWItem, DType, Storage};
@@ -363,7 +364,7 @@ fn clip_coef(sum_squares: f32, max_norm: f32) -> Result<(f32, Option<f32>)> {
 /// already (`sum_squares`), when `clip` is set; then `opt`'s update; returns
 /// the norm. When `opt` updates exactly `params`, the clip's scaling runs
 /// inside the update
-/// ([`Optimizer::step_scaled`]: on the GPU one AdamW kernel per parameter
+/// ([`Optimizer::step_scaled`]: on the GPU the AdamW kernels alone
 /// instead of a scaling kernel and an update) — the same bits.
 pub(crate) fn clip_and_step(
     opt: &mut dyn Optimizer,

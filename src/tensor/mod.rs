@@ -367,7 +367,7 @@ impl Tensor {
     }
 
     /// Lays the values of `ts` (leaves of one device and type) side by side
-    /// where the device gains from it ([`Storage::colocate`]): on a GPU,
+    /// where the device gains from it: on a GPU, as views of one buffer,
     /// weights one product reads all of ([`matmul_t_shared`](Tensor::matmul_t_shared)).
     /// Values, `.grad` and the graph are untouched.
     pub fn colocate(ts: &[&Tensor]) -> Result<()> {

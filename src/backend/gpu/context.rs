@@ -17,7 +17,7 @@
 //! written with `queue.write_buffer` just before the submit — wgpu runs queued
 //! writes before the command buffers of the same submit and after every earlier
 //! submit, which is exactly the order we need. Because the params no longer
-//! change a dispatch's bindings, its bind group (kernel + buffers) is cached
+//! change a dispatch's bindings, its bind group (kernel + buffers and offsets) is cached
 //! and reused across dispatches and steps; an entry is dropped when one of its
 //! pooled buffers is released (a pooled buffer taken again is the same buffer,
 //! so its entries stay valid), and only pooled buffers' bind groups are cached
