@@ -63,8 +63,9 @@ fn a_snapshot_replays_the_next_step_and_tracing_changes_nothing() {
     assert_eq!(a.model().rng.state(), b.model().rng.state());
     assert_eq!(a.data_rng().state(), b.data_rng().state());
     assert_eq!(b.step(), 3);
-    // a whole tiny step traced (~480 primitive calls)
-    assert!(t.calls.len() > 400, "{} calls", t.calls.len());
+    // a whole tiny step traced (~390 primitive calls: each of q, k and v,
+    // and gate and up, from one shared-input product)
+    assert!(t.calls.len() > 350, "{} calls", t.calls.len());
 }
 
 /// Every primitive call of a step is attributed to the layer that issued it,

@@ -813,6 +813,19 @@ impl Storage {
             _ => Ok(xs.iter().map(|&s| s.clone()).collect()),
         }
     }
+    /// Zeros shaped like each of `xs` (one device, f32), laid out as
+    /// [`colocate`](Storage::colocate) would lay them out.
+    pub fn zeros_laid_out(xs: &[&Storage]) -> Result<Vec<Storage>> {
+        match xs.first() {
+            #[cfg(feature = "gpu")]
+            Some(Storage::Gpu(_)) => {
+                check_same(xs)?;
+                let lens: Vec<usize> = xs.iter().map(|x| x.len()).collect();
+                Ok(GpuStorage::zeros_laid_out(&lens)?.into_iter().map(Lift::lift).collect())
+            }
+            _ => xs.iter().map(|x| Storage::from_f32(vec![0.0; x.len()], x.device())).collect(),
+        }
+    }
     /// Whether `xs` lie as [`colocate`](Storage::colocate) lays them out
     /// (always, where it leaves them be).
     pub fn side_by_side(xs: &[&Storage]) -> bool {

@@ -606,7 +606,7 @@ impl Llama {
         }
         let norm = RmsNorm::new(c, cfg.rms_eps, device)?;
         let lm_head = Linear::normal(c, cfg.vocab_size, std, &gen, device)?;
-        Ok(Llama {
+        let model = Llama {
             cfg: cfg.clone(),
             embed_tokens,
             layers,
@@ -616,7 +616,13 @@ impl Llama {
             device,
             recompute: None,
             attention_recompute: false,
-        })
+        };
+        // side by side in parameter order, as AdamW lays them out (and the
+        // projections that share an input read them): laid out here, before
+        // training, the copy adds nothing to a step's peak
+        let params = model.parameters();
+        Tensor::colocate(&params.iter().collect::<Vec<_>>())?;
+        Ok(model)
     }
 
     /// Where the parameters live.

@@ -225,14 +225,26 @@ impl AdamW {
     /// inside the update's own pass.
     fn update(&mut self, grad_scale: Option<f32>) -> Result<()> {
         let c = self.cfg;
+        // first updates: both moments made laid out like their parameters
+        let fresh: Vec<usize> = (0..self.params.len())
+            .filter(|&i| self.state[i].is_none() && self.params[i].grad().is_some())
+            .collect();
+        for &i in &fresh {
+            check_master(&self.params[i])?;
+        }
+        let like: Vec<&Tensor> = fresh.iter().map(|&i| &self.params[i]).collect();
+        let (ms, vs) = (
+            Tensor::zeros_laid_out(&like)?,
+            Tensor::zeros_laid_out(&like)?,
+        );
+        for ((i, m), v) in fresh.into_iter().zip(ms).zip(vs) {
+            self.state[i] = Some((m, v, 0));
+        }
         let mut todo = Vec::new();
         for (i, (p, st)) in self.params.iter().zip(self.state.iter_mut()).enumerate() {
             let Some(g) = p.grad() else { continue };
             check_master(p)?;
-            if st.is_none() {
-                *st = Some((p.zeros_like()?, p.zeros_like()?, 0));
-            }
-            let (_, _, t) = st.as_mut().unwrap();
+            let (_, _, t) = st.as_mut().expect("made above");
             *t += 1;
             // Scalars in f64 on the host, narrowed once: both backends get the same bits.
             let (b1, b2) = (c.beta1 as f64, c.beta2 as f64);

@@ -379,6 +379,18 @@ impl Tensor {
         Ok(())
     }
 
+    /// Zeros of each of `ts`' shapes (f32, on their device), laid out as
+    /// [`colocate`](Tensor::colocate) would lay them out: an optimizer's
+    /// moments beside its parameters.
+    pub fn zeros_laid_out(ts: &[&Tensor]) -> Result<Vec<Tensor>> {
+        let storages: Vec<Storage> = ts.iter().map(|t| t.storage()).collect();
+        let zeros = Storage::zeros_laid_out(&storages.iter().collect::<Vec<_>>())?;
+        ts.iter()
+            .zip(zeros)
+            .map(|(t, z)| Tensor::from_storage(z, t.shape()))
+            .collect()
+    }
+
     /// Whether `ts` are as [`colocate`](Tensor::colocate) lays them out.
     pub fn side_by_side(ts: &[&Tensor]) -> bool {
         let storages: Vec<Storage> = ts.iter().map(|t| t.storage()).collect();

@@ -60,6 +60,15 @@ impl Pool {
         None
     }
 
+    /// A buffer of `class` bytes no tensor needs any more and the pool
+    /// should not keep (replaced by a copy laid out elsewhere): returned for
+    /// the caller to release.
+    #[must_use]
+    pub fn discard(&mut self, class: u64, buf: wgpu::Buffer) -> wgpu::Buffer {
+        self.held -= class;
+        buf
+    }
+
     pub fn free_bytes(&self) -> u64 {
         self.free_bytes
     }

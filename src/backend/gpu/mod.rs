@@ -61,6 +61,10 @@ struct Block {
     buf: Option<wgpu::Buffer>,
     class: u64,
     _ticket: Ticket,
+    /// Released, not pooled, when its last view goes: its values were laid
+    /// out elsewhere ([`GpuStorage::colocated`]), and nothing of its size
+    /// is likely to be asked for again.
+    retired: std::sync::atomic::AtomicBool,
 }
 
 pub use context::Bind;
@@ -284,7 +288,12 @@ pub const LOOP_PASS: usize = 16_384;
 impl Drop for Block {
     fn drop(&mut self) {
         if let (Some(b), Some(c)) = (self.buf.take(), ctx_if_created()) {
-            let gone = c.pool.lock().unwrap().put(self.class, b);
+            let mut pool = c.pool.lock().unwrap();
+            let gone = match self.retired.load(std::sync::atomic::Ordering::Relaxed) {
+                true => Some(pool.discard(self.class, b)),
+                false => pool.put(self.class, b),
+            };
+            drop(pool);
             if let Some(b) = gone {
                 c.released(&[b]);
             }
@@ -339,9 +348,37 @@ impl GpuStorage {
                 len: x.len,
             };
             c.copy(x.bind(), v.bind(), x.len as u64 * 4)?;
+            x.block.retired.store(true, std::sync::atomic::Ordering::Relaxed);
             views.push(v);
         }
         Ok(Some(views))
+    }
+
+    /// Zeros of `lens` elements, laid out as [`colocated`](Self::colocated)
+    /// lays views of those lengths out (apart when they would not fit one
+    /// binding).
+    pub fn zeros_laid_out(lens: &[usize]) -> Result<Vec<GpuStorage>> {
+        let c = ctx()?;
+        let (starts, total) = GpuStorage::layout(c, lens);
+        if (total as u64).saturating_mul(4) > c.max_binding() {
+            return lens.iter().map(|&n| GpuStorage::full(n, 0.0)).collect();
+        }
+        let block = std::sync::Arc::new(Block::alloc(c, total)?);
+        let whole = GpuStorage {
+            block: block.clone(),
+            offset: 0,
+            len: total,
+        };
+        c.upload(whole.bind(), bytemuck::cast_slice(&vec![0f32; total]))?;
+        Ok(lens
+            .iter()
+            .zip(starts)
+            .map(|(&len, offset)| GpuStorage {
+                block: block.clone(),
+                offset,
+                len,
+            })
+            .collect())
     }
 
     /// Whether `xs` lie as [`colocated`](Self::colocated) lays them out.
@@ -420,6 +457,7 @@ impl Block {
             buf: Some(buf),
             class,
             _ticket: Ticket::new(len * 4),
+            retired: std::sync::atomic::AtomicBool::new(false),
         })
     }
 }
