@@ -225,13 +225,17 @@ impl AdamW {
     /// inside the update's own pass.
     fn update(&mut self, grad_scale: Option<f32>) -> Result<()> {
         let c = self.cfg;
-        // first updates: both moments made laid out like their parameters
-        let fresh: Vec<usize> = (0..self.params.len())
-            .filter(|&i| self.state[i].is_none() && self.params[i].grad().is_some())
+        // the parameters with a gradient, checked before anything is made
+        let with_grad: Vec<(usize, Tensor)> = (self.params.iter().enumerate())
+            .filter_map(|(i, p)| p.grad().map(|g| (i, g)))
             .collect();
-        for &i in &fresh {
-            check_master(&self.params[i])?;
+        for (i, _) in &with_grad {
+            check_master(&self.params[*i])?;
         }
+        // first updates: both moments made laid out like their parameters
+        let fresh: Vec<usize> = (with_grad.iter().map(|(i, _)| *i))
+            .filter(|&i| self.state[i].is_none())
+            .collect();
         let like: Vec<&Tensor> = fresh.iter().map(|&i| &self.params[i]).collect();
         let (ms, vs) = (
             Tensor::zeros_laid_out(&like)?,
@@ -241,10 +245,8 @@ impl AdamW {
             self.state[i] = Some((m, v, 0));
         }
         let mut todo = Vec::new();
-        for (i, (p, st)) in self.params.iter().zip(self.state.iter_mut()).enumerate() {
-            let Some(g) = p.grad() else { continue };
-            check_master(p)?;
-            let (_, _, t) = st.as_mut().expect("made above");
+        for (i, g) in with_grad {
+            let (_, _, t) = self.state[i].as_mut().expect("made above");
             *t += 1;
             // Scalars in f64 on the host, narrowed once: both backends get the same bits.
             let (b1, b2) = (c.beta1 as f64, c.beta2 as f64);

@@ -328,28 +328,40 @@ impl GpuStorage {
         (starts, at)
     }
 
-    /// Copies of `xs` as views of one buffer, in order, each from the first
-    /// multiple of the binding alignment after the previous one (views of
-    /// one length are evenly spaced); copied on the device. `None` when they
-    /// would not fit one binding: they stay as they are.
-    pub fn colocated(xs: &[&GpuStorage]) -> Result<Option<Vec<GpuStorage>>> {
-        let c = ctx()?;
-        let lens: Vec<usize> = xs.iter().map(|x| x.len).collect();
-        let (starts, total) = GpuStorage::layout(c, &lens);
+    /// Uninitialised views of one buffer, of `lens` elements each, in order,
+    /// each from the first multiple of the binding alignment after the
+    /// previous one (views of one length are evenly spaced); `None` when
+    /// they would not fit one binding.
+    fn views(c: &Context, lens: &[usize]) -> Result<Option<Vec<GpuStorage>>> {
+        let (starts, total) = GpuStorage::layout(c, lens);
         if (total as u64).saturating_mul(4) > c.max_binding() {
             return Ok(None);
         }
         let block = std::sync::Arc::new(Block::alloc(c, total)?);
-        let mut views = Vec::with_capacity(xs.len());
-        for (x, offset) in xs.iter().zip(starts) {
-            let v = GpuStorage {
-                block: block.clone(),
-                offset,
-                len: x.len,
-            };
+        Ok(Some(
+            lens.iter()
+                .zip(starts)
+                .map(|(&len, offset)| GpuStorage {
+                    block: block.clone(),
+                    offset,
+                    len,
+                })
+                .collect(),
+        ))
+    }
+
+    /// Copies of `xs` laid out as [`views`](Self::views) lays them out,
+    /// copied on the device; `None` when they would not fit one binding:
+    /// they stay as they are.
+    pub fn colocated(xs: &[&GpuStorage]) -> Result<Option<Vec<GpuStorage>>> {
+        let c = ctx()?;
+        let lens: Vec<usize> = xs.iter().map(|x| x.len).collect();
+        let Some(views) = GpuStorage::views(c, &lens)? else {
+            return Ok(None);
+        };
+        for (x, v) in xs.iter().zip(&views) {
             c.copy(x.bind(), v.bind(), x.len as u64 * 4)?;
             x.block.retired.store(true, std::sync::atomic::Ordering::Relaxed);
-            views.push(v);
         }
         Ok(Some(views))
     }
@@ -359,26 +371,15 @@ impl GpuStorage {
     /// binding).
     pub fn zeros_laid_out(lens: &[usize]) -> Result<Vec<GpuStorage>> {
         let c = ctx()?;
-        let (starts, total) = GpuStorage::layout(c, lens);
-        if (total as u64).saturating_mul(4) > c.max_binding() {
+        let Some(views) = GpuStorage::views(c, lens)? else {
             return lens.iter().map(|&n| GpuStorage::full(n, 0.0)).collect();
-        }
-        let block = std::sync::Arc::new(Block::alloc(c, total)?);
-        let whole = GpuStorage {
-            block: block.clone(),
-            offset: 0,
-            len: total,
         };
-        c.upload(whole.bind(), bytemuck::cast_slice(&vec![0f32; total]))?;
-        Ok(lens
-            .iter()
-            .zip(starts)
-            .map(|(&len, offset)| GpuStorage {
-                block: block.clone(),
-                offset,
-                len,
-            })
-            .collect())
+        // one upload over the buffer, from the first view (at its start)
+        if let (Some(first), Some(last)) = (views.first(), views.last()) {
+            let span = last.offset + last.len;
+            c.upload(first.bind(), bytemuck::cast_slice(&vec![0f32; span]))?;
+        }
+        Ok(views)
     }
 
     /// Whether `xs` lie as [`colocated`](Self::colocated) lays them out.
