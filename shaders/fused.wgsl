@@ -182,26 +182,46 @@ fn rms_norm_backward_dw(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workg
 
 // ---- SwiGLU: gate, up: (n) -> y: (n) ----
 // s = σ(gate) = div(1, 1 + exp(-0 - gate)); y = (gate·s)·up.
+// With keep (a FMT_* code), gate and up also as 16-bit words (pack.wgsl's
+// layout) in w_gate, w_up: the copies autograd keeps for the backward, each
+// word written by the invocation of its first value.
 
 struct EltParams {
     n: u32,
     zero: u32,
+    keep: u32,
+    _pad: u32,
 }
 
 @group(0) @binding(0) var<storage, read> sw_prm: EltParams;
 @group(0) @binding(1) var<storage, read> sw_gate: array<f32>;
 @group(0) @binding(2) var<storage, read> sw_up: array<f32>;
 @group(0) @binding(3) var<storage, read_write> sw_y: array<f32>;
+// Without keep, y stands in for both, unwritten.
+@group(0) @binding(4) var<storage, read_write> sw_w_gate: array<u32>;
+@group(0) @binding(5) var<storage, read_write> sw_w_up: array<u32>;
 
 @compute @workgroup_size(64)
 fn swiglu(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
           @builtin(local_invocation_index) lane: u32) {
     let i = grid_index(wg, groups, lane);
-    if i >= sw_prm.n {
+    let n = sw_prm.n;
+    if i >= n {
         return;
     }
     let x = sw_gate[i];
     sw_y[i] = sep(x * m_sigmoid(x), sw_prm.zero) * sw_up[i];
+    let keep = sw_prm.keep;
+    if keep != 0u && (i & 1u) == 0u {
+        var wg_bits = half_bits(x, keep);
+        var wu_bits = half_bits(sw_up[i], keep);
+        if i + 1u < n {
+            wg_bits = wg_bits | (half_bits(sw_gate[i + 1u], keep) << 16u);
+            wu_bits = wu_bits | (half_bits(sw_up[i + 1u], keep) << 16u);
+        }
+        sw_w_gate[i / 2u] = wg_bits;
+        sw_w_up[i / 2u] = wu_bits;
+    }
 }
 
 // ---- SwiGLU backward: gate, up, g: (n) -> d_gate, d_up: (n) ----
@@ -381,6 +401,57 @@ fn rope_backward(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) 
         rg_dx[i] = (gc + pz) + sep(rg_g[x + h] * rg_sin[p + h], z);
     } else {
         rg_dx[i] = (gc + (-0.0 - sep(rg_g[x - h] * rg_sin[p - h], z))) + pz;
+    }
+}
+
+// ---- RoPE backward of two tensors at once (attention's q and k): g0, g1:
+// (B, heads, t, d) -> dx0, dx1: (B, t, heads, d), each as `rope_backward`
+// has it; element i < n of the grid is g0's, i - n g1's. ----
+
+@group(0) @binding(0) var<storage, read> rq_prm: RopeParams;
+@group(0) @binding(1) var<storage, read> rq_g0: array<f32>;
+@group(0) @binding(2) var<storage, read> rq_g1: array<f32>;
+@group(0) @binding(3) var<storage, read> rq_cos: array<f32>;
+@group(0) @binding(4) var<storage, read> rq_sin: array<f32>;
+@group(0) @binding(5) var<storage, read_write> rq_dx0: array<f32>;
+@group(0) @binding(6) var<storage, read_write> rq_dx1: array<f32>;
+
+fn rq_load(second: bool, e: u32) -> f32 {
+    if second {
+        return rq_g1[e];
+    }
+    return rq_g0[e];
+}
+
+@compute @workgroup_size(64)
+fn rope_backward_pair(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
+                      @builtin(local_invocation_index) lane: u32) {
+    let gi = grid_index(wg, groups, lane);
+    let n = rq_prm.n;
+    if gi >= 2u * n {
+        return;
+    }
+    let second = gi >= n;
+    let i = select(gi, gi - n, second);
+    let d = rq_prm.d;
+    let h = d / 2u;
+    let z = rq_prm.zero;
+    let pz = bitcast<f32>(z); // +0, the narrows' zero padding
+    let j = i % d;
+    let src = rope_from_heads(i / d, rq_prm.t, rq_prm.heads);
+    let x = src.x * d + j;
+    let p = src.y * d + j;
+    let gc = sep(rq_load(second, x) * rq_cos[p], z);
+    var dx: f32;
+    if j < h {
+        dx = (gc + pz) + sep(rq_load(second, x + h) * rq_sin[p + h], z);
+    } else {
+        dx = (gc + (-0.0 - sep(rq_load(second, x - h) * rq_sin[p - h], z))) + pz;
+    }
+    if second {
+        rq_dx1[i] = dx;
+    } else {
+        rq_dx0[i] = dx;
     }
 }
 

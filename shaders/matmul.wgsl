@@ -42,6 +42,8 @@ struct MatmulParams {
     c_bs: u32,
     c_hs: u32,
     c_ld: u32,
+    keep: u32,     // FMT_* code: A's values are also written to `a_words` (see keep_a); 0: not
+    keep_n: u32,   // A's values (the matrices of A, dense, one after another)
 }
 
 // Lavapipe (llvmpipe) silently stops a shader after 65,535 loop iterations, so
@@ -63,6 +65,10 @@ struct MatmulParams {
 @group(0) @binding(5) var<storage, read_write> c1: array<f32>;
 @group(0) @binding(6) var<storage, read_write> c2: array<f32>;
 override OUTS: u32 = 1u;
+// With prm.keep, A's values rounded to that format as 16-bit words (pack.wgsl's
+// layout): the copy autograd keeps of an activation a product reads. Otherwise
+// c stands in, unused.
+@group(0) @binding(7) var<storage, read_write> a_words: array<u32>;
 // The output binding of this invocation's batch (see place).
 var<private> c_slot: u32 = 0u;
 
@@ -306,12 +312,41 @@ fn place(bi: u32) -> Place {
     return q;
 }
 
+// prm.keep: the workgroups of the first column block write A's words, each
+// those whose first value lies in its 64 rows of its matrix (a broadcast A is
+// matrix 0 alone), from the buffer's values: the words pack.wgsl writes. The
+// host asks only for a dense, unpacked, untransposed A. No barriers, and
+// nothing else reads `a_words`, so where this runs changes nothing else.
+fn keep_a(wg: vec3<u32>, lane: u32, lanes: u32) {
+    if prm.keep == 0u || prm.last == 0u || wg.x != 0u {
+        return;
+    }
+    let mk = prm.m * prm.k;
+    let bi = prm.batch0 + wg.z;
+    if bi >= prm.keep_n / mk {
+        return;
+    }
+    let first = bi * mk;
+    let r0 = wg.y * 64u;
+    let start = first + r0 * prm.k;
+    let end = first + min(r0 + 64u, prm.m) * prm.k;
+    for (var w = (start + 1u) / 2u + lane; w < (end + 1u) / 2u; w += lanes) {
+        var bits = half_bits(bitcast<f32>(a[2u * w]), prm.keep);
+        if 2u * w + 1u < prm.keep_n {
+            bits = bits | (half_bits(bitcast<f32>(a[2u * w + 1u]), prm.keep) << 16u);
+        }
+        a_words[w] = bits;
+    }
+}
+
 const ROWS: u32 = 8u;
 const COLS: u32 = 8u;
 
 // grid: (ceil(n / (8 COLS)), ceil(m / (8 ROWS)), batches); workgroup 8x8 invocations of ROWS x COLS outputs.
 @compute @workgroup_size(8, 8, 1)
-fn matmul(@builtin(global_invocation_id) gid: vec3<u32>) {
+fn matmul(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgroup_id) wg: vec3<u32>,
+          @builtin(local_invocation_index) li: u32) {
+    keep_a(wg, li, 64u);
     let m = prm.m;
     let n = prm.n;
     let k = prm.k;
@@ -567,6 +602,7 @@ fn matmul_tiled(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_
     let q = place(prm.batch0 + wg.z);
     let g = Tiling(m, k, n, i0, j0, q.a_base, q.b_base, q.ia, q.pa, q.pb, q.jb);
     let lane = lid.y * 16u + lid.x;
+    keep_a(wg, lane, 256u);
     // this invocation's rows (y + 16 r) and first column (x) in the block
     let r0 = i0 + lid.y;
     let jx = j0 + lid.x;

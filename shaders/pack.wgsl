@@ -1,35 +1,11 @@
 // pack.wgsl — 16-bit storage (needs the prelude's cast.wgsl, which has
-// `widen_bits`): the twin of pack/mod.rs `half_bits` and pack/cpu.rs,
-// integer steps only.
+// `half_bits` and `widen_bits`): the twin of pack/cpu.rs, integer steps only.
 // Word i holds value 2i in its low half and value 2i + 1 in its high half.
 // 1-D grids of 64-wide workgroups: i = grid_index(wg, groups, lane).
 
 struct PackParams {
     n: u32,   // values
     fmt: u32, // FMT_BF16 or FMT_FP16
-}
-
-fn half_bits(x: f32, fmt: u32) -> u32 {
-    if fmt == FMT_BF16 {
-        return bitcast<u32>(bf16_f32(x)) >> 16u;
-    }
-    let b = bitcast<u32>(fp16_f32(x));
-    let sign = (b >> 16u) & 0x8000u;
-    let a = b & 0x7fffffffu;
-    if a > 0x7f800000u {
-        return sign | 0x7c00u | ((a >> 13u) & 0x3ffu);
-    }
-    if a >= 0x47800000u {
-        return sign | 0x7c00u;
-    }
-    if a >= 0x38800000u {
-        return sign | (((a >> 23u) - 112u) << 10u) | ((a >> 13u) & 0x3ffu);
-    }
-    if a == 0u {
-        return sign;
-    }
-    let e = a >> 23u;
-    return sign | ((0x00800000u | (a & 0x007fffffu)) >> (126u - e));
 }
 
 // ---- pack: up to three buffers a dispatch, x_s: (n_s) f32 -> w_s:

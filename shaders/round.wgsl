@@ -76,6 +76,32 @@ fn round_fmt(x: f32, fmt: u32) -> f32 {
     return x;
 }
 
+// The 16-bit pattern of x rounded to format `fmt`: the twin of pack/mod.rs
+// `half_bits` (16-bit storage, written by pack.wgsl and by products that keep
+// their A operand).
+fn half_bits(x: f32, fmt: u32) -> u32 {
+    if fmt == FMT_BF16 {
+        return bitcast<u32>(bf16_f32(x)) >> 16u;
+    }
+    let b = bitcast<u32>(fp16_f32(x));
+    let sign = (b >> 16u) & 0x8000u;
+    let a = b & 0x7fffffffu;
+    if a > 0x7f800000u {
+        return sign | 0x7c00u | ((a >> 13u) & 0x3ffu);
+    }
+    if a >= 0x47800000u {
+        return sign | 0x7c00u;
+    }
+    if a >= 0x38800000u {
+        return sign | (((a >> 23u) - 112u) << 10u) | ((a >> 13u) & 0x3ffu);
+    }
+    if a == 0u {
+        return sign;
+    }
+    let e = a >> 23u;
+    return sign | ((0x00800000u | (a & 0x007fffffu)) >> (126u - e));
+}
+
 // The float32 bits of a 16-bit pattern `h` of format `fmt`, exactly: the twin
 // of pack/mod.rs `widen_bits` (16-bit storage, and products that read it).
 fn widen_bits(h: u32, fmt: u32) -> u32 {

@@ -383,26 +383,40 @@ device_test!(rope_heads_pair_is_two_rope_heads, |dev| {
             t(&randv(n, 600, 1.0), &[b, h, t_, d], dev),
             t(&randv(n, 700, 1.0), &[b, h, t_, d], dev),
         );
-        let run = |paired: bool| -> Result<Vec<Vec<u32>>> {
+        // graph 0: each used once; 1: k's rotation also feeds a longer
+        // chain (its gradient complete only after that chain's backward);
+        // 2: k's rotation unused (no gradient: the pair's backward can't run)
+        let run = |paired: bool, graph: usize| -> Result<Vec<Vec<u32>>> {
             let q = t(&qv, &[b, t_, h * d], dev).requires_grad_(true);
             let kk = t(&kv, &[b, t_, h * d], dev).requires_grad_(true);
             let (a, r) = match paired {
                 true => q.rope_heads_pair(&kk, &c, &s, h)?,
                 false => (q.rope_heads(&c, &s, h)?, kk.rope_heads(&c, &s, h)?),
             };
-            a.mul(&w1)?
-                .sum_all()?
-                .add(&r.mul(&w2)?.sum_all()?)?
-                .backward()?;
-            let grad = |x: &Tensor| x.grad().expect("a gradient").to_vec_f32();
+            let mut loss = a.mul(&w1)?.sum_all()?;
+            if graph < 2 {
+                loss = loss.add(&r.mul(&w2)?.sum_all()?)?;
+            }
+            if graph == 1 {
+                let long = r.mul(&w1)?.mul(&w2)?.mul(&w1)?.exp()?.sum_all()?;
+                loss = long.add(&loss)?;
+            }
+            loss.backward()?;
+            let grad = |x: &Tensor| x.grad().map(|g| g.to_vec_f32()).transpose();
             Ok(vec![
                 bits(&a.to_vec_f32()?),
                 bits(&r.to_vec_f32()?),
-                bits(&grad(&q)?),
-                bits(&grad(&kk)?),
+                bits(&grad(&q)?.expect("q's gradient")),
+                bits(&grad(&kk)?.unwrap_or_default()),
             ])
         };
-        assert_eq!(run(true)?, run(false)?, "({b}, {t_}, {h}·{d})");
+        for graph in 0..3 {
+            assert_eq!(
+                run(true, graph)?,
+                run(false, graph)?,
+                "({b}, {t_}, {h}·{d}) graph {graph}"
+            );
+        }
     }
     // of one shape, named in the error
     let (c, s) = (t(&[1.0; 6], &[3, 2], dev), t(&[0.0; 6], &[3, 2], dev));

@@ -853,6 +853,7 @@ fn matmul(sw: &mut Sweep) -> Result<()> {
     matmul_added(sw)?;
     matmul_tokens(sw)?;
     matmul_shared(sw)?;
+    matmul_keeping_a(sw)?;
     matmul_bits(sw)?;
     matmul_outside_normal_range(sw)
 }
@@ -1174,13 +1175,65 @@ fn matmul_shared(sw: &mut Sweep) -> Result<()> {
                     ws.clone()
                 };
                 let mut out = Vec::new();
-                for y in Operand::Values(up(&x, dev)?).matmul_shared(
+                // A kept in 16 bits as the product reads it (autograd's copy)
+                let (ys, kept) = Operand::Values(up(&x, dev)?).matmul_shared(
                     &ws.iter().collect::<Vec<_>>(),
                     d,
                     round,
-                )? {
+                    round,
+                )?;
+                for y in ys {
                     out.extend(y.to_vec_f32()?);
                 }
+                if let Some((p, _)) = kept {
+                    out.extend(word_halves(p.words().to_vec_f32()?));
+                }
+                Ok(out)
+            })?;
+        }
+    }
+    Ok(())
+}
+
+/// A product that also keeps A in 16 bits (autograd's copy of an
+/// activation, on a GPU written by the product's own dispatch): the
+/// product's bits and pack's words. Odd `k` (words across rows), row blocks
+/// past 64 (and across them), dense and broadcast batches, an odd count
+/// (a last word half used), an addend, and a transposed A (packed apart).
+fn matmul_keeping_a(sw: &mut Sweep) -> Result<()> {
+    let mut rng = Rng(0x4ee9);
+    for (batch, m, k, n, a_bs, b_bs, ta, add) in [
+        (1, 8, 5, 8, 40, 0, false, false),
+        (1, 130, 7, 9, 910, 0, false, false),
+        (3, 65, 33, 17, 65 * 33, 0, false, true),
+        (3, 9, 17, 35, 0, 17 * 35, false, false),
+        (3, 5, 3, 4, 15, 12, false, false),
+        (2, 9, 5, 6, 45, 30, true, false),
+    ] {
+        let count = if a_bs == 0 { m * k } else { batch * m * k };
+        let a = adversarial(&mut rng, count);
+        let b: Vec<f32> = (0..(if b_bs == 0 { 1 } else { batch }) * k * n)
+            .map(|_| rng.moderate())
+            .collect();
+        let e: Vec<f32> = (0..batch * m * n).map(|_| rng.moderate()).collect();
+        let d = dims(batch, m, k, n, ta, false, a_bs, b_bs, Causal::No);
+        for fmt in [Format::Bf16, Format::Fp16] {
+            let case = format!(
+                "{}{}, A kept",
+                if add { "e + " } else { "" },
+                d.describe(Some(fmt))
+            );
+            sw.check("matmul", &format!("{fmt} keeping A"), case, &[], |dev| {
+                let e = up(&e, dev)?;
+                let (c, (p, _)) = up(&a, dev)?.matmul_keeping_a(
+                    &up(&b, dev)?,
+                    d,
+                    Some(fmt),
+                    add.then_some(&e),
+                    fmt,
+                )?;
+                let mut out = c.to_vec_f32()?;
+                out.extend(word_halves(p.words().to_vec_f32()?));
                 Ok(out)
             })?;
         }
@@ -1499,16 +1552,19 @@ fn copy(sw: &mut Sweep) -> Result<()> {
 
 // ------------------------------------------------------- 16-bit storage ----
 
+/// 16-bit words as their halves' patterns, so NaN payloads count.
+fn word_halves(v: Vec<f32>) -> Vec<f32> {
+    v.iter()
+        .flat_map(|x| [(x.to_bits() & 0xffff) as f32, (x.to_bits() >> 16) as f32])
+        .collect()
+}
+
 fn pack(sw: &mut Sweep) -> Result<()> {
     let mut rng = Rng(37);
     // 16-bit storage: packing rounds (an odd count of adversarial values),
     // and every pattern of each format survives the round trip. Words and
     // values are compared as their 16-bit halves, so NaN payloads count.
-    let halves = |v: Vec<f32>| -> Vec<f32> {
-        v.iter()
-            .flat_map(|x| [(x.to_bits() & 0xffff) as f32, (x.to_bits() >> 16) as f32])
-            .collect()
-    };
+    let halves = word_halves;
     let x = adversarial(&mut rng, 721);
     for fmt in [Format::Bf16, Format::Fp16] {
         sw.check("pack 16-bit", fmt.name(), "721 values".into(), &[], |d| {
@@ -1853,6 +1909,28 @@ fn fused(sw: &mut Sweep) -> Result<()> {
         sw.check("swiglu", "", case.clone(), &[&gate, &x], |dev| {
             up(&gate, dev)?.swiglu(&up(&x, dev)?)?.to_vec_f32()
         })?;
+        // keeping the gate and up in 16 bits (autograd's copies, written by
+        // the same dispatch on a GPU): all of them, and one value short (a
+        // last word half used)
+        for fmt in [Format::Bf16, Format::Fp16] {
+            for n in [rows * d, rows * d - 1] {
+                let variant = format!("{fmt}, keeping gate and up");
+                sw.check(
+                    "swiglu",
+                    &variant,
+                    format!("{case}, {n} values"),
+                    &[&gate, &x],
+                    |dev| {
+                        let (y, [(wg, _), (wu, _)]) =
+                            up(&gate[..n], dev)?.swiglu_keeping(&up(&x[..n], dev)?, fmt)?;
+                        let mut out = y.to_vec_f32()?;
+                        out.extend(word_halves(wg.words().to_vec_f32()?));
+                        out.extend(word_halves(wu.words().to_vec_f32()?));
+                        Ok(out)
+                    },
+                )?;
+            }
+        }
         sw.check("swiglu backward", "", case.clone(), &[&gate, &x], |dev| {
             let (a, b) = up(&gate, dev)?.swiglu_backward(&up(&x, dev)?, &up(&g, dev)?)?;
             cat(vec![a, b])
@@ -1920,6 +1998,23 @@ fn fused(sw: &mut Sweep) -> Result<()> {
                     )?;
                     cat(vec![a, b])
                 })?;
+                sw.check(
+                    "rope backward",
+                    &variant,
+                    format!("{case}, a pair"),
+                    &[],
+                    |dev| {
+                        let (a, b) = up(&g, dev)?.rope_backward_pair(
+                            &up(&x, dev)?,
+                            &up(&cos, dev)?,
+                            &up(&sin, dev)?,
+                            t,
+                            d,
+                            heads,
+                        )?;
+                        cat(vec![a, b])
+                    },
+                )?;
             }
         }
         let targets: Vec<u32> = (0..rows).map(|r| ((r * 7) % d) as u32).collect();

@@ -104,7 +104,19 @@ impl Tensor {
             );
         }
         let f = output_format(OpClass::Swiglu, &[self, up]);
-        let y = stored(self.storage().swiglu(&up.storage())?, f)?;
+        // the 16-bit copies backward keeps, written by the same primitive
+        // (where the output is not rounded into a second buffer, which would
+        // then be made while both copies are held)
+        let y = match [Keep::values(self), Keep::values(up)].map(Saved::to_pack) {
+            [Some(a), Some(b)] if a == b && f.is_none() => {
+                let (y, [(pg, cg), (pu, cu)]) = self.storage().swiglu_keeping(&up.storage(), a)?;
+                Saved::adopt(self, pg, cg)?;
+                Saved::adopt(up, pu, cu)?;
+                y
+            }
+            _ => self.storage().swiglu(&up.storage())?,
+        };
+        let y = stored(y, f)?;
         let [gate, upk] = Saved::all([Keep::values(self), Keep::values(up)])?;
         Ok(
             Tensor::record(y, self.shape().to_vec(), "swiglu", &[self, up], move |g| {
@@ -189,10 +201,32 @@ impl Tensor {
             heads,
         )?;
         let shape = vec![b, heads, t, d];
-        Ok((
+        let (q, k) = (
             self.rope_node(y0, cos, sin, dims, shape.clone())?,
             other.rope_node(y1, cos, sin, dims, shape)?,
-        ))
+        );
+        // both backwards as one primitive once both gradients are in
+        let (fq, fk) = (
+            output_format(OpClass::Rope, &[self]),
+            output_format(OpClass::Rope, &[other]),
+        );
+        let (c, s) = (cos.storage(), sin.storage());
+        let in_shape = self.shape().to_vec();
+        crate::tensor::autograd::join(
+            &q,
+            &k,
+            Box::new(move |gq, gk| {
+                let (gq, gk) = (arrived(gq, fq)?, arrived(gk, fk)?);
+                let (dq, dk) =
+                    gq.storage()
+                        .rope_backward_pair(&gk.storage(), &c, &s, t, d, heads)?;
+                Ok([
+                    vec![Some(Tensor::from_storage(dq, &in_shape)?)],
+                    vec![Some(Tensor::from_storage(dk, &in_shape)?)],
+                ])
+            }),
+        );
+        Ok((q, k))
     }
 
     /// [`rope`](Self::rope) and [`rope_heads`](Self::rope_heads): token-major

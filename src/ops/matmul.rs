@@ -7,7 +7,7 @@
 use crate::backend::round::Format;
 use crate::backend::{MatmulDims, Operand, Storage};
 use crate::tensor::autocast::{autocast_dtype, cast_table, product_format, OpClass, Rule};
-use crate::tensor::saved::{Arg, Saved};
+use crate::tensor::saved::{Arg, Keep, Saved};
 use crate::tensor::shape::numel;
 use crate::{bail, Result, Tensor};
 
@@ -110,7 +110,22 @@ fn recorded(
     e: Option<&Tensor>,
 ) -> Result<Tensor> {
     let addend = e.map(|e| e.storage());
-    let (s, shape, dims) = product(a.arg(), b.arg(), ta, tb, round, addend.as_ref())?;
+    // The copy of `a` backward keeps, written by the product as it reads `a`.
+    let keep = b
+        .requires_grad()
+        .then(|| Saved::to_pack(Keep::operand(a, round)))
+        .flatten();
+    let (s, shape, dims) = match keep {
+        Some(f) if !ta => {
+            let (dims, shape) = product_dims(a.shape(), b.shape(), ta, tb)?;
+            let (s, (p, changed)) =
+                a.storage()
+                    .matmul_keeping_a(&b.storage(), dims, round, addend.as_ref(), f)?;
+            Saved::adopt(a, p, changed)?;
+            (s, shape, dims)
+        }
+        _ => product(a.arg(), b.arg(), ta, tb, round, addend.as_ref())?,
+    };
     record(a, b, round, e, s, shape, dims)
 }
 
@@ -267,11 +282,20 @@ impl Tensor {
             ..dims
         };
         let storages: Vec<Storage> = ws.iter().map(|w| w.storage()).collect();
-        let outs = Operand::Values(self.storage()).matmul_shared(
+        // the copy of `self` backward keeps, written by the product
+        let needed = ws.iter().any(|w| w.requires_grad());
+        let keep = needed
+            .then(|| Saved::to_pack(Keep::operand(self, round)))
+            .flatten();
+        let (outs, kept) = Operand::Values(self.storage()).matmul_shared(
             &storages.iter().collect::<Vec<_>>(),
             rows,
             round,
+            keep,
         )?;
+        if let Some((p, changed)) = kept {
+            Saved::adopt(self, p, changed)?;
+        }
         ws.iter()
             .zip(outs)
             .map(|(w, s)| record(self, w, round, None, s, shape.clone(), dims))

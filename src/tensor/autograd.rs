@@ -13,9 +13,9 @@
 
 use super::{Meta, Tensor};
 use crate::{bail, Result};
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
-use std::rc::Rc;
+use std::rc::{Rc, Weak};
 
 thread_local! {
     static GRAD_ENABLED: Cell<bool> = const { Cell::new(true) };
@@ -88,11 +88,51 @@ impl Gathered<'_> {
     }
 }
 
+/// Two nodes' backwards at once: their upstream gradients -> each one's
+/// parents' gradients (as each node's own [`Vjp`] gives them, bit for bit).
+pub type JointVjp = Box<dyn FnOnce(&Tensor, &Tensor) -> Result<[Vec<Option<Tensor>>; 2]>>;
+
+/// A node's link to the other output of the primitive that made it (RoPE's
+/// q and k): when backward reaches one of the two and the other's gradient
+/// is complete too, one primitive runs both backwards ([`join`]).
+pub(crate) struct Joint {
+    /// Weak: two nodes holding each other would never be freed.
+    other: Weak<Meta>,
+    both: Rc<RefCell<Option<JointVjp>>>,
+    /// Whether this node is the first of `both`'s arguments.
+    first: bool,
+}
+
+/// Links the nodes of `a` and `b` (made by one primitive, each recorded
+/// with its own backward) so that backward runs `both` for the two once
+/// both gradients are complete; either node alone runs its own backward.
+/// Nothing happens where either has no node (no grad mode, no parent
+/// requiring grad).
+pub(crate) fn join(a: &Tensor, b: &Tensor, both: JointVjp) {
+    let (ma, mb) = (&a.0.meta, &b.0.meta);
+    let (mut na, mut nb) = (ma.node.borrow_mut(), mb.node.borrow_mut());
+    if let (Some(na), Some(nb)) = (na.as_mut(), nb.as_mut()) {
+        let both = Rc::new(RefCell::new(Some(both)));
+        na.joint = Some(Joint {
+            other: Rc::downgrade(mb),
+            both: both.clone(),
+            first: true,
+        });
+        nb.joint = Some(Joint {
+            other: Rc::downgrade(ma),
+            both,
+            first: false,
+        });
+    }
+}
+
 pub(crate) struct Node {
     pub(crate) name: &'static str,
     /// Graph links only: a parent's values stay alive only if `vjp` saved them.
     pub(crate) parents: Vec<Rc<Meta>>,
     pub(crate) vjp: Vjp,
+    /// The other node this one's backward may run with.
+    pub(crate) joint: Option<Joint>,
     /// The model path that recorded the node, while a primitive trace runs
     /// (`None` otherwise): its backward is traced at the same path.
     pub(crate) site: Option<crate::trace::Site>,
@@ -148,6 +188,38 @@ fn accumulate(map: &mut HashMap<usize, Tensor>, id: usize, g: Tensor) -> Result<
     Ok(())
 }
 
+/// Hands a node's parents their gradients `pgrads` (the node `name` ran):
+/// each is added into the parent's sum, and a leaf whose last contributor
+/// this was gets its sum in `.grad`.
+fn deliver(
+    name: &str,
+    parents: &[Rc<Meta>],
+    pgrads: Vec<Option<Tensor>>,
+    grads: &mut HashMap<usize, Tensor>,
+    left: &mut HashMap<usize, usize>,
+) -> Result<()> {
+    for (p, pg) in parents.iter().zip(pgrads) {
+        if let (true, Some(pg)) = (p.requires_grad.get(), pg) {
+            if pg.shape() != p.shape.as_slice() {
+                bail!(Shape, "backward of {name} produced a gradient of shape {:?} for an input of shape {:?}", pg.shape(), p.shape);
+            }
+            accumulate(grads, p.id, pg)?;
+        }
+        if p.requires_grad.get() {
+            let n = left
+                .get_mut(&p.id)
+                .expect("every parent's uses are counted");
+            *n -= 1;
+            if *n == 0 && p.is_leaf {
+                if let Some(g) = grads.remove(&p.id) {
+                    p.accumulate_grad(g)?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 pub(crate) fn backward(root: &Tensor, seed: Tensor) -> Result<()> {
     if !root.requires_grad() {
         bail!(Shape, "backward on a tensor that does not require grad (no parameter reached it, or it was made under no_grad)");
@@ -166,9 +238,10 @@ pub(crate) fn backward(root: &Tensor, seed: Tensor) -> Result<()> {
     let _traced = crate::trace::phase("backward");
     let mut order = topo_order(&root.0.meta);
     let uses = uses(&order);
-    // How many of the nodes still to run feed each leaf a gradient: a leaf's
-    // sum is complete once the last of them has run, and goes into `.grad`
-    // then instead of waiting in `grads` for the leaf's place in the order.
+    // How many of the nodes still to run feed each tensor a gradient: its
+    // sum is complete once the last of them has run. A leaf's goes into
+    // `.grad` then instead of waiting in `grads` for the leaf's place in the
+    // order; a joint node runs with its partner once the partner's is.
     let mut left = uses.clone();
     let mut grads: HashMap<usize, Tensor> = HashMap::new();
     grads.insert(root.id(), seed);
@@ -192,8 +265,42 @@ pub(crate) fn backward(root: &Tensor, seed: Tensor) -> Result<()> {
             name,
             parents,
             vjp,
+            joint,
             site,
         } = node;
+        // the partner, where its gradient is complete and its node not run
+        let partner = joint.and_then(|j| {
+            let other = j.other.upgrade()?;
+            let complete =
+                left.get(&other.id).is_none_or(|&n| n == 0) && grads.contains_key(&other.id);
+            let both = j
+                .both
+                .borrow_mut()
+                .take()
+                .filter(|_| complete && other.node.borrow().is_some())?;
+            Some((other, both, j.first))
+        });
+        if let Some((other, both, first)) = partner {
+            let theirs = other.node.borrow_mut().take().expect("checked above");
+            let og = grads.remove(&other.id).expect("checked above");
+            let (g0, g1) = if first { (&g, &og) } else { (&og, &g) };
+            let [p0, p1] = {
+                let _at = crate::trace::backward_at(site.as_ref());
+                both(g0, g1)
+                    .map_err(|e| e.context(format!("backward of {name} and {}", theirs.name)))?
+            };
+            let (mine, other_grads) = if first { (p0, p1) } else { (p1, p0) };
+            drop((g, og));
+            deliver(name, &parents, mine, &mut grads, &mut left)?;
+            deliver(
+                theirs.name,
+                &theirs.parents,
+                other_grads,
+                &mut grads,
+                &mut left,
+            )?;
+            continue;
+        }
         let pgrads = {
             let _at = crate::trace::backward_at(site.as_ref());
             let mut gathered = Gathered {
@@ -204,23 +311,7 @@ pub(crate) fn backward(root: &Tensor, seed: Tensor) -> Result<()> {
             vjp(&g, &mut gathered).map_err(|e| e.context(format!("backward of {name}")))?
         };
         drop(g);
-        for (p, pg) in parents.iter().zip(pgrads) {
-            if let (true, Some(pg)) = (p.requires_grad.get(), pg) {
-                if pg.shape() != p.shape.as_slice() {
-                    bail!(Shape, "backward of {name} produced a gradient of shape {:?} for an input of shape {:?}", pg.shape(), p.shape);
-                }
-                accumulate(&mut grads, p.id, pg)?;
-            }
-            if p.is_leaf && p.requires_grad.get() {
-                let n = left.get_mut(&p.id).expect("a leaf's uses are counted");
-                *n -= 1;
-                if *n == 0 {
-                    if let Some(g) = grads.remove(&p.id) {
-                        p.accumulate_grad(g)?;
-                    }
-                }
-            }
-        }
+        deliver(name, &parents, pgrads, &mut grads, &mut left)?;
     }
     Ok(())
 }

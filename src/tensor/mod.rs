@@ -209,6 +209,7 @@ impl Tensor {
                 name,
                 parents: parents.iter().map(|&p| p.0.meta.clone()).collect(),
                 vjp: Box::new(vjp) as Vjp,
+                joint: None,
                 site: crate::trace::site(),
             };
             Tensor::make(storage, shape, true, Some(node))

@@ -42,6 +42,13 @@ impl Tensor {
     }
 }
 
+/// `t`'s 16-bit copy in format `f`, if made.
+fn cached(t: &Tensor, f: Format) -> Option<Packed> {
+    let cell = t.0.packed.borrow().clone();
+    let p = cell.borrow().clone().filter(|p| p.format() == f);
+    p
+}
+
 /// A tensor kept for backward.
 pub(crate) enum Saved {
     /// Shared with the forward pass (no copy).
@@ -100,6 +107,44 @@ impl Saved {
         })
     }
 
+    /// The format keeping `k` would pack its tensor into, where that copy is
+    /// still to be made: the op reading the tensor can write it as it goes
+    /// (`Storage::matmul_keeping_a`, `Storage::swiglu_keeping`) and hand it
+    /// over ([`adopt`](Saved::adopt)) before it keeps the tensor.
+    pub(crate) fn to_pack(k: Keep) -> Option<Format> {
+        let halves = super::is_grad_enabled() && !saved_float32_only();
+        match k {
+            Keep::Half(t, f, _) if halves && cached(t, f).is_none() => Some(f),
+            _ => None,
+        }
+    }
+
+    /// Takes `p`, `t` packed (with the count of values its rounding changed,
+    /// where the device counts), as `t`'s 16-bit copy; an error where `t`
+    /// claims to hold only `p`'s format's values and some changed.
+    pub(crate) fn adopt(t: &Tensor, p: Packed, changed: Option<usize>) -> Result<()> {
+        let exact = t.half() == Some(p.format());
+        Saved::adopt_claimed(t, p, changed, exact)
+    }
+
+    /// [`adopt`](Saved::adopt), `exact` saying whether `t` claims to hold
+    /// only values of `p`'s format.
+    fn adopt_claimed(t: &Tensor, p: Packed, changed: Option<usize>, exact: bool) -> Result<()> {
+        let f = p.format();
+        if exact && changed.unwrap_or(0) > 0 {
+            bail!(
+                Numerical,
+                "a tensor {:?} marked as holding {f} values has {} that are not: \
+                 16-bit storage would lose them",
+                t.shape(),
+                changed.unwrap_or(0)
+            );
+        }
+        let cell = t.0.packed.borrow().clone();
+        *cell.borrow_mut() = Some(p);
+        Ok(())
+    }
+
     fn one(k: Keep) -> Result<Saved> {
         let [s] = Saved::all([k])?;
         Ok(s)
@@ -112,11 +157,6 @@ impl Saved {
         // Nothing is recorded without grad mode: the closure holding these
         // is dropped at once, so a copy would be wasted.
         let halves = super::is_grad_enabled() && !saved_float32_only();
-        let cached = |t: &Tensor, f: Format| {
-            let cell = t.0.packed.borrow().clone();
-            let p = cell.borrow().clone().filter(|p| p.format() == f);
-            p
-        };
         // the tensors to pack, each once, by format
         let mut todo: Vec<(&Tensor, Format, bool)> = Vec::new();
         for k in &ks {
@@ -134,17 +174,7 @@ impl Saved {
             let storages: Vec<_> = group.iter().map(|(t, ..)| t.storage()).collect();
             let packed = Storage::pack_many(&storages.iter().collect::<Vec<_>>(), f)?;
             for ((t, _, exact), (p, changed)) in group.into_iter().zip(packed) {
-                if *exact && changed.unwrap_or(0) > 0 {
-                    bail!(
-                        Numerical,
-                        "a tensor {:?} marked as holding {f} values has {} that are not: \
-                         16-bit storage would lose them",
-                        t.shape(),
-                        changed.unwrap_or(0)
-                    );
-                }
-                let cell = t.0.packed.borrow().clone();
-                *cell.borrow_mut() = Some(p);
+                Saved::adopt_claimed(t, p, changed, *exact)?;
             }
         }
         Ok(ks.map(|k| match k {

@@ -1,12 +1,12 @@
 //! The GPU launchers of the fused primitives (`fused.wgsl`).
 
-use super::FusedOps;
+use super::{FusedOps, Kept};
 use crate::backend::gpu::context::{ctx, Context};
 use crate::backend::gpu::pipelines::{gpu_params, no_consts, Family, Kernel};
 use crate::backend::gpu::variant::Kernels;
 use crate::backend::gpu::{grid1d, u32_of, GpuStorage, LOOP_PASS};
 use crate::backend::matmul::Halves;
-use crate::backend::round::fmt_code;
+use crate::backend::round::{fmt_code, Format};
 use crate::backend::MAX_DIMS;
 use crate::{bail, Result};
 
@@ -40,7 +40,7 @@ gpu_params! {
 
 gpu_params! {
     /// `fused.wgsl` `EltParams`: `n` elements.
-    pub struct EltParams { n: u32, zero: u32 }
+    pub struct EltParams { n: u32, zero: u32, keep: u32, _pad: u32 }
 }
 
 gpu_params! {
@@ -79,6 +79,7 @@ pub const FAMILY: Family = Family {
         "rope",
         "rope_pair",
         "rope_backward",
+        "rope_backward_pair",
         "cross_entropy_rows",
         "cross_entropy_mean",
         "cross_entropy_backward",
@@ -108,6 +109,7 @@ const SWIGLU_BACKWARD: Kernel = Kernel::new(&FAMILY, "swiglu_backward");
 const ROPE: Kernel = Kernel::new(&FAMILY, "rope");
 const ROPE_PAIR: Kernel = Kernel::new(&FAMILY, "rope_pair");
 const ROPE_BACKWARD: Kernel = Kernel::new(&FAMILY, "rope_backward");
+const ROPE_BACKWARD_PAIR: Kernel = Kernel::new(&FAMILY, "rope_backward_pair");
 const CE_ROWS: Kernel = Kernel::new(&FAMILY, "cross_entropy_rows");
 const CE_MEAN: Kernel = Kernel::new(&FAMILY, "cross_entropy_mean");
 const CE_BACKWARD: Kernel = Kernel::new(&FAMILY, "cross_entropy_backward");
@@ -273,9 +275,27 @@ impl FusedOps for GpuStorage {
         let prm = EltParams {
             n: u32_of(n, "length")?,
             zero: 0,
+            keep: 0,
+            _pad: 0,
         };
-        c.dispatch(&SWIGLU, &prm, &[self.bind(), up.bind(), y.bind()], grid1d(n))?;
+        c.dispatch(&SWIGLU, &prm, &[self.bind(), up.bind(), y.bind(), y.bind(), y.bind()], grid1d(n))?;
         Ok(y)
+    }
+
+    /// The same dispatch, writing the words too.
+    fn swiglu_keeping(&self, up: &GpuStorage, keep: Format) -> Result<Kept<GpuStorage>> {
+        let c = ctx()?;
+        let n = self.len();
+        let y = GpuStorage::alloc(c, n)?;
+        let (wg, wu) = (GpuStorage::alloc(c, n.div_ceil(2))?, GpuStorage::alloc(c, n.div_ceil(2))?);
+        let prm = EltParams {
+            n: u32_of(n, "length")?,
+            zero: 0,
+            keep: fmt_code(Some(keep)),
+            _pad: 0,
+        };
+        c.dispatch(&SWIGLU, &prm, &[self.bind(), up.bind(), y.bind(), wg.bind(), wu.bind()], grid1d(n))?;
+        Ok((y, [(wg, None), (wu, None)]))
     }
 
     fn swiglu_backward(&self, up: &GpuStorage, g: &GpuStorage, halves: Halves) -> Result<(GpuStorage, GpuStorage)> {
@@ -320,6 +340,23 @@ impl FusedOps for GpuStorage {
 
     fn rope_backward(&self, cos: &GpuStorage, sin: &GpuStorage, t: usize, d: usize, heads: usize) -> Result<GpuStorage> {
         rope_launch(&ROPE_BACKWARD, self, cos, sin, (t, d, heads))
+    }
+
+    /// Both in one dispatch.
+    fn rope_backward_pair(
+        &self,
+        other: &GpuStorage,
+        cos: &GpuStorage,
+        sin: &GpuStorage,
+        (t, d, heads): (usize, usize, usize),
+    ) -> Result<(GpuStorage, GpuStorage)> {
+        let c = ctx()?;
+        let n = self.len();
+        let (dx0, dx1) = (GpuStorage::alloc(c, n)?, GpuStorage::alloc(c, n)?);
+        let prm = rope_params(n, (t, d, heads))?;
+        let bind = [self.bind(), other.bind(), cos.bind(), sin.bind(), dx0.bind(), dx1.bind()];
+        c.dispatch(&ROPE_BACKWARD_PAIR, &prm, &bind, grid1d(2 * n))?;
+        Ok((dx0, dx1))
     }
 
     /// One invocation per row, then one that folds the row losses in order

@@ -87,9 +87,15 @@ pub(crate) mod spec;
 pub(crate) mod gpu;
 
 use super::matmul::{Halves, Operand};
+use super::pack::{KeptCopy, PackOps, Packed};
 use super::primitive;
+use super::round::Format;
 use super::Storage;
 use crate::{bail, Result};
+
+/// An output and two inputs kept in 16 bits: their words, and the count of
+/// values the rounding changed where the device counts (the CPU).
+pub type Kept<S> = (S, [(S, Option<usize>); 2]);
 
 /// The two devices' fused primitives (see the module docs for the contract).
 /// Lengths are checked by the [`Storage`] methods before these run.
@@ -115,6 +121,15 @@ pub trait FusedOps: Sized {
     ) -> Result<(Option<Self>, Option<Self>)>;
     /// `self` is the gate.
     fn swiglu(&self, up: &Self) -> Result<Self>;
+    /// [`swiglu`](Self::swiglu), and the gate and `up` packed to `keep` as
+    /// [`PackOps::pack`] packs them (the copies autograd keeps); a GPU
+    /// writes them from the same dispatch.
+    fn swiglu_keeping(&self, up: &Self, keep: Format) -> Result<Kept<Self>>
+    where
+        Self: PackOps,
+    {
+        Ok((self.swiglu(up)?, [self.pack(keep)?, up.pack(keep)?]))
+    }
     /// `self` is the gate; returns `(d_gate, d_up)`. `halves`: the gate
     /// (`a`) and `up` (`b`) kept in 16-bit storage, words of two values each
     /// (see [`Packed`](crate::backend::pack::Packed)), widened as read.
@@ -128,6 +143,11 @@ pub trait FusedOps: Sized {
     }
     /// `self` is the upstream gradient `(B, heads, t, d)` -> `(B, t, heads, d)`.
     fn rope_backward(&self, cos: &Self, sin: &Self, t: usize, d: usize, heads: usize) -> Result<Self>;
+    /// [`rope_backward`](Self::rope_backward) of `self` and `other` (of one
+    /// shape); a GPU runs both in one dispatch (attention's q and k).
+    fn rope_backward_pair(&self, other: &Self, cos: &Self, sin: &Self, (t, d, heads): (usize, usize, usize)) -> Result<(Self, Self)> {
+        Ok((self.rope_backward(cos, sin, t, d, heads)?, other.rope_backward(cos, sin, t, d, heads)?))
+    }
     /// `self` is `x: (rows, v)`; returns `(loss, stats)`.
     fn cross_entropy(&self, targets: &[u32], v: usize) -> Result<(Self, Self)>;
     /// `self` is `x: (rows, v)`; `g` the loss's upstream gradient (one element).
@@ -234,6 +254,16 @@ impl Storage {
         Ok(primitive!("swiglu", || format!("n {}", self.len()), [self, up] => |a, b| a.swiglu(b)))
     }
 
+    /// [`swiglu`](Self::swiglu), and the gate and `up` in 16 bits of `keep`
+    /// with the counts of [`Storage::pack`], as one primitive (on a GPU one
+    /// dispatch).
+    pub fn swiglu_keeping(&self, up: &Storage, keep: Format) -> Result<(Storage, [KeptCopy; 2])> {
+        check_len("swiglu", up, self.len(), "up")?;
+        let n = self.len();
+        let (y, words) = primitive!("swiglu", || format!("n {n} keeping {keep}"), [self, up] => |a, b| a.swiglu_keeping(b, keep));
+        Ok((y, words.map(|(w, c)| (Packed::new(keep, n, w), c))))
+    }
+
     /// SwiGLU's backward: `(d_gate, d_up)` from the gate `self`, `up` and the
     /// upstream gradient.
     pub fn swiglu_backward(&self, up: &Storage, g: &Storage) -> Result<(Storage, Storage)> {
@@ -265,6 +295,17 @@ impl Storage {
         let describe = || format!("rows {} t {t} d {d} heads {heads}", self.len() / d.max(1));
         Ok(primitive!("rope backward", describe, [self, cos, sin] => |g, c, s| {
             g.rope_backward(c, s, t, d, heads)
+        }))
+    }
+
+    /// [`rope_backward`](Self::rope_backward) of `self` and `other` (of one
+    /// shape), as one primitive (on a GPU one dispatch for both).
+    pub fn rope_backward_pair(&self, other: &Storage, cos: &Storage, sin: &Storage, t: usize, d: usize, heads: usize) -> Result<(Storage, Storage)> {
+        check_rope(self, cos, sin, t, d, heads)?;
+        check_len("rope backward", other, self.len(), "the second gradient")?;
+        let describe = || format!("2 × rows {} t {t} d {d} heads {heads}", self.len() / d.max(1));
+        Ok(primitive!("rope backward", describe, [self, other, cos, sin] => |g, h, c, s| {
+            g.rope_backward_pair(h, c, s, (t, d, heads))
         }))
     }
 

@@ -37,6 +37,8 @@ gpu_params! {
         c_bs: u32,
         c_hs: u32,
         c_ld: u32,
+        keep: u32,
+        keep_n: u32,
     }
 }
 
@@ -99,20 +101,55 @@ impl MatmulOps for GpuStorage {
     fn matmul(&self, rhs: &GpuStorage, d: MatmulDims, halves: Halves, round: Option<Format>) -> Result<GpuStorage> {
         self.product(rhs, d, halves, round, None)
     }
+    /// One dispatch where A is dense ([`GpuStorage::keepable`]): the
+    /// product's first column of workgroups writes A's words as it goes.
+    fn matmul_keeping_a(
+        &self,
+        rhs: &GpuStorage,
+        d: MatmulDims,
+        round: Option<Format>,
+        addend: Option<&GpuStorage>,
+        keep: Format,
+    ) -> Result<(GpuStorage, (GpuStorage, Option<usize>))> {
+        let halves = Halves::default();
+        if !self.keepable(&d) {
+            let out = self.product(rhs, d, halves, round, addend)?;
+            return Ok((out, crate::backend::pack::PackOps::pack(self, keep)?));
+        }
+        let c = ctx()?;
+        let out = GpuStorage::alloc(c, d.batch * d.m * d.n)?;
+        let words = GpuStorage::alloc(c, self.len().div_ceil(2))?;
+        self.launch(rhs, d, halves, round, addend, &[&out], Some((&words, keep)))?;
+        Ok((out, (words, None)))
+    }
     /// Up to [`MAX_OUTS`] products a dispatch when `rhs` are views of one
     /// buffer evenly spaced ([`GpuStorage::spaced`]): one product batched
     /// over them (A broadcast, B `stride` elements apart), each batch's
     /// output its own buffer. Each output has the bits of its own product
     /// (batches never share sums).
-    fn matmul_shared(&self, rhs: &[&GpuStorage], d: MatmulDims, halves: Halves, round: Option<Format>) -> Result<Vec<GpuStorage>> {
+    /// With `keep`, the first dispatch writes A's words too where A is dense.
+    fn matmul_shared(
+        &self,
+        rhs: &[&GpuStorage],
+        d: MatmulDims,
+        halves: Halves,
+        round: Option<Format>,
+        keep: Option<Format>,
+    ) -> Result<(Vec<GpuStorage>, Option<(GpuStorage, Option<usize>)>)> {
         let c = ctx()?;
         let same_len = rhs.iter().all(|b| b.len() == rhs[0].len());
         let stride = GpuStorage::spaced(rhs).filter(|_| same_len && rhs.len() > 1);
-        let Some(stride) = stride else {
-            return rhs.iter().map(|b| self.product(b, d, halves, round, None)).collect();
+        let keep = keep.filter(|_| halves.a.is_none());
+        let Some(stride) = stride.filter(|_| keep.is_none() || self.keepable(&d)) else {
+            let outs = rhs.iter().map(|b| self.product(b, d, halves, round, None)).collect::<Result<_>>()?;
+            let kept = keep.map(|f| crate::backend::pack::PackOps::pack(self, f)).transpose()?;
+            return Ok((outs, kept));
         };
+        let words = keep
+            .map(|f| Ok::<_, crate::Error>((GpuStorage::alloc(c, self.len().div_ceil(2))?, f)))
+            .transpose()?;
         let mut outs = Vec::with_capacity(rhs.len());
-        for group in rhs.chunks(MAX_OUTS) {
+        for (g, group) in rhs.chunks(MAX_OUTS).enumerate() {
             let mine: Vec<GpuStorage> = (0..group.len())
                 .map(|_| GpuStorage::alloc(c, d.m * d.n))
                 .collect::<Result<_>>()?;
@@ -122,10 +159,11 @@ impl MatmulOps for GpuStorage {
                 b_batch_stride: stride,
                 ..d
             };
-            self.launch(group[0], all, halves, round, None, &mine.iter().collect::<Vec<_>>())?;
+            let kept = words.as_ref().filter(|_| g == 0).map(|(w, f)| (w, *f));
+            self.launch(group[0], all, halves, round, None, &mine.iter().collect::<Vec<_>>(), kept)?;
             outs.extend(mine);
         }
-        Ok(outs)
+        Ok((outs, words.map(|(w, _)| (w, None))))
     }
 }
 
@@ -143,12 +181,25 @@ impl GpuStorage {
         addend: Option<&GpuStorage>,
     ) -> Result<GpuStorage> {
         let out = GpuStorage::alloc(ctx()?, d.batch * d.m * d.n)?;
-        self.launch(rhs, d, halves, round, addend, &[&out])?;
+        self.launch(rhs, d, halves, round, addend, &[&out], None)?;
         Ok(out)
     }
 
+    /// Whether the product `d` can write A's (`self`'s) words from its own
+    /// dispatch (`keep_a` in matmul.wgsl): float32 values, untransposed and
+    /// dense (one matrix broadcast, or the batch's one after another), and
+    /// few enough words a workgroup that its loop stays under lavapipe's
+    /// 65,535 iterations.
+    fn keepable(&self, d: &MatmulDims) -> bool {
+        let mk = d.m * d.k;
+        let dense = (d.a_batch_stride == 0 && self.len() == mk) || (d.a_batch_stride == mk && self.len() == d.batch * mk);
+        mk > 0 && !d.trans_a && !d.tokens.a && dense && d.k < 65536 && self.len() < (1 << 31)
+    }
+
     /// Records the product's dispatches into `outs`: one buffer for all of
-    /// `d`'s batches, or one buffer per batch (2 or 3 batches, no addend).
+    /// `d`'s batches, or one buffer per batch (2 or 3 batches, no addend);
+    /// with `kept`, A's words into its buffer (A [`keepable`](Self::keepable)).
+    #[allow(clippy::too_many_arguments)]
     fn launch(
         &self,
         rhs: &GpuStorage,
@@ -157,6 +208,7 @@ impl GpuStorage {
         round: Option<Format>,
         addend: Option<&GpuStorage>,
         outs: &[&GpuStorage],
+        kept: Option<(&GpuStorage, Format)>,
     ) -> Result<()> {
         let c = ctx()?;
         let apart = outs.len() > 1;
@@ -225,12 +277,16 @@ impl GpuStorage {
                     c_bs: if apart { 0 } else { u32_of(pc.outer, "batch stride")? },
                     c_hs: u32_of(pc.inner, "head stride")?,
                     c_ld: u32_of(pc.row, "row stride")?,
+                    keep: fmt_code(kept.map(|(_, f)| f)),
+                    keep_n: u32_of(self.len(), "length")?,
                 };
                 let out = |i: usize| outs.get(i).unwrap_or(&outs[0]).bind();
+                // binding 7 is written only with `keep`; C stands in otherwise
+                let words = kept.map_or(out(0), |(w, _)| w.bind());
                 c.dispatch(
                     &kernel,
                     &prm,
-                    &[self.bind(), rhs.bind(), out(0), e.bind(), out(1), out(2)],
+                    &[self.bind(), rhs.bind(), out(0), e.bind(), out(1), out(2), words],
                     (gx as u32, gy as u32, nb as u32),
                 )?;
                 p0 = p1;

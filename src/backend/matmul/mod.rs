@@ -19,7 +19,9 @@
 //! Either operand may be read from 16-bit storage (a [`Packed`] copy, the
 //! one autograd keeps for backward): value `e` is `unpack`'s value `e`,
 //! widened as it is read, so the product is the one over the unpacked buffer
-//! bit for bit — without writing that buffer out.
+//! bit for bit — without writing that buffer out. A product may also write
+//! A's 16-bit copy as it reads A ([`Storage::matmul_keeping_a`]): the words
+//! [`Storage::pack`] writes, whichever dispatch writes them.
 
 pub(crate) mod cpu;
 #[cfg(feature = "gpu")]
@@ -28,7 +30,7 @@ mod spec;
 
 use super::copy::CopyOps;
 use super::elementwise::{BinaryOp, ElementwiseOps};
-use super::pack::{PackOps, Packed};
+use super::pack::{KeptCopy, PackOps, Packed};
 use super::round::Format;
 use super::BinaryLayout;
 use super::primitive;
@@ -331,10 +333,46 @@ pub trait MatmulOps: Sized {
     fn matmul_add(&self, rhs: &Self, d: MatmulDims, halves: Halves, round: Option<Format>, addend: &Self)
         -> Result<Self>;
     /// [`matmul`](Self::matmul) of `self` with each of `rhs`, one unbatched
-    /// product's dims `d` each (B not 16-bit); a GPU runs them as one product
-    /// batched over `rhs` where they lie side by side in one buffer.
-    fn matmul_shared(&self, rhs: &[&Self], d: MatmulDims, halves: Halves, round: Option<Format>) -> Result<Vec<Self>> {
-        rhs.iter().map(|b| self.matmul(b, d, halves, round)).collect()
+    /// product's dims `d` each (B not 16-bit), and with `keep`, `self` packed
+    /// as [`PackOps::pack`] packs it; a GPU runs them as one product batched
+    /// over `rhs` where they lie side by side in one buffer.
+    #[allow(clippy::type_complexity)]
+    fn matmul_shared(
+        &self,
+        rhs: &[&Self],
+        d: MatmulDims,
+        halves: Halves,
+        round: Option<Format>,
+        keep: Option<Format>,
+    ) -> Result<(Vec<Self>, Option<(Self, Option<usize>)>)>
+    where
+        Self: PackOps,
+    {
+        let outs = rhs.iter().map(|b| self.matmul(b, d, halves, round)).collect::<Result<_>>()?;
+        Ok((outs, keep.map(|f| self.pack(f)).transpose()?))
+    }
+    /// [`matmul`](Self::matmul) (or [`matmul_add`](Self::matmul_add) with
+    /// `addend`) of float32 operands, and `self` packed to `keep` as
+    /// [`PackOps::pack`] packs it: the 16-bit copy autograd keeps of an
+    /// activation a product reads. A GPU writes the words from the product's
+    /// own dispatch where A is dense.
+    fn matmul_keeping_a(
+        &self,
+        rhs: &Self,
+        d: MatmulDims,
+        round: Option<Format>,
+        addend: Option<&Self>,
+        keep: Format,
+    ) -> Result<(Self, (Self, Option<usize>))>
+    where
+        Self: PackOps,
+    {
+        let halves = Halves::default();
+        let c = match addend {
+            Some(e) => self.matmul_add(rhs, d, halves, round, e)?,
+            None => self.matmul(rhs, d, halves, round)?,
+        };
+        Ok((c, self.pack(keep)?))
     }
 }
 
@@ -343,6 +381,32 @@ impl Storage {
     pub fn matmul(&self, rhs: &Storage, dims: MatmulDims, round: Option<Format>) -> Result<Storage> {
         Operand::Values(self.clone()).matmul(&Operand::Values(rhs.clone()), dims, round)
     }
+
+    /// [`matmul`](Self::matmul) (or [`Operand::matmul_add`] with `addend`)
+    /// and A packed to `keep`, as one primitive: the product's bits, and the
+    /// 16-bit copy and count of [`Storage::pack`] (on a GPU written by the
+    /// product's dispatch where it can, instead of a pack of its own).
+    pub fn matmul_keeping_a(
+        &self,
+        rhs: &Storage,
+        dims: MatmulDims,
+        round: Option<Format>,
+        addend: Option<&Storage>,
+        keep: Format,
+    ) -> Result<(Storage, KeptCopy)> {
+        dims.check_tokens()?;
+        if addend.is_some_and(|e| dims.causal != Causal::No || e.len() != dims.batch * dims.m * dims.n) {
+            bail!(Shape, "matmul_add: an addend for {} outputs ({:?})", dims.batch * dims.m * dims.n, dims.causal);
+        }
+        let name = if addend.is_some() { "matmul add" } else { "matmul" };
+        let scope = crate::profile::product_scope(dims.profiled());
+        let mut parts = vec![self, rhs];
+        parts.extend(addend);
+        let (c, (w, n)): (Storage, (Storage, Option<usize>)) = primitive!(profile scope, name, || dims.describe(round), slice &parts => |ds| {
+            ds[0].matmul_keeping_a(ds[1], dims, round, ds.get(2).copied(), keep)
+        });
+        Ok((c, (Packed::new(keep, self.len(), w), n)))
+    }
 }
 
 impl Operand {
@@ -350,25 +414,40 @@ impl Operand {
     /// the bits of [`matmul`](Self::matmul) of each, as one primitive (on a
     /// GPU one dispatch when the `rhs` are views of one buffer, evenly
     /// spaced: weights laid out together). `dims` is each product's,
-    /// unbatched and dense.
-    pub fn matmul_shared(&self, rhs: &[&Storage], dims: MatmulDims, round: Option<Format>) -> Result<Vec<Storage>> {
+    /// unbatched and dense. With `keep`, also `self` (float32 values) packed
+    /// to that format, and how many values the rounding changed (the CPU's
+    /// count, as [`Storage::pack`]).
+    pub fn matmul_shared(
+        &self,
+        rhs: &[&Storage],
+        dims: MatmulDims,
+        round: Option<Format>,
+        keep: Option<Format>,
+    ) -> Result<(Vec<Storage>, Option<KeptCopy>)> {
         if dims.batch != 1 || dims.tokens.any() || rhs.is_empty() {
             bail!(Shape, "matmul_shared: one or more unbatched, dense products ({} of {dims:?})", rhs.len());
         }
         let (a, ha) = self.parts();
+        if keep.is_some() && ha.is_some() {
+            bail!(DType, "matmul_shared: only float32 values are kept in 16 bits");
+        }
         let halves = Halves { a: ha, b: None };
         let all = MatmulDims { batch: rhs.len(), ..dims };
         let mut prof = crate::profile::product_scope(all.profiled());
         let mut parts = vec![a];
         parts.extend_from_slice(rhs);
-        let outs: Vec<Storage> = super::on_device!(slice &parts => |ds| {
+        let (outs, kept): (Vec<Storage>, Option<(Storage, Option<usize>)>) = super::on_device!(slice &parts => |ds| {
             let (a, bs) = ds.split_first().expect("A and B");
-            a.matmul_shared(bs, dims, halves, round).map(|v| v.into_iter().map(super::Lift::lift).collect::<Vec<Storage>>())
+            a.matmul_shared(bs, dims, halves, round, keep).map(|(v, k)| {
+                (v.into_iter().map(super::Lift::lift).collect::<Vec<Storage>>(), k)
+            })
         });
-        let refs: Vec<&Storage> = outs.iter().collect();
+        let mut refs: Vec<&Storage> = outs.iter().collect();
+        refs.extend(kept.as_ref().map(|(w, _)| w));
         prof.moved(|| super::traffic("matmul", &parts, &refs));
         super::observed("matmul", || all.describe(round), &refs)?;
-        Ok(outs)
+        let kept = kept.zip(keep).map(|((w, n), f)| (Packed::new(f, a.len(), w), n));
+        Ok((outs, kept))
     }
 
     /// The contract's matmul; `self` is A, `rhs` is B.

@@ -43,6 +43,10 @@ pub struct Packed {
     words: Storage,
 }
 
+/// A 16-bit copy, with the number of values its rounding changed where the
+/// device counts them (the CPU; `None` on a GPU).
+pub type KeptCopy = (Packed, Option<usize>);
+
 /// The two devices' 16-bit storage (see the module docs for the contract).
 pub trait PackOps: Sized {
     /// `self`: n values -> ⌈n/2⌉ words; on the CPU also how many values the
@@ -101,6 +105,10 @@ impl Storage {
 }
 
 impl Packed {
+    /// `len` values of `format` in `words` (as [`PackOps::pack`] writes them).
+    pub(crate) fn new(format: Format, len: usize, words: Storage) -> Packed {
+        Packed { format, len, words }
+    }
     /// The float32 values, widened exactly.
     pub fn unpack(&self) -> Result<Storage> {
         let (fmt, n) = (self.format, self.len);
