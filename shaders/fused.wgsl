@@ -391,17 +391,24 @@ fn rope_backward(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) 
     let d = rg_prm.d;
     let h = d / 2u;
     let z = rg_prm.zero;
-    let pz = bitcast<f32>(z); // +0, the narrows' zero padding
     let j = i % d;
     let src = rope_from_heads(i / d, rg_prm.t, rg_prm.heads);
     let x = src.x * d + j;
     let p = src.y * d + j;
-    let gc = sep(rg_g[x] * rg_cos[p], z);
-    if j < h {
-        rg_dx[i] = (gc + pz) + sep(rg_g[x + h] * rg_sin[p + h], z);
-    } else {
-        rg_dx[i] = (gc + (-0.0 - sep(rg_g[x - h] * rg_sin[p - h], z))) + pz;
+    let q = select(p - h, p + h, j < h); // the partner's entry of the tables
+    let partner = rg_g[select(x - h, x + h, j < h)];
+    rg_dx[i] = rope_grad(rg_g[x], partner, rg_cos[p], rg_sin[q], j < h, z);
+}
+
+// One element of RoPE's backward from its gradient g_j, its partner's
+// (g_{j+h} in the first half, g_{j-h} in the second), c_j and the partner's s.
+fn rope_grad(gj: f32, partner: f32, c: f32, s: f32, first_half: bool, z: u32) -> f32 {
+    let pz = bitcast<f32>(z); // +0, the narrows' zero padding
+    let gc = sep(gj * c, z);
+    if first_half {
+        return (gc + pz) + sep(partner * s, z);
     }
+    return (gc + (-0.0 - sep(partner * s, z))) + pz;
 }
 
 // ---- RoPE backward of two tensors at once (attention's q and k): g0, g1:
@@ -435,19 +442,13 @@ fn rope_backward_pair(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgro
     let i = select(gi, gi - n, second);
     let d = rq_prm.d;
     let h = d / 2u;
-    let z = rq_prm.zero;
-    let pz = bitcast<f32>(z); // +0, the narrows' zero padding
     let j = i % d;
     let src = rope_from_heads(i / d, rq_prm.t, rq_prm.heads);
     let x = src.x * d + j;
     let p = src.y * d + j;
-    let gc = sep(rq_load(second, x) * rq_cos[p], z);
-    var dx: f32;
-    if j < h {
-        dx = (gc + pz) + sep(rq_load(second, x + h) * rq_sin[p + h], z);
-    } else {
-        dx = (gc + (-0.0 - sep(rq_load(second, x - h) * rq_sin[p - h], z))) + pz;
-    }
+    let q = select(p - h, p + h, j < h);
+    let partner = rq_load(second, select(x - h, x + h, j < h));
+    let dx = rope_grad(rq_load(second, x), partner, rq_cos[p], rq_sin[q], j < h, rq_prm.zero);
     if second {
         rq_dx1[i] = dx;
     } else {

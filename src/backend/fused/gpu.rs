@@ -329,13 +329,7 @@ impl FusedOps for GpuStorage {
         sin: &GpuStorage,
         (t, d, heads): (usize, usize, usize),
     ) -> Result<(GpuStorage, GpuStorage)> {
-        let c = ctx()?;
-        let n = self.len();
-        let (y0, y1) = (GpuStorage::alloc(c, n)?, GpuStorage::alloc(c, n)?);
-        let prm = rope_params(n, (t, d, heads))?;
-        let bind = [self.bind(), other.bind(), cos.bind(), sin.bind(), y0.bind(), y1.bind()];
-        c.dispatch(&ROPE_PAIR, &prm, &bind, grid1d(2 * n))?;
-        Ok((y0, y1))
+        rope_pair_launch(&ROPE_PAIR, [self, other], cos, sin, (t, d, heads))
     }
 
     fn rope_backward(&self, cos: &GpuStorage, sin: &GpuStorage, t: usize, d: usize, heads: usize) -> Result<GpuStorage> {
@@ -350,13 +344,7 @@ impl FusedOps for GpuStorage {
         sin: &GpuStorage,
         (t, d, heads): (usize, usize, usize),
     ) -> Result<(GpuStorage, GpuStorage)> {
-        let c = ctx()?;
-        let n = self.len();
-        let (dx0, dx1) = (GpuStorage::alloc(c, n)?, GpuStorage::alloc(c, n)?);
-        let prm = rope_params(n, (t, d, heads))?;
-        let bind = [self.bind(), other.bind(), cos.bind(), sin.bind(), dx0.bind(), dx1.bind()];
-        c.dispatch(&ROPE_BACKWARD_PAIR, &prm, &bind, grid1d(2 * n))?;
-        Ok((dx0, dx1))
+        rope_pair_launch(&ROPE_BACKWARD_PAIR, [self, other], cos, sin, (t, d, heads))
     }
 
     /// One invocation per row, then one that folds the row losses in order
@@ -444,6 +432,24 @@ fn rope_launch(
     let prm = rope_params(n, (t, d, heads))?;
     c.dispatch(k, &prm, &[x.bind(), cos.bind(), sin.bind(), y.bind()], grid1d(n))?;
     Ok(y)
+}
+
+/// `k` (`rope_pair` or `rope_backward_pair`) over two tensors of one
+/// length: one dispatch, an invocation per element of either.
+fn rope_pair_launch(
+    k: &Kernel,
+    [x0, x1]: [&GpuStorage; 2],
+    cos: &GpuStorage,
+    sin: &GpuStorage,
+    (t, d, heads): (usize, usize, usize),
+) -> Result<(GpuStorage, GpuStorage)> {
+    let c = ctx()?;
+    let n = x0.len();
+    let (y0, y1) = (GpuStorage::alloc(c, n)?, GpuStorage::alloc(c, n)?);
+    let prm = rope_params(n, (t, d, heads))?;
+    let bind = [x0.bind(), x1.bind(), cos.bind(), sin.bind(), y0.bind(), y1.bind()];
+    c.dispatch(k, &prm, &bind, grid1d(2 * n))?;
+    Ok((y0, y1))
 }
 
 /// RoPE's parameters for `n` elements of each tensor.
