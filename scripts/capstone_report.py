@@ -5,11 +5,13 @@ final models' held-out figures from `tinyllm eval`, and a sample from each
 with a fixed seed, prompt and temperature.
 
     scripts/capstone_report.py --run RUN [--results results/capstone-2000]
-                               [--bin target/release/tinyllm] [--data tinyshakespeare.txt]
+                               [--bin target/release/tinyllm]
 
 RUN is the comparison's --out (holding fp32/ and mixed/ with their
 checkpoints); the held-out curve is read from the metrics under --results
 (the committed copies) or, without them, from RUN. Markdown goes to stdout.
+Run it where the text the run recorded (its --data) is found: eval reads
+the held-out windows from there.
 The tokenizer is bytes, so nats/token is nats/byte; Tiny Shakespeare is
 ASCII, so it is also nats/char, the unit of nanoGPT's character-level anchor.
 
@@ -62,7 +64,6 @@ def main():
     a.add_argument("--run", required=True, help="the comparison's --out")
     a.add_argument("--results", default="results/capstone-2000")
     a.add_argument("--bin", default="target/release/tinyllm")
-    a.add_argument("--data", help="the text, if the run's recorded path has moved")
     a.add_argument("--every", type=int, default=200, help="steps between rows of the curve")
     args = a.parse_args()
     if not os.path.isfile(args.bin):
@@ -84,10 +85,11 @@ def main():
         f, m = curves["fp32"][s], curves["mixed"][s]
         print(f"| {s} | {f:.4f} | {bits(f):.4f} | {m:.4f} | {bits(m):.4f} |")
     print()
-    data = ["--data", args.data] if args.data else []
     for side, what in SIDES:
         ckpt = os.path.join(args.run, side)
-        cmd = ["eval", "--checkpoint", ckpt] + data
+        # without --data, eval reads the held-out windows of the text the run
+        # recorded (with it, every window of a file: not the held-out figure)
+        cmd = ["eval", "--checkpoint", ckpt]
         print(f"`tinyllm {' '.join(cmd)}` ({what}):")
         print("```")
         print(run(args.bin, cmd).strip())
