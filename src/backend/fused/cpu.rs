@@ -11,7 +11,7 @@ use crate::backend::cpu::{
     write_exact, CpuStorage, Elem,
 };
 use crate::backend::matmul::Halves;
-use crate::backend::pack::widen_bits;
+use crate::backend::pack::widen_words;
 use crate::backend::round::Format;
 use crate::backend::DType;
 use crate::Result;
@@ -387,9 +387,7 @@ fn swiglu_backward_kept16(
     let values = |s: &[f32], f: Option<Format>, lo: usize, len: usize| -> Vec<f32> {
         match f {
             None => s[lo..lo + len].to_vec(),
-            Some(f) => (lo..lo + len)
-                .map(|e| f32::from_bits(widen_bits((s[e / 2].to_bits() >> (16 * (e % 2))) & 0xffff, f)))
-                .collect(),
+            Some(f) => widen_words(&s[lo / 2..], f, len),
         }
     };
     let [dg, du] = new_vecs([n, n], |[dg, du], [wg, wu]| {

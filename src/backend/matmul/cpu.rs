@@ -112,9 +112,9 @@ fn halves_of(words: &[f32]) -> &[u16] {
 /// Reading one kind of [`Src`]: value `i`, and `W` consecutive values.
 trait Load: Copy {
     fn at(self, i: usize) -> f32;
-    /// The values themselves, when they are float32 words.
+    /// The values as [`copy_runs_avx2`] reads them, where it can.
     #[inline(always)]
-    fn values(&self) -> Option<&[f32]> {
+    fn runs(&self) -> Option<Runs<'_>> {
         None
     }
     #[inline(always)]
@@ -142,8 +142,8 @@ impl Load for &[f32] {
         self[i]
     }
     #[inline(always)]
-    fn values(&self) -> Option<&[f32]> {
-        Some(self)
+    fn runs(&self) -> Option<Runs<'_>> {
+        Some(Runs::F32(self))
     }
     #[inline(always)]
     fn run<const W: usize>(self, i: usize) -> [f32; W] {
@@ -344,35 +344,96 @@ unsafe fn transpose_rows<const W: usize>(
     }
 }
 
-/// The k-major packing of one source row into A's panels: run `i` (MR
-/// values of `row`) to panel row `p` of panel `i` (panels `kc · MR` apart
-/// in `panels`), rounded to bf16 when `bf16` in registers.
+/// The k-major packing of one source row into panels of `W` lanes (A's,
+/// `W` = MR, or B's, `W` a multiple of 8): run `i` (`W` values of `row`) to
+/// panel row `p` of panel `i` (panels `kc · W` apart in `panels`), rounded
+/// to bf16 when `bf16` in registers.
 ///
 /// # Safety
 /// The CPU has AVX2.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn copy_runs_avx2(panels: &mut [f32], row: &[f32], kc: usize, p: usize, bf16: bool) {
+unsafe fn copy_runs_avx2<const W: usize>(panels: &mut [f32], row: Runs, kc: usize, p: usize, bf16: bool) {
     use std::arch::x86_64::*;
-    let runs = row.len() / MR;
-    assert!(runs == 0 || panels.len() >= ((runs - 1) * kc + p + 1) * MR);
-    for i in 0..runs {
-        // values 0..4 and 4..6 of the run (masked moves were slower)
-        // SAFETY: run i < runs = row.len() / MR lies inside `row`.
-        let (mut lo, mut hi) = unsafe {
-            let src = row.as_ptr().add(i * MR);
-            (_mm_loadu_ps(src), _mm_castpd_ps(_mm_load_sd(src.add(4) as *const f64)))
-        };
-        if bf16 {
-            let v = round::bf16_lanes_avx2(_mm256_set_m128(hi, lo));
-            (lo, hi) = (_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    const { assert!(W == MR || W.is_multiple_of(8)) };
+    let row = match row {
+        Runs::F32(row) => row,
+        Runs::Bf16(halves) => {
+            assert!(W != MR && !bf16, "bf16 runs are widened into B's panels, not rounded");
+            // SAFETY: the CPU has AVX2 (this function's contract).
+            return unsafe { widen_runs_avx2::<W>(panels, halves, kc, p) };
         }
-        // SAFETY: panel row p of panel i (i < runs) lies inside `panels`
-        // (asserted above).
-        unsafe {
-            let dst = panels.as_mut_ptr().add((i * kc + p) * MR);
-            _mm_storeu_ps(dst, lo);
-            _mm_store_sd(dst.add(4) as *mut f64, _mm_castps_pd(hi));
+    };
+    let runs = row.len() / W;
+    assert!(runs == 0 || panels.len() >= ((runs - 1) * kc + p + 1) * W);
+    for i in 0..runs {
+        // SAFETY: run i < runs = row.len() / W lies inside `row`, and panel
+        // row p of panel i inside `panels` (asserted above).
+        let (src, dst) = unsafe { (row.as_ptr().add(i * W), panels.as_mut_ptr().add((i * kc + p) * W)) };
+        if W == MR {
+            // values 0..4 and 4..6 of the run (masked moves were slower)
+            // SAFETY: as above.
+            let (mut lo, mut hi) =
+                unsafe { (_mm_loadu_ps(src), _mm_castpd_ps(_mm_load_sd(src.add(4) as *const f64))) };
+            if bf16 {
+                let v = round::bf16_lanes_avx2(_mm256_set_m128(hi, lo));
+                (lo, hi) = (_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+            }
+            // SAFETY: as above.
+            unsafe {
+                _mm_storeu_ps(dst, lo);
+                _mm_store_sd(dst.add(4) as *mut f64, _mm_castps_pd(hi));
+            }
+        } else {
+            for g in (0..W).step_by(8) {
+                // SAFETY: values g .. g + 8 of the run, inside both (as above).
+                unsafe {
+                    let v = _mm256_loadu_ps(src.add(g));
+                    _mm256_storeu_ps(dst.add(g), if bf16 { round::bf16_lanes_avx2(v) } else { v });
+                }
+            }
+        }
+    }
+}
+
+/// [`copy_runs_avx2`] of bf16 patterns into panels of `W` lanes, a multiple
+/// of 8: each widened exactly, eight at a time.
+///
+/// # Safety
+/// The CPU has AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn widen_runs_avx2<const W: usize>(panels: &mut [f32], row: &[u16], kc: usize, p: usize) {
+    use std::arch::x86_64::*;
+    let runs = row.len() / W;
+    assert!(W.is_multiple_of(8) && (runs == 0 || panels.len() >= ((runs - 1) * kc + p + 1) * W));
+    for i in 0..runs {
+        for g in (0..W).step_by(8) {
+            // SAFETY: values g .. g + 8 of run i < runs lie inside `row`, and
+            // of panel row p of panel i inside `panels` (asserted above).
+            unsafe {
+                let h = _mm_loadu_si128(row.as_ptr().add(i * W + g) as *const __m128i);
+                let v = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)));
+                _mm256_storeu_ps(panels.as_mut_ptr().add((i * kc + p) * W + g), v);
+            }
+        }
+    }
+}
+
+/// A source row's values as [`copy_runs_avx2`] reads them.
+#[derive(Clone, Copy)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+enum Runs<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [u16]),
+}
+
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+impl<'a> Runs<'a> {
+    fn slice(self, from: usize, to: usize) -> Runs<'a> {
+        match self {
+            Runs::F32(v) => Runs::F32(&v[from..to]),
+            Runs::Bf16(h) => Runs::Bf16(&h[from..to]),
         }
     }
 }
@@ -385,6 +446,10 @@ impl Load for Bf16s<'_> {
     #[inline(always)]
     fn at(self, i: usize) -> f32 {
         f32::from_bits((self.0[i] as u32) << 16)
+    }
+    #[inline(always)]
+    fn runs(&self) -> Option<Runs<'_>> {
+        Some(Runs::Bf16(self.0))
     }
     #[inline(always)]
     fn gather<const W: usize>(self, panel: &mut [f32], offsets: [usize; W], round: Option<Format>) {
@@ -474,8 +539,9 @@ fn pack<const W: usize, S: Load>(
         // The panels that sum term p are `from..to`: `terms` is monotone,
         // so both ends only move forward as p does.
         #[cfg(target_arch = "x86_64")]
-        let runs = match src.values() {
-            Some(v) if W == MR && round != Some(Format::Fp16) && simd::level() >= Level::Avx2 => Some(v),
+        let runs = match src.runs() {
+            Some(Runs::F32(v)) if vector_gather::<W>() && round != Some(Format::Fp16) => Some(Runs::F32(v)),
+            Some(Runs::Bf16(h)) if vector_gather::<W>() && W != MR && round.is_none() => Some(Runs::Bf16(h)),
             _ => None,
         };
         let (mut from, mut to) = (0, 0);
@@ -487,14 +553,14 @@ fn pack<const W: usize, S: Load>(
                 to += 1;
             }
             let row = (kb + p) * ld;
-            // a float32 source's whole panels in vector registers; the rest below
+            // a float32 or bf16 source's whole panels in vector registers; the rest below
             #[cfg(target_arch = "x86_64")]
             let from = match runs {
                 Some(v) => {
-                    let whole = to.min(lanes / MR).max(from);
+                    let whole = to.min(lanes / W).max(from);
                     let dst = &mut buf[from * kc * W..];
-                    // SAFETY: the level is only set where the CPU has AVX2.
-                    unsafe { copy_runs_avx2(dst, &v[row + from * MR..row + whole * MR], kc, p, round.is_some()) };
+                    // SAFETY: `vector_gather` holds only where the CPU has AVX2.
+                    unsafe { copy_runs_avx2::<W>(dst, v.slice(row + from * W, row + whole * W), kc, p, round.is_some()) };
                     whole
                 }
                 None => from,

@@ -69,11 +69,7 @@ impl PackOps for CpuStorage {
         let w = self.f32s();
         // the words hold exactly n values, or some outputs would go unwritten
         assert_eq!(w.len(), n.div_ceil(2), "16-bit storage of {n} values");
-        let kernel: UnpackWords = match fmt {
-            #[cfg(target_arch = "x86_64")]
-            Format::Bf16 if simd::level() == simd::Level::Avx512 => avx512::unpack_bf16,
-            _ => unpack_words,
-        };
+        let kernel = unpack_kernel(fmt);
         let c = chunk_words(w.len());
         // No zero fill: the pass writes every value (pairs, then an odd tail).
         let y = new_vec(n, |y, written| {
@@ -85,6 +81,21 @@ impl PackOps for CpuStorage {
         });
         Ok(CpuStorage::from_f32(y))
     }
+}
+
+/// The widest unpack pass this CPU has for `fmt`.
+fn unpack_kernel(fmt: Format) -> UnpackWords {
+    match fmt {
+        #[cfg(target_arch = "x86_64")]
+        Format::Bf16 if simd::level() == simd::Level::Avx512 => avx512::unpack_bf16,
+        _ => unpack_words,
+    }
+}
+
+/// Values `0..n` of the 16-bit `words` (`fmt`), widened on the calling
+/// thread: a block of an operand that a kernel reads from its kept copy.
+pub(crate) fn widen_words(words: &[f32], fmt: Format, n: usize) -> Vec<f32> {
+    new_vec(n, |y, written| written.add(unpack_kernel(fmt)(y, &words[..n.div_ceil(2)], fmt)))
 }
 
 /// A pack pass over one chunk: `(words, values, format)`, the words handed
