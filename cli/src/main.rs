@@ -308,9 +308,10 @@ struct EvalArgs {
     /// A run directory or its checkpoint/ subdirectory.
     #[arg(long)]
     checkpoint: PathBuf,
-    /// Evaluate every window of this UTF-8 text file (default: the held-out
-    /// windows of the text the checkpoint was trained on, as its validation
-    /// loss saw them).
+    /// A UTF-8 text file to evaluate, every window of it. The text the
+    /// checkpoint was trained on (the same by SHA-256, wherever it is now)
+    /// gives its held-out windows instead, as without --data: the windows
+    /// the run's validation loss saw.
     #[arg(long)]
     data: Option<PathBuf>,
     /// cpu, gpu or auto (GPU if an adapter exists).
@@ -839,8 +840,18 @@ fn cmd_eval(a: EvalArgs) -> tinyllm::Result<ExitCode> {
     let corpus = a.data.as_ref().map(|p| Corpus::load(Some(p))).transpose()?;
     let device = device_of(&a.device)?;
     let dir = checkpoint::resolve_dir(&a.checkpoint);
+    // The text the run trained on (by its SHA-256), wherever it is now, is
+    // read for its held-out windows: its other windows trained the model.
+    let trained_on = checkpoint::Verified::open(&dir)
+        .and_then(|ck| ck.train_state())
+        .map(|st| st.data_fingerprint);
+    let (training_text, corpus) = match corpus {
+        Some(c) if trained_on.is_ok_and(|f| f == c.fingerprint) => (Some(c), None),
+        None => (None, None),
+        other => (None, other),
+    };
     let Some(corpus) = corpus else {
-        let h = tinyllm::train::infer::heldout(&a.checkpoint, device)
+        let h = tinyllm::train::infer::heldout(&a.checkpoint, device, training_text)
             .map_err(|e| e.context("--checkpoint"))?;
         out!(
             "{}: mean cross-entropy {:.4} nats/byte ({:.3} bits/byte) on the {} held-out windows of {} (float32)",
@@ -854,15 +865,6 @@ fn cmd_eval(a: EvalArgs) -> tinyllm::Result<ExitCode> {
     };
     let model =
         checkpoint::load_model(&a.checkpoint, device).map_err(|e| e.context("--checkpoint"))?;
-    let trained_on = checkpoint::Verified::open(&dir)
-        .and_then(|ck| ck.train_state())
-        .map(|st| st.data_fingerprint);
-    if trained_on.is_ok_and(|f| f == corpus.fingerprint) {
-        note!(
-            "note: {} is the text this model was trained on, so most of its windows are training windows; without --data, eval reads only the held-out ones",
-            corpus.name
-        );
-    }
     // A line at every tenth of the text: a long evaluation shows it is moving.
     let mut shown = 0;
     let progress = |done: usize, total: usize| {

@@ -1102,7 +1102,7 @@ fn a_run_writes_metrics_plot_checkpoint_and_compare_passes() {
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     // by default, the run's own held-out windows, in float32
-    let held = tinyllm::train::infer::heldout(&out, Device::Cpu).unwrap();
+    let held = tinyllm::train::infer::heldout(&out, Device::Cpu, None).unwrap();
     let said = String::from_utf8_lossy(&o.stdout).to_string();
     assert!(
         said.contains(&format!("mean cross-entropy {:.4} nats/byte", held.loss))
@@ -1112,7 +1112,8 @@ fn a_run_writes_metrics_plot_checkpoint_and_compare_passes() {
             )),
         "{said}"
     );
-    // the training text given as --data: every window, and a note that says so
+    // the training text given as --data (the same bytes, another path): its
+    // held-out windows, the same loss
     let text = out.join("train-text.txt");
     std::fs::write(&text, tinyllm::train::corpus::default_text()).unwrap();
     let o = std::process::Command::new(bin)
@@ -1123,11 +1124,35 @@ fn a_run_writes_metrics_plot_checkpoint_and_compare_passes() {
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    assert!(String::from_utf8_lossy(&o.stdout).contains("tokens of"));
+    let said = String::from_utf8_lossy(&o.stdout).to_string();
     assert!(
-        String::from_utf8_lossy(&o.stderr).contains("the text this model was trained on"),
+        said.contains(&format!("mean cross-entropy {:.4} nats/byte", held.loss))
+            && said.contains(&format!(
+                "on the {} held-out windows of {}",
+                held.windows,
+                text.display()
+            )),
+        "{said}"
+    );
+    // any other text: every window of it
+    let other = out.join("other-text.txt");
+    std::fs::write(
+        &other,
+        "To be, or not to be, that is the question. ".repeat(40),
+    )
+    .unwrap();
+    let o = std::process::Command::new(bin)
+        .args(["eval", "--checkpoint"])
+        .arg(&out)
+        .arg("--data")
+        .arg(&other)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        String::from_utf8_lossy(&o.stdout).contains("tokens of"),
         "{}",
-        String::from_utf8_lossy(&o.stderr)
+        String::from_utf8_lossy(&o.stdout)
     );
     let o = std::process::Command::new(bin)
         .args([
@@ -1436,4 +1461,84 @@ fn sixteen_bit_saved_activations_change_no_bit_gpu() {
     }
     let _gpu = gpu_shared();
     sixteen_bit_saving_changes_no_bit(Device::Gpu);
+}
+
+/// A run whose training text has moved since: `eval` without `--data` says
+/// where the text was and asks for it; with `--data` at its new place (the
+/// same bytes) it cuts the same held-out windows and gives the same loss.
+#[test]
+fn eval_finds_a_moved_training_text_through_data() {
+    let dir = tmpdir("eval-moved");
+    let text = dir.join("text.txt");
+    std::fs::write(&text, tinyllm::train::corpus::default_text()).unwrap();
+    let bin = env!("CARGO_BIN_EXE_tinyllm");
+    let run = |args: &[&std::ffi::OsStr]| {
+        let o = std::process::Command::new(bin).args(args).output().unwrap();
+        (
+            o.status.success(),
+            String::from_utf8_lossy(&o.stdout).to_string(),
+            String::from_utf8_lossy(&o.stderr).to_string(),
+        )
+    };
+    let out = dir.join("run");
+    let (ok, _, err) = run(&[
+        "train".as_ref(),
+        "--preset".as_ref(),
+        "tiny".as_ref(),
+        "--steps".as_ref(),
+        "2".as_ref(),
+        "--device".as_ref(),
+        "cpu".as_ref(),
+        "--sample-len".as_ref(),
+        "0".as_ref(),
+        "--plain".as_ref(),
+        "--data".as_ref(),
+        text.as_os_str(),
+        "--out".as_ref(),
+        out.as_os_str(),
+    ]);
+    assert!(ok, "{err}");
+    let eval = |data: Option<&Path>| {
+        let mut a: Vec<&std::ffi::OsStr> =
+            vec!["eval".as_ref(), "--checkpoint".as_ref(), out.as_os_str()];
+        if let Some(d) = data {
+            a.extend(["--data".as_ref(), d.as_os_str()]);
+        }
+        run(&a)
+    };
+    let (ok, before, err) = eval(None);
+    assert!(
+        ok && before.contains(&format!("held-out windows of {}", text.display())),
+        "{before}{err}"
+    );
+    let loss = |said: &str| {
+        said.split("mean cross-entropy ")
+            .nth(1)
+            .and_then(|r| r.split(' ').next())
+            .map(str::to_string)
+    };
+    let moved = dir.join("moved.txt");
+    std::fs::rename(&text, &moved).unwrap();
+    let (ok, _, err) = eval(None);
+    assert!(
+        !ok && err.contains("no longer there")
+            && err.contains(&text.display().to_string())
+            && err.contains("--data"),
+        "{err}"
+    );
+    let (ok, after, err) = eval(Some(&moved));
+    assert!(
+        ok && after.contains(&format!("held-out windows of {}", moved.display())),
+        "{after}{err}"
+    );
+    assert_eq!(loss(&after), loss(&before), "{before} / {after}");
+    assert!(loss(&before).is_some());
+    // a file at the old place with other text is refused by its SHA-256
+    std::fs::write(&text, "other text ".repeat(500)).unwrap();
+    let (ok, _, err) = eval(None);
+    assert!(
+        !ok && err.contains("holds other text") && err.contains("--data"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -138,7 +138,7 @@ fn heldout_loss(s: &RunSummary) -> Result<f32> {
     let dir = s.checkpoint.as_ref().ok_or_else(|| {
         crate::Error::checkpoint(format!("compare: {} saved no checkpoint", s.out.display()))
     })?;
-    Ok(crate::train::infer::heldout(dir, s.device)?.loss)
+    Ok(crate::train::infer::heldout(dir, s.device, None)?.loss)
 }
 
 /// Which side(s) of the comparison this call trains.

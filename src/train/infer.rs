@@ -114,19 +114,35 @@ pub struct HeldOut {
 
 /// The checkpoint in `dir` on the validation windows of the text it was
 /// trained on: the same split (context, seed) and rows as its runs'
-/// validation loss, evaluated in float32 on `device`. The text is found
-/// where the run's config says and must be the same by its SHA-256; an error
-/// says so when it is not there, and when `dir` holds a model without its
-/// training state (a model folder: evaluate a text with [`eval_text`]).
-pub fn heldout(dir: &std::path::Path, device: crate::Device) -> Result<HeldOut> {
+/// validation loss, evaluated in float32 on `device`. The text is `text`
+/// when given (the training text wherever it is now), else found where the
+/// run's config says; either way it must be the same by its SHA-256. An
+/// error says so when it is not, when the recorded file is gone, and when
+/// `dir` holds a model without its training state (a model folder: evaluate
+/// a text with [`eval_text`]).
+pub fn heldout(
+    dir: &std::path::Path,
+    device: crate::Device,
+    text: Option<Corpus>,
+) -> Result<HeldOut> {
     let ck = crate::train::checkpoint::Verified::open_model(dir)?;
     let st = ck.train_state()?;
     let model = crate::train::checkpoint::load_model(dir, device)?;
-    let corpus = Corpus::load(st.config.data.as_ref())?;
+    let corpus = match (text, st.config.data.as_ref()) {
+        (Some(c), _) => c,
+        (None, Some(p)) if !p.exists() => bail!(
+            Data,
+            "{}: the checkpoint was trained on {}, which is no longer there; give --data with that text where it is now (the same text by SHA-256 {}) to cut its held-out windows again",
+            dir.display(),
+            p.display(),
+            st.data_fingerprint
+        ),
+        (None, recorded) => Corpus::load(recorded)?,
+    };
     if corpus.fingerprint != st.data_fingerprint {
         bail!(
             Data,
-            "{}: the checkpoint was trained on {} (SHA-256 {}), but {} now holds other text, so its held-out windows cannot be cut again; give --data FILE to evaluate a whole file instead",
+            "{}: the checkpoint was trained on {} (SHA-256 {}), but {} holds other text, so its held-out windows cannot be cut again; give --data with the training text, or any other file to evaluate all of it",
             dir.display(),
             st.data_name,
             st.data_fingerprint,

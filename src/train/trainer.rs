@@ -634,7 +634,7 @@ pub trait StepCheck {
 ///
 /// let model = checkpoint::load_model(&out, Device::Cpu)?; // out/checkpoint
 /// assert_eq!(model.cfg.context, 16);
-/// let held_out = infer::heldout(&out, Device::Cpu)?;
+/// let held_out = infer::heldout(&out, Device::Cpu, None)?;
 /// assert!(held_out.loss.is_finite() && held_out.windows > 0);
 /// # std::fs::remove_dir_all(&out).ok();
 /// # Ok::<(), tinyllm::Error>(())
