@@ -80,6 +80,56 @@ device_test!(scaled_cast_is_exact_and_bitwise, |dev| {
     assert_eq!(y, [57344.0, -57344.0, 1024.0]);
 });
 
+// A max along a long row (an fp8 amax is one row of a whole tensor) is the
+// contract's ascending fold of `maximum` however a device groups it: the
+// largest value wherever it lies (the first element, inside whole groups of
+// lanes, in the ragged end), +0 over −0 among zeros, NaN wherever one is.
+device_test!(a_max_along_a_long_row_is_the_ascending_fold, |dev| {
+    let fold = |v: &[f32]| {
+        let max = |a: f32, b: f32| {
+            if a.is_nan() || b.is_nan() {
+                f32::NAN
+            } else if a == 0.0 && b == 0.0 {
+                if a.is_sign_negative() && b.is_sign_negative() {
+                    -0.0
+                } else {
+                    0.0
+                }
+            } else if b > a {
+                b
+            } else {
+                a
+            }
+        };
+        v[1..].iter().fold(v[0], |a, &b| max(a, b))
+    };
+    for n in [1usize, 63, 64, 65, 1000, 4099] {
+        let base: Vec<f32> = (0..n).map(|i| -1.0 - ((i * 7919) % 1009) as f32).collect();
+        let mut rows = vec![base.clone()];
+        for at in [0, n / 2, n - 1] {
+            let mut v = base.clone();
+            v[at] = 5.0;
+            rows.push(v);
+        }
+        rows.push(vec![-0.0; n]);
+        let mut zeros = vec![-0.0; n];
+        zeros[n - 1] = 0.0;
+        rows.push(zeros);
+        let mut nan = base.clone();
+        nan[n / 3] = f32::NAN;
+        rows.push(nan);
+        rows.push(vec![f32::NEG_INFINITY; n]);
+        for v in rows {
+            let want = fold(&v);
+            let got = vals(&t(&v, &[1, n], dev).max(1, false)?)[0];
+            assert!(
+                got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                "n {n}: {got:?} against the fold's {want:?}"
+            );
+        }
+    }
+});
+
 // The amax and the saturation count are device reductions.
 device_test!(amax_and_saturations_on_the_device, |dev| {
     let x = t(&[1.0, -3.0, 0.5, -0.0], &[2, 2], dev);

@@ -125,7 +125,10 @@ simd::multiversion! {
             let (x, whole) = (&x[..outer * r], vec![r; outer]);
             return match op {
                 ReduceOp::Sum => fold_ragged(x, r, &whole, T::NEG_ZERO, |a, v| a.add(v)),
-                ReduceOp::Max => fold_ragged(x, r, &whole, T::NEG_INF, maximum),
+                // a max in lanes: the same value, NaN-ness and zero sign as
+                // the ascending fold (see `max_by_lanes`), without its chain
+                // of dependent steps (an fp8 amax is one row of a whole tensor)
+                ReduceOp::Max => x.chunks_exact(r).map(max_by_lanes).collect(),
             };
         }
         let mut out = vec![
@@ -227,9 +230,11 @@ fn live_len<T: Elem>(row: &[T]) -> usize {
 }
 
 /// The row's largest value by [`maximum`], folded lane by lane. The order
-/// of a max changes nothing but which NaN wins when there are several, and a
-/// softmax only feeds its row max to `exp`, which returns the one canonical
-/// NaN for any NaN: so the outputs are the sequential fold's, bit for bit.
+/// of a max changes nothing but which NaN wins when there are several (the
+/// zeros' sign too is order-free: −0 only when every zero is −0): a softmax
+/// only feeds its row max to `exp`, which returns the one canonical NaN for
+/// any NaN, so its outputs are the sequential fold's bit for bit; and a
+/// reduction's contract promises a NaN, not which one.
 #[inline(always)]
 fn max_by_lanes<T: Elem>(row: &[T]) -> T {
     // four vectors of lanes: four dependency chains in flight

@@ -5,7 +5,9 @@
 //! * `reduce(Sum)` over the middle axis of `(outer, r, inner)`:
 //!   `acc = −0; for k ascending: acc = acc + x` (−0 is the exact identity).
 //! * `reduce(Max)`: `acc = x_0; for k = 1.. ascending: acc = maximum(acc, x_k)`
-//!   (NaN propagates, `+0` over `−0`); the empty max (`r = 0`) is −inf,
+//!   (NaN propagates, `+0` over `−0`; any order gives the same value, and
+//!   differs only in which NaN's payload, which no device promises, so a
+//!   device may fold in lanes); the empty max (`r = 0`) is −inf,
 //!   written as a bit pattern. No max starts from a constant −inf (a shader
 //!   compiler may assume no infinities and fold arithmetic on one); starting
 //!   from `x_0` is the same bits, as `maximum(−inf, x) = x` for every `x`.
