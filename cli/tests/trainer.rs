@@ -1114,16 +1114,20 @@ fn a_run_writes_metrics_plot_checkpoint_and_compare_passes() {
     );
     // the training text given as --data (the same bytes, another path): its
     // held-out windows, the same loss
+    let eval_data = |data: &Path| {
+        let o = std::process::Command::new(bin)
+            .args(["eval", "--checkpoint"])
+            .arg(&out)
+            .arg("--data")
+            .arg(data)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        o
+    };
     let text = out.join("train-text.txt");
     std::fs::write(&text, tinyllm::train::corpus::default_text()).unwrap();
-    let o = std::process::Command::new(bin)
-        .args(["eval", "--checkpoint"])
-        .arg(&out)
-        .arg("--data")
-        .arg(&text)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = eval_data(&text);
     let said = String::from_utf8_lossy(&o.stdout).to_string();
     assert!(
         said.contains(&format!("mean cross-entropy {:.4} nats/byte", held.loss))
@@ -1141,14 +1145,7 @@ fn a_run_writes_metrics_plot_checkpoint_and_compare_passes() {
         "To be, or not to be, that is the question. ".repeat(40),
     )
     .unwrap();
-    let o = std::process::Command::new(bin)
-        .args(["eval", "--checkpoint"])
-        .arg(&out)
-        .arg("--data")
-        .arg(&other)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = eval_data(&other);
     assert!(
         String::from_utf8_lossy(&o.stdout).contains("tokens of"),
         "{}",
