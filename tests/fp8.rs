@@ -130,6 +130,51 @@ device_test!(a_max_along_a_long_row_is_the_ascending_fold, |dev| {
     }
 });
 
+// A sum along one row (fp8's saturation count is one row of a whole
+// tensor) is the contract's ascending fold from −0 however a device groups
+// it: counts and other integer rows, their zeros' signs, and rows where the
+// order shows (a term lost to rounding, fractions, a NaN, infinities).
+device_test!(a_sum_along_a_long_row_is_the_ascending_fold, |dev| {
+    let big = 16_777_216.0f32; // 2^24
+    let mut rows: Vec<Vec<f32>> = Vec::new();
+    for n in [1usize, 17, 1000, 4099] {
+        rows.push((0..n).map(|i| ((i * 7919) % 3 == 0) as u8 as f32).collect());
+        rows.push(
+            (0..n)
+                .map(|i| if i % 2 == 0 { 3.0 } else { -3.0 })
+                .collect(),
+        );
+        rows.push(vec![-0.0; n]);
+        let mut z = vec![-0.0; n];
+        z[n / 2] = 0.0;
+        rows.push(z);
+        rows.push((0..n).map(|i| i as f32 * 0.1).collect());
+        let mut nan = vec![1.0; n];
+        nan[n - 1] = f32::NAN;
+        rows.push(nan);
+        let mut inf = vec![1.0; n];
+        inf[0] = f32::INFINITY;
+        rows.push(inf);
+    }
+    // the order shows: in order, each 1 after 2^24 rounds away (a tie, to
+    // even); grouped otherwise, the 1s add up before they meet 2^24
+    let mut lost = vec![1.0; 101];
+    lost[0] = big;
+    rows.push(lost);
+    rows.push(vec![big, 1.0, -big]);
+    rows.push(vec![1.0, -1.0]);
+    for v in rows {
+        let want = v.iter().fold(-0.0f32, |a, &b| a + b);
+        let got = vals(&t(&v, &[1, v.len()], dev).sum(1, false)?)[0];
+        assert!(
+            got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+            "{} terms from {:?}: {got:?} against the fold's {want:?}",
+            v.len(),
+            &v[..v.len().min(4)]
+        );
+    }
+});
+
 // The amax and the saturation count are device reductions.
 device_test!(amax_and_saturations_on_the_device, |dev| {
     let x = t(&[1.0, -3.0, 0.5, -0.0], &[2, 2], dev);
