@@ -842,12 +842,14 @@ fn cmd_eval(a: EvalArgs) -> tinyllm::Result<ExitCode> {
     let dir = checkpoint::resolve_dir(&a.checkpoint);
     // The text the run trained on (by its SHA-256), wherever it is now, is
     // read for its held-out windows: its other windows trained the model.
-    let trained_on = checkpoint::Verified::open(&dir)
-        .and_then(|ck| ck.train_state())
-        .map(|st| st.data_fingerprint);
+    // (the checkpoint is only opened for this when --data is given)
+    let trained_on = |c: &Corpus| {
+        checkpoint::Verified::open(&dir)
+            .and_then(|ck| ck.train_state())
+            .is_ok_and(|st| st.data_fingerprint == c.fingerprint)
+    };
     let (training_text, corpus) = match corpus {
-        Some(c) if trained_on.is_ok_and(|f| f == c.fingerprint) => (Some(c), None),
-        None => (None, None),
+        Some(c) if trained_on(&c) => (Some(c), None),
         other => (None, other),
     };
     let Some(corpus) = corpus else {
