@@ -96,16 +96,14 @@ fn sweep_family(device: Device, f: Family) {
 /// the matmul's whole sweep (about 60 pipelines) runs only with
 /// `TINYLLM_SWEEP_HARDWARE=1`, and by default three pipelines over the
 /// tile's edge cases ([`matmul_tiled_edges`]) and attention's not at all
-/// (its products are those matmuls); every other family's sweep runs whole. On a hardware adapter `gpu` already runs these kernels.
+/// (its kernels have no hardware variant: `gpu` runs them); every other
+/// family's sweep runs whole. On a hardware adapter `gpu` already runs these kernels.
 fn sweep_hardware(f: Family) {
     let software = tinyllm::backend::gpu::adapter().unwrap().software;
     let whole = std::env::var("TINYLLM_SWEEP_HARDWARE").as_deref() == Ok("1");
     match f {
         Family::Matmul if software && !whole => matmul_tiled_edges(),
-        // attention on the GPU is the matmul and softmax kernels: their
-        // hardware variants are held to the spec above and by the reduce
-        // family's sweep, and its own would compile the tiled matmul's
-        // pipelines cold for every product shape
+        // attention's kernels are the same in both variants
         Family::Attention if software && !whole => {}
         _ => sweep_family(Device::Gpu, f),
     }

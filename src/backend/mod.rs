@@ -573,21 +573,19 @@ op_enum! {
 }
 
 impl Family {
-    /// The family's GPU twin: its shaders (`shaders/<name>.wgsl`), or `None`
-    /// for a family that has none of its own — `attention`, which on the
-    /// GPU is the composition of the matmul and softmax kernels.
+    /// The family's GPU twin: its shaders (`shaders/<name>.wgsl`).
     #[cfg(feature = "gpu")]
-    pub fn shaders(self) -> Option<&'static gpu::pipelines::Family> {
+    pub fn shaders(self) -> &'static gpu::pipelines::Family {
         match self {
-            Family::Elementwise => Some(&elementwise::gpu::FAMILY),
-            Family::Reduce => Some(&reduce::gpu::FAMILY),
-            Family::Matmul => Some(&matmul::gpu::FAMILY),
-            Family::Attention => None,
-            Family::Copy => Some(&copy::gpu::FAMILY),
-            Family::Update => Some(&update::gpu::FAMILY),
-            Family::Dropout => Some(&dropout::gpu::FAMILY),
-            Family::Fused => Some(&fused::gpu::FAMILY),
-            Family::Pack => Some(&pack::gpu::FAMILY),
+            Family::Elementwise => &elementwise::gpu::FAMILY,
+            Family::Reduce => &reduce::gpu::FAMILY,
+            Family::Matmul => &matmul::gpu::FAMILY,
+            Family::Attention => &attention::gpu::FAMILY,
+            Family::Copy => &copy::gpu::FAMILY,
+            Family::Update => &update::gpu::FAMILY,
+            Family::Dropout => &dropout::gpu::FAMILY,
+            Family::Fused => &fused::gpu::FAMILY,
+            Family::Pack => &pack::gpu::FAMILY,
         }
     }
 }
@@ -597,7 +595,7 @@ impl Family {
 #[cfg(all(feature = "gpu", any(test, feature = "test-hooks")))]
 pub fn gpu_families() -> Vec<&'static gpu::pipelines::Family> {
     std::iter::once(&gpu::probe_ops::FAMILY)
-        .chain(Family::ALL.iter().filter_map(|f| f.shaders()))
+        .chain(Family::ALL.iter().map(|f| f.shaders()))
         .collect()
 }
 
@@ -889,11 +887,9 @@ mod tests {
     #[test]
     fn each_gpu_twin_is_named_as_its_family() {
         for f in Family::ALL {
-            if let Some(s) = f.shaders() {
-                assert_eq!(s.name, f.name());
-                let file = format!("{}/shaders/{}.wgsl", env!("CARGO_MANIFEST_DIR"), f.name());
-                assert!(std::path::Path::new(&file).is_file(), "{file}");
-            }
+            assert_eq!(f.shaders().name, f.name());
+            let file = format!("{}/shaders/{}.wgsl", env!("CARGO_MANIFEST_DIR"), f.name());
+            assert!(std::path::Path::new(&file).is_file(), "{file}");
         }
     }
 }

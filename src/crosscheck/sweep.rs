@@ -1411,8 +1411,31 @@ fn attention(sw: &mut Sweep) -> Result<()> {
         (fp, bf, bf),
         (None, None, fp),
     ];
-    for (heads, t, d, tokens) in [(3, 13, 8, None), (4, 33, 16, Some(2)), (1, 70, 5, None)] {
+    // (heads, T, D, token-major heads, the factors of q and k, of v and of
+    // dy): in the last three, some of the scores' products pass f32's largest
+    // value, some of p v's fall among its subnormals, and some of dy vᵀ's and
+    // ds k's pass the largest value, where a device whose fma is not fused
+    // runs a bf16 chain again with the exact fma
+    let shapes = [
+        (3, 13, 8, None, [1.0, 1.0, 1.0]),
+        (4, 33, 16, Some(2), [1.0, 1.0, 1.0]),
+        (1, 70, 5, None, [1.0, 1.0, 1.0]),
+        (2, 9, 6, None, [8.6e17, 1.0, 1.0]),
+        (2, 9, 6, None, [0.1, 1e-40, 1.0]),
+        (2, 9, 6, None, [1.0, 8.6e17, 8.6e17]),
+    ];
+    for (heads, t, d, tokens, factors) in shapes {
         for (round, scores, probs) in formats {
+            let n = heads * t * d;
+            let [qk, vf, gf] = factors;
+            let [q, k, v, g]: [Vec<f32>; 4] = std::array::from_fn(|i| {
+                let f = [qk, qk, vf, gf][i];
+                (0..n).map(|_| rng.moderate() * f).collect()
+            });
+            let mut case = format!("heads {heads} t {t} d {d} tokens {tokens:?}");
+            if factors != [1.0; 3] {
+                case += &format!(" q, k x{qk:e} v x{vf:e} dy x{gf:e}");
+            }
             let a = Attention {
                 heads,
                 t,
@@ -1423,40 +1446,101 @@ fn attention(sw: &mut Sweep) -> Result<()> {
                 probs,
                 tokens,
             };
-            let n = heads * t * d;
-            let [q, k, v, g]: [Vec<f32>; 4] =
-                std::array::from_fn(|_| (0..n).map(|_| rng.moderate()).collect());
-            let mut variant = round.map_or("f32", Format::name).to_string();
-            if scores != round || probs.is_some() {
-                let f = |x: Option<Format>| x.map_or("f32", Format::name);
-                variant += &format!(" scores {} probs {}", f(scores), f(probs));
+            attention_case(sw, &a, [&q, &k, &v, &g], None, &case)?;
+            // q, k and v as autograd keeps them: 16-bit words, read widened
+            if round.is_some() && round == scores && probs.is_none() {
+                attention_case(sw, &a, [&q, &k, &v, &g], round, &case)?;
             }
-            if tokens.is_some() {
-                variant += " token-major";
-            }
-            let case = format!("heads {heads} t {t} d {d} tokens {tokens:?}");
-            let ops = |dev: Device| -> Result<[Operand; 3]> {
-                Ok([
-                    Operand::Values(up(&q, dev)?),
-                    Operand::Values(up(&k, dev)?),
-                    Operand::Values(up(&v, dev)?),
-                ])
+        }
+    }
+    // Planted (one head, T 2, D 2): chains whose first product is in range
+    // and whose second passes f32's largest value the other way, so the exact
+    // sum is in range and an unfused fma's infinite — dy vᵀ's, and ds k's
+    // (equal scores, p = 1/2; dp 0 and 8.485 give ds ±1.5 against keys 2e38
+    // and 3e38).
+    let planted: [(&str, [[f32; 4]; 4]); 2] = [
+        (
+            "dy vᵀ past the range",
+            [
+                [0.0; 4],
+                [0.0; 4],
+                [2e19, 2e19, 2e19, 2e19],
+                [-1.5e19, 2e19, -1.5e19, 2e19],
+            ],
+        ),
+        (
+            "ds k past the range",
+            [
+                [0.0, 1.0, 0.0, 1.0],
+                [2e38, 1.0, 3e38, 1.0],
+                [0.0, 0.0, 8.485, 0.0],
+                [1.0, 0.0, 1.0, 0.0],
+            ],
+        ),
+    ];
+    for (case, [q, k, v, g]) in planted {
+        for (round, scores, probs) in formats {
+            let a = Attention {
+                heads: 1,
+                t: 2,
+                d: 2,
+                scale: 1.0 / 2f32.sqrt(),
+                round,
+                scores,
+                probs,
+                tokens: None,
             };
-            sw.check("attention", &variant, case.clone(), &[], |dev| {
-                let [q, k, v] = ops(dev)?;
-                a.forward(&q, &k, &v)?.to_vec_f32()
-            })?;
-            sw.check("attention backward", &variant, case, &[], |dev| {
-                let [q, k, v] = ops(dev)?;
-                let mut out = Vec::new();
-                for s in a.backward(&q, &k, &v, &up(&g, dev)?)? {
-                    out.extend(s.to_vec_f32()?);
-                }
-                Ok(out)
-            })?;
+            attention_case(sw, &a, [&q, &k, &v, &g], None, case)?;
         }
     }
     Ok(())
+}
+
+/// One attention case each way: `[q, k, v, dy]`, q, k and v read as values
+/// or kept in `half`'s 16 bits.
+fn attention_case(
+    sw: &mut Sweep,
+    a: &Attention,
+    [q, k, v, g]: [&[f32]; 4],
+    half: Option<Format>,
+    case: &str,
+) -> Result<()> {
+    let f = |x: Option<Format>| x.map_or("f32", Format::name);
+    let mut variant = f(a.round).to_string();
+    if a.scores != a.round || a.probs.is_some() {
+        variant += &format!(" scores {} probs {}", f(a.scores), f(a.probs));
+    }
+    if a.tokens.is_some() {
+        variant += " token-major";
+    }
+    if half.is_some() {
+        variant += " kept 16-bit";
+    }
+    let ops = |dev: Device| -> Result<[Operand; 3]> {
+        Ok([
+            operand(q, half, dev)?,
+            operand(k, half, dev)?,
+            operand(v, half, dev)?,
+        ])
+    };
+    sw.check("attention", &variant, case.to_string(), &[], |dev| {
+        let [q, k, v] = ops(dev)?;
+        a.forward(&q, &k, &v)?.to_vec_f32()
+    })?;
+    sw.check(
+        "attention backward",
+        &variant,
+        case.to_string(),
+        &[],
+        |dev| {
+            let [q, k, v] = ops(dev)?;
+            let mut out = Vec::new();
+            for s in a.backward(&q, &k, &v, &up(g, dev)?)? {
+                out.extend(s.to_vec_f32()?);
+            }
+            Ok(out)
+        },
+    )
 }
 
 // ----------------------------------------------------------- data moves ----

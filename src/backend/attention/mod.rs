@@ -24,8 +24,12 @@
 //! like every other, so a running [trace](crate::trace) records one entry on
 //! every device and never changes which schedule runs:
 //!
-//! * the spec and the GPU run the batched composition ([`batched`]): a few
-//!   primitives over all heads at once;
+//! * the spec runs the batched composition ([`batched`]): a few primitives
+//!   over all heads at once;
+//! * the GPU runs its own kernels (`attention.wgsl`): forward one dispatch,
+//!   backward two, each invocation one query's (or one key's) chains in the
+//!   composition's orders, `p` and `ds` kept in a scratch between them (the
+//!   composition where a row's loops would pass a software device's cap);
 //! * the CPU runs one head's whole chain at a time on one thread, the heads
 //!   split over the threads ([`cpu`]): a head's `T × T` scores and
 //!   probabilities stay in cache instead of streaming `H · T²` values through
@@ -34,7 +38,7 @@
 
 pub(crate) mod cpu;
 #[cfg(feature = "gpu")]
-mod gpu;
+pub(crate) mod gpu;
 mod spec;
 
 use crate::backend::copy::CopyOps;
@@ -159,7 +163,7 @@ impl Attention {
 }
 
 /// The batched composition on any device with the primitives it needs: the
-/// contract itself (the spec and the GPU run it).
+/// contract itself (the spec runs it, the GPU where its kernels do not fit).
 pub mod batched {
     use super::*;
 

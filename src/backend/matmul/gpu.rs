@@ -44,7 +44,10 @@ gpu_params! {
 
 pub const FAMILY: Family = Family {
     name: "matmul",
-    sources: &[include_str!("../../../shaders/matmul.wgsl")],
+    sources: &[
+        include_str!("../../../shaders/exact.wgsl"),
+        include_str!("../../../shaders/matmul.wgsl"),
+    ],
     needs_math: true,
     consts: no_consts,
     entries: &["matmul", "matmul_tiled"],
@@ -68,7 +71,7 @@ pub const GUARD_PASS: usize = 4096;
 /// Whether a product runs guarded (`GUARD` in matmul.wgsl): bf16 operands,
 /// whose products leave f32's normal range, on a device whose `fma` is not
 /// fused (fp16 products never leave it).
-fn guarded(native_fma: bool, round: Option<Format>) -> bool {
+pub(crate) fn guarded(native_fma: bool, round: Option<Format>) -> bool {
     !native_fma && round == Some(Format::Bf16)
 }
 

@@ -1,0 +1,466 @@
+// attention.wgsl — causal attention: forward in one dispatch, backward in two
+// (needs the math prelude and exact.wgsl).
+// q, k, dq, dk: (heads, T, D); v, y, dy, dv: (heads, T, D), or token-major
+// (B, T, h, D) with heads = B·h; p, ds: (heads, T, T) scratch, of which row i
+// of a head holds keys j <= i.
+//
+// The bits are the batched composition's (attention/mod.rs), each step the
+// kernel it stands for:
+// * scores (matmul.wgsl, FMT = S_FMT, CAUSAL 1): for keys j <= i,
+//   x_j = rnd_s(acc), acc = +0, acc = fma(rnd_s(q[i,p]), rnd_s(k[j,p]), acc)
+//   for p = 0..D ascending;
+// * softmax_rows (reduce.wgsl), causal: v_j = x_j * scale (x_j when the
+//   scale is 1); m = v_0, m = maximum(m, v_j) for j = 1..=i; e_j = exp(v_j -
+//   m); s = -0, s = s + e_j ascending; p_j = div(e_j, s), and the masked
+//   keys' p_j = div(+0, s);
+// * with P_FMT, p is stored in that format (pack.wgsl's words) and read back:
+//   p_j = widen(half_bits(p_j));
+// * y = p v (FMT = Y_FMT, CAUSAL 2): y[i,c] = rnd_y(acc), acc = +0,
+//   acc = fma(rnd_y(p_j), rnd_y(v[j,c]), acc) for j = 0..=i ascending.
+// Backward recomputes p, then
+// * dp = dy vᵀ (Y_FMT, CAUSAL 1), rounded to P_FMT where it is set (the
+//   masked keys' dp = +0);
+// * softmax_rows_backward (reduce.wgsl) over all T keys: dot = -0,
+//   dot = fma_c(dp_j, p_j, dot) ascending; ds_j = p_j (dp_j - dot), times the
+//   scale where it is not 1;
+// * dq = ds k (S_FMT, CAUSAL 2), dk = dsᵀ q (S_FMT, CAUSAL 3: key row j sums
+//   queries i >= j ascending), dv = pᵀ dy (Y_FMT, CAUSAL 3).
+// The masked entries of p, dp and ds are never read by a product, so only
+// the dot's terms are formed for them.
+//
+// One invocation per row (64 rows of one head a workgroup), each running its
+// row's chains serially: the forward and the backward's row pass per query
+// (p, dp, ds and dq), the column pass per key (dk and dv); chains along D
+// four terms a step, outputs four columns at a time. No barriers: an
+// invocation writes only its own rows, and the column pass reads what the row
+// pass wrote. Loop steps per invocation, at most (guarded chains run twice):
+// forward 2 (T (1 + ⌈D/4⌉) + ⌈D/4⌉ (T + 1)) + 3T + D, the row pass
+// 4T (1 + ⌈D/4⌉) + 2 ⌈D/4⌉ (T + 1) + 6T + D, the column pass
+// 4 ⌈D/4⌉ (T + 1) + 2D; the host keeps them under lavapipe's 65,535
+// (attention/gpu.rs).
+
+struct AttnParams {
+    t: u32,
+    d: u32,
+    head0: u32,  // first head of this dispatch (grids are split at 65535)
+    scale: u32,  // f32 bits
+    tokens: u32, // h: v, y and their gradients token-major; 0: (heads, T, D)
+}
+
+// q, k and v as bits: float32 values, or with *_HALF words of two 16-bit
+// patterns (value e in the low half of word e / 2 for even e).
+@group(0) @binding(0) var<storage, read> at_prm: AttnParams;
+@group(0) @binding(1) var<storage, read> at_q: array<u32>;
+// forward and row pass
+@group(0) @binding(2) var<storage, read> at_k: array<u32>;
+@group(0) @binding(3) var<storage, read> at_v: array<u32>;
+@group(0) @binding(4) var<storage, read_write> at_p: array<f32>;
+// forward
+@group(0) @binding(5) var<storage, read_write> at_y: array<f32>;
+// row pass (and dy, the column pass)
+@group(0) @binding(5) var<storage, read_write> ar_ds: array<f32>;
+@group(0) @binding(6) var<storage, read> at_dy: array<f32>;
+@group(0) @binding(7) var<storage, read_write> ar_dq: array<f32>;
+// column pass
+@group(0) @binding(2) var<storage, read> ac_p: array<f32>;
+@group(0) @binding(3) var<storage, read> ac_ds: array<f32>;
+@group(0) @binding(4) var<storage, read_write> ac_dk: array<f32>;
+@group(0) @binding(5) var<storage, read_write> ac_dv: array<f32>;
+
+// The FMT_* codes of the scores' products (q kᵀ, ds k, dsᵀ q), of those with
+// v and dy, and of p's storage (0: float32); of q, k and v kept in 16-bit
+// storage (0: float32 values); and whether each kind of product runs guarded
+// (exact.wgsl; set by the launcher as for the matmul).
+override S_FMT: u32 = 0u;
+override Y_FMT: u32 = 0u;
+override P_FMT: u32 = 0u;
+override Q_HALF: u32 = 0u;
+override K_HALF: u32 = 0u;
+override V_HALF: u32 = 0u;
+override S_GUARD: bool = false;
+override Y_GUARD: bool = false;
+
+fn at_widen(w: u32, e: u32, half: u32) -> f32 {
+    return bitcast<f32>(widen_bits((w >> (16u * (e & 1u))) & 0xffffu, half));
+}
+
+fn load_q(e: u32) -> f32 {
+    if Q_HALF == 0u {
+        return bitcast<f32>(at_q[e]);
+    }
+    return at_widen(at_q[e / 2u], e, Q_HALF);
+}
+
+fn load_k(e: u32) -> f32 {
+    if K_HALF == 0u {
+        return bitcast<f32>(at_k[e]);
+    }
+    return at_widen(at_k[e / 2u], e, K_HALF);
+}
+
+fn load_v(e: u32) -> f32 {
+    if V_HALF == 0u {
+        return bitcast<f32>(at_v[e]);
+    }
+    return at_widen(at_v[e / 2u], e, V_HALF);
+}
+
+fn rnd_s(x: f32) -> f32 {
+    if S_FMT == 0u {
+        return x;
+    }
+    return round_fmt(x, S_FMT);
+}
+
+fn rnd_y(x: f32) -> f32 {
+    if Y_FMT == 0u {
+        return x;
+    }
+    return round_fmt(x, Y_FMT);
+}
+
+// Elements c..c+3 of the row of q, k, v or dy starting at `row`, rounded as
+// their products read them; past D the row's last element (never used).
+fn q4(row: u32, c: u32) -> vec4<f32> {
+    let l = at_prm.d - 1u;
+    return vec4<f32>(rnd_s(load_q(row + c)), rnd_s(load_q(row + min(c + 1u, l))),
+                     rnd_s(load_q(row + min(c + 2u, l))), rnd_s(load_q(row + min(c + 3u, l))));
+}
+
+fn k4(row: u32, c: u32) -> vec4<f32> {
+    let l = at_prm.d - 1u;
+    return vec4<f32>(rnd_s(load_k(row + c)), rnd_s(load_k(row + min(c + 1u, l))),
+                     rnd_s(load_k(row + min(c + 2u, l))), rnd_s(load_k(row + min(c + 3u, l))));
+}
+
+fn v4(row: u32, c: u32) -> vec4<f32> {
+    let l = at_prm.d - 1u;
+    return vec4<f32>(rnd_y(load_v(row + c)), rnd_y(load_v(row + min(c + 1u, l))),
+                     rnd_y(load_v(row + min(c + 2u, l))), rnd_y(load_v(row + min(c + 3u, l))));
+}
+
+fn dy4(row: u32, c: u32) -> vec4<f32> {
+    let l = at_prm.d - 1u;
+    return vec4<f32>(rnd_y(at_dy[row + c]), rnd_y(at_dy[row + min(c + 1u, l)]),
+                     rnd_y(at_dy[row + min(c + 2u, l)]), rnd_y(at_dy[row + min(c + 3u, l)]));
+}
+
+// Terms p..p+3 of one chain along D, in order, those past D selected away:
+// the device's fma with `fast` (exact products), else fma_c.
+fn chain4(x: vec4<f32>, y: vec4<f32>, acc: f32, p: u32, fast: bool) -> f32 {
+    let d = at_prm.d;
+    var a = acc;
+    if fast {
+        a = fma(x.x, y.x, a);
+        a = select(a, fma(x.y, y.y, a), p + 1u < d);
+        a = select(a, fma(x.z, y.z, a), p + 2u < d);
+        a = select(a, fma(x.w, y.w, a), p + 3u < d);
+    } else {
+        a = fma_c(x.x, y.x, a);
+        a = select(a, fma_c(x.y, y.y, a), p + 1u < d);
+        a = select(a, fma_c(x.z, y.z, a), p + 2u < d);
+        a = select(a, fma_c(x.w, y.w, a), p + 3u < d);
+    }
+    return a;
+}
+
+// One term x * y of four chains (four output columns).
+fn term4(x: f32, y: vec4<f32>, acc: vec4<f32>, fast: bool) -> vec4<f32> {
+    if fast {
+        return fma(vec4<f32>(x), y, acc);
+    }
+    return fma4_c(x, y, acc);
+}
+
+// The operands a guarded chain reads (exact.wgsl): the left factors (x) and
+// the right ones (w) since the last `span_reset`.
+var<private> span_x: Span;
+var<private> span_w: Span;
+
+fn span_reset() {
+    span_x = no_span();
+    span_w = no_span();
+}
+
+fn span_note(x: vec4<f32>, w: vec4<f32>) {
+    span_x = span_add(span_x, x);
+    span_w = span_add(span_w, w);
+}
+
+// Whether a guarded chain must run again with fma_c: some product it formed
+// may not have been exact. A loop no lane enters costs nothing, where a
+// branch's both sides may run, so the reruns are loops from `select(n, 0,
+// redo)`.
+fn span_redo() -> bool {
+    return !exact_products(span_exponents(span_x), span_exponents(span_w));
+}
+
+// score: x_ij from q's row at `qa` and k's at `kb` (S_FMT); `first`: the
+// first run (the device's fma where exact, the operands noted).
+fn score(qa: u32, kb: u32, first: bool) -> f32 {
+    var acc = 0.0;
+    for (var p = 0u; p < at_prm.d; p += 4u) {
+        let x = q4(qa, p);
+        let y = k4(kb, p);
+        if S_GUARD && first {
+            span_note(x, y);
+        }
+        acc = chain4(x, y, acc, p, first && S_FMT != 0u);
+    }
+    return rnd_s(acc);
+}
+
+// dp_ij from dy's row at `ga` and v's at `vb` (Y_FMT), then stored as p is.
+fn grad_p(ga: u32, vb: u32, first: bool) -> f32 {
+    var acc = 0.0;
+    for (var p = 0u; p < at_prm.d; p += 4u) {
+        let x = dy4(ga, p);
+        let y = v4(vb, p);
+        if Y_GUARD && first {
+            span_note(x, y);
+        }
+        acc = chain4(x, y, acc, p, first && Y_FMT != 0u);
+    }
+    return stored_rounded(rnd_y(acc));
+}
+
+// softmax_rows' v_j (reduce.wgsl sm_value).
+fn at_scaled(x: f32) -> f32 {
+    let scale = bitcast<f32>(at_prm.scale);
+    if scale != 1.0 {
+        return x * scale;
+    }
+    return x;
+}
+
+// p_j as the products read it: stored in P_FMT's 16 bits where it is set.
+fn at_stored(p: f32) -> f32 {
+    if P_FMT == 0u {
+        return p;
+    }
+    return bitcast<f32>(widen_bits(half_bits(p, P_FMT), P_FMT));
+}
+
+// dp_j rounded to P_FMT where it is set (the composition's Round).
+fn stored_rounded(x: f32) -> f32 {
+    if P_FMT == 0u {
+        return x;
+    }
+    return round_fmt(x, P_FMT);
+}
+
+// softmax_rows_backward's dx before the scale: y (g - dot).
+fn ds_unscaled(y: f32, g: f32, dot: f32) -> f32 {
+    return y * (g - dot);
+}
+
+// The rows of v (and of y, dy, dv) of head b: the first's start and the
+// distance between them.
+fn tok_place(b: u32) -> vec2<u32> {
+    let t = at_prm.t;
+    let d = at_prm.d;
+    let h = at_prm.tokens;
+    if h == 0u {
+        return vec2<u32>(b * t * d, d);
+    }
+    return vec2<u32>((b / h) * t * h * d + (b % h) * d, h * d);
+}
+
+// Query i's p_j, j <= i, into at_p from `sr` (as the products read them),
+// from q's row at `qa` and head's k from `k0`; returns the softmax's sum.
+fn probs_row(qa: u32, k0: u32, sr: u32, live: u32) -> f32 {
+    let d = at_prm.d;
+    span_reset();
+    for (var j = 0u; j < live; j++) {
+        at_p[sr + j] = score(qa, k0 + j * d, true);
+    }
+    if S_GUARD {
+        for (var j = select(live, 0u, span_redo()); j < live; j++) {
+            at_p[sr + j] = score(qa, k0 + j * d, false);
+        }
+    }
+    var m = at_scaled(at_p[sr]);
+    for (var j = 1u; j < live; j++) {
+        m = maximum_c(m, at_scaled(at_p[sr + j]));
+    }
+    var s = -0.0;
+    for (var j = 0u; j < live; j++) {
+        let e = m_exp(at_scaled(at_p[sr + j]) - m);
+        at_p[sr + j] = e;
+        s = s + e;
+    }
+    for (var j = 0u; j < live; j++) {
+        at_p[sr + j] = at_stored(m_div(at_p[sr + j], s));
+    }
+    return s;
+}
+
+// grid: (ceil(T / 64), heads, 1); 64 invocations a workgroup, one query row each.
+@compute @workgroup_size(64)
+fn attention(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lane: u32) {
+    let t = at_prm.t;
+    let d = at_prm.d;
+    let i = wg.x * 64u + lane;
+    if i >= t {
+        return;
+    }
+    let b = at_prm.head0 + wg.y;
+    let sr = (b * t + i) * t;
+    let live = i + 1u;
+    probs_row((b * t + i) * d, b * t * d, sr, live);
+    // y = p v
+    let v = tok_place(b);
+    for (var c = 0u; c < d; c += 4u) {
+        var acc = vec4<f32>(0.0);
+        span_reset();
+        for (var j = 0u; j < live; j++) {
+            let x = rnd_y(at_p[sr + j]);
+            let y = v4(v.x + j * v.y, c);
+            if Y_GUARD {
+                span_note(vec4<f32>(x), y);
+            }
+            acc = term4(x, y, acc, Y_FMT != 0u);
+        }
+        if Y_GUARD {
+            let redo = span_redo();
+            acc = select(acc, vec4<f32>(0.0), redo);
+            for (var j = select(live, 0u, redo); j < live; j++) {
+                acc = term4(rnd_y(at_p[sr + j]), v4(v.x + j * v.y, c), acc, false);
+            }
+        }
+        for (var u = 0u; u < 4u && c + u < d; u++) {
+            at_y[v.x + i * v.y + c + u] = rnd_y(acc[u]);
+        }
+    }
+}
+
+// The backward's row pass: p, dp, ds and dq of query row i.
+// grid: (ceil(T / 64), heads, 1); 64 invocations a workgroup, one query row each.
+@compute @workgroup_size(64)
+fn attention_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lane: u32) {
+    let t = at_prm.t;
+    let d = at_prm.d;
+    let i = wg.x * 64u + lane;
+    if i >= t {
+        return;
+    }
+    let b = at_prm.head0 + wg.y;
+    let sr = (b * t + i) * t;
+    let live = i + 1u;
+    let k0 = b * t * d;
+    let s = probs_row((b * t + i) * d, k0, sr, live);
+    // dp of the live keys, into ds's row
+    let v = tok_place(b);
+    let ga = v.x + i * v.y;
+    span_reset();
+    for (var j = 0u; j < live; j++) {
+        ar_ds[sr + j] = grad_p(ga, v.x + j * v.y, true);
+    }
+    if Y_GUARD {
+        for (var j = select(live, 0u, span_redo()); j < live; j++) {
+            ar_ds[sr + j] = grad_p(ga, v.x + j * v.y, false);
+        }
+    }
+    // the softmax backward: the dot over every key, the masked ones' dp +0
+    // and p div(+0, s); then ds of the live keys
+    var dot = -0.0;
+    for (var j = 0u; j < live; j++) {
+        dot = fma_c(ar_ds[sr + j], at_p[sr + j], dot);
+    }
+    let masked = at_stored(m_div(0.0, s));
+    for (var j = live; j < t; j++) {
+        dot = fma_c(0.0, masked, dot);
+    }
+    let scale = bitcast<f32>(at_prm.scale);
+    for (var j = 0u; j < live; j++) {
+        var ds = ds_unscaled(at_p[sr + j], ar_ds[sr + j], dot);
+        if scale != 1.0 {
+            ds = ds * scale;
+        }
+        ar_ds[sr + j] = ds;
+    }
+    // dq = ds k
+    for (var c = 0u; c < d; c += 4u) {
+        var acc = vec4<f32>(0.0);
+        span_reset();
+        for (var j = 0u; j < live; j++) {
+            let x = rnd_s(ar_ds[sr + j]);
+            let y = k4(k0 + j * d, c);
+            if S_GUARD {
+                span_note(vec4<f32>(x), y);
+            }
+            acc = term4(x, y, acc, S_FMT != 0u);
+        }
+        if S_GUARD {
+            let redo = span_redo();
+            acc = select(acc, vec4<f32>(0.0), redo);
+            for (var j = select(live, 0u, redo); j < live; j++) {
+                acc = term4(rnd_s(ar_ds[sr + j]), k4(k0 + j * d, c), acc, false);
+            }
+        }
+        for (var u = 0u; u < 4u && c + u < d; u++) {
+            ar_dq[(b * t + i) * d + c + u] = rnd_s(acc[u]);
+        }
+    }
+}
+
+// The backward's column pass: dk and dv of key row j, from the row pass's p
+// and ds (column j: queries i >= j).
+// grid: (ceil(T / 64), heads, 1); 64 invocations a workgroup, one key row each.
+@compute @workgroup_size(64)
+fn attention_columns(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lane: u32) {
+    let t = at_prm.t;
+    let d = at_prm.d;
+    let j = wg.x * 64u + lane;
+    if j >= t {
+        return;
+    }
+    let b = at_prm.head0 + wg.y;
+    let q0 = b * t * d;
+    let col = b * t * t + j; // (i, j) at col + i * t
+    let v = tok_place(b);
+    for (var c = 0u; c < d; c += 4u) {
+        // dk = dsᵀ q
+        var acc = vec4<f32>(0.0);
+        span_reset();
+        for (var i = j; i < t; i++) {
+            let x = rnd_s(ac_ds[col + i * t]);
+            let y = q4(q0 + i * d, c);
+            if S_GUARD {
+                span_note(vec4<f32>(x), y);
+            }
+            acc = term4(x, y, acc, S_FMT != 0u);
+        }
+        if S_GUARD {
+            let redo = span_redo();
+            acc = select(acc, vec4<f32>(0.0), redo);
+            for (var i = select(t, j, redo); i < t; i++) {
+                acc = term4(rnd_s(ac_ds[col + i * t]), q4(q0 + i * d, c), acc, false);
+            }
+        }
+        for (var u = 0u; u < 4u && c + u < d; u++) {
+            ac_dk[(b * t + j) * d + c + u] = rnd_s(acc[u]);
+        }
+        // dv = pᵀ dy
+        acc = vec4<f32>(0.0);
+        span_reset();
+        for (var i = j; i < t; i++) {
+            let x = rnd_y(ac_p[col + i * t]);
+            let y = dy4(v.x + i * v.y, c);
+            if Y_GUARD {
+                span_note(vec4<f32>(x), y);
+            }
+            acc = term4(x, y, acc, Y_FMT != 0u);
+        }
+        if Y_GUARD {
+            let redo = span_redo();
+            acc = select(acc, vec4<f32>(0.0), redo);
+            for (var i = select(t, j, redo); i < t; i++) {
+                acc = term4(rnd_y(ac_p[col + i * t]), dy4(v.x + i * v.y, c), acc, false);
+            }
+        }
+        for (var u = 0u; u < 4u && c + u < d; u++) {
+            ac_dv[v.x + j * v.y + c + u] = rnd_y(acc[u]);
+        }
+    }
+}
