@@ -7,6 +7,9 @@
 //!   over the baseline's GFLOP/s;
 //! * a bandwidth kernel against the device's own buffer copy
 //!   (`copy_buffer_to_buffer`) — `ratio` is GB/s over the copy's GB/s;
+//! * attention (forward and backward, bf16) against the batched composition
+//!   of the matmul and softmax kernels it stands for, on the same device —
+//!   `ratio` is the composition's time over the kernels';
 //! * every row also gives `vs_copy`: its bytes moved (inputs read once, output
 //!   written once) per second over the copy's, a roofline hint.
 //!
@@ -398,6 +401,8 @@ pub fn run_gpu(opts: &BenchOptions) -> Result<BenchReport> {
         }
     }
 
+    rows.push(attention_row(opts, copy_gbps)?);
+
     // The loss scaler's fused finite check + unscale: reads and writes every
     // gradient element once (8 bytes), plus one 4-byte flag read back.
     let g = Storage::from_f32(
@@ -438,6 +443,59 @@ pub fn run_gpu(opts: &BenchOptions) -> Result<BenchReport> {
         fma,
         copy_gbps,
         rows,
+    })
+}
+
+/// One sequence's heads at the capstone's head width (8 × T × 40, T 512 with
+/// `full`, else 256), bf16 as C1 runs them: forward and backward by the
+/// attention kernels, and by the composition, the same bits.
+fn attention_row(opts: &BenchOptions, copy_gbps: f64) -> Result<BenchRow> {
+    use crate::backend::attention::{batched, Attention};
+    use crate::backend::Operand;
+    let (heads, t, d) = (8, if opts.full { 512 } else { 256 }, 40);
+    let a = Attention {
+        heads,
+        t,
+        d,
+        scale: 1.0 / (d as f32).sqrt(),
+        round: Some(Format::Bf16),
+        scores: Some(Format::Bf16),
+        probs: None,
+        tokens: None,
+    };
+    let n = heads * t * d;
+    let vals = |seed: usize| (0..n).map(|i| ((i * 7919 + seed) % 2003) as f32 / 2003.0 - 0.5).collect::<Vec<f32>>();
+    let [q, k, v, g] = [1, 2, 3, 4].map(|s| Storage::from_f32(vals(s), Device::Gpu));
+    let [q, k, v, g] = [q?, k?, v?, g?];
+    let ops = [&q, &k, &v].map(|s| Operand::Values(s.clone()));
+    let kernels = time_median(opts.min_time_s, || {
+        let y = a.forward(&ops[0], &ops[1], &ops[2])?;
+        let grads = a.backward(&ops[0], &ops[1], &ops[2], &g)?;
+        gpu::sync()?;
+        drop((y, grads));
+        Ok(())
+    })?;
+    let [qg, kg, vg, gg] = [&q, &k, &v, &g].map(gpu_buf);
+    let composition = time_median(opts.min_time_s, || {
+        let y = batched::forward(&a, (qg, None), (kg, None), (vg, None))?;
+        let grads = batched::backward(&a, (qg, None), (kg, None), (vg, None), gg)?;
+        gpu::sync()?;
+        drop((y, grads));
+        Ok(())
+    })?;
+    let flops = a.flops(false) + a.flops(true);
+    // q, k, v and dy read, y, dq, dk and dv written
+    let gbps = 8.0 * 4.0 * n as f64 / kernels / 1e9;
+    Ok(BenchRow {
+        case: format!("attention fwd+bwd {heads}x{t}x{d}"),
+        precision: "bf16".into(),
+        seconds: kernels,
+        gflops: Some(flops / kernels / 1e9),
+        gbps,
+        baseline: "its composition (same device)".into(),
+        baseline_value: flops / composition / 1e9,
+        ratio: composition / kernels,
+        vs_copy: gbps / copy_gbps,
     })
 }
 
