@@ -29,14 +29,14 @@
 // the dot's terms are formed for them.
 //
 // One invocation per row (64 rows of one head a workgroup), each running its
-// row's chains serially: the forward and the backward's row pass per query
-// (p, dp, ds and dq), the column pass per key (dk and dv); chains along D
-// four terms a step, outputs four columns at a time. No barriers: an
+// row's chains: the forward and the backward's row pass per query (p, dp, ds
+// and dq), the column pass per key (dk and dv); chains along D four keys at
+// a time, four terms a step, outputs four columns at a time. No barriers: an
 // invocation writes only its own rows, and the column pass reads what the row
-// pass wrote. Loop steps per invocation, at most (guarded chains run twice):
-// forward 2 (T (1 + ⌈D/4⌉) + ⌈D/4⌉ (T + 1)) + 3T + D, the row pass
-// 4T (1 + ⌈D/4⌉) + 2 ⌈D/4⌉ (T + 1) + 6T + D, the column pass
-// 4 ⌈D/4⌉ (T + 1) + 2D; the host keeps them under lavapipe's 65,535
+// pass wrote. Loop steps per invocation, at most (guarded chains run twice;
+// t4 = ⌈T/4⌉, d4 = ⌈D/4⌉): forward 2 t4 (5 + d4) + 3T + 2 d4 (T + 1) + 4 d4,
+// the row pass 4 t4 (5 + d4) + 5T + 2 d4 (T + 1) + 4 d4, the column pass
+// 4 d4 (T + 1) + 8 d4; the host keeps them under lavapipe's 65,535
 // (attention/gpu.rs).
 
 struct AttnParams {
@@ -145,26 +145,20 @@ fn dy4(row: u32, c: u32) -> vec4<f32> {
                      rnd_y(at_dy[row + min(c + 2u, l)]), rnd_y(at_dy[row + min(c + 3u, l)]));
 }
 
-// Terms p..p+3 of one chain along D, in order, those past D selected away:
-// the device's fma with `fast` (exact products), else fma_c.
-fn chain4(x: vec4<f32>, y: vec4<f32>, acc: f32, p: u32, fast: bool) -> f32 {
+// Terms p..p+3 of four chains along D (four keys: one row x against rows
+// y0..y3), in order, those past D selected away: the device's fma with
+// `fast` (exact products), else fma_c.
+fn chains4(x: vec4<f32>, y0: vec4<f32>, y1: vec4<f32>, y2: vec4<f32>, y3: vec4<f32>, acc: vec4<f32>, p: u32,
+           fast: bool) -> vec4<f32> {
     let d = at_prm.d;
-    var a = acc;
-    if fast {
-        a = fma(x.x, y.x, a);
-        a = select(a, fma(x.y, y.y, a), p + 1u < d);
-        a = select(a, fma(x.z, y.z, a), p + 2u < d);
-        a = select(a, fma(x.w, y.w, a), p + 3u < d);
-    } else {
-        a = fma_c(x.x, y.x, a);
-        a = select(a, fma_c(x.y, y.y, a), p + 1u < d);
-        a = select(a, fma_c(x.z, y.z, a), p + 2u < d);
-        a = select(a, fma_c(x.w, y.w, a), p + 3u < d);
-    }
+    var a = term4(x.x, vec4<f32>(y0.x, y1.x, y2.x, y3.x), acc, fast);
+    a = select(a, term4(x.y, vec4<f32>(y0.y, y1.y, y2.y, y3.y), a, fast), p + 1u < d);
+    a = select(a, term4(x.z, vec4<f32>(y0.z, y1.z, y2.z, y3.z), a, fast), p + 2u < d);
+    a = select(a, term4(x.w, vec4<f32>(y0.w, y1.w, y2.w, y3.w), a, fast), p + 3u < d);
     return a;
 }
 
-// One term x * y of four chains (four output columns).
+// One term x * y of four chains (four output columns, or four keys).
 fn term4(x: f32, y: vec4<f32>, acc: vec4<f32>, fast: bool) -> vec4<f32> {
     if fast {
         return fma(vec4<f32>(x), y, acc);
@@ -195,33 +189,55 @@ fn span_redo() -> bool {
     return !exact_products(span_exponents(span_x), span_exponents(span_w));
 }
 
-// score: x_ij from q's row at `qa` and k's at `kb` (S_FMT); `first`: the
-// first run (the device's fma where exact, the operands noted).
-fn score(qa: u32, kb: u32, first: bool) -> f32 {
-    var acc = 0.0;
-    for (var p = 0u; p < at_prm.d; p += 4u) {
+// The scores x_ij of keys j..j+3 (those past `live` repeat the last live
+// key and are not stored) from q's row at `qa` and the head's k from `k0`
+// (S_FMT); `first`: the first run (the device's fma where exact, the
+// operands noted).
+fn scores4(qa: u32, k0: u32, j: u32, live: u32, first: bool) -> vec4<f32> {
+    let d = at_prm.d;
+    let l = live - 1u;
+    let kb = k0 + vec4<u32>(j, min(j + 1u, l), min(j + 2u, l), min(j + 3u, l)) * d;
+    var acc = vec4<f32>(0.0);
+    for (var p = 0u; p < d; p += 4u) {
         let x = q4(qa, p);
-        let y = k4(kb, p);
+        let y0 = k4(kb.x, p);
+        let y1 = k4(kb.y, p);
+        let y2 = k4(kb.z, p);
+        let y3 = k4(kb.w, p);
         if S_GUARD && first {
-            span_note(x, y);
+            span_note(x, y0);
+            span_note(x, y1);
+            span_note(x, y2);
+            span_note(x, y3);
         }
-        acc = chain4(x, y, acc, p, first && S_FMT != 0u);
+        acc = chains4(x, y0, y1, y2, y3, acc, p, first && S_FMT != 0u);
     }
-    return rnd_s(acc);
+    return vec4<f32>(rnd_s(acc.x), rnd_s(acc.y), rnd_s(acc.z), rnd_s(acc.w));
 }
 
-// dp_ij from dy's row at `ga` and v's at `vb` (Y_FMT), then stored as p is.
-fn grad_p(ga: u32, vb: u32, first: bool) -> f32 {
-    var acc = 0.0;
-    for (var p = 0u; p < at_prm.d; p += 4u) {
+// dp_ij of keys j..j+3 (as in scores4) from dy's row at `ga` and the
+// head's v (`v`: tok_place) (Y_FMT), then stored as p is.
+fn grads_p4(ga: u32, v: vec2<u32>, j: u32, live: u32, first: bool) -> vec4<f32> {
+    let d = at_prm.d;
+    let l = live - 1u;
+    let vb = v.x + vec4<u32>(j, min(j + 1u, l), min(j + 2u, l), min(j + 3u, l)) * v.y;
+    var acc = vec4<f32>(0.0);
+    for (var p = 0u; p < d; p += 4u) {
         let x = dy4(ga, p);
-        let y = v4(vb, p);
+        let y0 = v4(vb.x, p);
+        let y1 = v4(vb.y, p);
+        let y2 = v4(vb.z, p);
+        let y3 = v4(vb.w, p);
         if Y_GUARD && first {
-            span_note(x, y);
+            span_note(x, y0);
+            span_note(x, y1);
+            span_note(x, y2);
+            span_note(x, y3);
         }
-        acc = chain4(x, y, acc, p, first && Y_FMT != 0u);
+        acc = chains4(x, y0, y1, y2, y3, acc, p, first && Y_FMT != 0u);
     }
-    return stored_rounded(rnd_y(acc));
+    let r = vec4<f32>(rnd_y(acc.x), rnd_y(acc.y), rnd_y(acc.z), rnd_y(acc.w));
+    return vec4<f32>(stored_rounded(r.x), stored_rounded(r.y), stored_rounded(r.z), stored_rounded(r.w));
 }
 
 // softmax_rows' v_j (reduce.wgsl sm_value).
@@ -269,14 +285,19 @@ fn tok_place(b: u32) -> vec2<u32> {
 // Query i's p_j, j <= i, into at_p from `sr` (as the products read them),
 // from q's row at `qa` and head's k from `k0`; returns the softmax's sum.
 fn probs_row(qa: u32, k0: u32, sr: u32, live: u32) -> f32 {
-    let d = at_prm.d;
     span_reset();
-    for (var j = 0u; j < live; j++) {
-        at_p[sr + j] = score(qa, k0 + j * d, true);
+    for (var j = 0u; j < live; j += 4u) {
+        let x = scores4(qa, k0, j, live, true);
+        for (var u = 0u; u < 4u && j + u < live; u++) {
+            at_p[sr + j + u] = x[u];
+        }
     }
     if S_GUARD {
-        for (var j = select(live, 0u, span_redo()); j < live; j++) {
-            at_p[sr + j] = score(qa, k0 + j * d, false);
+        for (var j = select(live, 0u, span_redo()); j < live; j += 4u) {
+            let x = scores4(qa, k0, j, live, false);
+            for (var u = 0u; u < 4u && j + u < live; u++) {
+                at_p[sr + j + u] = x[u];
+            }
         }
     }
     var m = at_scaled(at_p[sr]);
@@ -353,12 +374,18 @@ fn attention_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocatio
     let v = tok_place(b);
     let ga = v.x + i * v.y;
     span_reset();
-    for (var j = 0u; j < live; j++) {
-        ar_ds[sr + j] = grad_p(ga, v.x + j * v.y, true);
+    for (var j = 0u; j < live; j += 4u) {
+        let x = grads_p4(ga, v, j, live, true);
+        for (var u = 0u; u < 4u && j + u < live; u++) {
+            ar_ds[sr + j + u] = x[u];
+        }
     }
     if Y_GUARD {
-        for (var j = select(live, 0u, span_redo()); j < live; j++) {
-            ar_ds[sr + j] = grad_p(ga, v.x + j * v.y, false);
+        for (var j = select(live, 0u, span_redo()); j < live; j += 4u) {
+            let x = grads_p4(ga, v, j, live, false);
+            for (var u = 0u; u < 4u && j + u < live; u++) {
+                ar_ds[sr + j + u] = x[u];
+            }
         }
     }
     // the softmax backward: the dot over every key, the masked ones' dp +0

@@ -464,7 +464,11 @@ fn attention_row(opts: &BenchOptions, copy_gbps: f64) -> Result<BenchRow> {
         tokens: None,
     };
     let n = heads * t * d;
-    let vals = |seed: usize| (0..n).map(|i| ((i * 7919 + seed) % 2003) as f32 / 2003.0 - 0.5).collect::<Vec<f32>>();
+    let vals = |seed: usize| {
+        (0..n)
+            .map(|i| ((i * 7919 + seed) % 2003) as f32 / 2003.0 - 0.5)
+            .collect::<Vec<f32>>()
+    };
     let [q, k, v, g] = [1, 2, 3, 4].map(|s| Storage::from_f32(vals(s), Device::Gpu));
     let [q, k, v, g] = [q?, k?, v?, g?];
     let ops = [&q, &k, &v].map(|s| Operand::Values(s.clone()));

@@ -1454,8 +1454,8 @@ fn attention(sw: &mut Sweep) -> Result<()> {
         }
     }
     // Rows past a software device's loop cap in the GPU's attention kernels
-    // (80 keys of 1,280), where it runs the composition instead.
-    let (t, d) = (80, 1280);
+    // (80 keys of 2,560), where it runs the composition instead.
+    let (t, d) = (80, 2560);
     let [q, k, v, g]: [Vec<f32>; 4] =
         std::array::from_fn(|_| (0..t * d).map(|_| rng.moderate()).collect());
     let long = Attention {
@@ -1473,7 +1473,7 @@ fn attention(sw: &mut Sweep) -> Result<()> {
         &long,
         [&q, &k, &v, &g],
         None,
-        "heads 1 t 80 d 1280 tokens None",
+        "heads 1 t 80 d 2560 tokens None",
     )?;
     // Planted (one head, T 2, D 2): chains whose first product is in range
     // and whose second passes f32's largest value the other way, so the exact

@@ -35,13 +35,14 @@ const COLUMNS: Kernel = Kernel::new(&FAMILY, "attention_columns");
 
 /// Whether the kernels' loops fit: on a device that caps a shader's loop
 /// steps (lavapipe, 65,535) each invocation's must stay under the cap (the
-/// counts are attention.wgsl's: the row pass has the most); longer rows run
+/// counts are attention.wgsl's, the two backward passes' the most); longer rows run
 /// the composition, whose kernels split their loops into passes. The same
 /// bits either way.
 fn fused_fits(c: &Context, a: &Attention) -> bool {
-    let (t, d, d4) = (a.t, a.d, a.d.div_ceil(4));
-    let rows = 4 * t * (1 + d4) + 2 * d4 * (t + 1) + 6 * t + d;
-    !c.info.name.contains("llvmpipe") || rows <= 60_000
+    let (t, t4, d4) = (a.t, a.t.div_ceil(4), a.d.div_ceil(4));
+    let rows = 4 * t4 * (5 + d4) + 5 * t + 2 * d4 * (t + 1) + 4 * d4;
+    let columns = 4 * d4 * (t + 1) + 8 * d4;
+    !c.info.name.contains("llvmpipe") || rows.max(columns) <= 60_000
 }
 
 /// `kernel` with `a`'s formats and the 16-bit formats of q, k and v.
