@@ -80,29 +80,25 @@ override V_HALF: u32 = 0u;
 override S_GUARD: bool = false;
 override Y_GUARD: bool = false;
 
-fn at_widen(w: u32, e: u32, half: u32) -> f32 {
-    return bitcast<f32>(widen_bits((w >> (16u * (e & 1u))) & 0xffffu, half));
-}
-
 fn load_q(e: u32) -> f32 {
     if Q_HALF == 0u {
         return bitcast<f32>(at_q[e]);
     }
-    return at_widen(at_q[e / 2u], e, Q_HALF);
+    return half_value(at_q[e / 2u], e, Q_HALF);
 }
 
 fn load_k(e: u32) -> f32 {
     if K_HALF == 0u {
         return bitcast<f32>(at_k[e]);
     }
-    return at_widen(at_k[e / 2u], e, K_HALF);
+    return half_value(at_k[e / 2u], e, K_HALF);
 }
 
 fn load_v(e: u32) -> f32 {
     if V_HALF == 0u {
         return bitcast<f32>(at_v[e]);
     }
-    return at_widen(at_v[e / 2u], e, V_HALF);
+    return half_value(at_v[e / 2u], e, V_HALF);
 }
 
 fn rnd_s(x: f32) -> f32 {
@@ -189,52 +185,48 @@ fn span_redo() -> bool {
     return !exact_products(span_exponents(span_x), span_exponents(span_w));
 }
 
-// The scores x_ij of keys j..j+3 (those past `live` repeat the last live
-// key and are not stored) from q's row at `qa` and the head's k from `k0`
-// (S_FMT); `first`: the first run (the device's fma where exact, the
-// operands noted).
+// Where the rows of keys j..j+3 start, `stride` apart from `base`; those
+// past `live` repeat the last live key (their chains are never stored).
+fn key_rows(base: u32, stride: u32, j: u32, live: u32) -> vec4<u32> {
+    let l = live - 1u;
+    return base + vec4<u32>(j, min(j + 1u, l), min(j + 2u, l), min(j + 3u, l)) * stride;
+}
+
+// Terms p..p+3 of the four keys' chains, the operands noted where `note`
+// (the first run of a guarded product).
+fn keys_step(x: vec4<f32>, y0: vec4<f32>, y1: vec4<f32>, y2: vec4<f32>, y3: vec4<f32>, acc: vec4<f32>, p: u32,
+             note: bool, fast: bool) -> vec4<f32> {
+    if note {
+        span_note(x, y0);
+        span_note(x, y1);
+        span_note(x, y2);
+        span_note(x, y3);
+    }
+    return chains4(x, y0, y1, y2, y3, acc, p, fast);
+}
+
+// The scores x_ij of keys j..j+3 (key_rows) from q's row at `qa` and the
+// head's k from `k0` (S_FMT); `first`: the first run (the device's fma
+// where exact, the operands noted).
 fn scores4(qa: u32, k0: u32, j: u32, live: u32, first: bool) -> vec4<f32> {
     let d = at_prm.d;
-    let l = live - 1u;
-    let kb = k0 + vec4<u32>(j, min(j + 1u, l), min(j + 2u, l), min(j + 3u, l)) * d;
+    let kb = key_rows(k0, d, j, live);
     var acc = vec4<f32>(0.0);
     for (var p = 0u; p < d; p += 4u) {
-        let x = q4(qa, p);
-        let y0 = k4(kb.x, p);
-        let y1 = k4(kb.y, p);
-        let y2 = k4(kb.z, p);
-        let y3 = k4(kb.w, p);
-        if S_GUARD && first {
-            span_note(x, y0);
-            span_note(x, y1);
-            span_note(x, y2);
-            span_note(x, y3);
-        }
-        acc = chains4(x, y0, y1, y2, y3, acc, p, first && S_FMT != 0u);
+        acc = keys_step(q4(qa, p), k4(kb.x, p), k4(kb.y, p), k4(kb.z, p), k4(kb.w, p), acc, p, S_GUARD && first,
+                        first && S_FMT != 0u);
     }
     return vec4<f32>(rnd_s(acc.x), rnd_s(acc.y), rnd_s(acc.z), rnd_s(acc.w));
 }
 
-// dp_ij of keys j..j+3 (as in scores4) from dy's row at `ga` and the
-// head's v (`v`: tok_place) (Y_FMT), then stored as p is.
+// dp_ij of keys j..j+3 (key_rows) from dy's row at `ga` and the head's v
+// (`v`: tok_place) (Y_FMT), then stored as p is.
 fn grads_p4(ga: u32, v: vec2<u32>, j: u32, live: u32, first: bool) -> vec4<f32> {
-    let d = at_prm.d;
-    let l = live - 1u;
-    let vb = v.x + vec4<u32>(j, min(j + 1u, l), min(j + 2u, l), min(j + 3u, l)) * v.y;
+    let vb = key_rows(v.x, v.y, j, live);
     var acc = vec4<f32>(0.0);
-    for (var p = 0u; p < d; p += 4u) {
-        let x = dy4(ga, p);
-        let y0 = v4(vb.x, p);
-        let y1 = v4(vb.y, p);
-        let y2 = v4(vb.z, p);
-        let y3 = v4(vb.w, p);
-        if Y_GUARD && first {
-            span_note(x, y0);
-            span_note(x, y1);
-            span_note(x, y2);
-            span_note(x, y3);
-        }
-        acc = chains4(x, y0, y1, y2, y3, acc, p, first && Y_FMT != 0u);
+    for (var p = 0u; p < at_prm.d; p += 4u) {
+        acc = keys_step(dy4(ga, p), v4(vb.x, p), v4(vb.y, p), v4(vb.z, p), v4(vb.w, p), acc, p, Y_GUARD && first,
+                        first && Y_FMT != 0u);
     }
     let r = vec4<f32>(rnd_y(acc.x), rnd_y(acc.y), rnd_y(acc.z), rnd_y(acc.w));
     return vec4<f32>(stored_rounded(r.x), stored_rounded(r.y), stored_rounded(r.z), stored_rounded(r.w));

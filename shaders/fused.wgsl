@@ -253,11 +253,11 @@ fn swiglu_backward(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups
     }
     var x = bitcast<f32>(sb_gate[i]);
     if sb_prm.gate_half != 0u {
-        x = bitcast<f32>(widen_bits((sb_gate[i / 2u] >> (16u * (i & 1u))) & 0xffffu, sb_prm.gate_half));
+        x = half_value(sb_gate[i / 2u], i, sb_prm.gate_half);
     }
     var up = bitcast<f32>(sb_up[i]);
     if sb_prm.up_half != 0u {
-        up = bitcast<f32>(widen_bits((sb_up[i / 2u] >> (16u * (i & 1u))) & 0xffffu, sb_prm.up_half));
+        up = half_value(sb_up[i / 2u], i, sb_prm.up_half);
     }
     let g = sb_g[i];
     let s = m_sigmoid(x);

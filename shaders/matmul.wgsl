@@ -113,11 +113,6 @@ override CAUSAL: u32 = 0u;
 override A_HALF: u32 = 0u;
 override B_HALF: u32 = 0u;
 
-// Value e of 16-bit storage from its word w.
-fn half_value(w: u32, e: u32, half: u32) -> f32 {
-    return bitcast<f32>(widen_bits((w >> (16u * (e & 1u))) & 0xffffu, half));
-}
-
 // Value e of A and of B.
 fn load_a(e: u32) -> f32 {
     if A_HALF == 0u {

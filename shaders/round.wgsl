@@ -124,6 +124,12 @@ fn widen_bits(h: u32, fmt: u32) -> u32 {
     return sign | ((p + 103u) << 23u) | ((m << (23u - p)) & 0x007fffffu);
 }
 
+// Value e of 16-bit storage of format `fmt` from its word w (value e in the
+// low half of word e / 2 for even e).
+fn half_value(w: u32, e: u32, fmt: u32) -> f32 {
+    return bitcast<f32>(widen_bits((w >> (16u * (e & 1u))) & 0xffffu, fmt));
+}
+
 // ---- fp8: the twin of round/mod.rs's e4m3_f32, e5m2_f32 (integer steps only).
 // FP8_E4M3, FP8_E5M2: generated from round::Fp8::code (the prelude).
 
