@@ -274,23 +274,34 @@ fn tok_place(b: u32) -> vec2<u32> {
     return vec2<u32>((b / h) * t * h * d + (b % h) * d, h * d);
 }
 
-// Query i's p_j, j <= i, into at_p from `sr` (as the products read them),
-// from q's row at `qa` and head's k from `k0`; returns the softmax's sum.
-fn probs_row(qa: u32, k0: u32, sr: u32, live: u32) -> f32 {
-    span_reset();
-    for (var j = 0u; j < live; j += 4u) {
-        let x = scores4(qa, k0, j, live, true);
+// The scores of keys j0..live-1 into at_p from `sr` (scores4); a rerun
+// starts at `live` where it is not needed.
+fn put_scores(qa: u32, k0: u32, sr: u32, j0: u32, live: u32, first: bool) {
+    for (var j = j0; j < live; j += 4u) {
+        let x = scores4(qa, k0, j, live, first);
         for (var u = 0u; u < 4u && j + u < live; u++) {
             at_p[sr + j + u] = x[u];
         }
     }
-    if S_GUARD {
-        for (var j = select(live, 0u, span_redo()); j < live; j += 4u) {
-            let x = scores4(qa, k0, j, live, false);
-            for (var u = 0u; u < 4u && j + u < live; u++) {
-                at_p[sr + j + u] = x[u];
-            }
+}
+
+// dp of keys j0..live-1 into ar_ds from `sr` (grads_p4), as put_scores.
+fn put_grads_p(ga: u32, v: vec2<u32>, sr: u32, j0: u32, live: u32, first: bool) {
+    for (var j = j0; j < live; j += 4u) {
+        let x = grads_p4(ga, v, j, live, first);
+        for (var u = 0u; u < 4u && j + u < live; u++) {
+            ar_ds[sr + j + u] = x[u];
         }
+    }
+}
+
+// Query i's p_j, j <= i, into at_p from `sr` (as the products read them),
+// from q's row at `qa` and head's k from `k0`; returns the softmax's sum.
+fn probs_row(qa: u32, k0: u32, sr: u32, live: u32) -> f32 {
+    span_reset();
+    put_scores(qa, k0, sr, 0u, live, true);
+    if S_GUARD {
+        put_scores(qa, k0, sr, select(live, 0u, span_redo()), live, false);
     }
     var m = at_scaled(at_p[sr]);
     for (var j = 1u; j < live; j++) {
@@ -366,19 +377,9 @@ fn attention_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocatio
     let v = tok_place(b);
     let ga = v.x + i * v.y;
     span_reset();
-    for (var j = 0u; j < live; j += 4u) {
-        let x = grads_p4(ga, v, j, live, true);
-        for (var u = 0u; u < 4u && j + u < live; u++) {
-            ar_ds[sr + j + u] = x[u];
-        }
-    }
+    put_grads_p(ga, v, sr, 0u, live, true);
     if Y_GUARD {
-        for (var j = select(live, 0u, span_redo()); j < live; j += 4u) {
-            let x = grads_p4(ga, v, j, live, false);
-            for (var u = 0u; u < 4u && j + u < live; u++) {
-                ar_ds[sr + j + u] = x[u];
-            }
-        }
+        put_grads_p(ga, v, sr, select(live, 0u, span_redo()), live, false);
     }
     // the softmax backward: the dot over every key, the masked ones' dp +0
     // and p div(+0, s); then ds of the live keys
