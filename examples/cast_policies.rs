@@ -61,7 +61,7 @@ fn main() -> Result<()> {
         };
         let held = memory::live_bytes() - base - 4; // less the loss itself
         drop(loss);
-        let plan = memory_plan_policy(&cfg, rows, t, table, None, false)?;
+        let plan = memory_plan_policy(&cfg, rows, t, table, None, false, false)?;
 
         // With recompute: the peak of a whole forward and backward.
         zero_grad(&m);
@@ -78,7 +78,7 @@ fn main() -> Result<()> {
         let secs = t0.elapsed().as_secs_f64();
         let peak = memory::peak_bytes() - base;
         zero_grad(&m);
-        let ck = memory_plan_policy(&cfg, rows, t, table, Some(budget), false)?;
+        let ck = memory_plan_policy(&cfg, rows, t, table, Some(budget), false, false)?;
         println!(
             "{:<8} {:>14} {:>14} {:>18} {:>18} {:>8.2}s {:>8.4}",
             name,

@@ -381,7 +381,7 @@ device_test!(the_plan_counts_what_each_policy_keeps, |dev| {
                     tinyllm::ops::cross_entropy(&logits, &ids)?
                 };
                 let held = memory::live_bytes() - base;
-                let plan = memory_plan_policy(&cfg, rows, t, *table, budget, false)?;
+                let plan = memory_plan_policy(&cfg, rows, t, *table, budget, false, false)?;
                 // the loss value itself (4 bytes) is the only thing the plan leaves out
                 assert_eq!(
                     held,

@@ -33,8 +33,8 @@ pub(crate) fn quantize(x: &Storage, scale: f32, fmt: Fp8) -> Result<Storage> {
     if fmt == Fp8::E5M2 {
         v = clamp_abs(&v, fmt.max())?;
     }
-    v.unary(UnaryOp::RoundFp8(fmt))?
-        .unary(UnaryOp::MulScalar(inv))
+    v = v.unary(UnaryOp::RoundFp8(fmt))?;
+    v.unary(UnaryOp::MulScalar(inv))
 }
 
 /// `x` clamped to `[−m, m]` (NaN kept): `−max(−max(x, −m), −m)`.
@@ -45,25 +45,30 @@ fn clamp_abs(x: &Storage, m: f32) -> Result<Storage> {
         lhs_strides: vec![1],
         rhs_strides: vec![0],
     };
-    let lo = x.binary(&c, BinaryOp::Maximum, &layout)?;
-    lo.unary(UnaryOp::Neg)?
-        .binary(&c, BinaryOp::Maximum, &layout)?
-        .unary(UnaryOp::Neg)
+    let mut v = x.binary(&c, BinaryOp::Maximum, &layout)?;
+    v = v.unary(UnaryOp::Neg)?;
+    v = v.binary(&c, BinaryOp::Maximum, &layout)?;
+    v.unary(UnaryOp::Neg)
 }
+
+// Each step below is its own statement: a chain's temporaries would all
+// live to its end, several of `x`'s size at once beside `x`; one at a time,
+// a cast holds at most two.
 
 /// `max |x|` over every element, a 1-element device value (NaN propagates).
 pub(crate) fn amax(x: &Storage) -> Result<Storage> {
-    x.unary(UnaryOp::Abs)?.reduce(ReduceOp::Max, 1, x.len(), 1)
+    let v = x.unary(UnaryOp::Abs)?;
+    v.reduce(ReduceOp::Max, 1, x.len(), 1)
 }
 
 /// How many `|x·s|` exceed `fmax`, a 1-element device value (an exact
 /// integer below 2^24 elements): `Σ step(|x·s| − fmax)`.
 pub(crate) fn saturations(x: &Storage, scale: f32, fmax: f32) -> Result<Storage> {
-    x.unary(UnaryOp::MulScalar(scale as f64))?
-        .unary(UnaryOp::Abs)?
-        .unary(UnaryOp::AddScalar(-(fmax as f64)))?
-        .unary(UnaryOp::Step)?
-        .reduce(ReduceOp::Sum, 1, x.len(), 1)
+    let mut v = x.unary(UnaryOp::MulScalar(scale as f64))?;
+    v = v.unary(UnaryOp::Abs)?;
+    v = v.unary(UnaryOp::AddScalar(-(fmax as f64)))?;
+    v = v.unary(UnaryOp::Step)?;
+    v.reduce(ReduceOp::Sum, 1, x.len(), 1)
 }
 
 /// The scaled cast as a constant tensor op: `rd(x·s)/s` (saturating; see

@@ -40,6 +40,14 @@
 //! the stream is 16-bit, the block at work also holds its input and its
 //! mid-block sum in their float32 slots beside the 16-bit copies (below).
 //!
+//! With every Linear in fp8 (`--fp8`), each product keeps the 16-bit copies
+//! of its own E4M3 operands: its weight's, where a plain product keeps the
+//! weight itself (a leaf), and its input's, one per product where a plain
+//! block's q, k and v projections share one and gate and up another
+//! (`3·T·C` values a sequence more, and `4·C² + 3·C·F` a block and `V·C`
+//! the head, at 2 bytes each). See [`fp8_block_copies`]; backward's working
+//! set has `8·F` bytes a token more (an E5M2 cast's temporaries).
+//!
 //! With attention recomputation ([`Recompute::Attention`]) the dropout
 //! composition keeps only q, k and v (as the products read them, as above):
 //! its `2·H·T²` float32 and `H·T²` product-read values are recomputed in
@@ -429,6 +437,20 @@ fn attention_core_flight(
     (kept + rounded, kept + 2 * u + rounded / 2, freed)
 }
 
+/// What an fp8 run keeps beyond [`block_values_kept`] for `n` tokens, per
+/// block and for the head, in bytes. Each Linear's product keeps the 16-bit
+/// copies of its own E4M3 operands (bf16 autocast; fp8 values are bf16
+/// values): its weight's copy, where a plain product keeps the weight itself
+/// (a leaf, no copy), and its input's copy. The q, k and v projections read
+/// one norm output and the gate and up projections the other, each cast with
+/// its own scale: three copies of the first and two of the second where a
+/// plain block keeps one of each (`3·C` per token more). Backward has
+/// `8·F` bytes a token more in flight (see [`memory_plan_policy`]).
+pub fn fp8_block_copies(cfg: &LlamaConfig, n: usize) -> (usize, usize) {
+    let (c, f, v) = (cfg.d_model, cfg.hidden, cfg.vocab_size);
+    (2 * (4 * c * c + 3 * c * f) + 2 * 3 * c * n, 2 * v * c)
+}
+
 /// The planned bytes of one training step with micro-batches of `rows`
 /// sequences of `t` tokens, and activation checkpointing at `ckpt_budget`
 /// layer units (`None`: off). The precision changes the activations (16-bit
@@ -477,11 +499,12 @@ pub fn memory_plan_with(
     attention_recompute: bool,
 ) -> Result<MemoryPlan> {
     let table = precision.format().map(CastTable::matmuls);
-    memory_plan_policy(cfg, rows, t, table, ckpt_budget, attention_recompute)
+    memory_plan_policy(cfg, rows, t, table, ckpt_budget, attention_recompute, false)
 }
 
 /// [`memory_plan_with`] under the cast policy `table` (`None`: float32):
-/// the values it keeps in 16 bits ([`Kept16`]) at 2 bytes each.
+/// the values it keeps in 16 bits ([`Kept16`]) at 2 bytes each; with `fp8`,
+/// the Linear layers' products in fp8 ([`fp8_block_copies`]).
 pub fn memory_plan_policy(
     cfg: &LlamaConfig,
     rows: usize,
@@ -489,12 +512,18 @@ pub fn memory_plan_policy(
     table: Option<CastTable>,
     ckpt_budget: Option<usize>,
     attention_recompute: bool,
+    fp8: bool,
 ) -> Result<MemoryPlan> {
     let n = cfg.num_params();
     let f32b = 4;
     let k16 = Kept16::of(table, cfg.dropout > 0.0);
-    let block =
-        |first: bool| block_values_kept(cfg, t, attention_recompute, k16, first).bytes16() * rows;
+    let (fp8_block, fp8_head) = match fp8 {
+        true => fp8_block_copies(cfg, rows * t),
+        false => (0, 0),
+    };
+    let block = |first: bool| {
+        block_values_kept(cfg, t, attention_recompute, k16, first).bytes16() * rows + fp8_block
+    };
     // the blocks a segment of layers [a, b) holds: the first one's input is
     // the embedding's rows
     let segment = |a: usize, b: usize| (a..b).map(|l| block(l == 0)).sum::<usize>();
@@ -510,13 +539,15 @@ pub fn memory_plan_policy(
         .max()
         .unwrap_or(0);
     let input = rows * t * cfg.d_model * f32b;
-    let head = head_kept(cfg, t, k16).bytes16() * rows;
+    let head = head_kept(cfg, t, k16).bytes16() * rows + fp8_head;
     let activations = held + (k - 1) * input + head;
     // the working sets: the MLP's and the head's, or the attention core's
     // (with dropout) where that is larger
     let (core_fwd, core_bwd, freed) = attention_core_flight(cfg, t, k16, attention_recompute);
     let core = |flight: usize| rows * flight.saturating_sub(freed);
-    let bwd = backward_working(cfg, rows, t, k16);
+    // fp8: the E5M2 cast of an MLP gradient holds two float32 temporaries
+    // of its width beside it (`ops::fp8::quantize`)
+    let bwd = backward_working(cfg, rows, t, k16) + if fp8 { 8 * cfg.hidden * rows * t } else { 0 };
     let at_loss = loss_working(cfg, rows * t, k16);
     let backward_working = bwd.max(at_loss).max(core(core_bwd));
     // a step's first micro-batch peaks making the first block's gradients:
@@ -568,9 +599,9 @@ impl TrainConfig {
             self.cast_table(),
             self.ckpt_budget,
             self.recompute_attention,
+            self.fp8.is_some(),
         )?
-        .accumulating(self.accum)
-        .with_fp8_copies(self.fp8.is_some().then_some(&self.model)))
+        .accumulating(self.accum))
     }
 
     /// The cast policy's table of every step (`None`: a float32 run).
@@ -661,6 +692,7 @@ pub fn admit(cfg: &TrainConfig, limit: MemoryLimit) -> Result<()> {
                     cfg.cast_table(),
                     ckpt,
                     cfg.recompute_attention,
+                    cfg.fp8.is_some(),
                 )?
                 .accumulating(cfg.batch.div_ceil(rows))
                 .total
@@ -845,24 +877,6 @@ impl MemoryPlan {
         }
     }
 
-    /// The plan of an fp8 run (`Some(model)`): the E4M3 copy of every
-    /// Linear weight (emulated, 4 bytes a value) that its product keeps for
-    /// backward is held through forward and backward, beside the activations.
-    /// (The inputs' copies replace the 16-bit operands the plan counts.)
-    pub fn with_fp8_copies(self, fp8: Option<&LlamaConfig>) -> MemoryPlan {
-        let Some(m) = fp8 else { return self };
-        let (v, c, f) = (m.vocab_size, m.d_model, m.hidden);
-        let copies = 4 * (m.n_layers * (4 * c * c + 3 * c * f) + v * c);
-        MemoryPlan {
-            activations: self.activations + copies,
-            forward_peak: self.forward_peak + copies,
-            backward_peak: self.backward_peak + copies,
-            first_backward_peak: self.first_backward_peak + copies,
-            total: self.total + copies,
-            ..self
-        }
-    }
-
     /// The plan as a few lines for the start of a run (`attention`: the
     /// attention core recomputed in backward).
     pub fn describe(
@@ -1010,6 +1024,41 @@ mod tests {
                 );
                 drop(loss);
             }
+        }
+    }
+    /// With every Linear in fp8, the plan's activations are what the forward
+    /// pass holds beside the amaxes the recipe recorded: the 16-bit copies of
+    /// each product's own E4M3 operands.
+    #[test]
+    fn planned_fp8_activations_match_the_measured_ones() {
+        use crate::nn::llama::Llama;
+        use crate::precision::{autocast, fp8_scope, DelayedScaling, Fp8Config};
+        use crate::Format;
+        use crate::{memory, Device};
+        use std::{cell::RefCell, rc::Rc};
+        for dropout in [0.0, 0.1] {
+            let mut cfg = LlamaConfig::preset("tiny").unwrap();
+            cfg.dropout = dropout;
+            let m = Llama::new(&cfg, 0, Device::Cpu).unwrap();
+            let (b, t) = (3, cfg.context);
+            let ids: Vec<u32> = (0..b * t).map(|i| (i * 7 % 256) as u32).collect();
+            let recipe = Rc::new(RefCell::new(
+                DelayedScaling::new(Fp8Config::default()).unwrap(),
+            ));
+            let base = memory::live_bytes();
+            let loss = {
+                let _ac = autocast(Some(Format::Bf16));
+                let _f = fp8_scope(&recipe);
+                let logits = m.forward(&ids, b, t).unwrap();
+                crate::ops::cross_entropy(&logits, &ids).unwrap()
+            };
+            let held = memory::live_bytes() - base;
+            let table = Some(CastTable::matmuls(Format::Bf16));
+            let plan = memory_plan_policy(&cfg, b, t, table, None, false, true).unwrap();
+            // each Linear's input's and weight's amax and saturation count
+            let recorded = 4 * 4 * (7 * cfg.n_layers + 1);
+            assert_eq!(held, plan.activations + 4 + recorded, "dropout {dropout}");
+            drop(loss);
         }
     }
 }
