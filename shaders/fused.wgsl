@@ -57,26 +57,66 @@ fn rms_norm(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) group
 // ---- RMSNorm backward, per row: x, g, e: (rows, d), w: (d), rstd: (rows) -> dx: (rows, d) ----
 // gw = g·w, gr = Σ gw·x, gs = div((((gr·r)·r)·r)·(-0.5), d); dx1 = gw·r,
 // dx2 = (gs·x)·2; dx = (e + dx1) + dx2 with the earlier gradient e, else dx1 + dx2.
+// The workgroups after the first `row_groups` fold the weight's gradient
+// (below), one column an invocation over every row: both in one dispatch
+// where the rows fit one pass. The parameters are a uniform buffer, so that
+// the eight buffers are all storage ones (the least WebGPU promises).
 
 struct NormBackParams {
     rows: u32,
     d: u32,
-    d_f: u32,     // f32(d) as the host rounds it, bits
-    earlier: u32, // 1: add into rb_e (else rb_e is any buffer, unread)
+    d_f: u32,       // f32(d) as the host rounds it, bits
+    earlier: u32,   // 1: add into rb_e (else rb_e is any buffer, unread)
     zero: u32,
+    row_groups: u32, // workgroups of rows; the rest fold dw's columns
+    levels: u32,    // dw's folds, as DwParams'
+    earlier_dw: u32, // 1: add into rb_dw_e
+    spans: array<vec4<u32>, 2>, // DwParams' spans, spans[l / 4][l % 4]
 }
 
-@group(0) @binding(0) var<storage, read> rb_prm: NormBackParams;
+@group(0) @binding(0) var<uniform> rb_prm: NormBackParams;
 @group(0) @binding(1) var<storage, read> rb_x: array<f32>;
 @group(0) @binding(2) var<storage, read> rb_w: array<f32>;
 @group(0) @binding(3) var<storage, read> rb_rstd: array<f32>;
 @group(0) @binding(4) var<storage, read> rb_g: array<f32>;
 @group(0) @binding(5) var<storage, read> rb_e: array<f32>;
 @group(0) @binding(6) var<storage, read_write> rb_dx: array<f32>;
+@group(0) @binding(7) var<storage, read_write> rb_dw: array<f32>;
+@group(0) @binding(8) var<storage, read> rb_dw_e: array<f32>;
+
+// dw's column j = (group - row_groups)·64 + lane over every row, as the
+// passes of rms_norm_backward_dw fold it.
+fn rms_dw_column(group: u32, lane: u32) {
+    let j = (group - rb_prm.row_groups) * 64u + lane;
+    let d = rb_prm.d;
+    if j >= d {
+        return;
+    }
+    let s = rb_prm.spans;
+    let spans = array<u32, 6>(s[0].x, s[0].y, s[0].z, s[0].w, s[1].x, s[1].y);
+    var acc: array<f32, 6>;
+    for (var l = 0u; l < 6u; l++) {
+        acc[l] = -0.0;
+    }
+    for (var row = 0u; row < rb_prm.rows; row++) {
+        let at = row * d + j;
+        rms_dw_fold(&acc, rb_x[at], rb_rstd[row], rb_g[at], rb_prm.zero, row, rb_prm.levels, spans);
+    }
+    if rb_prm.earlier_dw != 0u {
+        rb_dw[j] = rb_dw_e[j] + acc[0];
+    } else {
+        rb_dw[j] = acc[0];
+    }
+}
 
 @compute @workgroup_size(64)
 fn rms_norm_backward_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
                           @builtin(local_invocation_index) lane: u32) {
+    let group = grid_index(wg, groups, 0u) / 64u;
+    if group >= rb_prm.row_groups {
+        rms_dw_column(group, lane);
+        return;
+    }
     let row = grid_index(wg, groups, lane);
     if row >= rb_prm.rows {
         return;
@@ -137,6 +177,21 @@ struct DwParams {
 @group(0) @binding(5) var<storage, read_write> dw_out: array<f32>;
 @group(0) @binding(6) var<storage, read> dw_e: array<f32>;
 
+// Row `row`'s term g·(x·r) into the innermost level, then every level whose
+// block ends at this row closed into the one outside it, innermost first.
+fn rms_dw_fold(acc: ptr<function, array<f32, 6>>, x: f32, r: f32, g: f32, z: u32, row: u32, levels: u32,
+               spans: array<u32, 6>) {
+    let xr = sep(x * r, z);
+    (*acc)[levels - 1u] = (*acc)[levels - 1u] + sep(g * xr, z);
+    for (var l = levels - 1u; l >= 1u; l--) {
+        if (row + 1u) % spans[l] != 0u {
+            break;
+        }
+        (*acc)[l - 1u] = (*acc)[l - 1u] + (*acc)[l];
+        (*acc)[l] = -0.0;
+    }
+}
+
 @compute @workgroup_size(64)
 fn rms_norm_backward_dw(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
                         @builtin(local_invocation_index) lane: u32) {
@@ -156,16 +211,8 @@ fn rms_norm_backward_dw(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workg
         }
     }
     for (var row = dw_prm.r0; row < dw_prm.r1; row++) {
-        let xr = sep(dw_x[row * d + j] * dw_rstd[row], z);
-        acc[levels - 1u] = acc[levels - 1u] + sep(dw_g[row * d + j] * xr, z);
-        // close every level whose block ends at this row, innermost first
-        for (var l = levels - 1u; l >= 1u; l--) {
-            if (row + 1u) % dw_prm.spans[l] != 0u {
-                break;
-            }
-            acc[l - 1u] = acc[l - 1u] + acc[l];
-            acc[l] = -0.0;
-        }
+        let at = row * d + j;
+        rms_dw_fold(&acc, dw_x[at], dw_rstd[row], dw_g[at], z, row, levels, dw_prm.spans);
     }
     if dw_prm.r1 == dw_prm.rows {
         if dw_prm.earlier != 0u {
@@ -623,11 +670,16 @@ fn rms_norm_staged(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups
     }
 }
 
-// grid: grid1d(rows); lane l folds gr of row row0 + l; dx: (rows, d) elementwise by the block.
+// grid: row_groups workgroups of 64 rows, then dw's; lane l folds gr of row row0 + l;
+// dx: (rows, d) elementwise by the block.
 @compute @workgroup_size(64)
 fn rms_norm_backward_rows_staged(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
                                  @builtin(local_invocation_index) lane: u32) {
     let row0 = grid_index(wg, groups, 0u);
+    if row0 / 64u >= rb_prm.row_groups {
+        rms_dw_column(row0 / 64u, lane);
+        return;
+    }
     let rows = rb_prm.rows;
     let d = rb_prm.d;
     let z = rb_prm.zero;

@@ -50,7 +50,7 @@ pub fn step_dispatches(variant: Kernels, s: StepShapes) -> Vec<Dispatch> {
     let mut add = |what, (kernel, groups): (Kernel, (u32, u32, u32))| out.push(Dispatch { what, kernel, groups });
     let norm = fused::gpu::row_launches(variant, s.tokens, s.d);
     add("rms_norm", norm[0]);
-    add("rms_norm backward (rows)", norm[1]);
+    add("rms_norm backward (rows and weight)", norm[1]);
     let ce = fused::gpu::row_launches(variant, s.tokens, s.vocab);
     add("cross_entropy (rows)", ce[2]);
     add("cross_entropy (mean)", ce[3]);

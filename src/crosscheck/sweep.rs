@@ -1981,6 +1981,30 @@ fn fused_rows(rng: &mut Rng, rows: usize, d: usize) -> Vec<f32> {
 /// RMSNorm, SwiGLU, RoPE and softmax cross-entropy, forward and backward,
 /// over row lengths off and on the 64-wide workgroup and odd row counts.
 fn fused(sw: &mut Sweep) -> Result<()> {
+    // more rows than one pass folds (a GPU folds the weight's gradient in
+    // passes of its own, after a dispatch of the rows alone)
+    let (rows, d) = (crate::backend::gpu::LOOP_PASS + 64, 2);
+    let mut rng = Rng(41);
+    let x = fused_rows(&mut rng, rows, d);
+    let (w, g): (Vec<f32>, Vec<f32>) = (
+        (0..d).map(|_| rng.moderate()).collect(),
+        (0..rows * d).map(|_| rng.moderate()).collect(),
+    );
+    sw.check(
+        "rms norm backward",
+        "",
+        format!("rows {rows} d {d}"),
+        &[&x],
+        |dev| {
+            let (xs, ws, gs) = (up(&x, dev)?, up(&w, dev)?, up(&g, dev)?);
+            let (_, r) = xs.rms_norm(&ws, rows, d, 1e-5)?;
+            let (a, b) =
+                xs.rms_norm_backward(&ws, &r, &gs, None, None, &[rows / 64, 64], d, true, true)?;
+            let mut v = a.expect("asked").to_vec_f32()?;
+            v.extend(b.expect("asked").to_vec_f32()?);
+            Ok(v)
+        },
+    )?;
     let mut rng = Rng(43);
     let cat = |parts: Vec<Storage>| -> Result<Vec<f32>> {
         let mut v = Vec::new();
@@ -2009,7 +2033,18 @@ fn fused(sw: &mut Sweep) -> Result<()> {
             let (ex, ew) = (up(&e, dev)?, up(&e[..d], dev)?);
             let (c, f) =
                 xs.rms_norm_backward(&ws, &r, &gs, Some(&ex), Some(&ew), &[rows], d, true, true)?;
-            cat([a, b, c, f].into_iter().flatten().collect())
+            // each side alone (a GPU binds a spare for the other's output),
+            // the weight's folded in nested blocks where the rows split
+            let (h, _) =
+                xs.rms_norm_backward(&ws, &r, &gs, Some(&ex), None, &[rows], d, true, false)?;
+            let lead = if rows % 4 == 0 {
+                vec![rows / 4, 2, 2]
+            } else {
+                vec![rows]
+            };
+            let (_, k) =
+                xs.rms_norm_backward(&ws, &r, &gs, None, Some(&ew), &lead, d, false, true)?;
+            cat([a, b, c, f, h, k].into_iter().flatten().collect())
         })?;
         let gate = fused_rows(&mut rng, rows, d);
         sw.check("swiglu", "", case.clone(), &[&gate, &x], |dev| {

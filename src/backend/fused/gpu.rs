@@ -17,9 +17,22 @@ gpu_params! {
 }
 
 gpu_params! {
-    /// `fused.wgsl` `NormBackParams`: RMSNorm's backward over `rows` rows of
-    /// `d`, adding into an earlier gradient when `earlier` is 1.
-    pub struct NormBackParams { rows: u32, d: u32, d_f: u32, earlier: u32, zero: u32 }
+    /// `fused.wgsl` `NormBackParams` (a uniform buffer): RMSNorm's backward
+    /// over `rows` rows of `d`, adding into an earlier gradient when
+    /// `earlier` is 1; the workgroups past `row_groups` fold the weight's
+    /// gradient over every row as `DwParams` says (`earlier_dw`: add into
+    /// its earlier gradient; `spans` padded to two `vec4`s).
+    pub struct NormBackParams {
+        rows: u32,
+        d: u32,
+        d_f: u32,
+        earlier: u32,
+        zero: u32,
+        row_groups: u32,
+        levels: u32,
+        earlier_dw: u32,
+        spans: [u32; 8],
+    }
 }
 
 gpu_params! {
@@ -130,19 +143,25 @@ pub fn row_launches(variant: Kernels, rows: usize, width: usize) -> [Launch; 5] 
     match variant {
         Kernels::Software => [
             (RMS_NORM, grid1d(rows)),
-            (RMS_NORM_BACKWARD_ROWS, grid1d(rows)),
+            (RMS_NORM_BACKWARD_ROWS, norm_backward_grid(rows, width)),
             (CE_ROWS, grid1d(rows)),
             (CE_MEAN, (1, 1, 1)),
             (CE_BACKWARD, grid1d(rows)),
         ],
         Kernels::Hardware => [
             (RMS_NORM_STAGED, grid1d(rows)),
-            (RMS_NORM_BACKWARD_ROWS_STAGED, grid1d(rows)),
+            (RMS_NORM_BACKWARD_ROWS_STAGED, norm_backward_grid(rows, width)),
             (CE_ROWS_STAGED, grid1d(rows)),
             (CE_MEAN_STAGED, (1, 1, 1)),
             (CE_BACKWARD_ELEMS, grid1d(rows * width)),
         ],
     }
+}
+
+/// RMSNorm's backward in one dispatch: the rows' workgroups, then those
+/// of the weight gradient's `d` columns.
+fn norm_backward_grid(rows: usize, d: usize) -> (u32, u32, u32) {
+    grid1d((rows.div_ceil(64) + d.div_ceil(64)) * 64)
 }
 
 /// Loop iterations per element of a row, of the software kernels and of the
@@ -192,7 +211,9 @@ impl FusedOps for GpuStorage {
         Ok((y, rstd))
     }
 
-    /// `dx`: one invocation per row; `dw`: one per column, in passes.
+    /// `dx`: one invocation per row (or a workgroup's lanes); `dw`: one per
+    /// column, in the same dispatch where every row fits one pass, else in
+    /// passes of its own.
     fn rms_norm_backward(
         &self,
         w: &GpuStorage,
@@ -207,39 +228,59 @@ impl FusedOps for GpuStorage {
     ) -> Result<(Option<GpuStorage>, Option<GpuStorage>)> {
         let c = ctx()?;
         let rows = rstd.len();
+        if want_dw && spans.len() > MAX_DIMS {
+            bail!(Shape, "rms_norm backward: at most {MAX_DIMS} leading axes");
+        }
+        let mut sp = [1u32; 8];
+        for (s, &v) in sp.iter_mut().zip(spans) {
+            *s = u32_of(v, "rows")?;
+        }
+        // without an earlier gradient the kernels read none: g stands in
+        let (e, e_dw) = (ex.unwrap_or(g), ew.unwrap_or(g));
+        let dw_along = want_dw && rows <= LOOP_PASS;
         let (mut dx, mut dw) = (None, None);
-        if want_dx {
+        if want_dx || dw_along {
             let variant = Kernels::of(c);
-            check_row_loops(c, "rms_norm backward", d, row_loops(variant, 2, 1))?;
-            let out = GpuStorage::alloc(c, rows * d)?;
+            if want_dx {
+                check_row_loops(c, "rms_norm backward", d, row_loops(variant, 2, 1))?;
+                dx = Some(GpuStorage::alloc(c, rows * d)?);
+            }
+            if dw_along {
+                dw = Some(GpuStorage::alloc(c, d)?);
+            }
+            // an output not made binds a value of its own: two writable
+            // bindings of one buffer are refused
+            let spare = match (&dx, &dw) {
+                (Some(_), Some(_)) => None,
+                _ => Some(GpuStorage::alloc(c, 1)?),
+            };
+            let row_groups = if want_dx { rows.div_ceil(64) } else { 0 };
+            let dw_groups = if dw_along { d.div_ceil(64) } else { 0 };
             let prm = NormBackParams {
                 rows: u32_of(rows, "rows")?,
                 d: u32_of(d, "d")?,
                 d_f: f32_bits_of(d),
                 earlier: u32::from(ex.is_some()),
                 zero: 0,
+                row_groups: u32_of(row_groups, "rows")?,
+                levels: spans.len() as u32,
+                earlier_dw: u32::from(ew.is_some()),
+                spans: sp,
             };
-            // without an earlier gradient the kernel reads none: g stands in
-            let e = ex.unwrap_or(g);
-            let (kernel, groups) = row_launches(variant, rows, d)[1];
-            c.dispatch(&kernel, &prm, &[self.bind(), w.bind(), rstd.bind(), g.bind(), e.bind(), out.bind()], groups)?;
-            dx = Some(out);
+            let (kernel, _) = row_launches(variant, rows, d)[1];
+            let out_dx = dx.as_ref().or(spare.as_ref()).expect("dx or a spare");
+            let out_dw = dw.as_ref().or(spare.as_ref()).expect("dw or a spare");
+            let bufs = [self.bind(), w.bind(), rstd.bind(), g.bind(), e.bind(), out_dx.bind(), out_dw.bind(), e_dw.bind()];
+            c.dispatch(&kernel, &prm, &bufs, grid1d((row_groups + dw_groups) * 64))?;
         }
-        if want_dw {
-            if spans.len() > MAX_DIMS {
-                bail!(Shape, "rms_norm backward: at most {MAX_DIMS} leading axes");
-            }
+        if want_dw && !dw_along {
             let out = GpuStorage::alloc(c, d)?;
             let state = GpuStorage::alloc(c, MAX_DIMS * d)?;
-            // without an earlier gradient the kernel reads none: g stands in
-            let e = ew.unwrap_or(g);
-            let mut sp = [1u32; MAX_DIMS];
-            for (s, &v) in sp.iter_mut().zip(spans) {
-                *s = u32_of(v, "rows")?;
-            }
-            // Passes of at most LOOP_PASS rows, at least one (no rows: dw = −0).
+            let mut sp6 = [1u32; MAX_DIMS];
+            sp6.copy_from_slice(&sp[..MAX_DIMS]);
+            // passes of at most LOOP_PASS rows
             let mut r0 = 0;
-            loop {
+            while r0 < rows {
                 let r1 = (r0 + LOOP_PASS).min(rows);
                 let prm = DwParams {
                     rows: u32_of(rows, "rows")?,
@@ -250,18 +291,15 @@ impl FusedOps for GpuStorage {
                     zero: 0,
                     earlier: u32::from(ew.is_some()),
                     _pad1: 0,
-                    spans: sp,
+                    spans: sp6,
                 };
                 c.dispatch(
                     &RMS_NORM_BACKWARD_DW,
                     &prm,
-                    &[self.bind(), rstd.bind(), g.bind(), state.bind(), out.bind(), e.bind()],
+                    &[self.bind(), rstd.bind(), g.bind(), state.bind(), out.bind(), e_dw.bind()],
                     grid1d(d),
                 )?;
                 r0 = r1;
-                if r0 >= rows {
-                    break;
-                }
             }
             dw = Some(out);
         }

@@ -341,11 +341,15 @@ impl Context {
                 *slot = Some(format!("GPU device lost ({reason:?}): {msg}"));
             }
         });
-        let slot = SLOT.max(limits.min_storage_buffer_offset_alignment as u64);
+        // a kernel reads its parameters as a storage or a uniform buffer
+        // (a uniform one leaves all eight storage bindings to its data)
+        let slot = SLOT
+            .max(limits.min_storage_buffer_offset_alignment as u64)
+            .max(limits.min_uniform_buffer_offset_alignment as u64);
         let params_buf = device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("params"),
             size: slot * MAX_PENDING_DISPATCHES as u64,
-            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST,
+            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
             mapped_at_creation: false,
         });
         let found = probe_arith(&device, &queue, shaders)?;
