@@ -34,29 +34,37 @@
 // a time, four terms a step, outputs four columns at a time. No barriers: an
 // invocation writes only its own rows, and the column pass reads what the row
 // pass wrote. Loop steps per invocation, at most (guarded chains run twice;
-// t4 = ⌈T/4⌉, d4 = ⌈D/4⌉): forward 2 t4 (5 + d4) + 3T + 2 d4 (T + 1) + 4 d4,
-// the row pass 4 t4 (5 + d4) + 5T + 2 d4 (T + 1) + 4 d4, the column pass
+// t4 = ⌈T/4⌉, d4 = ⌈D/4⌉): forward 2 t4 (5 + d4) + 3T + 2 d4 (T + 1) + 4 d4
+// (D/2 more keeping the words), the row pass 4 t4 (5 + d4) + 5T + 2 d4 (T + 1) + 4 d4, the column pass
 // 4 d4 (T + 1) + 8 d4; the host keeps them under lavapipe's 65,535
 // (attention/gpu.rs).
 
+// A uniform buffer: the forward's eight buffers are all storage ones.
 struct AttnParams {
     t: u32,
     d: u32,
     head0: u32,  // first head of this dispatch (grids are split at 65535)
     scale: u32,  // f32 bits
     tokens: u32, // h: v, y and their gradients token-major; 0: (heads, T, D)
+    keep: u32,   // attention_keeping: FMT_* code of q's and k's words
+    keep_v: u32, // and of v's
 }
 
 // q, k and v as bits: float32 values, or with *_HALF words of two 16-bit
 // patterns (value e in the low half of word e / 2 for even e).
-@group(0) @binding(0) var<storage, read> at_prm: AttnParams;
+@group(0) @binding(0) var<uniform> at_prm: AttnParams;
 @group(0) @binding(1) var<storage, read> at_q: array<u32>;
 // forward and row pass
 @group(0) @binding(2) var<storage, read> at_k: array<u32>;
 @group(0) @binding(3) var<storage, read> at_v: array<u32>;
 @group(0) @binding(4) var<storage, read_write> at_p: array<f32>;
-// forward
+// forward; attention_keeping also writes q, k and v as 16-bit words
+// (pack.wgsl's), the copies autograd keeps: query row i's invocation writes
+// row i of each (D even, so that no word spans two rows)
 @group(0) @binding(5) var<storage, read_write> at_y: array<f32>;
+@group(0) @binding(6) var<storage, read_write> at_wq: array<u32>;
+@group(0) @binding(7) var<storage, read_write> at_wk: array<u32>;
+@group(0) @binding(8) var<storage, read_write> at_wv: array<u32>;
 // row pass (and dy, the column pass)
 @group(0) @binding(5) var<storage, read_write> ar_ds: array<f32>;
 @group(0) @binding(6) var<storage, read> at_dy: array<f32>;
@@ -322,18 +330,36 @@ fn probs_row(qa: u32, k0: u32, sr: u32, live: u32) -> f32 {
 // grid: (ceil(T / 64), heads, 1); 64 invocations a workgroup, one query row each.
 @compute @workgroup_size(64)
 fn attention(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lane: u32) {
+    let i = wg.x * 64u + lane;
+    if i < at_prm.t {
+        forward_row(at_prm.head0 + wg.y, i);
+    }
+}
+
+// The same, each invocation first writing its row's words of q, k and v
+// (keep_rows; q, k and v float32 values). grid: as attention's.
+@compute @workgroup_size(64)
+fn attention_keeping(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lane: u32) {
     let t = at_prm.t;
     let d = at_prm.d;
     let i = wg.x * 64u + lane;
-    if i >= t {
-        return;
+    if i < t {
+        let b = at_prm.head0 + wg.y;
+        let v = tok_place(b);
+        keep_rows((b * t + i) * d, v.x + i * v.y);
+        forward_row(b, i);
     }
-    let b = at_prm.head0 + wg.y;
+}
+
+// Query row i of head b: its probabilities into at_p, then y = p v.
+fn forward_row(b: u32, i: u32) {
+    let t = at_prm.t;
+    let d = at_prm.d;
     let sr = (b * t + i) * t;
     let live = i + 1u;
     probs_row((b * t + i) * d, b * t * d, sr, live);
-    // y = p v
     let v = tok_place(b);
+    // y = p v
     for (var c = 0u; c < d; c += 4u) {
         var acc = vec4<f32>(0.0);
         span_reset();
@@ -355,6 +381,20 @@ fn attention(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
         for (var u = 0u; u < 4u && c + u < d; u++) {
             at_y[v.x + i * v.y + c + u] = rnd_y(acc[u]);
         }
+    }
+}
+
+// Row i's words of q and k (from `qk`) and of v (from `vr`): float32 values
+// packed as pack.wgsl packs them.
+fn keep_rows(qk: u32, vr: u32) {
+    let f = at_prm.keep;
+    let fv = at_prm.keep_v;
+    for (var e = 0u; e < at_prm.d; e += 2u) {
+        let a = qk + e;
+        let b = vr + e;
+        at_wq[a / 2u] = half_bits(load_q(a), f) | (half_bits(load_q(a + 1u), f) << 16u);
+        at_wk[a / 2u] = half_bits(load_k(a), f) | (half_bits(load_k(a + 1u), f) << 16u);
+        at_wv[b / 2u] = half_bits(load_v(b), fv) | (half_bits(load_v(b + 1u), fv) << 16u);
     }
 }
 

@@ -101,11 +101,28 @@ impl Tensor {
             tokens,
         };
         let (round, scores) = (att.round, att.scores);
-        let y = att.forward(&q.arg().op, &k.arg().op, &Operand::Values(v.storage()))?;
+        let recorded = is_grad_enabled() && [q, k, v].iter().any(|t| t.requires_grad());
+        // q and k as the scores' products read them, v as p v does: the
+        // copies backward keeps, written by the forward's own primitive
+        // where none is made yet (of three tensors, each its own copy)
+        let to_pack = [(q, scores), (k, scores), (v, round)]
+            .map(|(t, f)| Saved::to_pack(Keep::operand(t, f)));
+        let apart = q.id() != k.id() && k.id() != v.id() && q.id() != v.id();
+        let y = match to_pack {
+            [Some(fq), Some(fk), Some(fv)] if recorded && apart && fq == fk => {
+                let (y, [wq, wk, wv]) =
+                    att.forward_keeping(&q.storage(), &k.storage(), &v.storage(), [fq, fv])?;
+                for (t, (w, changed)) in [q, k, v].into_iter().zip([wq, wk, wv]) {
+                    Saved::adopt(t, w, changed)?;
+                }
+                y
+            }
+            _ => att.forward(&q.arg().op, &k.arg().op, &Operand::Values(v.storage()))?,
+        };
         // Backward recomputes p rather than keeping it (H·T² values, more
         // than q, k and v together): the same primitives on the same
         // operands, so the same bits.
-        let kept = if is_grad_enabled() && [q, k, v].iter().any(|t| t.requires_grad()) {
+        let kept = if recorded {
             // q and k as the scores' products read them, v as p v does
             Some(Saved::all([
                 Keep::operand(q, scores),

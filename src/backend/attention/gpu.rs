@@ -2,7 +2,7 @@
 //! in two (a pass per query row, then one per key row), each with the
 //! batched composition's bits ([`batched`]), all heads in each dispatch.
 
-use super::{batched, Arg, Attention, AttentionOps};
+use super::{batched, forward_then_pack, Arg, Attention, AttentionOps};
 use crate::backend::gpu::context::{ctx, Context};
 use crate::backend::gpu::pipelines::{gpu_params, no_consts, Family, Kernel};
 use crate::backend::gpu::{u32_of, Bind, GpuStorage};
@@ -14,7 +14,9 @@ gpu_params! {
     /// `attention.wgsl` `AttnParams`: heads of `t` rows of `d`, from head
     /// `head0`; `scale` f32 bits; `tokens` the heads of a token-major `v`,
     /// `y` and their gradients (0: head-major).
-    pub struct AttnParams { t: u32, d: u32, head0: u32, scale: u32, tokens: u32 }
+    /// `keep`, `keep_v`: the forward's FMT_* codes of q's and k's words and
+    /// of v's (0: none written).
+    pub struct AttnParams { t: u32, d: u32, head0: u32, scale: u32, tokens: u32, keep: u32, keep_v: u32 }
 }
 
 pub const FAMILY: Family = Family {
@@ -25,11 +27,12 @@ pub const FAMILY: Family = Family {
     ],
     needs_math: true,
     consts: no_consts,
-    entries: &["attention", "attention_rows", "attention_columns"],
+    entries: &["attention", "attention_keeping", "attention_rows", "attention_columns"],
     params: &[AttnParams::LAYOUT],
 };
 
 const FORWARD: Kernel = Kernel::new(&FAMILY, "attention");
+const KEEPING: Kernel = Kernel::new(&FAMILY, "attention_keeping");
 const ROWS: Kernel = Kernel::new(&FAMILY, "attention_rows");
 const COLUMNS: Kernel = Kernel::new(&FAMILY, "attention_columns");
 
@@ -58,8 +61,9 @@ fn specialised(c: &Context, kernel: Kernel, a: &Attention, halves: [Option<Forma
         .with("Y_GUARD", guarded(c.native_fma, a.round) as u32)
 }
 
-/// One dispatch of `kernel` per 65,535 heads: a workgroup per 64 rows of a head.
-fn launch(c: &Context, kernel: &Kernel, a: &Attention, binds: &[Bind]) -> Result<()> {
+/// One dispatch of `kernel` per 65,535 heads: a workgroup per 64 rows of a
+/// head (`keep`: the forward's words, [`AttnParams`]).
+fn launch(c: &Context, kernel: &Kernel, a: &Attention, keep: [Option<Format>; 2], binds: &[Bind]) -> Result<()> {
     let (t, d) = (a.t, a.d);
     u32_of(a.heads * t * t.max(d), "attention size")?;
     let mut head0 = 0;
@@ -71,6 +75,8 @@ fn launch(c: &Context, kernel: &Kernel, a: &Attention, binds: &[Bind]) -> Result
             head0: head0 as u32,
             scale: a.scale.to_bits(),
             tokens: u32_of(a.tokens.unwrap_or(0), "heads")?,
+            keep: fmt_code(keep[0]),
+            keep_v: fmt_code(keep[1]),
         };
         c.dispatch(kernel, &prm, binds, (u32_of(t.div_ceil(64), "t")?, n as u32, 1))?;
         head0 += n;
@@ -90,8 +96,27 @@ impl AttentionOps for GpuStorage {
         }
         let p = GpuStorage::alloc(c, a.heads * a.t * a.t)?;
         let kernel = specialised(c, FORWARD, a, [q.1, k.1, v.1]);
-        launch(c, &kernel, a, &[q.0.bind(), k.0.bind(), v.0.bind(), p.bind(), y.bind()])?;
+        launch(c, &kernel, a, [None; 2], &[q.0.bind(), k.0.bind(), v.0.bind(), p.bind(), y.bind()])?;
         Ok(y)
+    }
+
+    /// One dispatch, each query row's invocation writing its rows' words
+    /// where D is even (no word spans two rows); else the forward, then the
+    /// packs.
+    fn attention_keeping(a: &Attention, q: &Self, k: &Self, v: &Self, keep: [Format; 2]) -> Result<(Self, [(Self, Option<usize>); 3])> {
+        let c = ctx()?;
+        let n = a.heads * a.t * a.d;
+        if !fused_fits(c, a) || a.d % 2 != 0 || n == 0 {
+            return forward_then_pack(a, q, k, v, keep);
+        }
+        let y = GpuStorage::alloc(c, n)?;
+        let [wq, wk, wv] = [(); 3].map(|_| GpuStorage::alloc(c, n / 2));
+        let (wq, wk, wv) = (wq?, wk?, wv?);
+        let p = GpuStorage::alloc(c, a.heads * a.t * a.t)?;
+        let kernel = specialised(c, KEEPING, a, [None; 3]);
+        let binds = [q.bind(), k.bind(), v.bind(), p.bind(), y.bind(), wq.bind(), wk.bind(), wv.bind()];
+        launch(c, &kernel, a, [Some(keep[0]), Some(keep[1])], &binds)?;
+        Ok((y, [(wq, None), (wk, None), (wv, None)]))
     }
 
     fn attention_backward(a: &Attention, q: Arg<Self>, k: Arg<Self>, v: Arg<Self>, g: &Self) -> Result<[Self; 3]> {
@@ -109,9 +134,9 @@ impl AttentionOps for GpuStorage {
         let (p, ds) = (p?, ds?);
         let halves = [q.1, k.1, v.1];
         let rows = specialised(c, ROWS, a, halves);
-        launch(c, &rows, a, &[q.0.bind(), k.0.bind(), v.0.bind(), p.bind(), ds.bind(), g.bind(), dq.bind()])?;
+        launch(c, &rows, a, [None; 2], &[q.0.bind(), k.0.bind(), v.0.bind(), p.bind(), ds.bind(), g.bind(), dq.bind()])?;
         let columns = specialised(c, COLUMNS, a, halves);
-        launch(c, &columns, a, &[q.0.bind(), p.bind(), ds.bind(), dk.bind(), dv.bind(), g.bind()])?;
+        launch(c, &columns, a, [None; 2], &[q.0.bind(), p.bind(), ds.bind(), dk.bind(), dv.bind(), g.bind()])?;
         Ok([dq, dk, dv])
     }
 }

@@ -44,7 +44,7 @@ mod spec;
 use crate::backend::copy::CopyOps;
 use crate::backend::elementwise::ElementwiseOps;
 use crate::backend::matmul::{Halves, MatmulOps};
-use crate::backend::pack::PackOps;
+use crate::backend::pack::{KeptCopy, PackOps, Packed};
 use crate::backend::reduce::ReduceOps;
 use crate::backend::round::Format;
 use crate::backend::primitive;
@@ -84,6 +84,33 @@ pub trait AttentionOps: Sized {
     fn attention(a: &Attention, q: Arg<Self>, k: Arg<Self>, v: Arg<Self>) -> Result<Self>;
     /// `[dq, dk, dv]` from the upstream gradient `g` (laid out as `y`).
     fn attention_backward(a: &Attention, q: Arg<Self>, k: Arg<Self>, v: Arg<Self>, g: &Self) -> Result<[Self; 3]>;
+    /// [`attention`](Self::attention) of float32 `q`, `k` and `v`, and each
+    /// packed as [`PackOps::pack`] packs it (`keep`: q's and k's format,
+    /// then v's): the copies autograd keeps. A GPU writes them from the
+    /// forward's dispatch.
+    fn attention_keeping(a: &Attention, q: &Self, k: &Self, v: &Self, keep: [Format; 2]) -> Result<(Self, [(Self, Option<usize>); 3])>
+    where
+        Self: PackOps,
+    {
+        forward_then_pack(a, q, k, v, keep)
+    }
+}
+
+/// [`AttentionOps::attention_keeping`] as the forward, then the packs (q's
+/// and k's together).
+pub(crate) fn forward_then_pack<S: AttentionOps + PackOps>(
+    a: &Attention,
+    q: &S,
+    k: &S,
+    v: &S,
+    keep: [Format; 2],
+) -> Result<(S, [(S, Option<usize>); 3])> {
+    let y = S::attention(a, (q, None), (k, None), (v, None))?;
+    let mut qk = S::pack_many(&[q, k], keep[0])?.into_iter();
+    let (Some(wq), Some(wk)) = (qk.next(), qk.next()) else {
+        crate::bail!(Device, "pack_many: two buffers and fewer copies");
+    };
+    Ok((y, [wq, wk, v.pack(keep[1])?]))
 }
 
 impl Attention {
@@ -149,6 +176,26 @@ impl Attention {
         Ok(primitive!(profile scope, "attention", || self.describe(), [q, k, v] => |q, k, v| {
             AttentionOps::attention(self, (q, hq), (k, hk), (v, hv))
         }))
+    }
+
+    /// [`forward`](Self::forward) of float32 `q`, `k` and `v`, with their
+    /// 16-bit copies (`keep`: q's and k's format, then v's) and how many
+    /// values each rounding changed, as [`Storage::pack`] makes them.
+    pub fn forward_keeping(&self, q: &Storage, k: &Storage, v: &Storage, keep: [Format; 2]) -> Result<(Storage, [KeptCopy; 3])> {
+        let scope = crate::profile::scope_with_flops("attention", || self.flops(false));
+        let describe = || format!("{} keeping {} {}", self.describe(), keep[0], keep[1]);
+        let (y, words) = primitive!(profile scope, "attention", describe, [q, k, v] => |q, k, v| {
+            AttentionOps::attention_keeping(self, q, k, v, keep)
+        });
+        let [(wq, cq), (wk, ck), (wv, cv)] = words;
+        Ok((
+            y,
+            [
+                (Packed::new(keep[0], q.len(), wq), cq),
+                (Packed::new(keep[0], k.len(), wk), ck),
+                (Packed::new(keep[1], v.len(), wv), cv),
+            ],
+        ))
     }
 
     /// `[dq, dk, dv]` from the operands as the forward's products read them
