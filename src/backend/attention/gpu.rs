@@ -2,7 +2,7 @@
 //! in two (a pass per query row, then one per key row), each with the
 //! batched composition's bits ([`batched`]), all heads in each dispatch.
 
-use super::{batched, forward_then_pack, Arg, Attention, AttentionOps};
+use super::{batched, forward_then_pack, Arg, Attention, AttentionOps, Keeping};
 use crate::backend::gpu::context::{ctx, Context};
 use crate::backend::gpu::pipelines::{gpu_params, no_consts, Family, Kernel};
 use crate::backend::gpu::{u32_of, Bind, GpuStorage};
@@ -103,10 +103,10 @@ impl AttentionOps for GpuStorage {
     /// One dispatch, each query row's invocation writing its rows' words
     /// where D is even (no word spans two rows); else the forward, then the
     /// packs.
-    fn attention_keeping(a: &Attention, q: &Self, k: &Self, v: &Self, keep: [Format; 2]) -> Result<(Self, [(Self, Option<usize>); 3])> {
+    fn attention_keeping(a: &Attention, q: &Self, k: &Self, v: &Self, keep: [Format; 2]) -> Result<Keeping<Self>> {
         let c = ctx()?;
         let n = a.heads * a.t * a.d;
-        if !fused_fits(c, a) || a.d % 2 != 0 || n == 0 {
+        if !fused_fits(c, a) || !a.d.is_multiple_of(2) || n == 0 {
             return forward_then_pack(a, q, k, v, keep);
         }
         let y = GpuStorage::alloc(c, n)?;

@@ -78,6 +78,10 @@ pub struct Attention {
 /// when it is a 16-bit copy.
 pub type Arg<'a, S> = (&'a S, Option<Format>);
 
+/// `y`, and q's, k's and v's 16-bit words with how many values each
+/// rounding changed (where the device counts).
+pub type Keeping<S> = (S, [(S, Option<usize>); 3]);
+
 /// The devices' attention (see the module docs for the contract).
 pub trait AttentionOps: Sized {
     /// `y`, laid out as `v` is.
@@ -88,7 +92,7 @@ pub trait AttentionOps: Sized {
     /// packed as [`PackOps::pack`] packs it (`keep`: q's and k's format,
     /// then v's): the copies autograd keeps. A GPU writes them from the
     /// forward's dispatch.
-    fn attention_keeping(a: &Attention, q: &Self, k: &Self, v: &Self, keep: [Format; 2]) -> Result<(Self, [(Self, Option<usize>); 3])>
+    fn attention_keeping(a: &Attention, q: &Self, k: &Self, v: &Self, keep: [Format; 2]) -> Result<Keeping<Self>>
     where
         Self: PackOps,
     {
@@ -104,7 +108,7 @@ pub(crate) fn forward_then_pack<S: AttentionOps + PackOps>(
     k: &S,
     v: &S,
     keep: [Format; 2],
-) -> Result<(S, [(S, Option<usize>); 3])> {
+) -> Result<Keeping<S>> {
     let y = S::attention(a, (q, None), (k, None), (v, None))?;
     let mut qk = S::pack_many(&[q, k], keep[0])?.into_iter();
     let (Some(wq), Some(wk)) = (qk.next(), qk.next()) else {
