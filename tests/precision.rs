@@ -196,6 +196,37 @@ device_test!(hand_example_accumulation, |dev| {
     assert!((grad(&w)[0] + 120.0).abs() <= 1e-4, "got {:?}", grad(&w));
 });
 
+device_test!(accumulation_seeds_each_backward_as_its_composition, |dev| {
+    // grad_accumulate seeds each micro-batch's backward with (1·S)·(n_i/N),
+    // formed on the host: the bits of the backward through S·((n_i/N)·L_i),
+    // at weights (3/7, 4/7) that f32 rounds, with and without a scaler.
+    let w = param(&[0.3, -1.7], &[2], dev);
+    let loss_fn = |(x, y): &(Tensor, Tensor)| mse(&x.mul(&w)?.sum(-1, false)?, y);
+    let batch = |rows: usize, at: f32| {
+        let xs: Vec<f32> = (0..2 * rows).map(|i| at + 0.37 * i as f32).collect();
+        let ys: Vec<f32> = (0..rows).map(|i| 0.11 * i as f32 - at).collect();
+        (t(&xs, &[rows, 2], dev), t(&ys, &[rows], dev))
+    };
+    let micro = [batch(3, 0.5), batch(4, -1.25)];
+    for scale in [None, Some(1024.0)] {
+        let s = scale
+            .map(|s| DynamicLossScaler::new(s, 2.0, 0.5, 10))
+            .transpose()?;
+        w.zero_grad();
+        grad_accumulate(&micro, loss_fn, s.as_ref())?;
+        let got = grad(&w);
+        w.zero_grad();
+        for (mb, share) in micro.iter().zip([3.0 / 7.0, 4.0 / 7.0]) {
+            let weighted = loss_fn(mb)?.mul_scalar(share)?;
+            match &s {
+                Some(s) => s.scale_loss(&weighted)?.backward()?,
+                None => weighted.backward()?,
+            }
+        }
+        assert_eq!(bits(&got), bits(&grad(&w)), "scale {scale:?}");
+    }
+});
+
 device_test!(hand_example_loss_scaler, |dev| {
     // S = 8, growth 2, backoff 1/2, interval 2, SGD lr 0.5 on one parameter at 0.
     let w = param(&[0.0], &[1], dev);

@@ -86,14 +86,16 @@ fn backward_all<B: MicroBatch>(
         let w = mb.rows() as f64 / total as f64;
         memory::enter(Phase::Forward);
         let li = loss_fn(mb)?;
-        let weighted = li.mul_scalar(w)?;
         weights.push(w);
         values.push(li.detach().reshape(&[1])?);
         memory::enter(Phase::Backward);
-        match scaler {
-            Some(s) => s.scale_loss(&weighted)?.backward()?,
-            None => weighted.backward()?,
-        }
+        // The backward of S·((n_i/N)·L_i) (S = 1 without a scaler) from its
+        // seed 1: the gradient reaching L_i is (1·S)·(n_i/N), each product
+        // in f32 as the kernels of `scale_loss` and `mul_scalar` form it;
+        // made here, it is no dispatch.
+        let s = scaler.map_or(1.0, |s| s.loss_scale());
+        let seed = li.full_like(((1.0f32 * s) * w as f32) as f64)?;
+        li.backward_with(&seed)?;
     }
     let parts: Vec<&Tensor> = values.iter().collect();
     Ok(Losses {
