@@ -581,8 +581,24 @@ fn cross_entropy_mean() {
 // a = +0 + div(-0 - G, rows), gS = div(-0 - a, S), dx_j = b_j + gS·exp(x_j - m),
 // b_j = a at the target, +0 elsewhere.
 
-@group(0) @binding(0) var<storage, read> cb_prm: CeParams;
-@group(0) @binding(1) var<storage, read> cb_x: array<f32>;
+struct CeBackParams {
+    rows: u32,
+    v: u32,
+    rows_f: u32,
+    zero: u32,
+    x_half: u32, // FMT_* code of logits kept as 16-bit words (pack.wgsl's); 0: float32
+}
+
+@group(0) @binding(0) var<storage, read> cb_prm: CeBackParams;
+@group(0) @binding(1) var<storage, read> cb_x: array<u32>;
+
+// logit e, as a float32 value
+fn cb_logit(e: u32) -> f32 {
+    if cb_prm.x_half == 0u {
+        return bitcast<f32>(cb_x[e]);
+    }
+    return half_value(cb_x[e / 2u], e, cb_prm.x_half);
+}
 @group(0) @binding(2) var<storage, read> cb_targets: array<u32>;
 @group(0) @binding(3) var<storage, read> cb_stats: array<f32>;
 @group(0) @binding(4) var<storage, read> cb_g: array<f32>;
@@ -605,7 +621,7 @@ fn cross_entropy_backward(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_wor
     let base = row * v;
     for (var j = 0u; j < v; j++) {
         let b = select(pz, a, j == t);
-        cb_dx[base + j] = b + sep(gs * m_exp(cb_x[base + j] - m), z);
+        cb_dx[base + j] = b + sep(gs * m_exp(cb_logit(base + j) - m), z);
     }
 }
 
@@ -836,5 +852,5 @@ fn cross_entropy_backward_elems(@builtin(workgroup_id) wg: vec3<u32>, @builtin(n
     let m = cb_stats[2u * row];
     let gs = m_div(-0.0 - a, cb_stats[2u * row + 1u]);
     let b = select(pz, a, j == cb_targets[row]);
-    cb_dx[i] = b + sep(gs * m_exp(cb_x[i] - m), z);
+    cb_dx[i] = b + sep(gs * m_exp(cb_logit(i) - m), z);
 }

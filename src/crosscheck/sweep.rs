@@ -2180,12 +2180,34 @@ fn fused(sw: &mut Sweep) -> Result<()> {
             let (l, s) = up(&logits, dev)?.cross_entropy(&targets, d)?;
             cat(vec![l, s])
         })?;
-        sw.check("cross-entropy backward", "", case, &[&logits], |dev| {
-            let xs = up(&logits, dev)?;
-            let (_, s) = xs.cross_entropy(&targets, d)?;
-            xs.cross_entropy_backward(&targets, &s, &up(&[0.75], dev)?, d)?
-                .to_vec_f32()
-        })?;
+        sw.check(
+            "cross-entropy backward",
+            "",
+            case.clone(),
+            &[&logits],
+            |dev| {
+                let xs = up(&logits, dev)?;
+                let (_, s) = xs.cross_entropy(&targets, d)?;
+                xs.cross_entropy_backward(&targets, &s, &up(&[0.75], dev)?, d)?
+                    .to_vec_f32()
+            },
+        )?;
+        // the logits read as autograd keeps a rounded product's output
+        for fmt in [Format::Bf16, Format::Fp16] {
+            let variant = format!("{fmt}, kept 16-bit");
+            sw.check(
+                "cross-entropy backward",
+                &variant,
+                case.clone(),
+                &[&logits],
+                |dev| {
+                    let (_, s) = up(&logits, dev)?.cross_entropy(&targets, d)?;
+                    operand(&logits, Some(fmt), dev)?
+                        .cross_entropy_backward(&targets, &s, &up(&[0.75], dev)?, d)?
+                        .to_vec_f32()
+                },
+            )?;
+        }
     }
     Ok(())
 }

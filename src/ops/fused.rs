@@ -314,14 +314,15 @@ pub fn cross_entropy(logits: &Tensor, targets: &[u32]) -> Result<Tensor> {
     let (loss, stats) = logits.storage().cross_entropy(targets, v)?;
     let loss = stored(loss, f)?;
     let x = Saved::keep(logits)?;
-    let ids = targets.to_vec();
+    let (ids, shape) = (targets.to_vec(), logits.shape().to_vec());
     Ok(
         Tensor::record(loss, vec![], "cross_entropy", &[logits], move |g| {
-            let x = x.get()?;
+            // 16-bit kept logits are read as kept, never widened into a copy
             let dx =
-                x.storage()
+                x.arg()
+                    .op
                     .cross_entropy_backward(&ids, &stats, &arrived(g, f)?.storage(), v)?;
-            Ok(vec![Some(Tensor::from_storage(dx, x.shape())?)])
+            Ok(vec![Some(Tensor::from_storage(dx, &shape)?)])
         })
         .with_half(f),
     )

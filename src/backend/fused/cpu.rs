@@ -134,13 +134,19 @@ impl FusedOps for CpuStorage {
         }))
     }
 
+    /// Kept 16-bit logits are widened first (a copy the plan counts).
     fn cross_entropy_backward(
         &self,
+        half: Option<Format>,
         targets: &[u32],
         stats: &CpuStorage,
         g: &CpuStorage,
         v: usize,
     ) -> Result<CpuStorage> {
+        if let Some(f) = half {
+            let x = crate::backend::pack::PackOps::unpack(self, f, targets.len() * v)?;
+            return x.cross_entropy_backward(None, targets, stats, g, v);
+        }
         Ok(by_dtype!(self, T => {
             let g = T::view(g)[0];
             T::wrap(cross_entropy_backward_t::<T>(&T::view(self), targets, &T::view(stats), g, v))

@@ -74,6 +74,12 @@ gpu_params! {
 }
 
 gpu_params! {
+    /// `fused.wgsl` `CeBackParams`: `CeParams`, and the FMT_* code of the
+    /// logits kept in 16-bit storage (0: float32 values).
+    pub struct CeBackParams { rows: u32, v: u32, rows_f: u32, zero: u32, x_half: u32 }
+}
+
+gpu_params! {
     /// `fused.wgsl` `CeSumParams`: this pass folds row losses `[k0, k1)`.
     pub struct CeSumParams { rows: u32, k0: u32, k1: u32, rows_f: u32 }
 }
@@ -110,6 +116,7 @@ pub const FAMILY: Family = Family {
         SwigluBackParams::LAYOUT,
         RopeParams::LAYOUT,
         CeParams::LAYOUT,
+        CeBackParams::LAYOUT,
         CeSumParams::LAYOUT,
     ],
 };
@@ -426,9 +433,10 @@ impl FusedOps for GpuStorage {
         Ok((loss, stats))
     }
 
-    /// One invocation per row.
+    /// One invocation per row (or per element); kept 16-bit logits read as kept.
     fn cross_entropy_backward(
         &self,
+        half: Option<Format>,
         targets: &[u32],
         stats: &GpuStorage,
         g: &GpuStorage,
@@ -443,11 +451,12 @@ impl FusedOps for GpuStorage {
         if rows * v == 0 {
             return Ok(dx);
         }
-        let prm = CeParams {
+        let prm = CeBackParams {
             rows: u32_of(rows, "rows")?,
             v: u32_of(v, "v")?,
             rows_f: f32_bits_of(rows),
             zero: 0,
+            x_half: fmt_code(half),
         };
         let ids = c.buffer_with(bytemuck::cast_slice(targets));
         let (kernel, groups) = row_launches(variant, rows, v)[4];

@@ -151,7 +151,7 @@ pub trait FusedOps: Sized {
     /// `self` is `x: (rows, v)`; returns `(loss, stats)`.
     fn cross_entropy(&self, targets: &[u32], v: usize) -> Result<(Self, Self)>;
     /// `self` is `x: (rows, v)`; `g` the loss's upstream gradient (one element).
-    fn cross_entropy_backward(&self, targets: &[u32], stats: &Self, g: &Self, v: usize) -> Result<Self>;
+    fn cross_entropy_backward(&self, half: Option<Format>, targets: &[u32], stats: &Self, g: &Self, v: usize) -> Result<Self>;
 }
 
 /// The rows each level of `dw`'s nested sum folds, outermost first: level
@@ -327,14 +327,7 @@ impl Storage {
         g: &Storage,
         v: usize,
     ) -> Result<Storage> {
-        check_len("cross_entropy backward", self, targets.len() * v, "the logits")?;
-        check_len("cross_entropy backward", stats, 2 * targets.len(), "stats")?;
-        check_len("cross_entropy backward", g, 1, "the upstream gradient")?;
-        check_targets(targets, v)?;
-        let describe = || format!("rows {} v {v}", targets.len());
-        Ok(primitive!("cross-entropy backward", describe, [self, stats, g] => |x, s, g| {
-            x.cross_entropy_backward(targets, s, g, v)
-        }))
+        Operand::Values(self.clone()).cross_entropy_backward(targets, stats, g, v)
     }
 }
 
@@ -370,6 +363,23 @@ impl Operand {
         let halves = Halves { a: ha, b: hb };
         let describe = || format!("n {n}");
         Ok(primitive!("swiglu backward", describe, [a, b, g] => |a, b, g| a.swiglu_backward(b, g, halves)))
+    }
+
+    /// [`Storage::cross_entropy_backward`] with the logits `self` possibly
+    /// kept in 16-bit storage (a GPU reads them as kept, no widened copy
+    /// written out).
+    pub fn cross_entropy_backward(&self, targets: &[u32], stats: &Storage, g: &Storage, v: usize) -> Result<Storage> {
+        if self.len() != targets.len() * v {
+            bail!(Shape, "cross_entropy backward: the logits hold {} values, expected {}", self.len(), targets.len() * v);
+        }
+        check_len("cross_entropy backward", stats, 2 * targets.len(), "stats")?;
+        check_len("cross_entropy backward", g, 1, "the upstream gradient")?;
+        check_targets(targets, v)?;
+        let (x, half) = self.parts();
+        let describe = || format!("rows {} v {v}", targets.len());
+        Ok(primitive!("cross-entropy backward", describe, [x, stats, g] => |x, s, g| {
+            x.cross_entropy_backward(half, targets, s, g, v)
+        }))
     }
 }
 

@@ -164,8 +164,12 @@ impl FusedOps for SpecStorage {
         Ok((SpecStorage::new(vec![loss]), SpecStorage::new(stats)))
     }
 
-    fn cross_entropy_backward(&self, targets: &[u32], stats: &SpecStorage, g: &SpecStorage, v: usize) -> Result<SpecStorage> {
-        let (x, stats) = (self.get(), stats.get());
+    fn cross_entropy_backward(&self, half: Option<Format>, targets: &[u32], stats: &SpecStorage, g: &SpecStorage, v: usize) -> Result<SpecStorage> {
+        let widened = match half {
+            Some(f) => Some(self.unpack(f, targets.len() * v)?),
+            None => None,
+        };
+        let (x, stats) = (widened.as_ref().unwrap_or(self).get(), stats.get());
         let g2 = div(-0.0 - g.at(0), targets.len() as f32);
         let a = 0.0 + g2;
         let gl = -0.0 - a;
