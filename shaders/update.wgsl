@@ -57,8 +57,8 @@ fn scale_in_place(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups)
 // *before* the multiply on its exponent bits (all ones = inf or NaN; WGSL has
 // no isNan/isInf), then multiplied by inv_scale (a power of two: exact) and
 // its square added by fma. The host zeroes the flag, runs this over all the
-// gradients five at a time (one flag, one partials buffer, eight bindings:
-// WebGPU's least), and reads the flag and the partials back together. A slot
+// gradients six at a time (one flag, one partials buffer, six gradients:
+// WebGPU's least of eight storage buffers, the parameters a uniform buffer), and reads the flag and the partials back together. A slot
 // the host leaves unused has n = 0, its end the last one's, and another
 // gradient bound to it, never read.
 
@@ -66,11 +66,12 @@ struct CheckParams {
     c: u32, // f32 bits
     chunk: u32,
     offset: u32,
-    n: array<u32, 5>,   // each slot's length (0: unused)
-    end: array<u32, 5>, // the running count of chunks through each slot
+    _pad: u32,
+    n: array<vec4<u32>, 2>,   // each slot's length (0: unused), slot s at [s / 4][s % 4]
+    end: array<vec4<u32>, 2>, // the running count of chunks through each slot
 }
 
-@group(0) @binding(0) var<storage, read> fc_prm: CheckParams;
+@group(0) @binding(0) var<uniform> fc_prm: CheckParams;
 @group(0) @binding(1) var<storage, read_write> fc_flag: atomic<u32>;
 @group(0) @binding(2) var<storage, read_write> fc_partials: array<f32>;
 @group(0) @binding(3) var<storage, read_write> fc_g0: array<f32>;
@@ -78,6 +79,11 @@ struct CheckParams {
 @group(0) @binding(5) var<storage, read_write> fc_g2: array<f32>;
 @group(0) @binding(6) var<storage, read_write> fc_g3: array<f32>;
 @group(0) @binding(7) var<storage, read_write> fc_g4: array<f32>;
+@group(0) @binding(8) var<storage, read_write> fc_g5: array<f32>;
+
+fn fc_end(s: u32) -> u32 {
+    return fc_prm.end[s / 4u][s % 4u];
+}
 
 fn fc_load(s: u32, i: u32) -> f32 {
     switch s {
@@ -85,7 +91,8 @@ fn fc_load(s: u32, i: u32) -> f32 {
         case 1u: { return fc_g1[i]; }
         case 2u: { return fc_g2[i]; }
         case 3u: { return fc_g3[i]; }
-        default: { return fc_g4[i]; }
+        case 4u: { return fc_g4[i]; }
+        default: { return fc_g5[i]; }
     }
 }
 
@@ -95,7 +102,8 @@ fn fc_store(s: u32, i: u32, v: f32) {
         case 1u: { fc_g1[i] = v; }
         case 2u: { fc_g2[i] = v; }
         case 3u: { fc_g3[i] = v; }
-        default: { fc_g4[i] = v; }
+        case 4u: { fc_g4[i] = v; }
+        default: { fc_g5[i] = v; }
     }
 }
 
@@ -103,17 +111,17 @@ fn fc_store(s: u32, i: u32, v: f32) {
 fn finite_check_unscale(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
                         @builtin(local_invocation_index) lane: u32) {
     let q = grid_index(wg, groups, lane);
-    if q >= fc_prm.end[4] {
+    if q >= fc_end(5u) {
         return;
     }
     // q's buffer s (the first whose chunks end past q) and the chunks before it
     var s = 0u;
     var before = 0u;
-    while q >= fc_prm.end[s] {
-        before = fc_prm.end[s];
+    while q >= fc_end(s) {
+        before = fc_end(s);
         s += 1u;
     }
-    let n = fc_prm.n[s];
+    let n = fc_prm.n[s / 4u][s % 4u];
     let start = (q - before) * fc_prm.chunk;
     let end = min(start + fc_prm.chunk, n);
     let c = bitcast<f32>(fc_prm.c);
@@ -132,7 +140,7 @@ fn finite_check_unscale(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workg
     }
 }
 
-// ---- AdamW: up to 4 parameters a dispatch, in place (PyTorch's formula) ----
+// ---- AdamW: up to 5 parameters a dispatch, in place (PyTorch's formula) ----
 // p1 = p * decay; m = fma_c(beta1, m, omb1 * g); v = fma_c(beta2, v, omb2 * (g * g));
 // den = div(sqrt(v), bc2_sqrt) + eps; p = fma_c(-step_size, div(m, den), p1).
 // Slot s: its parameter and both moments are n_s elements of aw_p, aw_m and
@@ -152,13 +160,18 @@ struct AdamWParams {
     scale_grad: u32, // 1: g = g * grad_scale, stored back, before the update (clipping)
     grad_scale: u32,
     zero: u32, // 0: sep's opaque zero
-    off: array<u32, 4>,
-    end: array<u32, 4>,
-    step_size: array<u32, 4>,
-    bc2_sqrt: array<u32, 4>,
+    _pad0: u32,
+    _pad1: u32,
+    _pad2: u32,
+    // per slot s, at [s / 4][s % 4] (a uniform buffer: the eight storage
+    // buffers are the parameters, the moments and five gradients)
+    off: array<vec4<u32>, 2>,
+    end: array<vec4<u32>, 2>,
+    step_size: array<vec4<u32>, 2>,
+    bc2_sqrt: array<vec4<u32>, 2>,
 }
 
-@group(0) @binding(0) var<storage, read> aw_prm: AdamWParams;
+@group(0) @binding(0) var<uniform> aw_prm: AdamWParams;
 @group(0) @binding(1) var<storage, read_write> aw_p: array<f32>;
 @group(0) @binding(2) var<storage, read_write> aw_m: array<f32>;
 @group(0) @binding(3) var<storage, read_write> aw_v: array<f32>;
@@ -166,13 +179,19 @@ struct AdamWParams {
 @group(0) @binding(5) var<storage, read_write> aw_g1: array<f32>;
 @group(0) @binding(6) var<storage, read_write> aw_g2: array<f32>;
 @group(0) @binding(7) var<storage, read_write> aw_g3: array<f32>;
+@group(0) @binding(8) var<storage, read_write> aw_g4: array<f32>;
+
+fn aw_end(s: u32) -> u32 {
+    return aw_prm.end[s / 4u][s % 4u];
+}
 
 fn aw_grad(s: u32, j: u32) -> f32 {
     switch s {
         case 0u: { return aw_g0[j]; }
         case 1u: { return aw_g1[j]; }
         case 2u: { return aw_g2[j]; }
-        default: { return aw_g3[j]; }
+        case 3u: { return aw_g3[j]; }
+        default: { return aw_g4[j]; }
     }
 }
 
@@ -181,7 +200,8 @@ fn aw_set_grad(s: u32, j: u32, x: f32) {
         case 0u: { aw_g0[j] = x; }
         case 1u: { aw_g1[j] = x; }
         case 2u: { aw_g2[j] = x; }
-        default: { aw_g3[j] = x; }
+        case 3u: { aw_g3[j] = x; }
+        default: { aw_g4[j] = x; }
     }
 }
 
@@ -189,7 +209,7 @@ fn aw_set_grad(s: u32, j: u32, x: f32) {
 fn adamw_step(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
               @builtin(local_invocation_index) lane: u32) {
     let base = chunk_base(wg, groups) + lane;
-    let total = aw_prm.end[3];
+    let total = aw_end(4u);
     let decay = bitcast<f32>(aw_prm.decay);
     let beta1 = bitcast<f32>(aw_prm.beta1);
     let omb1 = bitcast<f32>(aw_prm.omb1);
@@ -198,7 +218,7 @@ fn adamw_step(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) gro
     let eps = bitcast<f32>(aw_prm.eps);
     // The slot's constants, prepared when the slot changes; the bias
     // correction's divisor once per slot (= m_div(x, bc2_sqrt) bit for bit).
-    var slot = 4u;
+    var slot = 5u;
     var step_size = 0.0;
     var bc2 = divisor_new(1.0);
     for (var t = 0u; t < PER_LANE; t++) {
@@ -207,26 +227,22 @@ fn adamw_step(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) gro
             return;
         }
         var s = 0u;
-        if i >= aw_prm.end[0] {
-            s = 1u;
-        }
-        if i >= aw_prm.end[1] {
-            s = 2u;
-        }
-        if i >= aw_prm.end[2] {
-            s = 3u;
+        for (var e = 0u; e < 4u; e++) {
+            if i >= aw_end(e) {
+                s = e + 1u;
+            }
         }
         if s != slot {
             slot = s;
-            step_size = bitcast<f32>(aw_prm.step_size[s]);
-            bc2 = divisor_new(bitcast<f32>(aw_prm.bc2_sqrt[s]));
+            step_size = bitcast<f32>(aw_prm.step_size[s / 4u][s % 4u]);
+            bc2 = divisor_new(bitcast<f32>(aw_prm.bc2_sqrt[s / 4u][s % 4u]));
         }
         var start = 0u;
         if s > 0u {
-            start = aw_prm.end[s - 1u];
+            start = aw_end(s - 1u);
         }
         let j = i - start;
-        let at = aw_prm.off[s] + j;
+        let at = aw_prm.off[s / 4u][s % 4u] + j;
         var gi = aw_grad(s, j);
         if aw_prm.scale_grad != 0u {
             gi = gi * bitcast<f32>(aw_prm.grad_scale);

@@ -1798,7 +1798,7 @@ fn update(sw: &mut Sweep) -> Result<()> {
     mid_inf[0][16384 + 64 * 7 + 5] = f32::INFINITY;
     let mut only_last = finite.clone();
     only_last.push(vec![1.0, 2.0, f32::INFINITY]);
-    // more buffers than one dispatch takes (update.wgsl: five), empty ones
+    // more buffers than one dispatch takes (update.wgsl: six), empty ones
     // among them, chunks of one buffer on both sides of a dispatch's end
     let many: Vec<Vec<f32>> = [3000usize, 0, 7, 1, 2049, 0, 5000, 64, 9, 0, 3, 1500]
         .iter()
@@ -1888,7 +1888,7 @@ fn adamw(sw: &mut Sweep) -> Result<()> {
         }
         Ok(out)
     })?;
-    // several parameters at once, laid out alike (on a GPU four a dispatch):
+    // several parameters at once, laid out alike (on a GPU five a dispatch):
     // odd, one-element and empty ones, each at its own step (its own step
     // size and bias correction), clipping or not
     let lens = [5usize, 300, 1, 0, 64, 7];

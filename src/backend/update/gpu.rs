@@ -17,25 +17,30 @@ gpu_params! {
 gpu_params! {
     /// `update.wgsl` `CheckParams`: up to [`CHECK_BUFS`] buffers of `n`
     /// elements times the f32 `c` (bits), in chunks of `chunk`, `end` the
-    /// running count of their chunks, their partials written from `offset`.
+    /// running count of their chunks, their partials written from `offset`
+    /// (a uniform buffer: each array padded to two `vec4`s).
     pub struct CheckParams {
         c: u32,
         chunk: u32,
         offset: u32,
-        n: [u32; CHECK_BUFS],
-        end: [u32; CHECK_BUFS],
+        _pad: u32,
+        n: [u32; 8],
+        end: [u32; 8],
     }
 }
 
-/// Gradients one finite-check dispatch takes (`update.wgsl`: with the
-/// parameters, the flag and the partials, WebGPU's least of 8 storage buffers).
-pub const CHECK_BUFS: usize = 5;
+/// Gradients one finite-check dispatch takes (`update.wgsl`: with the flag
+/// and the partials, WebGPU's least of 8 storage buffers; the parameters
+/// are a uniform buffer).
+pub const CHECK_BUFS: usize = 6;
 
 gpu_params! {
     /// `update.wgsl` `AdamWParams`: [`AdamWConsts`] as f32 bits (the step
     /// size and the bias correction per slot); `zero` is 0 (the kernel's
     /// opaque zero, see `sep` in math.wgsl); per slot, the offset of its
-    /// parameter and moments and the running count of elements to its end.
+    /// parameter and moments and the running count of elements to its end
+    /// (a uniform buffer: each array padded to two `vec4`s, from a 16-byte
+    /// boundary).
     pub struct AdamWParams {
         decay: u32,
         beta1: u32,
@@ -46,17 +51,20 @@ gpu_params! {
         scale_grad: u32,
         grad_scale: u32,
         zero: u32,
-        off: [u32; ADAMW_SLOTS],
-        end: [u32; ADAMW_SLOTS],
-        step_size: [u32; ADAMW_SLOTS],
-        bc2_sqrt: [u32; ADAMW_SLOTS],
+        _pad0: u32,
+        _pad1: u32,
+        _pad2: u32,
+        off: [u32; 8],
+        end: [u32; 8],
+        step_size: [u32; 8],
+        bc2_sqrt: [u32; 8],
     }
 }
 
-/// Parameters one AdamW dispatch updates (`update.wgsl`: with the
-/// parameters, the three buffers of parameters and moments and four
-/// gradients are 8 storage buffers, the least WebGPU promises).
-pub const ADAMW_SLOTS: usize = 4;
+/// Parameters one AdamW dispatch updates (`update.wgsl`: the three buffers
+/// of parameters and moments and five gradients are 8 storage buffers, the
+/// least WebGPU promises; the parameters are a uniform buffer).
+pub const ADAMW_SLOTS: usize = 5;
 
 gpu_params! {
     /// `update.wgsl` `SgdParams` (f32 bits; `first` 1 on the first momentum step).
@@ -101,7 +109,7 @@ fn per_lane(entry: &'static str, n: usize) -> Result<(Kernel, (u32, u32, u32))> 
 fn adamw_slots(group: &[AdamWItem<'_, GpuStorage>]) -> Result<()> {
     let first = &group[0];
     let k = &first.c;
-    let (mut off, mut end, mut step_size, mut bc2_sqrt) = ([0u32; ADAMW_SLOTS], [0u32; ADAMW_SLOTS], [0u32; ADAMW_SLOTS], [0u32; ADAMW_SLOTS]);
+    let (mut off, mut end, mut step_size, mut bc2_sqrt) = ([0u32; 8], [0u32; 8], [0u32; 8], [0u32; 8]);
     let mut total = 0usize;
     for s in 0..ADAMW_SLOTS {
         if let Some(it) = group.get(s) {
@@ -124,6 +132,9 @@ fn adamw_slots(group: &[AdamWItem<'_, GpuStorage>]) -> Result<()> {
         scale_grad: k.grad_scale.is_some() as u32,
         grad_scale: k.grad_scale.unwrap_or(1.0).to_bits(),
         zero: 0,
+        _pad0: 0,
+        _pad1: 0,
+        _pad2: 0,
         off,
         end,
         step_size,
@@ -131,7 +142,7 @@ fn adamw_slots(group: &[AdamWItem<'_, GpuStorage>]) -> Result<()> {
     };
     // unused gradient slots bound to the first (never read)
     let g = |s: usize| group.get(s).unwrap_or(first).g.bind();
-    let bind = [first.p.bind(), first.m.bind(), first.v.bind(), g(0), g(1), g(2), g(3)];
+    let bind = [first.p.bind(), first.m.bind(), first.v.bind(), g(0), g(1), g(2), g(3), g(4)];
     ctx()?.dispatch(&kernel, &prm, &bind, grid)
 }
 
@@ -158,7 +169,7 @@ impl UpdateOps for GpuStorage {
         for group in full.chunks(CHECK_BUFS) {
             // lengths and running chunk counts; unused slots empty, ending
             // with the last buffer, bound to the first (never read)
-            let (mut n, mut end, mut chunks) = ([0u32; CHECK_BUFS], [0u32; CHECK_BUFS], 0);
+            let (mut n, mut end, mut chunks) = ([0u32; 8], [0u32; 8], 0);
             for s in 0..CHECK_BUFS {
                 if let Some(b) = group.get(s) {
                     n[s] = u32_of(b.len(), "length")?;
@@ -170,6 +181,7 @@ impl UpdateOps for GpuStorage {
                 c: inv_scale.to_bits(),
                 chunk: NORM_CHUNK as u32,
                 offset: u32_of(offset, "offset")?,
+                _pad: 0,
                 n,
                 end,
             };
