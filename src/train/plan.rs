@@ -994,71 +994,55 @@ mod tests {
     }
 
     /// The plan's activation count is what the forward pass really holds,
-    /// in each precision.
+    /// in each precision, and with every Linear in fp8 (beside the amaxes the
+    /// recipe records: the 16-bit copies of each product's own operands).
     #[test]
     fn planned_activations_match_the_measured_ones() {
         use crate::nn::llama::Llama;
-        use crate::precision::autocast;
+        use crate::precision::{autocast, fp8_scope, DelayedScaling, Fp8Config};
         use crate::{memory, Device};
-        for precision in [Precision::Fp32, Precision::Bf16, Precision::Fp16] {
+        use std::{cell::RefCell, rc::Rc};
+        let runs = [
+            (Precision::Fp32, false),
+            (Precision::Bf16, false),
+            (Precision::Fp16, false),
+            (Precision::Bf16, true),
+        ];
+        for (precision, fp8) in runs {
             for dropout in [0.0, 0.1] {
                 let mut cfg = LlamaConfig::preset("tiny").unwrap();
                 cfg.dropout = dropout;
                 let m = Llama::new(&cfg, 0, Device::Cpu).unwrap();
                 let (b, t) = (3, cfg.context);
                 let ids: Vec<u32> = (0..b * t).map(|i| (i * 7 % 256) as u32).collect();
+                let recipe = Rc::new(RefCell::new(
+                    DelayedScaling::new(Fp8Config::default()).unwrap(),
+                ));
                 let base = memory::live_bytes();
                 let loss = {
                     let _ac = autocast(precision.format());
+                    let _f = fp8.then(|| fp8_scope(&recipe));
                     let logits = m.forward(&ids, b, t).unwrap();
                     crate::ops::cross_entropy(&logits, &ids).unwrap()
                 };
                 let held = memory::live_bytes() - base;
-                let plan = memory_plan(&cfg, b, t, precision, None).unwrap();
-                // The loss value itself (4 bytes) is the only thing the plan leaves out.
+                let table = precision.format().map(CastTable::matmuls);
+                let plan = memory_plan_policy(&cfg, b, t, table, None, false, fp8).unwrap();
+                // each fp8 Linear's input's and weight's amax and saturation count
+                let recorded = if fp8 {
+                    4 * 4 * (7 * cfg.n_layers + 1)
+                } else {
+                    0
+                };
+                // The loss value itself (4 bytes) is the other thing the plan leaves out.
                 assert_eq!(
                     held,
-                    plan.activations + 4,
-                    "{} dropout {dropout}",
+                    plan.activations + 4 + recorded,
+                    "{} fp8 {fp8} dropout {dropout}",
                     precision.name()
                 );
                 drop(loss);
             }
-        }
-    }
-    /// With every Linear in fp8, the plan's activations are what the forward
-    /// pass holds beside the amaxes the recipe recorded: the 16-bit copies of
-    /// each product's own E4M3 operands.
-    #[test]
-    fn planned_fp8_activations_match_the_measured_ones() {
-        use crate::nn::llama::Llama;
-        use crate::precision::{autocast, fp8_scope, DelayedScaling, Fp8Config};
-        use crate::Format;
-        use crate::{memory, Device};
-        use std::{cell::RefCell, rc::Rc};
-        for dropout in [0.0, 0.1] {
-            let mut cfg = LlamaConfig::preset("tiny").unwrap();
-            cfg.dropout = dropout;
-            let m = Llama::new(&cfg, 0, Device::Cpu).unwrap();
-            let (b, t) = (3, cfg.context);
-            let ids: Vec<u32> = (0..b * t).map(|i| (i * 7 % 256) as u32).collect();
-            let recipe = Rc::new(RefCell::new(
-                DelayedScaling::new(Fp8Config::default()).unwrap(),
-            ));
-            let base = memory::live_bytes();
-            let loss = {
-                let _ac = autocast(Some(Format::Bf16));
-                let _f = fp8_scope(&recipe);
-                let logits = m.forward(&ids, b, t).unwrap();
-                crate::ops::cross_entropy(&logits, &ids).unwrap()
-            };
-            let held = memory::live_bytes() - base;
-            let table = Some(CastTable::matmuls(Format::Bf16));
-            let plan = memory_plan_policy(&cfg, b, t, table, None, false, true).unwrap();
-            // each Linear's input's and weight's amax and saturation count
-            let recorded = 4 * 4 * (7 * cfg.n_layers + 1);
-            assert_eq!(held, plan.activations + 4 + recorded, "dropout {dropout}");
-            drop(loss);
         }
     }
 }
