@@ -509,11 +509,16 @@ fn rope_backward_pair(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgro
 // bits, as maximum(-inf, x_0) = x_0; v >= 1 as every row has a target),
 // S = Σ exp(x - m), p = (x_t - m) - log(S).
 
+// The *_keeping entries also write the logits as 16-bit words of FMT_* code
+// `keep` (pack.wgsl's; v even, so that no word spans two rows): the copy
+// autograd keeps, each row's by the invocation that folds it.
+
 struct CeParams {
     rows: u32,
     v: u32,
     rows_f: u32, // f32(rows) as the host rounds it, bits
     zero: u32,
+    keep: u32,
 }
 
 @group(0) @binding(0) var<storage, read> ce_prm: CeParams;
@@ -521,11 +526,33 @@ struct CeParams {
 @group(0) @binding(2) var<storage, read> ce_targets: array<u32>;
 @group(0) @binding(3) var<storage, read_write> ce_stats: array<f32>;
 @group(0) @binding(4) var<storage, read_write> ce_rowloss: array<f32>;
+@group(0) @binding(5) var<storage, read_write> ce_words: array<u32>;
+
+fn ce_keep_row(row: u32) {
+    let f = ce_prm.keep;
+    let v = ce_prm.v;
+    for (var e = row * v; e < (row + 1u) * v; e += 2u) {
+        ce_words[e / 2u] = half_bits(ce_x[e], f) | (half_bits(ce_x[e + 1u], f) << 16u);
+    }
+}
 
 @compute @workgroup_size(64)
 fn cross_entropy_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
                       @builtin(local_invocation_index) lane: u32) {
+    ce_row(grid_index(wg, groups, lane));
+}
+
+@compute @workgroup_size(64)
+fn cross_entropy_rows_keeping(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
+                              @builtin(local_invocation_index) lane: u32) {
     let row = grid_index(wg, groups, lane);
+    if row < ce_prm.rows {
+        ce_keep_row(row);
+    }
+    ce_row(row);
+}
+
+fn ce_row(row: u32) {
     if row >= ce_prm.rows {
         return;
     }
@@ -747,6 +774,20 @@ fn rms_norm_backward_rows_staged(@builtin(workgroup_id) wg: vec3<u32>, @builtin(
 @compute @workgroup_size(64)
 fn cross_entropy_rows_staged(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
                              @builtin(local_invocation_index) lane: u32) {
+    ce_rows_staged(wg, groups, lane);
+}
+
+@compute @workgroup_size(64)
+fn cross_entropy_rows_staged_keeping(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
+                                     @builtin(local_invocation_index) lane: u32) {
+    let row = grid_index(wg, groups, lane);
+    if row < ce_prm.rows {
+        ce_keep_row(row);
+    }
+    ce_rows_staged(wg, groups, lane);
+}
+
+fn ce_rows_staged(wg: vec3<u32>, groups: vec3<u32>, lane: u32) {
     let row0 = grid_index(wg, groups, 0u);
     let rows = ce_prm.rows;
     let v = ce_prm.v; // >= 1

@@ -2180,6 +2180,15 @@ fn fused(sw: &mut Sweep) -> Result<()> {
             let (l, s) = up(&logits, dev)?.cross_entropy(&targets, d)?;
             cat(vec![l, s])
         })?;
+        // with the logits' 16-bit copy (on a GPU written by the rows'
+        // dispatch where a row is whole words), widened back
+        for fmt in [Format::Bf16, Format::Fp16] {
+            let variant = format!("{fmt}, keeping the logits");
+            sw.check("cross-entropy", &variant, case.clone(), &[], |dev| {
+                let (l, s, (w, _)) = up(&logits, dev)?.cross_entropy_keeping(&targets, d, fmt)?;
+                cat(vec![l, s, w.unpack()?])
+            })?;
+        }
         sw.check(
             "cross-entropy backward",
             "",

@@ -311,7 +311,16 @@ pub fn cross_entropy(logits: &Tensor, targets: &[u32]) -> Result<Tensor> {
     check_cross_entropy(logits, targets)?;
     let v = logits.shape()[1];
     let f = output_format(OpClass::CrossEntropy, &[logits]);
-    let (loss, stats) = logits.storage().cross_entropy(targets, v)?;
+    // the 16-bit copy backward keeps, written by the same primitive
+    let (loss, stats) = match Saved::to_pack(Keep::values(logits)) {
+        Some(keep) => {
+            let (loss, stats, (p, changed)) =
+                logits.storage().cross_entropy_keeping(targets, v, keep)?;
+            Saved::adopt(logits, p, changed)?;
+            (loss, stats)
+        }
+        None => logits.storage().cross_entropy(targets, v)?,
+    };
     let loss = stored(loss, f)?;
     let x = Saved::keep(logits)?;
     let (ids, shape) = (targets.to_vec(), logits.shape().to_vec());

@@ -14,8 +14,8 @@ gpu_params! {
     /// `attention.wgsl` `AttnParams`: heads of `t` rows of `d`, from head
     /// `head0`; `scale` f32 bits; `tokens` the heads of a token-major `v`,
     /// `y` and their gradients (0: head-major).
-    /// `keep`, `keep_v`: the forward's FMT_* codes of q's and k's words and
-    /// of v's (0: none written).
+    /// `keep`, `keep_v`: `attention_keeping`'s FMT_* codes of q's and k's
+    /// words and of v's (0 for the other kernels, which write none).
     pub struct AttnParams { t: u32, d: u32, head0: u32, scale: u32, tokens: u32, keep: u32, keep_v: u32 }
 }
 

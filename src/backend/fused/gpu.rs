@@ -1,11 +1,12 @@
 //! The GPU launchers of the fused primitives (`fused.wgsl`).
 
-use super::{FusedOps, Kept};
+use super::{CeKept, FusedOps, Kept};
 use crate::backend::gpu::context::{ctx, Context};
 use crate::backend::gpu::pipelines::{gpu_params, no_consts, Family, Kernel};
 use crate::backend::gpu::variant::Kernels;
 use crate::backend::gpu::{grid1d, u32_of, GpuStorage, LOOP_PASS};
 use crate::backend::matmul::Halves;
+use crate::backend::pack::PackOps;
 use crate::backend::round::{fmt_code, Format};
 use crate::backend::MAX_DIMS;
 use crate::{bail, Result};
@@ -69,8 +70,9 @@ gpu_params! {
 }
 
 gpu_params! {
-    /// `fused.wgsl` `CeParams`: `rows` rows of `v` logits; `rows_f` f32 bits.
-    pub struct CeParams { rows: u32, v: u32, rows_f: u32, zero: u32 }
+    /// `fused.wgsl` `CeParams`: `rows` rows of `v` logits; `rows_f` f32 bits;
+    /// `keep` the FMT_* code of the words the keeping entries write.
+    pub struct CeParams { rows: u32, v: u32, rows_f: u32, zero: u32, keep: u32 }
 }
 
 gpu_params! {
@@ -107,6 +109,8 @@ pub const FAMILY: Family = Family {
         "cross_entropy_rows_staged",
         "cross_entropy_mean_staged",
         "cross_entropy_backward_elems",
+        "cross_entropy_rows_keeping",
+        "cross_entropy_rows_staged_keeping",
     ],
     params: &[
         NormParams::LAYOUT,
@@ -138,6 +142,8 @@ const RMS_NORM_BACKWARD_ROWS_STAGED: Kernel = Kernel::new(&FAMILY, "rms_norm_bac
 const CE_ROWS_STAGED: Kernel = Kernel::new(&FAMILY, "cross_entropy_rows_staged");
 const CE_MEAN_STAGED: Kernel = Kernel::new(&FAMILY, "cross_entropy_mean_staged");
 const CE_BACKWARD_ELEMS: Kernel = Kernel::new(&FAMILY, "cross_entropy_backward_elems");
+const CE_ROWS_KEEPING: Kernel = Kernel::new(&FAMILY, "cross_entropy_rows_keeping");
+const CE_ROWS_STAGED_KEEPING: Kernel = Kernel::new(&FAMILY, "cross_entropy_rows_staged_keeping");
 
 /// One dispatch's kernel and grid.
 pub type Launch = (Kernel, (u32, u32, u32));
@@ -395,42 +401,18 @@ impl FusedOps for GpuStorage {
     /// One invocation per row, then one that folds the row losses in order
     /// (the hardware variant: a workgroup per 64 rows, then one workgroup).
     fn cross_entropy(&self, targets: &[u32], v: usize) -> Result<(GpuStorage, GpuStorage)> {
-        let c = ctx()?;
-        let variant = Kernels::of(c);
-        check_row_loops(c, "cross_entropy", v, row_loops(variant, 2, 2))?;
-        let rows = targets.len();
-        let launches = row_launches(variant, rows, v);
-        let (loss, stats) = (GpuStorage::alloc(c, 1)?, GpuStorage::alloc(c, 2 * rows)?);
-        let rowloss = GpuStorage::alloc(c, rows)?;
-        let prm = CeParams {
-            rows: u32_of(rows, "rows")?,
-            v: u32_of(v, "v")?,
-            rows_f: f32_bits_of(rows),
-            zero: 0,
-        };
-        if rows > 0 {
-            let ids = c.buffer_with(bytemuck::cast_slice(targets));
-            let (kernel, groups) = launches[2];
-            c.dispatch(&kernel, &prm, &[self.bind(), (&ids).into(), stats.bind(), rowloss.bind()], groups)?;
+        cross_entropy_launch(self, targets, v, None)
+    }
+
+    /// The same dispatches, the rows' writing the words too where `v` is
+    /// even (no word spans two rows); else the forward, then the pack.
+    fn cross_entropy_keeping(&self, targets: &[u32], v: usize, keep: Format) -> Result<CeKept<GpuStorage>> {
+        if !v.is_multiple_of(2) || targets.is_empty() {
+            return Ok((self.cross_entropy(targets, v)?, PackOps::pack(self, keep)?));
         }
-        // Passes of at most LOOP_PASS rows, at least one (no rows: the mean of nothing).
-        let mut k0 = 0;
-        loop {
-            let k1 = (k0 + LOOP_PASS).min(rows);
-            let sp = CeSumParams {
-                rows: prm.rows,
-                k0: k0 as u32,
-                k1: k1 as u32,
-                rows_f: prm.rows_f,
-            };
-            let (kernel, groups) = launches[3];
-            c.dispatch(&kernel, &sp, &[rowloss.bind(), loss.bind()], groups)?;
-            k0 = k1;
-            if k0 >= rows {
-                break;
-            }
-        }
-        Ok((loss, stats))
+        let words = GpuStorage::alloc(ctx()?, targets.len() * v / 2)?;
+        let ce = cross_entropy_launch(self, targets, v, Some((keep, &words)))?;
+        Ok((ce, (words, None)))
     }
 
     /// One invocation per row (or per element); kept 16-bit logits read as kept.
@@ -463,6 +445,64 @@ impl FusedOps for GpuStorage {
         c.dispatch(&kernel, &prm, &[self.bind(), (&ids).into(), stats.bind(), g.bind(), dx.bind()], groups)?;
         Ok(dx)
     }
+}
+
+/// The cross-entropy's dispatches over the logits `x`; with `keep`, the rows'
+/// kernel also writes them as 16-bit words of that format into its buffer.
+fn cross_entropy_launch(
+    x: &GpuStorage,
+    targets: &[u32],
+    v: usize,
+    keep: Option<(Format, &GpuStorage)>,
+) -> Result<(GpuStorage, GpuStorage)> {
+    let c = ctx()?;
+    let variant = Kernels::of(c);
+    check_row_loops(c, "cross_entropy", v, row_loops(variant, 2, 2))?;
+    let rows = targets.len();
+    let launches = row_launches(variant, rows, v);
+    let (loss, stats) = (GpuStorage::alloc(c, 1)?, GpuStorage::alloc(c, 2 * rows)?);
+    let rowloss = GpuStorage::alloc(c, rows)?;
+    let prm = CeParams {
+        rows: u32_of(rows, "rows")?,
+        v: u32_of(v, "v")?,
+        rows_f: f32_bits_of(rows),
+        zero: 0,
+        keep: fmt_code(keep.map(|(f, _)| f)),
+    };
+    if rows > 0 {
+        let ids = c.buffer_with(bytemuck::cast_slice(targets));
+        let (kernel, groups) = launches[2];
+        let mut bufs = vec![x.bind(), (&ids).into(), stats.bind(), rowloss.bind()];
+        let kernel = match keep {
+            Some((_, words)) => {
+                bufs.push(words.bind());
+                match variant {
+                    Kernels::Software => CE_ROWS_KEEPING,
+                    Kernels::Hardware => CE_ROWS_STAGED_KEEPING,
+                }
+            }
+            None => kernel,
+        };
+        c.dispatch(&kernel, &prm, &bufs, groups)?;
+    }
+    // Passes of at most LOOP_PASS rows, at least one (no rows: the mean of nothing).
+    let mut k0 = 0;
+    loop {
+        let k1 = (k0 + LOOP_PASS).min(rows);
+        let sp = CeSumParams {
+            rows: prm.rows,
+            k0: k0 as u32,
+            k1: k1 as u32,
+            rows_f: prm.rows_f,
+        };
+        let (kernel, groups) = launches[3];
+        c.dispatch(&kernel, &sp, &[rowloss.bind(), loss.bind()], groups)?;
+        k0 = k1;
+        if k0 >= rows {
+            break;
+        }
+    }
+    Ok((loss, stats))
 }
 
 /// RoPE either way: one invocation per element.

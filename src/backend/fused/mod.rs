@@ -97,6 +97,10 @@ use crate::{bail, Result};
 /// values the rounding changed where the device counts (the CPU).
 pub type Kept<S> = (S, [(S, Option<usize>); 2]);
 
+/// The cross-entropy's loss and statistics, and the logits' 16-bit copy
+/// with how many values its rounding changed (where the device counts).
+pub type CeKept<S> = ((S, S), (S, Option<usize>));
+
 /// The two devices' fused primitives (see the module docs for the contract).
 /// Lengths are checked by the [`Storage`] methods before these run.
 pub trait FusedOps: Sized {
@@ -150,6 +154,15 @@ pub trait FusedOps: Sized {
     }
     /// `self` is `x: (rows, v)`; returns `(loss, stats)`.
     fn cross_entropy(&self, targets: &[u32], v: usize) -> Result<(Self, Self)>;
+    /// [`cross_entropy`](Self::cross_entropy), and the logits packed to
+    /// `keep` as [`PackOps::pack`] packs them (the copy autograd keeps); a
+    /// GPU writes them from the rows' dispatch.
+    fn cross_entropy_keeping(&self, targets: &[u32], v: usize, keep: Format) -> Result<CeKept<Self>>
+    where
+        Self: PackOps,
+    {
+        Ok((self.cross_entropy(targets, v)?, self.pack(keep)?))
+    }
     /// `self` is `x: (rows, v)`; `g` the loss's upstream gradient (one element).
     fn cross_entropy_backward(&self, half: Option<Format>, targets: &[u32], stats: &Self, g: &Self, v: usize) -> Result<Self>;
 }
@@ -316,6 +329,18 @@ impl Storage {
         check_targets(targets, v)?;
         let describe = || format!("rows {} v {v}", targets.len());
         Ok(primitive!("cross-entropy", describe, [self] => |x| x.cross_entropy(targets, v)))
+    }
+
+    /// [`cross_entropy`](Self::cross_entropy), and the logits' 16-bit copy
+    /// (`keep`) with how many values its rounding changed, as
+    /// [`Storage::pack`] makes it.
+    pub fn cross_entropy_keeping(&self, targets: &[u32], v: usize, keep: Format) -> Result<(Storage, Storage, KeptCopy)> {
+        check_len("cross_entropy", self, targets.len() * v, "the logits")?;
+        check_targets(targets, v)?;
+        let describe = || format!("rows {} v {v} keeping {keep}", targets.len());
+        let ((loss, stats), (w, changed)) =
+            primitive!("cross-entropy", describe, [self] => |x| x.cross_entropy_keeping(targets, v, keep));
+        Ok((loss, stats, (Packed::new(keep, self.len(), w), changed)))
     }
 
     /// Cross-entropy's backward: the logits' gradient `(rows, v)` from the
