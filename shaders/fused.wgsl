@@ -528,7 +528,12 @@ struct CeParams {
 @group(0) @binding(4) var<storage, read_write> ce_rowloss: array<f32>;
 @group(0) @binding(5) var<storage, read_write> ce_words: array<u32>;
 
-fn ce_keep_row(row: u32) {
+// The words of the row the invocation (wg, lane) folds.
+fn ce_keep_row(wg: vec3<u32>, groups: vec3<u32>, lane: u32) {
+    let row = grid_index(wg, groups, lane);
+    if row >= ce_prm.rows {
+        return;
+    }
     let f = ce_prm.keep;
     let v = ce_prm.v;
     for (var e = row * v; e < (row + 1u) * v; e += 2u) {
@@ -545,11 +550,8 @@ fn cross_entropy_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgro
 @compute @workgroup_size(64)
 fn cross_entropy_rows_keeping(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
                               @builtin(local_invocation_index) lane: u32) {
-    let row = grid_index(wg, groups, lane);
-    if row < ce_prm.rows {
-        ce_keep_row(row);
-    }
-    ce_row(row);
+    ce_keep_row(wg, groups, lane);
+    ce_row(grid_index(wg, groups, lane));
 }
 
 fn ce_row(row: u32) {
@@ -780,10 +782,7 @@ fn cross_entropy_rows_staged(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_
 @compute @workgroup_size(64)
 fn cross_entropy_rows_staged_keeping(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
                                      @builtin(local_invocation_index) lane: u32) {
-    let row = grid_index(wg, groups, lane);
-    if row < ce_prm.rows {
-        ce_keep_row(row);
-    }
+    ce_keep_row(wg, groups, lane);
     ce_rows_staged(wg, groups, lane);
 }
 

@@ -21,6 +21,10 @@ use crate::{is_grad_enabled, Result, Tensor};
 use std::cell::RefCell;
 use std::rc::Rc;
 
+// Each step of the casts and their records below is its own statement: a
+// chain's temporaries would all live to its end, several of `x`'s size at
+// once beside `x`; one at a time, a cast holds at most two.
+
 /// `rd(x·s)/s` elementwise, `rd` rounding to `fmt` and saturating: a finite
 /// `x·s` past the format's maximum becomes ±max (E4M3's rounding saturates
 /// by itself; E5M2's would give inf, so `x·s` is clamped first, as
@@ -50,10 +54,6 @@ fn clamp_abs(x: &Storage, m: f32) -> Result<Storage> {
     v = v.binary(&c, BinaryOp::Maximum, &layout)?;
     v.unary(UnaryOp::Neg)
 }
-
-// Each step below is its own statement: a chain's temporaries would all
-// live to its end, several of `x`'s size at once beside `x`; one at a time,
-// a cast holds at most two.
 
 /// `max |x|` over every element, a 1-element device value (NaN propagates).
 pub(crate) fn amax(x: &Storage) -> Result<Storage> {
