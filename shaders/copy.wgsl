@@ -90,17 +90,20 @@ fn gather_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) gr
     g_y[t] = g_table[g_ids[i] * d + c];
 }
 
-// ---- scatter-add: g (count, d), CSR (rowptr (v+1), list) -> y: (v, d) ----
+// ---- scatter-add: g (count, d), CSR (rowptr (v+1), list) [, e: (v, d)] -> y: (v, d) ----
 // The host builds, for every output row r, the ascending list of the i with
 // ids[i] == r (list[rowptr[r] .. rowptr[r+1]]). Each output element is owned by
 // one invocation and sums its contributions in that order from +0.0 — exactly
-// the CPU's `out = 0; out = out + g[i]` for i ascending.
+// the CPU's `out = 0; out = out + g[i]` for i ascending. With `add`, the last
+// pass stores e + the sum: the gradient gathered so far, added as an add of
+// its own would add it (gradient accumulation without that add).
 
 struct ScatterParams {
     v: u32,
     d: u32,
     skip: u32, // this pass sums list entries [rowptr[r] + skip, + CHUNK); skip > 0 continues from y
     chunk: u32,
+    add: u32, // 1 on the last pass: y = e + the sum
 }
 
 // Lavapipe (llvmpipe) silently stops a shader after 65,535 loop iterations: the
@@ -112,6 +115,7 @@ struct ScatterParams {
 @group(0) @binding(2) var<storage, read> sc_rowptr: array<u32>;
 @group(0) @binding(3) var<storage, read> sc_list: array<u32>;
 @group(0) @binding(4) var<storage, read_write> sc_y: array<f32>;
+@group(0) @binding(5) var<storage, read> sc_e: array<f32>;
 
 @compute @workgroup_size(64)
 fn scatter_add_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
@@ -132,5 +136,9 @@ fn scatter_add_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroup
     for (var q = q_start; q < min(q_end, q_start + sc_prm.chunk); q++) {
         acc = acc + sc_g[sc_list[q] * d + c];
     }
-    sc_y[t] = acc;
+    if sc_prm.add != 0u {
+        sc_y[t] = sc_e[t] + acc;
+    } else {
+        sc_y[t] = acc;
+    }
 }

@@ -1647,14 +1647,18 @@ fn copy(sw: &mut Sweep) -> Result<()> {
         "",
         format!("{} ids into ({v}, {dd})", ids.len()),
         &[],
-        |d| up(&grad, d)?.scatter_add_rows(&ids, v, dd)?.to_vec_f32(),
+        |d| {
+            up(&grad, d)?
+                .scatter_add_rows(&ids, v, dd, None)?
+                .to_vec_f32()
+        },
     )?;
     sw.check(
         "scatter-add rows",
         "",
         "no ids into (3, 2)".into(),
         &[],
-        |d| up(&[], d)?.scatter_add_rows(&[], 3, 2)?.to_vec_f32(),
+        |d| up(&[], d)?.scatter_add_rows(&[], 3, 2, None)?.to_vec_f32(),
     )?;
     // one row gathered 70,001 times: its gradient sums every one, past a loop cap
     let n = 70_001;
@@ -1666,7 +1670,33 @@ fn copy(sw: &mut Sweep) -> Result<()> {
         "",
         format!("{n} ids all into row 1 of (3, 1)"),
         &[],
-        |d| up(&x, d)?.scatter_add_rows(&ids, 3, 1)?.to_vec_f32(),
+        |d| up(&x, d)?.scatter_add_rows(&ids, 3, 1, None)?.to_vec_f32(),
+    )?;
+    // added to an earlier gradient (accumulation), in one pass and past it
+    let earlier: Vec<f32> = (0..3).map(|_| rng.moderate() * 1e3).collect();
+    sw.check(
+        "scatter-add rows",
+        "adding",
+        format!("{n} ids all into row 1 of (3, 1)"),
+        &[],
+        |d| {
+            up(&x, d)?
+                .scatter_add_rows(&ids, 3, 1, Some(&up(&earlier, d)?))?
+                .to_vec_f32()
+        },
+    )?;
+    let earlier: Vec<f32> = (0..v * dd).map(|_| rng.moderate()).collect();
+    let ids: Vec<u32> = (0..grad.len() / dd).map(|i| (i * 5 % v) as u32).collect();
+    sw.check(
+        "scatter-add rows",
+        "adding",
+        format!("{} ids into ({v}, {dd})", ids.len()),
+        &[],
+        |d| {
+            up(&grad, d)?
+                .scatter_add_rows(&ids, v, dd, Some(&up(&earlier, d)?))?
+                .to_vec_f32()
+        },
     )
 }
 

@@ -6,7 +6,8 @@ use crate::backend::cpu::{
     both, cpu_threads, fill, for_each_run, new_vec, simd, split_at_starts, split_layout, write_exact,
     CpuStorage, Elem,
 };
-use crate::backend::BinaryLayout;
+use crate::backend::elementwise::ElementwiseOps;
+use crate::backend::{BinaryLayout, BinaryOp};
 use crate::Result;
 use std::mem::MaybeUninit;
 
@@ -46,15 +47,27 @@ impl CopyOps for CpuStorage {
         }))
     }
 
-    fn scatter_add_rows(&self, ids: &[u32], v: usize, d: usize) -> Result<CpuStorage> {
-        Ok(both!(self, g => {
+    fn scatter_add_rows(&self, ids: &[u32], v: usize, d: usize, e: Option<&CpuStorage>) -> Result<CpuStorage> {
+        let sums = both!(self, g => {
             let mut out = vec![Elem::ZERO; v * d];
             for (n, &i) in ids.iter().enumerate() {
                 let row = &mut out[i as usize * d..(i as usize + 1) * d];
                 row.iter_mut().zip(&g[n * d..(n + 1) * d]).for_each(|(o, &x)| *o = Elem::add(*o, x));
             }
             out
-        }))
+        });
+        match e {
+            // the earlier gradient plus the sums, as an add of its own adds them
+            Some(e) => {
+                let layout = BinaryLayout {
+                    shape: vec![v * d],
+                    lhs_strides: vec![1],
+                    rhs_strides: vec![1],
+                };
+                e.binary(&sums, BinaryOp::Add, &layout)
+            }
+            None => Ok(sums),
+        }
     }
 }
 

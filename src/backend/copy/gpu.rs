@@ -32,8 +32,9 @@ gpu_params! {
 
 gpu_params! {
     /// `copy.wgsl` `ScatterParams`: this pass sums list entries
-    /// `[rowptr[r] + skip, + chunk)` of each output row.
-    pub struct ScatterParams { v: u32, d: u32, skip: u32, chunk: u32 }
+    /// `[rowptr[r] + skip, + chunk)` of each output row; `add` 1: it is the
+    /// last, and stores the earlier gradient plus the sum.
+    pub struct ScatterParams { v: u32, d: u32, skip: u32, chunk: u32, add: u32 }
 }
 
 pub const FAMILY: Family = Family {
@@ -112,7 +113,7 @@ impl CopyOps for GpuStorage {
     /// Scatter-add rows into `(v, d)` without float atomics: the host builds,
     /// per output row, the ascending list of source rows (CSR), and each output
     /// element sums its list in order.
-    fn scatter_add_rows(&self, ids: &[u32], v: usize, d: usize) -> Result<GpuStorage> {
+    fn scatter_add_rows(&self, ids: &[u32], v: usize, d: usize, e: Option<&GpuStorage>) -> Result<GpuStorage> {
         let c = ctx()?;
         let out = GpuStorage::alloc(c, v * d)?;
         if v * d == 0 {
@@ -146,11 +147,14 @@ impl CopyOps for GpuStorage {
                 d: u32_of(d, "d")?,
                 skip: skip as u32,
                 chunk: LOOP_PASS as u32,
+                add: u32::from(e.is_some() && skip + LOOP_PASS >= longest),
             };
+            // without an earlier gradient the kernel reads none: g stands in
+            let e = e.unwrap_or(self);
             c.dispatch(
                 &SCATTER_ADD_ROWS,
                 &prm,
-                &[self.bind(), (&rp).into(), (&ls).into(), out.bind()],
+                &[self.bind(), (&rp).into(), (&ls).into(), out.bind(), e.bind()],
                 grid1d(v * d),
             )?;
             skip += LOOP_PASS;

@@ -27,8 +27,9 @@ pub trait CopyOps: Sized {
     fn concat(parts: &[&Self], outer: usize, sizes: &[usize], inner: usize) -> Result<Self>;
     /// `self` is the table `(v, d)`; ids are in range (checked by the caller).
     fn gather_rows(&self, ids: &[u32], d: usize) -> Result<Self>;
-    /// `self` is `(ids.len(), d)`; returns `(v, d)`.
-    fn scatter_add_rows(&self, ids: &[u32], v: usize, d: usize) -> Result<Self>;
+    /// `self` is `(ids.len(), d)`; returns `(v, d)`, added to `e` (the
+    /// gradient gathered so far, `(v, d)`) as an add would when given.
+    fn scatter_add_rows(&self, ids: &[u32], v: usize, d: usize, e: Option<&Self>) -> Result<Self>;
 }
 
 fn check_ids(ids: &[u32], v: usize) -> Result<()> {
@@ -69,10 +70,16 @@ impl Storage {
     }
 
     /// The backward of [`gather_rows`](Self::gather_rows): `self` is
-    /// `(ids.len(), d)`; returns `(v, d)`.
-    pub fn scatter_add_rows(&self, ids: &[u32], v: usize, d: usize) -> Result<Storage> {
+    /// `(ids.len(), d)`; returns `(v, d)`, with `e`'s values added to it
+    /// (`e + sum`, the sum an add of its own would form) when given.
+    pub fn scatter_add_rows(&self, ids: &[u32], v: usize, d: usize, e: Option<&Storage>) -> Result<Storage> {
         check_ids(ids, v)?;
-        let describe = || format!("{} ids into ({v}, {d})", ids.len());
-        Ok(primitive!("scatter-add rows", describe, [self] => |g| g.scatter_add_rows(ids, v, d)))
+        if let Some(e) = e.filter(|e| e.len() != v * d) {
+            bail!(Shape, "scatter-add rows: an earlier gradient of {} values for ({v}, {d})", e.len());
+        }
+        let describe = || format!("{} ids into ({v}, {d}){}", ids.len(), if e.is_some() { " adding" } else { "" });
+        let mut parts = vec![self];
+        parts.extend(e);
+        Ok(primitive!("scatter-add rows", describe, slice &parts => |xs| xs[0].scatter_add_rows(ids, v, d, xs.get(1).copied())))
     }
 }

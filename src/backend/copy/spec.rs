@@ -35,7 +35,7 @@ impl CopyOps for SpecStorage {
         Ok(SpecStorage::new(out))
     }
 
-    fn scatter_add_rows(&self, ids: &[u32], v: usize, d: usize) -> Result<SpecStorage> {
+    fn scatter_add_rows(&self, ids: &[u32], v: usize, d: usize, e: Option<&SpecStorage>) -> Result<SpecStorage> {
         let g = self.get();
         let mut out = Vec::with_capacity(v * d);
         for r in 0..v {
@@ -46,7 +46,11 @@ impl CopyOps for SpecStorage {
                         acc += g[i * d + j];
                     }
                 }
-                out.push(acc);
+                // the earlier gradient plus the sum, as an add adds them
+                out.push(match e {
+                    Some(e) => e.get()[r * d + j] + acc,
+                    None => acc,
+                });
             }
         }
         Ok(SpecStorage::new(out))
