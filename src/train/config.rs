@@ -840,6 +840,24 @@ impl TrainConfig {
         self.batch * self.model.context
     }
 
+    /// The precision and its cast policy, e.g. `bf16 (cast policy torch)`.
+    fn cast_label(&self) -> String {
+        match &self.cast_policy {
+            Some(p) => format!("{} (cast policy {})", self.precision.name(), p.name()),
+            None => self.precision.name().to_string(),
+        }
+    }
+
+    /// The precision, its cast policy and `+ fp8 linears` under fp8 (e.g.
+    /// `bf16 (cast policy torch) + fp8 linears`): what the memory plan's
+    /// header names.
+    pub fn recipe_label(&self) -> String {
+        match self.fp8 {
+            Some(_) => self.cast_label() + " + fp8 linears",
+            None => self.cast_label(),
+        }
+    }
+
     /// One line describing the recipe.
     pub fn describe(&self) -> String {
         format!(
@@ -864,10 +882,7 @@ impl TrainConfig {
             self.batch,
             self.accum,
             self.micro_batch,
-            match &self.cast_policy {
-                Some(p) => format!("{} (cast policy {})", self.precision.name(), p.name()),
-                None => self.precision.name().to_string(),
-            } + &match self.fp8 {
+            self.cast_label() + &match self.fp8 {
                 Some(c) => format!(
                     " + fp8 linears (E4M3/E5M2, delayed scaling: amax history {} {:?}, margin {})",
                     c.history, c.reduction, c.margin

@@ -756,13 +756,7 @@ pub fn admit(cfg: &TrainConfig, limit: MemoryLimit) -> Result<()> {
     let msg = format!(
         "this run does not fit in memory: {what_needs}, but {what} is {}; {advice}.\n{}",
         mib(have as usize),
-        plan.describe(
-            cfg.micro_batch,
-            t,
-            cfg.precision,
-            cfg.ckpt_budget,
-            cfg.recompute_attention
-        )
+        plan.describe(cfg, t)
     );
     Err(match limit {
         MemoryLimit::Host(_) => crate::Error::config(msg),
@@ -877,24 +871,17 @@ impl MemoryPlan {
         }
     }
 
-    /// The plan as a few lines for the start of a run (`attention`: the
-    /// attention core recomputed in backward).
-    pub fn describe(
-        &self,
-        rows: usize,
-        t: usize,
-        precision: Precision,
-        ckpt: Option<usize>,
-        attention: bool,
-    ) -> String {
-        let mut ck = match ckpt {
+    /// The plan of `cfg`'s run at context `t`, as a few lines for its start.
+    pub fn describe(&self, cfg: &TrainConfig, t: usize) -> String {
+        let rows = cfg.micro_batch;
+        let mut ck = match cfg.ckpt_budget {
             Some(b) => format!(
                 "checkpointing (budget {b}, peak {} layer units)",
                 self.layer_units
             ),
             None => "no checkpointing".into(),
         };
-        if attention {
+        if cfg.recompute_attention {
             ck.push_str(", attention core recomputed");
         }
         format!(
@@ -902,7 +889,7 @@ impl MemoryPlan {
              weights {}  grads {}  AdamW moments {}  activations {}  working sets: forward {}, backward {}\n  \
              planned peak {} (forward {}, backward {})",
             self.params,
-            precision.name(),
+            cfg.recipe_label(),
             mib(self.weights),
             mib(self.grads),
             mib(self.optimizer),
@@ -947,6 +934,27 @@ mod tests {
         // the same recipe in float32.
         let c1 = |p| memory_plan(&cfg, 8, 512, p, Some(5)).unwrap().activations as f64;
         assert!(c1(Precision::Bf16) <= 0.6 * c1(Precision::Fp32));
+    }
+
+    #[test]
+    fn the_plan_names_the_recipe_it_plans() {
+        use crate::train::config::TrainOptions;
+        for (policy, fp8, want) in [
+            (None, false, ", bf16, "),
+            (Some("torch"), false, ", bf16 (cast policy torch), "),
+            (None, true, ", bf16 + fp8 linears, "),
+        ] {
+            let cfg = TrainConfig::resolve(&TrainOptions {
+                preset: Some("tiny".into()),
+                precision: Some(Precision::Bf16),
+                cast_policy: policy.map(str::to_string),
+                fp8: Some(fp8),
+                ..Default::default()
+            })
+            .unwrap();
+            let line = cfg.memory_plan().unwrap().describe(&cfg, cfg.model.context);
+            assert!(line.contains(want), "{line}");
+        }
     }
 
     #[test]

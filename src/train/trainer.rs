@@ -838,16 +838,7 @@ fn describe_run(tr: &Trainer, corpus: &Corpus, start: Start, progress: Progress)
             tr.data.val.len()
         ),
     );
-    say(
-        progress,
-        &tr.plan.describe(
-            cfg.micro_batch,
-            cfg.model.context,
-            cfg.precision,
-            cfg.ckpt_budget,
-            cfg.recompute_attention,
-        ),
-    );
+    say(progress, &tr.plan.describe(cfg, cfg.model.context));
     if let Start::Resume(dir) = start {
         say(
             progress,
