@@ -44,6 +44,7 @@ struct MatmulParams {
     c_ld: u32,
     keep: u32,     // FMT_* code: A's values are also written to `a_words` (see keep_a); 0: not
     keep_n: u32,   // A's values (the matrices of A, dense, one after another)
+    split: u32,    // PAIR: the row blocks of the grid's first product (see enter)
 }
 
 // Lavapipe (llvmpipe) silently stops a shader after 65,535 loop iterations, so
@@ -51,7 +52,10 @@ struct MatmulParams {
 // unrounded running sums the previous one stored in c, and only the last pass
 // rounds. Every output still accumulates p = 0, 1, ..., k-1 in order.
 
-@group(0) @binding(0) var<storage, read> prm: MatmulParams;
+// prms[0] is the dispatch's product; with PAIR, prms[1] is a second one (see
+// enter). The entry points copy their workgroup's to prm.
+@group(0) @binding(0) var<storage, read> prms: array<MatmulParams, 2>;
+var<private> prm: MatmulParams;
 // a and b are read as bits: float32 values, or with A_HALF / B_HALF words of
 // two 16-bit patterns (value e in the low half of word e / 2 for even e).
 @group(0) @binding(1) var<storage, read> a: array<u32>;
@@ -59,34 +63,52 @@ struct MatmulParams {
 @group(0) @binding(3) var<storage, read_write> c: array<f32>;
 // The addend (prm.add); without it the host binds another operand here, unread.
 @group(0) @binding(4) var<storage, read> e: array<f32>;
-// With OUTS 2 or 3, batch 1's output is c1 and batch 2's c2, each from its own
-// start (the host sets c_bs to 0): one A times several B (a layer's weights
-// laid side by side) writing separate tensors. Otherwise c stands in, unused.
+// With OUTS 2 or 3, batch 1's output is c1 and batch 2's c2 (float32 bits),
+// each from its own start (the host sets c_bs to 0): one A times several B (a
+// layer's weights laid side by side) writing separate tensors. Otherwise c
+// stands in, unused.
 @group(0) @binding(5) var<storage, read_write> c1: array<f32>;
-@group(0) @binding(6) var<storage, read_write> c2: array<f32>;
+@group(0) @binding(6) var<storage, read_write> c2: array<u32>;
 override OUTS: u32 = 1u;
 // With prm.keep, A's values rounded to that format as 16-bit words (pack.wgsl's
 // layout): the copy autograd keeps of an activation a product reads. Otherwise
 // c stands in, unused.
 @group(0) @binding(7) var<storage, read_write> a_words: array<u32>;
+// PAIR: the grid runs two products over one A, prms[0]'s in its first
+// prms[0].split row blocks and prms[1]'s in the rest (a product's two
+// gradients, dA = dC·B and dB = dCᵀ·A, each from dC): the second reads its B
+// from c2 (as B2_HALF says), its addend from a_words (float32 bits) and
+// writes c1. Each output
+// is its own product's chain, whichever dispatch runs it.
+override PAIR: bool = false;
+var<private> second: bool = false;
+
+// Makes prms[s] this workgroup's product (s = 1: a pair's second).
+fn enter(s: u32) {
+    prm = prms[s];
+    if PAIR && s == 1u {
+        second = true;
+        c_slot = 1u;
+    }
+}
 // The output binding of this invocation's batch (see place).
 var<private> c_slot: u32 = 0u;
 
 fn c_get(at: u32) -> f32 {
-    if OUTS > 1u && c_slot == 1u {
+    if (OUTS > 1u || PAIR) && c_slot == 1u {
         return c1[at];
     }
     if OUTS > 2u && c_slot == 2u {
-        return c2[at];
+        return bitcast<f32>(c2[at]);
     }
     return c[at];
 }
 
 fn c_set(at: u32, x: f32) {
-    if OUTS > 1u && c_slot == 1u {
+    if (OUTS > 1u || PAIR) && c_slot == 1u {
         c1[at] = x;
     } else if OUTS > 2u && c_slot == 2u {
-        c2[at] = x;
+        c2[at] = bitcast<u32>(x);
     } else {
         c[at] = x;
     }
@@ -112,6 +134,9 @@ override CAUSAL: u32 = 0u;
 // loaded, so the product is the one over the unpacked buffer.
 override A_HALF: u32 = 0u;
 override B_HALF: u32 = 0u;
+// A pair's second B (a weight's gradient reads the activation's 16-bit copy
+// where the input's reads the float32 weight).
+override B2_HALF: u32 = 0u;
 
 // Value e of A and of B.
 fn load_a(e: u32) -> f32 {
@@ -122,6 +147,12 @@ fn load_a(e: u32) -> f32 {
 }
 
 fn load_b(e: u32) -> f32 {
+    if PAIR && second {
+        if B2_HALF == 0u {
+            return bitcast<f32>(c2[e]);
+        }
+        return half_value(c2[e / 2u], e, B2_HALF);
+    }
     if B_HALF == 0u {
         return bitcast<f32>(b[e]);
     }
@@ -183,6 +214,9 @@ fn fin(x: f32, at: u32) -> f32 {
     // the product's bits and then the elementwise sum's (gradient
     // accumulation without a separate add)
     if prm.add != 0u {
+        if PAIR && second {
+            return bitcast<f32>(a_words[at]) + rnd(x);
+        }
         return e[at] + rnd(x);
     }
     return rnd(x);
@@ -291,11 +325,15 @@ const COLS: u32 = 8u;
 @compute @workgroup_size(8, 8, 1)
 fn matmul(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgroup_id) wg: vec3<u32>,
           @builtin(local_invocation_index) li: u32) {
+    // a pair's second product: its own row blocks from 0
+    let s = select(0u, 1u, PAIR && wg.y >= prms[0].split);
+    enter(s);
+    let y = gid.y - s * prms[0].split * 8u;
     keep_a(wg, li, 64u);
     let m = prm.m;
     let n = prm.n;
     let k = prm.k;
-    let i0 = gid.y * ROWS;
+    let i0 = y * ROWS;
     let j0 = gid.x * COLS;
     if i0 >= m || j0 >= n {
         return;
@@ -517,7 +555,8 @@ fn stage(g: Tiling, t0: u32, e: u32) -> vec2<f32> {
     // A: along p when p is A's contiguous axis, else along i
     var ra = e / TILE_K;
     var ka = e % TILE_K;
-    if TRANS_A {
+    // a pair's products may lie differently (the host sets no TRANS_*)
+    if select(TRANS_A, prm.trans_a != 0u, PAIR) {
         ra = e % TILE_MN;
         ka = e / TILE_MN;
     }
@@ -526,7 +565,7 @@ fn stage(g: Tiling, t0: u32, e: u32) -> vec2<f32> {
     // B: along j when j is B's contiguous axis, else along p
     var cb = e % TILE_MN;
     var kb = e / TILE_MN;
-    if TRANS_B {
+    if select(TRANS_B, prm.trans_b != 0u, PAIR) {
         cb = e / TILE_K;
         kb = e % TILE_K;
     }
@@ -538,13 +577,20 @@ fn stage(g: Tiling, t0: u32, e: u32) -> vec2<f32> {
 // grid: (ceil(n / 64), ceil(m / 64), batches); workgroup 16x16 invocations of 4x4 outputs.
 @compute @workgroup_size(16, 16, 1)
 fn matmul_tiled(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
-    let m = prm.m;
-    let n = prm.n;
-    let k = prm.k;
-    // everything the loops and barriers depend on is uniform over the workgroup
-    let i0 = wg.y * TILE_MN;
+    // everything the loops and barriers depend on is uniform over the
+    // workgroup: read from prms here (prm, private, is not known to be)
+    let s = select(0u, 1u, PAIR && wg.y >= prms[0].split);
+    let pm = prms[s];
+    enter(s);
+    let m = pm.m;
+    let n = pm.n;
+    let k = pm.k;
+    let i0 = (wg.y - s * prms[0].split) * TILE_MN;
     let j0 = wg.x * TILE_MN;
-    let q = place(prm.batch0 + wg.z);
+    if j0 >= n {
+        return;
+    }
+    let q = place(pm.batch0 + wg.z);
     let g = Tiling(m, k, n, i0, j0, q.a_base, q.b_base, q.ia, q.pa, q.pb, q.jb);
     let lane = lid.y * 16u + lid.x;
     keep_a(wg, lane, 256u);
@@ -558,8 +604,8 @@ fn matmul_tiled(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_
     var acc2 = load_lanes(out + min(r0 + 32u, m - 1u) * ldc, jx, 16u);
     var acc3 = load_lanes(out + min(r0 + 48u, m - 1u) * ldc, jx, 16u);
     // The terms some row of the block sums (see matmul).
-    var p_lo = prm.p0;
-    var p_hi = prm.p1;
+    var p_lo = pm.p0;
+    var p_hi = pm.p1;
     if CAUSAL == 1u && j0 > i0 + TILE_MN - 1u {
         p_hi = p_lo;
     }

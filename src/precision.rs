@@ -370,7 +370,7 @@ pub(crate) enum LossScaling<'s> {
 
 /// Values read back with the finite check (one GPU sync for both: the
 /// training step's losses), and the loss they make.
-pub(crate) type Readback<'a> = (&'a Storage, &'a dyn Fn(&[f64]) -> Result<f32>);
+pub(crate) type Readback<'a> = (&'a [&'a Storage], &'a dyn Fn(&[f64]) -> Result<f32>);
 
 /// What [`LossScaling::step`] did.
 pub(crate) struct Stepped {
@@ -420,7 +420,8 @@ impl LossScaling<'_> {
         let grads = grad_storages(params);
         let refs: Vec<&Storage> = grads.iter().collect();
         let inv = crate::backend::math::div(1.0, self.scale());
-        let check = Storage::finite_check_unscale_reading(&refs, inv, readback.map(|r| r.0))?;
+        let check =
+            Storage::finite_check_unscale_reading(&refs, inv, readback.map_or(&[], |r| r.0))?;
         let loss = match readback {
             Some((_, loss_of)) => Some(loss_of(&check.also)?),
             None => None,

@@ -565,7 +565,7 @@ device_test!(the_checks_sum_of_squares_is_the_clips, |dev| {
     let up = |v: &Vec<f32>| Storage::from_f32(v.clone(), dev);
     let grads: Vec<Storage> = host.iter().map(up).collect::<Result<_>>()?;
     let refs: Vec<&Storage> = grads.iter().collect();
-    let check = Storage::finite_check_unscale_reading(&refs, 2f32.powi(-12), None)?;
+    let check = Storage::finite_check_unscale_reading(&refs, 2f32.powi(-12), &[])?;
     assert!(check.finite);
     let clip = Storage::sum_squares(&refs)?;
     assert_eq!(check.sum_squares.map(f32::to_bits), Some(clip.to_bits()));
@@ -574,7 +574,7 @@ device_test!(the_checks_sum_of_squares_is_the_clips, |dev| {
     bad[4][4321] = f32::INFINITY;
     let grads: Vec<Storage> = bad.iter().map(up).collect::<Result<_>>()?;
     let refs: Vec<&Storage> = grads.iter().collect();
-    let check = Storage::finite_check_unscale_reading(&refs, 1.0, None)?;
+    let check = Storage::finite_check_unscale_reading(&refs, 1.0, &[])?;
     assert_eq!((check.finite, check.sum_squares), (false, None));
 });
 

@@ -65,7 +65,7 @@ pub mod pack;
 pub mod reduce;
 
 pub use elementwise::{BinaryOp, UnaryOp};
-pub use matmul::{Causal, MatmulDims, Operand, TokenMajor};
+pub use matmul::{Causal, MatmulDims, Operand, Product, TokenMajor};
 pub use update::{AdamWConsts, AdamWItem};
 pub use reduce::ReduceOp;
 

@@ -21,8 +21,8 @@ use super::hex;
 use crate::backend::attention::Attention;
 use crate::backend::round::{Format, Fp8};
 use crate::backend::{
-    AdamWConsts, AdamWItem, BinaryLayout, BinaryOp, Causal, Device, MatmulDims, Operand, ReduceOp,
-    Storage, TokenMajor, UnaryOp,
+    AdamWConsts, AdamWItem, BinaryLayout, BinaryOp, Causal, Device, MatmulDims, Operand, Product,
+    ReduceOp, Storage, TokenMajor, UnaryOp,
 };
 use crate::crosscheck::cases::{adversarial, diff, specials, Rng};
 use crate::Result;
@@ -853,6 +853,7 @@ fn matmul(sw: &mut Sweep) -> Result<()> {
     matmul_added(sw)?;
     matmul_tokens(sw)?;
     matmul_shared(sw)?;
+    matmul_pair(sw)?;
     matmul_keeping_a(sw)?;
     matmul_bits(sw)?;
     matmul_outside_normal_range(sw)
@@ -1188,6 +1189,90 @@ fn matmul_shared(sw: &mut Sweep) -> Result<()> {
                 if let Some((p, _)) = kept {
                     out.extend(word_halves(p.words().to_vec_f32()?));
                 }
+                Ok(out)
+            })?;
+        }
+    }
+    Ok(())
+}
+
+/// Two products over one A, `A·B₀` and `Aᵀ·B₁` (a product's two gradients
+/// from dC: dX = dC·W and dW = dCᵀ·X), each its own bits: on a GPU one
+/// dispatch. A batch folded into the rows, ragged and unequal widths,
+/// either addend, B₁ in 16 bits, and pairs run apart: B₁ in B₀'s buffer,
+/// and a long `k` past a guarded product's pass.
+fn matmul_pair(sw: &mut Sweep) -> Result<()> {
+    let mut rng = Rng(0x9a12);
+    let sp = specials();
+    for (batch, m, k, n0, n1, adds, same) in [
+        (1, 8, 5, 8, 8, (false, false), false),
+        (2, 33, 17, 35, 35, (true, true), false),
+        (3, 65, 30, 71, 9, (false, true), false),
+        (1, 9, 70, 3, 130, (true, false), false),
+        (1, 12, 12, 12, 12, (false, true), true),
+        (1, 4100, 3, 2, 3, (true, true), false),
+    ] {
+        let rows = batch * m;
+        let mut a: Vec<f32> = (0..rows * k).map(|_| rng.moderate()).collect();
+        for (i, v) in a.iter_mut().enumerate() {
+            if i % 11 == 3 {
+                *v = sp[i % sp.len()];
+            }
+        }
+        let b0: Vec<f32> = (0..k * n0).map(|_| rng.moderate()).collect();
+        let b1: Vec<f32> = match same {
+            true => b0.clone(),
+            false => (0..rows * n1).map(|_| rng.moderate()).collect(),
+        };
+        let e0: Vec<f32> = (0..rows * n0).map(|_| rng.moderate()).collect();
+        let e1: Vec<f32> = (0..k * n1).map(|_| rng.moderate()).collect();
+        let d0 = dims(batch, m, k, n0, false, false, m * k, 0, Causal::No);
+        let d1 = dims(1, k, rows, n1, true, false, 0, 0, Causal::No);
+        for round in [None, Some(Format::Bf16), Some(Format::Fp16)] {
+            // B₁ kept in 16 bits as autograd keeps an activation (not when
+            // it is B₀'s buffer)
+            let half = round.filter(|_| !same);
+            let variant = format!(
+                "{} A·B₀ and Aᵀ·B₁, one A",
+                round.map_or("f32", Format::name)
+            );
+            let case = format!(
+                "{}{} and {}{}{}{}",
+                if adds.0 { "e₀ + " } else { "" },
+                d0.describe(round),
+                if adds.1 { "e₁ + " } else { "" },
+                d1.describe(round),
+                if half.is_some() {
+                    ", B₁ in 16 bits"
+                } else {
+                    ""
+                },
+                if same { ", B₁ in B₀'s buffer" } else { "" },
+            );
+            sw.check("matmul", &variant, case, &[], |dev| {
+                let a = up(&a, dev)?;
+                let b0 = up(&b0, dev)?;
+                let b1 = match same {
+                    true => Operand::Values(b0.clone()),
+                    false => operand(&b1, half, dev)?,
+                };
+                let jobs = [
+                    Product {
+                        a: Operand::Values(a.clone()),
+                        b: Operand::Values(b0),
+                        dims: d0,
+                        addend: adds.0.then(|| up(&e0, dev)).transpose()?,
+                    },
+                    Product {
+                        a: Operand::Values(a),
+                        b: b1,
+                        dims: d1,
+                        addend: adds.1.then(|| up(&e1, dev)).transpose()?,
+                    },
+                ];
+                let [x, y] = Operand::matmul_pair(jobs, round)?;
+                let mut out = x.to_vec_f32()?;
+                out.extend(y.to_vec_f32()?);
                 Ok(out)
             })?;
         }
@@ -1851,7 +1936,7 @@ fn update(sw: &mut Sweep) -> Result<()> {
         sw.check("finite check + unscale", "", case, &[], |d| {
             let st: Vec<Storage> = bufs.iter().map(|b| up(b, d)).collect::<Result<_>>()?;
             let refs: Vec<&Storage> = st.iter().collect();
-            let check = Storage::finite_check_unscale_reading(&refs, inv, None)?;
+            let check = Storage::finite_check_unscale_reading(&refs, inv, &[])?;
             let mut out = vec![check.finite as u8 as f32];
             out.extend(check.sum_squares);
             for s in &st {

@@ -5,7 +5,7 @@
 //! cast, so it is rounded too).
 
 use crate::backend::round::Format;
-use crate::backend::{MatmulDims, Operand, Storage};
+use crate::backend::{MatmulDims, Operand, Product, Storage};
 use crate::tensor::autocast::{autocast_dtype, cast_table, product_format, OpClass, Rule};
 use crate::tensor::saved::{Arg, Keep, Saved};
 use crate::tensor::shape::numel;
@@ -30,6 +30,24 @@ pub(crate) fn product(
         None => a.op.matmul(&b.op, dims, round)?,
     };
     Ok((s, shape, dims))
+}
+
+/// [`product`] as a [`Product`] to run, and its output's shape.
+fn job(
+    a: Arg,
+    b: Arg,
+    ta: bool,
+    tb: bool,
+    addend: Option<Storage>,
+) -> Result<(Product, Vec<usize>)> {
+    let (dims, shape) = product_dims(a.shape, b.shape, ta, tb)?;
+    let job = Product {
+        a: a.op,
+        b: b.op,
+        dims,
+        addend,
+    };
+    Ok((job, shape))
 }
 
 /// The dims of [`product`] and its output's shape.
@@ -160,30 +178,23 @@ fn record(
     let parents: Vec<&Tensor> = [a, b].into_iter().chain(e).collect();
     let y = Tensor::record_gathering(s, shape, "matmul", &parents, move |g, gathered| {
         let gd = g.arg();
-        let out = |(s, shape, _): (Storage, Vec<usize>, _)| Tensor::from_storage(s, &shape);
         // dA is added into the gradient gathered for a so far, as its product
         // writes it (the sum autograd would form next)
         let earlier = b_kept
             .as_ref()
             .and_then(|_| gathered.take(0))
             .map(|e| e.storage());
-        let e = earlier.as_ref();
-        let ga = match &b_kept {
+        let ja = match &b_kept {
             None => None,
-            Some(b) if !ta => Some(out(product(gd.clone(), b.arg(), false, !tb, round, e)?)?), // dA = dC op(B)ᵀ
-            Some(b) => Some(out(product(b.arg(), gd.clone(), tb, true, round, e)?)?), // dA = (dC op(B)ᵀ)ᵀ = op(B) dCᵀ
+            Some(b) if !ta => Some(job(gd.clone(), b.arg(), false, !tb, earlier)?), // dA = dC op(B)ᵀ
+            Some(b) => Some(job(b.arg(), gd.clone(), tb, true, earlier)?), // dA = (dC op(B)ᵀ)ᵀ = op(B) dCᵀ
         };
-        // a rounded product is a 16-bit value (a sum with the earlier
-        // gradient is not): an op that rounds the gradient arriving for its
-        // output need not round it again
-        let ga = ga.map(|t| t.with_half(if e.is_none() { round } else { None }));
         // dB likewise (a weight's: the `.grad` of earlier micro-batches)
         let earlier = a_kept
             .as_ref()
             .and_then(|_| gathered.take(1))
             .map(|e| e.storage());
-        let e = earlier.as_ref();
-        let gb = match &a_kept {
+        let jb = match &a_kept {
             None => None,
             Some(a) => {
                 // With b shared by the batch, fold the batch into the rows
@@ -216,14 +227,39 @@ fn record(
                     false => gd,
                 };
                 let ta2 = ta && !folded;
-                Some(
-                    out(if !tb {
-                        product(a2, g2, !ta2, false, round, e)? // dB = op(A)ᵀ dC
-                    } else {
-                        product(g2, a2, true, ta2, round, e)? // dB = (op(A)ᵀ dC)ᵀ = dCᵀ op(A)
-                    })?
-                    .with_half(if e.is_none() { round } else { None }),
-                )
+                Some(if !tb {
+                    job(a2, g2, !ta2, false, earlier)? // dB = op(A)ᵀ dC
+                } else {
+                    job(g2, a2, true, ta2, earlier)? // dB = (op(A)ᵀ dC)ᵀ = dCᵀ op(A)
+                })
+            }
+        };
+        // a rounded product is a 16-bit value (a sum with the earlier
+        // gradient is not): an op that rounds the gradient arriving for its
+        // output need not round it again
+        let half = |j: &Product| if j.addend.is_none() { round } else { None };
+        let grad = |s, shape: &[usize], h| {
+            Ok::<_, crate::Error>(Tensor::from_storage(s, shape)?.with_half(h))
+        };
+        let (ga, gb) = match (ja, jb) {
+            // both gradients as one primitive (one GPU dispatch)
+            (Some((ja, sa)), Some((jb, sb))) => {
+                let (ha, hb) = (half(&ja), half(&jb));
+                let [x, y] = Operand::matmul_pair([ja, jb], round)?;
+                (Some(grad(x, &sa, ha)?), Some(grad(y, &sb, hb)?))
+            }
+            (ja, jb) => {
+                let one = |j: Option<(Product, Vec<usize>)>| {
+                    j.map(|(j, shape)| {
+                        let s = match &j.addend {
+                            Some(e) => j.a.matmul_add(&j.b, j.dims, round, e)?,
+                            None => j.a.matmul(&j.b, j.dims, round)?,
+                        };
+                        grad(s, &shape, half(&j))
+                    })
+                    .transpose()
+                };
+                (one(ja)?, one(jb)?)
             }
         };
         // the addend's gradient: the sum's, g itself

@@ -4,6 +4,7 @@
 //! check → clip → step → update the scale. Built on
 //! [`precision`](crate::precision)'s `autocast` and `DynamicLossScaler`.
 
+use crate::backend::Storage;
 use crate::memory::{self, Phase};
 use crate::optim::Optimizer;
 use crate::precision::{
@@ -38,14 +39,15 @@ pub fn grad_accumulate<B: MicroBatch>(
     scaler: Option<&DynamicLossScaler>,
 ) -> Result<f32> {
     let losses = backward_all(micro_batches, loss_fn, scaler)?;
-    losses.total(&losses.values.to_vec_f64()?)
+    let parts: Vec<&Tensor> = losses.values.iter().collect();
+    losses.total(&Tensor::cat(&parts, 0)?.to_vec_f64()?)
 }
 
 /// The micro-batches' losses, still on the device, and their weights.
 struct Losses {
     weights: Vec<f64>,
-    /// `(micro-batches,)`: each micro-batch's unweighted, unscaled loss.
-    values: Tensor,
+    /// Each micro-batch's unweighted, unscaled loss, `(1,)`.
+    values: Vec<Tensor>,
 }
 
 impl Losses {
@@ -97,11 +99,7 @@ fn backward_all<B: MicroBatch>(
         let seed = li.full_like(((1.0f32 * s) * w as f32) as f64)?;
         li.backward_with(&seed)?;
     }
-    let parts: Vec<&Tensor> = values.iter().collect();
-    Ok(Losses {
-        weights,
-        values: Tensor::cat(&parts, 0)?,
-    })
+    Ok(Losses { weights, values })
 }
 
 /// Counts what follows the backward passes (or an error out of them) as the
@@ -311,10 +309,11 @@ fn step_under<M: crate::nn::Module + ?Sized, B: MicroBatch>(
     // A finite loss can still have non-finite gradients (an op whose
     // derivative blows up): the check finds them before clipping or the
     // optimizer spreads them into every weight.
-    let loss_values = losses.values.storage();
+    let loss_values: Vec<Storage> = losses.values.iter().map(Tensor::storage).collect();
+    let loss_refs: Vec<&Storage> = loss_values.iter().collect();
     let total = |values: &[f64]| losses.total(values);
     let _traced = crate::trace::phase("optimizer");
-    let done = scaling.step(opt, &params, clip, Some((&loss_values, &total)))?;
+    let done = scaling.step(opt, &params, clip, Some((&loss_refs, &total)))?;
     Ok(StepReport {
         loss: done.loss.expect("the losses are read back with the check"),
         skipped: !done.stepped,

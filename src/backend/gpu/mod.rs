@@ -393,6 +393,11 @@ impl GpuStorage {
         })
     }
 
+    /// Whether `self` and `other` are views of one buffer.
+    pub fn same_buffer(&self, other: &GpuStorage) -> bool {
+        std::sync::Arc::ptr_eq(&self.block, &other.block)
+    }
+
     /// The elements from `base`'s first to `self`'s first, when both are
     /// views of one buffer and `self` does not start before `base`.
     pub fn offset_from(&self, base: &GpuStorage) -> Option<usize> {

@@ -3,9 +3,10 @@
 //! workgroups, batches past 65535 and `k` past [`LOOP_PASS`] (or [`GUARD_PASS`]) split into
 //! dispatches. The variant ([`Kernels`]) is `matmul` (register tiles, no
 //! barriers: lavapipe) or `matmul_tiled` (operand tiles in workgroup memory:
-//! hardware); both have the same grid and the same bits.
+//! hardware); both have the same grid and the same bits. A product's two
+//! gradients, which read the same `dC`, may share one grid (`PAIR`).
 
-use super::{Halves, MatmulDims, MatmulOps};
+use super::{Causal, Halves, Job, MatmulDims, MatmulOps};
 use crate::backend::gpu::context::ctx;
 use crate::backend::gpu::pipelines::{gpu_params, no_consts, Family, Kernel};
 use crate::backend::gpu::variant::Kernels;
@@ -39,6 +40,7 @@ gpu_params! {
         c_ld: u32,
         keep: u32,
         keep_n: u32,
+        split: u32,
     }
 }
 
@@ -91,6 +93,15 @@ pub fn matmul_launch(variant: Kernels, d: &MatmulDims) -> (Kernel, (usize, usize
 }
 
 impl MatmulOps for GpuStorage {
+    /// One dispatch where [`pair_dispatch`](GpuStorage::pair_dispatch) can;
+    /// two otherwise.
+    fn matmul_pair(jobs: [Job<'_, GpuStorage>; 2], round: Option<Format>) -> Result<[GpuStorage; 2]> {
+        if let Some(outs) = GpuStorage::pair_dispatch(&jobs, round)? {
+            return Ok(outs);
+        }
+        let [x, y] = jobs;
+        Ok([x.run(round)?, y.run(round)?])
+    }
     fn matmul_add(
         &self,
         rhs: &GpuStorage,
@@ -170,6 +181,108 @@ impl MatmulOps for GpuStorage {
     }
 }
 
+/// `d`'s parameters for one pass over all of `k` from batch 0 (each output
+/// to its own place, nothing kept).
+fn params(d: &MatmulDims, round: Option<Format>, add: bool) -> Result<MatmulParams> {
+    let [pa, pb, pc] = d.placements();
+    Ok(MatmulParams {
+        m: u32_of(d.m, "m")?,
+        k: u32_of(d.k, "k")?,
+        n: u32_of(d.n, "n")?,
+        trans_a: d.trans_a as u32,
+        trans_b: d.trans_b as u32,
+        fmt: fmt_code(round),
+        batch0: 0,
+        p0: 0,
+        p1: u32_of(d.k, "k")?,
+        last: 1,
+        add: add as u32,
+        heads: u32_of(d.heads(), "heads")?,
+        a_bs: u32_of(pa.outer, "batch stride")?,
+        a_hs: u32_of(pa.inner, "head stride")?,
+        a_ld: u32_of(pa.row, "row stride")?,
+        b_bs: u32_of(pb.outer, "batch stride")?,
+        b_hs: u32_of(pb.inner, "head stride")?,
+        b_ld: u32_of(pb.row, "row stride")?,
+        c_bs: u32_of(pc.outer, "batch stride")?,
+        c_hs: u32_of(pc.inner, "head stride")?,
+        c_ld: u32_of(pc.row, "row stride")?,
+        keep: 0,
+        keep_n: 0,
+        split: 0,
+    })
+}
+
+/// `d` with its batch folded into the rows where that leaves every value in
+/// its place (A dense and untransposed, B broadcast): the same sums.
+fn folded(d: MatmulDims) -> MatmulDims {
+    let dense = !d.trans_a && d.b_batch_stride == 0 && d.a_batch_stride == d.m * d.k;
+    match d.batch > 1 && dense && !d.tokens.any() && d.causal == Causal::No {
+        true => MatmulDims {
+            batch: 1,
+            m: d.batch * d.m,
+            a_batch_stride: 0,
+            ..d
+        },
+        false => d,
+    }
+}
+
+impl GpuStorage {
+    /// The pair of [`MatmulOps::matmul_pair`] as one dispatch (`PAIR` in
+    /// matmul.wgsl), where both read the same view of A in the same format,
+    /// each unbatched (or foldable) and unmasked, in
+    /// one pass over `k`, and the second's B and addend, which the kernel
+    /// binds writable, share no buffer with what the first reads. `None`
+    /// where they do not.
+    fn pair_dispatch(jobs: &[Job<'_, GpuStorage>; 2], round: Option<Format>) -> Result<Option<[GpuStorage; 2]>> {
+        let c = ctx()?;
+        let [x, y] = jobs;
+        let (dx, dy) = (folded(x.d), folded(y.d));
+        let pass = if guarded(c.native_fma, round) {
+            GUARD_PASS
+        } else {
+            LOOP_PASS
+        };
+        let one = |d: &MatmulDims| d.batch == 1 && d.k <= pass && d.causal == Causal::No && !d.tokens.any() && d.m * d.n > 0;
+        let read: Vec<&GpuStorage> = [x.a, x.b].into_iter().chain(x.addend).collect();
+        let apart = [y.b].into_iter().chain(y.addend).all(|w| read.iter().all(|r| !w.same_buffer(r)));
+        let same_a = x.a.offset_from(y.a) == Some(0) && x.a.len() == y.a.len() && x.halves.a == y.halves.a;
+        if !(same_a && one(&dx) && one(&dy) && apart) {
+            return Ok(None);
+        }
+        let variant = Kernels::of(c);
+        let (kernel, (gx0, gy0, _)) = matmul_launch(variant, &dx);
+        let (_, (gx1, gy1, _)) = matmul_launch(variant, &dy);
+        let (gx, gy) = (gx0.max(gx1), gy0 + gy1);
+        if gx > 65535 || gy > 65535 {
+            return Ok(None);
+        }
+        let kernel = kernel
+            .with("FMT", fmt_code(round))
+            .with("A_HALF", fmt_code(x.halves.a))
+            .with("B_HALF", fmt_code(x.halves.b))
+            .with("B2_HALF", fmt_code(y.halves.b))
+            .with("GUARD", guarded(c.native_fma, round) as u32)
+            .with("PAIR", 1);
+        let outs = [GpuStorage::alloc(c, dx.m * dx.n)?, GpuStorage::alloc(c, dy.m * dy.n)?];
+        let split = u32_of(gy0, "row blocks")?;
+        let prms = [
+            MatmulParams {
+                split,
+                ..params(&dx, round, x.addend.is_some())?
+            },
+            params(&dy, round, y.addend.is_some())?,
+        ];
+        // binding 4 is read only with the first's addend, 7 with the second's
+        let e0 = x.addend.unwrap_or(x.a);
+        let e1 = y.addend.unwrap_or(&outs[1]);
+        let bufs = [x.a.bind(), x.b.bind(), outs[0].bind(), e0.bind(), outs[1].bind(), y.b.bind(), e1.bind()];
+        c.dispatch(&kernel, &prms, &bufs, (gx as u32, gy as u32, 1))?;
+        Ok(Some(outs))
+    }
+}
+
 /// Outputs one matmul dispatch writes at most (`OUTS` in matmul.wgsl).
 pub const MAX_OUTS: usize = 3;
 
@@ -245,7 +358,7 @@ impl GpuStorage {
         }
         // binding 4 is read only with `add`; A stands in for it otherwise
         let e = addend.unwrap_or(self);
-        let [pa, pb, pc] = d.placements();
+        let pc = d.placements()[2];
         let pass = if guarded(c.native_fma, round) {
             GUARD_PASS
         } else {
@@ -259,29 +372,14 @@ impl GpuStorage {
             loop {
                 let p1 = (p0 + pass).min(d.k);
                 let prm = MatmulParams {
-                    m: u32_of(d.m, "m")?,
-                    k: u32_of(d.k, "k")?,
-                    n: u32_of(d.n, "n")?,
-                    trans_a: d.trans_a as u32,
-                    trans_b: d.trans_b as u32,
-                    fmt: fmt_code(round),
                     batch0: b0 as u32,
                     p0: p0 as u32,
                     p1: p1 as u32,
                     last: (p1 == d.k) as u32,
-                    add: addend.is_some() as u32,
-                    heads: u32_of(d.heads(), "heads")?,
-                    a_bs: u32_of(pa.outer, "batch stride")?,
-                    a_hs: u32_of(pa.inner, "head stride")?,
-                    a_ld: u32_of(pa.row, "row stride")?,
-                    b_bs: u32_of(pb.outer, "batch stride")?,
-                    b_hs: u32_of(pb.inner, "head stride")?,
-                    b_ld: u32_of(pb.row, "row stride")?,
                     c_bs: if apart { 0 } else { u32_of(pc.outer, "batch stride")? },
-                    c_hs: u32_of(pc.inner, "head stride")?,
-                    c_ld: u32_of(pc.row, "row stride")?,
                     keep: fmt_code(kept.map(|(_, f)| f)),
                     keep_n: u32_of(self.len(), "length")?,
+                    ..params(&d, round, addend.is_some())?
                 };
                 let out = |i: usize| outs.get(i).unwrap_or(&outs[0]).bind();
                 // binding 7 is written only with `keep`; C stands in otherwise

@@ -22,6 +22,9 @@
 //! bit for bit — without writing that buffer out. A product may also write
 //! A's 16-bit copy as it reads A ([`Storage::matmul_keeping_a`]): the words
 //! [`Storage::pack`] writes, whichever dispatch writes them.
+//!
+//! Two products may run as one primitive ([`Operand::matmul_pair`]: a
+//! product's two gradients); each output is still its own product's chain.
 
 pub(crate) mod cpu;
 #[cfg(feature = "gpu")]
@@ -247,6 +250,15 @@ pub struct Halves {
     pub b: Option<Format>,
 }
 
+/// One product of [`Operand::matmul_pair`]: `a @ b` of `dims`, plus
+/// `addend` when given.
+pub struct Product {
+    pub a: Operand,
+    pub b: Operand,
+    pub dims: MatmulDims,
+    pub addend: Option<Storage>,
+}
+
 /// An operand of a product: a buffer of values, or a 16-bit copy (both
 /// handles, cheap to clone).
 #[derive(Clone, Debug)]
@@ -325,6 +337,26 @@ where
     }
 }
 
+/// One product of [`MatmulOps::matmul_pair`]: `a·b` of `d`, read as
+/// `halves` says, with `addend` added as [`MatmulOps::matmul_add`] adds it.
+pub struct Job<'a, S> {
+    pub a: &'a S,
+    pub b: &'a S,
+    pub d: MatmulDims,
+    pub halves: Halves,
+    pub addend: Option<&'a S>,
+}
+
+impl<S: MatmulOps> Job<'_, S> {
+    /// This product alone.
+    pub fn run(&self, round: Option<Format>) -> Result<S> {
+        match self.addend {
+            Some(e) => self.a.matmul_add(self.b, self.d, self.halves, round, e),
+            None => self.a.matmul(self.b, self.d, self.halves, round),
+        }
+    }
+}
+
 /// The devices' products (see the module docs for the contract).
 pub trait MatmulOps: Sized {
     fn matmul(&self, rhs: &Self, d: MatmulDims, halves: Halves, round: Option<Format>) -> Result<Self>;
@@ -350,6 +382,12 @@ pub trait MatmulOps: Sized {
     {
         let outs = rhs.iter().map(|b| self.matmul(b, d, halves, round)).collect::<Result<_>>()?;
         Ok((outs, keep.map(|f| self.pack(f)).transpose()?))
+    }
+    /// Two products, each [`Job::run`]'s bits: a product's two gradients,
+    /// which a GPU runs as one dispatch where they share A.
+    fn matmul_pair(jobs: [Job<'_, Self>; 2], round: Option<Format>) -> Result<[Self; 2]> {
+        let [x, y] = jobs;
+        Ok([x.run(round)?, y.run(round)?])
     }
     /// [`matmul`](Self::matmul) (or [`matmul_add`](Self::matmul_add) with
     /// `addend`) of float32 operands, and `self` packed to `keep` as
@@ -448,6 +486,42 @@ impl Operand {
         super::observed("matmul", || all.describe(round), &refs)?;
         let kept = kept.zip(keep).map(|((w, n), f)| (Packed::new(f, a.len(), w), n));
         Ok((outs, kept))
+    }
+
+    /// Two products as one primitive, each the bits of
+    /// [`matmul`](Self::matmul) (or [`matmul_add`](Self::matmul_add) with
+    /// its addend) alone: a product's two gradients (on a GPU one dispatch
+    /// where both read the same A).
+    pub fn matmul_pair(jobs: [Product; 2], round: Option<Format>) -> Result<[Storage; 2]> {
+        for j in &jobs {
+            j.dims.check_tokens()?;
+            let len = j.dims.batch * j.dims.m * j.dims.n;
+            if j.addend.as_ref().is_some_and(|e| j.dims.causal != Causal::No || e.len() != len) {
+                bail!(Shape, "matmul_add: an addend for {len} outputs ({:?})", j.dims.causal);
+            }
+        }
+        let flops: f64 = jobs.iter().map(|j| j.dims.profiled().flops()).sum();
+        let mut prof = crate::profile::scope_with_flops(crate::profile::MATMUL, || flops);
+        let [(a0, h0), (b0, g0), (a1, h1), (b1, g1)] =
+            [&jobs[0].a, &jobs[0].b, &jobs[1].a, &jobs[1].b].map(Operand::parts);
+        let halves = [Halves { a: h0, b: g0 }, Halves { a: h1, b: g1 }];
+        let mut parts = vec![a0, b0, a1, b1];
+        let mut at = [None, None];
+        for (i, j) in jobs.iter().enumerate() {
+            if let Some(e) = &j.addend {
+                at[i] = Some(parts.len());
+                parts.push(e);
+            }
+        }
+        let outs: [Storage; 2] = super::on_device!(slice &parts => |ds| {
+            let job = |i: usize| Job { a: ds[2 * i], b: ds[2 * i + 1], d: jobs[i].dims, halves: halves[i], addend: at[i].map(|k| ds[k]) };
+            MatmulOps::matmul_pair([job(0), job(1)], round)
+        });
+        let refs: Vec<&Storage> = outs.iter().collect();
+        prof.moved(|| super::traffic("matmul", &parts, &refs));
+        let describe = || format!("{} and {}", jobs[0].dims.describe(round), jobs[1].dims.describe(round));
+        super::observed("matmul", describe, &refs)?;
+        Ok(outs)
     }
 
     /// The contract's matmul; `self` is A, `rhs` is B.

@@ -13,9 +13,9 @@ impl UpdateOps for CpuStorage {
     fn finite_check_unscale(
         bufs: &[&CpuStorage],
         inv_scale: f32,
-        also: Option<&CpuStorage>,
+        also: &[&CpuStorage],
     ) -> Result<(bool, Vec<f32>, Vec<f64>)> {
-        let also = also.map_or_else(Vec::new, |a| a.to_vec_f64());
+        let also: Vec<f64> = also.iter().flat_map(|a| a.to_vec_f64()).collect();
         if bufs.iter().all(|b| matches!(b, CpuStorage::F32(_))) {
             // whole chunks per part: the partials are every buffer's chunks, in order
             let mut held: Vec<_> = bufs.iter().map(|b| b.f32s_mut()).collect();

@@ -70,12 +70,13 @@ pub struct AdamWItem<'a, S> {
 pub trait UpdateOps: Sized {
     /// Unscales every buffer in place: true when all values were finite
     /// before, and every buffer's chunk partials of the sum of squares after,
-    /// in buffer order. `also`'s values come back with the verdict (on a GPU
-    /// in the same readback: the step's loss rides along with its finite flag).
+    /// in buffer order. `also`'s values, one buffer after another, come back
+    /// with the verdict (on a GPU in the same readback: the step's losses
+    /// ride along with its finite flag).
     fn finite_check_unscale(
         bufs: &[&Self],
         inv_scale: f32,
-        also: Option<&Self>,
+        also: &[&Self],
     ) -> Result<(bool, Vec<f32>, Vec<f64>)>;
     fn scale_in_place(&self, c: f32) -> Result<()>;
     /// `self` is the parameter.
@@ -116,7 +117,7 @@ pub struct GradCheck {
     /// When they were, the contract's sum of squares of the unscaled values
     /// (the global gradient norm's square, as clipping measures it).
     pub sum_squares: Option<f32>,
-    /// The values of the buffer read back with the verdict.
+    /// The values of the buffers read back with the verdict, in order.
     pub also: Vec<f64>,
 }
 
@@ -125,7 +126,7 @@ impl Storage {
     /// (the tests' and benchmarks' entry point).
     #[cfg(any(feature = "cli", feature = "test-hooks"))]
     pub fn finite_check_unscale(grads: &[&Storage], inv_scale: f32) -> Result<bool> {
-        Ok(Storage::finite_check_unscale_reading(grads, inv_scale, None)?.finite)
+        Ok(Storage::finite_check_unscale_reading(grads, inv_scale, &[])?.finite)
     }
 
     /// The loss scaler's fused check and unscale over every gradient buffer,
@@ -134,11 +135,11 @@ impl Storage {
     pub fn finite_check_unscale_reading(
         grads: &[&Storage],
         inv_scale: f32,
-        also: Option<&Storage>,
+        also: &[&Storage],
     ) -> Result<GradCheck> {
         let mut prof = crate::profile::scope("finite check + unscale");
         let n = grads.len();
-        let parts: Vec<&Storage> = grads.iter().copied().chain(also).collect();
+        let parts: Vec<&Storage> = grads.iter().chain(also).copied().collect();
         if parts.is_empty() {
             return Ok(GradCheck {
                 finite: true,
@@ -148,7 +149,7 @@ impl Storage {
         }
         let (finite, partials, values): (bool, Vec<f32>, Vec<f64>) = on_device!(slice &parts => |xs| {
             let (gs, rest) = xs.split_at(n);
-            UpdateOps::finite_check_unscale(gs, inv_scale, rest.first().copied())
+            UpdateOps::finite_check_unscale(gs, inv_scale, rest)
         });
         // Reads every gradient and `also`, writes the gradients back unscaled.
         prof.moved(|| {

@@ -12,7 +12,7 @@ impl UpdateOps for SpecStorage {
     fn finite_check_unscale(
         bufs: &[&SpecStorage],
         inv_scale: f32,
-        also: Option<&SpecStorage>,
+        also: &[&SpecStorage],
     ) -> Result<(bool, Vec<f32>, Vec<f64>)> {
         let mut finite = true;
         for b in bufs {
@@ -22,7 +22,7 @@ impl UpdateOps for SpecStorage {
             }
         }
         let partials = SpecStorage::chunk_sum_squares(bufs)?;
-        let also = also.map_or_else(Vec::new, |a| a.get().iter().map(|&x| f64::from(x)).collect());
+        let also = also.iter().flat_map(|a| a.get().iter().map(|&x| f64::from(x)).collect::<Vec<_>>()).collect();
         Ok((finite, partials, also))
     }
 
