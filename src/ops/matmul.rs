@@ -24,12 +24,8 @@ pub(crate) fn product(
     round: Option<Format>,
     addend: Option<&Storage>,
 ) -> Result<(Storage, Vec<usize>, MatmulDims)> {
-    let (dims, shape) = product_dims(a.shape, b.shape, ta, tb)?;
-    let s = match addend {
-        Some(e) => a.op.matmul_add(&b.op, dims, round, e)?,
-        None => a.op.matmul(&b.op, dims, round)?,
-    };
-    Ok((s, shape, dims))
+    let (j, shape) = job(a, b, ta, tb, addend.cloned())?;
+    Ok((j.run(round)?, shape, j.dims))
 }
 
 /// [`product`] as a [`Product`] to run, and its output's shape.
@@ -250,14 +246,8 @@ fn record(
             }
             (ja, jb) => {
                 let one = |j: Option<(Product, Vec<usize>)>| {
-                    j.map(|(j, shape)| {
-                        let s = match &j.addend {
-                            Some(e) => j.a.matmul_add(&j.b, j.dims, round, e)?,
-                            None => j.a.matmul(&j.b, j.dims, round)?,
-                        };
-                        grad(s, &shape, half(&j))
-                    })
-                    .transpose()
+                    j.map(|(j, shape)| grad(j.run(round)?, &shape, half(&j)))
+                        .transpose()
                 };
                 (one(ja)?, one(jb)?)
             }

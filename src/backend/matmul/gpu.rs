@@ -230,11 +230,10 @@ fn folded(d: MatmulDims) -> MatmulDims {
 
 impl GpuStorage {
     /// The pair of [`MatmulOps::matmul_pair`] as one dispatch (`PAIR` in
-    /// matmul.wgsl), where both read the same view of A in the same format,
-    /// each unbatched (or foldable) and unmasked, in
-    /// one pass over `k`, and the second's B and addend, which the kernel
-    /// binds writable, share no buffer with what the first reads. `None`
-    /// where they do not.
+    /// matmul.wgsl) where both read the same view of A in the same format,
+    /// each is unbatched (or foldable), unmasked and one pass over `k`, and
+    /// the second's B and addend, which the kernel binds writable, share no
+    /// buffer with what the first reads. `None` where they do not.
     fn pair_dispatch(jobs: &[Job<'_, GpuStorage>; 2], round: Option<Format>) -> Result<Option<[GpuStorage; 2]>> {
         let c = ctx()?;
         let [x, y] = jobs;

@@ -259,6 +259,17 @@ pub struct Product {
     pub addend: Option<Storage>,
 }
 
+impl Product {
+    /// This product alone: [`Operand::matmul`], or [`Operand::matmul_add`]
+    /// with its addend.
+    pub fn run(&self, round: Option<Format>) -> Result<Storage> {
+        match &self.addend {
+            Some(e) => self.a.matmul_add(&self.b, self.dims, round, e),
+            None => self.a.matmul(&self.b, self.dims, round),
+        }
+    }
+}
+
 /// An operand of a product: a buffer of values, or a 16-bit copy (both
 /// handles, cheap to clone).
 #[derive(Clone, Debug)]
