@@ -35,9 +35,9 @@
 // invocation writes only its own rows, and the column pass reads what the row
 // pass wrote. Loop steps per invocation, at most (guarded chains run twice;
 // t4 = ⌈T/4⌉, d4 = ⌈D/4⌉): forward 2 t4 (5 + d4) + 3T + 2 d4 (T + 1) + 4 d4
-// (D/2 more keeping the words), the row pass 4 t4 (5 + d4) + 5T + 2 d4 (T + 1) + 4 d4, the column pass
-// 4 d4 (T + 1) + 8 d4; the host keeps them under lavapipe's 65,535
-// (attention/gpu.rs).
+// (D/2 more keeping the words), the row pass 4 t4 (5 + d4) + 5T + 2 d4 (T + 1)
+// + 4 d4, the column pass 4 d4 (T + 1) + 8 d4; the host keeps them under
+// lavapipe's 65,535 (attention/gpu.rs).
 
 // A uniform buffer: the forward's eight buffers are all storage ones.
 struct AttnParams {

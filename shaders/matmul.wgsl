@@ -78,8 +78,8 @@ override OUTS: u32 = 1u;
 // prms[0].split row blocks and prms[1]'s in the rest (a product's two
 // gradients, dA = dC·B and dB = dCᵀ·A, each from dC): the second reads its B
 // from c2 (as B2_HALF says), its addend from a_words (float32 bits) and
-// writes c1. Each output
-// is its own product's chain, whichever dispatch runs it.
+// writes c1. Each output is its own product's chain, whichever dispatch runs
+// it.
 override PAIR: bool = false;
 var<private> second: bool = false;
 

@@ -58,7 +58,8 @@ fn scale_in_place(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups)
 // no isNan/isInf), then multiplied by inv_scale (a power of two: exact) and
 // its square added by fma. The host zeroes the flag, runs this over all the
 // gradients six at a time (one flag, one partials buffer, six gradients:
-// WebGPU's least of eight storage buffers, the parameters a uniform buffer), and reads the flag and the partials back together. A slot
+// WebGPU's least of eight storage buffers, the parameters a uniform buffer),
+// and reads the flag and the partials back together. A slot
 // the host leaves unused has n = 0, its end the last one's, and another
 // gradient bound to it, never read.
 

@@ -132,6 +132,17 @@ pub struct BinaryLayout {
     pub rhs_strides: Vec<usize>,
 }
 
+impl BinaryLayout {
+    /// Two dense buffers of `n` elements, element by element.
+    pub fn flat(n: usize) -> BinaryLayout {
+        BinaryLayout {
+            shape: vec![n],
+            lhs_strides: vec![1],
+            rhs_strides: vec![1],
+        }
+    }
+}
+
 impl std::fmt::Display for BinaryLayout {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(

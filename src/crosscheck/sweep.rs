@@ -363,14 +363,6 @@ fn binary_case(
     })
 }
 
-fn flat(n: usize) -> BinaryLayout {
-    BinaryLayout {
-        shape: vec![n],
-        lhs_strides: vec![1],
-        rhs_strides: vec![1],
-    }
-}
-
 fn binary(sw: &mut Sweep) -> Result<()> {
     // every op with broadcasting: (lhs shape, rhs shape) -> the elementwise max
     let mut rng = Rng(42);
@@ -424,7 +416,14 @@ fn binary(sw: &mut Sweep) -> Result<()> {
         }
     }
     for op in BinaryOp::ALL {
-        binary_case(sw, &a, &b, op, &flat(a.len()), "special pairs")?;
+        binary_case(
+            sw,
+            &a,
+            &b,
+            op,
+            &BinaryLayout::flat(a.len()),
+            "special pairs",
+        )?;
     }
     // random operands of every exponent: the crate's division, not the device's
     let mut rng = Rng(7);
@@ -438,7 +437,14 @@ fn binary(sw: &mut Sweep) -> Result<()> {
             }
         })
         .collect();
-    binary_case(sw, &a, &b, BinaryOp::Div, &flat(a.len()), "random bits")
+    binary_case(
+        sw,
+        &a,
+        &b,
+        BinaryOp::Div,
+        &BinaryLayout::flat(a.len()),
+        "random bits",
+    )
 }
 
 /// The rounding sweep's inputs: every f32 exponent with mantissas at and

@@ -252,11 +252,7 @@ impl DelayedScaling {
         amax: Storage,
         saturated: Storage,
     ) -> Result<()> {
-        let one = BinaryLayout {
-            shape: vec![1],
-            lhs_strides: vec![1],
-            rhs_strides: vec![1],
-        };
+        let one = BinaryLayout::flat(1);
         let p = &mut self.pending[3 * slot + role as usize];
         p.amax = Some(match p.amax.take() {
             Some(a) => a.binary(&amax, BinaryOp::Maximum, &one)?,

@@ -58,14 +58,7 @@ impl CopyOps for CpuStorage {
         });
         match e {
             // the earlier gradient plus the sums, as an add of its own adds them
-            Some(e) => {
-                let layout = BinaryLayout {
-                    shape: vec![v * d],
-                    lhs_strides: vec![1],
-                    rhs_strides: vec![1],
-                };
-                e.binary(&sums, BinaryOp::Add, &layout)
-            }
+            Some(e) => e.binary(&sums, BinaryOp::Add, &BinaryLayout::flat(v * d)),
             None => Ok(sums),
         }
     }

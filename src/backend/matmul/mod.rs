@@ -335,15 +335,7 @@ where
         .matmul(b, dense, halves, round)?
         .strided_copy(&[seqs, m, h, n], &[h * m * n, n, m * n, 1], 0)?;
     match addend {
-        Some(e) => {
-            let len = vec![d.batch * m * n];
-            let layout = BinaryLayout {
-                shape: len,
-                lhs_strides: vec![1],
-                rhs_strides: vec![1],
-            };
-            e.binary(&c, BinaryOp::Add, &layout)
-        }
+        Some(e) => e.binary(&c, BinaryOp::Add, &BinaryLayout::flat(d.batch * m * n)),
         None => Ok(c),
     }
 }

@@ -156,13 +156,15 @@ impl UpdateOps for GpuStorage {
         also: &[&GpuStorage],
     ) -> Result<(bool, Vec<f32>, Vec<f64>)> {
         let c = ctx()?;
+        let f32s = |b: Vec<u8>| -> Vec<f32> {
+            b.chunks_exact(4).map(|w| f32::from_le_bytes([w[0], w[1], w[2], w[3]])).collect()
+        };
+        // `also`'s values, after whatever `parts` reads first: one readback
+        let also_parts = also.iter().map(|a| (a.bind(), 4 * a.len() as u64));
         let chunks: usize = bufs.iter().map(|b| b.len().div_ceil(NORM_CHUNK)).sum();
         if chunks == 0 {
-            let mut values = Vec::new();
-            for a in also {
-                values.extend(a.download()?.into_iter().map(f64::from));
-            }
-            return Ok((true, Vec::new(), values));
+            let got = c.read_many(&also_parts.collect::<Vec<_>>())?;
+            return Ok((true, Vec::new(), got.into_iter().flat_map(f32s).map(f64::from).collect()));
         }
         // A fresh buffer is zero-initialised by wgpu.
         let flag = c.buffer_with(&[0u8; 4]);
@@ -194,13 +196,10 @@ impl UpdateOps for GpuStorage {
             offset += chunks;
         }
         let mut parts = vec![((&flag).into(), 4), (partials.bind(), 4 * chunks as u64)];
-        parts.extend(also.iter().map(|a| (a.bind(), 4 * a.len() as u64)));
+        parts.extend(also_parts);
         let mut got = c.read_many(&parts)?.into_iter();
         let v = got.next().unwrap_or_default();
         let finite = u32::from_le_bytes([v[0], v[1], v[2], v[3]]) == 0;
-        let f32s = |b: Vec<u8>| -> Vec<f32> {
-            b.chunks_exact(4).map(|w| f32::from_le_bytes([w[0], w[1], w[2], w[3]])).collect()
-        };
         let partials = got.next().map_or_else(Vec::new, f32s);
         let values = got.flat_map(f32s).map(f64::from).collect();
         Ok((finite, partials, values))
