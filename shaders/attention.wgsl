@@ -1,8 +1,14 @@
 // attention.wgsl — causal attention: forward in one dispatch, backward in two
-// (needs the math prelude and exact.wgsl).
+// (needs the math prelude, exact.wgsl and rope.wgsl).
 // q, k, dq, dk: (heads, T, D); v, y, dy, dv: (heads, T, D), or token-major
 // (B, T, h, D) with heads = B·h; p, ds: (heads, T, T) scratch, of which row i
 // of a head holds keys j <= i.
+// With RoPE (ROT_LOAD, ROT_BACK), q and k come in token-major like v and are
+// rotated as the forward reads them (rope.wgsl's rope_value at the row's
+// position, stored as R_FMT says), and the rotated rows are what backward
+// keeps, head-major; the backward's dq and dk are stored token-major, each
+// row rotated back (rope_grad, the arriving gradient first stored as R_FMT
+// says) by the invocation that formed it, after its last chain.
 //
 // The bits are the batched composition's (attention/mod.rs), each step the
 // kernel it stands for:
@@ -36,8 +42,9 @@
 // pass wrote. Loop steps per invocation, at most (guarded chains run twice;
 // t4 = ⌈T/4⌉, d4 = ⌈D/4⌉): forward 2 t4 (5 + d4) + 3T + 2 d4 (T + 1) + 4 d4
 // (D/2 more keeping the words), the row pass 4 t4 (5 + d4) + 5T + 2 d4 (T + 1)
-// + 4 d4, the column pass 4 d4 (T + 1) + 8 d4; the host keeps them under
-// lavapipe's 65,535 (attention/gpu.rs).
+// + 4 d4, the column pass 4 d4 (T + 1) + 8 d4, each backward pass D/2 more
+// rotating back; the host keeps them under lavapipe's 65,535
+// (attention/gpu.rs).
 
 // A uniform buffer: the forward's eight buffers are all storage ones.
 struct AttnParams {
@@ -47,33 +54,39 @@ struct AttnParams {
     scale: u32,  // f32 bits
     tokens: u32, // h: v, y and their gradients token-major; 0: (heads, T, D)
     keep: u32,   // attention_keeping: FMT_* code of q's and k's words
-    keep_v: u32, // and of v's
+    keep_v: u32, // and of v's (0: none written)
+    kw: u32,     // where k's words start in at_wqk
+    cos_at: u32, // where RoPE's cos and sin tables (T, D) start in at_cs
+    sin_at: u32,
+    zero: u32,   // +0 (rope.wgsl's sep)
 }
 
 // q, k and v as bits: float32 values, or with *_HALF words of two 16-bit
 // patterns (value e in the low half of word e / 2 for even e).
 @group(0) @binding(0) var<uniform> at_prm: AttnParams;
 @group(0) @binding(1) var<storage, read> at_q: array<u32>;
+// every pass: RoPE's tables (without RoPE, a stand-in never read)
+@group(0) @binding(4) var<storage, read> at_cs: array<f32>;
 // forward and row pass
 @group(0) @binding(2) var<storage, read> at_k: array<u32>;
 @group(0) @binding(3) var<storage, read> at_v: array<u32>;
-@group(0) @binding(4) var<storage, read_write> at_p: array<f32>;
-// forward; attention_keeping also writes q, k and v as 16-bit words
-// (pack.wgsl's), the copies autograd keeps: query row i's invocation writes
-// row i of each (D even, so that no word spans two rows)
-@group(0) @binding(5) var<storage, read_write> at_y: array<f32>;
-@group(0) @binding(6) var<storage, read_write> at_wq: array<u32>;
-@group(0) @binding(7) var<storage, read_write> at_wk: array<u32>;
+@group(0) @binding(5) var<storage, read_write> at_p: array<f32>;
+// forward; attention_keeping also writes q and k (into one buffer, k's from
+// kw) and v as 16-bit words (pack.wgsl's), the copies autograd keeps: query
+// row i's invocation writes row i of each (D even, so that no word spans two
+// rows); with RoPE, q and k rotated, as float32 values where keep is 0
+@group(0) @binding(6) var<storage, read_write> at_y: array<f32>;
+@group(0) @binding(7) var<storage, read_write> at_wqk: array<u32>;
 @group(0) @binding(8) var<storage, read_write> at_wv: array<u32>;
 // row pass (and dy, the column pass)
-@group(0) @binding(5) var<storage, read_write> ar_ds: array<f32>;
-@group(0) @binding(6) var<storage, read> at_dy: array<f32>;
-@group(0) @binding(7) var<storage, read_write> ar_dq: array<f32>;
+@group(0) @binding(6) var<storage, read_write> ar_ds: array<f32>;
+@group(0) @binding(7) var<storage, read> at_dy: array<f32>;
+@group(0) @binding(8) var<storage, read_write> ar_dq: array<f32>;
 // column pass
 @group(0) @binding(2) var<storage, read> ac_p: array<f32>;
 @group(0) @binding(3) var<storage, read> ac_ds: array<f32>;
-@group(0) @binding(4) var<storage, read_write> ac_dk: array<f32>;
-@group(0) @binding(5) var<storage, read_write> ac_dv: array<f32>;
+@group(0) @binding(5) var<storage, read_write> ac_dk: array<f32>;
+@group(0) @binding(6) var<storage, read_write> ac_dv: array<f32>;
 
 // The FMT_* codes of the scores' products (q kᵀ, ds k, dsᵀ q), of those with
 // v and dy, and of p's storage (0: float32); of q, k and v kept in 16-bit
@@ -87,6 +100,12 @@ override K_HALF: u32 = 0u;
 override V_HALF: u32 = 0u;
 override S_GUARD: bool = false;
 override Y_GUARD: bool = false;
+// RoPE: the forward rotates q and k as it reads them (token-major); the
+// backward rotates dq and dk back (token-major); the FMT_* code the policy
+// stores the rotated values in (0: float32)
+override ROT_LOAD: bool = false;
+override ROT_BACK: bool = false;
+override R_FMT: u32 = 0u;
 
 fn load_q(e: u32) -> f32 {
     if Q_HALF == 0u {
@@ -109,6 +128,60 @@ fn load_v(e: u32) -> f32 {
     return half_value(at_v[e / 2u], e, V_HALF);
 }
 
+fn rnd_r(x: f32) -> f32 {
+    if R_FMT == 0u {
+        return x;
+    }
+    return round_fmt(x, R_FMT);
+}
+
+// Element c of the token-major row at `row` (the row's element and its
+// partner as `pair` gives them) rotated at the row's position and stored as
+// R_FMT says.
+fn rotated(row: u32, c: u32, pair: vec2<f32>) -> f32 {
+    let d = at_prm.d;
+    let e = (row / (at_prm.tokens * d)) % at_prm.t * d + c; // the tables' entry
+    let r = rope_value(pair.x, pair.y, at_cs[at_prm.cos_at + e], at_cs[at_prm.sin_at + e], c < d / 2u, at_prm.zero);
+    return rnd_r(r);
+}
+
+// Where element c's partner is in its row: c + D/2 in the first half, c -
+// D/2 in the second.
+fn partner(c: u32) -> u32 {
+    let h = at_prm.d / 2u;
+    return select(c - h, c + h, c < h);
+}
+
+// Element c of q's (or k's) row at `row`, as the forward reads it (the
+// backward's passes read q alone: each function reads its own buffer).
+fn q_at(row: u32, c: u32) -> f32 {
+    if ROT_LOAD {
+        return rotated(row, c, vec2<f32>(load_q(row + c), load_q(row + partner(c))));
+    }
+    return load_q(row + c);
+}
+
+fn k_at(row: u32, c: u32) -> f32 {
+    if ROT_LOAD {
+        return rotated(row, c, vec2<f32>(load_k(row + c), load_k(row + partner(c))));
+    }
+    return load_k(row + c);
+}
+
+// Elements c and c + D/2 of a row of dq (or dk) rotated back, `g` their
+// values as stored: the gradients of the unrotated row at `pos` (rope.wgsl's
+// rope_grad, the arriving gradient stored as R_FMT says first).
+fn rotated_back(g: vec2<f32>, pos: u32, c: u32) -> vec2<f32> {
+    let h = at_prm.d / 2u;
+    let e = pos * at_prm.d + c;
+    let ca = at_prm.cos_at;
+    let sa = at_prm.sin_at;
+    let g1 = rnd_r(g.x);
+    let g2 = rnd_r(g.y);
+    return vec2<f32>(rope_grad(g1, g2, at_cs[ca + e], at_cs[sa + e + h], true, at_prm.zero),
+                     rope_grad(g2, g1, at_cs[ca + e + h], at_cs[sa + e], false, at_prm.zero));
+}
+
 fn rnd_s(x: f32) -> f32 {
     if S_FMT == 0u {
         return x;
@@ -127,14 +200,14 @@ fn rnd_y(x: f32) -> f32 {
 // their products read them; past D the row's last element (never used).
 fn q4(row: u32, c: u32) -> vec4<f32> {
     let l = at_prm.d - 1u;
-    return vec4<f32>(rnd_s(load_q(row + c)), rnd_s(load_q(row + min(c + 1u, l))),
-                     rnd_s(load_q(row + min(c + 2u, l))), rnd_s(load_q(row + min(c + 3u, l))));
+    return vec4<f32>(rnd_s(q_at(row, c)), rnd_s(q_at(row, min(c + 1u, l))),
+                     rnd_s(q_at(row, min(c + 2u, l))), rnd_s(q_at(row, min(c + 3u, l))));
 }
 
 fn k4(row: u32, c: u32) -> vec4<f32> {
     let l = at_prm.d - 1u;
-    return vec4<f32>(rnd_s(load_k(row + c)), rnd_s(load_k(row + min(c + 1u, l))),
-                     rnd_s(load_k(row + min(c + 2u, l))), rnd_s(load_k(row + min(c + 3u, l))));
+    return vec4<f32>(rnd_s(k_at(row, c)), rnd_s(k_at(row, min(c + 1u, l))),
+                     rnd_s(k_at(row, min(c + 2u, l))), rnd_s(k_at(row, min(c + 3u, l))));
 }
 
 fn v4(row: u32, c: u32) -> vec4<f32> {
@@ -214,11 +287,11 @@ fn keys_step(x: vec4<f32>, y0: vec4<f32>, y1: vec4<f32>, y2: vec4<f32>, y3: vec4
 }
 
 // The scores x_ij of keys j..j+3 (key_rows) from q's row at `qa` and the
-// head's k from `k0` (S_FMT); `first`: the first run (the device's fma
-// where exact, the operands noted).
-fn scores4(qa: u32, k0: u32, j: u32, live: u32, first: bool) -> vec4<f32> {
+// head's k (`kp`: qk_place) (S_FMT); `first`: the first run (the device's
+// fma where exact, the operands noted).
+fn scores4(qa: u32, kp: vec2<u32>, j: u32, live: u32, first: bool) -> vec4<f32> {
     let d = at_prm.d;
-    let kb = key_rows(k0, d, j, live);
+    let kb = key_rows(kp.x, kp.y, j, live);
     var acc = vec4<f32>(0.0);
     for (var p = 0u; p < d; p += 4u) {
         acc = keys_step(q4(qa, p), k4(kb.x, p), k4(kb.y, p), k4(kb.z, p), k4(kb.w, p), acc, p, S_GUARD && first,
@@ -282,11 +355,20 @@ fn tok_place(b: u32) -> vec2<u32> {
     return vec2<u32>((b / h) * t * h * d + (b % h) * d, h * d);
 }
 
+// The rows of q and k of head b as the forward reads them, as tok_place:
+// token-major with RoPE, else head-major.
+fn qk_place(b: u32) -> vec2<u32> {
+    if ROT_LOAD {
+        return tok_place(b);
+    }
+    return vec2<u32>(b * at_prm.t * at_prm.d, at_prm.d);
+}
+
 // The scores of keys j0..live-1 into at_p from `sr` (scores4); a rerun
 // starts at `live` where it is not needed.
-fn put_scores(qa: u32, k0: u32, sr: u32, j0: u32, live: u32, first: bool) {
+fn put_scores(qa: u32, kp: vec2<u32>, sr: u32, j0: u32, live: u32, first: bool) {
     for (var j = j0; j < live; j += 4u) {
-        let x = scores4(qa, k0, j, live, first);
+        let x = scores4(qa, kp, j, live, first);
         for (var u = 0u; u < 4u && j + u < live; u++) {
             at_p[sr + j + u] = x[u];
         }
@@ -304,12 +386,13 @@ fn put_grads_p(ga: u32, v: vec2<u32>, sr: u32, j0: u32, live: u32, first: bool) 
 }
 
 // Query i's p_j, j <= i, into at_p from `sr` (as the products read them),
-// from q's row at `qa` and head's k from `k0`; returns the softmax's sum.
-fn probs_row(qa: u32, k0: u32, sr: u32, live: u32) -> f32 {
+// from q's row at `qa` and head's k (`kp`: qk_place); returns the softmax's
+// sum.
+fn probs_row(qa: u32, kp: vec2<u32>, sr: u32, live: u32) -> f32 {
     span_reset();
-    put_scores(qa, k0, sr, 0u, live, true);
+    put_scores(qa, kp, sr, 0u, live, true);
     if S_GUARD {
-        put_scores(qa, k0, sr, select(live, 0u, span_redo()), live, false);
+        put_scores(qa, kp, sr, select(live, 0u, span_redo()), live, false);
     }
     var m = at_scaled(at_p[sr]);
     for (var j = 1u; j < live; j++) {
@@ -341,12 +424,12 @@ fn attention(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
 @compute @workgroup_size(64)
 fn attention_keeping(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lane: u32) {
     let t = at_prm.t;
-    let d = at_prm.d;
     let i = wg.x * 64u + lane;
     if i < t {
         let b = at_prm.head0 + wg.y;
         let v = tok_place(b);
-        keep_rows((b * t + i) * d, v.x + i * v.y);
+        let qk = qk_place(b);
+        keep_rows(qk.x + i * qk.y, (b * t + i) * at_prm.d, v.x + i * v.y);
         forward_row(b, i);
     }
 }
@@ -357,7 +440,8 @@ fn forward_row(b: u32, i: u32) {
     let d = at_prm.d;
     let sr = (b * t + i) * t;
     let live = i + 1u;
-    probs_row((b * t + i) * d, b * t * d, sr, live);
+    let qk = qk_place(b);
+    probs_row(qk.x + i * qk.y, qk, sr, live);
     let v = tok_place(b);
     // y = p v
     for (var c = 0u; c < d; c += 4u) {
@@ -384,17 +468,30 @@ fn forward_row(b: u32, i: u32) {
     }
 }
 
-// Row i's words of q and k (from `qk`) and of v (from `vr`): float32 values
-// packed as pack.wgsl packs them.
-fn keep_rows(qk: u32, vr: u32) {
+// Row i's words of q and k as the forward reads them (from `src`, into the
+// head-major row at `dst`; float32 values where keep is 0) and of v (from
+// `vr`, where keep_v is set): float32 values packed as pack.wgsl packs them.
+fn keep_rows(src: u32, dst: u32, vr: u32) {
     let f = at_prm.keep;
     let fv = at_prm.keep_v;
+    let kw = at_prm.kw;
     for (var e = 0u; e < at_prm.d; e += 2u) {
-        let a = qk + e;
-        let b = vr + e;
-        at_wq[a / 2u] = half_bits(load_q(a), f) | (half_bits(load_q(a + 1u), f) << 16u);
-        at_wk[a / 2u] = half_bits(load_k(a), f) | (half_bits(load_k(a + 1u), f) << 16u);
-        at_wv[b / 2u] = half_bits(load_v(b), fv) | (half_bits(load_v(b + 1u), fv) << 16u);
+        let a = dst + e;
+        let q = vec2<f32>(q_at(src, e), q_at(src, e + 1u));
+        let k = vec2<f32>(k_at(src, e), k_at(src, e + 1u));
+        if f == 0u {
+            at_wqk[a] = bitcast<u32>(q.x);
+            at_wqk[a + 1u] = bitcast<u32>(q.y);
+            at_wqk[kw + a] = bitcast<u32>(k.x);
+            at_wqk[kw + a + 1u] = bitcast<u32>(k.y);
+        } else {
+            at_wqk[a / 2u] = half_bits(q.x, f) | (half_bits(q.y, f) << 16u);
+            at_wqk[kw + a / 2u] = half_bits(k.x, f) | (half_bits(k.y, f) << 16u);
+        }
+        if fv != 0u {
+            let b = vr + e;
+            at_wv[b / 2u] = half_bits(load_v(b), fv) | (half_bits(load_v(b + 1u), fv) << 16u);
+        }
     }
 }
 
@@ -412,7 +509,7 @@ fn attention_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocatio
     let sr = (b * t + i) * t;
     let live = i + 1u;
     let k0 = b * t * d;
-    let s = probs_row((b * t + i) * d, k0, sr, live);
+    let s = probs_row((b * t + i) * d, vec2<u32>(k0, d), sr, live);
     // dp of the live keys, into ds's row
     let v = tok_place(b);
     let ga = v.x + i * v.y;
@@ -439,7 +536,8 @@ fn attention_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocatio
         }
         ar_ds[sr + j] = ds;
     }
-    // dq = ds k
+    // dq = ds k, token-major with RoPE
+    let dqr = select((b * t + i) * d, ga, ROT_BACK);
     for (var c = 0u; c < d; c += 4u) {
         var acc = vec4<f32>(0.0);
         span_reset();
@@ -459,7 +557,15 @@ fn attention_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocatio
             }
         }
         for (var u = 0u; u < 4u && c + u < d; u++) {
-            ar_dq[(b * t + i) * d + c + u] = rnd_s(acc[u]);
+            ar_dq[dqr + c + u] = rnd_s(acc[u]);
+        }
+    }
+    if ROT_BACK {
+        let h = d / 2u;
+        for (var c = 0u; c < h; c++) {
+            let g = rotated_back(vec2<f32>(ar_dq[dqr + c], ar_dq[dqr + c + h]), i, c);
+            ar_dq[dqr + c] = g.x;
+            ar_dq[dqr + c + h] = g.y;
         }
     }
 }
@@ -479,6 +585,7 @@ fn attention_columns(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invoca
     let q0 = b * t * d;
     let col = b * t * t + j; // (i, j) at col + i * t
     let v = tok_place(b);
+    let dkr = select((b * t + j) * d, v.x + j * v.y, ROT_BACK); // token-major with RoPE
     for (var c = 0u; c < d; c += 4u) {
         // dk = dsᵀ q
         var acc = vec4<f32>(0.0);
@@ -499,7 +606,7 @@ fn attention_columns(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invoca
             }
         }
         for (var u = 0u; u < 4u && c + u < d; u++) {
-            ac_dk[(b * t + j) * d + c + u] = rnd_s(acc[u]);
+            ac_dk[dkr + c + u] = rnd_s(acc[u]);
         }
         // dv = pᵀ dy
         acc = vec4<f32>(0.0);
@@ -521,6 +628,14 @@ fn attention_columns(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invoca
         }
         for (var u = 0u; u < 4u && c + u < d; u++) {
             ac_dv[v.x + j * v.y + c + u] = rnd_y(acc[u]);
+        }
+    }
+    if ROT_BACK {
+        let h = d / 2u;
+        for (var c = 0u; c < h; c++) {
+            let g = rotated_back(vec2<f32>(ac_dk[dkr + c], ac_dk[dkr + c + h]), j, c);
+            ac_dk[dkr + c] = g.x;
+            ac_dk[dkr + c + h] = g.y;
         }
     }
 }

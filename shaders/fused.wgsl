@@ -348,16 +348,6 @@ fn rope_from_heads(o: u32, t: u32, heads: u32) -> vec2<u32> {
 @group(0) @binding(3) var<storage, read> ro_sin: array<f32>;
 @group(0) @binding(4) var<storage, read_write> ro_y: array<f32>;
 
-// One rotated element from its input x_j, its partner (x_{j+h} in the first
-// half, x_{j-h} in the second) and its entries c, s of the tables.
-fn rope_value(xj: f32, partner: f32, c: f32, s: f32, first_half: bool, z: u32) -> f32 {
-    let xc = sep(xj * c, z);
-    if first_half {
-        return xc + sep((-0.0 - partner) * s, z);
-    }
-    return xc + sep(partner * s, z);
-}
-
 @compute @workgroup_size(64)
 fn rope(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
         @builtin(local_invocation_index) lane: u32) {
@@ -445,17 +435,6 @@ fn rope_backward(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) 
     let q = select(p - h, p + h, j < h); // the partner's entry of the tables
     let partner = rg_g[select(x - h, x + h, j < h)];
     rg_dx[i] = rope_grad(rg_g[x], partner, rg_cos[p], rg_sin[q], j < h, z);
-}
-
-// One element of RoPE's backward from its gradient g_j, its partner's
-// (g_{j+h} in the first half, g_{j-h} in the second), c_j and the partner's s.
-fn rope_grad(gj: f32, partner: f32, c: f32, s: f32, first_half: bool, z: u32) -> f32 {
-    let pz = bitcast<f32>(z); // +0, the narrows' zero padding
-    let gc = sep(gj * c, z);
-    if first_half {
-        return (gc + pz) + sep(partner * s, z);
-    }
-    return (gc + (-0.0 - sep(partner * s, z))) + pz;
 }
 
 // ---- RoPE backward of two tensors at once (attention's q and k): g0, g1:

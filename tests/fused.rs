@@ -371,6 +371,88 @@ device_test!(rope_heads_is_the_permuted_composition, |dev| {
     }
 });
 
+// Attention with RoPE inside (`causal_attention_rope`) against RoPE's pair
+// and then the token-major attention, forward and every gradient through the
+// projections that form q, k and v, bit for bit: in float32, under the
+// policies that round the rotated values or not, with the tables side by side
+// (a GPU rotates as it reads) and apart (it runs the composition).
+device_test!(attention_with_rope_is_rope_then_attention, |dev| {
+    use tinyllm::precision::{autocast, CastTable, OpClass, Rule, Scope};
+    use tinyllm::Format;
+    let tables = [
+        None,
+        Some(CastTable::matmuls(Format::Bf16)),
+        Some(CastTable::pure(Format::Bf16)),
+        Some(CastTable::torch(Format::Fp16)),
+        Some(CastTable::f32().with(OpClass::Rope, Rule::Round(Format::Fp16))),
+    ];
+    // every policy on the first shape; on a GPU, where each policy's
+    // kernels compile anew (seconds on a software device), the training
+    // policy (bf16 matmuls) and the one rounding the rotated values alone,
+    // the second shape and the tables apart with the first only
+    let shapes = [(2, 13, 3, 8), (1, 5, 2, 6)];
+    for (case, &(b, t_, h, d)) in shapes.iter().enumerate() {
+        let c = h * d;
+        let (cv, sv) = rope_tables(t_, d, 10000.0);
+        let (x0, w0, out) = (
+            randv(b * t_ * c, 40 + case as u64, 2.0),
+            randv(3 * c * c, 50 + case as u64, 0.6),
+            randv(b * t_ * c, 60 + case as u64, 1.0),
+        );
+        for (i, table) in tables.iter().enumerate() {
+            for side_by_side in [true, false] {
+                let gpu_case = i == 1 || (i == 4 && case == 0 && side_by_side);
+                if dev == Device::Gpu && !gpu_case {
+                    continue;
+                }
+                let run = |fused: bool| -> Result<Vec<Vec<u32>>> {
+                    let (cos, sin) = (t(&cv, &[t_, d], dev), t(&sv, &[t_, d], dev));
+                    if side_by_side {
+                        Tensor::colocate(&[&cos, &sin])?;
+                    }
+                    let x = param(&x0, &[b, t_, c], dev);
+                    let ws: Vec<Tensor> = (0..3)
+                        .map(|i| param(&w0[i * c * c..(i + 1) * c * c], &[c, c], dev))
+                        .collect();
+                    let y = {
+                        let _ac = autocast(Scope::table(*table));
+                        let [q, k, v] = [0, 1, 2].map(|i| x.matmul_t(&ws[i]));
+                        let (q, k, v) = (q?, k?, v?);
+                        if fused {
+                            q.causal_attention_rope(&k, &v, &cos, &sin, h, 0.4)?
+                        } else {
+                            let (q, k) = q.rope_heads_pair(&k, &cos, &sin, h)?;
+                            q.causal_attention_tokens(&k, &v.reshape(&[b, t_, h, d])?, 0.4)?
+                        }
+                    };
+                    y.mul(&t(&out, y.shape(), dev))?.sum_all()?.backward()?;
+                    let mut r = vec![bits(&vals(&y)), bits(&grad(&x))];
+                    r.extend(ws.iter().map(|w| bits(&grad(w))));
+                    Ok(r)
+                };
+                assert_eq!(
+                    run(true)?,
+                    run(false)?,
+                    "({b}, {t_}, {h}·{d}) {table:?} tables side by side {side_by_side}"
+                );
+            }
+        }
+    }
+    // q, k and v of one shape (B, T, H·D), named in the error
+    let (cos, sin) = (t(&[1.0; 8], &[2, 4], dev), t(&[0.0; 8], &[2, 4], dev));
+    let q = t(&randv(16, 1, 1.0), &[1, 2, 8], dev);
+    let v = t(&randv(8, 2, 1.0), &[1, 1, 8], dev);
+    let e = q
+        .causal_attention_rope(&q, &v, &cos, &sin, 2, 0.5)
+        .expect_err("two shapes");
+    assert!(e.to_string().contains("causal_attention_rope"), "{e}");
+    // tables of the wrong shape
+    let e = q
+        .causal_attention_rope(&q, &q, &cos, &sin.reshape(&[4, 2])?, 2, 0.5)
+        .expect_err("tables");
+    assert!(e.to_string().contains("tables"), "{e}");
+});
+
 // Attention's q and k rotated together are each rotated alone, bit for bit,
 // in forward and in the gradients that flow back through them.
 device_test!(rope_heads_pair_is_two_rope_heads, |dev| {

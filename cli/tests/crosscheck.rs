@@ -65,8 +65,8 @@ fn a_snapshot_replays_the_next_step_and_tracing_changes_nothing() {
     assert_eq!(b.step(), 3);
     // a whole tiny step traced (~260 primitive calls: each of q, k and v,
     // and gate and up, from one shared-input product; the 16-bit copies
-    // autograd keeps made by the products and SwiGLU; q's and k's RoPE
-    // backward one call; each product's two gradients one call)
+    // autograd keeps made by the products and SwiGLU; RoPE inside
+    // attention's calls; each product's two gradients one call)
     assert!(t.calls.len() > 230, "{} calls", t.calls.len());
 }
 
@@ -255,13 +255,14 @@ fn the_lockstep_trace_names_the_perturbed_call() {
 #[test]
 fn the_lockstep_trace_attributes_backward_calls_to_their_layer() {
     require_gpu!();
-    // element 17 of dq: row 1 of the first head (row 0's gradient is
-    // exactly 0, and a subnormal there is lost downstream: no divergence)
-    let d = perturbed_lockstep("attention backward", 17);
+    // element 33 of dq, token-major (2 heads of 16 a row): row 1 of the
+    // first head (row 0's gradient is exactly 0, and a subnormal there is
+    // lost downstream: no divergence)
+    let d = perturbed_lockstep("attention backward", 33);
     let c = d.first_call.as_ref().expect("a traced first call");
     assert_eq!(c.site, "layers.3.self_attn.attention backward", "{d}");
     assert_eq!(c.phase, "backward");
-    assert_eq!(c.position, Some(17));
+    assert_eq!(c.position, Some(33));
 }
 
 // ------------------------------------------------------- the binary ----

@@ -305,10 +305,13 @@ impl Rope {
     pub fn new(cfg: &LlamaConfig, device: Device) -> Result<Rope> {
         let (c, s) = rope_tables(cfg.context, cfg.head_dim(), cfg.rope_theta);
         let shape = [cfg.context, cfg.head_dim()];
-        Ok(Rope {
-            cos: Tensor::from_vec(c, &shape, device)?,
-            sin: Tensor::from_vec(s, &shape, device)?,
-        })
+        let (cos, sin) = (
+            Tensor::from_vec(c, &shape, device)?,
+            Tensor::from_vec(s, &shape, device)?,
+        );
+        // side by side, so that a GPU kernel reads both through one binding
+        Tensor::colocate(&[&cos, &sin])?;
+        Ok(Rope { cos, sin })
     }
     /// The first `t` rows of both tables.
     fn first(&self, t: usize) -> Result<(Tensor, Tensor)> {
@@ -363,17 +366,18 @@ impl Attention {
             let _traced = trace::path("qkv_proj");
             Linear::forward_shared(x, [&self.q_proj, &self.k_proj, &self.v_proj])?
         };
-        // q and k: (B,T,C) -> (B,H,T,D) rotated together, the permute
-        // inside the RoPE
-        let (q, k) = {
-            let _traced = trace::path("rope");
-            q.rope_heads_pair(&k, &cos, &sin, h)?
-        };
-        // v: (B,T,C) -> (B,T,H,D), token-major like the attention's output
-        let v = v.reshape(&[b, t, h, d])?;
-        // (B,T,H,D) = softmax(q kᵀ / √D, future positions masked) v
+        // (B,T,H,D) = softmax(q kᵀ / √D, future positions masked) v, q and k
+        // rotated by RoPE
         let scale = 1.0 / (d as f64).sqrt();
         let y = if self.dropout > 0.0 && self.training.get() {
+            // q and k: (B,T,C) -> (B,H,T,D) rotated together, the permute
+            // inside the RoPE
+            let (q, k) = {
+                let _traced = trace::path("rope");
+                q.rope_heads_pair(&k, &cos, &sin, h)?
+            };
+            // v: (B,T,C) -> (B,T,H,D), token-major like the attention's output
+            let v = v.reshape(&[b, t, h, d])?;
             // dropout acts on the probabilities themselves: the composition,
             // which keeps the probabilities, the mask and the dropped
             // probabilities (3·H·T² values) unless recomputed
@@ -393,9 +397,9 @@ impl Attention {
                 core(&[q, k, v])?
             }
         } else {
-            // The fused op keeps only q, k and v and recomputes its
-            // probabilities in backward whatever the policy.
-            q.causal_attention_tokens(&k, &v, scale)?
+            // The fused op keeps only the rotated q and k and v and
+            // recomputes its probabilities in backward whatever the policy.
+            q.causal_attention_rope(&k, &v, &cos, &sin, h, scale)?
         };
         // (B,T,H,D) -> (B,T,C)
         y.reshape(&[b, t, c])

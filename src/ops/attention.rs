@@ -19,9 +19,9 @@
 //! 16 bits, under autocast — and recomputes the probabilities from them with
 //! the forward's primitives (the composition keeps the probabilities too).
 
-use crate::backend::attention::Attention;
+use crate::backend::attention::{Attention, Rotary};
 use crate::backend::{Operand, Storage};
-use crate::tensor::autocast::{autocast_dtype, cast_table, product_format, OpClass};
+use crate::tensor::autocast::{autocast_dtype, cast_table, output_format, product_format, OpClass};
 use crate::tensor::is_grad_enabled;
 use crate::tensor::saved::{Keep, Saved};
 use crate::tensor::shape::numel;
@@ -77,29 +77,12 @@ impl Tensor {
     ) -> Result<Tensor> {
         let q = self;
         let r = q.dims();
-        let s = scale as f32;
-        if !(s > 0.0 && s.is_finite()) {
-            bail!(
-                Numerical,
-                "causal_attention: the scale must be positive and finite (got {scale})"
-            );
-        }
-        let att = Attention {
-            heads: numel(&q.shape()[..r - 2]),
-            t: q.shape()[r - 2],
-            d: q.shape()[r - 1],
-            scale: s,
-            round: autocast_dtype(),
-            scores: product_format(OpClass::AttentionScores),
-            // the softmax's input is the scores, as their product stores them
-            probs: cast_table().and_then(|t| {
-                t.output_of(
-                    OpClass::AttentionProbs,
-                    &[t.product(OpClass::AttentionScores)],
-                )
-            }),
+        let att = plan(
+            numel(&q.shape()[..r - 2]),
+            (q.shape()[r - 2], q.shape()[r - 1]),
+            scale,
             tokens,
-        };
+        )?;
         let (round, scores) = (att.round, att.scores);
         let recorded = is_grad_enabled() && [q, k, v].iter().any(|t| t.requires_grad());
         // q and k as the scores' products read them, v as p v does: the
@@ -157,4 +140,156 @@ impl Tensor {
         );
         Ok(y.with_half(round))
     }
+
+    /// RoPE, then [`causal_attention_tokens`](Self::causal_attention_tokens),
+    /// as one op: `q = self, k, v: (B, T, H·D) -> (B, T, H, D)`, as the
+    /// projections write them, `cos, sin: (T, D)`. Bit for bit
+    /// `let (q, k) = q.rope_heads_pair(k, cos, sin, heads)?;` then
+    /// `q.causal_attention_tokens(&k, &v.reshape(&[B, T, H, D])?, scale)`,
+    /// forward and backward. The rotated q and k exist only as backward
+    /// keeps them (a GPU rotates as it reads, and back before it stores
+    /// their gradients: no dispatch of RoPE's own either way).
+    pub fn causal_attention_rope(
+        &self,
+        k: &Tensor,
+        v: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        heads: usize,
+        scale: f64,
+    ) -> Result<Tensor> {
+        let q = self;
+        let s = q.shape();
+        if s.len() != 3
+            || k.shape() != s
+            || v.shape() != s
+            || heads == 0
+            || !s[2].is_multiple_of(heads)
+        {
+            bail!(
+                Shape,
+                "causal_attention_rope needs q, k, v of one shape (B, T, H·D) with H = {heads}, got {:?}, {:?}, {:?}",
+                q.shape(),
+                k.shape(),
+                v.shape()
+            );
+        }
+        let (b, t, d) = (s[0], s[1], s[2] / heads);
+        let fr = output_format(OpClass::Rope, &[q]);
+        if fr != output_format(OpClass::Rope, &[k]) {
+            // stored apart: the composition, node by node
+            let (q, k) = q.rope_heads_pair(k, cos, sin, heads)?;
+            return q.causal_attention_tokens(&k, &v.reshape(&[b, t, heads, d])?, scale);
+        }
+        check_tables(cos, sin, t, d)?;
+        let att = plan(b * heads, (t, d), scale, Some(heads))?;
+        let (round, scores) = (att.round, att.scores);
+        let r = Rotary { round: fr };
+        let recorded = is_grad_enabled() && [q, k, v].iter().any(|t| t.requires_grad());
+        // the rotated q and k as the scores' products read them, v as p v
+        // does: what backward keeps
+        let keep = recorded.then(|| {
+            (
+                scores.filter(|_| Saved::halves()),
+                Saved::to_pack(Keep::operand(v, round)),
+            )
+        });
+        let (c, sn) = (cos.storage(), sin.storage());
+        let (y, kept) = att.forward_rope(
+            r,
+            [&q.storage(), &k.storage(), &v.storage()],
+            [&c, &sn],
+            keep,
+        )?;
+        let kept = match kept {
+            Some(([wq, wk], wv)) => {
+                if let Some((w, changed)) = wv {
+                    Saved::adopt(v, w, changed)?;
+                }
+                let rows = [b, heads, t, d];
+                let [sv] = Saved::all([Keep::operand(v, round)])?;
+                Some([
+                    Saved::of_operand(wq, &rows)?,
+                    Saved::of_operand(wk, &rows)?,
+                    sv,
+                ])
+            }
+            None => None,
+        };
+        let shape = s.to_vec();
+        let y = Tensor::record(
+            y,
+            vec![b, t, heads, d],
+            "causal_attention_rope",
+            &[q, k, v],
+            move |g| {
+                let [qk, kk, vk] = kept
+                    .as_ref()
+                    .expect("a recorded attention keeps its operands")
+                    .each_ref()
+                    .map(|t| t.arg().op);
+                let [dq, dk, dv] =
+                    att.backward_rope(r, [&qk, &kk, &vk], &g.storage(), [&c, &sn])?;
+                let wrap = |st: Storage| Tensor::from_storage(st, &shape);
+                Ok(vec![
+                    Some(wrap(dq)?),
+                    Some(wrap(dk)?),
+                    Some(wrap(dv)?.with_half(round)),
+                ])
+            },
+        );
+        Ok(y.with_half(round))
+    }
+}
+
+/// The attention of `heads` heads of `(t, d)` rows under this thread's
+/// policy; errors on a scale that is not positive and finite.
+fn plan(
+    heads: usize,
+    (t, d): (usize, usize),
+    scale: f64,
+    tokens: Option<usize>,
+) -> Result<Attention> {
+    let s = scale as f32;
+    if !(s > 0.0 && s.is_finite()) {
+        bail!(
+            Numerical,
+            "causal_attention: the scale must be positive and finite (got {scale})"
+        );
+    }
+    Ok(Attention {
+        heads,
+        t,
+        d,
+        scale: s,
+        round: autocast_dtype(),
+        scores: product_format(OpClass::AttentionScores),
+        // the softmax's input is the scores, as their product stores them
+        probs: cast_table().and_then(|t| {
+            t.output_of(
+                OpClass::AttentionProbs,
+                &[t.product(OpClass::AttentionScores)],
+            )
+        }),
+        tokens,
+    })
+}
+
+/// RoPE's tables: `(t, d)` constants, d even.
+fn check_tables(cos: &Tensor, sin: &Tensor, t: usize, d: usize) -> Result<()> {
+    if cos.shape() != [t, d] || sin.shape() != [t, d] || !d.is_multiple_of(2) {
+        bail!(
+            Shape,
+            "causal_attention_rope: tables of ({t}, {d}) (positions, an even head dimension) needed, got cos {:?} and sin {:?}",
+            cos.shape(),
+            sin.shape()
+        );
+    }
+    if cos.requires_grad() || sin.requires_grad() {
+        bail!(
+            Shape,
+            "causal_attention_rope: the cos/sin tables are constants (no gradient flows to them)"
+        );
+    }
+    Ok(())
 }

@@ -186,6 +186,24 @@ impl Saved {
         }))
     }
 
+    /// Whether autograd keeps 16-bit copies now (grad mode on, no test hook
+    /// keeping every saved tensor in float32).
+    pub(crate) fn halves() -> bool {
+        super::is_grad_enabled() && !saved_float32_only()
+    }
+
+    /// An operand an op wrote for its own backward (values, or 16-bit
+    /// words), holding `shape`.
+    pub(crate) fn of_operand(op: Operand, shape: &[usize]) -> Result<Saved> {
+        Ok(match op {
+            Operand::Values(s) => Saved::Full(Tensor::from_storage(s, shape)?),
+            Operand::Half(packed) => Saved::Half {
+                packed,
+                shape: shape.to_vec(),
+            },
+        })
+    }
+
     /// The kept values as a product reads them: the tensor's buffer, or the
     /// 16-bit copy (widened by the product itself, never written out).
     pub(crate) fn arg(&self) -> Arg<'_> {

@@ -20,6 +20,14 @@
 //! has its products read and write them in place
 //! ([`TokenMajor`](crate::backend::TokenMajor)) instead.
 //!
+//! With RoPE ([`AttentionOps::attention_rope`]), q and k come in token-major,
+//! as the projections write them, and the contract is RoPE's pair into
+//! head-major rows (each rotated value stored as the policy stores RoPE's
+//! output), then the above; backward, the rotated rows' gradients stored so,
+//! then RoPE's backward pair. The GPU rotates as its forward reads q and k
+//! and rotates the gradients back in its backward passes; the others run the
+//! composition.
+//!
 //! Attention is one primitive per direction ([`AttentionOps`]), dispatched
 //! like every other, so a running [trace](crate::trace) records one entry on
 //! every device and never changes which schedule runs:
@@ -43,6 +51,7 @@ mod spec;
 
 use crate::backend::copy::CopyOps;
 use crate::backend::elementwise::ElementwiseOps;
+use crate::backend::fused::FusedOps;
 use crate::backend::matmul::{Halves, MatmulOps};
 use crate::backend::pack::{KeptCopy, PackOps, Packed};
 use crate::backend::reduce::ReduceOps;
@@ -82,6 +91,23 @@ pub type Arg<'a, S> = (&'a S, Option<Format>);
 /// rounding changed (where the device counts).
 pub type Keeping<S> = (S, [(S, Option<usize>); 3]);
 
+/// RoPE on q and k as attention reads them ([`AttentionOps::attention_rope`]):
+/// the format the policy stores the rotated values in (`None`, float32).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Rotary {
+    pub round: Option<Format>,
+}
+
+/// What [`AttentionOps::attention_rope`] keeps for backward, asked for as
+/// `(qk, v)`: the rotated q and k packed to `qk` (float32 values where
+/// `None`), and v packed to `v` where `Some`.
+pub type RopeKeep = (Option<Format>, Option<Format>);
+
+/// `y`, and where asked ([`RopeKeep`]) the rotated q and k head-major `(heads,
+/// T, D)`, then v's words, each with how many values its rounding changed
+/// (where the device counts).
+pub type RopeOut<S> = (S, Option<([(S, Option<usize>); 2], Option<(S, Option<usize>)>)>);
+
 /// The devices' attention (see the module docs for the contract).
 pub trait AttentionOps: Sized {
     /// `y`, laid out as `v` is.
@@ -97,6 +123,90 @@ pub trait AttentionOps: Sized {
         Self: PackOps,
     {
         forward_then_pack(a, q, k, v, keep)
+    }
+    /// [`attention`](Self::attention) of q and k rotated by RoPE: float32 `q`
+    /// and `k` token-major like `v` (`a.tokens` is set), `tables` RoPE's cos
+    /// and sin `(T, D)`. Bit for bit the composition: `rope_pair` into
+    /// head-major rows, each rotated value stored as `r` says, then
+    /// attention, then the packs `keep` asks for. A GPU rotates as it reads,
+    /// the rotated rows existing only as backward keeps them.
+    fn attention_rope(a: &Attention, r: Rotary, q: &Self, k: &Self, v: &Self, tables: [&Self; 2], keep: Option<RopeKeep>) -> Result<RopeOut<Self>>
+    where
+        Self: PackOps + FusedOps + ElementwiseOps,
+    {
+        rope_then_attention(a, r, [q, k, v], tables, keep)
+    }
+    /// [`attention_backward`](Self::attention_backward) of
+    /// [`attention_rope`](Self::attention_rope): `q` and `k` rotated as it
+    /// kept them; `[dq, dk, dv]`, dq and dk token-major, rotated back after
+    /// the rotated values' gradients are stored as `r` says.
+    fn attention_rope_backward(a: &Attention, r: Rotary, q: Arg<Self>, k: Arg<Self>, v: Arg<Self>, g: &Self, tables: [&Self; 2]) -> Result<[Self; 3]>
+    where
+        Self: FusedOps + ElementwiseOps,
+    {
+        attention_then_rope_backward(a, r, [q, k, v], g, tables)
+    }
+}
+
+/// [`AttentionOps::attention_rope`] as its composition.
+pub(crate) fn rope_then_attention<S: AttentionOps + PackOps + FusedOps + ElementwiseOps>(
+    a: &Attention,
+    r: Rotary,
+    [q, k, v]: [&S; 3],
+    tables: [&S; 2],
+    keep: Option<RopeKeep>,
+) -> Result<RopeOut<S>> {
+    let (qr, kr) = rotated(a, r, q, k, tables)?;
+    let y = S::attention(a, (&qr, None), (&kr, None), (v, None))?;
+    let Some((fqk, fv)) = keep else {
+        return Ok((y, None));
+    };
+    let qk = match fqk {
+        Some(f) => {
+            let mut packed = S::pack_many(&[&qr, &kr], f)?.into_iter();
+            let (Some(wq), Some(wk)) = (packed.next(), packed.next()) else {
+                crate::bail!(Device, "pack_many: two buffers and fewer copies");
+            };
+            [wq, wk]
+        }
+        None => [(qr, None), (kr, None)],
+    };
+    Ok((y, Some((qk, fv.map(|f| v.pack(f)).transpose()?))))
+}
+
+/// [`AttentionOps::attention_rope_backward`] as its composition.
+pub(crate) fn attention_then_rope_backward<S: AttentionOps + FusedOps + ElementwiseOps>(
+    a: &Attention,
+    r: Rotary,
+    [q, k, v]: [Arg<S>; 3],
+    g: &S,
+    tables: [&S; 2],
+) -> Result<[S; 3]> {
+    let [dq, dk, dv] = S::attention_backward(a, q, k, v, g)?;
+    // rounding twice is rounding once: what the scores' products stored at
+    // the policy's format passes as it is
+    let (dq, dk) = match r.round {
+        Some(f) if a.scores != Some(f) => (dq.unary(UnaryOp::Round(f))?, dk.unary(UnaryOp::Round(f))?),
+        _ => (dq, dk),
+    };
+    let (dq, dk) = dq.rope_backward_pair(&dk, tables[0], tables[1], (a.t, a.d, heads_of(a)?))?;
+    Ok([dq, dk, dv])
+}
+
+/// The heads per token of an attention over token-major rows.
+fn heads_of(a: &Attention) -> Result<usize> {
+    match a.tokens {
+        Some(h) => Ok(h),
+        None => crate::bail!(Shape, "attention with RoPE reads q, k and v token-major"),
+    }
+}
+
+/// q and k rotated into head-major rows, stored as `r` says.
+fn rotated<S: FusedOps + ElementwiseOps>(a: &Attention, r: Rotary, q: &S, k: &S, tables: [&S; 2]) -> Result<(S, S)> {
+    let (qr, kr) = q.rope_pair(k, tables[0], tables[1], (a.t, a.d, heads_of(a)?))?;
+    match r.round {
+        Some(f) => Ok((qr.unary(UnaryOp::Round(f))?, kr.unary(UnaryOp::Round(f))?)),
+        None => Ok((qr, kr)),
     }
 }
 
@@ -200,6 +310,51 @@ impl Attention {
                 (Packed::new(keep[1], v.len(), wv), cv),
             ],
         ))
+    }
+
+    /// [`forward`](Self::forward) of float32 `q` and `k` rotated by RoPE as
+    /// they are read (q, k and v token-major; `tables` cos and sin), and
+    /// where asked what backward keeps: the rotated q and k head-major, as
+    /// the scores' products read them, and v's 16-bit copy
+    /// ([`AttentionOps::attention_rope`]).
+    #[allow(clippy::type_complexity)]
+    pub fn forward_rope(
+        &self,
+        r: Rotary,
+        [q, k, v]: [&Storage; 3],
+        [cos, sin]: [&Storage; 2],
+        keep: Option<RopeKeep>,
+    ) -> Result<(Storage, Option<([Operand; 2], Option<KeptCopy>)>)> {
+        let scope = crate::profile::scope_with_flops("attention", || self.flops(false));
+        let describe = || format!("{} rope {:?} keeping {keep:?}", self.describe(), r.round);
+        let (y, kept) = primitive!(profile scope, "attention", describe, [q, k, v, cos, sin] => |q, k, v, c, s| {
+            AttentionOps::attention_rope(self, r, q, k, v, [c, s], keep)
+        });
+        let Some(([(wq, _), (wk, _)], wv)) = kept else {
+            return Ok((y, None));
+        };
+        let fqk = keep.and_then(|k| k.0);
+        let operand = |w: Storage, n: usize| match fqk {
+            Some(f) => Operand::Half(Packed::new(f, n, w)),
+            None => Operand::Values(w),
+        };
+        let v_words = match (wv, keep.and_then(|k| k.1)) {
+            (Some((w, changed)), Some(f)) => Some((Packed::new(f, v.len(), w), changed)),
+            _ => None,
+        };
+        Ok((y, Some(([operand(wq, q.len()), operand(wk, k.len())], v_words))))
+    }
+
+    /// [`backward`](Self::backward) of [`forward_rope`](Self::forward_rope):
+    /// `q` and `k` as it kept them; dq and dk token-major, of the unrotated
+    /// inputs.
+    pub fn backward_rope(&self, r: Rotary, [q, k, v]: [&Operand; 3], g: &Storage, [cos, sin]: [&Storage; 2]) -> Result<[Storage; 3]> {
+        let ((q, hq), (k, hk), (v, hv)) = (q.parts(), k.parts(), v.parts());
+        let scope = crate::profile::scope_with_flops("attention backward", || self.flops(true));
+        let describe = || format!("{} rope {:?}", self.describe(), r.round);
+        Ok(primitive!(profile scope, "attention backward", describe, [q, k, v, g, cos, sin] => |q, k, v, g, c, s| {
+            AttentionOps::attention_rope_backward(self, r, (q, hq), (k, hk), (v, hv), g, [c, s])
+        }))
     }
 
     /// `[dq, dk, dv]` from the operands as the forward's products read them

@@ -88,7 +88,10 @@ gpu_params! {
 
 pub const FAMILY: Family = Family {
     name: "fused",
-    sources: &[include_str!("../../../shaders/fused.wgsl")],
+    sources: &[
+        include_str!("../../../shaders/rope.wgsl"),
+        include_str!("../../../shaders/fused.wgsl"),
+    ],
     needs_math: true,
     consts: no_consts,
     entries: &[

@@ -332,7 +332,7 @@ impl GpuStorage {
     /// each from the first multiple of the binding alignment after the
     /// previous one (views of one length are evenly spaced); `None` when
     /// they would not fit one binding.
-    fn views(c: &Context, lens: &[usize]) -> Result<Option<Vec<GpuStorage>>> {
+    pub(crate) fn views(c: &Context, lens: &[usize]) -> Result<Option<Vec<GpuStorage>>> {
         let (starts, total) = GpuStorage::layout(c, lens);
         if (total as u64).saturating_mul(4) > c.max_binding() {
             return Ok(None);
@@ -417,6 +417,17 @@ impl GpuStorage {
             .enumerate()
             .all(|(i, v)| v.offset_from(first) == Some(i * stride));
         (even && stride > 0).then_some(stride)
+    }
+
+    /// `self` and `other` through one binding where they are views of one
+    /// buffer: the binding (from the earlier of the two), and where each
+    /// starts in it (in f32s).
+    pub fn one_binding<'a>(&'a self, other: &'a GpuStorage) -> Option<(Bind<'a>, usize, usize)> {
+        if !std::sync::Arc::ptr_eq(&self.block, &other.block) {
+            return None;
+        }
+        let base = if self.offset <= other.offset { self } else { other };
+        Some((base.bind(), self.offset - base.offset, other.offset - base.offset))
     }
 
     /// The tensor's binding: its buffer from its first element.

@@ -51,7 +51,7 @@ pub fn no_consts() -> String {
 }
 
 /// Values for a kernel's `override` constants (unused slots have no name).
-pub type Overrides = [(&'static str, u32); 8];
+pub type Overrides = [(&'static str, u32); 12];
 
 /// One pipeline: a family's entry point with its override constants.
 #[derive(Clone, Copy, Debug)]
@@ -66,10 +66,10 @@ impl Kernel {
         Kernel {
             family,
             entry,
-            overrides: [("", 0); 8],
+            overrides: [("", 0); 12],
         }
     }
-    /// The same entry point with `name = value` set (at most eight).
+    /// The same entry point with `name = value` set (at most twelve).
     pub const fn with(mut self, name: &'static str, value: u32) -> Kernel {
         let mut i = 0;
         while i < self.overrides.len() && !self.overrides[i].0.is_empty() {
