@@ -3,12 +3,15 @@
 // q, k, dq, dk: (heads, T, D); v, y, dy, dv: (heads, T, D), or token-major
 // (B, T, h, D) with heads = B·h; p, ds: (heads, T, T) scratch, of which row i
 // of a head holds keys j <= i.
-// With RoPE (ROT_LOAD, ROT_BACK), q and k come in token-major like v and are
-// rotated as the forward reads them (rope.wgsl's rope_value at the row's
-// position, stored as R_FMT says), and the rotated rows are what backward
-// keeps, head-major; the backward's dq and dk are stored token-major, each
-// row rotated back (rope_grad, the arriving gradient first stored as R_FMT
-// says) by the invocation that formed it, after its last chain.
+// With RoPE, q and k come in token-major like v and are rotated as the
+// forward reads them (ROT_LOAD: rope.wgsl's rope_value at the row's position,
+// stored as R_FMT says), and the rotated rows are what backward keeps,
+// head-major; the backward's dq and dk are stored token-major, each row
+// rotated back (AttnParams.rot_back: rope_grad, the arriving gradient first
+// stored as r_fmt says) by the invocation that formed it, after its last
+// chain. The forward's are pipeline constants (its inner loops read through
+// them), the backward's runtime values (a row's last step: the backward
+// pipelines serve attention with RoPE and without).
 //
 // The bits are the batched composition's (attention/mod.rs), each step the
 // kernel it stands for:
@@ -59,6 +62,8 @@ struct AttnParams {
     cos_at: u32, // where RoPE's cos and sin tables (T, D) start in at_cs
     sin_at: u32,
     zero: u32,   // +0 (rope.wgsl's sep)
+    rot_back: u32, // 1: the backward rotates dq and dk back (RoPE)
+    r_fmt: u32,    // and the FMT_* code the rotated values are stored in
 }
 
 // q, k and v as bits: float32 values, or with *_HALF words of two 16-bit
@@ -100,11 +105,9 @@ override K_HALF: u32 = 0u;
 override V_HALF: u32 = 0u;
 override S_GUARD: bool = false;
 override Y_GUARD: bool = false;
-// RoPE: the forward rotates q and k as it reads them (token-major); the
-// backward rotates dq and dk back (token-major); the FMT_* code the policy
-// stores the rotated values in (0: float32)
+// RoPE in the forward: q and k rotated as they are read (token-major), and
+// the FMT_* code the rotated values are stored in (0: float32)
 override ROT_LOAD: bool = false;
-override ROT_BACK: bool = false;
 override R_FMT: u32 = 0u;
 
 fn load_q(e: u32) -> f32 {
@@ -168,16 +171,24 @@ fn k_at(row: u32, c: u32) -> f32 {
     return load_k(row + c);
 }
 
+// x stored as the backward's r_fmt says (rnd_r's runtime twin).
+fn rnd_back(x: f32) -> f32 {
+    if at_prm.r_fmt == 0u {
+        return x;
+    }
+    return round_fmt(x, at_prm.r_fmt);
+}
+
 // Elements c and c + D/2 of a row of dq (or dk) rotated back, `g` their
 // values as stored: the gradients of the unrotated row at `pos` (rope.wgsl's
-// rope_grad, the arriving gradient stored as R_FMT says first).
+// rope_grad, the arriving gradient stored as r_fmt says first).
 fn rotated_back(g: vec2<f32>, pos: u32, c: u32) -> vec2<f32> {
     let h = at_prm.d / 2u;
     let e = pos * at_prm.d + c;
     let ca = at_prm.cos_at;
     let sa = at_prm.sin_at;
-    let g1 = rnd_r(g.x);
-    let g2 = rnd_r(g.y);
+    let g1 = rnd_back(g.x);
+    let g2 = rnd_back(g.y);
     return vec2<f32>(rope_grad(g1, g2, at_cs[ca + e], at_cs[sa + e + h], true, at_prm.zero),
                      rope_grad(g2, g1, at_cs[ca + e + h], at_cs[sa + e], false, at_prm.zero));
 }
@@ -537,7 +548,7 @@ fn attention_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocatio
         ar_ds[sr + j] = ds;
     }
     // dq = ds k, token-major with RoPE
-    let dqr = select((b * t + i) * d, ga, ROT_BACK);
+    let dqr = select((b * t + i) * d, ga, at_prm.rot_back == 1u);
     for (var c = 0u; c < d; c += 4u) {
         var acc = vec4<f32>(0.0);
         span_reset();
@@ -560,7 +571,7 @@ fn attention_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocatio
             ar_dq[dqr + c + u] = rnd_s(acc[u]);
         }
     }
-    if ROT_BACK {
+    if at_prm.rot_back == 1u {
         let h = d / 2u;
         for (var c = 0u; c < h; c++) {
             let g = rotated_back(vec2<f32>(ar_dq[dqr + c], ar_dq[dqr + c + h]), i, c);
@@ -585,7 +596,7 @@ fn attention_columns(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invoca
     let q0 = b * t * d;
     let col = b * t * t + j; // (i, j) at col + i * t
     let v = tok_place(b);
-    let dkr = select((b * t + j) * d, v.x + j * v.y, ROT_BACK); // token-major with RoPE
+    let dkr = select((b * t + j) * d, v.x + j * v.y, at_prm.rot_back == 1u); // token-major with RoPE
     for (var c = 0u; c < d; c += 4u) {
         // dk = dsᵀ q
         var acc = vec4<f32>(0.0);
@@ -630,7 +641,7 @@ fn attention_columns(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invoca
             ac_dv[v.x + j * v.y + c + u] = rnd_y(acc[u]);
         }
     }
-    if ROT_BACK {
+    if at_prm.rot_back == 1u {
         let h = d / 2u;
         for (var c = 0u; c < h; c++) {
             let g = rotated_back(vec2<f32>(ac_dk[dkr + c], ac_dk[dkr + c + h]), j, c);

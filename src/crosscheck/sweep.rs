@@ -1545,14 +1545,14 @@ fn attention(sw: &mut Sweep) -> Result<()> {
         }
     }
     // RoPE inside attention (q and k token-major like v, rotated as they
-    // are read and rotated back in their gradients): in float32, under bf16
-    // products, and with the rotated values rounded on their own; the GPU's
-    // rotating kernels with the tables side by side, its composition apart
+    // are read and rotated back in their gradients): under bf16 products, and
+    // float32 ones with the rotated values rounded on their own, the tables
+    // side by side (as the model lays them out: a GPU rotates as it reads)
     let (heads, t, d, h) = (4, 33, 16, 2);
     let (cos, sin) = crate::nn::llama::rope_tables(t, d, 10000.0);
     let [q, k, v, g]: [Vec<f32>; 4] =
         std::array::from_fn(|_| (0..heads * t * d).map(|_| rng.moderate()).collect());
-    for (round, rope) in [(None, None), (bf, None), (None, fp)] {
+    for (round, rope) in [(bf, None), (None, fp)] {
         let a = Attention {
             heads,
             t,
@@ -1692,10 +1692,10 @@ fn attention_case(
     )
 }
 
-/// Attention with RoPE each way (`[q, k, v, dy]`, `tables` cos and sin):
-/// the forward, the forward keeping what backward reads (the rotated q and k
-/// as the scores' products read them, v's 16-bit copy), and the backward
-/// from those, with the tables side by side and apart.
+/// Attention with RoPE each way (`[q, k, v, dy]`, `tables` cos and sin, laid
+/// side by side): the forward, the forward keeping what backward reads (the
+/// rotated q and k as the scores' products read them, v's 16-bit copy), and
+/// the backward from those.
 fn rope_attention_case(
     sw: &mut Sweep,
     a: &Attention,
@@ -1705,82 +1705,64 @@ fn rope_attention_case(
 ) -> Result<()> {
     let f = |x: Option<Format>| x.map_or("f32", Format::name);
     let keep = Some((a.scores, a.round));
-    for side_by_side in [true, false] {
-        let variant = format!(
-            "{} rope {} tables {}",
-            f(a.round),
-            f(r.round),
-            if side_by_side {
-                "side by side"
-            } else {
-                "apart"
-            }
-        );
-        let case = format!(
-            "heads {} t {} d {} tokens {:?}",
-            a.heads, a.t, a.d, a.tokens
-        );
-        let tables = |dev: Device| -> Result<[Storage; 2]> {
-            let (c, s) = (up(cos, dev)?, up(sin, dev)?);
-            Ok(match side_by_side {
-                true => {
-                    let mut cs = Storage::colocate(&[&c, &s])?.into_iter();
-                    match (cs.next(), cs.next()) {
-                        (Some(c), Some(s)) => [c, s],
-                        _ => crate::bail!(Device, "colocate: two tables in, fewer out"),
-                    }
-                }
-                false => [c, s],
-            })
+    let variant = format!("{} rope {}", f(a.round), f(r.round));
+    let case = format!(
+        "heads {} t {} d {} tokens {:?}",
+        a.heads, a.t, a.d, a.tokens
+    );
+    let tables = |dev: Device| -> Result<[Storage; 2]> {
+        let mut cs = Storage::colocate(&[&up(cos, dev)?, &up(sin, dev)?])?.into_iter();
+        match (cs.next(), cs.next()) {
+            (Some(c), Some(s)) => Ok([c, s]),
+            _ => crate::bail!(Device, "colocate: two tables in, fewer out"),
+        }
+    };
+    let forward = |dev: Device, keep| {
+        let [c, s] = tables(dev)?;
+        a.forward_rope(
+            r,
+            [&up(q, dev)?, &up(k, dev)?, &up(v, dev)?],
+            [&c, &s],
+            keep,
+        )
+    };
+    sw.check("attention", &variant, case.clone(), &[], |dev| {
+        forward(dev, None)?.0.to_vec_f32()
+    })?;
+    let keeping = format!("{variant} keeping q, k, v");
+    sw.check("attention", &keeping, case.clone(), &[], |dev| {
+        let (y, kept) = forward(dev, keep)?;
+        let mut out = y.to_vec_f32()?;
+        let Some((qk, vw)) = kept else {
+            crate::bail!(Device, "a keeping forward kept nothing");
         };
-        let forward = |dev: Device, keep| {
-            let [c, s] = tables(dev)?;
-            a.forward_rope(
-                r,
-                [&up(q, dev)?, &up(k, dev)?, &up(v, dev)?],
-                [&c, &s],
-                keep,
-            )
+        for op in qk {
+            out.extend(match op {
+                Operand::Values(s) => s.to_vec_f32()?,
+                Operand::Half(p) => p.unpack()?.to_vec_f32()?,
+            });
+        }
+        if let Some((w, _)) = vw {
+            out.extend(w.unpack()?.to_vec_f32()?);
+        }
+        Ok(out)
+    })?;
+    sw.check("attention backward", &variant, case, &[], |dev| {
+        let (_, kept) = forward(dev, keep)?;
+        let Some(([kq, kk], vw)) = kept else {
+            crate::bail!(Device, "a keeping forward kept nothing");
         };
-        sw.check("attention", &variant, case.clone(), &[], |dev| {
-            forward(dev, None)?.0.to_vec_f32()
-        })?;
-        let keeping = format!("{variant} keeping q, k, v");
-        sw.check("attention", &keeping, case.clone(), &[], |dev| {
-            let (y, kept) = forward(dev, keep)?;
-            let mut out = y.to_vec_f32()?;
-            let Some((qk, vw)) = kept else {
-                crate::bail!(Device, "a keeping forward kept nothing");
-            };
-            for op in qk {
-                out.extend(match op {
-                    Operand::Values(s) => s.to_vec_f32()?,
-                    Operand::Half(p) => p.unpack()?.to_vec_f32()?,
-                });
-            }
-            if let Some((w, _)) = vw {
-                out.extend(w.unpack()?.to_vec_f32()?);
-            }
-            Ok(out)
-        })?;
-        sw.check("attention backward", &variant, case, &[], |dev| {
-            let (_, kept) = forward(dev, keep)?;
-            let Some(([kq, kk], vw)) = kept else {
-                crate::bail!(Device, "a keeping forward kept nothing");
-            };
-            let kv = match vw {
-                Some((w, _)) => Operand::Half(w),
-                None => Operand::Values(up(v, dev)?),
-            };
-            let [c, s] = tables(dev)?;
-            let mut out = Vec::new();
-            for s in a.backward_rope(r, [&kq, &kk, &kv], &up(g, dev)?, [&c, &s])? {
-                out.extend(s.to_vec_f32()?);
-            }
-            Ok(out)
-        })?;
-    }
-    Ok(())
+        let kv = match vw {
+            Some((w, _)) => Operand::Half(w),
+            None => Operand::Values(up(v, dev)?),
+        };
+        let [c, s] = tables(dev)?;
+        let mut out = Vec::new();
+        for s in a.backward_rope(r, [&kq, &kk, &kv], &up(g, dev)?, [&c, &s])? {
+            out.extend(s.to_vec_f32()?);
+        }
+        Ok(out)
+    })
 }
 
 // ----------------------------------------------------------- data moves ----

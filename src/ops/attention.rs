@@ -18,6 +18,8 @@
 //! For backward it keeps q, k and v — as the products read them: rounded, in
 //! 16 bits, under autocast — and recomputes the probabilities from them with
 //! the forward's primitives (the composition keeps the probabilities too).
+//! With RoPE inside (`causal_attention_rope`) it keeps the rotated q and k
+//! the same way, and no rotated copy exists besides.
 
 use crate::backend::attention::{Attention, Rotary};
 use crate::backend::{Operand, Storage};
@@ -123,11 +125,7 @@ impl Tensor {
             &[q, k, v],
             move |g| {
                 // q, k and v as the products read them: 16-bit copies under autocast
-                let [qk, kk, vk] = kept
-                    .as_ref()
-                    .expect("a recorded attention keeps its operands")
-                    .each_ref()
-                    .map(|t| t.arg().op);
+                let [qk, kk, vk] = operands(&kept);
                 let [dq, dk, dv] = att.backward(&qk, &kk, &vk, &g.storage())?;
                 let wrap = |st: Storage, shape: &[usize]| Tensor::from_storage(st, shape);
                 // each a rounded product's output
@@ -223,11 +221,7 @@ impl Tensor {
             "causal_attention_rope",
             &[q, k, v],
             move |g| {
-                let [qk, kk, vk] = kept
-                    .as_ref()
-                    .expect("a recorded attention keeps its operands")
-                    .each_ref()
-                    .map(|t| t.arg().op);
+                let [qk, kk, vk] = operands(&kept);
                 let [dq, dk, dv] =
                     att.backward_rope(r, [&qk, &kk, &vk], &g.storage(), [&c, &sn])?;
                 let wrap = |st: Storage| Tensor::from_storage(st, &shape);
@@ -240,6 +234,14 @@ impl Tensor {
         );
         Ok(y.with_half(round))
     }
+}
+
+/// What a recorded attention kept, as its backward's products read it.
+fn operands(kept: &Option<[Saved; 3]>) -> [Operand; 3] {
+    kept.as_ref()
+        .expect("a recorded attention keeps its operands")
+        .each_ref()
+        .map(|t| t.arg().op)
 }
 
 /// The attention of `heads` heads of `(t, d)` rows under this thread's

@@ -112,7 +112,7 @@ impl Saved {
     /// (`Storage::matmul_keeping_a`, `Storage::swiglu_keeping`) and hand it
     /// over ([`adopt`](Saved::adopt)) before it keeps the tensor.
     pub(crate) fn to_pack(k: Keep) -> Option<Format> {
-        let halves = super::is_grad_enabled() && !saved_float32_only();
+        let halves = Saved::halves();
         match k {
             Keep::Half(t, f, _) if halves && cached(t, f).is_none() => Some(f),
             _ => None,
@@ -156,7 +156,7 @@ impl Saved {
     pub(crate) fn all<const N: usize>(ks: [Keep; N]) -> Result<[Saved; N]> {
         // Nothing is recorded without grad mode: the closure holding these
         // is dropped at once, so a copy would be wasted.
-        let halves = super::is_grad_enabled() && !saved_float32_only();
+        let halves = Saved::halves();
         // the tensors to pack, each once, by format
         let mut todo: Vec<(&Tensor, Format, bool)> = Vec::new();
         for k in &ks {

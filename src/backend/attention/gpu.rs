@@ -20,10 +20,11 @@ gpu_params! {
     /// `keep`, `keep_v`: `attention_keeping`'s FMT_* codes of q's and k's
     /// words (0: float32 values) and of v's (0: none), `kw` where k's start;
     /// `cos_at`, `sin_at`: where RoPE's tables start in their binding;
-    /// `zero`: +0.
+    /// `zero`: +0; `rot_back`: 1 where the backward rotates dq and dk back
+    /// (RoPE), `r_fmt` the rotated values' FMT_* code.
     pub struct AttnParams {
         t: u32, d: u32, head0: u32, scale: u32, tokens: u32, keep: u32, keep_v: u32, kw: u32, cos_at: u32,
-        sin_at: u32, zero: u32,
+        sin_at: u32, zero: u32, rot_back: u32, r_fmt: u32,
     }
 }
 
@@ -60,7 +61,7 @@ fn fused_fits(c: &Context, a: &Attention) -> bool {
 /// How a dispatch rotates by RoPE: in the forward's loads or the backward's
 /// stores, with the tables' binding and where each starts in it.
 #[derive(Clone, Copy)]
-enum Rope<'a> {
+enum Rotation<'a> {
     Off,
     Load(Rotary, Tables<'a>),
     Back(Rotary, Tables<'a>),
@@ -69,13 +70,12 @@ enum Rope<'a> {
 /// RoPE's cos and sin through one binding, and where each starts in it.
 type Tables<'a> = (Bind<'a>, usize, usize);
 
-/// `kernel` with `a`'s formats, the 16-bit formats of q, k and v and `rope`'s
-/// direction and format.
-fn specialised(c: &Context, kernel: Kernel, a: &Attention, halves: [Option<Format>; 3], rope: Rope) -> Kernel {
-    let (load, back, round) = match rope {
-        Rope::Off => (false, false, None),
-        Rope::Load(r, _) => (true, false, r.round),
-        Rope::Back(r, _) => (false, true, r.round),
+/// `kernel` with `a`'s formats, the 16-bit formats of q, k and v, and
+/// `rope`'s where the forward rotates (the backward's are runtime values).
+fn specialised(c: &Context, kernel: Kernel, a: &Attention, halves: [Option<Format>; 3], rope: Rotation) -> Kernel {
+    let load = match rope {
+        Rotation::Load(r, _) => Some(r.round),
+        Rotation::Off | Rotation::Back(..) => None,
     };
     kernel
         .with("S_FMT", fmt_code(a.scores))
@@ -86,9 +86,8 @@ fn specialised(c: &Context, kernel: Kernel, a: &Attention, halves: [Option<Forma
         .with("V_HALF", fmt_code(halves[2]))
         .with("S_GUARD", guarded(c.native_fma, a.scores) as u32)
         .with("Y_GUARD", guarded(c.native_fma, a.round) as u32)
-        .with("ROT_LOAD", load as u32)
-        .with("ROT_BACK", back as u32)
-        .with("R_FMT", fmt_code(round))
+        .with("ROT_LOAD", load.is_some() as u32)
+        .with("R_FMT", fmt_code(load.flatten()))
 }
 
 /// What a dispatch writes besides its outputs: the keeping forward's codes
@@ -103,12 +102,13 @@ struct Words {
 /// One dispatch of `kernel` per 65,535 heads: a workgroup per 64 rows of a
 /// head. `binds` are the kernel's in order with RoPE's tables (binding 4)
 /// left out: `rope`'s, or a stand-in never read (the first binding).
-fn launch(c: &Context, kernel: &Kernel, a: &Attention, words: Words, rope: Rope, binds: &[Bind]) -> Result<()> {
+fn launch(c: &Context, kernel: &Kernel, a: &Attention, words: Words, rope: Rotation, binds: &[Bind]) -> Result<()> {
     let (t, d) = (a.t, a.d);
     u32_of(a.heads * t * t.max(d), "attention size")?;
-    let (tables, cos_at, sin_at) = match rope {
-        Rope::Off => (binds[0], 0, 0),
-        Rope::Load(_, tb) | Rope::Back(_, tb) => tb,
+    let (back, (tables, cos_at, sin_at)) = match rope {
+        Rotation::Off => (None, (binds[0], 0, 0)),
+        Rotation::Load(_, tb) => (None, tb),
+        Rotation::Back(r, tb) => (Some(r.round), tb),
     };
     let mut all = binds.to_vec();
     all.insert(3, tables);
@@ -127,6 +127,8 @@ fn launch(c: &Context, kernel: &Kernel, a: &Attention, words: Words, rope: Rope,
             cos_at: u32_of(cos_at, "table offset")?,
             sin_at: u32_of(sin_at, "table offset")?,
             zero: 0,
+            rot_back: back.is_some() as u32,
+            r_fmt: fmt_code(back.flatten()),
         };
         c.dispatch(kernel, &prm, &all, (u32_of(t.div_ceil(64), "t")?, n as u32, 1))?;
         head0 += n;
@@ -145,9 +147,9 @@ impl AttentionOps for GpuStorage {
             return Ok(y);
         }
         let p = GpuStorage::alloc(c, a.heads * a.t * a.t)?;
-        let kernel = specialised(c, FORWARD, a, [q.1, k.1, v.1], Rope::Off);
+        let kernel = specialised(c, FORWARD, a, [q.1, k.1, v.1], Rotation::Off);
         let binds = [q.0.bind(), k.0.bind(), v.0.bind(), p.bind(), y.bind()];
-        launch(c, &kernel, a, Words::default(), Rope::Off, &binds)?;
+        launch(c, &kernel, a, Words::default(), Rotation::Off, &binds)?;
         Ok(y)
     }
 
@@ -165,14 +167,14 @@ impl AttentionOps for GpuStorage {
         };
         let (y, wv) = (GpuStorage::alloc(c, n)?, GpuStorage::alloc(c, n / 2)?);
         let p = GpuStorage::alloc(c, a.heads * a.t * a.t)?;
-        let kernel = specialised(c, KEEPING, a, [None; 3], Rope::Off);
+        let kernel = specialised(c, KEEPING, a, [None; 3], Rotation::Off);
         let words = Words {
             keep: fmt_code(Some(keep[0])),
             keep_v: fmt_code(Some(keep[1])),
             kw: qk[1].offset_from(&qk[0]).unwrap_or(0),
         };
         let binds = [q.bind(), k.bind(), v.bind(), p.bind(), y.bind(), qk[0].bind(), wv.bind()];
-        launch(c, &kernel, a, words, Rope::Off, &binds)?;
+        launch(c, &kernel, a, words, Rotation::Off, &binds)?;
         let [wq, wk]: [GpuStorage; 2] = qk.try_into().unwrap_or_else(|_| unreachable!("two views"));
         Ok((y, [(wq, None), (wk, None), (wv, None)]))
     }
@@ -187,7 +189,7 @@ impl AttentionOps for GpuStorage {
         let (Some(tb), true, true) = (one, fused_fits(c, a), n > 0 && a.tokens.is_some()) else {
             return rope_then_attention(a, r, [q, k, v], tables, keep);
         };
-        let rope = Rope::Load(r, tb);
+        let rope = Rotation::Load(r, tb);
         let y = GpuStorage::alloc(c, n)?;
         let p = GpuStorage::alloc(c, a.heads * a.t * a.t)?;
         let Some((fqk, fv)) = keep else {
@@ -220,7 +222,7 @@ impl AttentionOps for GpuStorage {
         if !fused_fits(c, a) {
             return batched::backward(a, q, k, v, g);
         }
-        backward(c, a, [q, k, v], g, Rope::Off)
+        backward(c, a, [q, k, v], g, Rotation::Off)
     }
 
     fn attention_rope_backward(a: &Attention, r: Rotary, q: Arg<Self>, k: Arg<Self>, v: Arg<Self>, g: &Self, tables: [&Self; 2]) -> Result<[Self; 3]> {
@@ -229,12 +231,12 @@ impl AttentionOps for GpuStorage {
         let (Some(tb), true, true) = (one, fused_fits(c, a), a.tokens.is_some()) else {
             return attention_then_rope_backward(a, r, [q, k, v], g, tables);
         };
-        backward(c, a, [q, k, v], g, Rope::Back(r, tb))
+        backward(c, a, [q, k, v], g, Rotation::Back(r, tb))
     }
 }
 
 /// The backward's two passes (rotating dq and dk back with `rope`).
-fn backward(c: &Context, a: &Attention, [q, k, v]: [Arg<GpuStorage>; 3], g: &GpuStorage, rope: Rope) -> Result<[GpuStorage; 3]> {
+fn backward(c: &Context, a: &Attention, [q, k, v]: [Arg<GpuStorage>; 3], g: &GpuStorage, rope: Rotation) -> Result<[GpuStorage; 3]> {
     let n = a.heads * a.t * a.d;
     let [dq, dk, dv] = [(); 3].map(|_| GpuStorage::alloc(c, n));
     let (dq, dk, dv) = (dq?, dk?, dv?);
