@@ -138,11 +138,12 @@ fn rnd_r(x: f32) -> f32 {
     return round_fmt(x, R_FMT);
 }
 
-// Element c of a row at position `pos` (the element and its partner as
-// `pair` gives them) rotated and stored as R_FMT says.
-fn rotated(pos: u32, c: u32, pair: vec2<f32>) -> f32 {
+// Element c of the token-major row at `row` (the row's element and its
+// partner as `pair` gives them) rotated at the row's position and stored as
+// R_FMT says.
+fn rotated(row: u32, c: u32, pair: vec2<f32>) -> f32 {
     let d = at_prm.d;
-    let e = pos * d + c; // the tables' entry
+    let e = (row / (at_prm.tokens * d)) % at_prm.t * d + c; // the tables' entry
     let r = rope_value(pair.x, pair.y, at_cs[at_prm.cos_at + e], at_cs[at_prm.sin_at + e], c < d / 2u, at_prm.zero);
     return rnd_r(r);
 }
@@ -154,19 +155,18 @@ fn partner(c: u32) -> u32 {
     return select(c - h, c + h, c < h);
 }
 
-// Element c of q's (or k's) row at `row`, position `pos`, as the forward
-// reads it (the position is read only with ROT_LOAD; the backward's passes
-// read q alone: each function reads its own buffer).
-fn q_at(row: u32, pos: u32, c: u32) -> f32 {
+// Element c of q's (or k's) row at `row`, as the forward reads it (the
+// backward's passes read q alone: each function reads its own buffer).
+fn q_at(row: u32, c: u32) -> f32 {
     if ROT_LOAD {
-        return rotated(pos, c, vec2<f32>(load_q(row + c), load_q(row + partner(c))));
+        return rotated(row, c, vec2<f32>(load_q(row + c), load_q(row + partner(c))));
     }
     return load_q(row + c);
 }
 
-fn k_at(row: u32, pos: u32, c: u32) -> f32 {
+fn k_at(row: u32, c: u32) -> f32 {
     if ROT_LOAD {
-        return rotated(pos, c, vec2<f32>(load_k(row + c), load_k(row + partner(c))));
+        return rotated(row, c, vec2<f32>(load_k(row + c), load_k(row + partner(c))));
     }
     return load_k(row + c);
 }
@@ -181,9 +181,7 @@ fn rnd_back(x: f32) -> f32 {
 
 // Elements c and c + D/2 of a row of dq (or dk) rotated back, `g` their
 // values as stored: the gradients of the unrotated row at `pos` (rope.wgsl's
-// rope_grad, the arriving gradient stored as r_fmt says first). Each pass
-// loops over its own output with it: WGSL passes no storage buffer to a
-// function.
+// rope_grad, the arriving gradient stored as r_fmt says first).
 fn rotated_back(g: vec2<f32>, pos: u32, c: u32) -> vec2<f32> {
     let h = at_prm.d / 2u;
     let e = pos * at_prm.d + c;
@@ -211,16 +209,16 @@ fn rnd_y(x: f32) -> f32 {
 
 // Elements c..c+3 of the row of q, k, v or dy starting at `row`, rounded as
 // their products read them; past D the row's last element (never used).
-fn q4(row: u32, pos: u32, c: u32) -> vec4<f32> {
+fn q4(row: u32, c: u32) -> vec4<f32> {
     let l = at_prm.d - 1u;
-    return vec4<f32>(rnd_s(q_at(row, pos, c)), rnd_s(q_at(row, pos, min(c + 1u, l))),
-                     rnd_s(q_at(row, pos, min(c + 2u, l))), rnd_s(q_at(row, pos, min(c + 3u, l))));
+    return vec4<f32>(rnd_s(q_at(row, c)), rnd_s(q_at(row, min(c + 1u, l))),
+                     rnd_s(q_at(row, min(c + 2u, l))), rnd_s(q_at(row, min(c + 3u, l))));
 }
 
-fn k4(row: u32, pos: u32, c: u32) -> vec4<f32> {
+fn k4(row: u32, c: u32) -> vec4<f32> {
     let l = at_prm.d - 1u;
-    return vec4<f32>(rnd_s(k_at(row, pos, c)), rnd_s(k_at(row, pos, min(c + 1u, l))),
-                     rnd_s(k_at(row, pos, min(c + 2u, l))), rnd_s(k_at(row, pos, min(c + 3u, l))));
+    return vec4<f32>(rnd_s(k_at(row, c)), rnd_s(k_at(row, min(c + 1u, l))),
+                     rnd_s(k_at(row, min(c + 2u, l))), rnd_s(k_at(row, min(c + 3u, l))));
 }
 
 fn v4(row: u32, c: u32) -> vec4<f32> {
@@ -299,18 +297,16 @@ fn keys_step(x: vec4<f32>, y0: vec4<f32>, y1: vec4<f32>, y2: vec4<f32>, y3: vec4
     return chains4(x, y0, y1, y2, y3, acc, p, fast);
 }
 
-// The scores x_ij of keys j..j+3 (key_rows) from q's row at `qa`, query
-// i = live - 1, and the head's k (`kp`: qk_place) (S_FMT); `first`: the first
-// run (the device's fma where exact, the operands noted).
+// The scores x_ij of keys j..j+3 (key_rows) from q's row at `qa` and the
+// head's k (`kp`: qk_place) (S_FMT); `first`: the first run (the device's
+// fma where exact, the operands noted).
 fn scores4(qa: u32, kp: vec2<u32>, j: u32, live: u32, first: bool) -> vec4<f32> {
     let d = at_prm.d;
     let kb = key_rows(kp.x, kp.y, j, live);
-    let i = live - 1u;
-    let kj = min(vec4<u32>(j, j + 1u, j + 2u, j + 3u), vec4<u32>(i)); // the keys' positions, as key_rows clamps
     var acc = vec4<f32>(0.0);
     for (var p = 0u; p < d; p += 4u) {
-        acc = keys_step(q4(qa, i, p), k4(kb.x, kj.x, p), k4(kb.y, kj.y, p), k4(kb.z, kj.z, p), k4(kb.w, kj.w, p), acc,
-                        p, S_GUARD && first, first && S_FMT != 0u);
+        acc = keys_step(q4(qa, p), k4(kb.x, p), k4(kb.y, p), k4(kb.z, p), k4(kb.w, p), acc, p, S_GUARD && first,
+                        first && S_FMT != 0u);
     }
     return vec4<f32>(rnd_s(acc.x), rnd_s(acc.y), rnd_s(acc.z), rnd_s(acc.w));
 }
@@ -444,7 +440,7 @@ fn attention_keeping(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invoca
         let b = at_prm.head0 + wg.y;
         let v = tok_place(b);
         let qk = qk_place(b);
-        keep_rows(qk.x + i * qk.y, i, (b * t + i) * at_prm.d, v.x + i * v.y);
+        keep_rows(qk.x + i * qk.y, (b * t + i) * at_prm.d, v.x + i * v.y);
         forward_row(b, i);
     }
 }
@@ -483,18 +479,17 @@ fn forward_row(b: u32, i: u32) {
     }
 }
 
-// Row i's words of q and k as the forward reads them (from `src`, position
-// i, into the head-major row at `dst`; float32 values where keep is 0) and of
-// v (from `vr`, where keep_v is set): float32 values packed as pack.wgsl
-// packs them.
-fn keep_rows(src: u32, i: u32, dst: u32, vr: u32) {
+// Row i's words of q and k as the forward reads them (from `src`, into the
+// head-major row at `dst`; float32 values where keep is 0) and of v (from
+// `vr`, where keep_v is set): float32 values packed as pack.wgsl packs them.
+fn keep_rows(src: u32, dst: u32, vr: u32) {
     let f = at_prm.keep;
     let fv = at_prm.keep_v;
     let kw = at_prm.kw;
     for (var e = 0u; e < at_prm.d; e += 2u) {
         let a = dst + e;
-        let q = vec2<f32>(q_at(src, i, e), q_at(src, i, e + 1u));
-        let k = vec2<f32>(k_at(src, i, e), k_at(src, i, e + 1u));
+        let q = vec2<f32>(q_at(src, e), q_at(src, e + 1u));
+        let k = vec2<f32>(k_at(src, e), k_at(src, e + 1u));
         if f == 0u {
             at_wqk[a] = bitcast<u32>(q.x);
             at_wqk[a + 1u] = bitcast<u32>(q.y);
@@ -559,7 +554,7 @@ fn attention_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocatio
         span_reset();
         for (var j = 0u; j < live; j++) {
             let x = rnd_s(ar_ds[sr + j]);
-            let y = k4(k0 + j * d, j, c);
+            let y = k4(k0 + j * d, c);
             if S_GUARD {
                 span_note(vec4<f32>(x), y);
             }
@@ -569,7 +564,7 @@ fn attention_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocatio
             let redo = span_redo();
             acc = select(acc, vec4<f32>(0.0), redo);
             for (var j = select(live, 0u, redo); j < live; j++) {
-                acc = term4(rnd_s(ar_ds[sr + j]), k4(k0 + j * d, j, c), acc, false);
+                acc = term4(rnd_s(ar_ds[sr + j]), k4(k0 + j * d, c), acc, false);
             }
         }
         for (var u = 0u; u < 4u && c + u < d; u++) {
@@ -608,7 +603,7 @@ fn attention_columns(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invoca
         span_reset();
         for (var i = j; i < t; i++) {
             let x = rnd_s(ac_ds[col + i * t]);
-            let y = q4(q0 + i * d, i, c);
+            let y = q4(q0 + i * d, c);
             if S_GUARD {
                 span_note(vec4<f32>(x), y);
             }
@@ -618,7 +613,7 @@ fn attention_columns(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invoca
             let redo = span_redo();
             acc = select(acc, vec4<f32>(0.0), redo);
             for (var i = select(t, j, redo); i < t; i++) {
-                acc = term4(rnd_s(ac_ds[col + i * t]), q4(q0 + i * d, i, c), acc, false);
+                acc = term4(rnd_s(ac_ds[col + i * t]), q4(q0 + i * d, c), acc, false);
             }
         }
         for (var u = 0u; u < 4u && c + u < d; u++) {
