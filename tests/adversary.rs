@@ -1,7 +1,8 @@
 //! The adversarial compiler (`backend::gpu::adversary`) against the shipped
 //! kernels: for each rewrite a driver's compiler may make — contraction,
 //! regrouping, subnormal flushing, folding of inf/NaN — the whole primitive
-//! sweep and a one-step training lockstep in each precision, on lavapipe's
+//! sweep and a one-step training lockstep (float32 under contraction, bf16
+//! under regrouping, fp16 under folding, all three under flushing), on lavapipe's
 //! Vulkan with the kernels rewritten, held bit for bit to the CPU. Where the
 //! probe can see what the compiler does (a product and a sum fused, constants
 //! regrouped, subnormals flushed) it must see it, and the bits must hold all
@@ -53,10 +54,10 @@ fn holds(p: &probe::Probe, check: &str) -> bool {
         .holds
 }
 
-/// A one-step tiny lockstep in each precision, bit-identical to the CPU
-/// under rewrite `a`.
-fn lockstep_holds(a: Adversary) {
-    for precision in [Precision::Fp32, Precision::Bf16, Precision::Fp16] {
+/// A one-step tiny lockstep in each of `precisions`, bit-identical to the
+/// CPU under rewrite `a`.
+fn lockstep_holds(a: Adversary, precisions: &[Precision]) {
+    for &precision in precisions {
         let t = Instant::now();
         let o = LockstepOptions {
             preset: "tiny".into(),
@@ -95,9 +96,12 @@ fn vulkan_adapter() -> Option<tinyllm::backend::gpu::AdapterInfo> {
     Some(info)
 }
 
-/// A one-step lockstep in each precision and the sweep of every family whose
-/// kernels the rewrite changes: bit-identical to the CPU, every row.
-fn bits_hold(a: Adversary) {
+/// A one-step lockstep in `precision` and the sweep of every family whose
+/// kernels the rewrite changes (every format of every kernel): bit-identical
+/// to the CPU, every row. Each rewrite's lockstep runs one precision (its
+/// pipelines compile afresh under each rewrite); the three rewrites that
+/// call this cover the three precisions between them.
+fn bits_hold(a: Adversary, precision: Precision) {
     let Some(info) = vulkan_adapter() else {
         return;
     };
@@ -106,7 +110,7 @@ fn bits_hold(a: Adversary) {
         "{}",
         info.shaders
     );
-    lockstep_holds(a);
+    lockstep_holds(a, &[precision]);
     // the families whose kernels the rewrite changes
     let families: Vec<Family> = Family::ALL
         .into_iter()
@@ -151,8 +155,8 @@ fn kernel_sites(f: Family, native_fma: bool) -> usize {
 
 /// [`bits_hold`], and the cross-check's probe sees the rewrite: its `check`
 /// fails.
-fn bits_hold_and_probe_fails(a: Adversary, check: &str) {
-    bits_hold(a);
+fn bits_hold_and_probe_fails(a: Adversary, precision: Precision, check: &str) {
+    bits_hold(a, precision);
     let p = probe::run().unwrap();
     assert!(
         !holds(&p, check),
@@ -161,13 +165,14 @@ fn bits_hold_and_probe_fails(a: Adversary, check: &str) {
     );
 }
 
-/// Every product feeding a sum contracted into one exact fma: the probe sees
+/// Every product feeding a sum contracted into one exact fma (the float32
+/// step: every sum a chain of float32 products): the probe sees
 /// the contraction (its product and sum written apart), the kernels' bits
 /// do not change (`sep()` hides their products, the rest are explicit `fma_c`).
 #[test]
 fn contraction_changes_no_bits() {
     under(Adversary::Contract, "contraction_changes_no_bits", |a| {
-        bits_hold_and_probe_fails(a, "no_contraction")
+        bits_hold_and_probe_fails(a, Precision::Fp32, "no_contraction")
     });
 }
 
@@ -176,18 +181,17 @@ fn contraction_changes_no_bits() {
 #[test]
 fn regrouping_changes_no_bits() {
     under(Adversary::Regroup, "regrouping_changes_no_bits", |a| {
-        bits_hold_and_probe_fails(a, "no_reassociation")
+        bits_hold_and_probe_fails(a, Precision::Bf16, "no_reassociation")
     });
 }
 
-/// Constant inf/NaN arithmetic folded away: the kernels compute with none.
+/// Constant inf/NaN arithmetic folded away: the kernels compute with none
+/// (the fp16 step: the loss scaler's checks of inf and NaN).
 #[test]
 fn folding_infinities_changes_no_bits() {
-    under(
-        Adversary::Fold,
-        "folding_infinities_changes_no_bits",
-        bits_hold,
-    );
+    under(Adversary::Fold, "folding_infinities_changes_no_bits", |a| {
+        bits_hold(a, Precision::Fp16)
+    });
 }
 
 /// Subnormals flushed on the way into and out of every float operation, as
@@ -229,7 +233,7 @@ fn flushing_is_seen_by_the_probe_and_changes_no_integer_route() {
             ] {
                 assert!(holds(&p, check), "{check}: an integer route flushed");
             }
-            lockstep_holds(a);
+            lockstep_holds(a, &[Precision::Fp32, Precision::Bf16, Precision::Fp16]);
             // matmul and the optimizers are products and sums of subnormals
             // through and through: left out; attention's forward is integer
             // routes and guarded products, which must hold

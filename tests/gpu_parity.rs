@@ -241,6 +241,43 @@ sweeps! {
     sweep_update_kernels => Family::Update,
 }
 
+/// The same adapter through wgpu's GL backend (WGSL compiled to GLSL: a
+/// second shader front end): every family's sweep of the kernels the adapter
+/// gets, and a two-step `tiny` lockstep in each precision, bit-identical to
+/// the CPU. In a child process (the backend is chosen once per process),
+/// beside this binary's other tests: its cold compiles take minutes on
+/// lavapipe, one at a time (wgpu's GL context serialises them).
+#[test]
+fn the_gl_front_end_keeps_every_bit() {
+    use tinyllm::crosscheck::lockstep::{self, LockstepOptions};
+    use tinyllm::precision::Precision;
+    let env = [("WGPU_BACKEND", "gl")];
+    common::in_child("the_gl_front_end_keeps_every_bit", &env, || {
+        require_gpu!();
+        let info = tinyllm::backend::gpu::adapter().unwrap();
+        assert_eq!(info.backend, "Gl", "WGPU_BACKEND=gl reached {info:?}");
+        assert!(info.shaders.starts_with("WGSL"), "{}", info.shaders);
+        for f in Family::ALL {
+            sweep_family(Device::Gpu, f);
+        }
+        for precision in [Precision::Fp32, Precision::Bf16, Precision::Fp16] {
+            let o = LockstepOptions {
+                preset: "tiny".into(),
+                steps: 2,
+                precision,
+                seed: None,
+            };
+            let l = lockstep::run(&o, &mut |_| {}).unwrap();
+            assert!(
+                l.bit_identical(),
+                "{}: {:?}",
+                precision.name(),
+                l.divergence
+            );
+        }
+    });
+}
+
 // ------------------------------------ the CPU side against references ----
 
 /// The CPU's rounding primitive on the sweep's stratified inputs is the
