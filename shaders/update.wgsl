@@ -45,83 +45,71 @@ fn scale_in_place(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups)
     }
 }
 
-// ---- finite check + unscale + sum of squares: up to five gradients per
-// dispatch, each in place: g_s: (n_s); flag: one u32 shared by all buffers;
-// partials: one f32 per chunk of `chunk` values, from `offset`, buffer after
-// buffer ----
-// One invocation per chunk of the dispatch's buffers, numbered buffer after
-// buffer (chunk q is in the first buffer s with q < end[s], the running
-// count of chunks), so q = grid_index(wg, groups, lane) writes partial offset + q
-// as one dispatch per buffer did. It walks its chunk in order (the sum of
-// squares' order, reduce.wgsl chunk_sum_squares). Each value is tested
-// *before* the multiply on its exponent bits (all ones = inf or NaN; WGSL has
-// no isNan/isInf), then multiplied by inv_scale (a power of two: exact) and
-// its square added by fma. The host zeroes the flag, runs this over all the
-// gradients six at a time (one flag, one partials buffer, six gradients:
-// WebGPU's least of eight storage buffers, the parameters a uniform buffer),
-// and reads the flag and the partials back together. A slot
-// the host leaves unused has n = 0, its end the last one's, and another
-// gradient bound to it, never read.
+// ---- finite check + unscale + sum of squares: up to SLOTS gradients per
+// dispatch, each in place: gradient s: (n_s), the elements of fc_g from
+// off[s]; flag: one u32 shared by all of them; partials: one f32 per chunk of
+// `chunk` values, from `offset`, gradient after gradient ----
+// One invocation per chunk of the dispatch's gradients, numbered gradient
+// after gradient (chunk q is in the first slot s with q < end[s], the running
+// count of chunks), so q = grid_index(wg, groups, lane) writes partial
+// offset + q as one dispatch per gradient did. It walks its chunk in order
+// (the sum of squares' order, reduce.wgsl chunk_sum_squares). Each value is
+// tested *before* the multiply on its exponent bits (all ones = inf or NaN;
+// WGSL has no isNan/isInf), then multiplied by inv_scale (a power of two:
+// exact) and its square added by fma. The host zeroes the flag, runs this
+// over all the gradients (those laid side by side in one buffer, as the
+// trainer lays them out, in one dispatch; others one buffer a dispatch),
+// and reads the flag and the partials back together. A slot the host leaves
+// unused has n = 0 and its end the last one's.
+
+// Gradients (AdamW: parameters) one dispatch takes: the parameters'
+// per-slot arrays fill a uniform buffer of 32 vec4s each.
+const SLOTS: u32 = 128u;
 
 struct CheckParams {
     c: u32, // f32 bits
     chunk: u32,
     offset: u32,
     _pad: u32,
-    n: array<vec4<u32>, 2>,   // each slot's length (0: unused), slot s at [s / 4][s % 4]
-    end: array<vec4<u32>, 2>, // the running count of chunks through each slot
+    // per slot s, at [s / 4][s % 4]: its offset in fc_g, its length (0:
+    // unused) and the running count of chunks through it
+    off: array<vec4<u32>, 32>,
+    n: array<vec4<u32>, 32>,
+    end: array<vec4<u32>, 32>,
 }
 
 @group(0) @binding(0) var<uniform> fc_prm: CheckParams;
 @group(0) @binding(1) var<storage, read_write> fc_flag: atomic<u32>;
 @group(0) @binding(2) var<storage, read_write> fc_partials: array<f32>;
-@group(0) @binding(3) var<storage, read_write> fc_g0: array<f32>;
-@group(0) @binding(4) var<storage, read_write> fc_g1: array<f32>;
-@group(0) @binding(5) var<storage, read_write> fc_g2: array<f32>;
-@group(0) @binding(6) var<storage, read_write> fc_g3: array<f32>;
-@group(0) @binding(7) var<storage, read_write> fc_g4: array<f32>;
-@group(0) @binding(8) var<storage, read_write> fc_g5: array<f32>;
+@group(0) @binding(3) var<storage, read_write> fc_g: array<f32>;
 
 fn fc_end(s: u32) -> u32 {
     return fc_prm.end[s / 4u][s % 4u];
-}
-
-fn fc_load(s: u32, i: u32) -> f32 {
-    switch s {
-        case 0u: { return fc_g0[i]; }
-        case 1u: { return fc_g1[i]; }
-        case 2u: { return fc_g2[i]; }
-        case 3u: { return fc_g3[i]; }
-        case 4u: { return fc_g4[i]; }
-        default: { return fc_g5[i]; }
-    }
-}
-
-fn fc_store(s: u32, i: u32, v: f32) {
-    switch s {
-        case 0u: { fc_g0[i] = v; }
-        case 1u: { fc_g1[i] = v; }
-        case 2u: { fc_g2[i] = v; }
-        case 3u: { fc_g3[i] = v; }
-        case 4u: { fc_g4[i] = v; }
-        default: { fc_g5[i] = v; }
-    }
 }
 
 @compute @workgroup_size(64)
 fn finite_check_unscale(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
                         @builtin(local_invocation_index) lane: u32) {
     let q = grid_index(wg, groups, lane);
-    if q >= fc_end(5u) {
+    if q >= fc_end(SLOTS - 1u) {
         return;
     }
-    // q's buffer s (the first whose chunks end past q) and the chunks before it
+    // q's slot s: the first whose chunks end past q (the ends ascend)
     var s = 0u;
-    var before = 0u;
-    while q >= fc_end(s) {
-        before = fc_end(s);
-        s += 1u;
+    var hi = SLOTS - 1u;
+    while s < hi {
+        let mid = (s + hi) / 2u;
+        if q < fc_end(mid) {
+            hi = mid;
+        } else {
+            s = mid + 1u;
+        }
     }
+    var before = 0u;
+    if s > 0u {
+        before = fc_end(s - 1u);
+    }
+    let at = fc_prm.off[s / 4u][s % 4u];
     let n = fc_prm.n[s / 4u][s % 4u];
     let start = (q - before) * fc_prm.chunk;
     let end = min(start + fc_prm.chunk, n);
@@ -129,10 +117,10 @@ fn finite_check_unscale(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workg
     var bad = false;
     var acc = -0.0;
     for (var i = start; i < end; i++) {
-        let x = fc_load(s, i);
+        let x = fc_g[at + i];
         bad = bad || is_nonfinite_bits(bitcast<u32>(x));
         let u = x * c;
-        fc_store(s, i, u);
+        fc_g[at + i] = u;
         acc = fma_c(u, u, acc);
     }
     fc_partials[fc_prm.offset + q] = acc;
@@ -141,12 +129,12 @@ fn finite_check_unscale(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workg
     }
 }
 
-// ---- AdamW: up to 5 parameters a dispatch, in place (PyTorch's formula) ----
+// ---- AdamW: up to SLOTS parameters a dispatch, in place (PyTorch's formula) ----
 // p1 = p * decay; m = fma_c(beta1, m, omb1 * g); v = fma_c(beta2, v, omb2 * (g * g));
 // den = div(sqrt(v), bc2_sqrt) + eps; p = fma_c(-step_size, div(m, den), p1).
-// Slot s: its parameter and both moments are n_s elements of aw_p, aw_m and
-// aw_v from element off[s] (laid out alike: one offset for all three), its
-// gradient aw_g<s>. The dispatch's elements are numbered over the slots in
+// Slot s: its parameter, both moments and its gradient are n_s elements of
+// aw_p, aw_m, aw_v and aw_g from element off[s] (laid out alike: one offset
+// for all four). The dispatch's elements are numbered over the slots in
 // order (end[s]: the running count to the end of slot s; an unused slot ends
 // where the last used one does). Each element's update is the same whatever
 // its slot; only the step size and the bias correction are the slot's.
@@ -164,62 +152,52 @@ struct AdamWParams {
     _pad0: u32,
     _pad1: u32,
     _pad2: u32,
-    // per slot s, at [s / 4][s % 4] (a uniform buffer: the eight storage
-    // buffers are the parameters, the moments and five gradients)
-    off: array<vec4<u32>, 2>,
-    end: array<vec4<u32>, 2>,
-    step_size: array<vec4<u32>, 2>,
-    bc2_sqrt: array<vec4<u32>, 2>,
+    // per slot s, at [s / 4][s % 4]
+    off: array<vec4<u32>, 32>,
+    end: array<vec4<u32>, 32>,
+    step_size: array<vec4<u32>, 32>,
+    bc2_sqrt: array<vec4<u32>, 32>,
 }
 
 @group(0) @binding(0) var<uniform> aw_prm: AdamWParams;
 @group(0) @binding(1) var<storage, read_write> aw_p: array<f32>;
 @group(0) @binding(2) var<storage, read_write> aw_m: array<f32>;
 @group(0) @binding(3) var<storage, read_write> aw_v: array<f32>;
-@group(0) @binding(4) var<storage, read_write> aw_g0: array<f32>;
-@group(0) @binding(5) var<storage, read_write> aw_g1: array<f32>;
-@group(0) @binding(6) var<storage, read_write> aw_g2: array<f32>;
-@group(0) @binding(7) var<storage, read_write> aw_g3: array<f32>;
-@group(0) @binding(8) var<storage, read_write> aw_g4: array<f32>;
+@group(0) @binding(4) var<storage, read_write> aw_g: array<f32>;
 
 fn aw_end(s: u32) -> u32 {
     return aw_prm.end[s / 4u][s % 4u];
-}
-
-fn aw_grad(s: u32, j: u32) -> f32 {
-    switch s {
-        case 0u: { return aw_g0[j]; }
-        case 1u: { return aw_g1[j]; }
-        case 2u: { return aw_g2[j]; }
-        case 3u: { return aw_g3[j]; }
-        default: { return aw_g4[j]; }
-    }
-}
-
-fn aw_set_grad(s: u32, j: u32, x: f32) {
-    switch s {
-        case 0u: { aw_g0[j] = x; }
-        case 1u: { aw_g1[j] = x; }
-        case 2u: { aw_g2[j] = x; }
-        case 3u: { aw_g3[j] = x; }
-        default: { aw_g4[j] = x; }
-    }
 }
 
 @compute @workgroup_size(64)
 fn adamw_step(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>,
               @builtin(local_invocation_index) lane: u32) {
     let base = chunk_base(wg, groups) + lane;
-    let total = aw_end(4u);
+    let total = aw_end(SLOTS - 1u);
+    if base >= total {
+        return;
+    }
     let decay = bitcast<f32>(aw_prm.decay);
     let beta1 = bitcast<f32>(aw_prm.beta1);
     let omb1 = bitcast<f32>(aw_prm.omb1);
     let beta2 = bitcast<f32>(aw_prm.beta2);
     let omb2 = bitcast<f32>(aw_prm.omb2);
     let eps = bitcast<f32>(aw_prm.eps);
+    // the first element's slot: the first whose end passes it (the ends
+    // ascend); the lane's later elements lie in it or after it
+    var s = 0u;
+    var hi = SLOTS - 1u;
+    while s < hi {
+        let mid = (s + hi) / 2u;
+        if base < aw_end(mid) {
+            hi = mid;
+        } else {
+            s = mid + 1u;
+        }
+    }
     // The slot's constants, prepared when the slot changes; the bias
     // correction's divisor once per slot (= m_div(x, bc2_sqrt) bit for bit).
-    var slot = 5u;
+    var slot = SLOTS;
     var step_size = 0.0;
     var bc2 = divisor_new(1.0);
     for (var t = 0u; t < PER_LANE; t++) {
@@ -227,11 +205,8 @@ fn adamw_step(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) gro
         if i >= total {
             return;
         }
-        var s = 0u;
-        for (var e = 0u; e < 4u; e++) {
-            if i >= aw_end(e) {
-                s = e + 1u;
-            }
+        while i >= aw_end(s) {
+            s += 1u;
         }
         if s != slot {
             slot = s;
@@ -242,12 +217,11 @@ fn adamw_step(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) gro
         if s > 0u {
             start = aw_end(s - 1u);
         }
-        let j = i - start;
-        let at = aw_prm.off[s / 4u][s % 4u] + j;
-        var gi = aw_grad(s, j);
+        let at = aw_prm.off[s / 4u][s % 4u] + i - start;
+        var gi = aw_g[at];
         if aw_prm.scale_grad != 0u {
             gi = gi * bitcast<f32>(aw_prm.grad_scale);
-            aw_set_grad(s, j, gi);
+            aw_g[at] = gi;
         }
         let p1 = aw_p[at] * decay;
         let mi = fma_c(beta1, aw_m[at], omb1 * gi);

@@ -417,6 +417,7 @@ impl LossScaling<'_> {
         if let LossScaling::Dynamic(s) = self {
             s.last_grad_norm = None;
         }
+        crate::optim::lay_out_grads(params)?;
         let grads = grad_storages(params);
         let refs: Vec<&Storage> = grads.iter().collect();
         let inv = crate::backend::math::div(1.0, self.scale());

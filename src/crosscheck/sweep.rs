@@ -2022,20 +2022,43 @@ fn update(sw: &mut Sweep) -> Result<()> {
         .collect();
     let mut many_inf = many.clone();
     many_inf[8][4] = f32::INFINITY;
-    for (what, bufs) in [
-        ("finite", finite),
-        ("an inf", with_inf),
-        ("a NaN at the end", with_nan),
-        ("an inf past the first workgroup", mid_inf),
-        ("an inf in the last buffer", only_last),
-        ("twelve buffers", many),
-        ("twelve buffers, an inf in the ninth", many_inf),
+    // more than one dispatch takes side by side (update.wgsl: SLOTS)
+    let past_slots: Vec<Vec<f32>> = (0..130usize)
+        .map(|i| (0..(i * 7) % 11).map(|_| rng.moderate() * 1e3).collect())
+        .collect();
+    // each set apart, and laid side by side in one buffer (as the trainer
+    // lays gradients out: one dispatch takes them all)
+    for (what, bufs, side_by_side) in [
+        ("finite", finite.clone(), false),
+        ("an inf", with_inf, false),
+        ("a NaN at the end", with_nan, false),
+        ("an inf past the first workgroup", mid_inf, false),
+        ("an inf in the last buffer", only_last.clone(), false),
+        ("twelve buffers", many.clone(), false),
+        (
+            "twelve buffers, an inf in the ninth",
+            many_inf.clone(),
+            false,
+        ),
+        ("side by side", finite, true),
+        ("side by side, an inf in the last buffer", only_last, true),
+        ("twelve buffers side by side", many, true),
+        (
+            "twelve buffers side by side, an inf in the ninth",
+            many_inf,
+            true,
+        ),
+        ("130 buffers side by side", past_slots, true),
     ] {
         let lens: Vec<usize> = bufs.iter().map(Vec::len).collect();
         let case =
             format!("{what}: buffers {lens:?} times 2^-16 (output: the flag, the sum of squares when finite, then the values)");
         sw.check("finite check + unscale", "", case, &[], |d| {
             let st: Vec<Storage> = bufs.iter().map(|b| up(b, d)).collect::<Result<_>>()?;
+            let st = match side_by_side {
+                true => Storage::colocate(&st.iter().collect::<Vec<_>>())?,
+                false => st,
+            };
             let refs: Vec<&Storage> = st.iter().collect();
             let check = Storage::finite_check_unscale_reading(&refs, inv, &[])?;
             let mut out = vec![check.finite as u8 as f32];
@@ -2108,9 +2131,13 @@ fn adamw(sw: &mut Sweep) -> Result<()> {
     // odd, one-element and empty ones, each at its own step (its own step
     // size and bias correction), clipping or not
     let lens = [5usize, 300, 1, 0, 64, 7];
-    for clip in [None, Some(0.375_123f32)] {
+    for (clip, grads_apart) in [(None, false), (Some(0.375_123f32), false), (None, true)] {
+        let laid = match grads_apart {
+            true => "the gradients apart",
+            false => "the gradients laid out alike",
+        };
         let case = format!(
-            "{} parameters {lens:?} at steps 1..6 at once, clip {clip:?} (output: p, m, v, g)",
+            "{} parameters {lens:?} at steps 1..6 at once, {laid}, clip {clip:?} (output: p, m, v, g)",
             lens.len()
         );
         sw.check("adamw", "", case, &[], |d| {
@@ -2135,6 +2162,10 @@ fn adamw(sw: &mut Sweep) -> Result<()> {
                 .iter()
                 .map(|&n| up(&steps[1].0[3..3 + n], d))
                 .collect::<Result<_>>()?;
+            let gs = match grads_apart {
+                true => gs,
+                false => Storage::colocate(&gs.iter().collect::<Vec<_>>())?,
+            };
             let items: Vec<AdamWItem<'_, Storage>> = (0..lens.len())
                 .map(|i| AdamWItem {
                     p: &ps[i],

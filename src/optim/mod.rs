@@ -225,6 +225,7 @@ impl AdamW {
     /// inside the update's own pass.
     fn update(&mut self, grad_scale: Option<f32>) -> Result<()> {
         let c = self.cfg;
+        lay_out_grads(&self.params)?;
         // the parameters with a gradient, checked before anything is made
         let with_grad: Vec<(usize, Tensor)> = (self.params.iter().enumerate())
             .filter_map(|(i, p)| p.grad().map(|g| (i, g)))
@@ -333,6 +334,19 @@ impl Optimizer for AdamW {
 
 /// The buffers of the parameters' gradients, in parameter order (those with
 /// none are left out): what the scaler checks, clipping measures and scales.
+/// The gradients of `params` laid side by side as their parameters are
+/// ([`Tensor::colocate`]: on a GPU, views of one buffer, copied there by the
+/// device; elsewhere nothing moves), so that the loss scaler's check and
+/// AdamW take them all in one dispatch each. Values are untouched.
+pub(crate) fn lay_out_grads(params: &[Tensor]) -> Result<()> {
+    let grads: Vec<Tensor> = params.iter().filter_map(|p| p.grad()).collect();
+    let refs: Vec<&Tensor> = grads.iter().collect();
+    if !Tensor::side_by_side(&refs) {
+        Tensor::colocate(&refs)?;
+    }
+    Ok(())
+}
+
 pub(crate) fn grad_storages(params: &[Tensor]) -> Vec<Storage> {
     params
         .iter()

@@ -6,8 +6,9 @@
 //!
 //! ## Batched submission
 //! Dispatches are recorded into one pending `CommandEncoder` and submitted
-//! together, only when needed: before a readback, when [`MAX_PENDING_DISPATCHES`] dispatches
-//! are pending, or on an explicit [`Context::flush`]. Consecutive dispatches
+//! together, only when needed: before a readback, when the pending dispatches'
+//! parameters fill [`MAX_PENDING_DISPATCHES`] slots (one each; a few for the
+//! optimizer's), or on an explicit [`Context::flush`]. Consecutive dispatches
 //! share one compute pass (wgpu orders a pass's dispatches like separate
 //! passes: each is its own usage scope); a copy or an upload ends the pass,
 //! and the next dispatch opens another, so copies stay in order with them.
@@ -34,8 +35,9 @@ use crate::{Error, Result};
 use std::collections::HashMap;
 use std::sync::{mpsc, Arc, Mutex, OnceLock};
 
-/// Dispatches recorded before a submit is forced (a C1 training step makes
-/// a few thousand: a handful of submits).
+/// Params slots of the dispatches recorded before a submit is forced (one a
+/// dispatch, a few for the optimizer's tables; a C1 training step fills
+/// fewer: one submit).
 pub const MAX_PENDING_DISPATCHES: usize = 1024;
 /// Cached bind groups kept at most; past it the cache starts again (a bound
 /// on what many distinct buffer combinations can hold).
@@ -148,7 +150,8 @@ struct Pending {
     /// The kernel the open pass has set last (no `set_pipeline` repeats).
     bound: Option<Kernel>,
     params: Vec<u8>,
-    dispatches: usize,
+    /// Params slots taken by the pending dispatches (most take one).
+    slots: usize,
 }
 
 /// The bind-group cache: per kernel and buffers (see the module docs).
@@ -513,14 +516,15 @@ impl Context {
     /// The bind group of `k` over `bufs` (bindings 1, 2, ...) and the params
     /// buffer (binding 0, its offset given at dispatch): from the cache when
     /// every buffer is pooled.
-    fn bind_group(&self, k: &Kernel, p: &Pipeline, bufs: &[Bind]) -> wgpu::BindGroup {
+    /// `window`: the bytes binding 0 spans (one kernel always has the same).
+    fn bind_group(&self, k: &Kernel, p: &Pipeline, bufs: &[Bind], window: u64) -> wgpu::BindGroup {
         let create = || {
             let mut entries = vec![wgpu::BindGroupEntry {
                 binding: 0,
                 resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
                     buffer: &self.params_buf,
                     offset: 0,
-                    size: wgpu::BufferSize::new(self.slot),
+                    size: wgpu::BufferSize::new(window),
                 }),
             }];
             for (i, b) in bufs.iter().enumerate() {
@@ -586,19 +590,18 @@ impl Context {
             return Ok(());
         }
         let bytes: &[u8] = bytemuck::bytes_of(params);
-        assert!(
-            bytes.len() as u64 <= self.slot,
-            "kernel params exceed a slot"
-        );
+        // params past one slot take consecutive slots (the optimizer's
+        // per-parameter tables), bound as one window
+        let window = (bytes.len() as u64).div_ceil(self.slot).max(1);
         let pipeline = self.pipeline(k)?;
-        let bg = self.bind_group(k, &pipeline, bufs);
+        let bg = self.bind_group(k, &pipeline, bufs, window * self.slot);
         let mut pend = self.pending.lock().unwrap();
-        if pend.dispatches >= MAX_PENDING_DISPATCHES {
+        if pend.slots as u64 + window > MAX_PENDING_DISPATCHES as u64 {
             self.submit(&mut pend);
         }
         self.ensure_encoder(&mut pend);
-        let slot = pend.dispatches as u64;
-        pend.dispatches += 1;
+        let slot = pend.slots as u64;
+        pend.slots += window as usize;
         crate::profile::note_gpu(crate::profile::GpuEvent::Dispatch);
         let off = (slot * self.slot) as usize;
         pend.params.resize(off, 0);
@@ -655,7 +658,7 @@ impl Context {
             crate::profile::note_gpu(crate::profile::GpuEvent::Submit);
         }
         pend.params.clear();
-        pend.dispatches = 0;
+        pend.slots = 0;
     }
 
     /// Submits everything recorded so far.

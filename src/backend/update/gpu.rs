@@ -14,33 +14,35 @@ gpu_params! {
     pub struct ScaleParams { n: u32, c: u32 }
 }
 
+/// Gradients (AdamW: parameters) one dispatch takes (`SLOTS` in
+/// update.wgsl): the per-slot arrays of its parameters fill a uniform buffer.
+/// The slots' values lie in one buffer each (the gradients and, for AdamW,
+/// the parameters and both moments laid out alike), so that the bindings
+/// stay within WebGPU's least of 8 storage buffers whatever the count.
+pub const SLOTS: usize = 128;
+
 gpu_params! {
-    /// `update.wgsl` `CheckParams`: up to [`CHECK_BUFS`] buffers of `n`
-    /// elements times the f32 `c` (bits), in chunks of `chunk`, `end` the
-    /// running count of their chunks, their partials written from `offset`
-    /// (a uniform buffer: each array padded to two `vec4`s).
+    /// `update.wgsl` `CheckParams`: up to [`SLOTS`] gradients of `n`
+    /// elements from `off` in one buffer, times the f32 `c` (bits), in chunks
+    /// of `chunk`, `end` the running count of their chunks, their partials
+    /// written from `offset` (a uniform buffer).
     pub struct CheckParams {
         c: u32,
         chunk: u32,
         offset: u32,
         _pad: u32,
-        n: [u32; 8],
-        end: [u32; 8],
+        off: [u32; SLOTS],
+        n: [u32; SLOTS],
+        end: [u32; SLOTS],
     }
 }
-
-/// Gradients one finite-check dispatch takes (`update.wgsl`: with the flag
-/// and the partials, WebGPU's least of 8 storage buffers; the parameters
-/// are a uniform buffer).
-pub const CHECK_BUFS: usize = 6;
 
 gpu_params! {
     /// `update.wgsl` `AdamWParams`: [`AdamWConsts`] as f32 bits (the step
     /// size and the bias correction per slot); `zero` is 0 (the kernel's
     /// opaque zero, see `sep` in math.wgsl); per slot, the offset of its
-    /// parameter and moments and the running count of elements to its end
-    /// (a uniform buffer: each array padded to two `vec4`s, from a 16-byte
-    /// boundary).
+    /// parameter, moments and gradient and the running count of elements to
+    /// its end (a uniform buffer, from a 16-byte boundary).
     pub struct AdamWParams {
         decay: u32,
         beta1: u32,
@@ -54,17 +56,12 @@ gpu_params! {
         _pad0: u32,
         _pad1: u32,
         _pad2: u32,
-        off: [u32; 8],
-        end: [u32; 8],
-        step_size: [u32; 8],
-        bc2_sqrt: [u32; 8],
+        off: [u32; SLOTS],
+        end: [u32; SLOTS],
+        step_size: [u32; SLOTS],
+        bc2_sqrt: [u32; SLOTS],
     }
 }
-
-/// Parameters one AdamW dispatch updates (`update.wgsl`: the three buffers
-/// of parameters and moments and five gradients are 8 storage buffers, the
-/// least WebGPU promises; the parameters are a uniform buffer).
-pub const ADAMW_SLOTS: usize = 5;
 
 gpu_params! {
     /// `update.wgsl` `SgdParams` (f32 bits; `first` 1 on the first momentum step).
@@ -104,14 +101,14 @@ fn per_lane(entry: &'static str, n: usize) -> Result<(Kernel, (u32, u32, u32))> 
     ))
 }
 
-/// One AdamW dispatch over `group` (at most [`ADAMW_SLOTS`], laid out as
+/// One AdamW dispatch over `group` (at most [`SLOTS`], laid out as
 /// [`UpdateOps::adamw_many`] groups them), bound from the first item's views.
 fn adamw_slots(group: &[AdamWItem<'_, GpuStorage>]) -> Result<()> {
     let first = &group[0];
     let k = &first.c;
-    let (mut off, mut end, mut step_size, mut bc2_sqrt) = ([0u32; 8], [0u32; 8], [0u32; 8], [0u32; 8]);
+    let (mut off, mut end, mut step_size, mut bc2_sqrt) = ([0u32; SLOTS], [0u32; SLOTS], [0u32; SLOTS], [0u32; SLOTS]);
     let mut total = 0usize;
-    for s in 0..ADAMW_SLOTS {
+    for s in 0..SLOTS {
         if let Some(it) = group.get(s) {
             let at = it.p.offset_from(first.p).expect("grouped items share the parameters' buffer");
             off[s] = u32_of(at, "offset")?;
@@ -140,16 +137,15 @@ fn adamw_slots(group: &[AdamWItem<'_, GpuStorage>]) -> Result<()> {
         step_size,
         bc2_sqrt,
     };
-    // unused gradient slots bound to the first (never read)
-    let g = |s: usize| group.get(s).unwrap_or(first).g.bind();
-    let bind = [first.p.bind(), first.m.bind(), first.v.bind(), g(0), g(1), g(2), g(3), g(4)];
+    let bind = [first.p.bind(), first.m.bind(), first.v.bind(), first.g.bind()];
     ctx()?.dispatch(&kernel, &prm, &bind, grid)
 }
 
 impl UpdateOps for GpuStorage {
-    /// One kernel per [`CHECK_BUFS`] buffers, all OR-ing into ONE 4-byte flag
-    /// and writing their chunk partials into one buffer; both read back once,
-    /// with `also`.
+    /// One kernel per run of up to [`SLOTS`] buffers that lie in one buffer
+    /// (the trainer lays the gradients out so: one dispatch), all OR-ing into
+    /// ONE 4-byte flag and writing their chunk partials into one buffer, in
+    /// order; both read back once, with `also`.
     fn finite_check_unscale(
         bufs: &[&GpuStorage],
         inv_scale: f32,
@@ -169,14 +165,23 @@ impl UpdateOps for GpuStorage {
         // A fresh buffer is zero-initialised by wgpu.
         let flag = c.buffer_with(&[0u8; 4]);
         let partials = GpuStorage::alloc(c, chunks)?;
-        let full: Vec<&&GpuStorage> = bufs.iter().filter(|b| !b.is_empty()).collect();
+        let full: Vec<&GpuStorage> = bufs.iter().copied().filter(|b| !b.is_empty()).collect();
         let mut offset = 0;
-        for group in full.chunks(CHECK_BUFS) {
-            // lengths and running chunk counts; unused slots empty, ending
-            // with the last buffer, bound to the first (never read)
-            let (mut n, mut end, mut chunks) = ([0u32; 8], [0u32; 8], 0);
-            for s in 0..CHECK_BUFS {
+        let mut rest = &full[..];
+        while let Some(first) = rest.first() {
+            // the gradients after the first in its buffer, past its start
+            let take = 1 + rest[1..rest.len().min(SLOTS)]
+                .iter()
+                .take_while(|b| b.offset_from(first).is_some())
+                .count();
+            let (group, later) = rest.split_at(take);
+            rest = later;
+            // offsets, lengths and running chunk counts; unused slots empty,
+            // ending with the last gradient
+            let (mut off, mut n, mut end, mut chunks) = ([0u32; SLOTS], [0u32; SLOTS], [0u32; SLOTS], 0);
+            for s in 0..SLOTS {
                 if let Some(b) = group.get(s) {
+                    off[s] = u32_of(b.offset_from(first).expect("grouped above"), "offset")?;
                     n[s] = u32_of(b.len(), "length")?;
                     chunks += b.len().div_ceil(NORM_CHUNK);
                 }
@@ -187,11 +192,11 @@ impl UpdateOps for GpuStorage {
                 chunk: NORM_CHUNK as u32,
                 offset: u32_of(offset, "offset")?,
                 _pad: 0,
+                off,
                 n,
                 end,
             };
-            let mut bind = vec![(&flag).into(), partials.bind()];
-            bind.extend((0..CHECK_BUFS).map(|s| group.get(s).unwrap_or(&group[0]).bind()));
+            let bind = [(&flag).into(), partials.bind(), first.bind()];
             c.dispatch(&CHECK, &prm, &bind, grid1d(chunks))?;
             offset += chunks;
         }
@@ -218,23 +223,27 @@ impl UpdateOps for GpuStorage {
         GpuStorage::adamw_many(&[AdamWItem { p: self, g, m, v, c: *c }])
     }
 
-    /// Up to [`ADAMW_SLOTS`] consecutive items a dispatch, while their
-    /// parameters lie in one buffer, their first and second moments in two
-    /// others, all three laid out alike (each item's at one offset from the
-    /// first item's), and the constants other than the step size and the
-    /// bias correction agree.
+    /// Up to [`SLOTS`] consecutive items a dispatch, while their parameters
+    /// lie in one buffer, their first moments, second moments and gradients
+    /// in three others, all four laid out alike (each item's at one offset
+    /// from the first item's), and the constants other than the step size
+    /// and the bias correction agree.
     fn adamw_many(items: &[AdamWItem<'_, GpuStorage>]) -> Result<()> {
         let mut rest = items;
         while let Some(first) = rest.first() {
             let joins = |it: &AdamWItem<'_, GpuStorage>| {
                 let at = it.p.offset_from(first.p);
-                at.is_some() && at == it.m.offset_from(first.m) && at == it.v.offset_from(first.v) && {
+                at.is_some()
+                    && at == it.m.offset_from(first.m)
+                    && at == it.v.offset_from(first.v)
+                    && at == it.g.offset_from(first.g)
+                    && {
                     let (a, b) = (&it.c, &first.c);
                     (a.decay, a.beta1, a.omb1, a.beta2, a.omb2, a.eps, a.grad_scale)
                         == (b.decay, b.beta1, b.omb1, b.beta2, b.omb2, b.eps, b.grad_scale)
                 }
             };
-            let n = 1 + rest[1..rest.len().min(ADAMW_SLOTS)].iter().take_while(|it| joins(it)).count();
+            let n = 1 + rest[1..rest.len().min(SLOTS)].iter().take_while(|it| joins(it)).count();
             adamw_slots(&rest[..n])?;
             rest = &rest[n..];
         }
