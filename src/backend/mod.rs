@@ -804,8 +804,9 @@ impl Storage {
     /// The values of `xs` (one device, one type) again, laid side by side
     /// in one buffer where that lets one dispatch read them all (a GPU: views
     /// of one buffer, see [`GpuStorage::colocated`], unless they would not
-    /// fit one binding); elsewhere `xs` themselves.
-    pub fn colocate(xs: &[&Storage]) -> Result<Vec<Storage>> {
+    /// fit one binding); elsewhere `xs` themselves. `each_step`: see
+    /// [`GpuStorage::colocated`].
+    pub fn colocate(xs: &[&Storage], each_step: bool) -> Result<Vec<Storage>> {
         if xs.is_empty() {
             return Ok(Vec::new());
         }
@@ -814,7 +815,7 @@ impl Storage {
             #[cfg(feature = "gpu")]
             Storage::Gpu(_) => {
                 let ds: Vec<&GpuStorage> = xs.iter().map(|s| s.gpu()).collect();
-                Ok(match GpuStorage::colocated(&ds)? {
+                Ok(match GpuStorage::colocated(&ds, each_step)? {
                     Some(views) => views.into_iter().map(Lift::lift).collect(),
                     None => xs.iter().map(|&s| s.clone()).collect(),
                 })

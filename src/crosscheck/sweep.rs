@@ -1177,7 +1177,7 @@ fn matmul_shared(sw: &mut Sweep) -> Result<()> {
                 let ws = ws.iter().map(|w| up(w, dev)).collect::<Result<Vec<_>>>()?;
                 let refs: Vec<&Storage> = ws.iter().collect();
                 let ws = if together {
-                    Storage::colocate(&refs)?
+                    Storage::colocate(&refs, false)?
                 } else {
                     ws.clone()
                 };
@@ -1711,7 +1711,7 @@ fn rope_attention_case(
         a.heads, a.t, a.d, a.tokens
     );
     let tables = |dev: Device| -> Result<[Storage; 2]> {
-        let mut cs = Storage::colocate(&[&up(cos, dev)?, &up(sin, dev)?])?.into_iter();
+        let mut cs = Storage::colocate(&[&up(cos, dev)?, &up(sin, dev)?], false)?.into_iter();
         match (cs.next(), cs.next()) {
             (Some(c), Some(s)) => Ok([c, s]),
             _ => crate::bail!(Device, "colocate: two tables in, fewer out"),
@@ -2056,7 +2056,7 @@ fn update(sw: &mut Sweep) -> Result<()> {
         sw.check("finite check + unscale", "", case, &[], |d| {
             let st: Vec<Storage> = bufs.iter().map(|b| up(b, d)).collect::<Result<_>>()?;
             let st = match side_by_side {
-                true => Storage::colocate(&st.iter().collect::<Vec<_>>())?,
+                true => Storage::colocate(&st.iter().collect::<Vec<_>>(), true)?,
                 false => st,
             };
             let refs: Vec<&Storage> = st.iter().collect();
@@ -2155,7 +2155,7 @@ fn adamw(sw: &mut Sweep) -> Result<()> {
                         )
                     })
                     .collect::<Result<_>>()?;
-                Storage::colocate(&vs.iter().collect::<Vec<_>>())
+                Storage::colocate(&vs.iter().collect::<Vec<_>>(), false)
             };
             let (ps, ms, vs) = (fill(0, false)?, fill(1, false)?, fill(2, true)?);
             let gs: Vec<Storage> = lens
@@ -2164,7 +2164,7 @@ fn adamw(sw: &mut Sweep) -> Result<()> {
                 .collect::<Result<_>>()?;
             let gs = match grads_apart {
                 true => gs,
-                false => Storage::colocate(&gs.iter().collect::<Vec<_>>())?,
+                false => Storage::colocate(&gs.iter().collect::<Vec<_>>(), true)?,
             };
             let items: Vec<AdamWItem<'_, Storage>> = (0..lens.len())
                 .map(|i| AdamWItem {

@@ -332,21 +332,21 @@ impl Optimizer for AdamW {
     }
 }
 
-/// The buffers of the parameters' gradients, in parameter order (those with
-/// none are left out): what the scaler checks, clipping measures and scales.
 /// The gradients of `params` laid side by side as their parameters are
-/// ([`Tensor::colocate`]: on a GPU, views of one buffer, copied there by the
+/// ([`Tensor::colocate_each_step`]: on a GPU, views of one buffer, copied there by the
 /// device; elsewhere nothing moves), so that the loss scaler's check and
 /// AdamW take them all in one dispatch each. Values are untouched.
 pub(crate) fn lay_out_grads(params: &[Tensor]) -> Result<()> {
     let grads: Vec<Tensor> = params.iter().filter_map(|p| p.grad()).collect();
     let refs: Vec<&Tensor> = grads.iter().collect();
     if !Tensor::side_by_side(&refs) {
-        Tensor::colocate(&refs)?;
+        Tensor::colocate_each_step(&refs)?;
     }
     Ok(())
 }
 
+/// The buffers of the parameters' gradients, in parameter order (those with
+/// none are left out): what the scaler checks, clipping measures and scales.
 pub(crate) fn grad_storages(params: &[Tensor]) -> Vec<Storage> {
     params
         .iter()

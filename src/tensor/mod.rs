@@ -372,8 +372,20 @@ impl Tensor {
     /// weights one product reads all of ([`matmul_t_shared`](Tensor::matmul_t_shared)).
     /// Values, `.grad` and the graph are untouched.
     pub fn colocate(ts: &[&Tensor]) -> Result<()> {
+        Tensor::colocate_with(ts, false)
+    }
+
+    /// [`colocate`](Tensor::colocate) for values laid out afresh every step
+    /// (an optimizer's gradients): their old buffers go back to the pool,
+    /// where the next step's take them, and the one they are copied into is
+    /// released when they go.
+    pub fn colocate_each_step(ts: &[&Tensor]) -> Result<()> {
+        Tensor::colocate_with(ts, true)
+    }
+
+    fn colocate_with(ts: &[&Tensor], each_step: bool) -> Result<()> {
         let storages: Vec<Storage> = ts.iter().map(|t| t.storage()).collect();
-        let placed = Storage::colocate(&storages.iter().collect::<Vec<_>>())?;
+        let placed = Storage::colocate(&storages.iter().collect::<Vec<_>>(), each_step)?;
         for (t, s) in ts.iter().zip(placed) {
             t.set_storage(s)?;
         }

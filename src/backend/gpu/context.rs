@@ -7,7 +7,7 @@
 //! ## Batched submission
 //! Dispatches are recorded into one pending `CommandEncoder` and submitted
 //! together, only when needed: before a readback, when the pending dispatches'
-//! parameters fill [`MAX_PENDING_DISPATCHES`] slots (one each; a few for the
+//! parameters fill [`MAX_PENDING_SLOTS`] slots (one each; a few for the
 //! optimizer's), or on an explicit [`Context::flush`]. Consecutive dispatches
 //! share one compute pass (wgpu orders a pass's dispatches like separate
 //! passes: each is its own usage scope); a copy or an upload ends the pass,
@@ -38,7 +38,7 @@ use std::sync::{mpsc, Arc, Mutex, OnceLock};
 /// Params slots of the dispatches recorded before a submit is forced (one a
 /// dispatch, a few for the optimizer's tables; a C1 training step fills
 /// fewer: one submit).
-pub const MAX_PENDING_DISPATCHES: usize = 1024;
+pub const MAX_PENDING_SLOTS: usize = 1024;
 /// Cached bind groups kept at most; past it the cache starts again (a bound
 /// on what many distinct buffer combinations can hold).
 const MAX_BIND_GROUPS: usize = 8192;
@@ -351,7 +351,7 @@ impl Context {
             .max(limits.min_uniform_buffer_offset_alignment as u64);
         let params_buf = device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("params"),
-            size: slot * MAX_PENDING_DISPATCHES as u64,
+            size: slot * MAX_PENDING_SLOTS as u64,
             usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
             mapped_at_creation: false,
         });
@@ -596,7 +596,7 @@ impl Context {
         let pipeline = self.pipeline(k)?;
         let bg = self.bind_group(k, &pipeline, bufs, window * self.slot);
         let mut pend = self.pending.lock().unwrap();
-        if pend.slots as u64 + window > MAX_PENDING_DISPATCHES as u64 {
+        if pend.slots as u64 + window > MAX_PENDING_SLOTS as u64 {
             self.submit(&mut pend);
         }
         self.ensure_encoder(&mut pend);

@@ -352,8 +352,13 @@ impl GpuStorage {
 
     /// Copies of `xs` laid out as [`views`](Self::views) lays them out,
     /// copied on the device; `None` when they would not fit one binding:
-    /// they stay as they are.
-    pub fn colocated(xs: &[&GpuStorage]) -> Result<Option<Vec<GpuStorage>>> {
+    /// they stay as they are. Laid out once (`each_step` false: parameters,
+    /// moments), `xs`' buffers are released when their last views go:
+    /// nothing of their sizes is likely to be asked for again. Laid out
+    /// afresh each step (an optimizer's gradients), they go back to the pool,
+    /// where the next step's gradients take them, and the new buffer is
+    /// released when its views go.
+    pub fn colocated(xs: &[&GpuStorage], each_step: bool) -> Result<Option<Vec<GpuStorage>>> {
         let c = ctx()?;
         let lens: Vec<usize> = xs.iter().map(|x| x.len).collect();
         let Some(views) = GpuStorage::views(c, &lens)? else {
@@ -361,7 +366,8 @@ impl GpuStorage {
         };
         for (x, v) in xs.iter().zip(&views) {
             c.copy(x.bind(), v.bind(), x.len as u64 * 4)?;
-            x.block.retired.store(true, std::sync::atomic::Ordering::Relaxed);
+            let released = if each_step { &v.block } else { &x.block };
+            released.retired.store(true, std::sync::atomic::Ordering::Relaxed);
         }
         Ok(Some(views))
     }
