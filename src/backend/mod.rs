@@ -820,7 +820,10 @@ impl Storage {
                     None => xs.iter().map(|&s| s.clone()).collect(),
                 })
             }
-            _ => Ok(xs.iter().map(|&s| s.clone()).collect()),
+            _ => {
+                let _ = each_step; // nothing moves off a GPU
+                Ok(xs.iter().map(|&s| s.clone()).collect())
+            }
         }
     }
     /// Zeros shaped like each of `xs` (one device, f32), laid out as
