@@ -20,6 +20,22 @@ fn chunk_base(wg: vec3<u32>, groups: vec3<u32>) -> u32 {
     return grid_index(wg, groups, 0u) * PER_LANE;
 }
 
+// The first slot whose running end passes q (ends ascend over the SLOTS
+// slots, each at [s / 4][s % 4]): q's slot, by binary search.
+fn slot_of(q: u32, ends: array<vec4<u32>, 32>) -> u32 {
+    var s = 0u;
+    var hi = SLOTS - 1u;
+    while s < hi {
+        let mid = (s + hi) / 2u;
+        if q < ends[mid / 4u][mid % 4u] {
+            hi = mid;
+        } else {
+            s = mid + 1u;
+        }
+    }
+    return s;
+}
+
 // ---- scale in place: x: (n), x = x * c (gradient clipping) ----
 
 struct ScaleParams {
@@ -94,17 +110,8 @@ fn finite_check_unscale(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workg
     if q >= fc_end(SLOTS - 1u) {
         return;
     }
-    // q's slot s: the first whose chunks end past q (the ends ascend)
-    var s = 0u;
-    var hi = SLOTS - 1u;
-    while s < hi {
-        let mid = (s + hi) / 2u;
-        if q < fc_end(mid) {
-            hi = mid;
-        } else {
-            s = mid + 1u;
-        }
-    }
+    // q's slot: the first whose chunks end past q
+    let s = slot_of(q, fc_prm.end);
     var before = 0u;
     if s > 0u {
         before = fc_end(s - 1u);
@@ -183,18 +190,9 @@ fn adamw_step(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) gro
     let beta2 = bitcast<f32>(aw_prm.beta2);
     let omb2 = bitcast<f32>(aw_prm.omb2);
     let eps = bitcast<f32>(aw_prm.eps);
-    // the first element's slot: the first whose end passes it (the ends
-    // ascend); the lane's later elements lie in it or after it
-    var s = 0u;
-    var hi = SLOTS - 1u;
-    while s < hi {
-        let mid = (s + hi) / 2u;
-        if base < aw_end(mid) {
-            hi = mid;
-        } else {
-            s = mid + 1u;
-        }
-    }
+    // the first element's slot; the lane's later elements lie in it or
+    // after it
+    var s = slot_of(base, aw_prm.end);
     // The slot's constants, prepared when the slot changes; the bias
     // correction's divisor once per slot (= m_div(x, bc2_sqrt) bit for bit).
     var slot = SLOTS;
