@@ -246,13 +246,15 @@ sweeps! {
 /// gets, and a two-step `tiny` lockstep in each precision, bit-identical to
 /// the CPU. In a child process (the backend is chosen once per process),
 /// beside this binary's other tests: its cold compiles take minutes on
-/// lavapipe, one at a time (wgpu's GL context serialises them).
+/// lavapipe, one at a time (wgpu's GL context serialises them). Named to
+/// sort early: libtest starts tests in name order, and this, the binary's
+/// longest, would otherwise run alone at its end.
 #[test]
-fn the_gl_front_end_keeps_every_bit() {
+fn gl_front_end_keeps_every_bit() {
     use tinyllm::crosscheck::lockstep::{self, LockstepOptions};
     use tinyllm::precision::Precision;
     let env = [("WGPU_BACKEND", "gl")];
-    common::in_child("the_gl_front_end_keeps_every_bit", &env, || {
+    common::in_child("gl_front_end_keeps_every_bit", &env, || {
         require_gpu!();
         let info = tinyllm::backend::gpu::adapter().unwrap();
         assert_eq!(info.backend, "Gl", "WGPU_BACKEND=gl reached {info:?}");

@@ -707,7 +707,7 @@ fn device_check_writes_one_report_of_every_part() {
         serde_json::from_slice(&std::fs::read(out.join("report.json")).unwrap()).unwrap();
     // the command's whole sweep and the lockstep in every precision
     // bit-identical (lavapipe's GL front end: gpu_parity's
-    // the_gl_front_end_keeps_every_bit)
+    // gl_front_end_keeps_every_bit)
     let vk = &r["crosscheck"]["vulkan"];
     assert_eq!(vk["exit_code"], 0, "{vk}");
     let report = &vk["report"];
