@@ -396,11 +396,33 @@ pub fn checkpoint_sequential(
     rngs: &[Generator],
 ) -> Result<Tensor> {
     let sched = checkpoint_schedule(layers.len(), mem_budget_layers)?;
+    recompute_segments(layers, x, &sched, rngs)
+}
+
+/// [`checkpoint_sequential`] over any schedule: the segments start at
+/// `starts` (ascending, the first 0, each a layer's index), every segment
+/// but the last checkpointed. Errors on a schedule that does not split
+/// `layers` so, or if a layer errors.
+pub fn recompute_segments(
+    layers: &[Rc<dyn Layer>],
+    x: &Tensor,
+    starts: &[usize],
+    rngs: &[Generator],
+) -> Result<Tensor> {
+    let ascending = starts.windows(2).all(|w| w[0] < w[1]);
+    if starts.first() != Some(&0) || !ascending || starts.last().is_some_and(|&s| s >= layers.len())
+    {
+        bail!(
+            Config,
+            "recomputed segments start at {starts:?}: they must ascend from 0 below {} layers",
+            layers.len()
+        );
+    }
     let mut h = x.clone();
-    for (j, &start) in sched.iter().enumerate() {
-        let end = sched.get(j + 1).copied().unwrap_or(layers.len());
+    for (j, &start) in starts.iter().enumerate() {
+        let end = starts.get(j + 1).copied().unwrap_or(layers.len());
         let seg: Vec<Rc<dyn Layer>> = layers[start..end].to_vec();
-        if j + 1 == sched.len() {
+        if j + 1 == starts.len() {
             for l in &seg {
                 h = l.forward(&h)?;
             }

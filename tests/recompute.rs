@@ -1,5 +1,5 @@
 //! Activation checkpointing (spec L11.1 sections 2–5, schedule from M08.4):
-//! `checkpoint_schedule`, `checkpoint`, `checkpoint_sequential`.
+//! `checkpoint_schedule`, `checkpoint`, `checkpoint_sequential`, `recompute_segments`.
 //!
 //! The central claim: a checkpointed segment reruns the same operations on the
 //! same values during backward, so every gradient equals the plain run's bit
@@ -16,7 +16,9 @@ use std::rc::Rc;
 use tinyllm::memory;
 use tinyllm::nn::{Dropout, Layer, Linear, Module};
 use tinyllm::precision::{autocast, autocast_dtype};
-use tinyllm::recompute::{checkpoint, checkpoint_schedule, checkpoint_sequential, schedule_peak};
+use tinyllm::recompute::{
+    checkpoint, checkpoint_schedule, checkpoint_sequential, recompute_segments, schedule_peak,
+};
 use tinyllm::{no_grad, DType, Format, Generator};
 
 // ------------------------------------------------------------- helpers ----
@@ -137,42 +139,8 @@ enum Mode {
     Plain,
     /// `checkpoint_sequential` with this budget.
     Budget(usize),
-    /// Explicit segment starts through `checkpoint` (all but the last segment).
+    /// Explicit segment starts (`recompute_segments`).
     Starts(Vec<usize>),
-}
-
-/// Like `checkpoint_sequential`, for any schedule (chains of checkpoint nodes).
-fn run_starts(
-    layers: &[Rc<dyn Layer>],
-    x: &Tensor,
-    starts: &[usize],
-    rngs: &[Generator],
-) -> Result<Tensor> {
-    let mut h = x.clone();
-    for (j, &s) in starts.iter().enumerate() {
-        let e = starts.get(j + 1).copied().unwrap_or(layers.len());
-        let seg: Vec<Rc<dyn Layer>> = layers[s..e].to_vec();
-        if j + 1 == starts.len() {
-            for l in &seg {
-                h = l.forward(&h)?;
-            }
-        } else {
-            let params: Vec<Tensor> = seg.iter().flat_map(|l| l.parameters()).collect();
-            h = checkpoint(
-                move |a: &[Tensor]| {
-                    let mut t = a[0].clone();
-                    for l in &seg {
-                        t = l.forward(&t)?;
-                    }
-                    Ok(t)
-                },
-                &[h],
-                &params,
-                rngs,
-            )?;
-        }
-    }
-    Ok(h)
 }
 
 fn forward(net: &Net, x: &Tensor, mode: &Mode, rngs: &[Generator]) -> Result<Tensor> {
@@ -186,7 +154,7 @@ fn forward(net: &Net, x: &Tensor, mode: &Mode, rngs: &[Generator]) -> Result<Ten
             Ok(h)
         }
         Mode::Budget(b) => checkpoint_sequential(&layers, x, *b, rngs),
-        Mode::Starts(s) => run_starts(&layers, x, s, rngs),
+        Mode::Starts(s) => recompute_segments(&layers, x, s, rngs),
     }
 }
 
@@ -388,6 +356,18 @@ device_test!(hand_example_checkpoint_schedule, |dev| {
         "backward reruns the checkpointed segment, and only it"
     );
     assert_same_grads(&plain, &grads_of(&net, &x), "budget 4");
+});
+
+// A schedule that does not split the layers is refused, naming it, before
+// any layer runs.
+device_test!(recompute_segments_refuses_a_bad_schedule, |dev| {
+    let net = Net::new(4, 8, DType::F32, dev, None, 100);
+    let (x, _) = data(4, 8, DType::F32, dev, true, 7);
+    for starts in [vec![], vec![1], vec![0, 0], vec![0, 3, 2], vec![0, 4]] {
+        let e = recompute_segments(&net.layers(), &x, &starts, &[]).unwrap_err();
+        assert!(e.to_string().contains(&format!("{starts:?}")), "{e}");
+        assert_eq!(net.calls(), vec![0; 4], "{starts:?}");
+    }
 });
 
 // ------------------------------------------------- bit-for-bit grads ----
