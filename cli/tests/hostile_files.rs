@@ -8,9 +8,8 @@
 
 #[path = "../../tests/common/mod.rs"]
 mod common;
-use common::{rehash, tmpdir};
+use common::{rehash, spawn_reading_stderr, tmpdir};
 
-use std::io::{BufRead, BufReader};
 use std::os::unix::fs::symlink;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -584,25 +583,7 @@ fn spawn(
     args: &[&str],
     envs: &[(&str, &str)],
 ) -> (std::process::Child, std::sync::mpsc::Receiver<String>) {
-    let mut c = Command::new(bin_path());
-    c.args(args)
-        .env_remove("CARGO")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped());
-    for (k, v) in envs {
-        c.env(k, v);
-    }
-    let mut child = c.spawn().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    let err = child.stderr.take().unwrap();
-    std::thread::spawn(move || {
-        for line in BufReader::new(err).lines().map_while(|l| l.ok()) {
-            if tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
-    (child, rx)
+    spawn_reading_stderr(&bin_path(), args, envs)
 }
 
 /// Waits for the `await-signal` fault's pause line, sends `sig`, returns the

@@ -11,7 +11,7 @@
 
 #[path = "../../tests/common/mod.rs"]
 mod common;
-use common::{rehash, tmpdir, Rng};
+use common::{rehash, spawn_reading_stderr, tmpdir, Rng};
 
 use std::io::{BufRead, BufReader};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -2167,30 +2167,12 @@ fn signal_args(out: &Path, steps: usize, prec: &str, device: &str) -> Vec<String
 }
 
 /// Spawns the binary with stderr piped; returns the child and its stderr
-/// lines as they come (a reader thread).
+/// lines as they come.
 fn spawn_bin(
     args: &[String],
     envs: &[(&str, &str)],
 ) -> (std::process::Child, std::sync::mpsc::Receiver<String>) {
-    let mut c = Command::new(BIN);
-    c.args(args)
-        .env_remove("CARGO")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped());
-    for (k, v) in envs {
-        c.env(k, v);
-    }
-    let mut child = c.spawn().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    let err = child.stderr.take().unwrap();
-    std::thread::spawn(move || {
-        for line in BufReader::new(err).lines().map_while(|l| l.ok()) {
-            if tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
-    (child, rx)
+    spawn_reading_stderr(BIN, args, envs)
 }
 
 /// Reads lines until one starts with `prefix` (or panics after 300 s: a

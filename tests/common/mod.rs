@@ -118,6 +118,37 @@ pub fn randv(n: usize, seed: u64, scale: f32) -> Vec<f32> {
 /// times: the library's, which the cross-check sweep uses too.
 pub use tinyllm::crosscheck::cases::Rng;
 
+/// Spawns `program` with `args` and `envs`, stdout discarded and stderr
+/// piped; returns the child and its stderr lines as they come (a reader
+/// thread), for a test that acts while the process runs (signals, a second
+/// process on the same files).
+pub fn spawn_reading_stderr<S: AsRef<std::ffi::OsStr>>(
+    program: &str,
+    args: &[S],
+    envs: &[(&str, &str)],
+) -> (std::process::Child, std::sync::mpsc::Receiver<String>) {
+    use std::io::{BufRead, BufReader};
+    let mut c = std::process::Command::new(program);
+    c.args(args)
+        .env_remove("CARGO")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped());
+    for (k, v) in envs {
+        c.env(k, v);
+    }
+    let mut child = c.spawn().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let err = child.stderr.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(err).lines().map_while(|l| l.ok()) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    (child, rx)
+}
+
 /// A fresh, empty directory for one test: named after the test binary, the
 /// process and `name`, so parallel tests and concurrent runs never share one.
 pub fn tmpdir(name: &str) -> std::path::PathBuf {
