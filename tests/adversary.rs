@@ -21,7 +21,6 @@ use tinyllm::backend::gpu::adversary::{self, Adversary};
 use tinyllm::backend::gpu::pipelines;
 use tinyllm::backend::gpu::spirv::{self, FloatControls};
 use tinyllm::backend::Family;
-use tinyllm::crosscheck::lockstep::{self, LockstepOptions};
 use tinyllm::crosscheck::{probe, sweep};
 use tinyllm::precision::Precision;
 use tinyllm::Device;
@@ -59,20 +58,7 @@ fn holds(p: &probe::Probe, check: &str) -> bool {
 fn lockstep_holds(a: Adversary, precisions: &[Precision]) {
     for &precision in precisions {
         let t = Instant::now();
-        let o = LockstepOptions {
-            preset: "tiny".into(),
-            steps: 1,
-            precision,
-            seed: None,
-        };
-        let l = lockstep::run(&o, &mut |_| {}).unwrap();
-        assert!(
-            l.bit_identical(),
-            "under the {} rewrite, {}: {:?}",
-            a.name(),
-            precision.name(),
-            l.divergence
-        );
+        common::assert_tiny_lockstep(1, precision, &format!("under the {} rewrite", a.name()));
         eprintln!(
             "{}: lockstep {} bit-identical in {:.1} s",
             a.name(),

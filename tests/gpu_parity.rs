@@ -251,7 +251,6 @@ sweeps! {
 /// longest, would otherwise run alone at its end.
 #[test]
 fn gl_front_end_keeps_every_bit() {
-    use tinyllm::crosscheck::lockstep::{self, LockstepOptions};
     use tinyllm::precision::Precision;
     let env = [("WGPU_BACKEND", "gl")];
     common::in_child("gl_front_end_keeps_every_bit", &env, || {
@@ -263,19 +262,7 @@ fn gl_front_end_keeps_every_bit() {
             sweep_family(Device::Gpu, f);
         }
         for precision in [Precision::Fp32, Precision::Bf16, Precision::Fp16] {
-            let o = LockstepOptions {
-                preset: "tiny".into(),
-                steps: 2,
-                precision,
-                seed: None,
-            };
-            let l = lockstep::run(&o, &mut |_| {}).unwrap();
-            assert!(
-                l.bit_identical(),
-                "{}: {:?}",
-                precision.name(),
-                l.divergence
-            );
+            common::assert_tiny_lockstep(2, precision, "through GL");
         }
     });
 }

@@ -118,6 +118,26 @@ pub fn randv(n: usize, seed: u64, scale: f32) -> Vec<f32> {
 /// times: the library's, which the cross-check sweep uses too.
 pub use tinyllm::crosscheck::cases::Rng;
 
+/// A `tiny` lockstep of `steps` steps in `precision` (this process's
+/// adapter against the CPU), bit-identical; `what` names the setting in the
+/// failure message.
+pub fn assert_tiny_lockstep(steps: usize, precision: tinyllm::precision::Precision, what: &str) {
+    use tinyllm::crosscheck::lockstep::{self, LockstepOptions};
+    let o = LockstepOptions {
+        preset: "tiny".into(),
+        steps,
+        precision,
+        seed: None,
+    };
+    let l = lockstep::run(&o, &mut |_| {}).unwrap();
+    assert!(
+        l.bit_identical(),
+        "{what}, {}: {:?}",
+        precision.name(),
+        l.divergence
+    );
+}
+
 /// Spawns `program` with `args` and `envs`, stdout discarded and stderr
 /// piped; returns the child and its stderr lines as they come (a reader
 /// thread), for a test that acts while the process runs (signals, a second
