@@ -257,7 +257,7 @@ fn swiglu(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) groups:
         return;
     }
     let x = sw_gate[i];
-    sw_y[i] = sep(x * m_sigmoid(x), sw_prm.zero) * sw_up[i];
+    sw_y[i] = swiglu_of(x, sw_up[i], sw_prm.zero);
     let keep = sw_prm.keep;
     if keep != 0u && (i & 1u) == 0u {
         var wg_bits = half_bits(x, keep);

@@ -546,6 +546,13 @@ fn m_silu(x: f32) -> f32 {
     return x * m_sigmoid(x);
 }
 
+// SwiGLU's value of one gate and up pair, (gate·σ(gate))·up, the first
+// product kept apart from the second (see sep): the SwiGLU kernel's output and
+// what a product reading it computes as it loads its operand.
+fn swiglu_of(gate: f32, up: f32, zero: u32) -> f32 {
+    return sep(gate * m_sigmoid(gate), zero) * up;
+}
+
 // `maximum` as the contract defines it: NaN wins, then the larger, +0 over -0.
 fn maximum_c(a: f32, b: f32) -> f32 {
     if is_nan_bits(bitcast<u32>(a)) {

@@ -45,6 +45,8 @@ struct MatmulParams {
     keep: u32,     // FMT_* code: A's values are also written to `a_words` (see keep_a); 0: not
     keep_n: u32,   // A's values (the matrices of A, dense, one after another)
     split: u32,    // PAIR: the row blocks of the grid's first product (see enter)
+    zero: u32,     // 0 (A_SWIGLU: sep's operand)
+    w2: u32,       // A_SWIGLU with keep: where up's words start in c2
 }
 
 // Lavapipe (llvmpipe) silently stops a shader after 65,535 loop iterations, so
@@ -73,6 +75,12 @@ override OUTS: u32 = 1u;
 // With prm.keep, A's values rounded to that format as 16-bit words (pack.wgsl's
 // layout): the copy autograd keeps of an activation a product reads. Otherwise
 // c stands in, unused.
+//
+// A_SWIGLU: A is SwiGLU's output, computed as it is loaded: value e is
+// swiglu_of(a[e], c1[e]) (gate in a, up in c1, both float32 values of one
+// layout), the SwiGLU kernel's bits. With prm.keep, keep_a also writes the
+// gate's and up's words into c2 (the gate's from 0, up's from prm.w2): the
+// copies SwiGLU's backward reads. One output, no pair: c1 and c2 are free.
 @group(0) @binding(7) var<storage, read_write> a_words: array<u32>;
 // PAIR: the grid runs two products over one A, prms[0]'s in its first
 // prms[0].split row blocks and prms[1]'s in the rest (a product's two
@@ -137,9 +145,13 @@ override B_HALF: u32 = 0u;
 // A pair's second B (a weight's gradient reads the activation's 16-bit copy
 // where the input's reads the float32 weight).
 override B2_HALF: u32 = 0u;
+override A_SWIGLU: bool = false;
 
 // Value e of A and of B.
 fn load_a(e: u32) -> f32 {
+    if A_SWIGLU {
+        return swiglu_of(bitcast<f32>(a[e]), c1[e], prm.zero);
+    }
     if A_HALF == 0u {
         return bitcast<f32>(a[e]);
     }
@@ -310,12 +322,23 @@ fn keep_a(wg: vec3<u32>, lane: u32, lanes: u32) {
     let start = first + r0 * prm.k;
     let end = first + min(r0 + 64u, prm.m) * prm.k;
     for (var w = (start + 1u) / 2u + lane; w < (end + 1u) / 2u; w += lanes) {
-        var bits = half_bits(bitcast<f32>(a[2u * w]), prm.keep);
-        if 2u * w + 1u < prm.keep_n {
-            bits = bits | (half_bits(bitcast<f32>(a[2u * w + 1u]), prm.keep) << 16u);
+        let e = 2u * w;
+        let two = e + 1u < prm.keep_n;
+        a_words[w] = word_of(load_a(e), load_a(min(e + 1u, prm.keep_n - 1u)), two);
+        if A_SWIGLU {
+            c2[w] = word_of(bitcast<f32>(a[e]), bitcast<f32>(a[e + u32(two)]), two);
+            c2[prm.w2 + w] = word_of(c1[e], c1[e + u32(two)], two);
         }
-        a_words[w] = bits;
     }
+}
+
+// The word of values x (low half) and, where `two`, y, rounded to prm.keep.
+fn word_of(x: f32, y: f32, two: bool) -> u32 {
+    var bits = half_bits(x, prm.keep);
+    if two {
+        bits = bits | (half_bits(y, prm.keep) << 16u);
+    }
+    return bits;
 }
 
 const ROWS: u32 = 8u;

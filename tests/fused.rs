@@ -259,6 +259,91 @@ fn rms_norm_layer_on_f64_input_is_the_composition() {
 
 // ----------------------------------------------------------------- SwiGLU ----
 
+/// Whether a primitive named `name` ran during `f`.
+fn ran(name: &str, f: &dyn Fn() -> Result<Run>) -> Result<(Run, bool)> {
+    tinyllm::profile::start();
+    let out = f();
+    let p = tinyllm::profile::take().expect("profiling was on");
+    Ok((out?, p.rows.iter().any(|r| r.name == name && r.calls > 0)))
+}
+
+// The down projection reading SwiGLU's output (`Tensor::swiglu_matmul_t`)
+// against SwiGLU and then the product, under autocast (the gate and up
+// products' outputs, as the Llama's MLP has them), with and without the
+// residual: the same output and gradients, bit for bit, and SwiGLU never
+// run as a primitive of its own.
+device_test!(swiglu_into_the_down_product_is_the_composition, |dev| {
+    use tinyllm::precision::autocast;
+    use tinyllm::Format;
+    let (rows, c, f) = (67, 6, 9);
+    let ins = [
+        input(values(rows * c, 1, 3.0, true), &[1, rows, c], true),
+        input(values(f * c, 2, 2.0, true), &[f, c], true),
+        input(values(f * c, 3, 2.0, true), &[f, c], true),
+        input(values(c * f, 4, 1.0, true), &[c, f], true),
+        input(values(rows * c, 5, 1.0, true), &[1, rows, c], true),
+    ];
+    let w = weights(rows * c, 6);
+    for fmt in [Format::Bf16, Format::Fp16] {
+        for residual in [true, false] {
+            let go = |fused: bool| {
+                move |t: &[Tensor]| {
+                    let _ac = autocast(fmt);
+                    let (g, u) = (t[0].matmul_t(&t[1])?, t[0].matmul_t(&t[2])?);
+                    let e = residual.then_some(&t[4]);
+                    match (fused, e) {
+                        (true, e) => g.swiglu_matmul_t(u, &t[3], e),
+                        (false, Some(e)) => g.swiglu(&u)?.matmul_t_add(&t[3], e),
+                        (false, None) => g.swiglu(&u)?.matmul_t(&t[3]),
+                    }
+                }
+            };
+            let what = format!("{fmt}, residual {residual}, on {dev}");
+            let (a, alone) = ran("swiglu", &|| {
+                super::run(dev, DType::F32, &ins, &w, &go(true))
+            })?;
+            let (b, composed) = ran("swiglu", &|| {
+                super::run(dev, DType::F32, &ins, &w, &go(false))
+            })?;
+            assert!(
+                !alone && composed,
+                "{what}: SwiGLU ran alone {alone}, composed {composed}"
+            );
+            first_difference(&format!("{what}: forward"), &a.0, &b.0);
+            for (i, (ga, gb)) in a.1.iter().zip(&b.1).enumerate() {
+                // the residual has a gradient only where it is added
+                assert_eq!(ga.is_some(), i < 4 || residual, "{what}: input {i}");
+                assert_eq!(ga.is_some(), gb.is_some(), "{what}: input {i}");
+                if let (Some(ga), Some(gb)) = (ga, gb) {
+                    first_difference(&format!("{what}: gradient of input {i}"), ga, gb);
+                }
+            }
+        }
+    }
+    // without grad (a checkpointed segment's first forward): nothing kept
+    let _ng = tinyllm::no_grad();
+    let (a, alone) = ran("swiglu", &|| run_forward(dev, &ins, true))?;
+    let (b, _) = ran("swiglu", &|| run_forward(dev, &ins, false))?;
+    assert!(!alone, "no grad: SwiGLU ran alone");
+    first_difference("no grad: forward", &a.0, &b.0);
+});
+
+/// The forward of the down projection of SwiGLU with the residual, under bf16
+/// autocast, fused or composed (no backward).
+fn run_forward(dev: Device, ins: &[Input], fused: bool) -> Result<Run> {
+    let _ac = tinyllm::precision::autocast(tinyllm::Format::Bf16);
+    let t: Vec<Tensor> = ins
+        .iter()
+        .map(|i| Tensor::from_vec(i.vals.iter().map(|&v| v as f32).collect(), &i.shape, dev))
+        .collect::<Result<_>>()?;
+    let (g, u) = (t[0].matmul_t(&t[1])?, t[0].matmul_t(&t[2])?);
+    let y = match fused {
+        true => g.swiglu_matmul_t(u, &t[3], Some(&t[4]))?,
+        false => g.swiglu(&u)?.matmul_t_add(&t[3], &t[4])?,
+    };
+    Ok((bits64(&y.to_vec_f64()?), Vec::new()))
+}
+
 device_test!(swiglu_is_the_composition, |dev| {
     for (k, shape) in [vec![4, 67], vec![2, 3, 8], vec![1]]
         .into_iter()

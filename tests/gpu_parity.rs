@@ -819,8 +819,8 @@ impl Ir {
     }
 
     /// The work of `block` in `f` (whose analysis is `fi`), calls followed
-    /// (except into `fma_c`, one fma). A loop inside it panics: its trip
-    /// count is unknown here.
+    /// (except into `fma_c`, one fma, and into the math library's `m_*`,
+    /// none). A loop inside it panics: its trip count is unknown here.
     fn block(
         &self,
         f: &naga::Function,
@@ -868,8 +868,12 @@ impl Ir {
                 S::Loop { .. } => panic!("a loop of unknown trip count inside the counted stretch"),
                 S::Call { function, .. } => {
                     let callee = &self.module.functions[*function];
-                    if callee.name.as_deref() == Some("fma_c") {
+                    let name = callee.name.as_deref().unwrap_or("");
+                    if name == "fma_c" {
                         w.fmas += 1;
+                    } else if name.starts_with("m_") {
+                        // the math library: functions of their arguments
+                        // alone (no buffer loads), their fmas not counted
                     } else {
                         let x = self.block(callee, &self.info[*function], &callee.body);
                         w.loads += x.loads;

@@ -131,7 +131,7 @@ fn c1_counts(context: usize, micro_batch: usize) -> GpuCounters {
 /// (at most 8: a submit per 1,024 params slots and the readback's) and one
 /// readback. Counts are exact; a change that adds GPU work fails here.
 const C1_STEP: GpuCounters = GpuCounters {
-    dispatches: 806,
+    dispatches: 758,
     submits: 1,
     readbacks: 1,
 };

@@ -861,6 +861,7 @@ fn matmul(sw: &mut Sweep) -> Result<()> {
     matmul_shared(sw)?;
     matmul_pair(sw)?;
     matmul_keeping_a(sw)?;
+    swiglu_matmul(sw)?;
     matmul_bits(sw)?;
     matmul_outside_normal_range(sw)
 }
@@ -1325,6 +1326,70 @@ fn matmul_keeping_a(sw: &mut Sweep) -> Result<()> {
                 )?;
                 let mut out = c.to_vec_f32()?;
                 out.extend(word_halves(p.words().to_vec_f32()?));
+                Ok(out)
+            })?;
+        }
+    }
+    Ok(())
+}
+
+/// The product of SwiGLU's output (`Storage::swiglu_matmul`: on a GPU
+/// computed as the product loads A), alone and keeping the three 16-bit
+/// copies autograd keeps: the product's bits and pack's words of the output,
+/// the gate and up. The gate spans sigmoid's overflow and specials; odd `k`
+/// (words across rows), row blocks past 64, an odd count, an addend.
+fn swiglu_matmul(sw: &mut Sweep) -> Result<()> {
+    let mut rng = Rng(0x5e1d);
+    for (m, k, n, add) in [
+        (8, 5, 8, false),
+        (130, 7, 9, true),
+        (65, 33, 17, false),
+        (3, 3, 70, true),
+    ] {
+        let sp = specials();
+        let gate: Vec<f32> = (0..m * k)
+            .map(|i| match i % 13 {
+                5 => sp[rng.below(sp.len())],
+                3 => rng.unif(-100.0, 100.0),
+                _ => rng.unif(-12.0, 12.0),
+            })
+            .collect();
+        let upv: Vec<f32> = (0..m * k).map(|_| rng.moderate()).collect();
+        let w: Vec<f32> = (0..k * n).map(|_| rng.moderate()).collect();
+        let e: Vec<f32> = (0..m * n).map(|_| rng.moderate()).collect();
+        let d = dims(1, m, k, n, false, true, 0, 0, Causal::No);
+        for (round, keep) in [
+            (None, None),
+            (Some(Format::Bf16), None),
+            (Some(Format::Bf16), Some(Format::Bf16)),
+            (Some(Format::Fp16), Some(Format::Fp16)),
+        ] {
+            let plus = if add { "e + " } else { "" };
+            let case = format!("{plus}swiglu(g, u)·Wᵀ, {}", d.describe(round));
+            let variant = match keep {
+                Some(f) => format!("swiglu A, keeping {f}"),
+                None => "swiglu A".to_string(),
+            };
+            sw.check("matmul", &variant, case, &[&gate, &upv], |dev| {
+                let e = up(&e, dev)?;
+                let (c, kept) = up(&gate, dev)?.swiglu_matmul(
+                    &up(&upv, dev)?,
+                    &up(&w, dev)?,
+                    d,
+                    round,
+                    add.then_some(&e),
+                    keep,
+                )?;
+                let mut out = c.to_vec_f32()?;
+                // SwiGLU's output's words as values (a NaN's sign and payload
+                // are the arithmetic's, which the contract leaves open), the
+                // gate's and up's as patterns
+                for (i, (p, _)) in kept.into_iter().flatten().enumerate() {
+                    match i {
+                        0 => out.extend(p.unpack()?.to_vec_f32()?),
+                        _ => out.extend(word_halves(p.words().to_vec_f32()?)),
+                    }
+                }
                 Ok(out)
             })?;
         }

@@ -419,23 +419,16 @@ pub struct Mlp {
 
 impl Mlp {
     /// `x: (B,T,C) -> (B,T,C)`, plus `residual` if given (a sum the down
-    /// projection forms as it writes).
+    /// projection forms as it writes). The down projection reads
+    /// `silu(gate(x)) · up(x)` as one primitive with its product where it can
+    /// ([`Linear::forward_gated`]).
     fn forward(&self, x: &Tensor, residual: Option<&Tensor>) -> Result<Tensor> {
-        let gu = self.gated(x)?;
-        let _traced = trace::path("down_proj");
-        match residual {
-            Some(r) => self.down_proj.forward_add(&gu, r),
-            None => self.down_proj.forward(&gu),
-        }
-    }
-
-    /// `silu(gate(x)) · up(x)`: the down projection's input.
-    fn gated(&self, x: &Tensor) -> Result<Tensor> {
         let [g, u] = {
             let _traced = trace::path("gate_up_proj");
             Linear::forward_shared(x, [&self.gate_proj, &self.up_proj])?
         };
-        g.swiglu(&u)
+        let _traced = trace::path("down_proj");
+        self.down_proj.forward_gated(g, u, residual)
     }
 }
 

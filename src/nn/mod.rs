@@ -76,6 +76,28 @@ impl Linear {
         x.matmul_t_add(&self.weight, residual)
     }
 
+    /// [`forward`](Layer::forward) of `swiglu(gate, up)`, plus `residual`
+    /// if given: one primitive where it can ([`Tensor::swiglu_matmul_t`]: no
+    /// bias, no fp8 scope). The gate and up are released as soon as SwiGLU
+    /// has read them.
+    pub fn forward_gated(
+        &self,
+        gate: Tensor,
+        up: Tensor,
+        residual: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        if self.bias.is_some() || up.dims() < 2 || fp8::active().is_some() {
+            let h = gate.swiglu(&up)?;
+            drop((gate, up));
+            return match residual {
+                Some(r) => self.forward_add(&h, r),
+                None => self.forward(&h),
+            };
+        }
+        self.check_input(&up)?;
+        gate.swiglu_matmul_t(up, &self.weight, residual)
+    }
+
     /// Each layer's [`forward`](Layer::forward) of one input, their products
     /// computed as one primitive ([`Tensor::matmul_t_shared`]) where that is
     /// all they are: no bias, weights of one shape, no fp8 scope. The weights

@@ -4,9 +4,13 @@
 //! backward products are rounded the same way (the gradient arrives through a
 //! cast, so it is rounded too).
 
+use super::arrived;
 use crate::backend::round::Format;
 use crate::backend::{MatmulDims, Operand, Product, Storage};
-use crate::tensor::autocast::{autocast_dtype, cast_table, product_format, OpClass, Rule};
+use crate::tensor::autocast::{
+    autocast_dtype, cast_table, output_format, product_format, OpClass, Rule,
+};
+use crate::tensor::is_grad_enabled;
 use crate::tensor::saved::{Arg, Keep, Saved};
 use crate::tensor::shape::numel;
 use crate::{bail, Result, Tensor};
@@ -154,48 +158,84 @@ fn record(
     shape: Vec<usize>,
     dims: MatmulDims,
 ) -> Result<Tensor> {
-    let MatmulDims {
-        m,
-        k,
-        n,
-        trans_a: ta,
-        trans_b: tb,
-        ..
-    } = dims;
-    let b_dims = b.dims();
     // Keep each operand only if the other one needs a gradient, as backward
     // reads it: rounded to the format (in 16 bits) under autocast, read by
     // the backward products as it is kept.
     let (ra, rb) = (a.requires_grad(), b.requires_grad());
     let a_kept = rb.then(|| Saved::operand(a, round)).transpose()?;
     let b_kept = ra.then(|| Saved::operand(b, round)).transpose()?;
-    let a_shape = a.shape().to_vec();
     let has_addend = e.is_some();
     let parents: Vec<&Tensor> = [a, b].into_iter().chain(e).collect();
+    let back = ProductBackward {
+        a_kept,
+        b_kept,
+        a_shape: a.shape().to_vec(),
+        b_dims: b.dims(),
+        dims,
+        round,
+    };
     let y = Tensor::record_gathering(s, shape, "matmul", &parents, move |g, gathered| {
+        // each gradient is added into the one gathered for its operand so
+        // far, as its product writes it (the sum autograd would form next):
+        // a weight's, the `.grad` of earlier micro-batches
+        let ea = back.b_kept.as_ref().and_then(|_| gathered.take(0));
+        let eb = back.a_kept.as_ref().and_then(|_| gathered.take(1));
+        let (ga, gb) = back.grads(g, ea, eb)?;
+        // the addend's gradient: the sum's, g itself
+        Ok([ga, gb]
+            .into_iter()
+            .chain(has_addend.then(|| Some(g.clone())))
+            .collect())
+    });
+    // a sum with an addend is not a 16-bit value
+    Ok(if has_addend { y } else { y.with_half(round) })
+}
+
+/// A product's backward: what it kept of each operand (each only where the
+/// other needs a gradient) and what it was.
+struct ProductBackward {
+    a_kept: Option<Saved>,
+    b_kept: Option<Saved>,
+    a_shape: Vec<usize>,
+    b_dims: usize,
+    dims: MatmulDims,
+    round: Option<Format>,
+}
+
+impl ProductBackward {
+    /// dA (where B was kept) and dB (where A was) from `g`, the gradient of
+    /// the output, each with the gradient gathered for its operand so far
+    /// (`ea`, `eb`) added in as its product writes it; both as one
+    /// primitive (one GPU dispatch) where both are wanted.
+    fn grads(
+        &self,
+        g: &Tensor,
+        ea: Option<Tensor>,
+        eb: Option<Tensor>,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let MatmulDims {
+            m,
+            k,
+            n,
+            trans_a: ta,
+            trans_b: tb,
+            ..
+        } = self.dims;
+        let (a_shape, round) = (&self.a_shape, self.round);
         let gd = g.arg();
-        // dA is added into the gradient gathered for a so far, as its product
-        // writes it (the sum autograd would form next)
-        let earlier = b_kept
-            .as_ref()
-            .and_then(|_| gathered.take(0))
-            .map(|e| e.storage());
-        let ja = match &b_kept {
+        let earlier = ea.map(|e| e.storage());
+        let ja = match &self.b_kept {
             None => None,
             Some(b) if !ta => Some(job(gd.clone(), b.arg(), false, !tb, earlier)?), // dA = dC op(B)ᵀ
             Some(b) => Some(job(b.arg(), gd.clone(), tb, true, earlier)?), // dA = (dC op(B)ᵀ)ᵀ = op(B) dCᵀ
         };
-        // dB likewise (a weight's: the `.grad` of earlier micro-batches)
-        let earlier = a_kept
-            .as_ref()
-            .and_then(|_| gathered.take(1))
-            .map(|e| e.storage());
-        let jb = match &a_kept {
+        let earlier = eb.map(|e| e.storage());
+        let jb = match &self.a_kept {
             None => None,
             Some(a) => {
                 // With b shared by the batch, fold the batch into the rows
                 // (the same buffers, read as one matrix).
-                let folded = b_dims == 2 && a_shape.len() > 2;
+                let folded = self.b_dims == 2 && a_shape.len() > 2;
                 let lead: usize = numel(&a_shape[..a_shape.len() - 2]);
                 let (a_rows, g_rows) = ([lead * m, k], [lead * m, n]);
                 // op(A) = Aᵀ per batch must be materialised before folding.
@@ -237,8 +277,7 @@ fn record(
         let grad = |s, shape: &[usize], h| {
             Ok::<_, crate::Error>(Tensor::from_storage(s, shape)?.with_half(h))
         };
-        let (ga, gb) = match (ja, jb) {
-            // both gradients as one primitive (one GPU dispatch)
+        Ok(match (ja, jb) {
             (Some((ja, sa)), Some((jb, sb))) => {
                 let (ha, hb) = (half(&ja), half(&jb));
                 let [x, y] = Operand::matmul_pair([ja, jb], round)?;
@@ -251,15 +290,8 @@ fn record(
                 };
                 (one(ja)?, one(jb)?)
             }
-        };
-        // the addend's gradient: the sum's, g itself
-        Ok([ga, gb]
-            .into_iter()
-            .chain(has_addend.then(|| Some(g.clone())))
-            .collect())
-    });
-    // a sum with an addend is not a 16-bit value
-    Ok(if has_addend { y } else { y.with_half(round) })
+        })
+    }
 }
 
 impl Tensor {
@@ -334,24 +366,135 @@ impl Tensor {
     /// The product adds `e` as it writes its outputs (both devices); `e` of
     /// another shape, or one of the operands itself, takes the composition.
     pub fn matmul_t_add(&self, rhs: &Tensor, e: &Tensor) -> Result<Tensor> {
-        let fits = self.dims() >= 2 && rhs.dims() == 2 && e.dtype() == self.dtype() && {
-            let mut out = self.shape()[..self.dims() - 1].to_vec();
-            out.push(rhs.shape()[0]);
-            e.shape() == out.as_slice()
-        };
-        if !fits || e.id() == self.id() || e.id() == rhs.id() {
+        if !adds_as_it_writes(&[self], rhs, e) {
             return e.residual_add(&self.matmul_t(rhs)?);
         }
-        // A residual sum the policy stores in 16 bits is rounded on its own.
-        let round = autocast_dtype();
-        let sum = cast_table().and_then(|t| match t.rule(OpClass::ResidualAdd) {
-            Rule::F32 => None,
-            Rule::Round(f) => Some(f),
-            Rule::Follow => e.half().filter(|&f| Some(f) == round),
-        });
-        if sum.is_some() {
-            return e.residual_add(&self.matmul_t(rhs)?);
-        }
-        recorded(self, rhs, false, true, round, Some(e))
+        recorded(self, rhs, false, true, autocast_dtype(), Some(e))
     }
+
+    /// `swiglu(self, up) @ wᵀ`, plus `e` when given (the Llama MLP's down
+    /// projection of its gated activation, and the residual): the bits and
+    /// gradients of `self.swiglu(&up)?.matmul_t(w)` (or
+    /// [`matmul_t_add`](Self::matmul_t_add)). Without grad, or where autograd
+    /// keeps 16-bit copies of all three — SwiGLU's output, the gate and up,
+    /// under autocast with SwiGLU's output unrounded or rounded as the
+    /// product rounds its operands — one primitive writes the product (and
+    /// the copies), and SwiGLU's output is never whole in float32 (on a GPU
+    /// the product computes it as it loads it: one dispatch for two).
+    /// Elsewhere, that composition, the gate and up released before the
+    /// product.
+    pub fn swiglu_matmul_t(self, up: Tensor, w: &Tensor, e: Option<&Tensor>) -> Result<Tensor> {
+        let gate = self;
+        let round = autocast_dtype();
+        let parents: Vec<&Tensor> = [&gate, &up, w].into_iter().chain(e).collect();
+        let recording = is_grad_enabled() && parents.iter().any(|t| t.requires_grad());
+        let keeps = |t: &Tensor| Saved::to_pack(Keep::values(t));
+        // recorded, every copy backward keeps is 16-bit: the gate's and up's
+        // (made here, not before) and SwiGLU's output's
+        let keep = match round {
+            Some(r) if recording => {
+                [&gate, &up, w].iter().all(|t| t.requires_grad())
+                    && keeps(&gate) == Some(r)
+                    && keeps(&up) == Some(r)
+            }
+            _ => !recording,
+        };
+        // SwiGLU's output as the product reads it, whatever the policy stores
+        let f = output_format(OpClass::Swiglu, &[&gate, &up]);
+        let fused = keep
+            && gate.shape() == up.shape()
+            && (f.is_none() || f == round)
+            && e.is_none_or(|e| adds_as_it_writes(&[&gate, &up], w, e));
+        if !fused {
+            let h = gate.swiglu(&up)?;
+            drop(parents);
+            drop((gate, up));
+            return match e {
+                Some(e) => h.matmul_t_add(w, e),
+                None => h.matmul_t(w),
+            };
+        }
+        let (dims, shape) = product_dims(gate.shape(), w.shape(), false, true)?;
+        let rows = MatmulDims {
+            batch: 1,
+            m: dims.batch * dims.m,
+            a_batch_stride: 0,
+            ..dims
+        };
+        let addend = e.map(|e| e.storage());
+        let keep = round.filter(|_| recording);
+        let (c, kept) = gate.storage().swiglu_matmul(
+            &up.storage(),
+            &w.storage(),
+            rows,
+            round,
+            addend.as_ref(),
+            keep,
+        )?;
+        // a sum with an addend is not a 16-bit value
+        let half = if e.is_some() { None } else { round };
+        let Some([(h_words, _), (pg, cg), (pu, cu)]) = kept else {
+            return Ok(Tensor::from_storage(c, &shape)?.with_half(half));
+        };
+        Saved::adopt(&gate, pg, cg)?;
+        Saved::adopt(&up, pu, cu)?;
+        let [gate_k, up_k] = Saved::all([Keep::values(&gate), Keep::values(&up)])?;
+        let back = ProductBackward {
+            a_kept: Some(Saved::Half {
+                packed: h_words,
+                shape: gate.shape().to_vec(),
+            }),
+            b_kept: Some(Saved::operand(w, round)?),
+            a_shape: gate.shape().to_vec(),
+            b_dims: w.dims(),
+            dims,
+            round,
+        };
+        let has_addend = e.is_some();
+        let y =
+            Tensor::record_gathering(c, shape, "swiglu matmul", &parents, move |g, gathered| {
+                // SwiGLU's output has no other use: nothing gathered for it
+                let eb = gathered.take(2);
+                let (dh, dw) = back.grads(g, None, eb)?;
+                // SwiGLU's output's copy goes before SwiGLU's backward runs,
+                // as the product's node would have gone
+                drop(back);
+                let dh = arrived(&dh.expect("SwiGLU's output's gradient: w was kept"), f)?;
+                let (dg, du) = gate_k
+                    .arg()
+                    .op
+                    .swiglu_backward(&up_k.arg().op, &dh.storage())?;
+                [dg, du]
+                    .into_iter()
+                    .map(|s| Tensor::from_storage(s, dh.shape()).map(Some))
+                    .chain([Ok(dw)])
+                    .chain(has_addend.then(|| Ok(Some(g.clone()))))
+                    .collect()
+            });
+        Ok(y.with_half(half))
+    }
+}
+
+/// Whether the product of `a`'s last one (`x`) and `w`ᵀ adds `e` as it
+/// writes ([`Tensor::matmul_t_add`]): `e` of the output's shape, none of
+/// `a` or `w` itself, and a residual sum the cast policy does not round on
+/// its own.
+fn adds_as_it_writes(a: &[&Tensor], w: &Tensor, e: &Tensor) -> bool {
+    let x = a[a.len() - 1];
+    let fits = x.dims() >= 2 && w.dims() == 2 && e.dtype() == x.dtype() && {
+        let mut out = x.shape()[..x.dims() - 1].to_vec();
+        out.push(w.shape()[0]);
+        e.shape() == out.as_slice()
+    };
+    if !fits || a.iter().chain([&w]).any(|t| t.id() == e.id()) {
+        return false;
+    }
+    let round = autocast_dtype();
+    // A residual sum the policy stores in 16 bits is rounded on its own.
+    let sum = cast_table().and_then(|t| match t.rule(OpClass::ResidualAdd) {
+        Rule::F32 => None,
+        Rule::Round(f) => Some(f),
+        Rule::Follow => e.half().filter(|&f| Some(f) == round),
+    });
+    sum.is_none()
 }

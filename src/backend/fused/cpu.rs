@@ -3,14 +3,15 @@
 //! arranged so the loops vectorise — the sequential folds run four rows in
 //! lockstep, the divisions of an elementwise loop a group of lanes at a time.
 
-use super::FusedOps;
+use super::{swiglu_then_product, FusedOps, SwigluProduct};
 use crate::backend::cpu::pool;
 use crate::backend::cpu::simd::LANES;
 use crate::backend::cpu::{
     assume_init_mut, cpu_threads, fill, fold_ragged, maximum, new_vec, new_vecs, sigmoid_into, simd,
     write_exact, CpuStorage, Elem,
 };
-use crate::backend::matmul::Halves;
+use crate::backend::matmul::{Halves, MatmulDims, MatmulOps};
+use crate::backend::pack::PackOps;
 use crate::backend::pack::widen_words;
 use crate::backend::round::Format;
 use crate::backend::DType;
@@ -84,11 +85,36 @@ impl FusedOps for CpuStorage {
     }
 
     fn swiglu(&self, up: &CpuStorage) -> Result<CpuStorage> {
-        #[cfg(target_arch = "x86_64")]
-        if self.dtype() == DType::F32 && simd::level() == simd::Level::Avx512 {
-            return Ok(CpuStorage::from_f32(swiglu_t(&self.f32s(), &up.f32s(), avx512::swiglu)));
+        if self.dtype() == DType::F32 {
+            return Ok(CpuStorage::from_f32(swiglu_t(&self.f32s(), &up.f32s(), swiglu_f32())));
         }
         Ok(by_dtype!(self, T => T::wrap(swiglu_t::<T>(&T::view(self), &T::view(up), swiglu_slices))))
+    }
+
+    /// Kept in the product's format, SwiGLU's output goes straight into its
+    /// 16-bit words, a block at a time ([`swiglu_words`]), and the product
+    /// reads them as kept (rounding twice is rounding once): the output is
+    /// never whole in float32 beside the gate and up.
+    fn swiglu_matmul(
+        &self,
+        up: &CpuStorage,
+        rhs: &CpuStorage,
+        d: MatmulDims,
+        round: Option<Format>,
+        addend: Option<&CpuStorage>,
+        keep: Option<Format>,
+    ) -> Result<SwigluProduct<CpuStorage>> {
+        let Some(f) = keep.filter(|&f| Some(f) == round && self.dtype() == DType::F32) else {
+            return swiglu_then_product(self, up, rhs, d, round, addend, keep);
+        };
+        let (words, changed) = swiglu_words(&self.f32s(), &up.f32s(), f);
+        let h = CpuStorage::from_f32(words);
+        let halves = Halves { a: Some(f), b: None };
+        let c = match addend {
+            Some(e) => h.matmul_add(rhs, d, halves, round, e)?,
+            None => h.matmul(rhs, d, halves, round)?,
+        };
+        Ok((c, Some([(h, Some(changed)), self.pack(f)?, up.pack(f)?])))
     }
 
     fn swiglu_backward(&self, up: &CpuStorage, g: &CpuStorage, halves: Halves) -> Result<(CpuStorage, CpuStorage)> {
@@ -341,6 +367,50 @@ type SwigluBackwardSlices<T> =
     for<'g, 'u> fn(&'g mut [MaybeUninit<T>], &'u mut [MaybeUninit<T>], &[T], &[T], &[T]) -> (&'g mut [T], &'u mut [T]);
 
 /// gate, up: (n) -> y: (n), `kernel` on each thread's slice
+/// This CPU's float32 SwiGLU kernel.
+fn swiglu_f32() -> SwigluSlices<f32> {
+    #[cfg(target_arch = "x86_64")]
+    if simd::level() == simd::Level::Avx512 {
+        return avx512::swiglu;
+    }
+    swiglu_slices
+}
+
+/// Values of SwiGLU's output a task computes at a time before packing them.
+const WORDS_BLOCK: usize = 2048;
+
+/// gate, up: (n) -> SwiGLU's output as words of two `fmt` values (pack's),
+/// with how many values rounding changed: each task computes blocks of
+/// [`WORDS_BLOCK`] values into a scratch and packs them.
+fn swiglu_words(gate: &[f32], up: &[f32], fmt: Format) -> (Vec<f32>, usize) {
+    let (kernel, pack) = (swiglu_f32(), crate::backend::pack::pack_kernel(fmt));
+    let words = gate.len().div_ceil(2);
+    // whole blocks to each task but the last
+    let per = per_thread(words, 2).div_ceil(WORDS_BLOCK / 2) * (WORDS_BLOCK / 2);
+    let mut changed = 0;
+    let w = new_vec(words, |w, written| {
+        let tasks = w.chunks_mut(per).zip(gate.chunks(2 * per)).zip(up.chunks(2 * per));
+        for (w, n) in pool::map(tasks, |((w, gate), up)| {
+            let mut scratch = Vec::with_capacity(WORDS_BLOCK);
+            let mut n = 0;
+            let w = fill(w, |w, written| {
+                let blocks = w.chunks_mut(WORDS_BLOCK / 2).zip(gate.chunks(WORDS_BLOCK)).zip(up.chunks(WORDS_BLOCK));
+                for ((w, gate), up) in blocks {
+                    let y = kernel(&mut scratch.spare_capacity_mut()[..gate.len()], gate, up);
+                    let (w, k) = pack(w, y, fmt);
+                    written.add(w);
+                    n += k;
+                }
+            });
+            (w, n)
+        }) {
+            written.add(w);
+            changed += n;
+        }
+    });
+    (w, changed)
+}
+
 fn swiglu_t<T: Elem>(gate: &[T], up: &[T], kernel: SwigluSlices<T>) -> Vec<T> {
     let n = gate.len();
     let per = per_thread(n, 1);

@@ -1,11 +1,11 @@
 //! The GPU launchers of the fused primitives (`fused.wgsl`).
 
-use super::{CeKept, FusedOps, Kept};
+use super::{swiglu_then_product, CeKept, FusedOps, Kept, SwigluProduct};
 use crate::backend::gpu::context::{ctx, Context};
 use crate::backend::gpu::pipelines::{gpu_params, no_consts, Family, Kernel};
 use crate::backend::gpu::variant::Kernels;
 use crate::backend::gpu::{grid1d, u32_of, GpuStorage, LOOP_PASS};
-use crate::backend::matmul::Halves;
+use crate::backend::matmul::{Halves, MatmulDims};
 use crate::backend::pack::PackOps;
 use crate::backend::round::{fmt_code, Format};
 use crate::backend::MAX_DIMS;
@@ -350,6 +350,23 @@ impl FusedOps for GpuStorage {
         };
         c.dispatch(&SWIGLU, &prm, &[self.bind(), up.bind(), y.bind(), wg.bind(), wu.bind()], grid1d(n))?;
         Ok((y, [(wg, None), (wu, None)]))
+    }
+
+    /// One dispatch where the product can compute SwiGLU as it loads A
+    /// (`GpuStorage::swiglu_product`); the two primitives otherwise.
+    fn swiglu_matmul(
+        &self,
+        up: &GpuStorage,
+        rhs: &GpuStorage,
+        d: MatmulDims,
+        round: Option<Format>,
+        addend: Option<&GpuStorage>,
+        keep: Option<Format>,
+    ) -> Result<SwigluProduct<GpuStorage>> {
+        match self.swiglu_product(up, rhs, d, round, addend, keep)? {
+            Some((c, words)) => Ok((c, words.map(|w| w.map(|w| (w, None))))),
+            None => swiglu_then_product(self, up, rhs, d, round, addend, keep),
+        }
     }
 
     fn swiglu_backward(&self, up: &GpuStorage, g: &GpuStorage, halves: Halves) -> Result<(GpuStorage, GpuStorage)> {

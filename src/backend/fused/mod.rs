@@ -40,6 +40,11 @@
 //!   `ew_j + Σ…`: the sum gradient accumulation forms next.
 //! * **`swiglu`** `gate, up: (n) -> y: (n)`: `y = (gate·σ(gate))·up` — the
 //!   composition `gate.silu().mul(up)`.
+//! * **`swiglu_matmul`** `gate, up: (.., k)`, `w` and `dims` of a product
+//!   reading `y = swiglu(gate, up)` as its A: the bits of `swiglu` followed
+//!   by [`Storage::matmul_keeping_a`] of `y` (with an addend if given), and
+//!   the 16-bit copies autograd keeps of `y`, `gate` and `up` (a GPU computes
+//!   `y` as the product loads it, in one dispatch, and never writes it out).
 //! * **`swiglu_backward`** from `gate`, `up`, `g`: with `s = σ(gate)`,
 //!   `d_gate = (g·up)·(s·fma(gate, 1 − s, 1))`, `d_up = g·(gate·s)`.
 //! * **`rope`** `x: (rows, d)`, `cos, sin: (t, d)`, `d` even, `h = d/2`
@@ -86,7 +91,7 @@ pub(crate) mod spec;
 #[cfg(feature = "gpu")]
 pub(crate) mod gpu;
 
-use super::matmul::{Halves, Operand};
+use super::matmul::{Halves, MatmulDims, MatmulOps, Operand};
 use super::pack::{KeptCopy, PackOps, Packed};
 use super::primitive;
 use super::round::Format;
@@ -100,6 +105,35 @@ pub type Kept<S> = (S, [(S, Option<usize>); 2]);
 /// The cross-entropy's loss and statistics, and the logits' 16-bit copy
 /// with how many values its rounding changed (where the device counts).
 pub type CeKept<S> = ((S, S), (S, Option<usize>));
+
+/// [`FusedOps::swiglu_matmul`]'s product, and with a format to keep,
+/// the 16-bit copies of SwiGLU's output, the gate and up, each with the
+/// count of values its rounding changed where the device counts.
+pub type SwigluProduct<S> = (S, Option<[(S, Option<usize>); 3]>);
+
+/// [`FusedOps::swiglu_matmul`] as its two primitives.
+pub(crate) fn swiglu_then_product<S: FusedOps + PackOps + MatmulOps>(
+    gate: &S,
+    up: &S,
+    rhs: &S,
+    d: MatmulDims,
+    round: Option<Format>,
+    addend: Option<&S>,
+    keep: Option<Format>,
+) -> Result<SwigluProduct<S>> {
+    let halves = Halves::default();
+    let Some(keep) = keep else {
+        let y = gate.swiglu(up)?;
+        let c = match addend {
+            Some(e) => y.matmul_add(rhs, d, halves, round, e)?,
+            None => y.matmul(rhs, d, halves, round)?,
+        };
+        return Ok((c, None));
+    };
+    let (y, [g, u]) = gate.swiglu_keeping(up, keep)?;
+    let (c, kept) = y.matmul_keeping_a(rhs, d, round, addend, keep)?;
+    Ok((c, Some([kept, g, u])))
+}
 
 /// The two devices' fused primitives (see the module docs for the contract).
 /// Lengths are checked by the [`Storage`] methods before these run.
@@ -133,6 +167,27 @@ pub trait FusedOps: Sized {
         Self: PackOps,
     {
         Ok((self.swiglu(up)?, [self.pack(keep)?, up.pack(keep)?]))
+    }
+    /// [`swiglu`](Self::swiglu), then the product of its output (A, of
+    /// `d`) with `rhs` (plus `addend`); with `keep`, as
+    /// [`swiglu_keeping`](Self::swiglu_keeping) and
+    /// [`MatmulOps::matmul_keeping_a`]: the product and the three copies,
+    /// SwiGLU's output's first. A GPU computes the output as the product
+    /// loads it.
+    #[allow(clippy::too_many_arguments)]
+    fn swiglu_matmul(
+        &self,
+        up: &Self,
+        rhs: &Self,
+        d: MatmulDims,
+        round: Option<Format>,
+        addend: Option<&Self>,
+        keep: Option<Format>,
+    ) -> Result<SwigluProduct<Self>>
+    where
+        Self: PackOps + MatmulOps,
+    {
+        swiglu_then_product(self, up, rhs, d, round, addend, keep)
     }
     /// `self` is the gate; returns `(d_gate, d_up)`. `halves`: the gate
     /// (`a`) and `up` (`b`) kept in 16-bit storage, words of two values each
@@ -275,6 +330,38 @@ impl Storage {
         let n = self.len();
         let (y, words) = primitive!("swiglu", || format!("n {n} keeping {keep}"), [self, up] => |a, b| a.swiglu_keeping(b, keep));
         Ok((y, words.map(|(w, c)| (Packed::new(keep, n, w), c))))
+    }
+
+    /// [`swiglu`](Storage::swiglu), then the product of its output with
+    /// `rhs` (of `dims`, plus `addend`), as one primitive; with `keep`, also
+    /// the 16-bit copies of SwiGLU's output, the gate and up (as
+    /// [`swiglu_keeping`](Storage::swiglu_keeping) and
+    /// [`matmul_keeping_a`](Storage::matmul_keeping_a) make them).
+    pub fn swiglu_matmul(
+        &self,
+        up: &Storage,
+        rhs: &Storage,
+        dims: MatmulDims,
+        round: Option<Format>,
+        addend: Option<&Storage>,
+        keep: Option<Format>,
+    ) -> Result<(Storage, Option<[KeptCopy; 3]>)> {
+        check_len("swiglu", up, self.len(), "up")?;
+        let n = self.len();
+        if dims.trans_a || dims.tokens.any() || dims.batch * dims.m * dims.k != n {
+            bail!(Shape, "swiglu_matmul: {n} values for the product's A ({dims:?})");
+        }
+        if addend.is_some_and(|e| e.len() != dims.batch * dims.m * dims.n) {
+            bail!(Shape, "swiglu_matmul: an addend for {} outputs", dims.batch * dims.m * dims.n);
+        }
+        let scope = crate::profile::product_scope(dims.profiled());
+        let mut parts = vec![self, up, rhs];
+        parts.extend(addend);
+        let (c, words): SwigluProduct<Storage> = primitive!(profile scope, "swiglu matmul", || dims.describe(round), slice &parts => |ds| {
+            ds[0].swiglu_matmul(ds[1], ds[2], dims, round, ds.get(3).copied(), keep)
+        });
+        let packed = words.zip(keep).map(|(ws, f)| ws.map(|(w, k)| (Packed::new(f, n, w), k)));
+        Ok((c, packed))
     }
 
     /// SwiGLU's backward: `(d_gate, d_up)` from the gate `self`, `up` and the

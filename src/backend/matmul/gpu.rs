@@ -41,6 +41,8 @@ gpu_params! {
         keep: u32,
         keep_n: u32,
         split: u32,
+        zero: u32,
+        w2: u32,
     }
 }
 
@@ -133,7 +135,7 @@ impl MatmulOps for GpuStorage {
         let c = ctx()?;
         let out = GpuStorage::alloc(c, d.batch * d.m * d.n)?;
         let words = GpuStorage::alloc(c, self.len().div_ceil(2))?;
-        self.launch(rhs, d, halves, round, addend, &[&out], Some((&words, keep)))?;
+        self.launch(rhs, d, halves, round, addend, &[&out], Some((&words, keep)), None)?;
         Ok((out, (words, None)))
     }
     /// Up to [`MAX_OUTS`] products a dispatch when `rhs` are views of one
@@ -174,7 +176,7 @@ impl MatmulOps for GpuStorage {
                 ..d
             };
             let kept = words.as_ref().filter(|_| g == 0).map(|(w, f)| (w, *f));
-            self.launch(group[0], all, halves, round, None, &mine.iter().collect::<Vec<_>>(), kept)?;
+            self.launch(group[0], all, halves, round, None, &mine.iter().collect::<Vec<_>>(), kept, None)?;
             outs.extend(mine);
         }
         Ok((outs, words.map(|(w, _)| (w, None))))
@@ -210,6 +212,8 @@ fn params(d: &MatmulDims, round: Option<Format>, add: bool) -> Result<MatmulPara
         keep: 0,
         keep_n: 0,
         split: 0,
+        zero: 0,
+        w2: 0,
     })
 }
 
@@ -282,6 +286,13 @@ impl GpuStorage {
     }
 }
 
+/// `A_SWIGLU` in matmul.wgsl: the up values (c1) beside the gate (A), and
+/// where the gate's and up's words go when kept (c2, up's from the offset).
+struct Gated<'a> {
+    up: &'a GpuStorage,
+    words: Option<(&'a GpuStorage, usize)>,
+}
+
 /// Outputs one matmul dispatch writes at most (`OUTS` in matmul.wgsl).
 pub const MAX_OUTS: usize = 3;
 
@@ -296,7 +307,7 @@ impl GpuStorage {
         addend: Option<&GpuStorage>,
     ) -> Result<GpuStorage> {
         let out = GpuStorage::alloc(ctx()?, d.batch * d.m * d.n)?;
-        self.launch(rhs, d, halves, round, addend, &[&out], None)?;
+        self.launch(rhs, d, halves, round, addend, &[&out], None, None)?;
         Ok(out)
     }
 
@@ -311,9 +322,56 @@ impl GpuStorage {
         mk > 0 && !d.trans_a && !d.tokens.a && dense && d.k < 65536 && self.len() < (1 << 31)
     }
 
+    /// SwiGLU of the gate `self` and `up` (of one length) as A of the
+    /// product `d`, computed as the product loads it, and with `keep` the
+    /// three 16-bit copies autograd keeps: SwiGLU's output (the product's
+    /// A), the gate and up, each as
+    /// [`PackOps::pack`](crate::backend::pack::PackOps::pack) packs it. One
+    /// dispatch where A is [`keepable`](Self::keepable); `None` otherwise.
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn swiglu_product(
+        &self,
+        up: &GpuStorage,
+        rhs: &GpuStorage,
+        d: MatmulDims,
+        round: Option<Format>,
+        addend: Option<&GpuStorage>,
+        keep: Option<Format>,
+    ) -> Result<Option<(GpuStorage, Option<[GpuStorage; 3]>)>> {
+        let c = ctx()?;
+        let n = self.len();
+        // up is bound writable (c1): no other binding may share its buffer
+        let shared = [self, rhs].into_iter().chain(addend).any(|r| r.same_buffer(up));
+        // (no outputs: no workgroup would write the words)
+        if !self.keepable(&d) || up.len() != n || shared || d.n == 0 {
+            return Ok(None);
+        }
+        let Some(keep) = keep else {
+            let out = GpuStorage::alloc(c, d.batch * d.m * d.n)?;
+            let gated = Gated { up, words: None };
+            self.launch(rhs, d, Halves::default(), round, addend, &[&out], None, Some(gated))?;
+            return Ok(Some((out, None)));
+        };
+        let nw = n.div_ceil(2);
+        // the gate's and up's words: views of one buffer (one binding), kept
+        // by one node and released together
+        let Some(gu) = GpuStorage::views(c, &[nw, nw])? else {
+            return Ok(None);
+        };
+        let w2 = gu[1].offset_from(&gu[0]).expect("views of one buffer");
+        let out = GpuStorage::alloc(c, d.batch * d.m * d.n)?;
+        let words = GpuStorage::alloc(c, nw)?;
+        let gated = Gated { up, words: Some((&gu[0], w2)) };
+        self.launch(rhs, d, Halves::default(), round, addend, &[&out], Some((&words, keep)), Some(gated))?;
+        let [g, u]: [GpuStorage; 2] = gu.try_into().ok().expect("two views");
+        Ok(Some((out, Some([words, g, u]))))
+    }
+
     /// Records the product's dispatches into `outs`: one buffer for all of
     /// `d`'s batches, or one buffer per batch (2 or 3 batches, no addend);
-    /// with `kept`, A's words into its buffer (A [`keepable`](Self::keepable)).
+    /// with `kept`, A's words into its buffer (A [`keepable`](Self::keepable));
+    /// with `gated`, A is SwiGLU's output (one output; its words and the
+    /// gate's and up's with `kept`).
     #[allow(clippy::too_many_arguments)]
     fn launch(
         &self,
@@ -324,10 +382,12 @@ impl GpuStorage {
         addend: Option<&GpuStorage>,
         outs: &[&GpuStorage],
         kept: Option<(&GpuStorage, Format)>,
+        gated: Option<Gated<'_>>,
     ) -> Result<()> {
         let c = ctx()?;
         let apart = outs.len() > 1;
         debug_assert!(!apart || (outs.len() == d.batch && d.batch <= MAX_OUTS && addend.is_none()));
+        debug_assert!(gated.as_ref().is_none_or(|g| !apart && kept.is_some() == g.words.is_some() && halves == Halves::default()));
         if d.batch * d.m * d.n == 0 {
             return Ok(());
         }
@@ -349,7 +409,8 @@ impl GpuStorage {
             .with("A_HALF", fmt_code(halves.a))
             .with("B_HALF", fmt_code(halves.b))
             .with("GUARD", guarded(c.native_fma, round) as u32)
-            .with("OUTS", outs.len() as u32);
+            .with("OUTS", outs.len() as u32)
+            .with("A_SWIGLU", gated.is_some() as u32);
         if variant == Kernels::Hardware {
             kernel = kernel
                 .with("TRANS_A", d.trans_a as u32)
@@ -378,9 +439,15 @@ impl GpuStorage {
                     c_bs: if apart { 0 } else { u32_of(pc.outer, "batch stride")? },
                     keep: fmt_code(kept.map(|(_, f)| f)),
                     keep_n: u32_of(self.len(), "length")?,
+                    w2: u32_of(gated.as_ref().and_then(|g| g.words).map_or(0, |(_, w2)| w2), "offset")?,
                     ..params(&d, round, addend.is_some())?
                 };
-                let out = |i: usize| outs.get(i).unwrap_or(&outs[0]).bind();
+                // with `gated`, c1 is up and c2 the gate's and up's words
+                let out = |i: usize| match (&gated, i) {
+                    (Some(g), 1) => g.up.bind(),
+                    (Some(Gated { words: Some((w, _)), .. }), 2) => w.bind(),
+                    _ => outs.get(i).unwrap_or(&outs[0]).bind(),
+                };
                 // binding 7 is written only with `keep`; C stands in otherwise
                 let words = kept.map_or(out(0), |(w, _)| w.bind());
                 c.dispatch(

@@ -23,11 +23,7 @@ impl PackOps for CpuStorage {
     fn pack(&self, fmt: Format) -> Result<(CpuStorage, Option<usize>)> {
         let x = self.f32s();
         let words = x.len().div_ceil(2);
-        let kernel: PackWords = match fmt {
-            #[cfg(target_arch = "x86_64")]
-            Format::Bf16 if simd::level() == simd::Level::Avx512 => avx512::pack_bf16,
-            _ => pack_words,
-        };
+        let kernel = pack_kernel(fmt);
         let c = chunk_words(words);
         let mut changed = 0;
         // No zero fill: the pass writes every word (pairs, then an odd tail).
@@ -100,7 +96,17 @@ pub(crate) fn widen_words(words: &[f32], fmt: Format, n: usize) -> Vec<f32> {
 
 /// A pack pass over one chunk: `(words, values, format)`, the words handed
 /// back written with how many values rounding changed.
-type PackWords = for<'w> fn(&'w mut [MaybeUninit<f32>], &[f32], Format) -> (&'w mut [f32], usize);
+pub(crate) type PackWords = for<'w> fn(&'w mut [MaybeUninit<f32>], &[f32], Format) -> (&'w mut [f32], usize);
+
+/// The pack kernel of `fmt` on this CPU: values to words, with how many
+/// values rounding changed.
+pub(crate) fn pack_kernel(fmt: Format) -> PackWords {
+    match fmt {
+        #[cfg(target_arch = "x86_64")]
+        Format::Bf16 if simd::level() == simd::Level::Avx512 => avx512::pack_bf16,
+        _ => pack_words,
+    }
+}
 /// An unpack pass over one chunk: `(values, words, format)`, the values
 /// handed back written.
 type UnpackWords = for<'y> fn(&'y mut [MaybeUninit<f32>], &[f32], Format) -> &'y mut [f32];

@@ -27,7 +27,7 @@
 //! slots hold bit patterns, never arithmetic.
 
 mod cpu;
-pub(crate) use cpu::widen_words;
+pub(crate) use cpu::{pack_kernel, widen_words};
 pub(crate) mod spec;
 #[cfg(feature = "gpu")]
 pub(crate) mod gpu;
