@@ -364,12 +364,14 @@ struct Divisor {
 fn divisor_new(b: f32) -> Divisor {
     let fb = frexp_abs(b);
     let mb = fb.m;
-    // r ≈ 1/mb: the minimax line 24/17 - 8/17 mb on [1, 2), then Newton r += r (1 - mb r).
+    // r ≈ 1/mb: the minimax line 24/17 - 8/17 mb on [1, 2), then three
+    // Newton steps r += r (1 - mb r), written out: lavapipe counts every loop
+    // iteration against its 65,535 per invocation, and a division inside a
+    // product's k loop (SwiGLU computed as A is loaded) would spend them.
     var r = fma_c(M8_17, mb, C24_17);
-    for (var i = 0; i < 3; i++) {
-        let e = fma_c(-mb, r, 1.0);
-        r = fma_c(r, e, r);
-    }
+    r = fma_c(r, fma_c(-mb, r, 1.0), r);
+    r = fma_c(r, fma_c(-mb, r, 1.0), r);
+    r = fma_c(r, fma_c(-mb, r, 1.0), r);
     return Divisor(bitcast<u32>(b), mb, fb.e, r);
 }
 

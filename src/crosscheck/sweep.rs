@@ -1337,25 +1337,37 @@ fn matmul_keeping_a(sw: &mut Sweep) -> Result<()> {
 /// computed as the product loads A), alone and keeping the three 16-bit
 /// copies autograd keeps: the product's bits and pack's words of the output,
 /// the gate and up. The gate spans sigmoid's overflow and specials; odd `k`
-/// (words across rows), row blocks past 64, an odd count, an addend.
+/// (words across rows), row blocks past 64, an odd count, an addend; and a
+/// long `k` (finite gates) with tiny weights among B, so that every bf16
+/// chain runs again on a device whose fma is not fused (lavapipe's loop
+/// cap, passes).
 fn swiglu_matmul(sw: &mut Sweep) -> Result<()> {
     let mut rng = Rng(0x5e1d);
-    for (m, k, n, add) in [
-        (8, 5, 8, false),
-        (130, 7, 9, true),
-        (65, 33, 17, false),
-        (3, 3, 70, true),
+    for (m, k, n, add, long) in [
+        (8, 5, 8, false, false),
+        (130, 7, 9, true, false),
+        (65, 33, 17, false, false),
+        (3, 3, 70, true, false),
+        (3, 5000, 3, false, true),
     ] {
         let sp = specials();
         let gate: Vec<f32> = (0..m * k)
             .map(|i| match i % 13 {
-                5 => sp[rng.below(sp.len())],
+                5 if !long => sp[rng.below(sp.len())],
                 3 => rng.unif(-100.0, 100.0),
                 _ => rng.unif(-12.0, 12.0),
             })
             .collect();
         let upv: Vec<f32> = (0..m * k).map(|_| rng.moderate()).collect();
-        let w: Vec<f32> = (0..k * n).map(|_| rng.moderate()).collect();
+        let w: Vec<f32> = (0..k * n)
+            .map(|i| {
+                if long && i % 3 == 0 {
+                    1e-36
+                } else {
+                    rng.moderate()
+                }
+            })
+            .collect();
         let e: Vec<f32> = (0..m * n).map(|_| rng.moderate()).collect();
         let d = dims(1, m, k, n, false, true, 0, 0, Causal::No);
         for (round, keep) in [

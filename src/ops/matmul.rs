@@ -332,13 +332,8 @@ impl Tensor {
         }
         let round = autocast_dtype();
         let (dims, shape) = product_dims(self.shape(), w0.shape(), false, true)?;
-        // the batch folded into the rows: the same sums, one product per weight
-        let rows = MatmulDims {
-            batch: 1,
-            m: dims.batch * dims.m,
-            a_batch_stride: 0,
-            ..dims
-        };
+        // one product per weight
+        let rows = in_rows(dims);
         let storages: Vec<Storage> = ws.iter().map(|w| w.storage()).collect();
         // the copy of `self` backward keeps, written by the product
         let needed = ws.iter().any(|w| w.requires_grad());
@@ -415,12 +410,7 @@ impl Tensor {
             };
         }
         let (dims, shape) = product_dims(gate.shape(), w.shape(), false, true)?;
-        let rows = MatmulDims {
-            batch: 1,
-            m: dims.batch * dims.m,
-            a_batch_stride: 0,
-            ..dims
-        };
+        let rows = in_rows(dims);
         let addend = e.map(|e| e.storage());
         let keep = round.filter(|_| recording);
         let (c, kept) = gate.storage().swiglu_matmul(
@@ -472,6 +462,17 @@ impl Tensor {
                     .collect()
             });
         Ok(y.with_half(half))
+    }
+}
+
+/// `d`, of a batch of A's matrices times one shared B, as one product over
+/// the batch folded into the rows: the same sums.
+fn in_rows(d: MatmulDims) -> MatmulDims {
+    MatmulDims {
+        batch: 1,
+        m: d.batch * d.m,
+        a_batch_stride: 0,
+        ..d
     }
 }
 
