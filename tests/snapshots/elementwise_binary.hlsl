@@ -637,39 +637,34 @@ Divisor ConstructDivisor(uint arg0, float arg1, int arg2, float arg3) {
 Divisor divisor_new(float b_7)
 {
     precise float r_1 = (float)0;
-    int i = int(0);
 
     const Frexp _e1 = frexp_abs(b_7);
     precise float mb = _e1.m;
     precise const float _e5 = fma_c(M8_17_, mb, C24_17_);
     r_1 = _e5;
-    uint2 loop_bound = uint2(4294967295u, 4294967295u);
-    bool loop_init = true;
-    while(true) {
-        if (all(loop_bound == uint2(0u, 0u))) { break; }
-        loop_bound -= uint2(loop_bound.y == 0u, 1u);
-        if (!loop_init) {
-            int _e20 = i;
-            i = asint(asuint(_e20) + asuint(int(1)));
-        }
-        loop_init = false;
-        int _e9 = i;
-        if ((_e9 < int(3))) {
-        } else {
-            break;
-        }
-        {
-            precise float fop23_ = -(mb);
-            precise float _e13 = r_1;
-            precise const float _e15 = fma_c(fop23_, _e13, 1.0);
-            precise float _e16 = r_1;
-            precise float _e17 = r_1;
-            precise const float _e18 = fma_c(_e16, _e15, _e17);
-            r_1 = _e18;
-        }
-    }
-    precise float _e24 = r_1;
-    const Divisor divisor = ConstructDivisor(asuint(b_7), mb, _e1.e, _e24);
+    precise float _e7 = r_1;
+    precise float fop23_ = -(mb);
+    precise float _e9 = r_1;
+    precise const float _e11 = fma_c(fop23_, _e9, 1.0);
+    precise float _e12 = r_1;
+    precise const float _e13 = fma_c(_e7, _e11, _e12);
+    r_1 = _e13;
+    precise float _e14 = r_1;
+    precise float fop24_ = -(mb);
+    precise float _e16 = r_1;
+    precise const float _e18 = fma_c(fop24_, _e16, 1.0);
+    precise float _e19 = r_1;
+    precise const float _e20 = fma_c(_e14, _e18, _e19);
+    r_1 = _e20;
+    precise float _e21 = r_1;
+    precise float fop25_ = -(mb);
+    precise float _e23 = r_1;
+    precise const float _e25 = fma_c(fop25_, _e23, 1.0);
+    precise float _e26 = r_1;
+    precise const float _e27 = fma_c(_e21, _e25, _e26);
+    r_1 = _e27;
+    precise float _e30 = r_1;
+    const Divisor divisor = ConstructDivisor(asuint(b_7), mb, _e1.e, _e30);
     return divisor;
 }
 
@@ -713,8 +708,8 @@ float maximum_c(float a_9, float b_9)
             }
             bool _e24 = local_20;
             if (_e24) {
-                precise float fop24_ = (a_9 + b_9);
-                return fop24_;
+                precise float fop26_ = (a_9 + b_9);
+                return fop26_;
             }
         }
     }
@@ -725,16 +720,16 @@ float binary_elem(float a_10, float b_10, uint op)
 {
     switch(op) {
         case 0u: {
-            precise float fop25_ = (a_10 + b_10);
-            return fop25_;
+            precise float fop27_ = (a_10 + b_10);
+            return fop27_;
         }
         case 1u: {
-            precise float fop26_ = (a_10 - b_10);
-            return fop26_;
+            precise float fop28_ = (a_10 - b_10);
+            return fop28_;
         }
         case 2u: {
-            precise float fop27_ = (a_10 * b_10);
-            return fop27_;
+            precise float fop29_ = (a_10 * b_10);
+            return fop29_;
         }
         case 3u: {
             precise const float _e6 = m_div(a_10, b_10);
@@ -751,8 +746,8 @@ float binary_elem(float a_10, float b_10, uint op)
             return 0.0;
         }
         default: {
-            precise float fop28_ = asfloat(QNAN);
-            return fop28_;
+            precise float fop30_ = asfloat(QNAN);
+            return fop30_;
         }
     }
 }
@@ -779,16 +774,16 @@ void binary(uint3 wg : SV_GroupID, uint3 groups : SV_GroupID, uint lane : SV_Gro
         return;
     }
     rest = _e3;
-    uint2 loop_bound_1 = uint2(4294967295u, 4294967295u);
-    bool loop_init_1 = true;
+    uint2 loop_bound = uint2(4294967295u, 4294967295u);
+    bool loop_init = true;
     while(true) {
-        if (all(loop_bound_1 == uint2(0u, 0u))) { break; }
-        loop_bound_1 -= uint2(loop_bound_1.y == 0u, 1u);
-        if (!loop_init_1) {
+        if (all(loop_bound == uint2(0u, 0u))) { break; }
+        loop_bound -= uint2(loop_bound.y == 0u, 1u);
+        if (!loop_init) {
             int _e44 = d;
             d = asint(asuint(_e44) - asuint(int(1)));
         }
-        loop_init_1 = false;
+        loop_init = false;
         int _e15 = d;
         if ((_e15 >= int(0))) {
         } else {

@@ -620,37 +620,30 @@ Divisor divisor_new(
     float b_7
 ) {
     float r_1 = {};
-    int i = 0;
     Frexp _e1 = frexp_abs(b_7);
     float mb = _e1.m;
     float _e5 = fma_c(M8_17_, mb, C24_17_);
     r_1 = _e5;
-    uint2 loop_bound = uint2(4294967295u);
-    bool loop_init = true;
-    while(true) {
-        if (metal::all(loop_bound == uint2(0u))) { break; }
-        loop_bound -= uint2(loop_bound.y == 0u, 1u);
-        if (!loop_init) {
-            int _e20 = i;
-            i = as_type<int>(as_type<uint>(_e20) + as_type<uint>(1));
-        }
-        loop_init = false;
-        int _e9 = i;
-        if (_e9 < 3) {
-        } else {
-            break;
-        }
-        {
-            float _e13 = r_1;
-            float _e15 = fma_c(-(mb), _e13, 1.0);
-            float _e16 = r_1;
-            float _e17 = r_1;
-            float _e18 = fma_c(_e16, _e15, _e17);
-            r_1 = _e18;
-        }
-    }
-    float _e24 = r_1;
-    return Divisor {as_type<uint>(b_7), mb, _e1.e, _e24};
+    float _e7 = r_1;
+    float _e9 = r_1;
+    float _e11 = fma_c(-(mb), _e9, 1.0);
+    float _e12 = r_1;
+    float _e13 = fma_c(_e7, _e11, _e12);
+    r_1 = _e13;
+    float _e14 = r_1;
+    float _e16 = r_1;
+    float _e18 = fma_c(-(mb), _e16, 1.0);
+    float _e19 = r_1;
+    float _e20 = fma_c(_e14, _e18, _e19);
+    r_1 = _e20;
+    float _e21 = r_1;
+    float _e23 = r_1;
+    float _e25 = fma_c(-(mb), _e23, 1.0);
+    float _e26 = r_1;
+    float _e27 = fma_c(_e21, _e25, _e26);
+    r_1 = _e27;
+    float _e30 = r_1;
+    return Divisor {as_type<uint>(b_7), mb, _e1.e, _e30};
 }
 
 float m_div(
@@ -769,16 +762,16 @@ constant _mslBufferSizes tinyllm_no_sizes = {};
         return;
     }
     rest = _e3;
-    uint2 loop_bound_1 = uint2(4294967295u);
-    bool loop_init_1 = true;
+    uint2 loop_bound = uint2(4294967295u);
+    bool loop_init = true;
     while(true) {
-        if (metal::all(loop_bound_1 == uint2(0u))) { break; }
-        loop_bound_1 -= uint2(loop_bound_1.y == 0u, 1u);
-        if (!loop_init_1) {
+        if (metal::all(loop_bound == uint2(0u))) { break; }
+        loop_bound -= uint2(loop_bound.y == 0u, 1u);
+        if (!loop_init) {
             int _e44 = d;
             d = as_type<int>(as_type<uint>(_e44) - as_type<uint>(1));
         }
-        loop_init_1 = false;
+        loop_init = false;
         int _e15 = d;
         if (_e15 >= 0) {
         } else {
