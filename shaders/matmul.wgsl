@@ -5,17 +5,24 @@
 //
 // The contract, per output: acc = +0.0; for p in 0..k ascending:
 // acc = fma(round(a[i,p]), round(b[p,j]), acc); c = round(acc). Each
-// invocation owns an 8x8 register tile of outputs (8 rows x two vec4s of
-// columns) and runs the whole k loop itself: tiles split rows and columns,
-// never k. No shared memory and no barriers (on lavapipe they cost more than
-// they save). Out-of-range rows/columns load a clamped in-range element and
-// are never stored, so ragged shapes need no padding.
+// invocation owns an 8x8 tile of outputs (8 rows x two vec4s of columns) and
+// runs the whole k loop itself: tiles split rows and columns, never k. No
+// shared memory and no barriers (on lavapipe they cost more than they save).
+// Out-of-range columns (and a row pair's second row) load a clamped in-range
+// element and are never stored, so ragged shapes need no padding.
 //
 // Why 8x8: llvmpipe runs 8 invocations as one AVX2 vector, but every
 // storage-buffer load is a per-lane scalar loop there, so the cost is the
 // number of loads per fma: 16 loads (8 of A, 8 of B) feed 64 fmas per k step.
 // The format, the mask and the 16-bit operands are pipeline constants, so the
-// inner loop has no branches.
+// inner loop has no branches. The rows are loops (two rows a step in the k
+// loop, one in the loads and stores of the sums), not written out: llvmpipe
+// inlines every call and expands every load per lane, and the time it takes
+// to compile a pipeline grows faster than its code (8 rows written out took
+// about 3 times as long, and every process compiles every pipeline it uses
+// afresh). The sums stay in named registers, rotated a row or two each step,
+// never an indexed array: indexing one puts it in memory (bf16 products ran
+// 3 times slower so on lavapipe).
 
 struct MatmulParams {
     m: u32,
@@ -42,10 +49,9 @@ struct MatmulParams {
     c_bs: u32,
     c_hs: u32,
     c_ld: u32,
-    keep: u32,     // FMT_* code: A's values are also written to `a_words` (see keep_a); 0: not
-    keep_n: u32,   // A's values (the matrices of A, dense, one after another)
+    keep_n: u32,   // KEEP: A's values (the matrices of A, dense, one after another)
     split: u32,    // PAIR: the row blocks of the grid's first product (see enter)
-    zero: u32,     // 0 (A_SWIGLU: sep's operand)
+    zero: u32,     // 0: sep's operand (A_SWIGLU), and in the row loop's bound, which must not be unrolled
     w2: u32,       // A_SWIGLU with keep: where up's words start in c2
 }
 
@@ -72,13 +78,13 @@ var<private> prm: MatmulParams;
 @group(0) @binding(5) var<storage, read_write> c1: array<f32>;
 @group(0) @binding(6) var<storage, read_write> c2: array<u32>;
 override OUTS: u32 = 1u;
-// With prm.keep, A's values rounded to that format as 16-bit words (pack.wgsl's
+// With KEEP, A's values rounded to that format as 16-bit words (pack.wgsl's
 // layout): the copy autograd keeps of an activation a product reads. Otherwise
 // c stands in, unused.
 //
 // A_SWIGLU: A is SwiGLU's output, computed as it is loaded: value e is
 // swiglu_of(a[e], c1[e]) (gate in a, up in c1, both float32 values of one
-// layout), the SwiGLU kernel's bits. With prm.keep, keep_a also writes the
+// layout), the SwiGLU kernel's bits. With KEEP, keep_a also writes the
 // gate's and up's words into c2 (the gate's from 0, up's from prm.w2): the
 // copies SwiGLU's backward reads. One output, no pair: c1 and c2 are free.
 @group(0) @binding(7) var<storage, read_write> a_words: array<u32>;
@@ -146,6 +152,9 @@ override B_HALF: u32 = 0u;
 // where the input's reads the float32 weight).
 override B2_HALF: u32 = 0u;
 override A_SWIGLU: bool = false;
+// KEEP: the FMT_* code of the 16-bit copy of A that keep_a writes (0: none).
+// A constant, so the products that keep no copy (most) compile no copying.
+override KEEP: u32 = 0u;
 
 // Value e of A and of B.
 fn load_a(e: u32) -> f32 {
@@ -303,13 +312,13 @@ fn place(bi: u32) -> Place {
     return q;
 }
 
-// prm.keep: the workgroups of the first column block write A's words, each
+// KEEP: the workgroups of the first column block write A's words, each
 // those whose first value lies in its 64 rows of its matrix (a broadcast A is
 // matrix 0 alone), from the buffer's values: the words pack.wgsl writes. The
 // host asks only for a dense, unpacked, untransposed A. No barriers, and
 // nothing else reads `a_words`, so where this runs changes nothing else.
 fn keep_a(wg: vec3<u32>, lane: u32, lanes: u32) {
-    if prm.keep == 0u || prm.last == 0u || wg.x != 0u {
+    if KEEP == 0u || prm.last == 0u || wg.x != 0u {
         return;
     }
     let mk = prm.m * prm.k;
@@ -332,11 +341,11 @@ fn keep_a(wg: vec3<u32>, lane: u32, lanes: u32) {
     }
 }
 
-// The word of values x (low half) and, where `two`, y, rounded to prm.keep.
+// The word of values x (low half) and, where `two`, y, rounded to KEEP.
 fn word_of(x: f32, y: f32, two: bool) -> u32 {
-    var bits = half_bits(x, prm.keep);
+    var bits = half_bits(x, KEEP);
     if two {
-        bits = bits | (half_bits(y, prm.keep) << 16u);
+        bits = bits | (half_bits(y, KEEP) << 16u);
     }
     return bits;
 }
@@ -368,15 +377,7 @@ fn matmul(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgroup_id) 
     let pa = q.pa;
     let pb = q.pb;
     let jb = q.jb;
-    // start offsets of the tile's rows of A and columns of B, clamped to the matrix (loads past the edge are dropped)
-    let ar0 = a_base + min(i0 + 0u, m - 1u) * ia;
-    let ar1 = a_base + min(i0 + 1u, m - 1u) * ia;
-    let ar2 = a_base + min(i0 + 2u, m - 1u) * ia;
-    let ar3 = a_base + min(i0 + 3u, m - 1u) * ia;
-    let ar4 = a_base + min(i0 + 4u, m - 1u) * ia;
-    let ar5 = a_base + min(i0 + 5u, m - 1u) * ia;
-    let ar6 = a_base + min(i0 + 6u, m - 1u) * ia;
-    let ar7 = a_base + min(i0 + 7u, m - 1u) * ia;
+    // start offsets of the tile's columns of B, clamped to the matrix (loads past the edge are dropped)
     let bc0 = b_base + min(j0 + 0u, n - 1u) * jb;
     let bc1 = b_base + min(j0 + 1u, n - 1u) * jb;
     let bc2 = b_base + min(j0 + 2u, n - 1u) * jb;
@@ -387,22 +388,47 @@ fn matmul(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgroup_id) 
     let bc7 = b_base + min(j0 + 7u, n - 1u) * jb;
     let out = q.c_base;
     let ldc = prm.c_ld;
-    var acc0_0 = load_lanes(out + min(i0 + 0u, m - 1u) * ldc, j0 + 0u, 1u);
-    var acc0_1 = load_lanes(out + min(i0 + 0u, m - 1u) * ldc, j0 + 4u, 1u);
-    var acc1_0 = load_lanes(out + min(i0 + 1u, m - 1u) * ldc, j0 + 0u, 1u);
-    var acc1_1 = load_lanes(out + min(i0 + 1u, m - 1u) * ldc, j0 + 4u, 1u);
-    var acc2_0 = load_lanes(out + min(i0 + 2u, m - 1u) * ldc, j0 + 0u, 1u);
-    var acc2_1 = load_lanes(out + min(i0 + 2u, m - 1u) * ldc, j0 + 4u, 1u);
-    var acc3_0 = load_lanes(out + min(i0 + 3u, m - 1u) * ldc, j0 + 0u, 1u);
-    var acc3_1 = load_lanes(out + min(i0 + 3u, m - 1u) * ldc, j0 + 4u, 1u);
-    var acc4_0 = load_lanes(out + min(i0 + 4u, m - 1u) * ldc, j0 + 0u, 1u);
-    var acc4_1 = load_lanes(out + min(i0 + 4u, m - 1u) * ldc, j0 + 4u, 1u);
-    var acc5_0 = load_lanes(out + min(i0 + 5u, m - 1u) * ldc, j0 + 0u, 1u);
-    var acc5_1 = load_lanes(out + min(i0 + 5u, m - 1u) * ldc, j0 + 4u, 1u);
-    var acc6_0 = load_lanes(out + min(i0 + 6u, m - 1u) * ldc, j0 + 0u, 1u);
-    var acc6_1 = load_lanes(out + min(i0 + 6u, m - 1u) * ldc, j0 + 4u, 1u);
-    var acc7_0 = load_lanes(out + min(i0 + 7u, m - 1u) * ldc, j0 + 0u, 1u);
-    var acc7_1 = load_lanes(out + min(i0 + 7u, m - 1u) * ldc, j0 + 4u, 1u);
+    // The tile's rows inside the matrix (no other is stored) and their running
+    // sums (row r's columns j0..j0+3 and j0+4..j0+7: accR_0 and accR_1),
+    // zero on the first pass, the previous pass's after it.
+    let rows = min(ROWS, m - i0);
+    var acc0_0 = vec4<f32>(0.0);
+    var acc0_1 = vec4<f32>(0.0);
+    var acc1_0 = vec4<f32>(0.0);
+    var acc1_1 = vec4<f32>(0.0);
+    var acc2_0 = vec4<f32>(0.0);
+    var acc2_1 = vec4<f32>(0.0);
+    var acc3_0 = vec4<f32>(0.0);
+    var acc3_1 = vec4<f32>(0.0);
+    var acc4_0 = vec4<f32>(0.0);
+    var acc4_1 = vec4<f32>(0.0);
+    var acc5_0 = vec4<f32>(0.0);
+    var acc5_1 = vec4<f32>(0.0);
+    var acc6_0 = vec4<f32>(0.0);
+    var acc6_1 = vec4<f32>(0.0);
+    var acc7_0 = vec4<f32>(0.0);
+    var acc7_1 = vec4<f32>(0.0);
+    // after the first pass, the previous one's: row r loaded into acc7_*
+    // at step r while the rows before it move up one
+    for (var r = 0u; r < select(0u, ROWS, prm.p0 != 0u); r++) {
+        acc0_0 = acc1_0;
+        acc0_1 = acc1_1;
+        acc1_0 = acc2_0;
+        acc1_1 = acc2_1;
+        acc2_0 = acc3_0;
+        acc2_1 = acc3_1;
+        acc3_0 = acc4_0;
+        acc3_1 = acc4_1;
+        acc4_0 = acc5_0;
+        acc4_1 = acc5_1;
+        acc5_0 = acc6_0;
+        acc5_1 = acc6_1;
+        acc6_0 = acc7_0;
+        acc6_1 = acc7_1;
+        let row = out + min(i0 + r, m - 1u) * ldc;
+        acc7_0 = load_lanes(row, j0, 1u);
+        acc7_1 = load_lanes(row, j0 + 4u, 1u);
+    }
     // The terms some row of the tile sums (CAUSAL 1 tiles wholly past the
     // diagonal sum none: all +0).
     var p_lo = prm.p0;
@@ -423,36 +449,41 @@ fn matmul(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgroup_id) 
     for (var p = p_lo; p < p_hi; p++) {
         let b0 = vec4<f32>(rnd(load_b(bc0 + pb_off)), rnd(load_b(bc1 + pb_off)), rnd(load_b(bc2 + pb_off)), rnd(load_b(bc3 + pb_off)));
         let b1 = vec4<f32>(rnd(load_b(bc4 + pb_off)), rnd(load_b(bc5 + pb_off)), rnd(load_b(bc6 + pb_off)), rnd(load_b(bc7 + pb_off)));
-        let a0 = rnd(load_a(ar0 + pa_off));
-        let a1 = rnd(load_a(ar1 + pa_off));
-        let a2 = rnd(load_a(ar2 + pa_off));
-        let a3 = rnd(load_a(ar3 + pa_off));
-        let a4 = rnd(load_a(ar4 + pa_off));
-        let a5 = rnd(load_a(ar5 + pa_off));
-        let a6 = rnd(load_a(ar6 + pa_off));
-        let a7 = rnd(load_a(ar7 + pa_off));
         if GUARD {
-            sa = span_add(sa, vec4<f32>(a0, a1, a2, a3));
-            sa = span_add(sa, vec4<f32>(a4, a5, a6, a7));
             sb = span_add(sb, b0);
             sb = span_add(sb, b1);
         }
-        acc0_0 = select(acc0_0, fma4(a0, b0, acc0_0), kept(i0 + 0u, p));
-        acc0_1 = select(acc0_1, fma4(a0, b1, acc0_1), kept(i0 + 0u, p));
-        acc1_0 = select(acc1_0, fma4(a1, b0, acc1_0), kept(i0 + 1u, p));
-        acc1_1 = select(acc1_1, fma4(a1, b1, acc1_1), kept(i0 + 1u, p));
-        acc2_0 = select(acc2_0, fma4(a2, b0, acc2_0), kept(i0 + 2u, p));
-        acc2_1 = select(acc2_1, fma4(a2, b1, acc2_1), kept(i0 + 2u, p));
-        acc3_0 = select(acc3_0, fma4(a3, b0, acc3_0), kept(i0 + 3u, p));
-        acc3_1 = select(acc3_1, fma4(a3, b1, acc3_1), kept(i0 + 3u, p));
-        acc4_0 = select(acc4_0, fma4(a4, b0, acc4_0), kept(i0 + 4u, p));
-        acc4_1 = select(acc4_1, fma4(a4, b1, acc4_1), kept(i0 + 4u, p));
-        acc5_0 = select(acc5_0, fma4(a5, b0, acc5_0), kept(i0 + 5u, p));
-        acc5_1 = select(acc5_1, fma4(a5, b1, acc5_1), kept(i0 + 5u, p));
-        acc6_0 = select(acc6_0, fma4(a6, b0, acc6_0), kept(i0 + 6u, p));
-        acc6_1 = select(acc6_1, fma4(a6, b1, acc6_1), kept(i0 + 6u, p));
-        acc7_0 = select(acc7_0, fma4(a7, b0, acc7_0), kept(i0 + 7u, p));
-        acc7_1 = select(acc7_1, fma4(a7, b1, acc7_1), kept(i0 + 7u, p));
+        // Rows r and r + 1 (past the matrix, its last row again: never
+        // stored) work on acc0_* and acc1_*; then every row's sums move up
+        // two (those two to the end), so after the four steps each row is
+        // back in its own.
+        for (var r = 0u; r < ROWS + prm.zero; r += 2u) {
+            let x0 = rnd(load_a(a_base + min(i0 + r, m - 1u) * ia + pa_off));
+            let x1 = rnd(load_a(a_base + min(i0 + r + 1u, m - 1u) * ia + pa_off));
+            if GUARD {
+                sa = span_add(sa, vec4<f32>(x0, x1, x0, x1));
+            }
+            let n0_0 = select(acc0_0, fma4(x0, b0, acc0_0), kept(i0 + r, p));
+            let n0_1 = select(acc0_1, fma4(x0, b1, acc0_1), kept(i0 + r, p));
+            let n1_0 = select(acc1_0, fma4(x1, b0, acc1_0), kept(i0 + r + 1u, p));
+            let n1_1 = select(acc1_1, fma4(x1, b1, acc1_1), kept(i0 + r + 1u, p));
+            acc0_0 = acc2_0;
+            acc0_1 = acc2_1;
+            acc1_0 = acc3_0;
+            acc1_1 = acc3_1;
+            acc2_0 = acc4_0;
+            acc2_1 = acc4_1;
+            acc3_0 = acc5_0;
+            acc3_1 = acc5_1;
+            acc4_0 = acc6_0;
+            acc4_1 = acc6_1;
+            acc5_0 = acc7_0;
+            acc5_1 = acc7_1;
+            acc6_0 = n0_0;
+            acc6_1 = n0_1;
+            acc7_0 = n1_0;
+            acc7_1 = n1_1;
+        }
         pa_off += pa;
         pb_off += pb;
     }
@@ -464,7 +495,7 @@ fn matmul(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgroup_id) 
     var redo = false;
     if GUARD {
         redo = !exact_products(span_exponents(sa), span_exponents(sb));
-        for (var r = select(ROWS, 0u, redo); r < min(ROWS, m - i0); r++) {
+        for (var r = select(rows, 0u, redo); r < rows; r++) {
             let i = i0 + r;
             let row = out + i * ldc;
             var s0 = load_lanes(row, j0, 1u);
@@ -485,37 +516,25 @@ fn matmul(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgroup_id) 
         }
     }
     if !redo {
-        if i0 + 0u < m {
-            store_lanes(out + (i0 + 0u) * ldc, i0 + 0u, j0 + 0u, 1u, acc0_0);
-            store_lanes(out + (i0 + 0u) * ldc, i0 + 0u, j0 + 4u, 1u, acc0_1);
-        }
-        if i0 + 1u < m {
-            store_lanes(out + (i0 + 1u) * ldc, i0 + 1u, j0 + 0u, 1u, acc1_0);
-            store_lanes(out + (i0 + 1u) * ldc, i0 + 1u, j0 + 4u, 1u, acc1_1);
-        }
-        if i0 + 2u < m {
-            store_lanes(out + (i0 + 2u) * ldc, i0 + 2u, j0 + 0u, 1u, acc2_0);
-            store_lanes(out + (i0 + 2u) * ldc, i0 + 2u, j0 + 4u, 1u, acc2_1);
-        }
-        if i0 + 3u < m {
-            store_lanes(out + (i0 + 3u) * ldc, i0 + 3u, j0 + 0u, 1u, acc3_0);
-            store_lanes(out + (i0 + 3u) * ldc, i0 + 3u, j0 + 4u, 1u, acc3_1);
-        }
-        if i0 + 4u < m {
-            store_lanes(out + (i0 + 4u) * ldc, i0 + 4u, j0 + 0u, 1u, acc4_0);
-            store_lanes(out + (i0 + 4u) * ldc, i0 + 4u, j0 + 4u, 1u, acc4_1);
-        }
-        if i0 + 5u < m {
-            store_lanes(out + (i0 + 5u) * ldc, i0 + 5u, j0 + 0u, 1u, acc5_0);
-            store_lanes(out + (i0 + 5u) * ldc, i0 + 5u, j0 + 4u, 1u, acc5_1);
-        }
-        if i0 + 6u < m {
-            store_lanes(out + (i0 + 6u) * ldc, i0 + 6u, j0 + 0u, 1u, acc6_0);
-            store_lanes(out + (i0 + 6u) * ldc, i0 + 6u, j0 + 4u, 1u, acc6_1);
-        }
-        if i0 + 7u < m {
-            store_lanes(out + (i0 + 7u) * ldc, i0 + 7u, j0 + 0u, 1u, acc7_0);
-            store_lanes(out + (i0 + 7u) * ldc, i0 + 7u, j0 + 4u, 1u, acc7_1);
+        // row r's sums in acc0_* at step r, the rows after it moving up one
+        for (var r = 0u; r < rows; r++) {
+            let row = out + (i0 + r) * ldc;
+            store_lanes(row, i0 + r, j0, 1u, acc0_0);
+            store_lanes(row, i0 + r, j0 + 4u, 1u, acc0_1);
+            acc0_0 = acc1_0;
+            acc0_1 = acc1_1;
+            acc1_0 = acc2_0;
+            acc1_1 = acc2_1;
+            acc2_0 = acc3_0;
+            acc2_1 = acc3_1;
+            acc3_0 = acc4_0;
+            acc3_1 = acc4_1;
+            acc4_0 = acc5_0;
+            acc4_1 = acc5_1;
+            acc5_0 = acc6_0;
+            acc5_1 = acc6_1;
+            acc6_0 = acc7_0;
+            acc6_1 = acc7_1;
         }
     }
 }

@@ -651,6 +651,9 @@ fn the_backend_flag_picks_the_front_end() {
             "--backend",
             "vulkan",
             "--skip-sweep",
+            // one precision: the other tests run the lockstep in all three
+            "--precision",
+            "fp16",
             "--steps",
             "2",
         ],

@@ -852,6 +852,8 @@ fn matmul(sw: &mut Sweep) -> Result<()> {
         (1, 127, 2, 1, false, false),
         // past a guarded product's pass (matmul/gpu.rs GUARD_PASS)
         (1, 9, 4099, 10, false, false),
+        // past an unguarded one's (PASS), and one pass of it would pass the cap
+        (1, 3, 13_200, 5, false, false),
     ];
     matmul_layouts(sw, &mut rng, &shapes, (97, 5), "ragged tiles: ")?;
     matmul_causal(sw)?;

@@ -1,6 +1,6 @@
 //! The GPU launcher of the matmul (`matmul.wgsl`): one pipeline per (variant,
 //! format, mask, 16-bit operands, and transposes for the tiled one), a grid of 64×64-output
-//! workgroups, batches past 65535 and `k` past [`LOOP_PASS`] (or [`GUARD_PASS`]) split into
+//! workgroups, batches past 65535 and `k` past [`PASS`] (or [`GUARD_PASS`]) split into
 //! dispatches. The variant ([`Kernels`]) is `matmul` (register tiles, no
 //! barriers: lavapipe) or `matmul_tiled` (operand tiles in workgroup memory:
 //! hardware); both have the same grid and the same bits. A product's two
@@ -10,7 +10,7 @@ use super::{Causal, Halves, Job, MatmulDims, MatmulOps};
 use crate::backend::gpu::context::ctx;
 use crate::backend::gpu::pipelines::{gpu_params, no_consts, Family, Kernel};
 use crate::backend::gpu::variant::Kernels;
-use crate::backend::gpu::{u32_of, GpuStorage, LOOP_PASS};
+use crate::backend::gpu::{u32_of, GpuStorage};
 use crate::backend::round::{fmt_code, Format};
 use crate::{bail, Result};
 
@@ -38,7 +38,6 @@ gpu_params! {
         c_bs: u32,
         c_hs: u32,
         c_ld: u32,
-        keep: u32,
         keep_n: u32,
         split: u32,
         zero: u32,
@@ -64,13 +63,27 @@ const MATMUL_COLS: usize = 64;
 /// Output rows of one matmul workgroup (8 invocations of `ROWS`, or `TILE_MN`).
 const MATMUL_ROWS: usize = 64;
 
+/// Longest pass of a product (matmul.wgsl). Lavapipe (llvmpipe) stops a
+/// shader silently after 65,535 loop iterations in all: `matmul` loops over
+/// its row pairs at each of the pass's terms (5 iterations a term), and where
+/// it keeps A's copy (`KEEP`) over half of `k` more.
+pub const PASS: usize = 8192;
+
 /// Longest pass of a guarded product (bf16 operands on a device whose `fma`
 /// is not fused: `GUARD` in matmul.wgsl). Where a chain may have left f32's
 /// normal range the kernel runs the pass again, a row at a time (8 rows):
-/// with the first run, 9 loops of at most this many steps, which stay under
-/// lavapipe's 65,535 iterations. The capstone's longest `k` (a micro-batch's
-/// 4,096 tokens) is still one pass.
+/// with the first run, 13 iterations a term, which stay under lavapipe's
+/// 65,535. The capstone's longest `k` (a micro-batch's 4,096 tokens) is
+/// still one pass.
 pub const GUARD_PASS: usize = 4096;
+
+/// The longest pass of a product in `round` (see [`PASS`]).
+fn pass(native_fma: bool, round: Option<Format>) -> usize {
+    match guarded(native_fma, round) {
+        true => GUARD_PASS,
+        false => PASS,
+    }
+}
 
 /// Whether a product runs guarded (`GUARD` in matmul.wgsl): bf16 operands,
 /// whose products leave f32's normal range, on a device whose `fma` is not
@@ -209,7 +222,6 @@ fn params(d: &MatmulDims, round: Option<Format>, add: bool) -> Result<MatmulPara
         c_bs: u32_of(pc.outer, "batch stride")?,
         c_hs: u32_of(pc.inner, "head stride")?,
         c_ld: u32_of(pc.row, "row stride")?,
-        keep: 0,
         keep_n: 0,
         split: 0,
         zero: 0,
@@ -242,11 +254,7 @@ impl GpuStorage {
         let c = ctx()?;
         let [x, y] = jobs;
         let (dx, dy) = (folded(x.d), folded(y.d));
-        let pass = if guarded(c.native_fma, round) {
-            GUARD_PASS
-        } else {
-            LOOP_PASS
-        };
+        let pass = pass(c.native_fma, round);
         let one = |d: &MatmulDims| d.batch == 1 && d.k <= pass && d.causal == Causal::No && !d.tokens.any() && d.m * d.n > 0;
         let read: Vec<&GpuStorage> = [x.a, x.b].into_iter().chain(x.addend).collect();
         let apart = [y.b].into_iter().chain(y.addend).all(|w| read.iter().all(|r| !w.same_buffer(r)));
@@ -410,7 +418,8 @@ impl GpuStorage {
             .with("B_HALF", fmt_code(halves.b))
             .with("GUARD", guarded(c.native_fma, round) as u32)
             .with("OUTS", outs.len() as u32)
-            .with("A_SWIGLU", gated.is_some() as u32);
+            .with("A_SWIGLU", gated.is_some() as u32)
+            .with("KEEP", fmt_code(kept.map(|(_, f)| f)));
         if variant == Kernels::Hardware {
             kernel = kernel
                 .with("TRANS_A", d.trans_a as u32)
@@ -419,11 +428,7 @@ impl GpuStorage {
         // binding 4 is read only with `add`; A stands in for it otherwise
         let e = addend.unwrap_or(self);
         let pc = d.placements()[2];
-        let pass = if guarded(c.native_fma, round) {
-            GUARD_PASS
-        } else {
-            LOOP_PASS
-        };
+        let pass = pass(c.native_fma, round);
         let mut b0 = 0usize;
         while b0 < d.batch {
             let nb = (d.batch - b0).min(65535);
@@ -437,7 +442,6 @@ impl GpuStorage {
                     p1: p1 as u32,
                     last: (p1 == d.k) as u32,
                     c_bs: if apart { 0 } else { u32_of(pc.outer, "batch stride")? },
-                    keep: fmt_code(kept.map(|(_, f)| f)),
                     keep_n: u32_of(self.len(), "length")?,
                     w2: u32_of(gated.as_ref().and_then(|g| g.words).map_or(0, |(_, w2)| w2), "offset")?,
                     ..params(&d, round, addend.is_some())?
