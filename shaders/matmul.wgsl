@@ -8,8 +8,8 @@
 // invocation owns an 8x8 tile of outputs (8 rows x two vec4s of columns) and
 // runs the whole k loop itself: tiles split rows and columns, never k. No
 // shared memory and no barriers (on lavapipe they cost more than they save).
-// Out-of-range columns (and a row pair's second row) load a clamped in-range
-// element and are never stored, so ragged shapes need no padding.
+// Out-of-range rows/columns load a clamped in-range element and are never
+// stored, so ragged shapes need no padding.
 //
 // Why 8x8: llvmpipe runs 8 invocations as one AVX2 vector, but every
 // storage-buffer load is a per-lane scalar loop there, so the cost is the
