@@ -75,14 +75,20 @@ fn msl_asks_for_safe_math_and_binds_as_the_layout() {
             "{label}: fast math asked for"
         );
         // wgpu's passthrough binds buffers 0, 1, ... in binding order and
-        // nothing else: no buffer-size table, no threadgroup arguments
+        // nothing else: no buffer-size table, no threadgroup arguments. A
+        // kernel leaves out a buffer that only the arms its constants
+        // pruned read; the others keep their slots.
         let want: Vec<(usize, bool, bool)> = m
             .bindings
             .iter()
             .enumerate()
             .map(|(i, b)| (i, b.storage.is_none(), b.storage == Some(true)))
             .collect();
-        assert_eq!(msl_buffers(t), want, "{label}: buffer arguments");
+        let got = msl_buffers(t);
+        assert!(
+            !got.is_empty() && got.iter().all(|b| want.contains(b)),
+            "{label}: buffer arguments {got:?}, layout {want:?}"
+        );
         assert!(
             !t.contains("_buffer_sizes.") && !t.contains("[[threadgroup("),
             "{label}"

@@ -66,7 +66,6 @@ pub struct Context {
     params_buf: wgpu::Buffer,
     pipelines: Mutex<HashMap<Kernel, Pipeline>>,
     bind_groups: Mutex<BindGroups>,
-    modules: Mutex<HashMap<&'static str, wgpu::ShaderModule>>,
     pub(super) pool: Mutex<super::buffers::Pool>,
     /// The compiled pipelines on disk, where asked for (see [`cache`](super::cache)).
     disk_cache: Option<super::cache::DiskCache>,
@@ -390,7 +389,6 @@ impl Context {
             params_buf,
             pipelines: Mutex::new(HashMap::new()),
             bind_groups: Mutex::new(BindGroups::default()),
-            modules: Mutex::new(HashMap::new()),
             pool: Mutex::new(super::buffers::Pool::default()),
             disk_cache,
             error,
@@ -463,35 +461,25 @@ impl Context {
         (bgl, layout)
     }
 
-    /// `k` as WGSL the backend compiles, its layout from naga's reflection.
+    /// `k` as the backend compiles WGSL, from naga's IR with the kernel's
+    /// constants resolved and the branches they decide taken
+    /// ([`prune`](super::prune)), its layout from naga's reflection.
     fn wgsl_pipeline(&self, k: &Kernel) -> Result<Pipeline> {
-        let (family, entry) = (k.family, k.entry);
-        let src = pipelines::compose(family, self.native_fma);
-        let bindings = spirv::reflect_bindings(&src, entry)?;
-        let module = {
-            let mut mods = self.modules.lock().unwrap();
-            mods.entry(family.name)
-                .or_insert_with(|| {
-                    self.device
-                        .create_shader_module(wgpu::ShaderModuleDescriptor {
-                            label: Some(family.name),
-                            source: wgpu::ShaderSource::Wgsl(src.into()),
-                        })
-                })
-                .clone()
-        };
-        let (bgl, layout) = self.layouts(&bindings);
+        let src = pipelines::compose(k.family, self.native_fma);
+        let lowered = spirv::lower(&src, k.entry, &k.constants(), "WGSL")?;
+        let module = self.device.create_shader_module(wgpu::ShaderModuleDescriptor {
+            label: Some(k.entry),
+            source: wgpu::ShaderSource::Naga(std::borrow::Cow::Owned(lowered.module)),
+        });
+        let (bgl, layout) = self.layouts(&lowered.bindings);
         let pipeline = self
             .device
             .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-                label: Some(entry),
+                label: Some(k.entry),
                 layout: Some(&layout),
                 module: &module,
-                entry_point: Some(entry),
-                compilation_options: wgpu::PipelineCompilationOptions {
-                    constants: &k.constants(),
-                    ..Default::default()
-                },
+                entry_point: Some(k.entry),
+                compilation_options: wgpu::PipelineCompilationOptions::default(),
                 cache: self.disk_cache.as_ref().map(|c| c.for_new_pipeline()),
             });
         Ok(Pipeline { pipeline, layout: bgl })

@@ -21,7 +21,9 @@
 //! backend allows ([`context::Shaders`]): hardened SPIR-V on Vulkan
 //! ([`spirv`]), MSL with safe math on Metal ([`msl`]), HLSL with `precise`
 //! on DX12 ([`hlsl`]), each passed through to wgpu; GL (and
-//! `TINYLLM_GPU_SHADERS=wgsl`) gets plain WGSL. The tests hold the kernels to
+//! `TINYLLM_GPU_SHADERS=wgsl`) gets plain WGSL (as naga's IR). On every path a
+//! kernel's pipeline constants are resolved and the branches they decide
+//! taken before the driver sees it ([`prune`]). The tests hold the kernels to
 //! the contract without that help too: `adversary` (test-only) rewrites them
 //! as a contracting, regrouping, flushing or fast-math compiler may.
 
@@ -30,6 +32,7 @@ pub mod adversary;
 pub mod arith;
 pub mod context;
 pub mod pipelines;
+pub mod prune;
 pub mod buffers;
 pub mod cache;
 pub mod hlsl;

@@ -234,7 +234,8 @@ pub(super) struct Lowered {
 }
 
 /// Parses and validates `src`, resolves the override `constants` for
-/// `entry` and reflects its bindings. `target` names the output in errors.
+/// `entry`, reflects its bindings and takes the branches the constants
+/// decide ([`prune`](super::prune)). `target` names the output in errors.
 pub(super) fn lower(src: &str, entry: &str, constants: &[(&str, f64)], target: &str) -> Result<Lowered> {
     let fail = |what: String| Error::internal(format!("compiling kernel {entry} to {target}: {what}"));
     let module = naga::front::wgsl::parse_str(src).map_err(|e| fail(e.emit_to_string(src)))?;
@@ -252,9 +253,15 @@ pub(super) fn lower(src: &str, entry: &str, constants: &[(&str, f64)], target: &
         .iter()
         .position(|e| e.name == entry)
         .ok_or_else(|| fail("no such entry point".into()))?;
+    // every binding the kernel declares for its launcher, the ones only a
+    // pruned arm reads included (a layout may bind more than a kernel reads)
     let bindings = entry_bindings(&module, &info, index).map_err(fail)?;
     let workgroup_size = module.entry_points[index].workgroup_size;
-    Ok(Lowered { module: module.into_owned(), info: info.into_owned(), bindings, workgroup_size })
+    // the arms the constants decide against, gone before any driver compiles them
+    let mut module = module.into_owned();
+    super::prune::constant_branches(&mut module);
+    let info = validator.validate(&module).map_err(|e| fail(format!("after pruning: {e:?}")))?;
+    Ok(Lowered { module, info, bindings, workgroup_size })
 }
 
 /// naga's SPIR-V for `entry` alone, override constants resolved, as naga
@@ -316,21 +323,6 @@ fn entry_bindings(
     }
     bindings.sort_by_key(|b| b.binding);
     Ok(bindings)
-}
-
-/// The bindings `entry` of the WGSL `src` uses (the WGSL path's explicit
-/// bind-group layout: binding 0, the parameters, takes a dynamic offset).
-pub fn reflect_bindings(src: &str, entry: &str) -> Result<Vec<Binding>> {
-    let fail = |what: String| Error::internal(format!("reflecting kernel {entry}: {what}"));
-    let module = naga::front::wgsl::parse_str(src).map_err(|e| fail(e.emit_to_string(src)))?;
-    let mut validator = naga::valid::Validator::new(naga::valid::ValidationFlags::all(), naga::valid::Capabilities::default());
-    let info = validator.validate(&module).map_err(|e| fail(format!("{e:?}")))?;
-    let index = module
-        .entry_points
-        .iter()
-        .position(|e| e.name == entry)
-        .ok_or_else(|| fail("no such entry point".into()))?;
-    entry_bindings(&module, &info, index).map_err(fail)
 }
 
 #[cfg(test)]
