@@ -5,11 +5,10 @@
 //! choice an `override` constant (`if (FMT == 1u) { .. }`). naga folds each
 //! such condition to a boolean literal when it resolves the constants, but
 //! keeps both arms, so a driver receives every variant's code in every
-//! pipeline and must compile it before it can see what is dead: lavapipe
-//! spent about 1 s creating a float32 matmul pipeline with both arms of its
-//! 26 decided branches, 0.08 s with the taken arms alone. Only code that can
-//! never run is removed; what runs is the same IR, so no bit moves (the
-//! sweep and the lockstep hold every kernel to the CPU).
+//! pipeline and must compile it before it can see what is dead (on
+//! lavapipe, most of a pipeline's creation time: docs/benchmarks-log.md).
+//! Only code that can never run is removed; what runs is the same IR, so no
+//! bit moves (the sweep and the lockstep hold every kernel to the CPU).
 
 use naga::{Block, Expression, Function, Handle, Literal, Module, Statement};
 
