@@ -635,6 +635,14 @@ fn matmul_tiled(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_
     let q = place(pm.batch0 + wg.z);
     let g = Tiling(m, k, n, i0, j0, q.a_base, q.b_base, q.ia, q.pa, q.pb, q.jb);
     let lane = lid.y * 16u + lid.x;
+    // the extremes start from zero (no kernel gets its workgroup memory
+    // zeroed: context.rs); stale ones would only send more chains to fma_c
+    if GUARD {
+        if lane < 4u {
+            atomicStore(&wg_exponents[lane], 0u);
+        }
+        workgroupBarrier();
+    }
     keep_a(wg, lane, 256u);
     // this invocation's rows (y + 16 r) and first column (x) in the block
     let r0 = i0 + lid.y;

@@ -479,7 +479,7 @@ impl Context {
                 layout: Some(&layout),
                 module: &module,
                 entry_point: Some(k.entry),
-                compilation_options: wgpu::PipelineCompilationOptions::default(),
+                compilation_options: compilation_options(),
                 cache: self.disk_cache.as_ref().map(|c| c.for_new_pipeline()),
             });
         Ok(Pipeline { pipeline, layout: bgl })
@@ -495,7 +495,7 @@ impl Context {
             layout: Some(&layout),
             module: &module,
             entry_point: Some(k.entry),
-            compilation_options: wgpu::PipelineCompilationOptions::default(),
+            compilation_options: compilation_options(),
             cache: self.disk_cache.as_ref().map(|c| c.for_new_pipeline()),
         });
         Ok(Pipeline { pipeline, layout: bgl })
@@ -906,6 +906,17 @@ fn probe_arith(
         .map(|c| [c[3], c[4], c[5]])
         .collect();
     Ok(arith::findings(&fused, &sub, &results))
+}
+
+/// How wgpu compiles a kernel: workgroup memory is not zeroed first. Every
+/// kernel writes what it reads, and a zeroing prologue writes each element
+/// through its own store, which llvmpipe turns into thousands of blocks in
+/// a barrier kernel (and which a GPU would run at every workgroup's start).
+fn compilation_options() -> wgpu::PipelineCompilationOptions<'static> {
+    wgpu::PipelineCompilationOptions {
+        zero_initialize_workgroup_memory: false,
+        ..Default::default()
+    }
 }
 
 /// The start-up probe's kernel as WGSL the backend compiles.

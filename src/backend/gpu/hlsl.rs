@@ -95,7 +95,7 @@ fn write(l: &super::spirv::Lowered, entry: &str) -> Result<String> {
         binding_map,
         special_constants_binding: Some(hlsl::BindTarget { space: 0, register: cbvs, ..Default::default() }),
         fake_missing_bindings: false,
-        zero_initialize_workgroup_memory: true,
+        zero_initialize_workgroup_memory: false,
         restrict_indexing: true,
         force_loop_bounding: true,
         ..Default::default()

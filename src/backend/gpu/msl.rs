@@ -94,7 +94,7 @@ pub fn compile(src: &str, entry: &str, constants: &[(&str, f64)]) -> Result<Msl>
             image_load: naga::proc::BoundsCheckPolicy::Restrict,
             binding_array: naga::proc::BoundsCheckPolicy::Unchecked,
         },
-        zero_initialize_workgroup_memory: true,
+        zero_initialize_workgroup_memory: false,
         force_loop_bounding: true,
         ..Default::default()
     };
