@@ -91,8 +91,8 @@ fn sweep_family(device: Device, f: Family) {
 }
 
 /// The family's sweep with the hardware kernels forced. On a software
-/// adapter (lavapipe) the matmul's whole sweep (about 60 pipelines) would
-/// add a minute and a half to the suite, so there it runs only with
+/// adapter (lavapipe) the matmul's whole sweep (about 60 pipelines) takes
+/// well over a minute cold, so there it runs only with
 /// `TINYLLM_SWEEP_HARDWARE=1`, and by default three pipelines over the
 /// tile's edge cases ([`matmul_tiled_edges`]) and attention's not at all
 /// (its kernels have no hardware variant: `gpu` runs them); every other

@@ -420,7 +420,7 @@ mod tests {
     /// stores a null constant to each workgroup variable at the entry's
     /// start; llvmpipe lowers that to one store, and a few blocks, per
     /// element, and a barrier kernel's compile time grows far faster than
-    /// its blocks (20 s for the tiled matmul against 0.6 s without). Every
+    /// its blocks (docs/benchmarks-log.md, the twenty-ninth sitting). Every
     /// kernel writes the workgroup memory it reads instead.
     #[test]
     fn no_kernel_zeroes_its_workgroup_memory() {
